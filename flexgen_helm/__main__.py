@@ -1,0 +1,3 @@
+from flexgen_helm.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,25 @@
+"""Errors a user can act on. Each message names the problem and what to do."""
+
+
+class FlexGenError(Exception):
+    """Base class of every error the engine raises on bad input or bad state."""
+
+
+class PolicyError(FlexGenError, ValueError):
+    """An invalid placement or batching policy."""
+
+
+class ModelNotFoundError(FlexGenError, LookupError):
+    """An unknown model name or a missing model path."""
+
+
+class WeightStoreError(FlexGenError, IOError):
+    """A missing, truncated or corrupted weight file or tensor store."""
+
+
+class PromptTooLongError(FlexGenError, ValueError):
+    """A prompt (plus the tokens to generate) longer than the model's context."""
+
+
+class OffloadDirError(FlexGenError, IOError):
+    """The offload directory is unwritable or the disk is full."""

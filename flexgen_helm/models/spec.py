@@ -1,0 +1,60 @@
+"""The named weight tensors of a model, grouped into the layers the schedule walks."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One weight tensor of a layer.
+
+    `key` is the name the layer's math uses; `store_name` is the tensor's name in the
+    weight store (a tied weight has the store name of the tensor it shares).
+    """
+
+    key: str
+    store_name: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:])
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """A step of the schedule: the input embedding, one transformer block, or the head."""
+
+    name: str
+    kind: str  # "embed", "block" or "head"
+    index: int  # block index; -1 for embed and head
+    tensors: tuple[TensorSpec, ...]
+
+    def owned(self) -> tuple[TensorSpec, ...]:
+        """Tensors this layer holds itself (not tied to another layer's tensor)."""
+        return tuple(t for t in self.tensors if t.store_name == f"{self.name}.{t.key}")
+
+
+def tensor(layer: str, key: str, *shape: int, tied_to: str | None = None) -> TensorSpec:
+    return TensorSpec(key=key, store_name=tied_to or f"{layer}.{key}", shape=tuple(shape))
+
+
+def all_store_tensors(layers: list[LayerSpec]) -> list[TensorSpec]:
+    """Every tensor the store must hold, once each, in schedule order."""
+    seen, out = set(), []
+    for layer in layers:
+        for t in layer.tensors:
+            if t.store_name not in seen:
+                seen.add(t.store_name)
+                out.append(t)
+    return out

@@ -1,0 +1,3 @@
+from flexgen_helm.policy.policy import Compression, Policy, Split
+
+__all__ = ["Policy", "Split", "Compression"]

@@ -1,0 +1,131 @@
+"""The placement and batching policy: plain data, validated on construction."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from flexgen_helm.errors import PolicyError
+
+TIERS = ("gpu", "cpu", "disk")
+
+
+@dataclass(frozen=True)
+class Split:
+    """Fractions (0..1) of one kind of tensor on each tier; they sum to 1."""
+
+    gpu: float = 1.0
+    cpu: float = 0.0
+    disk: float = 0.0
+
+    @classmethod
+    def from_percent(cls, gpu: float, cpu: float) -> "Split":
+        return cls(gpu / 100.0, cpu / 100.0, max(0.0, (100.0 - gpu - cpu) / 100.0))
+
+    def as_tuple(self) -> tuple[float, float, float]:
+        return (self.gpu, self.cpu, self.disk)
+
+    def validate(self, what: str) -> None:
+        for tier, f in zip(TIERS, self.as_tuple()):
+            if not 0.0 <= f <= 1.0:
+                raise PolicyError(f"{what}: the {tier} fraction {f:g} is outside [0, 1] (percent: 0 to 100)")
+        total = sum(self.as_tuple())
+        if abs(total - 1.0) > 1e-6:
+            raise PolicyError(
+                f"{what}: fractions gpu={self.gpu:g} cpu={self.cpu:g} disk={self.disk:g} sum to {total:g}, not 1 (100%)"
+            )
+
+
+@dataclass(frozen=True)
+class Compression:
+    """Group-wise asymmetric min/max quantization (FlexGen Section 5)."""
+
+    bits: int = 4
+    group_size: int = 64
+    group_dim: int | None = None  # None: the paper's default for the tensor kind
+
+    def validate(self, what: str) -> None:
+        if not 2 <= self.bits <= 8:
+            raise PolicyError(f"{what}: {self.bits} bits is outside the supported 2..8")
+        if self.group_size < 1:
+            raise PolicyError(f"{what}: group size must be positive, got {self.group_size}")
+
+
+@dataclass(frozen=True)
+class Policy:
+    gpu_batch_size: int = 1
+    num_gpu_batches: int = 1
+    weights: Split = field(default_factory=Split)
+    cache: Split = field(default_factory=Split)
+    activations: Split = field(default_factory=Split)
+    overlap: bool = True
+    cpu_cache_compute: bool = False
+    pin_weight: bool = True
+    compress_weight: Compression | None = None
+    compress_cache: Compression | None = None
+    attn_sparsity: float = 1.0  # fraction of keys kept in decode attention; 1 = dense
+
+    def __post_init__(self):
+        self.validate()
+
+    @property
+    def block_size(self) -> int:
+        """Sequences in one block of the zig-zag schedule (the effective batch size)."""
+        return self.gpu_batch_size * self.num_gpu_batches
+
+    def validate(self) -> None:
+        for name in ("gpu_batch_size", "num_gpu_batches"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise PolicyError(f"{name} must be a positive integer, got {v!r}")
+        self.weights.validate("weights placement")
+        self.cache.validate("KV cache placement")
+        self.activations.validate("activations placement")
+        for name in ("compress_weight", "compress_cache"):
+            c = getattr(self, name)
+            if c is not None:
+                c.validate(name)
+        if not 0.0 < self.attn_sparsity <= 1.0:
+            raise PolicyError(f"attn_sparsity must be in (0, 1], got {self.attn_sparsity}")
+
+    @classmethod
+    def from_percent(cls, percent, **kwargs) -> "Policy":
+        """FlexGen's `--percent`: six numbers, weights gpu/cpu, cache gpu/cpu, activations gpu/cpu."""
+        if len(percent) != 6:
+            raise PolicyError(f"--percent takes six numbers (weights, cache, activations: gpu then cpu), got {len(percent)}")
+        for p in percent:
+            if not 0 <= p <= 100:
+                raise PolicyError(f"--percent values must be within 0..100, got {p}")
+        for i, what in zip((0, 2, 4), ("weights", "KV cache", "activations")):
+            if percent[i] + percent[i + 1] > 100:
+                raise PolicyError(f"--percent for {what}: gpu {percent[i]} + cpu {percent[i + 1]} exceeds 100")
+        w, c, a = (Split.from_percent(percent[i], percent[i + 1]) for i in (0, 2, 4))
+        return cls(weights=w, cache=c, activations=a, **kwargs)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Policy":
+        d = dict(d)
+        for k in ("weights", "cache", "activations"):
+            if isinstance(d.get(k), dict):
+                d[k] = Split(**d[k])
+        for k in ("compress_weight", "compress_cache"):
+            if isinstance(d.get(k), dict):
+                d[k] = Compression(**d[k])
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise PolicyError(f"unknown policy fields: {', '.join(sorted(unknown))}")
+        return cls(**d)
+
+    def describe(self) -> str:
+        pct = lambda s: "/".join(f"{100 * f:g}" for f in s.as_tuple())  # noqa: E731
+        return (
+            f"gbs={self.gpu_batch_size} x nb={self.num_gpu_batches}, weights {pct(self.weights)}, "
+            f"cache {pct(self.cache)}, act {pct(self.activations)} (gpu/cpu/disk %), "
+            f"overlap={'on' if self.overlap else 'off'}, cpu_cache_compute={'on' if self.cpu_cache_compute else 'off'}"
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())

@@ -1,0 +1,118 @@
+"""The engine's on-disk weight store: one raw file per tensor plus a manifest.
+
+The disk tier reads weights straight from these files, row ranges at a time, with the
+OS page cache bypassed (O_DIRECT where the file system allows, else posix_fadvise).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from flexgen_helm.errors import WeightStoreError
+from flexgen_helm.memory.direct_io import read_bytes
+
+FORMAT = "flexgen-helm-store/1"
+MANIFEST = "manifest.json"
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    name: str
+    file: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    sha256: str
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def row_bytes(self) -> int:
+        return self.nbytes // self.shape[0] if self.shape[0] else 0
+
+
+def tensor_file_name(name: str) -> str:
+    return name.replace("/", "_") + ".bin"
+
+
+def sha256_of(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class TensorStore:
+    """Read access to a complete store directory."""
+
+    def __init__(self, root: str | os.PathLike, verify: str = "size"):
+        self.root = Path(root)
+        manifest_path = self.root / MANIFEST
+        if not manifest_path.exists():
+            raise WeightStoreError(
+                f"{self.root}: no {MANIFEST}; this is not a flexgen-helm weight store, or its conversion did not "
+                f"finish (run `flexgen-helm convert` again)"
+            )
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except json.JSONDecodeError as e:
+            raise WeightStoreError(f"{manifest_path}: corrupt manifest ({e}); delete the store and convert again") from e
+        if manifest.get("format") != FORMAT or not manifest.get("complete"):
+            raise WeightStoreError(f"{self.root}: incomplete or foreign store (format {manifest.get('format')!r}); convert again")
+        self.manifest = manifest
+        self.config = manifest["config"]
+        self.tensors = {
+            name: StoredTensor(name=name, file=t["file"], shape=tuple(t["shape"]), dtype=t["dtype"],
+                               nbytes=t["nbytes"], sha256=t["sha256"])
+            for name, t in manifest["tensors"].items()
+        }
+        if verify in ("size", "full"):
+            self.check_sizes()
+        if verify == "full":
+            for name in self.tensors:
+                self.read(name, verify=True)
+
+    def path(self, name: str) -> Path:
+        return self.root / self.tensors[name].file
+
+    def info(self, name: str) -> StoredTensor:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise WeightStoreError(f"{self.root}: tensor {name!r} is missing from the store") from None
+
+    def check_sizes(self) -> None:
+        for t in self.tensors.values():
+            p = self.root / t.file
+            if not p.exists():
+                raise WeightStoreError(f"{p}: weight file missing (tensor {t.name}); convert the model again")
+            size = p.stat().st_size
+            if size != t.nbytes:
+                raise WeightStoreError(
+                    f"{p}: weight file is {size} bytes, expected {t.nbytes} for tensor {t.name} "
+                    f"{list(t.shape)} {t.dtype}: truncated or corrupt; convert the model again"
+                )
+
+    def read(self, name: str, rows: tuple[int, int] | None = None, verify: bool = False,
+             bypass_page_cache: bool = True) -> torch.Tensor:
+        """Rows [start, end) of a tensor (all of it by default), as a CPU tensor."""
+        t = self.info(name)
+        start, end = rows if rows is not None else (0, t.shape[0])
+        data = read_bytes(self.root / t.file, start * t.row_bytes, (end - start) * t.row_bytes, bypass_page_cache)
+        if verify and (start, end) == (0, t.shape[0]) and sha256_of(data) != t.sha256:
+            raise WeightStoreError(
+                f"{self.root / t.file}: checksum mismatch for tensor {t.name}: the file is corrupt; convert the model again"
+            )
+        out = torch.frombuffer(data, dtype=t.torch_dtype) if len(data) else torch.empty(0, dtype=t.torch_dtype)
+        return out.view(end - start, *t.shape[1:])
+
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
