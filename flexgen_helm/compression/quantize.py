@@ -1,0 +1,252 @@
+"""Group-wise asymmetric min/max quantization (FlexGen, Section 5).
+
+A tensor is cut into groups of `group_size` consecutive elements along `group_dim`; each
+group keeps its min and a scale = (max - min) / (2^bits - 1), and each element becomes the
+integer code round((x - min) / scale) in [0, 2^bits - 1]. Dequantization is min + code * scale.
+
+Storage layout of a `QuantizedTensor` for an input of shape S with n = S[group_dim]:
+
+- ng = ceil(n / group_size) groups along group_dim; the last one is padded (by repeating
+  the last real element, so padding never widens a group's range) and the padding is
+  dropped again by `dequantize`.
+- `scale` and `min`: shape S with S[group_dim] replaced by ng, in the *input's* dtype
+  (fp16 -> fp16, bf16 -> bf16, fp32 -> fp32). Why the input dtype rather than always fp16:
+  a group's min is one of its own elements, so it is stored exactly; and fp16 cannot hold
+  the scales of fp32/bf16 tensors with large or tiny ranges. The scale is rounded *up* to
+  the storage dtype so that [min, min + (2^bits-1) * scale] still covers the whole group
+  and the error bound |x - x_hat| <= scale / 2 holds for every element.
+- `data` (uint8): shape S with S[group_dim] replaced by ng, plus a trailing dimension of
+  bytes_per_group = ceil(group_size * bits / 8). Each group's codes are one little-endian
+  bitstream: code j occupies bits [j*bits, (j+1)*bits) counted from bit 0 of byte 0. For
+  bits in {1, 2, 4, 8} that is plain dense packing (8 / bits codes per byte, code 0 in the
+  low bits); for 3, 5, 6, 7 codes straddle byte boundaries. No width is stored wider than
+  `bits`; the only waste is the < 8 bits rounding a group up to whole bytes (none when
+  group_size is a multiple of 8, e.g. the paper's 64).
+
+Keeping the groups as a real tensor dimension in place of group_dim means that slicing any
+other dimension (rows of a weight, tokens of the KV cache) is plain tensor slicing; see
+`QuantizedTensor.narrow`.
+
+Conventions for which dimension forms the groups (FlexGen's reference code):
+- Weights: torch Linear weights are (out, in); groups run along dim 0, i.e. `group_size`
+  consecutive output channels of one input column share a min/scale.
+- KV cache, our layout (max_len, batch * kv_heads, head_dim): groups run along head_dim
+  (dim 2). Every token's row is quantized on its own, so the cache can be appended to one
+  token at a time without touching earlier groups.
+- Only tensors with >= 2 dimensions are compressed; biases and norm weights stay as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from flexgen_helm.policy.policy import Compression
+
+WEIGHT_GROUP_DIM = 0  # torch Linear (out, in): consecutive output channels
+CACHE_GROUP_DIM = 2  # KV cache (max_len, batch * kv_heads, head_dim): the head dim
+
+_INT_VIEW = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # float itemsize -> same-size int
+
+
+def should_compress(shape) -> bool:
+    """FlexGen compresses only weights with >= 2 dimensions (not biases, not norms)."""
+    return len(tuple(shape)) >= 2
+
+
+def default_weight_group_dim(shape) -> int:
+    """Group dimension of a weight: dim 0 (output channels of a Linear (out, in) weight)."""
+    if not should_compress(shape):
+        raise ValueError(f"a weight of shape {tuple(shape)} is not compressed (only >= 2-D weights are)")
+    return WEIGHT_GROUP_DIM
+
+
+def default_cache_group_dim() -> int:
+    """Group dimension of the KV cache (max_len, units, head_dim): head_dim, dim 2."""
+    return CACHE_GROUP_DIM
+
+
+def weight_group_dim(cfg: Compression, shape) -> int:
+    """The policy's group_dim if it names one, else the paper's default for weights."""
+    return default_weight_group_dim(shape) if cfg.group_dim is None else cfg.group_dim
+
+
+def cache_group_dim(cfg: Compression) -> int:
+    """The policy's group_dim if it names one, else the paper's default for the KV cache."""
+    return default_cache_group_dim() if cfg.group_dim is None else cfg.group_dim
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: comparing tensors elementwise makes no sense here
+class QuantizedTensor:
+    """A compressed tensor: packed codes plus per-group scale and min (layout: module doc)."""
+
+    data: torch.Tensor  # uint8, group-dim size ng, trailing bytes_per_group
+    scale: torch.Tensor  # `dtype`, shape[group_dim] = ng
+    min: torch.Tensor  # `dtype`, same shape as scale
+    shape: tuple  # original shape
+    dtype: torch.dtype  # original dtype (also that of scale and min)
+    bits: int
+    group_size: int
+    group_dim: int  # non-negative
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def num_groups(self) -> int:
+        return self.scale.shape[self.group_dim]
+
+    @property
+    def nbytes(self) -> int:
+        """All bytes it stores: packed codes, scales and mins."""
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.min))
+
+    def to(self, device, non_blocking: bool = False) -> "QuantizedTensor":
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "QuantizedTensor":
+        return self._map(lambda t: t.pin_memory())
+
+    def _map(self, fn) -> "QuantizedTensor":
+        return dataclasses.replace(self, data=fn(self.data), scale=fn(self.scale), min=fn(self.min))
+
+    def narrow(self, dim: int, start: int, length: int) -> "QuantizedTensor":
+        """The compressed form of `dequantize(self).narrow(dim, start, length)`, without
+        dequantizing: views into the same storage. Along group_dim the slice must fall
+        on group boundaries (start a multiple of group_size; end too, or the tensor's end)."""
+        dim = dim % len(self.shape)
+        n = self.shape[dim]
+        if not (0 <= start and length >= 0 and start + length <= n):
+            raise IndexError(f"narrow({dim}, {start}, {length}) is out of range for size {n}")
+        new_shape = list(self.shape)
+        new_shape[dim] = length
+        if dim != self.group_dim:
+            g0, gl = start, length
+        else:
+            g = self.group_size
+            if start % g or (length % g and start + length != n):
+                raise ValueError(f"narrow along the group dim must align to groups of {g}: got start {start}, length {length}")
+            g0, gl = start // g, -(-length // g)
+        return dataclasses.replace(
+            self,
+            data=self.data.narrow(dim, g0, gl),
+            scale=self.scale.narrow(dim, g0, gl),
+            min=self.min.narrow(dim, g0, gl),
+            shape=tuple(new_shape),
+        )
+
+
+def _bytes_per_group(group_size: int, bits: int) -> int:
+    return -(-group_size * bits // 8)
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack uint8 codes (< 2^bits) along the last dim into a little-endian bitstream:
+    (..., G) -> (..., ceil(G * bits / 8)) uint8."""
+    G = codes.shape[-1]
+    nbytes = _bytes_per_group(G, bits)
+    codes = codes.to(torch.uint8)
+    if 8 % bits == 0:  # fast path: whole codes per byte; same bytes as the bitstream below
+        k = 8 // bits
+        codes = torch.nn.functional.pad(codes, (0, nbytes * k - G))
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+        return (codes.unflatten(-1, (nbytes, k)) << shifts).sum(-1, dtype=torch.uint8)
+    bit_idx = torch.arange(bits, dtype=torch.uint8, device=codes.device)
+    stream = ((codes.unsqueeze(-1) >> bit_idx) & 1).flatten(-2)  # (..., G * bits) of 0/1
+    stream = torch.nn.functional.pad(stream, (0, nbytes * 8 - G * bits))
+    byte_bits = torch.arange(8, dtype=torch.uint8, device=codes.device)
+    return (stream.unflatten(-1, (nbytes, 8)) << byte_bits).sum(-1, dtype=torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """Inverse of `pack`: (..., nbytes) uint8 -> (..., group_size) uint8 codes."""
+    mask = (1 << bits) - 1
+    if 8 % bits == 0:
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+        codes = ((packed.unsqueeze(-1) >> shifts) & mask).flatten(-2)
+        return codes[..., :group_size]
+    byte_bits = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    stream = ((packed.unsqueeze(-1) >> byte_bits) & 1).flatten(-2)[..., : group_size * bits]
+    bit_idx = torch.arange(bits, dtype=torch.uint8, device=packed.device)
+    return (stream.unflatten(-1, (group_size, bits)) << bit_idx).sum(-1, dtype=torch.uint8)
+
+
+def _round_up_to(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cast non-negative s to dtype, rounding up (never down) so the scale covers the range."""
+    out = s.to(dtype)
+    if out.dtype == s.dtype:
+        return out
+    ints = _INT_VIEW[out.element_size()]
+    # For non-negative finite floats the next representable value up is the bit pattern + 1.
+    bumped = (out.view(ints) + 1).view(dtype)
+    return torch.where(out.to(s.dtype) < s, bumped, out)
+
+
+def quantize(x: torch.Tensor, cfg: Compression, group_dim: int) -> QuantizedTensor:
+    """Quantize a floating-point tensor group-wise along `group_dim` (layout: module doc)."""
+    cfg.validate("compression")
+    if not x.is_floating_point():
+        raise TypeError(f"quantize takes a floating-point tensor, got {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError("quantize takes a tensor with at least one dimension")
+    bits, G = cfg.bits, cfg.group_size
+    gd = group_dim % x.dim()
+    n = x.shape[gd]
+    if n == 0:
+        raise ValueError(f"cannot quantize an empty group dimension (shape {tuple(x.shape)})")
+    ng = -(-n // G)
+    levels = (1 << bits) - 1
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+
+    xm = x.movedim(gd, -1)
+    if ng * G != n:  # pad by repeating the last element: it cannot change any group's min/max
+        xm = torch.cat([xm, xm[..., -1:].expand(*xm.shape[:-1], ng * G - n)], dim=-1)
+    xg = xm.unflatten(-1, (ng, G)).to(work)  # (..., ng, G)
+
+    mn = xg.amin(-1)  # exactly representable in x.dtype: it is one of x's elements
+    scale = _round_up_to((xg.amax(-1) - mn) / levels, x.dtype)
+    s = scale.to(work)
+    # Codes from the *stored* scale and min, so dequantize reproduces them exactly; a zero
+    # range (constant group) gets code 0 and scale 0, hence dequantizes to min exactly.
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    codes = torch.round((xg - mn.unsqueeze(-1)) / safe.unsqueeze(-1)).clamp_(0, levels).to(torch.uint8)
+
+    data = pack(codes, bits).movedim(-2, gd).contiguous()
+    return QuantizedTensor(
+        data=data,
+        scale=scale.movedim(-1, gd).contiguous(),
+        min=mn.to(x.dtype).movedim(-1, gd).contiguous(),
+        shape=tuple(x.shape),
+        dtype=x.dtype,
+        bits=bits,
+        group_size=G,
+        group_dim=gd,
+    )
+
+
+def codes_of(q: QuantizedTensor) -> torch.Tensor:
+    """The integer codes, unpacked, in the original shape (padding dropped); uint8."""
+    gd = q.group_dim
+    codes = unpack(q.data.movedim(gd, -2), q.bits, q.group_size)  # (..., ng, G)
+    return codes.flatten(-2)[..., : q.shape[gd]].movedim(-1, gd)
+
+
+def dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """min + code * scale, in the original shape; computed in float32 (float64 for float64
+    tensors), then cast to `dtype` (default: the original dtype)."""
+    gd = q.group_dim
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    codes = unpack(q.data.movedim(gd, -2), q.bits, q.group_size).to(work)  # (..., ng, G)
+    scale = q.scale.movedim(gd, -1).to(work).unsqueeze(-1)
+    mn = q.min.movedim(gd, -1).to(work).unsqueeze(-1)
+    x = mn + codes * scale  # plain, unfused: the same expression a reference computes
+    x = x.flatten(-2)[..., : q.shape[gd]].movedim(-1, gd)
+    return x.to(dtype or q.dtype).contiguous()
+
+
+def fake_quantize(x: torch.Tensor, cfg: Compression, group_dim: int) -> torch.Tensor:
+    """Simulated quantization: what the engine computes with, in x's shape and dtype."""
+    return dequantize(quantize(x, cfg, group_dim))
