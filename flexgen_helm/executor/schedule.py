@@ -1,0 +1,191 @@
+"""The zig-zag block schedule (FlexGen Section 4.1, Algorithm 1).
+
+A block is `num_gpu_batches` GPU batches. Each token step walks the layers; within a
+layer it walks the GPU batches, so a layer's weights are loaded once per step and
+reused by the whole block. While batch k computes layer j, the copy engine loads layer
+j+1's weights, batch k+1's cache and activations, and stores batch k's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from flexgen_helm.executor.activations import ActivationHome
+from flexgen_helm.executor.attention import attend, from_units, to_units
+from flexgen_helm.executor.kv_cache import KVCacheSlot
+from flexgen_helm.memory.copy_engine import CopyEngine, consume
+from flexgen_helm.memory.placement import cumulative_split_count
+from flexgen_helm.policy.policy import TIERS, Policy
+
+
+@dataclass
+class GpuBatch:
+    """Left-padded prompts of one GPU batch (CPU tensors)."""
+
+    ids: torch.Tensor  # (b, s) int64
+    valid: torch.Tensor  # (b, s) bool, False on left padding
+
+    @property
+    def size(self) -> int:
+        return self.ids.shape[0]
+
+
+# head(k, weights, hidden) -> whatever the caller wants from the batch's last layer
+HeadFn = Callable[[int, dict, torch.Tensor], object]
+
+
+class BlockSchedule:
+    def __init__(self, runtime, policy: Policy, batches: list[GpuBatch], max_len: int, workdir: Path):
+        self.rt = runtime
+        self.cfg = runtime.config
+        self.family = runtime.family
+        self.policy = policy
+        self.batches = batches
+        self.devices = runtime.devices
+        self.io = CopyEngine(policy.overlap, self.devices.compute)
+        self.timers = defaultdict(float)
+        self.length = 0  # positions in the cache so far
+        nb = len(batches)
+        blocks = [layer for layer in runtime.layers if layer.kind == "block"]
+        self.slots: dict[tuple[int, int], KVCacheSlot] = {}
+        for layer in blocks:
+            for k, batch in enumerate(batches):
+                units = cumulative_split_count(batch.size * self.cfg.num_kv_heads, policy.cache, layer.index * nb + k)
+                self.slots[layer.index, k] = KVCacheSlot(
+                    units, max_len, self.cfg.head_dim, self.devices, runtime.usage,
+                    workdir / f"kv-{layer.index}-{k}.bin", pin=True)
+        self.acts = [
+            ActivationHome(cumulative_split_count(batch.size, policy.activations, k), max_len,
+                           self.cfg.hidden_size, self.devices, runtime.usage, workdir / f"act-{k}.bin")
+            for k, batch in enumerate(batches)
+        ]
+        self.key_valid = [b.valid.clone() for b in batches]
+        self.real_len = [b.valid.sum(1) for b in batches]
+        self._weights_ahead = None
+
+    # ---- one token step over the whole block -------------------------------------------
+
+    def prefill(self, head: HeadFn) -> list:
+        inputs = []
+        for b in self.batches:
+            positions = (b.valid.long().cumsum(1) - 1).clamp(min=0)
+            inputs.append((b.ids, positions))
+        out = self._step(inputs, head, prefill=True)
+        self.length = self.batches[0].ids.shape[1]
+        return out
+
+    def decode(self, tokens: list[torch.Tensor], head: HeadFn) -> list:
+        """Feed one new token per sequence (tokens[k]: (b,) int64) and run the block."""
+        step = self.length - self.batches[0].ids.shape[1]
+        inputs = []
+        for k, t in enumerate(tokens):
+            positions = (self.real_len[k] + step)[:, None]
+            self.key_valid[k] = torch.cat([self.key_valid[k], torch.ones(len(t), 1, dtype=torch.bool)], 1)
+            inputs.append((t[:, None], positions))
+        out = self._step(inputs, head, prefill=False)
+        self.length += 1
+        return out
+
+    def _step(self, inputs, head: HeadFn, prefill: bool) -> list:
+        layers, nb, io = self.rt.layers, len(self.batches), self.io
+        results = [None] * nb
+        weights = self._weights_ahead or io.submit(self.rt.load_layer, layers[0])
+        for j, layer in enumerate(layers):
+            w = self._wait(weights, "load_weight")
+            # prefetch the next layer (after the last, the first layer of the next step)
+            weights = io.submit(self.rt.load_layer, layers[(j + 1) % len(layers)])
+            cache = io.submit(self._load_cache, layer, 0, prefill) if layer.kind == "block" else None
+            hidden = io.submit(self.acts[0].load) if layer.kind != "embed" else None
+            for k in range(nb):
+                h = self._wait(hidden, "load_hidden") if hidden is not None else None
+                kv = self._wait(cache, "load_cache") if cache is not None else None
+                if k + 1 < nb:  # batch k+1's inputs travel while batch k computes
+                    cache = io.submit(self._load_cache, layer, k + 1, prefill) if layer.kind == "block" else None
+                    hidden = io.submit(self.acts[k + 1].load) if layer.kind != "embed" else None
+                ids, positions = inputs[k]
+                t0 = time.perf_counter()
+                if layer.kind == "embed":
+                    h = self.family.embed(self.cfg, w, ids.to(self.devices.compute), positions.to(self.devices.compute))
+                elif layer.kind == "block":
+                    h, new_kv = self._block(layer.index, k, w, h, kv, positions, prefill)
+                else:
+                    results[k] = head(k, w, h)
+                if self.devices.is_cuda:
+                    torch.cuda.current_stream().synchronize()
+                self.timers["compute"] += time.perf_counter() - t0
+                if layer.kind == "block":
+                    io.submit(self.slots[layer.index, k].write, *new_kv)
+                if layer.kind != "head":
+                    io.submit(self.acts[k].store, h)
+            del w
+        self._weights_ahead = weights
+        return results
+
+    def _wait(self, future, what: str):
+        t0 = time.perf_counter()
+        value = consume(future.result(), self.devices.compute)
+        self.timers[f"wait_{what}"] += time.perf_counter() - t0
+        return value
+
+    # ---- a transformer block for one GPU batch -------------------------------------------
+
+    def _load_cache(self, layer, k: int, prefill: bool):
+        """Batch k's cache of this layer, each tier's part where its attention will run."""
+        if prefill:
+            return None
+        slot = self.slots[layer.index, k]
+        parts = {}
+        for tier in TIERS:
+            if slot.units[tier]:
+                kc, vc = slot.read(tier, self.length)
+                where = self._attention_device(tier)
+                parts[tier] = (kc.to(where, non_blocking=True), vc.to(where, non_blocking=True))
+        return parts
+
+    def _attention_device(self, tier: str) -> torch.device:
+        delegate = self.policy.cpu_cache_compute and tier != "gpu"
+        return self.devices.cpu if delegate else self.devices.compute
+
+    def _block(self, index: int, k: int, w: dict, h, cache, positions, prefill: bool):
+        cfg = self.cfg
+        compute = self.devices.compute
+        positions = positions.to(compute)
+        q, key, value = self.family.qkv(cfg, w, h, positions)
+        b, kvh, s, d = key.shape
+        qu = to_units(q, kvh)
+        ku, vu = key.reshape(b * kvh, s, d), value.reshape(b * kvh, s, d)
+        valid = self.key_valid[k].repeat_interleave(kvh, dim=0)  # (units, t)
+        if prefill:
+            out = attend(qu, ku, vu, valid.to(compute), causal=True)
+        else:
+            out = self._decode_attention(self.slots[index, k], cache, qu, ku, vu, valid)
+        h = self.family.finish_block(cfg, w, h, from_units(out, b))
+        return h, (ku.transpose(0, 1), vu.transpose(0, 1), self.length)
+
+    def _decode_attention(self, slot: KVCacheSlot, cache: dict, qu, ku, vu, valid):
+        outs = []
+        for tier in TIERS:
+            a, b = slot.ranges[tier]
+            if a == b:
+                continue
+            kc, vc = cache[tier]
+            where = self._attention_device(tier)
+            keys = torch.cat([kc.transpose(0, 1), ku[a:b].to(where)], dim=1)
+            values = torch.cat([vc.transpose(0, 1), vu[a:b].to(where)], dim=1)
+            out = attend(qu[a:b].to(where), keys, values, valid[a:b].to(where), causal=False,
+                         keep_fraction=self.policy.attn_sparsity)
+            outs.append(out.to(self.devices.compute, non_blocking=True))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def close(self) -> None:
+        self.io.close()
+        for slot in self.slots.values():
+            slot.close()
+        for a in self.acts:
+            a.close()

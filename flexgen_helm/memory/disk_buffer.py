@@ -1,0 +1,59 @@
+"""A preallocated file in the offload directory that holds runtime tensors (KV cache,
+activations) on the disk tier."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from flexgen_helm.errors import OffloadDirError
+from flexgen_helm.memory.direct_io import read_bytes, write_bytes
+
+
+class DiskBuffer:
+    def __init__(self, path: Path, nbytes: int):
+        self.path = Path(path)
+        self.nbytes = nbytes
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        except OSError as e:
+            raise OffloadDirError(f"offload directory {self.path.parent} is not writable: {e.strerror}") from e
+        try:
+            if nbytes:
+                os.posix_fallocate(self.fd, 0, nbytes)  # fail now, not mid-run, when the disk is full
+        except OSError as e:
+            os.close(self.fd)
+            self.path.unlink(missing_ok=True)
+            if e.errno == errno.ENOSPC:
+                free = shutil.disk_usage(self.path.parent).free
+                raise OffloadDirError(
+                    f"offload directory {self.path.parent}: disk full: needed {nbytes / 2**20:.1f} MiB for "
+                    f"{self.path.name}, {free / 2**20:.1f} MiB free; free space, choose another --offload-dir, "
+                    f"or keep less on disk"
+                ) from e
+            raise OffloadDirError(f"offload directory {self.path.parent}: cannot allocate {self.path.name}: {e}") from e
+
+    def write(self, offset: int, t: torch.Tensor) -> None:
+        data = t.detach().to("cpu").contiguous()
+        write_bytes(self.fd, offset, data.view(torch.uint8).numpy(), evict=False)
+
+    def read(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = 1
+        for s in shape:
+            n *= s
+        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        data = read_bytes(self.path, offset, nbytes, bypass_page_cache=True)
+        return torch.frombuffer(data, dtype=dtype).view(shape)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+            self.path.unlink(missing_ok=True)

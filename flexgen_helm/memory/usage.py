@@ -1,0 +1,54 @@
+"""Bytes held on each tier, now and at peak, as the engine allocates them."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+import torch
+
+from flexgen_helm.policy.policy import TIERS
+
+
+class TierUsage:
+    """Bookkeeping of the tensors the engine places (weights, KV cache, activations and
+    transient buffers). On CUDA the GPU peak is also read from torch's allocator."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.current = defaultdict(int)
+        self.peak = defaultdict(int)
+
+    def add(self, tier: str, nbytes: int) -> None:
+        with self._lock:
+            self.current[tier] += nbytes
+            self.peak[tier] = max(self.peak[tier], self.current[tier])
+
+    def remove(self, tier: str, nbytes: int) -> None:
+        with self._lock:
+            self.current[tier] -= nbytes
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak = defaultdict(int, self.current)
+
+    def snapshot(self) -> dict:
+        return {t: {"current_bytes": self.current[t], "peak_bytes": self.peak[t]} for t in TIERS}
+
+
+def tensor_bytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def process_peak_rss_bytes() -> int:
+    """Peak resident set size of this process (VmHWM), pinned memory included."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
