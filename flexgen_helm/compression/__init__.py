@@ -1,6 +1,7 @@
 """Group-wise asymmetric min/max quantization (FlexGen Section 5): pack, unpack, and
 compressed tensors that can live on any tier."""
 
+from flexgen_helm.compression.matmul import dequantize_linear
 from flexgen_helm.compression.quantize import (
     CACHE_GROUP_DIM,
     WEIGHT_GROUP_DIM,
@@ -27,6 +28,7 @@ __all__ = [
     "default_cache_group_dim",
     "default_weight_group_dim",
     "dequantize",
+    "dequantize_linear",
     "fake_quantize",
     "pack",
     "quantize",
