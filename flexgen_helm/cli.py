@@ -1,0 +1,149 @@
+"""`flexgen-helm <command>`: generate, bench, convert (and the commands later issues add)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from flexgen_helm.errors import FlexGenError
+from flexgen_helm.policy.policy import Compression, Policy
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="model name (smollm2-135m, facebook/opt-1.3b, ...) or local path")
+    p.add_argument("--path", help="local checkpoint directory or GGUF file for the model")
+    p.add_argument("--dummy", action="store_true", help="random weights of the right shapes (benchmarks)")
+    p.add_argument("--offload-dir", help="directory for disk-tier tensors (default: $FLEXGEN_HELM_OFFLOAD or /tmp)")
+    p.add_argument("--device", help="compute device (default: cuda if present, else cpu)")
+    p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"],
+                   help="weights and compute (default: float16 on GPU, bfloat16 on CPU)")
+
+
+def add_policy_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("policy")
+    g.add_argument("--policy", help="a policy JSON file (see Policy.to_json)")
+    g.add_argument("--gpu-batch-size", type=int, default=None)
+    g.add_argument("--num-gpu-batches", type=int, default=None)
+    g.add_argument("--percent", nargs=6, type=float, default=None, metavar="P",
+                   help="weights gpu cpu, cache gpu cpu, activations gpu cpu (percent; disk gets the rest)")
+    g.add_argument("--cpu-cache-compute", action="store_true", help="decode attention on the CPU for CPU/disk cache")
+    g.add_argument("--no-overlap", action="store_true", help="run I/O and compute one after the other")
+    g.add_argument("--pin-weight", dest="pin_weight", action="store_true", default=True)
+    g.add_argument("--no-pin-weight", dest="pin_weight", action="store_false")
+    g.add_argument("--compress-weight", action="store_true", help="group-wise quantized weights")
+    g.add_argument("--compress-cache", action="store_true", help="group-wise quantized KV cache")
+    g.add_argument("--compress-bits", type=int, default=4)
+    g.add_argument("--compress-group-size", type=int, default=64)
+    g.add_argument("--compress-group-dim", type=int, default=None,
+                   help="dimension along which groups run (default: weights 0, cache the head dim)")
+    g.add_argument("--attn-sparsity", type=float, default=1.0, help="fraction of keys kept in decode attention")
+
+
+def policy_from_args(args) -> Policy:
+    base = Policy.from_dict(json.loads(Path(args.policy).read_text())) if args.policy else Policy()
+    changes = base.to_dict()
+    if args.percent is not None:
+        changes.update(Policy.from_percent(args.percent).to_dict())
+    for name in ("gpu_batch_size", "num_gpu_batches"):
+        if getattr(args, name) is not None:
+            changes[name] = getattr(args, name)
+    changes["overlap"] = base.overlap and not args.no_overlap
+    changes["cpu_cache_compute"] = base.cpu_cache_compute or args.cpu_cache_compute
+    changes["pin_weight"] = args.pin_weight
+    comp = Compression(args.compress_bits, args.compress_group_size, args.compress_group_dim)
+    if args.compress_weight:
+        changes["compress_weight"] = comp.__dict__
+    if args.compress_cache:
+        changes["compress_cache"] = comp.__dict__
+    if args.attn_sparsity != 1.0:
+        changes["attn_sparsity"] = args.attn_sparsity
+    return Policy.from_dict(changes)
+
+
+def cmd_generate(args) -> int:
+    from flexgen_helm.engine import Engine
+    from flexgen_helm.executor.sampling import SamplingParams
+
+    engine = Engine.load(args.model, policy_from_args(args), path=args.path, dummy=args.dummy,
+                         offload_dir=args.offload_dir, device=args.device, dtype=args.dtype)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, num_completions=args.num_completions,
+                            stop_strings=tuple(args.stop or ()))
+    results = engine.generate(args.prompt, params)
+    out = []
+    for prompt, r in zip(args.prompt, results):
+        for c in r.completions:
+            print(f"{prompt}\033[1m{c.text}\033[0m" if sys.stdout.isatty() else f"{prompt}{c.text}")
+            print("-" * 40)
+        out.append({"prompt": prompt, "prompt_token_ids": r.prompt_token_ids,
+                    "completions": [c.__dict__ for c in r.completions]})
+    stats = engine.last_stats
+    print(f"{stats['generated_tokens']} tokens in {stats['total_s']:.2f} s "
+          f"({stats['generated_tokens'] / max(stats['total_s'], 1e-9):.1f} token/s); policy: {engine.policy.describe()}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": out, "stats": stats, "policy": engine.policy.to_dict()}, indent=1))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from flexgen_helm.bench import run_bench
+
+    run_bench(args, policy_from_args(args))
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from flexgen_helm.weights.loading import convert_named
+
+    out = convert_named(args.model, path=args.path, dummy=args.dummy, dtype=args.dtype or "float16", out_dir=args.out,
+                        verify=args.verify)
+    print(f"store ready: {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flexgen-helm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for prompts")
+    add_model_args(g)
+    add_policy_args(g)
+    g.add_argument("--prompt", nargs="+", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--num-completions", type=int, default=1)
+    g.add_argument("--stop", nargs="*", help="stop strings")
+    g.add_argument("--json", help="write prompts, completions, token ids and logprobs here")
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="measure generation throughput (FlexGen's flags)")
+    add_model_args(b)
+    add_policy_args(b)
+    b.add_argument("--prompt-len", type=int, default=512)
+    b.add_argument("--gen-len", type=int, default=32)
+    b.add_argument("--gpu-mem", help="GPU budget, e.g. 16GiB")
+    b.add_argument("--cpu-mem", help="CPU RAM budget, e.g. 4GiB")
+    b.add_argument("--warmup", type=int, default=1, help="untimed runs before the timed one")
+    b.add_argument("--json", help="write the measurements here")
+    b.set_defaults(func=cmd_bench)
+
+    c = sub.add_parser("convert", help="convert a model into the engine's per-tensor store")
+    add_model_args(c)
+    c.add_argument("--out", help="store directory (default: the cache)")
+    c.add_argument("--verify", action="store_true", help="re-read every tensor and check its checksum")
+    c.set_defaults(func=cmd_convert)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except FlexGenError as e:
+        print(f"flexgen-helm: error: {e}", file=sys.stderr)
+        return 2

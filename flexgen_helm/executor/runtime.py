@@ -1,0 +1,38 @@
+"""A model made ready to run under a policy: its math, its placed weights, its devices."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from flexgen_helm.memory.devices import Devices
+from flexgen_helm.memory.placement import Segment, achieved_fractions
+from flexgen_helm.memory.usage import TierUsage
+from flexgen_helm.memory.weight_homes import WeightHome, home_bytes, load_layer
+from flexgen_helm.models.config import ModelConfig
+from flexgen_helm.models.spec import LayerSpec
+from flexgen_helm.weights.store import TensorStore
+
+
+@dataclass
+class ModelRuntime:
+    config: ModelConfig
+    family: ModuleType
+    layers: list[LayerSpec]
+    placement: dict[str, list[Segment]]
+    homes: dict[str, WeightHome]
+    store: TensorStore | None
+    devices: Devices
+    usage: TierUsage
+
+    def load_layer(self, layer: LayerSpec) -> dict[str, torch.Tensor]:
+        return load_layer(layer, self.homes, self.devices, self.store)
+
+    def placement_report(self) -> dict:
+        elt = torch.empty((), dtype=self.devices.dtype).element_size()
+        return {
+            "weight_fractions": achieved_fractions(self.layers, self.placement),
+            "weight_bytes": home_bytes(self.homes, elt),
+        }
