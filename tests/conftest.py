@@ -1,0 +1,66 @@
+"""Shared fixtures: tiny random checkpoints written with transformers, the real SmolLM2."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _transformers():
+    from flexgen_helm.models.tokenizer import import_transformers
+
+    return import_transformers()
+
+
+def save_tiny(kind: str, path: Path, **overrides) -> Path:
+    """A small random checkpoint of an architecture, saved as safetensors."""
+    tf = _transformers()
+    torch.manual_seed(0)
+    if kind == "opt":
+        cfg = tf.OPTConfig(vocab_size=97, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, ffn_dim=64,
+                           max_position_embeddings=64, word_embed_proj_dim=32, **overrides)
+        model = tf.OPTForCausalLM(cfg)
+    elif kind == "llama":
+        cfg = tf.LlamaConfig(vocab_size=101, hidden_size=48, num_hidden_layers=3, num_attention_heads=6,
+                             num_key_value_heads=2, intermediate_size=96, max_position_embeddings=64,
+                             rope_theta=50000.0, **overrides)
+        model = tf.LlamaForCausalLM(cfg)
+    elif kind == "qwen2":
+        cfg = tf.Qwen2Config(vocab_size=101, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
+                             num_key_value_heads=2, intermediate_size=96, max_position_embeddings=64, **overrides)
+        model = tf.Qwen2ForCausalLM(cfg)
+    else:
+        raise ValueError(kind)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def hf_model(path: Path):
+    return _transformers().AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_opt(tmp_path_factory) -> Path:
+    return save_tiny("opt", tmp_path_factory.mktemp("tiny-opt"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return save_tiny("llama", tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    """Stores converted by tests live in a per-session cache, not the user's."""
+    cache = tmp_path_factory.getbasetemp() / "flexgen-cache"
+    monkeypatch.setenv("FLEXGEN_HELM_CACHE", str(cache))
+    monkeypatch.setenv("FLEXGEN_HELM_OFFLOAD", str(tmp_path_factory.getbasetemp() / "offload"))
