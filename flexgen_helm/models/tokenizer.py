@@ -1,0 +1,95 @@
+"""Tokenizers for the models we resolve: from a Hugging Face directory, from a GGUF file
+(cached, since parsing its vocabulary takes seconds), or a byte-level stand-in for dummy
+weights that ship no tokenizer files."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from flexgen_helm.errors import ModelNotFoundError
+from flexgen_helm.models.config import ModelConfig
+
+
+def import_transformers():
+    """transformers, importable even next to a broken torchvision.
+
+    transformers imports torchvision whenever it is installed, and a torchvision built for
+    another torch (the CUDA wheel beside a CPU torch) fails at import and takes every
+    model config class down with it. Text models never need it, so a broken one is hidden.
+    Must run before transformers first checks for torchvision.
+    """
+    if "torchvision" not in sys.modules:
+        try:
+            import torchvision  # noqa: F401
+        except Exception:
+            sys.modules["torchvision"] = None  # makes find_spec() report it absent
+    import transformers
+
+    return transformers
+
+
+def hf_tokenizer(model_dir: str | os.PathLike):
+    transformers = import_transformers()
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError) as e:
+        raise ModelNotFoundError(f"{model_dir}: no usable tokenizer files ({e})") from e
+
+
+def gguf_tokenizer(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike):
+    """The tokenizer embedded in a GGUF file, saved once under cache_dir and reloaded from there."""
+    path = Path(gguf_path).resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = Path(cache_dir) / "tokenizers" / f"{path.stem}-{key}"
+    transformers = import_transformers()
+    if cached.is_dir():
+        return transformers.AutoTokenizer.from_pretrained(str(cached))
+    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    # Save beside the final name and rename, so a reader never sees half a cache entry.
+    tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+    try:
+        tok.save_pretrained(str(tmp))
+        tmp.rename(cached)
+    except OSError:
+        pass  # another process won the race, or the cache is read-only: the tokenizer still works
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tok
+
+
+# OPT's special tokens and ids; the 256 byte tokens follow them.
+_STANDIN_SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")
+
+
+def byte_standin_tokenizer(cfg: ModelConfig):
+    """A STAND-IN tokenizer for dummy weights: one token per UTF-8 byte.
+
+    Not the model's real tokenizer, so its ids mean nothing to real weights; it exists so
+    that dummy-weight runs (benchmarks of the offloading engine) can turn text into ids and
+    back without any tokenizer files. Special ids follow OPT: <pad>=1, </s>=2 as bos and
+    eos, and like OPT's tokenizer it prepends </s> to every sequence.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    transformers = import_transformers()
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {t: i for i, t in enumerate(_STANDIN_SPECIALS)}
+    vocab.update({ch: len(_STANDIN_SPECIALS) + i for i, ch in enumerate(alphabet)})
+    if len(vocab) > cfg.vocab_size:
+        raise ModelNotFoundError(f"{cfg.name}: vocabulary of {cfg.vocab_size} is too small for the byte stand-in tokenizer")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(
+        single="</s> $A", pair="</s> $A </s> $B", special_tokens=[("</s>", vocab["</s>"])]
+    )
+    tok.add_special_tokens(list(_STANDIN_SPECIALS))
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="</s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
+        name_or_path="flexgen-helm/byte-standin",
+    )

@@ -1,0 +1,198 @@
+"""Convert any WeightSource into the engine's tensor store (see weights/store.py).
+
+One tensor is in memory at a time, so peak RAM is about the largest tensor. Every file
+is written under a temporary name and renamed into place, and manifest.json, which
+marks a store complete, is written last: an interrupted conversion never looks finished.
+A journal of finished tensors lets the next run skip them (after checking their
+checksums) instead of reading the source again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from flexgen_helm.errors import FlexGenError, OffloadDirError
+from flexgen_helm.models.config import ModelConfig
+from flexgen_helm.weights.source import WeightSource
+from flexgen_helm.weights.store import DTYPES, FORMAT, MANIFEST, tensor_file_name
+
+JOURNAL = ".convert-journal.jsonl"
+_CHUNK = 64 << 20
+
+
+def config_to_json(cfg: ModelConfig) -> dict:
+    """The config as it appears in a manifest (tuples become lists)."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def config_from_json(d: dict) -> ModelConfig:
+    """Inverse of config_to_json, e.g. for TensorStore(...).config."""
+    return ModelConfig(**{**d, "rope_scaling": tuple(tuple(p) for p in d.get("rope_scaling", ()))})
+
+
+def convert(source: WeightSource, out_dir: str | os.PathLike, dtype: str = "float16",
+            progress: bool = True) -> Path:
+    """Write `source` as a tensor store in `out_dir` and return the directory.
+
+    A complete store of the same config and dtype is reused as is; after an interruption,
+    tensors already written (and intact) are kept.
+    """
+    if dtype not in DTYPES:
+        raise FlexGenError(f"unsupported store dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    out = Path(out_dir)
+    header = {"format": FORMAT, "config": config_to_json(source.config), "dtype": dtype}
+    specs = source.tensor_specs()
+    nbytes = {s.store_name: s.numel * DTYPES[dtype].itemsize for s in specs}
+
+    previous = _load_json(out / MANIFEST)
+    if previous is not None and _same_model(previous, header):
+        if previous.get("complete") and _sizes_ok(out, previous.get("tensors", {})):
+            return out
+    elif previous is not None and previous.get("complete"):
+        raise OffloadDirError(
+            f"{out} already holds a converted store of another model or dtype "
+            f"({previous.get('config', {}).get('name')}, {previous.get('dtype')}); choose another directory or delete it"
+        )
+    candidates = {**(previous or {}).get("tensors", {}), **_journal_entries(out / JOURNAL, header)}
+
+    with _disk_errors(out):
+        out.mkdir(parents=True, exist_ok=True)
+        for stale in out.glob("*.tmp"):  # left by a killed run
+            stale.unlink()
+        (out / MANIFEST).unlink(missing_ok=True)  # incomplete from here until the new one lands
+    entries = {name: e for name, e in candidates.items() if name in nbytes and _intact(out, e, nbytes[name], dtype)}
+    todo = [s.store_name for s in specs if s.store_name not in entries]
+    _check_free_space(out, sum(nbytes[n] for n in todo))
+
+    with _disk_errors(out):
+        _atomic_write(out / JOURNAL, "".join(json.dumps(x) + "\n" for x in [header, *({n: e} for n, e in entries.items())]))
+        journal = open(out / JOURNAL, "a")
+    with journal, tqdm(total=sum(nbytes.values()), initial=sum(nbytes[n] for n in entries), unit="B",
+                       unit_scale=True, unit_divisor=1024, desc=f"convert {source.config.name}",
+                       disable=not progress) as bar:
+        remaining = sum(nbytes[n] for n in todo)
+        for name, t in source.iter_tensors(todo):
+            entries[name] = _write_tensor(out, name, t.to(DTYPES[dtype]), dtype, remaining)
+            del t
+            remaining -= nbytes[name]
+            with _disk_errors(out):
+                journal.write(json.dumps({name: entries[name]}) + "\n")
+                journal.flush()
+            bar.update(nbytes[name])
+
+    manifest = {**header, "complete": True, "tensors": {s.store_name: entries[s.store_name] for s in specs}}
+    with _disk_errors(out):
+        _atomic_write(out / MANIFEST, json.dumps(manifest, indent=1))
+        (out / JOURNAL).unlink(missing_ok=True)
+    return out
+
+
+def _same_model(manifest: dict, header: dict) -> bool:
+    return all(manifest.get(k) == v for k, v in header.items())
+
+
+def _load_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _journal_entries(path: Path, header: dict) -> dict:
+    """Tensors a previous run of the same conversion finished; a torn last line is ignored."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return {}
+    records = []
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            records.append(json.loads(line))
+    if not records or records[0] != header:
+        return {}
+    return {k: v for r in records[1:] for k, v in r.items()}
+
+
+def _sizes_ok(out: Path, tensors: dict) -> bool:
+    return all((out / e["file"]).is_file() and (out / e["file"]).stat().st_size == e["nbytes"] for e in tensors.values())
+
+
+def _intact(out: Path, entry: dict, nbytes: int, dtype: str) -> bool:
+    path = out / entry["file"]
+    if entry.get("dtype") != dtype or entry.get("nbytes") != nbytes or not path.is_file() or path.stat().st_size != nbytes:
+        return False
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest() == entry.get("sha256")
+
+
+def _check_free_space(out: Path, need: int) -> None:
+    free = shutil.disk_usage(out).free
+    if need > free:
+        raise OffloadDirError(
+            f"{out}: not enough disk space for the weight store: {_gib(need)} needed, {_gib(free)} free; "
+            f"free some space or convert into another directory"
+        )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+@contextlib.contextmanager
+def _disk_errors(out: Path, need: int = 0):
+    """Turn an OSError from writing into an OffloadDirError that says what to do."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            free = shutil.disk_usage(out).free if out.is_dir() else 0
+            raise OffloadDirError(
+                f"{out}: disk full while writing the weight store: {_gib(need)} still needed, {_gib(free)} free; "
+                f"free some space or convert into another directory"
+            ) from e
+        raise OffloadDirError(f"{out}: cannot write the weight store there ({e}); choose a writable directory") from e
+
+
+def _write_tensor(out: Path, name: str, t: torch.Tensor, dtype: str, remaining: int) -> dict:
+    """Write one tensor atomically, hashing as it goes; return its manifest entry."""
+    file = tensor_file_name(name)
+    data = memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
+    tmp = out / (file + ".tmp")
+    h = hashlib.sha256()
+    try:
+        with _disk_errors(out, remaining), open(tmp, "wb") as f:
+            for start in range(0, len(data), _CHUNK):
+                chunk = data[start:start + _CHUNK]
+                h.update(chunk)
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        with _disk_errors(out, remaining):
+            os.replace(tmp, out / file)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return {"file": file, "shape": list(t.shape), "dtype": dtype, "nbytes": len(data), "sha256": h.hexdigest()}
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

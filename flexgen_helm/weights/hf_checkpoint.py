@@ -1,0 +1,129 @@
+"""A Hugging Face checkpoint directory: config.json plus *.safetensors or *.bin shards.
+
+Tensors are read one at a time: safetensors through safe_open (memory-mapped), .bin
+through torch.load(mmap=True, weights_only=True), which never runs pickled code and
+never pulls the whole shard into RAM.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from flexgen_helm.errors import ModelNotFoundError, WeightStoreError
+from flexgen_helm.models import FAMILIES, HF_MODEL_TYPES
+from flexgen_helm.models.tokenizer import hf_tokenizer
+from flexgen_helm.weights.source import WeightSource, rename
+
+# Store module name -> Hugging Face module name, without the "model." prefix that the
+# *ForCausalLM classes add (bare *Model checkpoints lack it).
+HF_NAMES = {
+    "opt": {
+        "embed.tokens": "decoder.embed_tokens",
+        "embed.positions": "decoder.embed_positions",
+        "embed.project_in": "decoder.project_in",
+        "layers.{i}.attn_norm": "decoder.layers.{i}.self_attn_layer_norm",
+        "layers.{i}.q_proj": "decoder.layers.{i}.self_attn.q_proj",
+        "layers.{i}.k_proj": "decoder.layers.{i}.self_attn.k_proj",
+        "layers.{i}.v_proj": "decoder.layers.{i}.self_attn.v_proj",
+        "layers.{i}.o_proj": "decoder.layers.{i}.self_attn.out_proj",
+        "layers.{i}.mlp_norm": "decoder.layers.{i}.final_layer_norm",
+        "layers.{i}.fc1": "decoder.layers.{i}.fc1",
+        "layers.{i}.fc2": "decoder.layers.{i}.fc2",
+        "head.norm": "decoder.final_layer_norm",
+        "head.project_out": "decoder.project_out",
+        "head.lm_head": "lm_head",
+    },
+    "llama": {
+        "embed.tokens": "embed_tokens",
+        "layers.{i}.attn_norm": "layers.{i}.input_layernorm",
+        "layers.{i}.q_proj": "layers.{i}.self_attn.q_proj",
+        "layers.{i}.k_proj": "layers.{i}.self_attn.k_proj",
+        "layers.{i}.v_proj": "layers.{i}.self_attn.v_proj",
+        "layers.{i}.o_proj": "layers.{i}.self_attn.o_proj",
+        "layers.{i}.mlp_norm": "layers.{i}.post_attention_layernorm",
+        "layers.{i}.gate_proj": "layers.{i}.mlp.gate_proj",
+        "layers.{i}.up_proj": "layers.{i}.mlp.up_proj",
+        "layers.{i}.down_proj": "layers.{i}.mlp.down_proj",
+        "head.norm": "norm",
+        "head.lm_head": "lm_head",
+    },
+}
+_PREFIXES = ("model.", "")
+
+
+def read_hf_config(model_dir: Path) -> dict:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ModelNotFoundError(f"{model_dir}: no config.json; not a Hugging Face checkpoint directory")
+    return json.loads(path.read_text())
+
+
+class HFCheckpoint(WeightSource):
+    def __init__(self, model_dir: str | Path, name: str | None = None):
+        self.root = Path(model_dir)
+        hf = read_hf_config(self.root)
+        model_type = hf.get("model_type")
+        if model_type not in HF_MODEL_TYPES:
+            raise ModelNotFoundError(
+                f"{self.root}: model_type {model_type!r} is not supported (supported: {', '.join(HF_MODEL_TYPES)})"
+            )
+        family = HF_MODEL_TYPES[model_type]
+        self.config = FAMILIES[family].config_from_hf(hf, name or hf.get("_name_or_path") or self.root.name)
+        self._names = HF_NAMES[family]
+        self._file_of = self._index_tensors()  # HF tensor name -> shard file
+        self._open: dict[Path, object] = {}
+
+    @property
+    def identity(self) -> str:
+        files = sorted(set(self._file_of.values()))
+        return f"hf:{self.root.resolve()}:" + ",".join(f"{f.name}/{f.stat().st_size}/{f.stat().st_mtime_ns}" for f in files)
+
+    def _index_tensors(self) -> dict[str, Path]:
+        for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+            index = self.root / index_name
+            if index.is_file():
+                return {k: self.root / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+        for pattern in ("*.safetensors", "pytorch_model*.bin"):  # not training_args.bin and the like
+            files = sorted(self.root.glob(pattern))
+            if files:
+                return {k: f for f in files for k in self._shard(f).keys()}
+        raise WeightStoreError(f"{self.root}: no *.safetensors or pytorch_model*.bin weight files")
+
+    def _shard(self, file: Path):
+        """An open shard (a safe_open handle or an mmap-backed state dict), kept for reuse."""
+        if file not in self._open:
+            if not file.is_file():
+                raise WeightStoreError(f"{file}: weight shard listed in the index is missing")
+            try:
+                if file.suffix == ".safetensors":
+                    self._open[file] = safe_open(str(file), framework="pt")
+                else:
+                    self._open[file] = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+            except Exception as e:
+                raise WeightStoreError(f"{file}: cannot read weight shard ({e})") from e
+        return self._open[file]
+
+    def _candidates(self, store_name: str) -> list[str]:
+        hf_name = rename(store_name, self._names)
+        names = [p + hf_name for p in _PREFIXES]
+        if store_name == "embed.tokens.weight" and self.config.tie_word_embeddings:
+            names.append("lm_head.weight")  # a tied checkpoint may keep only the head's copy
+        return names
+
+    def read(self, store_name: str) -> torch.Tensor:
+        candidates = self._candidates(store_name)
+        for hf_name in candidates:
+            if hf_name in self._file_of:
+                shard = self._shard(self._file_of[hf_name])
+                return shard.get_tensor(hf_name) if hasattr(shard, "get_tensor") else shard[hf_name]
+        files = ", ".join(sorted({f.name for f in self._file_of.values()}))
+        raise WeightStoreError(
+            f"{self.root}: tensor {candidates[0]!r} (store name {store_name}) not found in {files}"
+        )
+
+    def load_tokenizer(self, cache_dir: Path):
+        return hf_tokenizer(self.root)
