@@ -1,0 +1,227 @@
+"""Group HELM requests into engine batches.
+
+FlexGen's throughput comes from large batches, but HELM sends one request at a time.
+Two ways in, one batching core:
+  * `BatchQueue` (plain `helm-run -n N`): the N request threads submit jobs; one worker
+    thread per engine waits a few milliseconds for the others to arrive and runs what
+    it has collected as batches.
+  * `run_jobs` called directly with every request of a run (the BatchingRunner).
+
+A batch only mixes requests with the same generation parameters (the engine decodes a
+whole batch for max_tokens steps, and one sampling setting per batch keeps results
+independent of who shared the batch), and prompts of similar length: the engine pads
+every prompt to the longest one, so jobs are sorted by length and cut into buckets
+whose padding stays within `pad_tolerance` of the real tokens.
+
+A batch that fails (out of memory, or one bad request) is split in halves and retried,
+down to single requests; a single request that still fails gets its own error.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from flexgen_helm.executor.sampling import GenerationResult, SamplingParams, ScoreResult
+from flexgen_helm.helm.engines import EngineHandle
+
+SCORE, GENERATE, SCORE_AND_GENERATE = "score", "generate", "score+generate"
+
+
+@dataclass
+class Job:
+    """One HELM request as the engine sees it."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    mode: str  # SCORE, GENERATE or SCORE_AND_GENERATE
+    group: tuple  # jobs with equal `group` may share a batch
+    future: Future = field(default_factory=Future)
+
+
+@dataclass
+class JobOutput:
+    score: ScoreResult | None
+    generation: GenerationResult | None
+    batch: dict[str, Any]  # what the engine reported for the whole batch (see accounting.py)
+
+
+_batch_ids = itertools.count(1)
+# Batch ids must stay unique across processes: HELM's cache replays old results.
+_PROCESS_TAG = f"{os.getpid():x}-{int(time.time()):x}"
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    if isinstance(exc, MemoryError):
+        return True
+    try:
+        import torch
+
+        if isinstance(exc, torch.OutOfMemoryError):
+            return True
+    except (ImportError, AttributeError):
+        pass
+    return "out of memory" in str(exc).lower()
+
+
+def buckets(jobs: list[Job], max_batch: int, pad_tolerance: float = 0.25, pad_slack: int = 8) -> list[list[Job]]:
+    """Split same-group jobs into batches of similar prompt length.
+
+    Sorted by length, a bucket closes when it is full or when the next prompt is longer
+    than (1 + pad_tolerance) x the bucket's shortest + pad_slack tokens.
+    """
+    out: list[list[Job]] = []
+    for job in sorted(jobs, key=lambda j: len(j.prompt_ids)):
+        cur = out[-1] if out else None
+        if (
+            cur is None
+            or len(cur) >= max_batch
+            or len(job.prompt_ids) > (1 + pad_tolerance) * len(cur[0].prompt_ids) + pad_slack
+        ):
+            out.append([job])
+        else:
+            cur.append(job)
+    return out
+
+
+def run_jobs(handle: EngineHandle, jobs: list[Job], max_batch: int, pad_tolerance: float = 0.25) -> None:
+    """Run `jobs` in batches; every job's future gets a JobOutput or an exception."""
+    groups: dict[tuple, list[Job]] = {}
+    for job in jobs:
+        groups.setdefault(job.group, []).append(job)
+    for group_jobs in groups.values():
+        for batch in buckets(group_jobs, max_batch, pad_tolerance):
+            _run_splitting(handle, batch)
+
+
+def _run_splitting(handle: EngineHandle, batch: list[Job]) -> None:
+    try:
+        outputs = _run_batch(handle, batch)
+    except Exception as exc:  # noqa: BLE001 - every failure is reported per request below
+        if len(batch) > 1:
+            # Out of memory: half the batch may fit. Any other error: isolate the culprit.
+            mid = len(batch) // 2
+            _run_splitting(handle, batch[:mid])
+            _run_splitting(handle, batch[mid:])
+            return
+        reason = "out of memory even for a batch of one" if is_out_of_memory(exc) else "engine error"
+        batch[0].future.set_exception(RuntimeError(f"{reason}: {type(exc).__name__}: {exc}"))
+        return
+    for job, out in zip(batch, outputs):
+        job.future.set_result(out)
+
+
+_STAT_KEYS = ("prompt_tokens", "padded_prompt_tokens", "generated_tokens", "padded_generated_tokens",
+              "prefill_s", "decode_s", "total_s")
+
+
+def _run_batch(handle: EngineHandle, batch: list[Job]) -> list[JobOutput]:
+    prompts = [j.prompt_ids for j in batch]
+    mode = batch[0].mode
+    scores: list[ScoreResult | None] = [None] * len(batch)
+    gens: list[GenerationResult | None] = [None] * len(batch)
+    stats = {k: 0 for k in _STAT_KEYS}
+    with handle.lock:
+        t0 = time.perf_counter()
+        for step in (SCORE, GENERATE):
+            if step not in mode:
+                continue
+            if step == SCORE:
+                scores = list(handle.engine.score(prompts))
+            else:
+                gens = list(handle.engine.generate(prompts, [j.params for j in batch]))
+            for k, v in (getattr(handle.engine, "last_stats", None) or {}).items():
+                if k in stats and isinstance(v, (int, float)):
+                    stats[k] += v
+        elapsed = time.perf_counter() - t0
+    batch_info = {
+        "batch_id": f"{_PROCESS_TAG}-{next(_batch_ids)}",
+        "batch_size": len(batch),
+        "batch_mode": mode,
+        "batch_time_s": elapsed,
+        **{f"batch_{k}": v for k, v in stats.items()},
+    }
+    return [JobOutput(score=s, generation=g, batch=batch_info) for s, g in zip(scores, gens)]
+
+
+class BatchQueue:
+    """Merges the requests that HELM's threads make at the same time into batches.
+
+    The worker starts collecting at the first request, keeps collecting while new ones
+    arrive less than `linger_s` apart (HELM's threads resubmit right after a batch
+    returns), and never waits more than `max_wait_s` or past `max_batch` x groups.
+    """
+
+    def __init__(self, handle: EngineHandle, max_batch: int, linger_s: float = 0.02, max_wait_s: float = 0.5,
+                 pad_tolerance: float = 0.25):
+        self.handle = handle
+        self.max_batch = max_batch
+        self.linger_s = linger_s
+        self.max_wait_s = max_wait_s
+        self.pad_tolerance = pad_tolerance
+        self._pending: list[Job] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self._worker = threading.Thread(target=self._loop, name="flexgen-batcher", daemon=True)
+        self._worker.start()
+
+    def submit(self, job: Job) -> Future:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the batch queue is closed")
+            self._pending.append(job)
+            self._cond.notify_all()
+        return job.future
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _collect(self) -> list[Job]:
+        with self._cond:
+            while not self._pending and not self._closed:
+                self._cond.wait()
+            if not self._pending:
+                return []
+            start = time.monotonic()
+            while True:
+                seen = len(self._pending)
+                if seen >= self.max_batch * 4:
+                    break
+                remaining = self.max_wait_s - (time.monotonic() - start)
+                if remaining <= 0:
+                    break
+                self._cond.wait(timeout=min(self.linger_s, remaining))
+                if len(self._pending) == seen:  # nobody arrived within linger_s
+                    break
+            jobs, self._pending = self._pending, []
+            return jobs
+
+    def _loop(self) -> None:
+        while True:
+            jobs = self._collect()
+            if not jobs:
+                return
+            try:
+                run_jobs(self.handle, jobs, self.max_batch, self.pad_tolerance)
+            except BaseException as exc:  # noqa: BLE001 - never leave a request thread waiting
+                for job in jobs:
+                    if not job.future.done():
+                        job.future.set_exception(exc)
+
+
+_QUEUES_LOCK = threading.Lock()
+
+
+def get_batcher(handle: EngineHandle, max_batch: int, **kwargs) -> BatchQueue:
+    """The engine's one request queue (created on first use)."""
+    with _QUEUES_LOCK:
+        if handle.batcher is None:
+            handle.batcher = BatchQueue(handle, max_batch, **kwargs)
+        return handle.batcher

@@ -1,0 +1,204 @@
+"""One engine per model per process, shared by every HELM client and tokenizer.
+
+HELM builds clients lazily and calls `make_request` from a thread pool, and its
+tokenizer is built separately from the client: both must reach the *same* loaded
+model, or a 30B checkpoint would be loaded twice. The registry is keyed by the
+arguments that change what is loaded (`LoadArgs`) and guarded by a lock so that
+two threads asking at once load once.
+
+How a deployment finds its weights and policy (first match wins):
+  1. the client / tokenizer args in a model_deployments.yaml (`path`, `policy`, ...);
+  2. environment variables:
+       FLEXGEN_HELM_WEIGHTS_DIR   a folder with one sub-folder per model, named like the
+                                  deployment without its "flexgen/" (e.g. .../opt-30b);
+                                  a dummy deployment whose folder exists there loads it
+       FLEXGEN_HELM_POLICY        a Policy as JSON, or the path of a JSON file
+       FLEXGEN_HELM_DEVICE        "cuda", "cuda:1", "cpu"
+       FLEXGEN_HELM_OFFLOAD_DIR   where the disk tier lives
+  3. defaults: the engine's own policy choice, random ("dummy") weights for OPT.
+FLEXGEN_HELM_ENGINE_FACTORY="module:function" swaps Engine.load for another loader
+(tests use it to run HELM end to end against a small fake engine).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from flexgen_helm.errors import FlexGenError
+
+
+@dataclass(frozen=True)
+class LoadArgs:
+    """What identifies a loaded engine (hashable: the registry key)."""
+
+    model: str
+    path: str | None = None
+    dummy: bool = False
+    policy_json: str | None = None  # canonical JSON of the Policy, or None for the engine's default
+    offload_dir: str | None = None
+    device: str | None = None
+
+    def numerics_key(self) -> dict:
+        """The part of the load args that can change the numbers a model produces.
+
+        Placement and batching never change the answer (a design invariant); compression
+        and sparse attention do, so they belong in HELM's cache key, the rest does not.
+        """
+        policy = json.loads(self.policy_json) if self.policy_json else {}
+        return {
+            "model": self.model,
+            "path": self.path,
+            "dummy": self.dummy,
+            "compress_weight": policy.get("compress_weight"),
+            "compress_cache": policy.get("compress_cache"),
+            "attn_sparsity": policy.get("attn_sparsity", 1.0),
+        }
+
+
+def _policy_from_any(value: Any):
+    """A Policy from a dict (YAML), a JSON string, a path to a JSON file, or a Policy."""
+    from flexgen_helm.policy import Policy
+
+    if value is None or isinstance(value, Policy):
+        return value
+    if isinstance(value, str):
+        if os.path.isfile(value):
+            with open(value) as f:
+                value = json.load(f)
+        else:
+            value = json.loads(value)
+    if not isinstance(value, dict):
+        raise FlexGenError(f"a policy must be a mapping, JSON text or a JSON file, got {value!r}")
+    value = dict(value)
+    if "percent" in value:  # FlexGen's --percent: six numbers, plus the other fields
+        return Policy.from_percent(value.pop("percent"), **value)
+    return Policy.from_dict(value)
+
+
+def resolve_load_args(
+    model: str,
+    deployment: str | None = None,
+    path: str | None = None,
+    dummy: bool | None = None,
+    policy: Any = None,
+    offload_dir: str | None = None,
+    device: str | None = None,
+) -> LoadArgs:
+    """Fill what the deployment's args leave open from the environment (see module doc)."""
+    env = os.environ
+    if path is None and env.get("FLEXGEN_HELM_WEIGHTS_DIR") and deployment:
+        candidate = os.path.join(env["FLEXGEN_HELM_WEIGHTS_DIR"], deployment.split("/")[-1])
+        if os.path.isdir(candidate):
+            path = candidate
+    if path is not None:
+        path = os.path.abspath(os.path.expanduser(path))
+        dummy = False
+    if policy is None and env.get("FLEXGEN_HELM_POLICY"):
+        policy = env["FLEXGEN_HELM_POLICY"]
+    policy_obj = _policy_from_any(policy)
+    return LoadArgs(
+        model=model,
+        path=path,
+        dummy=bool(dummy),
+        policy_json=json.dumps(policy_obj.to_dict(), sort_keys=True) if policy_obj is not None else None,
+        offload_dir=offload_dir or env.get("FLEXGEN_HELM_OFFLOAD_DIR"),
+        device=device or env.get("FLEXGEN_HELM_DEVICE"),
+    )
+
+
+def _loader():
+    spec = os.environ.get("FLEXGEN_HELM_ENGINE_FACTORY")
+    if spec:
+        module, _, func = spec.partition(":")
+        return getattr(importlib.import_module(module), func)
+    from flexgen_helm.engine import Engine
+
+    return Engine.load
+
+
+class EngineHandle:
+    """A loaded engine plus the lock that serializes calls into it.
+
+    The engine itself is not assumed thread-safe: every call goes through `lock`.
+    """
+
+    def __init__(self, args: LoadArgs, engine: Any):
+        self.args = args
+        self.engine = engine
+        self.lock = threading.Lock()
+        self.batcher = None  # set by batching.get_batcher (one request queue per engine)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.engine.config.max_seq_len)
+
+
+_REGISTRY: dict[LoadArgs, EngineHandle] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def get_engine(args: LoadArgs) -> EngineHandle:
+    """The process-wide engine for `args`, loading it on first use (once, under a lock)."""
+    handle = _REGISTRY.get(args)
+    if handle is not None:
+        return handle
+    with _REGISTRY_LOCK:
+        handle = _REGISTRY.get(args)
+        if handle is None:
+            policy = _policy_from_any(json.loads(args.policy_json)) if args.policy_json else None
+            engine = _loader()(
+                args.model, policy=policy, path=args.path, dummy=args.dummy,
+                offload_dir=args.offload_dir, device=args.device,
+            )
+            handle = _REGISTRY[args] = EngineHandle(args, engine)
+    return handle
+
+
+def get_tokenizer(args: LoadArgs):
+    """The engine's tokenizer, without loading a second copy of the model.
+
+    Reuses any loaded engine of the same checkpoint (whatever its policy); else asks the
+    engine module for a tokenizer-only loader if it has one; else loads the engine.
+    """
+    for key, handle in list(_REGISTRY.items()):
+        if (key.model, key.path, key.dummy) == (args.model, args.path, args.dummy):
+            return handle.tokenizer
+    if not os.environ.get("FLEXGEN_HELM_ENGINE_FACTORY"):
+        try:
+            engine_module = importlib.import_module("flexgen_helm.engine")
+        except ImportError:
+            engine_module = None
+        load_tokenizer = getattr(engine_module, "load_tokenizer", None)
+        if load_tokenizer is not None:
+            return _cached_tokenizer(load_tokenizer, args.model, args.path)
+    return get_engine(args).tokenizer
+
+
+_TOKENIZERS: dict[tuple, Any] = {}
+
+
+def _cached_tokenizer(load_tokenizer, model: str, path: str | None):
+    with _REGISTRY_LOCK:
+        key = (model, path)
+        if key not in _TOKENIZERS:
+            _TOKENIZERS[key] = load_tokenizer(model, path=path)
+        return _TOKENIZERS[key]
+
+
+def clear() -> None:
+    """Forget every loaded engine (tests)."""
+    with _REGISTRY_LOCK:
+        for handle in _REGISTRY.values():
+            if handle.batcher is not None:
+                handle.batcher.close()
+        _REGISTRY.clear()
+        _TOKENIZERS.clear()

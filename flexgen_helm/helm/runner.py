@@ -1,0 +1,66 @@
+"""A HELM Runner that hands all the requests of a run to the engine at once.
+
+    helm-run --runner-class-name flexgen_helm.helm.runner.BatchingRunner ...
+
+HELM's executor sends one request per thread; FlexGen wants every request of a run up
+front, to fill big batches of similar-length prompts (the paper ran HELM this way).
+`BatchingExecutor.execute` first gives each flexgen deployment's client the whole list
+(`FlexGenClient.prefetch`: uncached requests only, in length-bucketed batches), then
+lets HELM's own executor run as usual: each request then finds its result ready, goes
+through HELM's cache and error handling, and non-flexgen deployments are untouched.
+After a run, the padding summary is written next to HELM's outputs as
+`flexgen_padding.json` (see accounting.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from helm.benchmark.adaptation.scenario_state import ScenarioState
+from helm.benchmark.executor import Executor
+from helm.benchmark.runner import Runner
+from helm.common.hierarchical_logger import hlog, htrack_block
+
+from flexgen_helm.helm import accounting
+
+
+class BatchingExecutor(Executor):
+    def execute(self, scenario_state: ScenarioState) -> ScenarioState:
+        if not self.execution_spec.dry_run:
+            self.prefetch(scenario_state)
+        return super().execute(scenario_state)
+
+    def prefetch(self, scenario_state: ScenarioState) -> None:
+        from flexgen_helm.helm.client import FlexGenClient
+
+        auto_client = getattr(self.context, "client", None)  # LocalContext's AutoClient
+        if auto_client is None or not hasattr(auto_client, "_get_client"):
+            hlog("flexgen: no local AutoClient (remote server?); requests go one by one")
+            return
+        by_deployment: dict[str, list] = {}
+        for rs in scenario_state.request_states:
+            by_deployment.setdefault(rs.request.model_deployment, []).append(rs.request)
+        for deployment, requests in by_deployment.items():
+            client = auto_client._get_client(deployment)
+            if isinstance(client, FlexGenClient):
+                with htrack_block(f"flexgen: batching {len(requests)} requests of {deployment}"):
+                    n = client.prefetch(requests)
+                    hlog(f"flexgen: computed {n} uncached requests")
+
+
+class BatchingRunner(Runner):
+    def __init__(self, execution_spec, *args, **kwargs):
+        super().__init__(execution_spec, *args, **kwargs)
+        # Same executor object, batching class: HELM's tokenizer and metric services were
+        # built on this executor's context, and the clients (with their prefetched
+        # results) live in that context, so it must stay the one and only.
+        self.executor.__class__ = BatchingExecutor
+
+    def run_one(self, run_spec):
+        super().run_one(run_spec)
+        run_path = self._get_run_path(run_spec)
+        if os.path.exists(os.path.join(run_path, "scenario_state.json")):
+            summary = accounting.summarize_run(run_path)
+            with open(os.path.join(run_path, "flexgen_padding.json"), "w") as f:
+                json.dump(summary, f, indent=2)
