@@ -20,7 +20,10 @@ SUPPORTED_ROPE_SCALING = ("default", "linear", "llama3")
 
 def config_from_hf(hf: dict, name: str) -> ModelConfig:
     heads = hf["num_attention_heads"]
-    scaling = hf.get("rope_scaling") or {}
+    # transformers >= 5 writes theta and scaling together, as rope_parameters
+    rope = dict(hf.get("rope_parameters") or {})
+    theta = hf.get("rope_theta", rope.pop("rope_theta", 10000.0))
+    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else {})
     model_type = hf.get("model_type", "llama")
     cfg = ModelConfig(
         family="llama",
@@ -34,7 +37,7 @@ def config_from_hf(hf: dict, name: str) -> ModelConfig:
         max_seq_len=hf.get("max_position_embeddings", 4096),
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=hf.get("rope_theta", 10000.0),
+        rope_theta=theta,
         rope_scaling=tuple(sorted((k, v) for k, v in scaling.items() if not isinstance(v, (list, dict)))),
         tie_word_embeddings=hf.get("tie_word_embeddings", False),
         attention_bias=hf.get("attention_bias", model_type == "qwen2"),
