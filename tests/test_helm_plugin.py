@@ -1,0 +1,236 @@
+"""The HELM plugin against a small fake engine (tests/helm_fake_engine.py): registration,
+token alignment, request semantics, batching, failures, accounting. No helm-run here."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("helm")
+
+import helm_fake_engine  # noqa: E402
+from helm.benchmark.metrics.basic_metrics import get_num_bytes  # noqa: E402
+from helm.common.cache import BlackHoleCacheConfig, SqliteCacheConfig  # noqa: E402
+from helm.common.request import Request  # noqa: E402
+from helm.common.tokenization_request import TokenizationRequest  # noqa: E402
+
+from flexgen_helm.helm import engines  # noqa: E402
+
+DEPLOYMENT = "flexgen/smollm2-135m"
+
+
+@pytest.fixture(autouse=True)
+def fake_engine(monkeypatch):
+    monkeypatch.setenv("FLEXGEN_HELM_ENGINE_FACTORY", "helm_fake_engine:load")
+    for var in ("FLEXGEN_HELM_POLICY", "FLEXGEN_HELM_WEIGHTS_DIR", "FLEXGEN_HELM_DEVICE", "FLEXGEN_HELM_OFFLOAD_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    engines.clear()
+    helm_fake_engine.LOADS.clear()
+    yield
+    engines.clear()
+
+
+def client(cache_config=None, **kwargs):
+    from flexgen_helm.helm.client import FlexGenClient
+
+    return FlexGenClient(cache_config or BlackHoleCacheConfig(), model="smollm2-135m", deployment=DEPLOYMENT, **kwargs)
+
+
+def req(prompt, **kw):
+    kw.setdefault("temperature", 0.0)
+    return Request(model=DEPLOYMENT, model_deployment=DEPLOYMENT, prompt=prompt, **kw)
+
+
+def engine():
+    assert len(helm_fake_engine.LOADS) == 1, "one engine per model per process"
+    return helm_fake_engine.LOADS[0]
+
+
+# ----- registration ---------------------------------------------------------------------
+
+
+def test_entry_point_registers_deployments_and_run_specs():
+    from importlib.metadata import entry_points
+
+    from helm.benchmark.model_deployment_registry import get_model_deployment
+    from helm.benchmark.run_spec import get_run_spec_function
+    from helm.benchmark.tokenizer_config_registry import get_tokenizer_config
+
+    eps = [ep for ep in entry_points().select(group="helm") if ep.value == "flexgen_helm.helm.plugin"]
+    assert eps, "flexgen_helm.helm.plugin is not registered in the `helm` entry-point group (pip install -e .)"
+    eps[0].load()
+    for name in ["flexgen/smollm2-135m"] + [f"flexgen/opt-{s}" for s in ("125m", "1.3b", "30b", "175b")]:
+        d = get_model_deployment(name)
+        assert d.client_spec.class_name == "flexgen_helm.helm.client.FlexGenClient"
+        assert get_tokenizer_config(d.tokenizer_name).tokenizer_spec.class_name.endswith("FlexGenTokenizer")
+    assert get_model_deployment("flexgen/smollm2-135m").max_sequence_length == 8192
+    assert get_model_deployment("flexgen/opt-30b").client_spec.args["dummy"] is True
+    assert get_run_spec_function("lambada") and get_run_spec_function("wikitext")
+
+
+def test_local_deployment_of_the_same_name_wins(tmp_path):
+    from helm.benchmark import model_deployment_registry as reg
+
+    from flexgen_helm.helm import plugin
+
+    name = "flexgen/opt-13b"
+    saved = reg.DEPLOYMENT_NAME_TO_MODEL_DEPLOYMENT.pop(name)
+    try:
+        mine = reg.ModelDeployment(name=name, client_spec=reg.ClientSpec(
+            class_name="flexgen_helm.helm.client.FlexGenClient", args={"model": "facebook/opt-13b", "path": "/w"}))
+        reg.register_model_deployment(mine)
+        plugin._register_deployments()
+        assert reg.get_model_deployment(name).client_spec.args["path"] == "/w"
+    finally:
+        reg.DEPLOYMENT_NAME_TO_MODEL_DEPLOYMENT[name] = saved
+
+
+def test_env_vars_configure_path_and_policy(tmp_path, monkeypatch):
+    (tmp_path / "opt-30b").mkdir()
+    monkeypatch.setenv("FLEXGEN_HELM_WEIGHTS_DIR", str(tmp_path))
+    monkeypatch.setenv("FLEXGEN_HELM_POLICY", '{"gpu_batch_size": 4, "num_gpu_batches": 2, "percent": [0, 100, 0, 100, 0, 100]}')
+    args = engines.resolve_load_args("facebook/opt-30b", deployment="flexgen/opt-30b", dummy=True)
+    assert args.path == str(tmp_path / "opt-30b") and args.dummy is False
+    assert '"gpu_batch_size": 4' in args.policy_json and '"cpu": 1.0' in args.policy_json
+    assert engines.resolve_load_args("facebook/opt-66b", deployment="flexgen/opt-66b", dummy=True).dummy is True
+
+
+# ----- tokens -----------------------------------------------------------------------------
+
+
+def test_tokenizer_and_client_tokens_agree_and_count_bytes():
+    from flexgen_helm.helm.tokenizer import FlexGenTokenizer
+
+    text = "Hello world, naïve ’ 日本語 — ok"
+    tok = FlexGenTokenizer(BlackHoleCacheConfig(), tokenizer_name=DEPLOYMENT, model="smollm2-135m")
+    ids = [t.value for t in tok.tokenize(TokenizationRequest(text, tokenizer=DEPLOYMENT, encode=True)).tokens]
+    strs = [t.value for t in tok.tokenize(TokenizationRequest(text, tokenizer=DEPLOYMENT)).tokens]
+    assert len(ids) == len(strs) and any(s.startswith("bytes:") for s in strs)
+    result = client().make_request(req(text, echo_prompt=True, max_tokens=0))
+    tokens = result.completions[0].tokens
+    assert [t.text for t in tokens] == strs  # one Token per prompt token, same strings
+    assert get_num_bytes(tokens) == len(text.encode("utf-8"))
+
+
+def test_echo_logprobs_equal_engine_score():
+    prompt = "The quick brown fox jumps over the lazy dog."
+    result = client().make_request(req(prompt, echo_prompt=True, max_tokens=0))
+    assert result.success and result.completions[0].text == prompt
+    score = engine().score([prompt])[0]
+    got = [t.logprob for t in result.completions[0].tokens]
+    assert got[0] == 0.0  # no context for the first token (the LM adapter conditions on it)
+    assert got[1:] == pytest.approx(score.logprobs[1:])
+
+
+# ----- generation semantics ---------------------------------------------------------------
+
+
+def test_generation_logprobs_stop_and_finish_reasons():
+    c = client()
+    full = c.make_request(req("Once upon a time", max_tokens=12))
+    comp = full.completions[0]
+    assert comp.finish_reason["reason"] == "length" and len(comp.tokens) == 12
+    assert comp.text == "".join(t.text for t in comp.tokens)
+    # per-token logprobs are the engine's, for the engine's tokens
+    from flexgen_helm.executor.sampling import SamplingParams
+
+    direct = engine().generate(["Once upon a time"], SamplingParams(max_new_tokens=12))[0].completions[0]
+    assert [t.logprob for t in comp.tokens] == pytest.approx(direct.logprobs)
+    # a multi-token stop sequence taken from the middle of the greedy text
+    words = comp.text.split(" ")
+    stop = " " + " ".join(words[3:5])
+    stopped = c.make_request(req("Once upon a time", max_tokens=12, stop_sequences=[stop])).completions[0]
+    assert stopped.finish_reason["reason"] == "stop"
+    assert stopped.text == comp.text[: comp.text.index(stop)]
+    assert stopped.logprob == pytest.approx(sum(t.logprob for t in stopped.tokens))
+
+
+def test_num_completions_sampling_and_greedy():
+    c = client()
+    greedy = c.make_request(req("Hello", max_tokens=6, num_completions=3))
+    assert len({x.text for x in greedy.completions}) == 1
+    sampled = c.make_request(req("Hello", max_tokens=6, num_completions=3, temperature=1.0, top_p=0.9))
+    assert len(sampled.completions) == 3 and len({x.text for x in sampled.completions}) > 1
+    again = c.make_request(req("Hello", max_tokens=6, num_completions=3, temperature=1.0, top_p=0.9))
+    assert [x.text for x in again.completions] == [x.text for x in sampled.completions]  # seeded by the request
+
+
+def test_request_time_batch_fields_and_accounting():
+    r = client().make_request(req("Hello there", max_tokens=4))
+    assert r.request_time > 0 and r.batch_size == 1 and r.batch_request_time > 0
+    rec = r.completions[0].finish_reason["flexgen"]
+    assert rec["prompt_tokens"] == 2 and rec["generated_tokens"] == 4
+    assert rec["batch_padded_prompt_tokens"] >= rec["batch_prompt_tokens"] == 2
+
+
+# ----- failures ---------------------------------------------------------------------------
+
+
+def test_too_long_prompt_fails_non_retriable_non_fatal():
+    r = client().make_request(req("word " * 9000, max_tokens=5))
+    assert not r.success and "exceeds the model's context of 8192" in r.error
+    assert r.error_flags.is_retriable is False and r.error_flags.is_fatal is False
+
+
+def test_oom_batch_is_split_and_bad_request_isolated():
+    from flexgen_helm.helm.batching import run_jobs
+
+    c = client()
+    handle = c.handle
+    handle.engine.oom_above = 2
+    poison = handle.tokenizer.encode(" zebra", add_special_tokens=False)[0]
+    handle.engine.fail_token = poison
+    prompts = [f"prompt number {i}" for i in range(7)] + ["a zebra here"]
+    jobs = [c.make_job(req(p, max_tokens=3), {}, handle)[0] for p in prompts]
+    run_jobs(handle, jobs, max_batch=8)
+    assert [j.future.exception() is None for j in jobs] == [True] * 7 + [False]
+    assert "fake failure" in str(jobs[-1].future.exception())
+    assert max(n for kind, n in handle.engine.calls if kind == "generate") <= 2
+
+
+# ----- batching ---------------------------------------------------------------------------
+
+
+def test_queue_merges_concurrent_requests_and_groups_by_params():
+    c = client(batch_linger_s=0.2, batch_max_wait_s=2.0)
+    c.handle  # load first, so the requests arrive together
+    prompts = [f"Question {i}: what is {i} plus {i}?" for i in range(6)]
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(lambda p: c.make_request(req(p, max_tokens=4)), prompts))
+        mixed = list(pool.map(lambda i: c.make_request(req(prompts[i], max_tokens=3 + i % 2)), range(6)))
+    assert all(r.success for r in results + mixed)
+    assert max(r.batch_size for r in results) >= 3
+    assert all(r.batch_size <= 3 for r in mixed)  # max_tokens 3 and 4 never share a batch
+    assert len(helm_fake_engine.LOADS) == 1
+
+
+def test_length_buckets_keep_padding_small():
+    from flexgen_helm.helm.batching import Job, buckets
+
+    jobs = [Job(prompt_ids=[0] * n, params=None, mode="generate", group=()) for n in (5, 300, 6, 280, 7, 310)]
+    out = buckets(jobs, max_batch=8)
+    assert sorted(sorted(len(j.prompt_ids) for j in b) for b in out) == [[5, 6, 7], [280, 300, 310]]
+
+
+def test_cache_makes_reruns_free(tmp_path):
+    config = SqliteCacheConfig(str(tmp_path / "flexgen.sqlite"))
+    first = client(config).make_request(req("Cache me", max_tokens=3))
+    calls = len(engine().calls)
+    second = client(config).make_request(req("Cache me", max_tokens=3))
+    assert second.cached and not first.cached and len(engine().calls) == calls
+    assert second.completions[0].text == first.completions[0].text
+
+
+def test_engine_registry_is_thread_safe():
+    args = engines.resolve_load_args("smollm2-135m", deployment=DEPLOYMENT)
+    barrier = threading.Barrier(4)
+
+    def get(_):
+        barrier.wait()
+        return engines.get_engine(args)
+
+    with ThreadPoolExecutor(4) as pool:
+        handles = list(pool.map(get, range(4)))
+    assert all(h is handles[0] for h in handles) and len(helm_fake_engine.LOADS) == 1
