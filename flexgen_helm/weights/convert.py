@@ -83,7 +83,7 @@ def convert(source: WeightSource, out_dir: str | os.PathLike, dtype: str = "floa
         remaining = sum(nbytes[n] for n in todo)
         for name, t in source.iter_tensors(todo):
             entries[name] = _write_tensor(out, name, t.to(DTYPES[dtype]), dtype, remaining)
-            del t
+            del t  # else the next read would overlap this tensor and double peak RAM
             remaining -= nbytes[name]
             with _disk_errors(out):
                 journal.write(json.dumps({name: entries[name]}) + "\n")

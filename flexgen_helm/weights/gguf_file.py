@@ -37,6 +37,7 @@ GGUF_NAMES = {
 # (Mistral files are written as "llama"; Qwen2's converter leaves rows alone).
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
 _PERMUTED = {"llama"}
+_REQUIRED = object()
 
 
 def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -63,10 +64,10 @@ class GGUFFile(WeightSource):
             )
         self.config = llama.config_from_hf(self._hf_config(), name or self._meta("general.name", self.path.stem))
 
-    def _meta(self, key: str, default=KeyError):
+    def _meta(self, key: str, default=_REQUIRED):
         field = self._reader.get_field(key)
         if field is None:
-            if default is KeyError:
+            if default is _REQUIRED:
                 raise WeightStoreError(f"{self.path}: GGUF metadata {key!r} is missing")
             return default
         return field.contents()

@@ -67,7 +67,7 @@ class WeightSource(ABC):
             t = self.read(spec.store_name)
             if tuple(t.shape) != spec.shape:
                 raise WeightStoreError(
-                    f"{self.identity}: tensor {spec.store_name} has shape {list(t.shape)}, expected "
+                    f"{self.config.name}: tensor {spec.store_name} has shape {list(t.shape)}, expected "
                     f"{list(spec.shape)} for {self.config.name}; the checkpoint does not match its config"
                 )
             yield spec.store_name, t
