@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import shutil
 import tempfile
 import threading
 from pathlib import Path
@@ -37,14 +36,21 @@ def default_offload_dir() -> Path:
 
 
 class Engine:
-    def __init__(self, resolved: ResolvedModel, runtime: ModelRuntime, policy: Policy, tokenizer, offload_dir: Path):
+    def __init__(self, resolved: ResolvedModel, runtime: ModelRuntime, policy: Policy, offload_dir: Path):
         self.resolved = resolved
         self.runtime = runtime
         self.policy = policy
-        self.tokenizer = tokenizer
+        self._tokenizer = None
         self.offload_dir = offload_dir
         self.last_stats: dict = {}
         self._lock = threading.Lock()  # one block at a time: the tiers are shared
+
+    @property
+    def tokenizer(self):
+        """Loaded on first use: token-id prompts need none (a checkpoint may ship none)."""
+        if self._tokenizer is None:
+            self._tokenizer = self.resolved.load_tokenizer()
+        return self._tokenizer
 
     @property
     def config(self):
@@ -59,7 +65,7 @@ class Engine:
         devices = pick_devices(device, dtype)
         offload = Path(offload_dir) if offload_dir else default_offload_dir()
         runtime = build_runtime(resolved, policy, devices, offload, progress)
-        return cls(resolved, runtime, policy, resolved.load_tokenizer(), offload)
+        return cls(resolved, runtime, policy, offload)
 
     # ---- inputs ---------------------------------------------------------------------
 
@@ -78,6 +84,9 @@ class Engine:
                 raise FlexGenError(f"prompt {i} has token ids outside the vocabulary (0..{self.config.vocab_size - 1}): {bad[:5]}")
             out.append(ids)
         return out
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _check_length(self, i: int, n_prompt: int, n_new: int) -> None:
         if n_prompt + n_new > self.config.max_seq_len:
@@ -109,13 +118,13 @@ class Engine:
         with self._lock:
             stats = RunStats(sequences=len(seqs))
             with self._workdir() as workdir:
-                runner = BlockRunner(self.runtime, self.policy, self.tokenizer, workdir, stats)
+                runner = BlockRunner(self.runtime, self.policy, self.decode, Path(workdir), stats)
                 for block in plan_blocks([len(s.prompt) for s in seqs], self.policy):
                     runner.generate([[seqs[i] for i in group] for group in block])
             self._finish_stats(stats)
         results = [GenerationResult(prompt_token_ids=p) for p in ids]
         for owner, s in zip(owners, seqs):
-            results[owner].completions.append(to_completion(s, self.tokenizer))
+            results[owner].completions.append(to_completion(s, self.decode))
         return results
 
     def score(self, prompts, top_logprobs: int = 0) -> list[ScoreResult]:
@@ -127,7 +136,7 @@ class Engine:
         with self._lock:
             stats = RunStats(sequences=len(ids))
             with self._workdir() as workdir:
-                runner = BlockRunner(self.runtime, self.policy, self.tokenizer, workdir, stats)
+                runner = BlockRunner(self.runtime, self.policy, self.decode, Path(workdir), stats)
                 for block in plan_blocks([len(p) for p in ids], self.policy):
                     flat = [i for group in block for i in group]
                     for i, (lps, top) in zip(flat, runner.score([ids[i] for i in flat], top_logprobs)):

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
 import torch
+
+from flexgen_helm.models.tokenizer import byte_standin_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -26,26 +29,28 @@ def save_tiny(kind: str, path: Path, **overrides) -> Path:
     tf = _transformers()
     torch.manual_seed(0)
     if kind == "opt":
-        cfg = tf.OPTConfig(vocab_size=97, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, ffn_dim=64,
-                           max_position_embeddings=64, word_embed_proj_dim=32, **overrides)
+        cfg = tf.OPTConfig(**{**dict(vocab_size=300, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                                     ffn_dim=64, max_position_embeddings=64, word_embed_proj_dim=32), **overrides})
         model = tf.OPTForCausalLM(cfg)
     elif kind == "llama":
-        cfg = tf.LlamaConfig(vocab_size=101, hidden_size=48, num_hidden_layers=3, num_attention_heads=6,
+        cfg = tf.LlamaConfig(vocab_size=300, hidden_size=48, num_hidden_layers=3, num_attention_heads=6,
                              num_key_value_heads=2, intermediate_size=96, max_position_embeddings=64,
                              rope_theta=50000.0, **overrides)
         model = tf.LlamaForCausalLM(cfg)
     elif kind == "qwen2":
-        cfg = tf.Qwen2Config(vocab_size=101, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
+        cfg = tf.Qwen2Config(vocab_size=300, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
                              num_key_value_heads=2, intermediate_size=96, max_position_embeddings=64, **overrides)
         model = tf.Qwen2ForCausalLM(cfg)
     else:
         raise ValueError(kind)
     model.save_pretrained(path, safe_serialization=True)
+    # a byte-level tokenizer, so that text prompts and completions work too
+    byte_standin_tokenizer(SimpleNamespace(vocab_size=cfg.vocab_size, name=kind)).save_pretrained(path)
     return path
 
 
 def hf_model(path: Path):
-    return _transformers().AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    return _transformers().AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")

@@ -83,8 +83,8 @@ def left_pad(prompts: list[list[int]], length: int, pad_id: int) -> GpuBatch:
 class BlockRunner:
     """Runs blocks of sequences through a ModelRuntime under a policy."""
 
-    def __init__(self, runtime, policy: Policy, tokenizer, workdir: Path, stats: RunStats):
-        self.rt, self.policy, self.tokenizer, self.workdir, self.stats = runtime, policy, tokenizer, workdir, stats
+    def __init__(self, runtime, policy: Policy, decode_text, workdir: Path, stats: RunStats):
+        self.rt, self.policy, self.decode_text, self.workdir, self.stats = runtime, policy, decode_text, workdir, stats
         self.pad_id = runtime.config.pad_token_id if runtime.config.pad_token_id is not None else 0
 
     def _schedule(self, groups: list[list[list[int]]], max_len: int) -> BlockSchedule:
@@ -152,7 +152,7 @@ class BlockRunner:
         return chosen
 
     def _check_stop_strings(self, s: Sequence) -> None:
-        text = self.tokenizer.decode(s.tokens, skip_special_tokens=True)
+        text = self.decode_text(s.tokens)
         cut = min((i for i in (text.find(stop) for stop in s.params.stop_strings) if i >= 0), default=-1)
         if cut >= 0:
             s.text = text[:cut]
@@ -200,8 +200,8 @@ class BlockRunner:
         return lps, tops
 
 
-def to_completion(s: Sequence, tokenizer) -> Completion:
-    text = s.text if s.text is not None else tokenizer.decode(s.tokens, skip_special_tokens=True)
+def to_completion(s: Sequence, decode_text) -> Completion:
+    text = s.text if s.text is not None else decode_text(s.tokens)
     return Completion(text=text, token_ids=list(s.tokens), logprobs=list(s.logprobs),
                       top_logprobs=list(s.top) if s.params.top_logprobs else None,
                       finish_reason=s.finish_reason or "length")
