@@ -1,0 +1,106 @@
+"""`helm-run` end to end, offline: the plugin is found through its entry point alone.
+
+With the real engine and SmolLM2-135M on a few instances of lambada, wikitext and
+synthetic_reasoning (checking the stats HELM writes, the cache, and the token logprobs
+against engine.score), and with the fake engine for the BatchingRunner.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("helm")
+
+TESTS = Path(__file__).resolve().parent
+ENTRIES = [
+    "lambada:model=flexgen/smollm2-135m",
+    "wikitext:model=flexgen/smollm2-135m,unit=paragraph",
+    "synthetic_reasoning:mode=pattern_match,model=flexgen/smollm2-135m",
+]
+
+
+def helm_run(tmp: Path, entries, *extra, fake=False, suite="t", max_instances=3):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env.pop("FLEXGEN_HELM_ENGINE_FACTORY", None)
+    if fake:
+        env["FLEXGEN_HELM_ENGINE_FACTORY"] = "helm_fake_engine:load"
+        env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
+    helm_run_bin = Path(sys.executable).parent / "helm-run"
+    cmd = [str(helm_run_bin), "-r", *entries, "-m", str(max_instances), "--suite", suite,
+           "-o", str(tmp / "out"), "--local-path", str(tmp / "prod_env"), "-n", "4", "--exit-on-error", *extra]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout + proc.stderr
+
+
+def stats(run_dir: Path) -> dict:
+    out = {}
+    for s in json.loads((run_dir / "stats.json").read_text()):
+        n = s["name"]
+        if n.get("split") == "test" and "perturbation" not in n and s.get("count"):
+            out[n["name"]] = s["mean"]
+    return out
+
+
+def run_dirs(tmp: Path, suite="t") -> dict:
+    root = tmp / "out" / "runs" / suite
+    return {p.name.split(":")[0]: p for p in root.iterdir() if ":" in p.name}
+
+
+def _real_engine_available() -> bool:
+    try:
+        from flexgen_helm.engine import Engine  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _real_engine_available(), reason="flexgen_helm.engine does not import yet")
+def test_helm_run_smollm2_lambada_wikitext_synthetic_reasoning(tmp_path):
+    helm_run(tmp_path, ENTRIES)
+    runs = run_dirs(tmp_path)
+    assert set(runs) == {"lambada", "wikitext", "synthetic_reasoning"}
+
+    lam = stats(runs["lambada"])
+    assert 0.0 <= lam["prefix_exact_match"] <= 1.0 and lam["num_output_tokens"] > 0
+    wiki = stats(runs["wikitext"])
+    assert 1.0 < wiki["perplexity"] < 1e4 and wiki["bits_per_byte"] > 0
+    assert wiki["num_perplexity_tokens"] > 0 and wiki["num_bytes"] > 0
+    sr = stats(runs["synthetic_reasoning"])
+    assert "exact_match" in sr and sr["batch_size"] >= 1
+
+    # Token alignment: one Token per prompt token, logprobs = engine.score of the same ids.
+    from flexgen_helm.engine import Engine
+    from flexgen_helm.helm.tokens import token_text_for
+
+    state = json.loads((runs["wikitext"] / "scenario_state.json").read_text())
+    rs = state["request_states"][0]
+    tokens = rs["result"]["completions"][0]["tokens"]
+    engine = Engine.load("smollm2-135m")
+    ids = engine.tokenizer.encode(rs["request"]["prompt"], add_special_tokens=False)
+    assert [t["text"] for t in tokens] == token_text_for(engine.tokenizer).helm_texts(ids)
+    direct = engine.score([ids])[0].logprobs
+    assert [t["logprob"] for t in tokens][1:] == pytest.approx(direct[1:], abs=2e-3)
+    assert rs["result"]["completions"][0]["finish_reason"]["flexgen"]["prompt_tokens"] == len(ids)
+
+    # HELM's cache: the same runs again compute nothing.
+    log = helm_run(tmp_path, ENTRIES, suite="t2")
+    computes = [line for line in log.splitlines() if "flexgen.sqlite" in line and "computes" in line]
+    assert computes and all(line.rstrip().endswith(" 0 computes") for line in computes), computes
+
+
+def test_batching_runner_hands_the_whole_run_to_the_engine(tmp_path):
+    helm_run(tmp_path, ENTRIES[:2], "--runner-class-name", "flexgen_helm.helm.runner.BatchingRunner",
+             fake=True, max_instances=5)
+    runs = run_dirs(tmp_path)
+    padding = json.loads((runs["lambada"] / "flexgen_padding.json").read_text())
+    assert padding["requests"] == 5 and padding["batches"] == 1 and 0 < padding["efficiency"] <= 1
+    lam = stats(runs["lambada"])
+    assert lam["batch_size"] == 5
+    assert stats(runs["wikitext"])["num_perplexity_tokens"] > 0
