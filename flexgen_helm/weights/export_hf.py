@@ -1,0 +1,78 @@
+"""Write any weight source as a Hugging Face checkpoint directory (config.json, sharded
+safetensors, tokenizer), so that other systems (transformers, HELM's HuggingFaceClient,
+accelerate) can run the very same weights side by side with ours."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from flexgen_helm.models.config import ModelConfig
+from flexgen_helm.weights.hf_checkpoint import HF_NAMES
+from flexgen_helm.weights.source import WeightSource, rename
+
+_PREFIX = {"opt": "model.", "llama": "model."}
+
+
+def hf_config(cfg: ModelConfig) -> dict:
+    common = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
+              "num_attention_heads": cfg.num_heads, "max_position_embeddings": cfg.max_seq_len,
+              "tie_word_embeddings": cfg.tie_word_embeddings, "bos_token_id": cfg.bos_token_id,
+              "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id}
+    if cfg.family == "opt":
+        return {**common, "model_type": "opt", "architectures": ["OPTForCausalLM"], "ffn_dim": cfg.ffn_size,
+                "word_embed_proj_dim": cfg.word_embed_proj_dim, "do_layer_norm_before": cfg.do_layer_norm_before,
+                "activation_function": "relu", "enable_bias": True}
+    model_type = "qwen2" if cfg.attention_bias else "llama"
+    out = {**common, "model_type": model_type,
+           "architectures": ["Qwen2ForCausalLM" if model_type == "qwen2" else "LlamaForCausalLM"],
+           "num_key_value_heads": cfg.num_kv_heads, "intermediate_size": cfg.ffn_size, "head_dim": cfg.head_dim,
+           "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "hidden_act": "silu"}
+    if cfg.rope_scaling:
+        out["rope_scaling"] = cfg.rope_scaling_dict
+    return out
+
+
+def export_hf(source: WeightSource, out_dir: str | Path, dtype: torch.dtype = torch.float32,
+              shard_bytes: int = 2 * 2**30, tokenizer=None, progress: bool = True) -> Path:
+    """Streams tensors into shards of at most `shard_bytes`, so RAM stays bounded."""
+    cfg = source.config
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    names = HF_NAMES[cfg.family]
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    weight_map, size = {}, 0
+    for store_name, t in tqdm(source.iter_tensors(), total=len(source.tensor_specs()), desc="exporting",
+                              unit="tensor", disable=not progress):
+        hf_name = rename(store_name, names)
+        hf_name = hf_name if hf_name.startswith("lm_head") else _PREFIX[cfg.family] + hf_name
+        t = t.to(dtype).contiguous()
+        if size and size + t.nbytes > shard_bytes:
+            _write_shard(out, shards, len(shards))
+            shards.append({})
+            size = 0
+        shards[-1][hf_name] = t
+        weight_map[hf_name] = len(shards)
+        size += t.nbytes
+    _write_shard(out, shards, len(shards))
+    total = len(shards)
+    files = {i: f"model-{i:05d}-of-{total:05d}.safetensors" for i in range(1, total + 1)}
+    for i in range(1, total + 1):
+        (out / f"shard-{i}.tmp").rename(out / files[i])
+    index = {"metadata": {}, "weight_map": {k: files[v] for k, v in weight_map.items()}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    config = {**hf_config(cfg), "torch_dtype": str(dtype).replace("torch.", "")}
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    return out
+
+
+def _write_shard(out: Path, shards: list, index: int) -> None:
+    if shards[-1]:
+        save_file(shards[-1], str(out / f"shard-{index}.tmp"), metadata={"format": "pt"})
+        shards[-1] = {}
