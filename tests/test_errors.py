@@ -1,0 +1,99 @@
+"""Bad input gets a clear error that names the problem, and leaves no partial files."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+
+import pytest
+
+from flexgen_helm.cli import main
+from flexgen_helm.engine import Engine
+from flexgen_helm.errors import (FlexGenError, ModelNotFoundError, OffloadDirError, PolicyError, PromptTooLongError,
+                                 WeightStoreError)
+from flexgen_helm.executor.sampling import SamplingParams
+from flexgen_helm.policy import Policy, Split
+
+
+def test_policy_fractions_must_sum_to_one():
+    with pytest.raises(PolicyError, match="sum to 1.1"):
+        Policy(weights=Split(0.5, 0.6, 0.0))
+    with pytest.raises(PolicyError, match="outside"):
+        Policy(cache=Split(1.5, -0.5, 0.0))
+    with pytest.raises(PolicyError, match="gpu_batch_size must be a positive integer"):
+        Policy(gpu_batch_size=0)
+
+
+def test_cli_reports_bad_percent(capsys):
+    assert main(["generate", "--model", "facebook/opt-125m", "--dummy", "--percent", "60", "50", "100", "0", "100",
+                 "0", "--prompt", "hi"]) == 2
+    assert "gpu 60.0 + cpu 50.0 exceeds 100" in capsys.readouterr().err
+
+
+def test_cli_reports_unknown_model(capsys):
+    assert main(["generate", "--model", "no-such-model", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model 'no-such-model'" in err and "smollm2-135m" in err
+
+
+def test_opt_without_weights_says_what_to_pass():
+    with pytest.raises(ModelNotFoundError, match="--path DIR .* or --dummy"):
+        Engine.load("facebook/opt-1.3b")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama, tmp_path_factory):
+    return Engine.load(str(tiny_llama), Policy(cache=Split(0, 0, 1)), dtype="float32", device="cpu",
+                       offload_dir=tmp_path_factory.mktemp("offload"), progress=False)
+
+
+def test_prompt_longer_than_context(engine):
+    with pytest.raises(PromptTooLongError, match=r"more than the context of .* \(64 tokens\)"):
+        engine.generate([list(range(1, 60))], SamplingParams(max_new_tokens=10))
+    assert list(engine.offload_dir.glob("run-*")) == []
+
+
+def test_empty_prompts(engine):
+    with pytest.raises(FlexGenError, match="no prompts"):
+        engine.generate([])
+    with pytest.raises(FlexGenError, match="prompt 1 is empty"):
+        engine.generate([[5, 6], []])
+
+
+def test_missing_weight_file(tiny_llama, tmp_path):
+    broken = shutil.copytree(tiny_llama, tmp_path / "m")
+    for f in broken.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(FlexGenError, match="weight"):
+        Engine.load(str(broken), dtype="float32", device="cpu", progress=False)
+
+
+def test_corrupt_store_is_detected(tiny_opt, tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEXGEN_HELM_CACHE", str(tmp_path / "cache"))
+    Engine.load(str(tiny_opt), dtype="float32", device="cpu", progress=False)
+    victim = sorted((tmp_path / "cache" / "stores").glob("*/layers.1.fc1.weight.bin"))[0]
+    data = bytearray(victim.read_bytes())
+    data[10] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(WeightStoreError, match="checksum mismatch .* layers.1.fc1.weight"):
+        Engine.load(str(tiny_opt), dtype="float32", device="cpu", progress=False)
+
+
+def test_unwritable_offload_dir(tiny_llama, tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    engine = Engine.load(str(tiny_llama), Policy(cache=Split(0, 0, 1)), dtype="float32", device="cpu",
+                         offload_dir=not_a_dir / "offload", progress=False)
+    with pytest.raises(FlexGenError, match="offload directory .* not usable"):
+        engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
+
+
+def test_full_disk_is_reported_and_cleaned_up(engine, monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OffloadDirError, match="disk full: needed .* MiB"):
+        engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
+    assert list(engine.offload_dir.glob("run-*")) == []
