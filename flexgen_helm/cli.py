@@ -1,4 +1,4 @@
-"""`flexgen-helm <command>`: generate, bench, convert (and the commands later issues add)."""
+"""`flexgen-helm <command>`: generate, bench, convert, eval (and the commands later issues add)."""
 
 from __future__ import annotations
 
@@ -103,6 +103,16 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    from flexgen_helm.evaluation.run import run_eval
+
+    try:
+        run_eval(args, policy_from_args(args), args.argv)
+    except FileNotFoundError as e:  # missing evaluation data: say which file and how to point at it
+        raise FlexGenError(str(e)) from e
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flexgen-helm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -137,11 +147,28 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", help="store directory (default: the cache)")
     c.add_argument("--verify", action="store_true", help="re-read every tensor and check its checksum")
     c.set_defaults(func=cmd_convert)
+
+    e = sub.add_parser("eval", help="accuracy: LAMBADA last-word accuracy, WikiText perplexity")
+    add_model_args(e)
+    add_policy_args(e)
+    e.add_argument("--task", choices=["lambada", "wikitext"], required=True)
+    e.add_argument("--data", help="the task's data file, or a data folder (default: $FLEXGEN_HELM_DATA, "
+                                  "../shared/data, else the hub when online)")
+    e.add_argument("--limit", type=int, help="LAMBADA: the first N passages; WikiText: the first N tokens")
+    e.add_argument("--window", type=int, default=1024, help="WikiText window in tokens (capped at the context)")
+    e.add_argument("--generate", action="store_true",
+                   help="LAMBADA: also measure accuracy by greedy generation (the decode path, where KV-cache "
+                        "compression and sparse attention act; scoring runs the prefill only)")
+    e.add_argument("--quiet", action="store_true", help="no progress bars")
+    e.add_argument("--json", help="write the record here")
+    e.set_defaults(func=cmd_eval)
     return parser
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # recorded verbatim by commands that write results
     try:
         return args.func(args)
     except FlexGenError as e:

@@ -13,7 +13,7 @@ from typing import List, Optional
 
 from helm.benchmark.scenarios.scenario import CORRECT_TAG, TEST_SPLIT, Input, Instance, Output, Reference, Scenario
 
-from flexgen_helm.helm.scenarios.data import local_file, missing, offline
+from flexgen_helm.evaluation.data import local_file, missing, offline
 
 RELATIVE = "lambada/lambada_openai_test.jsonl"
 

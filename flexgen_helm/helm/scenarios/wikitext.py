@@ -13,7 +13,7 @@ from typing import List, Optional
 
 from helm.benchmark.scenarios.scenario import TEST_SPLIT, Input, Instance, Scenario
 
-from flexgen_helm.helm.scenarios.data import local_file, missing, offline
+from flexgen_helm.evaluation.data import local_file, missing, offline
 
 RELATIVE = "wikitext-2-raw/wiki.test.raw"
 _ARTICLE = re.compile(r"^ ?= [^=].* = ?$")  # " = Title = " but not " = = Section = = "

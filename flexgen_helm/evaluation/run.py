@@ -1,0 +1,91 @@
+"""`flexgen-helm eval`: load the engine under a policy, run one task, write a JSON record
+(metrics, counts, policy, data provenance, timing, the exact command) and print a summary."""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+import time
+from pathlib import Path
+
+from flexgen_helm.evaluation import lambada, wikitext
+from flexgen_helm.evaluation.data import read_lambada, read_wikitext
+
+TASKS = ("lambada", "wikitext")
+
+
+def run_eval(args, policy, argv: list[str]) -> dict:
+    from flexgen_helm.engine import Engine
+
+    t0 = time.perf_counter()
+    # read the data first: a missing file should fail before the model loads
+    if args.task == "lambada":
+        texts, source = read_lambada(args.data)
+        texts = texts[:args.limit] if args.limit else texts
+    else:
+        lines, source = read_wikitext(args.data)
+    engine = Engine.load(args.model, policy, path=args.path, dummy=args.dummy, offload_dir=args.offload_dir,
+                         device=args.device, dtype=args.dtype, progress=not args.quiet)
+    load_s = time.perf_counter() - t0
+    progress = not args.quiet
+    record = {"task": args.task, "model": args.model, "model_name": engine.config.name,
+              "policy": engine.policy.to_dict(), "policy_summary": engine.policy.describe(),
+              "dtype": str(engine.runtime.devices.dtype).removeprefix("torch."),
+              "device": str(engine.runtime.devices.compute), "limit": args.limit, "data": source}
+    t1 = time.perf_counter()
+    if args.task == "lambada":
+        items, merged = lambada.prepare(engine.tokenizer, texts)
+        chunk = policy.block_size * max(1, math.ceil(128 / policy.block_size))
+        out = lambada.evaluate(engine, items, chunk, progress)
+        out["counts"]["boundary_merges"] = merged
+        if args.generate:
+            acc, _ = lambada.generation_accuracy(engine, items, chunk, progress)
+            out["metrics"]["generation_accuracy"] = acc
+        record["window"] = None
+    else:
+        window = min(args.window, engine.config.max_seq_len)
+        ids, text = wikitext.tokenize(engine.tokenizer, lines, args.limit)
+        out = wikitext.evaluate(engine, ids, text, window, policy.block_size, progress)
+        record["window"] = window
+    eval_s = time.perf_counter() - t1
+    tokens = out["counts"]["tokens_scored"] if args.task == "lambada" else out["counts"]["tokens"]
+    record.update(metrics=out["metrics"], counts=out["counts"], load_s=load_s, eval_s=eval_s,
+                  wall_s=time.perf_counter() - t0, throughput_tokens_per_s=tokens / eval_s,
+                  command="flexgen-helm " + shlex.join(argv))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+    print(summary(record))
+    return record
+
+
+def approximations(policy: dict) -> str:
+    """The numerics-changing part of a policy, short: "W4 g64 dim0 + KV4 g64 + sparse 0.1"."""
+    parts = []
+    for key, name in (("compress_weight", "W"), ("compress_cache", "KV")):
+        c = policy.get(key)
+        if c:
+            dim = "" if c["group_dim"] is None else f" dim{c['group_dim']}"
+            parts.append(f"{name}{c['bits']} g{c['group_size']}{dim}")
+    if policy.get("attn_sparsity", 1.0) < 1.0:
+        parts.append(f"sparse {policy['attn_sparsity']:g}")
+    return " + ".join(parts) or "none"
+
+
+def summary(r: dict) -> str:
+    m, c = r["metrics"], r["counts"]
+    head = f"{r['task']} | {r['model']} | {r['dtype']} | approximations: {approximations(r['policy'])}"
+    if r["task"] == "lambada":
+        body = (f"accuracy {m['accuracy']:.4f} ({c['correct']}/{c['passages']} passages), "
+                f"last-word perplexity {m['last_word_perplexity']:.3f}")
+        if "generation_accuracy" in m:
+            body += f", accuracy by greedy generation {m['generation_accuracy']:.4f}"
+    else:
+        body = (f"token perplexity {m['token_perplexity']:.3f}, word perplexity {m['word_perplexity']:.3f}, "
+                f"bits/byte {m['bits_per_byte']:.4f}\n  window {r['window']}, {c['tokens']} tokens "
+                f"({c['tokens_scored']} scored: the first of each of {c['windows']} windows has no context), "
+                f"{c['words']} words, {c['bytes']} bytes")
+    tail = (f"{r['eval_s']:.1f} s evaluating ({r['throughput_tokens_per_s']:.0f} tokens/s), "
+            f"{r['load_s']:.1f} s loading; data {r['data']['path']}")
+    return f"{head}\n  {body}\n  {tail}"
