@@ -1,0 +1,155 @@
+"""`flexgen-helm eval`: LAMBADA and WikiText metrics against direct computations with
+transformers on a tiny random Llama (byte tokenizer), --limit, data errors, the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from flexgen_helm.cli import main
+from flexgen_helm.engine import Engine
+from flexgen_helm.evaluation import lambada, wikitext
+from flexgen_helm.evaluation.data import local_file, read_wikitext
+from flexgen_helm.executor.sampling import SamplingParams
+from flexgen_helm.policy.policy import Policy
+from conftest import hf_model
+
+PASSAGES = ["the cat sat on the mat", "a dog ran far away", "she said hello to him",
+            "one two three four five", "we went home at night", "it is a fine day today",
+            "rain falls on the hill", "open the door please"]
+PARAGRAPHS = [" = Title = ", " The first paragraph , with words . ", " = = Part = = ",
+              " Another paragraph ; it is longer than the first one , by a few words . ",
+              " A third one closes the text . "]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    # gpu_batch_size 3: blocks mix lengths, so left padding is exercised
+    return Engine.load(str(tiny_llama), Policy(gpu_batch_size=3), device="cpu", dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    model = hf_model(tiny_llama)
+
+    def logprobs(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)  # row j predicts j+1
+    return logprobs
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    (tmp_path / "lambada").mkdir()
+    (tmp_path / "lambada" / "lambada_openai_test.jsonl").write_text(
+        "".join(json.dumps({"text": t}) + "\n" for t in PASSAGES))
+    (tmp_path / "wikitext-2-raw").mkdir()
+    # the official layout: CRLF line ends, paragraphs separated by blank lines
+    (tmp_path / "wikitext-2-raw" / "wiki.test.raw").write_bytes(
+        "".join(p + "\r\n \r\n" for p in PARAGRAPHS).encode())
+    return tmp_path
+
+
+def test_split_and_tokenize(engine):
+    assert lambada.split_last_word("the cat sat on the mat\n") == ("the cat sat on the", " mat")
+    items, merged = lambada.prepare(engine.tokenizer, ["the cat sat on the mat"])
+    assert merged == 0
+    assert engine.tokenizer.decode(items[0].target) == " mat"
+    assert items[0].context == engine.tokenizer("the cat sat on the")["input_ids"]
+
+
+def test_lambada_matches_transformers(engine, reference):
+    items, _ = lambada.prepare(engine.tokenizer, PASSAGES)
+    # Half the targets are the model's own greedy continuation (so accuracy is not 0):
+    greedy = engine.generate([it.context for it in items[:4]], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    items[:4] = [lambada.Item(it.context, r.completions[0].token_ids) for it, r in zip(items[:4], greedy)]
+    out = lambada.evaluate(engine, items, chunk=5, progress=False)
+
+    correct, nll = [], []
+    for it in items:
+        lp = reference(it.full)[len(it.context) - 1:-1]  # rows predicting the target tokens
+        target = torch.tensor(it.target)
+        correct.append(bool((lp.argmax(-1) == target).all()))
+        nll.append(-float(lp.gather(-1, target[:, None]).sum()))
+    assert out["correct"] == correct
+    assert correct[:4] == [True] * 4 and sum(correct) < len(items)
+    assert out["metrics"]["accuracy"] == pytest.approx(sum(correct) / len(items))
+    assert out["nll"] == pytest.approx(nll, rel=1e-4)
+    assert out["metrics"]["last_word_perplexity"] == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-4)
+
+    # one scoring pass == greedy decoding of len(target) tokens
+    acc, by_generation = lambada.generation_accuracy(engine, items, chunk=5, progress=False)
+    assert by_generation == correct and acc == out["metrics"]["accuracy"]
+
+
+def test_wikitext_matches_transformers(engine, reference, data_dir):
+    lines, source = read_wikitext(str(data_dir))
+    assert lines == PARAGRAPHS and source["sha256"]
+    ids, text = wikitext.tokenize(engine.tokenizer, lines, limit=None)
+    assert text == "\n\n".join(PARAGRAPHS)
+    window = 40
+    out = wikitext.evaluate(engine, ids, text, window, batch=2, progress=False)
+
+    nll, scored = 0.0, 0
+    for s in range(0, len(ids), window):
+        w = ids[s:s + window]
+        if len(w) > 1:
+            nll -= float(reference(w)[:-1].gather(-1, torch.tensor(w[1:])[:, None]).sum())
+            scored += len(w) - 1
+    c, m = out["counts"], out["metrics"]
+    assert (c["tokens"], c["tokens_scored"], c["windows"]) == (len(ids), scored, math.ceil(len(ids) / window))
+    assert m["token_perplexity"] == pytest.approx(math.exp(nll / scored), rel=1e-4)
+    assert c["words"] == len(text.split()) and c["bytes"] == len(text.encode())
+    assert m["word_perplexity"] == pytest.approx(math.exp(nll / c["words"]), rel=1e-4)
+    assert m["bits_per_byte"] == pytest.approx(nll / math.log(2) / c["bytes"], rel=1e-4)
+
+
+def test_wikitext_limit_cuts_text_at_token(engine):
+    ids, text = wikitext.tokenize(engine.tokenizer, PARAGRAPHS, limit=30)
+    full, _ = wikitext.tokenize(engine.tokenizer, PARAGRAPHS, limit=None)
+    assert ids == full[:30]
+    assert engine.tokenizer(text)["input_ids"] == ids  # the text covers exactly those tokens
+
+
+def run_cli(tiny_llama, tmp_path, *extra) -> dict:
+    out = tmp_path / "r.json"
+    rc = main(["eval", "--model", str(tiny_llama), "--device", "cpu", "--dtype", "float32", "--gpu-batch-size", "4",
+               "--quiet", "--json", str(out), *extra])
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
+def test_cli_lambada_limit(tiny_llama, tmp_path, data_dir, capsys):
+    r = run_cli(tiny_llama, tmp_path, "--task", "lambada", "--data", str(data_dir), "--limit", "5", "--generate")
+    assert r["counts"]["passages"] == 5 and r["limit"] == 5
+    assert r["metrics"]["generation_accuracy"] == r["metrics"]["accuracy"]
+    assert r["data"]["path"].endswith("lambada_openai_test.jsonl") and len(r["data"]["sha256"]) == 64
+    assert r["dtype"] == "float32" and r["policy"]["gpu_batch_size"] == 4 and r["window"] is None
+    assert r["command"].startswith("flexgen-helm eval --model") and "--limit 5" in r["command"]
+    assert r["throughput_tokens_per_s"] > 0 and r["wall_s"] >= r["eval_s"]
+    assert "accuracy" in capsys.readouterr().out
+
+
+def test_cli_wikitext(tiny_llama, tmp_path, data_dir, monkeypatch, capsys):
+    monkeypatch.setenv("FLEXGEN_HELM_DATA", str(data_dir))  # found without --data
+    r = run_cli(tiny_llama, tmp_path, "--task", "wikitext", "--window", "1024", "--limit", "100")
+    assert r["window"] == 64  # capped at the tiny model's context
+    assert r["counts"]["tokens"] == 100 and r["counts"]["tokens_scored"] == 100 - 2
+    assert r["data"]["path"] == str(data_dir / "wikitext-2-raw" / "wiki.test.raw")
+    assert "not scored" in r["counts"]["note"] and "token perplexity" in capsys.readouterr().out
+
+
+def test_missing_data_is_a_clear_error(tiny_llama, tmp_path, monkeypatch, capsys):
+    assert main(["eval", "--model", str(tiny_llama), "--task", "lambada", "--data", str(tmp_path / "nope.jsonl")]) == 2
+    assert "nope.jsonl does not exist" in capsys.readouterr().err
+    monkeypatch.setenv("FLEXGEN_HELM_DATA", str(tmp_path))  # an empty data folder, and offline (conftest)
+    assert main(["eval", "--model", str(tiny_llama), "--task", "wikitext"]) == 2
+    err = capsys.readouterr().err
+    assert "wikitext-2-raw/wiki.test.raw" in err and "--data PATH" in err
+
+
+def test_local_file_accepts_a_data_folder(data_dir):
+    assert local_file("lambada/lambada_openai_test.jsonl", str(data_dir)).endswith("lambada_openai_test.jsonl")
