@@ -31,6 +31,19 @@ def throughput(stats: dict, batch: int, prompt_len: int, gen_len: int) -> dict:
     }
 
 
+STAGES = ("prefill", "decode")
+EVENTS = ("compute", "load_weight", "load_cache", "store_cache", "load_hidden", "store_hidden")
+
+
+def breakdown(timers: dict) -> dict:
+    """Seconds per stage and kind of event (the schedule's "{stage}_{event}" timers).
+
+    With overlap off these are the paper's Table 23 columns (compute, weight read, cache
+    read, cache write; activations are the rest); with overlap on they overlap compute.
+    """
+    return {stage: {e: timers.get(f"{stage}_{e}", 0.0) for e in EVENTS} for stage in STAGES}
+
+
 def run_bench(args, policy: Policy) -> dict:
     devices = pick_devices(args.device, args.dtype)
     resolved = resolve(args.model, path=args.path, dummy=args.dummy)
@@ -51,6 +64,7 @@ def run_bench(args, policy: Policy) -> dict:
     engine.generate(prompts, params)
     stats = engine.last_stats
     result = {
+        "label": getattr(args, "label", None),
         "model": cfg.name,
         "dummy": args.dummy,
         "dtype": str(devices.dtype).replace("torch.", ""),
@@ -64,6 +78,7 @@ def run_bench(args, policy: Policy) -> dict:
         "planned_bytes": planned,
         "memory": stats["memory"],
         "timers": stats["timers"],
+        "breakdown": breakdown(stats["timers"]),
         "hardware": machine_info(),
     }
     _print(result)

@@ -140,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--cpu-mem", help="CPU RAM budget, e.g. 4GiB")
     b.add_argument("--warmup", type=int, default=1, help="untimed runs before the timed one")
     b.add_argument("--json", help="write the measurements here")
+    b.add_argument("--label", help="name of this setting in reports (e.g. 'no overlap'; see flexgen_helm/report)")
     b.set_defaults(func=cmd_bench)
 
     c = sub.add_parser("convert", help="convert a model into the engine's per-tensor store")

@@ -4,6 +4,12 @@ A block is `num_gpu_batches` GPU batches. Each token step walks the layers; with
 layer it walks the GPU batches, so a layer's weights are loaded once per step and
 reused by the whole block. While batch k computes layer j, the copy engine loads layer
 j+1's weights, batch k+1's cache and activations, and stores batch k's.
+
+`timers` (seconds): "compute" and "wait_*" (time the compute thread waited for a load)
+over the whole run, plus per stage "{prefill,decode}_{compute,load_weight,load_cache,
+load_hidden,store_cache,store_hidden}": the run time of each kind of event. With overlap
+off these add up to the stage's time (the paper's Table 23 breakdown); with overlap on
+the transfers run beside compute, so their times overlap it.
 """
 
 from __future__ import annotations
@@ -48,8 +54,8 @@ class BlockSchedule:
         self.policy = policy
         self.batches = batches
         self.devices = runtime.devices
-        self.io = CopyEngine(policy.overlap, self.devices.compute)
         self.timers = defaultdict(float)
+        self.io = CopyEngine(policy.overlap, self.devices.compute, self.timers)
         self.length = 0  # positions in the cache so far
         nb = len(batches)
         blocks = [layer for layer in runtime.layers if layer.kind == "block"]
@@ -94,20 +100,24 @@ class BlockSchedule:
 
     def _step(self, inputs, head: HeadFn, prefill: bool) -> list:
         layers, nb, io = self.rt.layers, len(self.batches), self.io
+        stage = "prefill" if prefill else "decode"
         results = [None] * nb
-        weights = self._weights_ahead or io.submit(self.rt.load_layer, layers[0])
+        weights = self._weights_ahead or io.submit(self.rt.load_layer, layers[0], kind=f"{stage}_load_weight")
         for j, layer in enumerate(layers):
             w = self._wait(weights, "load_weight")
             # prefetch the next layer (after the last, the first layer of the next step)
-            weights = io.submit(self.rt.load_layer, layers[(j + 1) % len(layers)])
-            cache = io.submit(self._load_cache, layer, 0, prefill) if layer.kind == "block" else None
-            hidden = io.submit(self.acts[0].load) if layer.kind != "embed" else None
+            weights = io.submit(self.rt.load_layer, layers[(j + 1) % len(layers)], kind=f"{stage}_load_weight")
+            cache = io.submit(self._load_cache, layer, 0, prefill, kind=f"{stage}_load_cache") \
+                if layer.kind == "block" else None
+            hidden = io.submit(self.acts[0].load, kind=f"{stage}_load_hidden") if layer.kind != "embed" else None
             for k in range(nb):
                 h = self._wait(hidden, "load_hidden") if hidden is not None else None
                 kv = self._wait(cache, "load_cache") if cache is not None else None
                 if k + 1 < nb:  # batch k+1's inputs travel while batch k computes
-                    cache = io.submit(self._load_cache, layer, k + 1, prefill) if layer.kind == "block" else None
-                    hidden = io.submit(self.acts[k + 1].load) if layer.kind != "embed" else None
+                    cache = io.submit(self._load_cache, layer, k + 1, prefill, kind=f"{stage}_load_cache") \
+                        if layer.kind == "block" else None
+                    hidden = io.submit(self.acts[k + 1].load, kind=f"{stage}_load_hidden") \
+                        if layer.kind != "embed" else None
                 ids, positions = inputs[k]
                 t0 = time.perf_counter()
                 if layer.kind == "embed":
@@ -118,11 +128,13 @@ class BlockSchedule:
                     results[k] = head(k, w, h)
                 if self.devices.is_cuda:
                     torch.cuda.current_stream().synchronize()
-                self.timers["compute"] += time.perf_counter() - t0
+                elapsed = time.perf_counter() - t0
+                self.timers["compute"] += elapsed
+                self.timers[f"{stage}_compute"] += elapsed
                 if layer.kind == "block":
-                    io.submit(self.slots[layer.index, k].write, *new_kv)
+                    io.submit(self.slots[layer.index, k].write, *new_kv, kind=f"{stage}_store_cache")
                 if layer.kind != "head":
-                    io.submit(self.acts[k].store, h)
+                    io.submit(self.acts[k].store, h, kind=f"{stage}_store_hidden")
             del w
         self._weights_ahead = weights
         return results
