@@ -16,6 +16,7 @@ import torch
 
 from flexgen_helm.errors import FlexGenError, PromptTooLongError
 from flexgen_helm.executor.generation import BlockRunner, RunStats, Sequence, plan_blocks, to_completion
+from flexgen_helm.executor.kv_cache import check_cache_compression
 from flexgen_helm.executor.runtime import ModelRuntime
 from flexgen_helm.executor.sampling import GenerationResult, SamplingParams, ScoreResult
 from flexgen_helm.memory.devices import Devices, pick_devices
@@ -180,9 +181,11 @@ def build_runtime(resolved: ResolvedModel, policy: Policy, devices: Devices, off
     cfg = resolved.config
     family = family_of(cfg)
     layers = family.layer_specs(cfg)
-    placement = place_weights(layers, policy.weights)
+    check_cache_compression(policy.compress_cache)
+    placement = place_weights(layers, policy.weights, policy.compress_weight)
     needs_disk = any(s.tier == "disk" for segs in placement.values() for s in segs)
-    store, read_full = open_weights(resolved, devices.dtype, offload_dir, needs_disk, progress)
+    store, read_full = open_weights(resolved, devices.dtype, offload_dir, needs_disk, progress, policy.compress_weight)
     usage = TierUsage()
-    homes = build_homes(layers, placement, devices, read_full, usage, policy.pin_weight, progress)
+    homes = build_homes(layers, placement, devices, read_full, usage, policy.pin_weight, policy.compress_weight,
+                        progress)
     return ModelRuntime(cfg, family, layers, placement, homes, store, devices, usage)

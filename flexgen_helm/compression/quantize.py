@@ -104,11 +104,36 @@ class QuantizedTensor:
         """All bytes it stores: packed codes, scales and mins."""
         return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.min))
 
+    @classmethod
+    def empty(cls, shape, dtype: torch.dtype, cfg: Compression, group_dim: int, device="cpu",
+              pin_memory: bool = False) -> "QuantizedTensor":
+        """Uninitialised storage for a tensor of `shape` (e.g. a KV cache to fill row by row;
+        on the "meta" device it only tells what the compressed form would weigh)."""
+        shape = tuple(shape)
+        gd = group_dim % len(shape)
+        grouped = list(shape)
+        grouped[gd] = -(-shape[gd] // cfg.group_size)
+        kw = dict(device=device, pin_memory=pin_memory)
+        return cls(
+            data=torch.empty(*grouped, _bytes_per_group(cfg.group_size, cfg.bits), dtype=torch.uint8, **kw),
+            scale=torch.empty(grouped, dtype=dtype, **kw),
+            min=torch.empty(grouped, dtype=dtype, **kw),
+            shape=shape, dtype=dtype, bits=cfg.bits, group_size=cfg.group_size, group_dim=gd,
+        )
+
+    @property
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stored tensors, in a fixed order: packed codes, scales, mins."""
+        return self.data, self.scale, self.min
+
     def to(self, device, non_blocking: bool = False) -> "QuantizedTensor":
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> "QuantizedTensor":
         return self._map(lambda t: t.pin_memory())
+
+    def clone(self) -> "QuantizedTensor":
+        return self._map(lambda t: t.clone())
 
     def _map(self, fn) -> "QuantizedTensor":
         return dataclasses.replace(self, data=fn(self.data), scale=fn(self.scale), min=fn(self.min))

@@ -2,23 +2,52 @@
 
 Every tier keeps the sequence-major layout (max_len, units, head_dim), so the cache of
 positions [0, t) is one contiguous range (one disk read) and a decode step appends one
-contiguous row (one disk write)."""
+contiguous row (one disk write).
+
+Under cache compression each tier holds the QuantizedTensor form of that layout, groups
+along head_dim (cache_group_dim): a position's row of one unit is quantized on its own, so
+each new token is quantized once as it is written and never touches earlier groups. On
+disk a position's row is the bytes of its packed codes, then scales, then mins (of all the
+tier's units), so [0, t) stays one read. Reads return what is stored; the reader moves it
+to where attention runs and dequantizes there (compression.stored.dense)."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from pathlib import Path
 
 import torch
 
+from flexgen_helm.compression.quantize import CACHE_GROUP_DIM, QuantizedTensor, cache_group_dim
+from flexgen_helm.compression.stored import Stored, encode, stored_nbytes
+from flexgen_helm.errors import PolicyError
 from flexgen_helm.memory.devices import Devices
+from flexgen_helm.memory.direct_io import ALIGN
 from flexgen_helm.memory.disk_buffer import DiskBuffer
 from flexgen_helm.memory.usage import TierUsage
-from flexgen_helm.policy.policy import TIERS
+from flexgen_helm.policy.policy import TIERS, Compression
+
+
+def check_cache_compression(cfg: Compression | None) -> None:
+    """Appending a token at a time needs groups within a position's row, along head_dim."""
+    if cfg is not None and cache_group_dim(cfg) not in (CACHE_GROUP_DIM, CACHE_GROUP_DIM - 3):
+        raise PolicyError(f"the KV cache is quantized along the head dim (group dim {CACHE_GROUP_DIM}), "
+                          f"not dim {cfg.group_dim}: leave the cache's group dim unset")
+
+
+def cache_nbytes(positions: int, units: int, head_dim: int, dtype: torch.dtype, cfg: Compression | None) -> int:
+    """Bytes of K (or of V) for `positions` x `units`, as the cache stores them."""
+    return stored_nbytes((positions, units, head_dim), dtype, cfg, None if cfg is None else CACHE_GROUP_DIM)
+
+
+def _parts(x: Stored) -> tuple[torch.Tensor, ...]:
+    return x.parts if isinstance(x, QuantizedTensor) else (x,)
 
 
 class KVCacheSlot:
     def __init__(self, units: dict[str, int], max_len: int, head_dim: int, devices: Devices,
-                 usage: TierUsage, disk_path: Path | None, pin: bool):
+                 usage: TierUsage, disk_path: Path | None, pin: bool, compression: Compression | None = None):
         self.units = units
         self.ranges = {}
         start = 0
@@ -26,52 +55,116 @@ class KVCacheSlot:
             self.ranges[tier] = (start, start + units[tier])
             start += units[tier]
         self.max_len, self.head_dim, self.devices, self.usage = max_len, head_dim, devices, usage
-        self.k: dict[str, torch.Tensor] = {}
-        self.v: dict[str, torch.Tensor] = {}
+        self.compression = compression
+        self.k: dict[str, Stored] = {}
+        self.v: dict[str, Stored] = {}
         self.disk: DiskBuffer | None = None
-        elt = torch.empty((), dtype=devices.dtype).element_size()
+        self.disk_bytes_read = 0  # what decode attention read from the disk tier (sparse reads show here)
         for tier in ("gpu", "cpu"):
             if units[tier]:
-                shape = (max_len, units[tier], head_dim)
-                kwargs = {"pin_memory": True} if (tier == "cpu" and pin and devices.is_cuda) else {}
-                self.k[tier] = torch.empty(shape, dtype=devices.dtype, device=devices.tier_device(tier), **kwargs)
-                self.v[tier] = torch.empty(shape, dtype=devices.dtype, device=devices.tier_device(tier), **kwargs)
-                usage.add(tier, 2 * max_len * units[tier] * head_dim * elt)
+                pinned = tier == "cpu" and pin and devices.is_cuda
+                self.k[tier] = self._empty(max_len, units[tier], devices.tier_device(tier), pinned)
+                self.v[tier] = self._empty(max_len, units[tier], devices.tier_device(tier), pinned)
+                usage.add(tier, self.k[tier].nbytes + self.v[tier].nbytes)
+        # One position's row of the disk units, on the meta device: the layout of a disk row.
+        self._disk_row = self._empty(1, units["disk"], "meta", False)
+        self._row_bytes = sum(p.nbytes for p in _parts(self._disk_row))
+        self._disk_half = max_len * self._row_bytes  # K rows, then V rows
         if units["disk"]:
-            self._disk_half = max_len * units["disk"] * head_dim * elt
             self.disk = DiskBuffer(disk_path, 2 * self._disk_half)
             usage.add("disk", 2 * self._disk_half)
-        self._row_bytes = units["disk"] * head_dim * elt
+
+    def _empty(self, rows: int, units: int, device, pin: bool) -> Stored:
+        shape, dtype = (rows, units, self.head_dim), self.devices.dtype
+        if self.compression is None:
+            return torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
+        return QuantizedTensor.empty(shape, dtype, self.compression, CACHE_GROUP_DIM, device, pin)
+
+    # ---- writes ----------------------------------------------------------------------------
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """Store k, v of shape (s, units, d) at positions [start, start + s)."""
-        s = k.shape[0]
+        gd = None if self.compression is None else CACHE_GROUP_DIM
+        k, v = encode(k, self.compression, gd), encode(v, self.compression, gd)  # quantized where computed
         for tier in TIERS:
             a, b = self.ranges[tier]
             if a == b:
                 continue
+            kt, vt = k.narrow(1, a, b - a), v.narrow(1, a, b - a)
             if tier == "disk":
-                self.disk.write(start * self._row_bytes, k[:, a:b])
-                self.disk.write(self._disk_half + start * self._row_bytes, v[:, a:b])
+                self.disk.write(start * self._row_bytes, self._to_rows(kt))
+                self.disk.write(self._disk_half + start * self._row_bytes, self._to_rows(vt))
             else:
-                self.k[tier][start:start + s].copy_(k[:, a:b], non_blocking=True)
-                self.v[tier][start:start + s].copy_(v[:, a:b], non_blocking=True)
+                for dst, src in ((self.k[tier], kt), (self.v[tier], vt)):
+                    for d, s in zip(_parts(dst), _parts(src)):
+                        d[start:start + s.shape[0]].copy_(s, non_blocking=True)
 
-    def read(self, tier: str, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions [0, length) of a tier's units, where they live (disk: into CPU memory)."""
+    # ---- reads -------------------------------------------------------------------------------
+
+    def read(self, tier: str, length: int, values: bool = True) -> tuple[Stored, Stored | None]:
+        """Positions [0, length) of a tier's units as stored, where they live (disk: into
+        CPU memory). values=False skips V (sparse attention reads only the rows it keeps)."""
         if tier != "disk":
-            return self.k[tier][:length], self.v[tier][:length]
-        shape = (length, self.units["disk"], self.head_dim)
-        dtype = self.devices.dtype
-        return self.disk.read(0, shape, dtype), self.disk.read(self._disk_half, shape, dtype)
+            return self.k[tier].narrow(0, 0, length), self.v[tier].narrow(0, 0, length) if values else None
+        k = self._read_rows(0, [(0, length)])
+        return k, self._read_rows(self._disk_half, [(0, length)]) if values else None
+
+    def read_disk_values(self, positions: list[int]) -> Stored:
+        """V of the disk units at the given sorted positions, reading only the runs of rows
+        that hold them (runs closer than a disk page are read as one)."""
+        gap = math.ceil(ALIGN / self._row_bytes)
+        runs: list[list[int]] = []
+        for p in positions:
+            if runs and p - runs[-1][1] <= gap:
+                runs[-1][1] = p + 1
+            else:
+                runs.append([p, p + 1])
+        rows = self._read_rows(self._disk_half, runs)
+        if sum(b - a for a, b in runs) == len(positions):
+            return rows
+        keep = torch.cat([torch.arange(a, b) for a, b in runs])
+        return _index_rows(rows, torch.searchsorted(keep, torch.tensor(positions)))
+
+    def _read_rows(self, base: int, runs) -> Stored:
+        raw = [self.disk.read(base + a * self._row_bytes, (b - a, self._row_bytes), torch.uint8) for a, b in runs]
+        self.disk_bytes_read += sum(r.numel() for r in raw)
+        return self._from_rows(raw[0] if len(raw) == 1 else torch.cat(raw))
+
+    # ---- the disk row format -------------------------------------------------------------
+
+    def _to_rows(self, x: Stored) -> torch.Tensor:
+        """(s, units, d) as stored -> (s, row_bytes) uint8: each part's bytes, in order."""
+        n = x.shape[0]
+        return torch.cat([p.reshape(n, -1).view(torch.uint8) for p in _parts(x)], dim=1)
+
+    def _from_rows(self, raw: torch.Tensor) -> Stored:
+        """Inverse of _to_rows, for (n, row_bytes) uint8 read back from disk."""
+        n, parts, offset = raw.shape[0], [], 0
+        for p in _parts(self._disk_row):
+            chunk = raw[:, offset:offset + p.nbytes]
+            offset += p.nbytes
+            if p.dtype != torch.uint8:  # a fresh, aligned copy: byte slices cannot be viewed as floats
+                chunk = chunk.clone(memory_format=torch.contiguous_format).view(p.dtype)
+            parts.append(chunk.reshape(n, *p.shape[1:]))
+        if self.compression is None:
+            return parts[0]
+        return dataclasses.replace(self._disk_row, data=parts[0], scale=parts[1], min=parts[2],
+                                   shape=(n, *self._disk_row.shape[1:]))
 
     def close(self) -> None:
-        elt = torch.empty((), dtype=self.devices.dtype).element_size()
         for tier in ("gpu", "cpu"):
             if self.units[tier]:
-                self.usage.remove(tier, 2 * self.max_len * self.units[tier] * self.head_dim * elt)
+                self.usage.remove(tier, self.k[tier].nbytes + self.v[tier].nbytes)
         self.k.clear()
         self.v.clear()
         if self.disk is not None:
             self.usage.remove("disk", 2 * self._disk_half)
             self.disk.close()
+
+
+def _index_rows(x: Stored, index: torch.Tensor) -> Stored:
+    """Rows `index` (dim 0) of a stored tensor."""
+    if isinstance(x, QuantizedTensor):
+        return dataclasses.replace(x, data=x.data[index], scale=x.scale[index], min=x.min[index],
+                                   shape=(len(index), *x.shape[1:]))
+    return x[index]

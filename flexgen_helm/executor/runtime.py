@@ -13,6 +13,7 @@ from flexgen_helm.memory.usage import TierUsage
 from flexgen_helm.memory.weight_homes import WeightHome, home_bytes, load_layer
 from flexgen_helm.models.config import ModelConfig
 from flexgen_helm.models.spec import LayerSpec
+from flexgen_helm.weights.compressed_store import CompressedStore
 from flexgen_helm.weights.store import TensorStore
 
 
@@ -23,7 +24,7 @@ class ModelRuntime:
     layers: list[LayerSpec]
     placement: dict[str, list[Segment]]
     homes: dict[str, WeightHome]
-    store: TensorStore | None
+    store: TensorStore | CompressedStore | None
     devices: Devices
     usage: TierUsage
 
@@ -31,8 +32,7 @@ class ModelRuntime:
         return load_layer(layer, self.homes, self.devices, self.store)
 
     def placement_report(self) -> dict:
-        elt = torch.empty((), dtype=self.devices.dtype).element_size()
         return {
             "weight_fractions": achieved_fractions(self.layers, self.placement),
-            "weight_bytes": home_bytes(self.homes, elt),
+            "weight_bytes": home_bytes(self.homes, self.devices.dtype),
         }

@@ -14,6 +14,7 @@ the transfers run beside compute, so their times overlap it.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from flexgen_helm.compression.stored import dense
 from flexgen_helm.executor.activations import ActivationHome
 from flexgen_helm.executor.attention import attend, from_units, to_units
 from flexgen_helm.executor.kv_cache import KVCacheSlot
@@ -65,7 +67,7 @@ class BlockSchedule:
                 units = cumulative_split_count(batch.size * self.cfg.num_kv_heads, policy.cache, layer.index * nb + k)
                 self.slots[layer.index, k] = KVCacheSlot(
                     units, max_len, self.cfg.head_dim, self.devices, runtime.usage,
-                    workdir / f"kv-{layer.index}-{k}.bin", pin=True)
+                    workdir / f"kv-{layer.index}-{k}.bin", pin=True, compression=policy.compress_cache)
         self.acts = [
             ActivationHome(cumulative_split_count(batch.size, policy.activations, k), max_len,
                            self.cfg.hidden_size, self.devices, runtime.usage, workdir / f"act-{k}.bin")
@@ -155,9 +157,13 @@ class BlockSchedule:
         parts = {}
         for tier in TIERS:
             if slot.units[tier]:
-                kc, vc = slot.read(tier, self.length)
+                # Sparse attention reads V from disk after scoring, and only the rows it keeps.
+                sparse_disk = tier == "disk" and self.policy.attn_sparsity < 1.0
+                stored = slot.read(tier, self.length, values=not sparse_disk)
                 where = self._attention_device(tier)
-                parts[tier] = (kc.to(where, non_blocking=True), vc.to(where, non_blocking=True))
+                # compressed parts travel compressed and are dequantized where attention runs
+                parts[tier] = tuple(None if x is None else dense(x.to(where, non_blocking=True), self.devices.dtype)
+                                    for x in stored)
         return parts
 
     def _attention_device(self, tier: str) -> torch.device:
@@ -189,11 +195,29 @@ class BlockSchedule:
             kc, vc = cache[tier]
             where = self._attention_device(tier)
             keys = torch.cat([kc.transpose(0, 1), ku[a:b].to(where)], dim=1)
-            values = torch.cat([vc.transpose(0, 1), vu[a:b].to(where)], dim=1)
+            new_v = vu[a:b].to(where)
+            if vc is None:  # V left on disk: attend() asks for the rows it keeps
+                values = functools.partial(self._disk_values, slot, new_v)
+            else:
+                values = torch.cat([vc.transpose(0, 1), new_v], dim=1)
             out = attend(qu[a:b].to(where), keys, values, valid[a:b].to(where), causal=False,
                          keep_fraction=self.policy.attn_sparsity)
             outs.append(out.to(self.devices.compute, non_blocking=True))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _disk_values(self, slot: KVCacheSlot, new_v: torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """V of the disk units at sorted `positions`, (units, n, d) on new_v's device; the
+        last position may be this step's token, whose V is not written yet."""
+        t0 = time.perf_counter()
+        cached = [p for p in positions if p < self.length]
+        pieces = []
+        if cached:
+            rows = slot.read_disk_values(cached).to(new_v.device)
+            pieces.append(dense(rows, self.devices.dtype).transpose(0, 1))
+        if len(cached) < len(positions):
+            pieces.append(new_v)
+        self.timers["decode_read_sparse_values"] += time.perf_counter() - t0
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
     def close(self) -> None:
         self.io.close()

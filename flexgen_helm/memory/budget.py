@@ -3,29 +3,50 @@ anything is allocated."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from flexgen_helm.errors import PolicyError
+from flexgen_helm.executor.kv_cache import cache_nbytes
 from flexgen_helm.memory.placement import place_weights
+from flexgen_helm.memory.weight_homes import segment_nbytes
 from flexgen_helm.models import family_of
 from flexgen_helm.models.config import ModelConfig
-from flexgen_helm.policy.policy import TIERS, Policy
+from flexgen_helm.policy.policy import TIERS, Compression, Policy, Split
+
+
+def planned_components(cfg: ModelConfig, policy: Policy, max_len: int, dtype: torch.dtype, act_len: int | None = None
+                       ) -> dict[str, dict[str, int]]:
+    """Bytes of weights, KV cache and activations (one block of `act_len` positions, default
+    max_len) on each tier as stored (compressed when the policy compresses), before
+    transient buffers."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    weights = dict(_weight_bytes(cfg, policy.weights, policy.compress_weight, dtype))
+    units = policy.block_size * cfg.num_kv_heads  # per layer, over the block
+    cache = {t: 2 * cfg.num_layers * cache_nbytes(max_len, round(units * getattr(policy.cache, t)), cfg.head_dim,
+                                                  dtype, policy.compress_cache) for t in TIERS}
+    act = policy.block_size * (act_len or max_len) * cfg.hidden_size * elt
+    return {"weights": weights, "cache": cache,
+            "activations": {t: int(act * getattr(policy.activations, t)) for t in TIERS}}
+
+
+@functools.lru_cache(maxsize=256)  # the policy search asks for the same few placements many times
+def _weight_bytes(cfg: ModelConfig, split: Split, compression: Compression | None, dtype: torch.dtype
+                  ) -> dict[str, int]:
+    layers = family_of(cfg).layer_specs(cfg)
+    specs = {t.store_name: t for layer in layers for t in layer.owned()}
+    weights = {t: 0 for t in TIERS}
+    for name, segments in place_weights(layers, split, compression).items():
+        for s in segments:
+            weights[s.tier] += segment_nbytes(specs[name], s, compression, dtype)
+    return weights
 
 
 def planned_bytes(cfg: ModelConfig, policy: Policy, max_len: int, dtype: torch.dtype) -> dict[str, int]:
     """Weights, KV cache and activations (one block) per tier, before transient buffers."""
-    elt = torch.empty((), dtype=dtype).element_size()
-    layers = family_of(cfg).layer_specs(cfg)
-    sizes = {t.store_name: t.row_numel for layer in layers for t in layer.owned()}
-    out = {t: 0 for t in TIERS}
-    for name, segments in place_weights(layers, policy.weights).items():
-        for s in segments:
-            out[s.tier] += s.rows * sizes[name] * elt
-    cache = 2 * cfg.num_layers * policy.block_size * cfg.num_kv_heads * max_len * cfg.head_dim * elt
-    act = policy.block_size * max_len * cfg.hidden_size * elt
-    for tier in TIERS:
-        out[tier] += int(cache * getattr(policy.cache, tier)) + int(act * getattr(policy.activations, tier))
-    return out
+    parts = planned_components(cfg, policy, max_len, dtype)
+    return {t: sum(p[t] for p in parts.values()) for t in TIERS}
 
 
 def check_budgets(planned: dict[str, int], budgets: dict[str, int | None]) -> None:

@@ -1,15 +1,18 @@
 """Placement by fraction: which rows of which tensor live on which tier.
 
-Fractions are honoured to within one row of one tensor per layer (FlexGen placed
-whole tensors and so turned 20% into 8.3% for OPT-30B).
+Fractions are honoured to within one row of one tensor per layer (one quantization group
+of rows when compressed weights are grouped along rows; FlexGen placed whole tensors and
+so turned 20% into 8.3% for OPT-30B).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
+from flexgen_helm.compression.stored import row_alignment
 from flexgen_helm.models.spec import LayerSpec, TensorSpec
-from flexgen_helm.policy.policy import TIERS, Split
+from flexgen_helm.policy.policy import TIERS, Compression, Split
 
 
 @dataclass(frozen=True)
@@ -41,31 +44,38 @@ def cumulative_split_count(n: int, split: Split, index: int) -> dict[str, int]:
     return {"gpu": gpu, "cpu": gpu_cpu - gpu, "disk": n - gpu_cpu}
 
 
-def place_layer(tensors: tuple[TensorSpec, ...], split: Split, bytes_per_element: float = 1.0
+def place_layer(tensors: tuple[TensorSpec, ...], split: Split, align: Callable[[TensorSpec], int] = lambda t: 1
                 ) -> dict[str, list[Segment]]:
     """Segments for each tensor of one layer: the first `gpu` fraction of the layer's
-    bytes (in tensor order, at row granularity) on the GPU tier, the next `cpu` fraction
-    on the CPU tier, the rest on disk."""
+    elements (in tensor order, at row granularity) on the GPU tier, the next `cpu` fraction
+    on the CPU tier, the rest on disk. A cut inside a tensor falls on a multiple of
+    align(tensor) rows (or the tensor's end): quantized weights whose groups run along the
+    rows must keep whole groups on each tier, so their cuts move by up to half a group."""
     total = sum(t.numel for t in tensors)
     edges = (split.gpu * total, (split.gpu + split.cpu) * total)
     out: dict[str, list[Segment]] = {}
     offset = 0  # elements of the layer before this tensor
     for t in tensors:
+        step = align(t)
         cuts = [0]
         for edge in edges:
-            rows_before_edge = round((edge - offset) / t.row_numel) if t.row_numel else 0
-            cuts.append(min(max(rows_before_edge, cuts[-1]), t.rows))
+            exact = (edge - offset) / t.row_numel if t.row_numel else 0.0  # rows before the edge
+            cut = round(exact / step) * step
+            if abs(t.rows - exact) <= abs(cut - exact):  # the tensor's end is a boundary too
+                cut = t.rows
+            cuts.append(min(max(cut, cuts[-1]), t.rows))
         cuts.append(t.rows)
         out[t.store_name] = [Segment(tier, a, b) for tier, a, b in zip(TIERS, cuts, cuts[1:]) if b > a]
         offset += t.numel
     return out
 
 
-def place_weights(layers: list[LayerSpec], split: Split) -> dict[str, list[Segment]]:
+def place_weights(layers: list[LayerSpec], split: Split, compression: Compression | None = None
+                  ) -> dict[str, list[Segment]]:
     """Segments of every stored tensor. A tied tensor is placed with the layer that owns it."""
     placement: dict[str, list[Segment]] = {}
     for layer in layers:
-        placement.update(place_layer(layer.owned(), split))
+        placement.update(place_layer(layer.owned(), split, lambda t: row_alignment(compression, t.shape)))
     return placement
 
 

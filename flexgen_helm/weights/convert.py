@@ -65,7 +65,7 @@ def convert(source: WeightSource, out_dir: str | os.PathLike, dtype: str = "floa
         )
     candidates = {**(previous or {}).get("tensors", {}), **_journal_entries(out / JOURNAL, header)}
 
-    with _disk_errors(out):
+    with disk_errors(out):
         out.mkdir(parents=True, exist_ok=True)
         for stale in out.glob("*.tmp"):  # left by a killed run
             stale.unlink()
@@ -74,25 +74,25 @@ def convert(source: WeightSource, out_dir: str | os.PathLike, dtype: str = "floa
     todo = [s.store_name for s in specs if s.store_name not in entries]
     _check_free_space(out, sum(nbytes[n] for n in todo))
 
-    with _disk_errors(out):
-        _atomic_write(out / JOURNAL, "".join(json.dumps(x) + "\n" for x in [header, *({n: e} for n, e in entries.items())]))
+    with disk_errors(out):
+        atomic_write(out / JOURNAL, "".join(json.dumps(x) + "\n" for x in [header, *({n: e} for n, e in entries.items())]))
         journal = open(out / JOURNAL, "a")
     with journal, tqdm(total=sum(nbytes.values()), initial=sum(nbytes[n] for n in entries), unit="B",
                        unit_scale=True, unit_divisor=1024, desc=f"convert {source.config.name}",
                        disable=not progress) as bar:
         remaining = sum(nbytes[n] for n in todo)
         for name, t in source.iter_tensors(todo):
-            entries[name] = _write_tensor(out, name, t.to(DTYPES[dtype]), dtype, remaining)
+            entries[name] = write_tensor_file(out, name, t.to(DTYPES[dtype]), dtype, remaining)
             del t  # else the next read would overlap this tensor and double peak RAM
             remaining -= nbytes[name]
-            with _disk_errors(out):
+            with disk_errors(out):
                 journal.write(json.dumps({name: entries[name]}) + "\n")
                 journal.flush()
             bar.update(nbytes[name])
 
     manifest = {**header, "complete": True, "tensors": {s.store_name: entries[s.store_name] for s in specs}}
-    with _disk_errors(out):
-        _atomic_write(out / MANIFEST, json.dumps(manifest, indent=1))
+    with disk_errors(out):
+        atomic_write(out / MANIFEST, json.dumps(manifest, indent=1))
         (out / JOURNAL).unlink(missing_ok=True)
     return out
 
@@ -152,7 +152,7 @@ def _gib(n: int) -> str:
 
 
 @contextlib.contextmanager
-def _disk_errors(out: Path, need: int = 0):
+def disk_errors(out: Path, need: int = 0):
     """Turn an OSError from writing into an OffloadDirError that says what to do."""
     try:
         yield
@@ -166,21 +166,21 @@ def _disk_errors(out: Path, need: int = 0):
         raise OffloadDirError(f"{out}: cannot write the weight store there ({e}); choose a writable directory") from e
 
 
-def _write_tensor(out: Path, name: str, t: torch.Tensor, dtype: str, remaining: int) -> dict:
+def write_tensor_file(out: Path, name: str, t: torch.Tensor, dtype: str, remaining: int) -> dict:
     """Write one tensor atomically, hashing as it goes; return its manifest entry."""
     file = tensor_file_name(name)
     data = memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
     tmp = out / (file + ".tmp")
     h = hashlib.sha256()
     try:
-        with _disk_errors(out, remaining), open(tmp, "wb") as f:
+        with disk_errors(out, remaining), open(tmp, "wb") as f:
             for start in range(0, len(data), _CHUNK):
                 chunk = data[start:start + _CHUNK]
                 h.update(chunk)
                 f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
-        with _disk_errors(out, remaining):
+        with disk_errors(out, remaining):
             os.replace(tmp, out / file)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -188,7 +188,7 @@ def _write_tensor(out: Path, name: str, t: torch.Tensor, dtype: str, remaining: 
     return {"file": file, "shape": list(t.shape), "dtype": dtype, "nbytes": len(data), "sha256": h.hexdigest()}
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     try:
         tmp.write_text(text)

@@ -1,6 +1,7 @@
 """From a resolved model to the weights the engine places: a converted store (needed for
 real weights and for anything on the disk tier) or, for dummy weights that stay in
-memory, tensors made on the fly."""
+memory, tensors made on the fly. Under weight compression the disk tier reads a
+compressed companion store instead (weights/compressed_store.py)."""
 
 from __future__ import annotations
 
@@ -9,22 +10,35 @@ from typing import Callable
 
 import torch
 
+from flexgen_helm.models import family_of
 from flexgen_helm.models.registry import ResolvedModel, resolve, store_dir_for
-from flexgen_helm.weights.convert import convert
+from flexgen_helm.models.spec import all_store_tensors
+from flexgen_helm.policy.policy import Compression
+from flexgen_helm.weights.compressed_store import CompressedStore, compressed_store_dir, open_compressed_store
+from flexgen_helm.weights.convert import config_to_json, convert
 from flexgen_helm.weights.dummy import DummyWeights
 from flexgen_helm.weights.store import DTYPE_NAMES, TensorStore
 
 
 def open_weights(resolved: ResolvedModel, dtype: torch.dtype, offload_dir: Path, needs_disk: bool,
-                 progress: bool) -> tuple[TensorStore | None, Callable[[str], torch.Tensor]]:
+                 progress: bool, compression: Compression | None = None
+                 ) -> tuple[TensorStore | CompressedStore | None, Callable[[str], torch.Tensor]]:
+    """The store the disk tier reads (None when nothing is on disk and no store is needed)
+    and a reader of whole tensors in `dtype` for the memory tiers."""
     dtype_name = DTYPE_NAMES[dtype]
     dummy = isinstance(resolved.source, DummyWeights)
-    if dummy and not needs_disk:
-        return None, lambda name: resolved.source.read(name).to(dtype)
     # Dummy weights for the disk tier are written next to the other offloaded tensors.
     root = store_dir_for(resolved, dtype_name, cache_dir=offload_dir if dummy else None)
-    store = TensorStore(convert(resolved.source, root, dtype_name, progress=progress))
-    return store, lambda name: store.read(name, verify=True)
+    if dummy and not (needs_disk and compression is None):
+        store, read_full = None, lambda name: resolved.source.read(name).to(dtype)
+    else:
+        plain = TensorStore(convert(resolved.source, root, dtype_name, progress=progress))
+        store, read_full = plain, lambda name: plain.read(name, verify=True)
+    if compression is not None and needs_disk:
+        specs = all_store_tensors(family_of(resolved.config).layer_specs(resolved.config))
+        store = open_compressed_store(compressed_store_dir(root, compression), specs, compression, dtype,
+                                      config_to_json(resolved.config), read_full, progress)
+    return store, read_full
 
 
 def convert_named(model: str, path: str | None, dummy: bool, dtype: str, out_dir: str | None,

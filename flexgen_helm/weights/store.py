@@ -22,6 +22,9 @@ MANIFEST = "manifest.json"
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+# Element types a stored tensor may have: the model dtypes, and uint8 for the packed codes
+# of compressed weights (weights/compressed_store.py).
+ELEMENT_DTYPES = {**DTYPES, "uint8": torch.uint8}
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,7 @@ class StoredTensor:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return ELEMENT_DTYPES[self.dtype]
 
     @property
     def row_bytes(self) -> int:

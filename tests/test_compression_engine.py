@@ -1,0 +1,230 @@
+"""Compression and sparse attention in the engine change the numbers exactly as a simulated
+quantization (or a hand-computed top-k attention) of the same tensors would, and no
+placement, block shape, overlap setting or CPU delegation changes them further."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from flexgen_helm.compression import fake_quantize, should_compress, weight_group_dim
+from flexgen_helm.compression.stored import dense
+from flexgen_helm.engine import Engine
+from flexgen_helm.executor.attention import attend
+from flexgen_helm.executor.kv_cache import KVCacheSlot, cache_nbytes
+from flexgen_helm.executor.sampling import SamplingParams
+from flexgen_helm.memory.budget import planned_bytes
+from flexgen_helm.memory.devices import Devices
+from flexgen_helm.memory.usage import TierUsage
+from flexgen_helm.policy import Policy, Split
+from flexgen_helm.policy.policy import Compression
+from flexgen_helm.weights.compressed_store import CompressedStore
+
+PROMPTS = [[5, 17, 3, 44, 9, 21, 8, 2, 60], [12, 7], [30, 31, 32, 33], [1, 2, 3], [40] * 11]
+N_NEW = 5
+CPU32 = dict(dtype="float32", device="cpu", progress=False)
+
+
+@pytest.fixture(scope="module", params=["tiny_opt", "tiny_llama"])
+def model_path(request):
+    return request.getfixturevalue(request.param)
+
+
+def _generate(path, policy, offload_dir):
+    engine = Engine.load(str(path), policy, offload_dir=offload_dir, **CPU32)
+    results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=N_NEW, ignore_eos=True))
+    return engine, [(r.completions[0].token_ids, r.completions[0].logprobs) for r in results]
+
+
+def _assert_same(got, want, tol):
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(got, want):
+        assert tokens == ref_tokens
+        assert lps == pytest.approx(ref_lps, abs=tol)
+
+
+def _max_logprob_gap(a, b) -> float:
+    return max(abs(x - y) for (_, la), (_, lb) in zip(a, b) for x, y in zip(la, lb))
+
+
+# ---- (a) weights ---------------------------------------------------------------------------
+
+WEIGHT_CASES = {
+    "4bit-g16-gpu": (Compression(4, 16), Policy(gpu_batch_size=2)),
+    "4bit-g16-split-2x2": (Compression(4, 16), Policy(gpu_batch_size=2, num_gpu_batches=2, weights=Split(0.3, 0.3, 0.4))),
+    "3bit-g7-disk-no-overlap": (Compression(3, 7), Policy(gpu_batch_size=3, weights=Split(0, 0, 1), overlap=False)),
+    "4bit-g8-dim1-split": (Compression(4, 8, group_dim=1), Policy(gpu_batch_size=2, weights=Split(0.2, 0.5, 0.3))),
+}
+
+
+def _fake_quantized_checkpoint(src, dst, cfg: Compression):
+    """The checkpoint with every tensor the engine compresses (>= 2-D: projections,
+    embeddings, positions, an untied lm_head) replaced by its simulated quantization. Our
+    store tensors have the checkpoint's names' shapes and (out, in) orientation, and a tied
+    lm_head is the embedding itself, so this is the same set of tensors."""
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        state = load_file(f)
+        state = {k: fake_quantize(t, cfg, weight_group_dim(cfg, t.shape)) if should_compress(t.shape) else t
+                 for k, t in state.items()}
+        save_file(state, f, metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("case", list(WEIGHT_CASES))
+def test_compressed_weights_equal_fake_quantized_checkpoint(model_path, case, tmp_path):
+    cfg, base = WEIGHT_CASES[case]
+    policy = Policy.from_dict({**base.to_dict(), "compress_weight": cfg.__dict__})
+    reference = Engine.load(str(_fake_quantized_checkpoint(model_path, tmp_path / "fq", cfg)), base,
+                            offload_dir=tmp_path / "off-ref", **CPU32)
+    engine = Engine.load(str(model_path), policy, offload_dir=tmp_path / "off", **CPU32)
+    for got, want in zip(engine.score(PROMPTS), reference.score(PROMPTS)):
+        assert got.logprobs[1:] == pytest.approx(want.logprobs[1:], abs=1e-4)
+    _assert_same(_generate(model_path, policy, tmp_path / "off")[1],
+                 _generate(tmp_path / "fq", base, tmp_path / "off-ref")[1], 1e-4)
+
+
+def test_compressed_weights_placement_and_bytes(tiny_opt, tmp_path):
+    cfg = Compression(4, 16)
+    plain = Engine.load(str(tiny_opt), Policy(weights=Split(0.2, 0.5, 0.3)), offload_dir=tmp_path, **CPU32)
+    policy = Policy(weights=Split(0.2, 0.5, 0.3), compress_weight=cfg)
+    engine = Engine.load(str(tiny_opt), policy, offload_dir=tmp_path, **CPU32)
+    rt = engine.runtime
+    # cuts inside a tensor grouped along its rows fall on group boundaries (or its end)
+    for home in rt.homes.values():
+        if home.group_dim == 0:
+            assert all(s.start % 16 == 0 and (s.end % 16 == 0 or s.end == home.spec.rows) for s in home.segments)
+    report = engine.memory_report()["placement"]
+    for tier, want in zip(("gpu", "cpu", "disk"), (0.2, 0.5, 0.3)):
+        assert report["weight_fractions"][tier] == pytest.approx(want, abs=0.05)  # to within a group per tensor
+    # every tier holds compressed bytes: the memory tiers' bookkeeping, the report, the budget...
+    packed, full = report["weight_bytes"], plain.memory_report()["placement"]["weight_bytes"]
+    assert sum(packed.values()) < 0.4 * sum(full.values())  # 4 bits + fp32 scale/min per 16, vs fp32
+    assert rt.usage.current["gpu"] == packed["gpu"] and rt.usage.current["cpu"] == packed["cpu"]
+    planned = planned_bytes(rt.config, Policy.from_dict({**policy.to_dict(), "cache": Split(1, 0, 0).__dict__}),
+                            16, torch.float32)
+    assert planned["cpu"] == packed["cpu"] and planned["disk"] == packed["disk"]
+    # ...and the disk tier reads the compressed store, whose files hold those bytes
+    assert isinstance(rt.store, CompressedStore)
+    assert rt.store.store.total_bytes() < 0.4 * plain.runtime.store.total_bytes()
+
+
+# ---- (b) KV cache ------------------------------------------------------------------------
+
+CACHE_CFG = Compression(4, 4)  # head_dim 8 in the tiny models: two groups per row
+CACHE_POLICIES = {
+    "gpu-1x1": Policy(),
+    "cpu-2x2-delegated": Policy(gpu_batch_size=2, num_gpu_batches=2, cache=Split(0, 1, 0), cpu_cache_compute=True),
+    "cpu-2x2": Policy(gpu_batch_size=2, num_gpu_batches=2, cache=Split(0, 1, 0)),
+    "disk-4x2-no-overlap": Policy(gpu_batch_size=4, num_gpu_batches=2, cache=Split(0, 0, 1), overlap=False),
+    "disk-delegated": Policy(gpu_batch_size=2, cache=Split(0, 0, 1), cpu_cache_compute=True),
+    "split-2x3-delegated": Policy(gpu_batch_size=2, num_gpu_batches=3, cache=Split(0.25, 0.5, 0.25),
+                                  cpu_cache_compute=True),
+    "everything-split": Policy(gpu_batch_size=4, num_gpu_batches=2, weights=Split(0.2, 0.3, 0.5),
+                               cache=Split(0.3, 0.3, 0.4), activations=Split(0.5, 0.25, 0.25), overlap=False),
+}
+
+
+def _with(policy: Policy, **changes) -> Policy:
+    d = policy.to_dict()
+    d.update({k: v.__dict__ if isinstance(v, (Compression, Split)) else v for k, v in changes.items()})
+    return Policy.from_dict(d)
+
+
+def test_compressed_cache_is_policy_invariant(model_path, tmp_path):
+    outs = {name: _generate(model_path, _with(p, compress_cache=CACHE_CFG), tmp_path)[1]
+            for name, p in CACHE_POLICIES.items()}
+    ref = outs.pop("gpu-1x1")
+    for got in outs.values():
+        _assert_same(got, ref, 1e-5)
+    dense = _generate(model_path, Policy(), tmp_path)[1]
+    assert _max_logprob_gap(ref, dense) > 1e-4  # the cache really is quantized
+
+
+@pytest.mark.parametrize("cfg", [Compression(4, 4), Compression(3, 64), Compression(8, 8)])
+def test_cache_reads_back_fake_quantized(cfg, tmp_path):
+    units = {"gpu": 2, "cpu": 3, "disk": 2}
+    usage = TierUsage()
+    slot = KVCacheSlot(units, 12, 8, Devices(torch.device("cpu"), torch.float32), usage, tmp_path / "kv.bin",
+                       pin=False, compression=cfg)
+    assert usage.current["disk"] == 2 * cache_nbytes(12, 2, 8, torch.float32, cfg)
+    assert usage.current["cpu"] == 2 * cache_nbytes(12, 3, 8, torch.float32, cfg)
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(10, 7, 8, generator=g), torch.randn(10, 7, 8, generator=g) * 3 + 1
+    slot.write(k[:6], v[:6], 0)  # a prefill, then one token at a time
+    for t in range(6, 10):
+        slot.write(k[t:t + 1], v[t:t + 1], t)
+    for tier, (a, b) in slot.ranges.items():
+        kr, vr = (dense(x) for x in slot.read(tier, 10))
+        assert torch.equal(kr, fake_quantize(k[:, a:b], cfg, 2)) and torch.equal(vr, fake_quantize(v[:, a:b], cfg, 2))
+    a, b = slot.ranges["disk"]
+    assert torch.equal(dense(slot.read_disk_values([1, 4, 9])), fake_quantize(v[[1, 4, 9], a:b], cfg, 2))
+    slot.close()
+    assert all(n == 0 for n in usage.current.values())
+
+
+# ---- (c) sparse attention ------------------------------------------------------------------
+
+def test_sparse_attend_is_hand_computed_top_k():
+    g = torch.Generator().manual_seed(1)
+    u, r, t, d, f = 2, 2, 7, 4, 0.4
+    q, k, v = torch.randn(u, r, 1, d, generator=g), torch.randn(u, t, d, generator=g), torch.randn(u, t, d, generator=g)
+    valid = torch.ones(u, t, dtype=torch.bool)
+    valid[1, :2] = False
+    want = torch.empty(u, r, 1, d)
+    kept_positions = set()
+    for i in range(u):
+        keep = math.ceil(f * int(valid[i].sum()))  # of the keys this unit may see: 3 of 7, 2 of 5
+        for j in range(r):
+            s = [float(q[i, j, 0] @ k[i, p]) / math.sqrt(d) if valid[i, p] else -math.inf for p in range(t)]
+            top = sorted(range(t), key=lambda p: -s[p])[:keep]
+            kept_positions |= set(top)
+            w = torch.tensor([s[p] for p in top]).softmax(0)
+            want[i, j, 0] = sum(w[n] * v[i, p] for n, p in enumerate(top))
+    asked = []
+
+    def rows(positions):
+        asked.append(positions)
+        return v[:, positions]
+
+    torch.testing.assert_close(attend(q, k, v, valid, causal=False, keep_fraction=f), want)
+    torch.testing.assert_close(attend(q, k, rows, valid, causal=False, keep_fraction=f), want)
+    assert asked == [sorted(kept_positions)]  # V was asked only for the kept rows
+    assert torch.equal(attend(q, k, v, valid, causal=False, keep_fraction=1.0), attend(q, k, v, valid, causal=False))
+
+
+def test_sparsity_one_is_dense(tiny_llama, tmp_path):
+    disk = Policy(gpu_batch_size=2, cache=Split(0, 0, 1))
+    _assert_same(_generate(tiny_llama, _with(disk, attn_sparsity=1.0), tmp_path)[1],
+                 _generate(tiny_llama, disk, tmp_path)[1], 0.0)
+
+
+@pytest.mark.parametrize("compress_cache", [None, CACHE_CFG], ids=["dense-cache", "compressed-cache"])
+def test_sparse_attention_is_policy_invariant(model_path, compress_cache, tmp_path):
+    outs = {}
+    for name, p in CACHE_POLICIES.items():
+        engine, outs[name] = _generate(model_path, _with(p, attn_sparsity=0.3, compress_cache=compress_cache), tmp_path)
+        if p.cache.disk == 1.0:  # V came off disk row by row, after scoring
+            assert engine.last_stats["timers"]["decode_read_sparse_values"] > 0
+    ref = outs.pop("gpu-1x1")
+    for got in outs.values():
+        _assert_same(got, ref, 1e-5)
+    dense = _generate(model_path, _with(Policy(), compress_cache=compress_cache), tmp_path)[1]
+    assert _max_logprob_gap(ref, dense) > 1e-4  # sparsity really drops keys
+
+
+def test_sparse_disk_reads_only_kept_rows(tmp_path):
+    slot = KVCacheSlot({"gpu": 0, "cpu": 0, "disk": 2}, 64, 64, Devices(torch.device("cpu"), torch.float32),
+                       TierUsage(), tmp_path / "kv.bin", pin=False)
+    v = torch.randn(64, 2, 64)
+    slot.write(torch.zeros_like(v), v, 0)
+    assert torch.equal(slot.read_disk_values([3, 40, 41]), v[[3, 40, 41]])
+    row = 2 * 64 * 4  # bytes of one position: 8 rows share a 4 KiB page, so 3 and 40-41 are two runs
+    assert slot.disk_bytes_read == 3 * row
+    slot.disk_bytes_read = 0
+    slot.read("disk", 64)
+    assert slot.disk_bytes_read == 2 * 64 * row
+    slot.close()
