@@ -1,0 +1,108 @@
+"""The accuracy table in runs/accuracy/: which runs make it, running the missing ones, and
+the report built from their JSON records (no number is typed by hand).
+
+    python -m flexgen_helm.evaluation.sweep run [--rows ROW ...] [--scopes lim full] [--dry-run]
+    python -m flexgen_helm.evaluation.sweep report
+
+Each run is one `flexgen-helm eval` command writing runs/accuracy/json/ROW__SCOPE__TASK.json;
+`run` skips runs whose JSON exists, so an interrupted sweep resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+OUT = Path("runs/accuracy")
+TASKS = ("lambada", "wikitext")
+MODEL = ["--model", "smollm2-135m", "--dtype", "float32", "--num-gpu-batches", "1"]
+# windows of 1024 tokens are ~30x longer than LAMBADA passages: fewer per batch keeps the
+# (batch x heads x 1024 x 1024) attention scores of the prefill small on a shared machine
+BATCH = {"lambada": ["--gpu-batch-size", "32"], "wikitext": ["--gpu-batch-size", "8", "--window", "1024"]}
+# "lim": the protocol of the reference numbers (first 400 passages, first 16 windows of 1024)
+SCOPES = {"full": {"lambada": [], "wikitext": []},
+          "lim": {"lambada": ["--limit", "400"], "wikitext": ["--limit", "16384"]}}
+
+
+def _compress(what: str, bits: int, group: int, dim: int | None = None) -> list[str]:
+    flags = {"w": ["--compress-weight"], "kv": ["--compress-cache"],
+             "both": ["--compress-weight", "--compress-cache"]}[what]
+    flags += ["--compress-bits", str(bits), "--compress-group-size", str(group)]
+    # one --compress-group-dim serves weights and cache alike: name it only for weights alone
+    return flags + (["--compress-group-dim", str(dim)] if dim is not None else [])
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    label: str
+    flags: list[str] = field(default_factory=list)
+    # LAMBADA accuracy by greedy generation too (on "lim"): rows whose approximations act in
+    # decode; elsewhere it equals the scoring accuracy (tests/test_evaluation.py)
+    generate: bool = False
+
+
+ROWS = [
+    Row("baseline", "baseline (no compression)", generate=True),
+    Row("int8-g64", "8-bit weights + cache, g64", _compress("both", 8, 64), generate=True),
+    Row("w4-g64", "4-bit weights, g64 dim 0", _compress("w", 4, 64)),
+    Row("kv4-g64", "4-bit cache, g64", _compress("kv", 4, 64), generate=True),
+    Row("w4kv4-g64", "4-bit weights + cache, g64", _compress("both", 4, 64), generate=True),
+    Row("w4kv4s-g64", "4-bit-S: 4-bit both + sparsity 0.1, g64", _compress("both", 4, 64) + ["--attn-sparsity", "0.1"],
+        generate=True),
+    Row("w4-g64-d1", "4-bit weights, g64 dim 1", _compress("w", 4, 64, 1)),
+    Row("w4-g32-d0", "4-bit weights, g32 dim 0", _compress("w", 4, 32, 0)),
+    Row("w4-g32-d1", "4-bit weights, g32 dim 1 (= the GGUF's Q4_1 blocks)", _compress("w", 4, 32, 1)),
+    Row("int8-g32-d1", "8-bit weights dim 1 + cache, g32", _compress("w", 8, 32, 1)),
+]
+ROW_BY_NAME = {r.name: r for r in ROWS}
+# what fits a shared 2-core machine: the baseline on the full sets, every row on "lim"
+PLAN = [("baseline", "full")] + [(r.name, "lim") for r in ROWS]
+
+
+def json_path(row: str, scope: str, task: str) -> Path:
+    return OUT / "json" / f"{row}__{scope}__{task}.json"
+
+
+def command(row: Row, scope: str, task: str) -> list[str]:
+    extra = ["--generate"] if row.generate and task == "lambada" and scope == "lim" else []
+    return (["eval", "--task", task] + MODEL + BATCH[task] + row.flags + SCOPES[scope][task] + extra
+            + ["--quiet", "--json", str(json_path(row.name, scope, task))])
+
+
+def run(rows: list[str] | None, scopes: list[str] | None, dry_run: bool) -> None:
+    for name, scope in PLAN:
+        if (rows and name not in rows) or (scopes and scope not in scopes):
+            continue
+        for task in TASKS:
+            if json_path(name, scope, task).exists():
+                continue
+            argv = command(ROW_BY_NAME[name], scope, task)
+            print("flexgen-helm " + " ".join(argv), flush=True)
+            if not dry_run:
+                subprocess.run([sys.executable, "-m", "flexgen_helm", *argv], check=False)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flexgen_helm.evaluation.sweep", description=__doc__)
+    sub = p.add_subparsers(dest="what", required=True)
+    r = sub.add_parser("run", help="run the missing runs of the plan")
+    r.add_argument("--rows", nargs="*", choices=list(ROW_BY_NAME))
+    r.add_argument("--scopes", nargs="*", choices=list(SCOPES))
+    r.add_argument("--dry-run", action="store_true")
+    sub.add_parser("report", help="write runs/accuracy/results.csv and README.md from the JSON records")
+    args = p.parse_args(argv)
+    if args.what == "run":
+        run(args.rows, args.scopes, args.dry_run)
+    else:
+        from flexgen_helm.evaluation.report import write_report
+
+        write_report(OUT)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
