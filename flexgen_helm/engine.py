@@ -119,14 +119,17 @@ class Engine:
         with self._lock:
             stats = RunStats(sequences=len(seqs))
             with self._workdir() as workdir:
-                runner = BlockRunner(self.runtime, self.policy, self.decode, Path(workdir), stats)
-                for block in plan_blocks([len(s.prompt) for s in seqs], self.policy):
-                    runner.generate([[seqs[i] for i in group] for group in block])
+                self._run_blocks(seqs, stats, Path(workdir))
             self._finish_stats(stats)
         results = [GenerationResult(prompt_token_ids=p) for p in ids]
         for owner, s in zip(owners, seqs):
             results[owner].completions.append(to_completion(s, self.decode))
         return results
+
+    def _run_blocks(self, seqs: list[Sequence], stats: RunStats, workdir: Path) -> None:
+        runner = BlockRunner(self.runtime, self.policy, self.decode, workdir, stats)
+        for block in plan_blocks([len(s.prompt) for s in seqs], self.policy):
+            runner.generate([[seqs[i] for i in group] for group in block])
 
     def score(self, prompts, top_logprobs: int = 0) -> list[ScoreResult]:
         """log p of every prompt token given the ones before it (HELM's echo, max_tokens=0)."""
@@ -177,10 +180,11 @@ class Engine:
 
 
 def build_runtime(resolved: ResolvedModel, policy: Policy, devices: Devices, offload_dir: Path,
-                  progress: bool) -> ModelRuntime:
+                  progress: bool, layers: list | None = None) -> ModelRuntime:
+    """`layers`: the part of the model this runtime runs (a pipeline stage); all by default."""
     cfg = resolved.config
     family = family_of(cfg)
-    layers = family.layer_specs(cfg)
+    layers = layers if layers is not None else family.layer_specs(cfg)
     check_cache_compression(policy.compress_cache)
     placement = place_weights(layers, policy.weights, policy.compress_weight)
     needs_disk = any(s.tier == "disk" for segs in placement.values() for s in segs)

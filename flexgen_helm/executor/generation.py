@@ -87,7 +87,7 @@ class BlockRunner:
         self.rt, self.policy, self.decode_text, self.workdir, self.stats = runtime, policy, decode_text, workdir, stats
         self.pad_id = runtime.config.pad_token_id if runtime.config.pad_token_id is not None else 0
 
-    def _schedule(self, groups: list[list[list[int]]], max_len: int) -> BlockSchedule:
+    def schedule(self, groups: list[list[list[int]]], max_len: int) -> BlockSchedule:
         length = max(len(p) for g in groups for p in g)
         batches = [left_pad(g, length, self.pad_id) for g in groups]
         real = sum(len(p) for g in groups for p in g)
@@ -106,18 +106,18 @@ class BlockRunner:
                 s.finish_reason = "length"
         if steps == 0:
             return
-        sched = self._schedule([[s.prompt for s in g] for g in block], longest + steps)
+        sched = self.schedule([[s.prompt for s in g] for g in block], longest + steps)
         try:
             t0 = time.perf_counter()
-            logprobs = sched.prefill(self._last_position_head)
+            logprobs = sched.prefill(self.last_position_head)
             self.stats.prefill_s += time.perf_counter() - t0
             t0 = time.perf_counter()
             for step in range(steps):
-                tokens = [self._choose(g, lp) for g, lp in zip(block, logprobs)]
+                tokens = [self.choose(g, lp) for g, lp in zip(block, logprobs)]
                 self.stats.padded_generated_tokens += sum(len(g) for g in block)
                 if step == steps - 1 or all(s.done for g in block for s in g):
                     break
-                logprobs = sched.decode(tokens, self._last_position_head)
+                logprobs = sched.decode(tokens, self.last_position_head)
             self.stats.decode_s += time.perf_counter() - t0
             self.stats.add_timers(sched.timers)
         finally:
@@ -126,11 +126,11 @@ class BlockRunner:
             if not s.done:
                 s.finish_reason = "length"
 
-    def _last_position_head(self, k: int, w: dict, h: torch.Tensor) -> torch.Tensor:
+    def last_position_head(self, k: int, w: dict, h: torch.Tensor) -> torch.Tensor:
         logits = self.rt.family.head(self.rt.config, w, h[:, -1])
         return F.log_softmax(logits.float(), dim=-1).cpu()
 
-    def _choose(self, group: list[Sequence], logprobs: torch.Tensor) -> torch.Tensor:
+    def choose(self, group: list[Sequence], logprobs: torch.Tensor) -> torch.Tensor:
         chosen = select_tokens(logprobs, [s.params for s in group], [s.generator for s in group])
         for r, s in enumerate(group):
             if s.done:
@@ -164,7 +164,7 @@ class BlockRunner:
         """Per prompt: log p(token_i | tokens_<i) for each token (the first: nan)."""
         groups = [list(range(i, min(i + self.policy.gpu_batch_size, len(prompts))))
                   for i in range(0, len(prompts), self.policy.gpu_batch_size)]
-        sched = self._schedule([[prompts[i] for i in g] for g in groups], max(len(p) for p in prompts))
+        sched = self.schedule([[prompts[i] for i in g] for g in groups], max(len(p) for p in prompts))
         length = sched.batches[0].ids.shape[1]
         try:
             t0 = time.perf_counter()

@@ -79,23 +79,28 @@ class BlockSchedule:
 
     # ---- one token step over the whole block -------------------------------------------
 
-    def prefill(self, head: HeadFn) -> list:
+    # A runtime may hold only some layers (a pipeline stage): when it starts after the
+    # embedding, the inputs are hidden states instead of token ids, and when it ends
+    # before the head (head=None), the outputs are the hidden states it computed.
+
+    def prefill(self, head: HeadFn | None, hidden: list[torch.Tensor] | None = None) -> list:
         inputs = []
-        for b in self.batches:
+        for k, b in enumerate(self.batches):
             positions = (b.valid.long().cumsum(1) - 1).clamp(min=0)
-            inputs.append((b.ids, positions))
+            inputs.append((b.ids if hidden is None else hidden[k], positions))
         out = self._step(inputs, head, prefill=True)
         self.length = self.batches[0].ids.shape[1]
         return out
 
-    def decode(self, tokens: list[torch.Tensor], head: HeadFn) -> list:
-        """Feed one new token per sequence (tokens[k]: (b,) int64) and run the block."""
+    def decode(self, tokens: list[torch.Tensor], head: HeadFn | None) -> list:
+        """Feed one new token per sequence (tokens[k]: (b,) int64, or the (b, 1, hidden)
+        states of the stage before) and run the block."""
         step = self.length - self.batches[0].ids.shape[1]
         inputs = []
         for k, t in enumerate(tokens):
             positions = (self.real_len[k] + step)[:, None]
             self.key_valid[k] = torch.cat([self.key_valid[k], torch.ones(len(t), 1, dtype=torch.bool)], 1)
-            inputs.append((t[:, None], positions))
+            inputs.append((t[:, None] if t.dim() == 1 else t, positions))
         out = self._step(inputs, head, prefill=False)
         self.length += 1
         return out
@@ -104,6 +109,9 @@ class BlockSchedule:
         layers, nb, io = self.rt.layers, len(self.batches), self.io
         stage = "prefill" if prefill else "decode"
         results = [None] * nb
+        if layers[0].kind != "embed":
+            for k, (hidden_in, _) in enumerate(inputs):
+                io.submit(self.acts[k].store, hidden_in, kind=f"{stage}_store_hidden")
         weights = self._weights_ahead or io.submit(self.rt.load_layer, layers[0], kind=f"{stage}_load_weight")
         for j, layer in enumerate(layers):
             w = self._wait(weights, "load_weight")
@@ -139,6 +147,8 @@ class BlockSchedule:
                     io.submit(self.acts[k].store, h, kind=f"{stage}_store_hidden")
             del w
         self._weights_ahead = weights
+        if layers[-1].kind != "head":
+            results = [self._wait(io.submit(a.load, kind=f"{stage}_load_hidden"), "load_hidden") for a in self.acts]
         return results
 
     def _wait(self, future, what: str):

@@ -13,6 +13,7 @@ from flexgen_helm.memory.placement import place_weights
 from flexgen_helm.memory.weight_homes import segment_nbytes
 from flexgen_helm.models import family_of
 from flexgen_helm.models.config import ModelConfig
+from flexgen_helm.models.spec import all_store_tensors
 from flexgen_helm.policy.policy import TIERS, Compression, Policy, Split
 
 
@@ -35,7 +36,7 @@ def planned_components(cfg: ModelConfig, policy: Policy, max_len: int, dtype: to
 def _weight_bytes(cfg: ModelConfig, split: Split, compression: Compression | None, dtype: torch.dtype
                   ) -> dict[str, int]:
     layers = family_of(cfg).layer_specs(cfg)
-    specs = {t.store_name: t for layer in layers for t in layer.owned()}
+    specs = {t.store_name: t for t in all_store_tensors(layers)}
     weights = {t: 0 for t in TIERS}
     for name, segments in place_weights(layers, split, compression).items():
         for s in segments:

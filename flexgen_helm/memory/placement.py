@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from flexgen_helm.compression.stored import row_alignment
-from flexgen_helm.models.spec import LayerSpec, TensorSpec
+from flexgen_helm.models.spec import LayerSpec, TensorSpec, all_store_tensors
 from flexgen_helm.policy.policy import TIERS, Compression, Split
 
 
@@ -72,15 +72,17 @@ def place_layer(tensors: tuple[TensorSpec, ...], split: Split, align: Callable[[
 
 def place_weights(layers: list[LayerSpec], split: Split, compression: Compression | None = None
                   ) -> dict[str, list[Segment]]:
-    """Segments of every stored tensor. A tied tensor is placed with the layer that owns it."""
+    """Segments of every stored tensor. A tied tensor is placed with the first of the given
+    layers that uses it (a pipeline stage may hold the head but not the embedding)."""
     placement: dict[str, list[Segment]] = {}
     for layer in layers:
-        placement.update(place_layer(layer.owned(), split, lambda t: row_alignment(compression, t.shape)))
+        fresh = tuple(t for t in layer.tensors if t.store_name not in placement)
+        placement.update(place_layer(fresh, split, lambda t: row_alignment(compression, t.shape)))
     return placement
 
 
 def achieved_fractions(layers: list[LayerSpec], placement: dict[str, list[Segment]]) -> dict[str, float]:
-    sizes = {t.store_name: t for layer in layers for t in layer.owned()}
+    sizes = {t.store_name: t for t in all_store_tensors(layers)}
     per_tier = {t: 0 for t in TIERS}
     for name, segments in placement.items():
         for s in segments:

@@ -18,7 +18,7 @@ from flexgen_helm.compression.stored import Stored, dense, encode, stored_nbytes
 from flexgen_helm.memory.devices import Devices
 from flexgen_helm.memory.placement import Segment
 from flexgen_helm.memory.usage import TierUsage
-from flexgen_helm.models.spec import LayerSpec, TensorSpec
+from flexgen_helm.models.spec import LayerSpec, TensorSpec, all_store_tensors
 from flexgen_helm.policy.policy import Compression
 
 
@@ -46,7 +46,7 @@ def build_homes(layers: list[LayerSpec], placement: dict[str, list[Segment]], de
                 compression: Compression | None = None, progress: bool = False) -> dict[str, WeightHome]:
     """Fill the gpu and cpu tiers from `read_full(store_name)`; disk segments stay in the store."""
     homes: dict[str, WeightHome] = {}
-    specs = [t for layer in layers for t in layer.owned()]
+    specs = all_store_tensors(layers)
     for spec in tqdm(specs, desc="placing weights", unit="tensor", disable=not progress):
         home = WeightHome(spec, placement[spec.store_name], compression=compression)
         full = None

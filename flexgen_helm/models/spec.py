@@ -40,10 +40,6 @@ class LayerSpec:
     index: int  # block index; -1 for embed and head
     tensors: tuple[TensorSpec, ...]
 
-    def owned(self) -> tuple[TensorSpec, ...]:
-        """Tensors this layer holds itself (not tied to another layer's tensor)."""
-        return tuple(t for t in self.tensors if t.store_name == f"{self.name}.{t.key}")
-
 
 def tensor(layer: str, key: str, *shape: int, tied_to: str | None = None) -> TensorSpec:
     return TensorSpec(key=key, store_name=tied_to or f"{layer}.{key}", shape=tuple(shape))
