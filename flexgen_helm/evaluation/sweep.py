@@ -56,7 +56,6 @@ ROWS = [
     Row("w4-g64-d1", "4-bit weights, g64 dim 1", _compress("w", 4, 64, 1)),
     Row("w4-g32-d0", "4-bit weights, g32 dim 0", _compress("w", 4, 32, 0)),
     Row("w4-g32-d1", "4-bit weights, g32 dim 1 (= the GGUF's Q4_1 blocks)", _compress("w", 4, 32, 1)),
-    Row("int8-g32-d1", "8-bit weights dim 1 + cache, g32", _compress("w", 8, 32, 1)),
 ]
 ROW_BY_NAME = {r.name: r for r in ROWS}
 # what fits a shared 2-core machine: the baseline on the full sets, every row on "lim"

