@@ -226,25 +226,29 @@ def quantize(x: torch.Tensor, cfg: Compression, group_dim: int) -> QuantizedTens
     levels = (1 << bits) - 1
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
 
-    xm = x.movedim(gd, -1)
+    # Work in x's own layout with the group dim split in two, (..., ng, G, ...): reductions
+    # and arithmetic then read x in order, and only the uint8 codes are transposed to put
+    # each group's codes last for packing (a float transpose costs several times more).
+    shape = tuple(x.shape)
     if ng * G != n:  # pad by repeating the last element: it cannot change any group's min/max
-        xm = torch.cat([xm, xm[..., -1:].expand(*xm.shape[:-1], ng * G - n)], dim=-1)
-    xg = xm.unflatten(-1, (ng, G)).to(work)  # (..., ng, G)
+        tail = list(x.shape)
+        tail[gd] = ng * G - n
+        x = torch.cat([x, x.narrow(gd, n - 1, 1).expand(tail)], dim=gd)
+    xg = x.unflatten(gd, (ng, G)).to(work)
 
-    mn = xg.amin(-1)  # exactly representable in x.dtype: it is one of x's elements
-    scale = _round_up_to((xg.amax(-1) - mn) / levels, x.dtype)
+    mn = xg.amin(gd + 1)  # exactly representable in x.dtype: it is one of x's elements
+    scale = _round_up_to((xg.amax(gd + 1) - mn) / levels, x.dtype)
     s = scale.to(work)
     # Codes from the *stored* scale and min, so dequantize reproduces them exactly; a zero
     # range (constant group) gets code 0 and scale 0, hence dequantizes to min exactly.
     safe = torch.where(s > 0, s, torch.ones_like(s))
-    codes = torch.round((xg - mn.unsqueeze(-1)) / safe.unsqueeze(-1)).clamp_(0, levels).to(torch.uint8)
+    codes = torch.round((xg - mn.unsqueeze(gd + 1)) / safe.unsqueeze(gd + 1)).clamp_(0, levels).to(torch.uint8)
 
-    data = pack(codes, bits).movedim(-2, gd).contiguous()
     return QuantizedTensor(
-        data=data,
-        scale=scale.movedim(-1, gd).contiguous(),
-        min=mn.to(x.dtype).movedim(-1, gd).contiguous(),
-        shape=tuple(x.shape),
+        data=pack(codes.movedim(gd + 1, -1), bits).contiguous(),
+        scale=scale.contiguous(),
+        min=mn.to(x.dtype).contiguous(),
+        shape=shape,
         dtype=x.dtype,
         bits=bits,
         group_size=G,
@@ -264,11 +268,12 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Te
     tensors), then cast to `dtype` (default: the original dtype)."""
     gd = q.group_dim
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
-    codes = unpack(q.data.movedim(gd, -2), q.bits, q.group_size).to(work)  # (..., ng, G)
-    scale = q.scale.movedim(gd, -1).to(work).unsqueeze(-1)
-    mn = q.min.movedim(gd, -1).to(work).unsqueeze(-1)
-    x = mn + codes * scale  # plain, unfused: the same expression a reference computes
-    x = x.flatten(-2)[..., : q.shape[gd]].movedim(-1, gd)
+    # Unpack, then move each group's codes next to its group index while still uint8, so
+    # the float arithmetic runs in the output's layout (..., ng, G, ...).
+    codes = unpack(q.data, q.bits, q.group_size).movedim(-1, gd + 1).contiguous()
+    x = codes.to(work)
+    x.mul_(q.scale.unsqueeze(gd + 1).to(work)).add_(q.min.unsqueeze(gd + 1).to(work))  # plain, unfused
+    x = x.flatten(gd, gd + 1).narrow(gd, 0, q.shape[gd])
     return x.to(dtype or q.dtype).contiguous()
 
 
