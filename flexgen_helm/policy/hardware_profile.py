@@ -1,0 +1,310 @@
+"""The speeds and sizes of this machine that the cost model needs (the paper's profiler):
+measured once by `flexgen-helm profile`, saved as JSON, refittable from bench runs
+(policy/refit.py).
+
+Every speed is measured with the operations the engine itself runs: weight reads go
+through memory/direct_io.py with the page cache bypassed, attention through the
+executor's `attend`, dequantization through compression.dequantize."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from flexgen_helm.hardware import machine_info
+from flexgen_helm.models.registry import default_cache_dir
+
+FORMAT = "flexgen-helm-hardware/1"
+
+# Activation rows of the profiled Linear: 1-64 are decode (one token per sequence of a GPU
+# batch), 256-4096 prefill (a GPU batch times the prompt). The weight is (4096, 2048): big
+# enough to stream from memory like a real layer's, small enough to profile in seconds.
+MATMUL_ROWS = (1, 4, 16, 64, 256, 1024, 4096)
+MATMUL_ROWS_FP32 = (1, 16, 256, 1024)
+MATMUL_SHAPE = (4096, 2048)  # (out, in)
+
+
+@dataclass
+class DeviceSpeeds:
+    """What one compute device (the CPU, or a GPU) sustains."""
+
+    # dtype name -> rows -> FLOP/s of F.linear(x (rows, in), w (out, in)); interpolated in log(rows)
+    matmul_flops: dict[str, dict[int, float]] = field(default_factory=dict)
+    attn_prefill_flops: float = 1e11  # causal attention over a prompt (the executor computes the full s x s)
+    attn_decode_bytes_per_s: float = 5e9  # bytes of K and V cache one decode attention step gets through
+    dequant_elems_per_s: float = 1e9  # 4-bit weights turned back into the compute dtype
+    op_latency_s: float = 1e-5  # a tiny kernel: the floor under every op of a layer
+
+    def linear_flops(self, dtype: str, rows: int) -> float:
+        table = self.matmul_flops.get(dtype) or next(iter(self.matmul_flops.values()), {1: 1e10})
+        return _interpolate_log(table, rows)
+
+
+@dataclass
+class HardwareProfile:
+    compute_device: str = "cpu"  # "cpu" or "cuda"
+    dtype: str = "bfloat16"
+    devices: dict[str, DeviceSpeeds] = field(default_factory=lambda: {"cpu": DeviceSpeeds()})
+    # bytes/s; the host<->GPU links are 0 on a CPU-only machine, where a "cpu -> gpu" copy is a memcpy
+    memcpy_bytes_per_s: float = 5e9
+    h2d_pinned_bytes_per_s: float = 0.0
+    h2d_pageable_bytes_per_s: float = 0.0
+    d2h_pinned_bytes_per_s: float = 0.0
+    d2h_pageable_bytes_per_s: float = 0.0
+    disk_read_bytes_per_s: float = 1e9  # page cache bypassed
+    disk_write_bytes_per_s: float = 5e8
+    disk_read_latency_s: float = 2e-4  # one small O_DIRECT read (a bias, a norm)
+    # capacities, bytes
+    gpu_mem_bytes: int = 0
+    cpu_mem_bytes: int = 0  # total RAM
+    cpu_available_bytes: int = 0  # RAM available when profiled
+    disk_free_bytes: int = 0
+    offload_dir: str = ""
+    # refit multipliers on the cost model's terms, "phase.resource" -> factor (policy/refit.py)
+    time_scale: dict[str, float] = field(default_factory=dict)
+    machine: dict = field(default_factory=dict)
+    measured_at: str = ""
+    format: str = FORMAT
+
+    @property
+    def compute(self) -> DeviceSpeeds:
+        return self.devices[self.compute_device]
+
+    @property
+    def cpu(self) -> DeviceSpeeds:
+        return self.devices["cpu"]
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.compute_device == "cuda"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HardwareProfile":
+        d = dict(d)
+        devices = {}
+        for name, s in d.pop("devices", {}).items():
+            s = dict(s)
+            s["matmul_flops"] = {dt: {int(m): float(f) for m, f in t.items()} for dt, t in s.get("matmul_flops", {}).items()}
+            devices[name] = DeviceSpeeds(**s)
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        return cls(devices=devices or {"cpu": DeviceSpeeds()}, **known)
+
+    def save(self, path: str | os.PathLike | None = None) -> Path:
+        path = Path(path) if path else default_profile_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike | None = None) -> "HardwareProfile":
+        return cls.from_dict(json.loads(Path(path or default_profile_path()).read_text()))
+
+
+def default_profile_path() -> Path:
+    return default_cache_dir() / "hardware.json"
+
+
+def load_or_profile(path: str | os.PathLike | None = None, offload_dir: str | None = None,
+                    verbose: bool = True) -> HardwareProfile:
+    """The saved profile, or a fresh one (saved) when there is none."""
+    p = Path(path) if path else default_profile_path()
+    if p.exists():
+        return HardwareProfile.load(p)
+    if verbose:
+        print(f"no hardware profile at {p}: profiling this machine (under a minute)...", flush=True)
+    prof = measure(offload_dir=offload_dir)
+    prof.save(p)
+    return prof
+
+
+def _interpolate_log(table: dict[int, float], x: float) -> float:
+    """Piecewise linear in log(x); flat beyond the measured range."""
+    import math
+
+    pts = sorted(table.items())
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return y0 + t * (y1 - y0)
+    return pts[-1][1]
+
+
+# ---- measuring ----------------------------------------------------------------------------
+
+def _timed(fn, min_s: float = 0.15, min_reps: int = 3, sync=None) -> float:
+    """Seconds of one call: the fastest of several, after a warm-up call. The fastest, not
+    the median, because the profile describes the hardware: on a shared machine other jobs
+    only ever add time (the refit, policy/refit.py, absorbs a steady slowdown)."""
+    fn()
+    if sync:
+        sync()
+    times, start = [], time.perf_counter()
+    while len(times) < min_reps or time.perf_counter() - start < min_s:
+        t0 = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        times.append(time.perf_counter() - t0)
+        if len(times) >= 50:
+            break
+    return min(times)
+
+
+def measure_device(device: torch.device, dtype: torch.dtype) -> DeviceSpeeds:
+    from flexgen_helm.compression import dequantize, quantize
+    from flexgen_helm.executor.attention import attend
+    from flexgen_helm.policy.policy import Compression
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    speeds = DeviceSpeeds()
+    out_f, in_f = MATMUL_SHAPE
+    for dt, rows_list in ((dtype, MATMUL_ROWS), (torch.float32, MATMUL_ROWS_FP32)):
+        name = str(dt).replace("torch.", "")
+        if name in speeds.matmul_flops:
+            continue
+        w = torch.randn(out_f, in_f, device=device).to(dt)
+        table = {}
+        for rows in rows_list:
+            x = torch.randn(rows, in_f, device=device).to(dt)
+            table[rows] = 2 * rows * in_f * out_f / _timed(lambda: F.linear(x, w), sync=sync)
+        speeds.matmul_flops[name] = table
+
+    # attention as the executor runs it (fp32 inside `attend`), at OPT-1.3B-like head sizes
+    units, s, d = 16, 512, 64
+    q = torch.randn(units, 1, s, d, device=device).to(dtype)
+    k = torch.randn(units, s, d, device=device).to(dtype)
+    valid = torch.ones(units, s, dtype=torch.bool, device=device)
+    speeds.attn_prefill_flops = 4 * units * s * s * d / _timed(lambda: attend(q, k, k, valid, causal=True), sync=sync)
+
+    units, t = 256, 512
+    kc = torch.randn(t, units, d, device=device).to(dtype)  # the cache's sequence-major layout
+    k1 = torch.randn(units, 1, d, device=device).to(dtype)
+    q1 = torch.randn(units, 1, 1, d, device=device).to(dtype)
+    valid = torch.ones(units, t + 1, dtype=torch.bool, device=device)
+
+    def decode_attention():  # what the schedule does per tier: join the new key, attend
+        keys = torch.cat([kc.transpose(0, 1), k1], dim=1)
+        values = torch.cat([kc.transpose(0, 1), k1], dim=1)
+        return attend(q1, keys, values, valid, causal=False)
+
+    cache_bytes = 2 * t * units * d * kc.element_size()
+    speeds.attn_decode_bytes_per_s = cache_bytes / _timed(decode_attention, sync=sync)
+
+    wq = quantize(torch.randn(out_f, in_f, device=device).to(dtype), Compression(4, 64), 0)
+    speeds.dequant_elems_per_s = out_f * in_f / _timed(lambda: dequantize(wq, dtype), sync=sync)
+
+    tiny_x, tiny_w = torch.randn(1, 64, device=device).to(dtype), torch.randn(64, 64, device=device).to(dtype)
+    speeds.op_latency_s = _timed(lambda: F.linear(tiny_x, tiny_w), min_reps=200, sync=sync)
+    return speeds
+
+
+def _bandwidth(src: torch.Tensor, dst: torch.Tensor, sync=None) -> float:
+    return src.numel() * src.element_size() / _timed(lambda: dst.copy_(src, non_blocking=True), sync=sync)
+
+
+def measure_disk(offload_dir: Path, nbytes: int = 256 << 20, chunk: int = 16 << 20) -> tuple[float, float, float]:
+    """(read bytes/s, write bytes/s, small-read latency s), with the page cache bypassed."""
+    from flexgen_helm.memory.direct_io import read_bytes, write_bytes
+
+    offload_dir.mkdir(parents=True, exist_ok=True)
+    data = torch.randint(0, 255, (chunk,), dtype=torch.uint8).numpy()
+    with tempfile.NamedTemporaryFile(dir=offload_dir, prefix="profile-", suffix=".bin") as f:
+        fd = f.fileno()
+        t0 = time.perf_counter()
+        for off in range(0, nbytes, chunk):
+            write_bytes(fd, off, data, evict=True)  # fdatasync + drop: the disk, not the cache
+        write_bw = nbytes / (time.perf_counter() - t0)
+        path = Path(f.name)
+        t0 = time.perf_counter()
+        for off in range(0, nbytes, chunk):
+            read_bytes(path, off, chunk, bypass_page_cache=True)
+        read_bw = nbytes / (time.perf_counter() - t0)
+        lat = []
+        for i in range(64):
+            t0 = time.perf_counter()
+            read_bytes(path, (i * 7919 * 4096) % (nbytes - 4096), 4096, bypass_page_cache=True)
+            lat.append(time.perf_counter() - t0)
+    return read_bw, write_bw, min(lat)
+
+
+def measure(offload_dir: str | os.PathLike | None = None, device: str | None = None,
+            dtype: str | None = None) -> HardwareProfile:
+    from flexgen_helm.engine import default_offload_dir
+    from flexgen_helm.memory.devices import pick_devices
+
+    devs = pick_devices(device, dtype)
+    offload = Path(offload_dir) if offload_dir else default_offload_dir()
+    prof = HardwareProfile(compute_device=devs.compute.type, dtype=str(devs.dtype).replace("torch.", ""))
+    prof.devices = {"cpu": measure_device(torch.device("cpu"), devs.dtype)}
+    if devs.is_cuda:
+        prof.devices["cuda"] = measure_device(devs.compute, devs.dtype)
+
+    n = 128 << 20
+    host = torch.empty(n, dtype=torch.uint8)
+    prof.memcpy_bytes_per_s = _bandwidth(torch.ones(n, dtype=torch.uint8), host)
+    if devs.is_cuda:
+        sync = torch.cuda.synchronize
+        gpu = torch.empty(n, dtype=torch.uint8, device=devs.compute)
+        pinned = torch.empty(n, dtype=torch.uint8).pin_memory()
+        prof.h2d_pinned_bytes_per_s = _bandwidth(pinned, gpu, sync)
+        prof.h2d_pageable_bytes_per_s = _bandwidth(host, gpu, sync)
+        prof.d2h_pinned_bytes_per_s = _bandwidth(gpu, pinned, sync)
+        prof.d2h_pageable_bytes_per_s = _bandwidth(gpu, host, sync)
+        prof.gpu_mem_bytes = torch.cuda.get_device_properties(devs.compute).total_memory
+
+    prof.disk_read_bytes_per_s, prof.disk_write_bytes_per_s, prof.disk_read_latency_s = measure_disk(offload)
+    info = machine_info()
+    prof.machine = info
+    prof.cpu_mem_bytes = info["ram_bytes"]
+    prof.cpu_available_bytes = _mem_available()
+    prof.disk_free_bytes = shutil.disk_usage(offload).free
+    prof.offload_dir = str(offload)
+    prof.measured_at = time.strftime("%Y-%m-%dT%H:%M:%S")
+    return prof
+
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def describe(p: HardwareProfile) -> str:
+    gib, gb = 2**30, 1e9
+    lines = [f"compute: {p.compute_device} ({p.dtype}); {p.machine.get('cpu', '')}, {p.machine.get('cpu_cores')} cores"]
+    for name, s in p.devices.items():
+        for dt, table in s.matmul_flops.items():
+            lines.append(f"  {name} linear {dt}: " + ", ".join(f"{m} rows {f / 1e9:.1f}" for m, f in table.items())
+                         + " GFLOP/s")
+        lines.append(f"  {name} attention: prefill {s.attn_prefill_flops / 1e9:.1f} GFLOP/s, decode "
+                     f"{s.attn_decode_bytes_per_s / gb:.2f} GB/s of cache; dequantize "
+                     f"{s.dequant_elems_per_s / 1e9:.2f} G elements/s; op latency {s.op_latency_s * 1e6:.1f} us")
+    lines.append(f"memcpy {p.memcpy_bytes_per_s / gb:.2f} GB/s")
+    if p.is_cuda:
+        lines.append(f"host->gpu pinned {p.h2d_pinned_bytes_per_s / gb:.2f}, pageable {p.h2d_pageable_bytes_per_s / gb:.2f}; "
+                     f"gpu->host pinned {p.d2h_pinned_bytes_per_s / gb:.2f}, pageable {p.d2h_pageable_bytes_per_s / gb:.2f} GB/s")
+    lines.append(f"disk ({p.offload_dir}, page cache bypassed): read {p.disk_read_bytes_per_s / gb:.2f} GB/s, "
+                 f"write {p.disk_write_bytes_per_s / gb:.2f} GB/s, 4 KiB read {p.disk_read_latency_s * 1e3:.2f} ms")
+    lines.append(f"memory: gpu {p.gpu_mem_bytes / gib:.1f} GiB, cpu {p.cpu_mem_bytes / gib:.1f} GiB "
+                 f"({p.cpu_available_bytes / gib:.1f} available), disk free {p.disk_free_bytes / gib:.1f} GiB")
+    if p.time_scale:
+        lines.append("refit time scales: " + ", ".join(f"{k} x{v:.2f}" for k, v in sorted(p.time_scale.items())))
+    return "\n".join(lines)

@@ -1,0 +1,176 @@
+"""Cost model, LP policy search, hardware profile and `--policy auto` (fast: no profiling,
+synthetic hardware profiles)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from flexgen_helm.cli import build_parser, main, policy_from_args
+from flexgen_helm.engine import Engine
+from flexgen_helm.errors import PolicyError
+from flexgen_helm.executor.sampling import SamplingParams
+from flexgen_helm.models.config import ModelConfig
+from flexgen_helm.models.opt import config_for_size
+from flexgen_helm.policy import Compression, Policy, Split
+from flexgen_helm.policy.cost_model import CostModel, Workload
+from flexgen_helm.policy.hardware_profile import DeviceSpeeds, HardwareProfile, default_profile_path
+from flexgen_helm.policy.refit import refit
+from flexgen_helm.policy.search import NF, Budgets, SearchOptions, default_budgets, search, shortfalls, solve_lp
+
+from conftest import save_tiny
+
+GIB = 2**30
+OPT13 = config_for_size("1.3b")
+
+
+def speeds(**kw) -> DeviceSpeeds:
+    return DeviceSpeeds(**{"matmul_flops": {"bfloat16": {1: 2e9, 16: 30e9, 256: 200e9, 4096: 300e9}}, **kw})
+
+
+def cpu_profile(**kw) -> HardwareProfile:
+    return HardwareProfile(devices={"cpu": speeds()}, memcpy_bytes_per_s=5e9, disk_read_bytes_per_s=1e9,
+                           disk_write_bytes_per_s=5e8, cpu_mem_bytes=24 * GIB, cpu_available_bytes=20 * GIB,
+                           disk_free_bytes=100 * GIB, **kw)
+
+
+def gpu_profile() -> HardwareProfile:
+    return HardwareProfile(compute_device="cuda", dtype="float16",
+                           devices={"cpu": speeds(), "cuda": DeviceSpeeds({"float16": {1: 50e9, 4096: 100e12}},
+                                                                          attn_prefill_flops=50e12,
+                                                                          attn_decode_bytes_per_s=1e12)},
+                           h2d_pinned_bytes_per_s=12e9, h2d_pageable_bytes_per_s=6e9, d2h_pinned_bytes_per_s=12e9,
+                           d2h_pageable_bytes_per_s=6e9, disk_read_bytes_per_s=2e9, disk_write_bytes_per_s=1e9,
+                           gpu_mem_bytes=16 * GIB, cpu_mem_bytes=64 * GIB, cpu_available_bytes=60 * GIB,
+                           disk_free_bytes=500 * GIB)
+
+
+def test_lp_returns_valid_fractions():
+    model = CostModel(OPT13, cpu_profile(), Workload(512, 32))
+    res = solve_lp(model, Policy(4, 2), default_budgets(cpu_profile(), cpu=2 * GIB))
+    assert res.status == 0
+    x = res.x[:NF]
+    assert all(-1e-9 <= f <= 1 + 1e-9 for f in x)
+    for k in range(3):
+        assert sum(x[3 * k:3 * k + 3]) == pytest.approx(1.0)
+    assert x[2] > 0.1  # 2 GiB of RAM cannot hold 2.6 GB of weights: some go to disk
+
+
+@pytest.mark.parametrize("profile,budgets", [
+    (cpu_profile(), dict(cpu=2 * GIB)),
+    (cpu_profile(), dict(cpu=3 * GIB, disk=1 * GIB)),
+    (gpu_profile(), dict(gpu=1 * GIB, cpu=2 * GIB)),
+])
+def test_search_respects_budgets(profile, budgets):
+    b = default_budgets(profile, **budgets)
+    result = search(OPT13, profile, 256, 16, b, SearchOptions(max_gpu_batch_size=16, max_num_gpu_batches=4))
+    assert not shortfalls(result.estimate, b)
+    for phase in result.estimate.peak_bytes.values():
+        if profile.is_cuda:
+            assert phase["gpu"] <= budgets["gpu"] and phase["cpu"] <= budgets["cpu"]
+        else:  # the gpu pool is host RAM here: both tiers come out of the cpu budget
+            assert phase["gpu"] + phase["cpu"] <= budgets["cpu"]
+        assert phase["disk"] <= budgets.get("disk", 100 * GIB)
+
+
+def test_infeasible_names_tier_and_shortfall():
+    with pytest.raises(PolicyError, match=r"cpu \(host RAM.*short by 0\.[0-9]+ GiB"):
+        search(OPT13, cpu_profile(), 512, 32, default_budgets(cpu_profile(), cpu=GIB // 4))
+    with pytest.raises(PolicyError, match=r"disk tier is short by 1\.[0-9]+ GiB"):
+        search(OPT13, cpu_profile(), 512, 32, default_budgets(cpu_profile(), cpu=GIB, disk=GIB))
+
+
+def test_more_gpu_memory_never_predicts_lower_throughput():
+    prof, last = gpu_profile(), 0.0
+    for gpu_gib in (0.5, 1, 2, 4, 8):
+        b = default_budgets(prof, gpu=int(gpu_gib * GIB), cpu=8 * GIB)
+        got = search(OPT13, prof, 256, 32, b, SearchOptions(max_gpu_batch_size=16, max_num_gpu_batches=4))
+        assert got.estimate.throughput >= last * (1 - 1e-9)
+        last = got.estimate.throughput
+
+
+def test_compression_reduces_predicted_io():
+    model = CostModel(OPT13, cpu_profile(), Workload(512, 32))
+    plain = model.estimate(Policy(4, 1, weights=Split(0, 0, 1), cache=Split(0, 0, 1)))
+    packed = model.estimate(Policy(4, 1, weights=Split(0, 0, 1), cache=Split(0, 0, 1),
+                                   compress_weight=Compression(), compress_cache=Compression()))
+    # 4 bits + a bf16 min and scale per 64 elements: 0.25 + 0.03 of the bytes
+    assert packed.decode_terms["disk_cpu"] < 0.35 * plain.decode_terms["disk_cpu"]
+    assert packed.prefill_terms["cpu_disk"] < 0.35 * plain.prefill_terms["cpu_disk"]
+    assert packed.decode_terms["compute"] > plain.decode_terms["compute"]  # dequantization is not free
+    assert packed.peak_bytes["decode"]["disk"] < 0.35 * plain.peak_bytes["decode"]["disk"]
+
+
+def test_cost_terms_of_a_hand_computable_case():
+    """One Llama block (GQA: 2 heads, 1 KV head of dim 4), weights on disk, CPU-only."""
+    cfg = ModelConfig(family="llama", name="hand", vocab_size=16, hidden_size=8, num_layers=1, num_heads=2,
+                      num_kv_heads=1, ffn_size=16, max_seq_len=32)
+    flat = DeviceSpeeds({"bfloat16": {1: 1e9}}, attn_prefill_flops=1e9, attn_decode_bytes_per_s=1e9,
+                        dequant_elems_per_s=1e9, op_latency_s=0.0)
+    prof = HardwareProfile(devices={"cpu": flat}, memcpy_bytes_per_s=1e9, disk_read_bytes_per_s=1e6,
+                           disk_write_bytes_per_s=1e6, disk_read_latency_s=0.0)
+    model = CostModel(cfg, prof, Workload(prompt_len=4, gen_len=3))
+    policy = Policy(2, 1, weights=Split(0, 0, 1))
+    block = [k for k, (layer, _) in enumerate(model.groups) if layer.kind == "block"][0]
+    decode = model.phase_terms(policy, "decode")[block]
+    # weights: norms 8 + 8, q 8x8, k 4x8, v 4x8, o 8x8, gate/up 16x8, down 8x16 = 592 bf16 = 1184 bytes
+    assert decode["disk_cpu"] == pytest.approx(1184 / 1e6)
+    # linears: 2 flops x 2 rows x 576 matrix elements; attention reads K, V of 2 units x 4 dims x
+    # 2 bytes at the mean length 4 + 3/2 = 5.5
+    assert decode["compute"] == pytest.approx(2 * 2 * 576 / 1e9 + 5.5 * 2 * 2 * 4 * 2 / 1e9)
+    # the new token's K, V copied into the gpu-tier slot (a memcpy on a CPU-only machine)
+    assert decode["gpu_cpu"] == pytest.approx(2 * 2 * 4 * 2 / 1e9)
+    assert decode["cpu_gpu"] == 0.0 and decode["cpu_disk"] == 0.0
+    prefill = model.phase_terms(policy, "prefill")[block]
+    # prefill attention computes the full 4 x 4 scores for 2 sequences x 2 heads x dim 4
+    assert prefill["compute"] == pytest.approx(2 * 8 * 576 / 1e9 + 4 * 2 * 2 * 4 * 4 * 4 / 1e9)
+    est = model.estimate(policy)
+    assert est.total_s == pytest.approx(est.prefill_s + 2 * est.decode_step_s)
+    assert est.throughput == pytest.approx(2 * 3 / est.total_s)
+
+
+def test_profile_json_round_trip(tmp_path):
+    prof = replace(gpu_profile(), time_scale={"decode.compute": 1.3}, offload_dir="/tmp/x")
+    path = prof.save(tmp_path / "hw.json")
+    assert HardwareProfile.load(path) == prof
+    assert json.loads(path.read_text())["format"] == prof.format
+
+
+def test_refit_scales_the_bottleneck_term(tmp_path):
+    prof = cpu_profile()
+    policy = Policy(4, 1, weights=Split(0, 0, 1))
+    est = CostModel(OPT13, prof, Workload(128, 8)).estimate(policy)
+    record = {"model": OPT13.name, "policy": policy.to_dict(), "prompt_len": 128, "gen_len": 8,
+              "prefill_latency_s": 2 * max(est.prefill_terms.values()),
+              "decode_latency_s": 7 * 0.5 * max(est.decode_terms.values())}
+    (tmp_path / "run.json").write_text(json.dumps(record))
+    fitted, report = refit(prof, [tmp_path / "run.json"])
+    assert fitted.time_scale["decode.disk_cpu"] == pytest.approx(0.5)
+    assert "decode" in report
+
+
+def test_policy_auto_is_accepted_by_the_engine(tmp_path, capsys):
+    path = save_tiny("opt", tmp_path / "tiny")
+    cpu_profile().save(default_profile_path())  # a saved profile: no profiling in tests
+    args = build_parser().parse_args(["generate", "--model", str(path), "--policy", "auto", "--prompt", "hello",
+                                      "world!", "--max-new-tokens", "4", "--dtype", "float32"])
+    policy = policy_from_args(args)
+    assert isinstance(policy, Policy) and "auto policy" in capsys.readouterr().out
+    assert policy.block_size <= 2  # two prompts: a bigger block would only pad
+    engine = Engine.load(str(path), policy, dtype="float32", device="cpu", offload_dir=tmp_path, progress=False)
+    out = engine.generate([[5, 6, 7, 8, 9, 10, 11, 12]], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert len(out[0].completions[0].token_ids) == 4
+
+
+def test_search_command_prints_breakdown(tmp_path, capsys):
+    prof = cpu_profile().save(tmp_path / "hw.json")
+    rc = main(["search", "--model", "facebook/opt-1.3b", "--dummy", "--prompt-len", "128", "--gen-len", "8",
+               "--cpu-mem", "2GiB", "--profile", str(prof), "--max-gpu-batch-size", "8", "--max-num-gpu-batches", "2",
+               "--json", str(tmp_path / "s.json")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "bottleneck" in out and "disk_cpu" in out
+    record = json.loads((tmp_path / "s.json").read_text())
+    assert Policy.from_dict(record["policy"]).weights.disk > 0
+    assert Budgets(cpu=1).constraints()[0][0] == "cpu"
