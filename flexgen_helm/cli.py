@@ -19,24 +19,6 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="compute device (default: cuda if present, else cpu)")
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"],
                    help="weights and compute (default: float16 on GPU, bfloat16 on CPU)")
-    p.add_argument("--pipeline", action="store_true",
-                   help="run as one stage of a pipeline over the processes torchrun started")
-
-
-def engine_class(args):
-    """The single-process engine, or one pipeline stage under torchrun (--pipeline)."""
-    if getattr(args, "pipeline", False):
-        from flexgen_helm.dist.pipeline import PipelineEngine
-
-        return PipelineEngine
-    from flexgen_helm.engine import Engine
-
-    return Engine
-
-
-def is_reporting_rank(engine) -> bool:
-    """Under a pipeline every rank holds the results; only the first one prints them."""
-    return getattr(engine, "rank", 0) == 0
 
 
 def add_policy_args(p: argparse.ArgumentParser) -> None:
@@ -86,17 +68,15 @@ def policy_from_args(args) -> Policy:
 
 
 def cmd_generate(args) -> int:
+    from flexgen_helm.engine import Engine
     from flexgen_helm.executor.sampling import SamplingParams
 
-    engine = engine_class(args).load(args.model, policy_from_args(args), path=args.path, dummy=args.dummy,
+    engine = Engine.load(args.model, policy_from_args(args), path=args.path, dummy=args.dummy,
                          offload_dir=args.offload_dir, device=args.device, dtype=args.dtype)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, num_completions=args.num_completions,
                             stop_strings=tuple(args.stop or ()))
     results = engine.generate(args.prompt, params)
-    engine.close()
-    if not is_reporting_rank(engine):
-        return 0
     out = []
     for prompt, r in zip(args.prompt, results):
         for c in r.completions:
@@ -136,12 +116,6 @@ def cmd_eval(args) -> int:
     except FileNotFoundError as e:  # missing evaluation data: say which file and how to point at it
         raise FlexGenError(str(e)) from e
     return 0
-
-
-def cmd_compare(args) -> int:
-    from flexgen_helm.compare.run import main as compare_main
-
-    return compare_main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -198,19 +172,6 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--quiet", action="store_true", help="no progress bars")
     e.add_argument("--json", help="write the record here")
     e.set_defaults(func=cmd_eval)
-    from flexgen_helm.compare.workloads import SETUPS
-
-    k = sub.add_parser("compare", help="ours vs HF accelerate (and the ablations) on the same setup, in one run")
-    k.add_argument("--setup", nargs="+", default=["opt-6.7b-p512-g32"], choices=sorted(SETUPS),
-                   help="model, workload and budgets (flexgen_helm/compare/workloads.py)")
-    k.add_argument("--ablations", choices=sorted(SETUPS), help="also run the ablations on this setup")
-    k.add_argument("--ablations-only", action="store_true")
-    k.add_argument("--max-block", type=int, default=4,
-                   help="cap on our effective batch (prefill compute per sequence is minutes on 2 CPU cores)")
-    k.add_argument("--warmup", type=int, default=0, help="untimed runs before each timed one (bench --warmup)")
-    k.add_argument("--timeout", type=int, default=1500, help="seconds allowed to each system's run")
-    k.add_argument("--out", default="runs/compare")
-    k.set_defaults(func=cmd_compare)
     return parser
 
 
