@@ -1,0 +1,86 @@
+"""Accuracy under approximations, like the paper's Table 5 (LAMBADA accuracy, WikiText
+perplexity for FP16 vs 4-bit, 8-bit, 4-bit-S), from two sources:
+
+  * `flexgen-helm eval` records (runs/**/*.json with task/metrics/policy; see
+    flexgen_helm/evaluation/run.py), one row per setting and data scope;
+  * HELM runs of the suite, one row per deployment (e.g. flexgen/smollm2-135m vs -4bit).
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from flexgen_helm.evaluation.run import approximations
+
+# Which HELM metrics answer "how accurate" for a scenario (run name before ":").
+PRIMARY = {"lambada": ("prefix_exact_match",), "wikitext": ("perplexity", "bits_per_byte")}
+DEFAULT_PRIMARY = ("exact_match",)
+_DTYPE = {"float16": "FP16", "bfloat16": "BF16", "float32": "FP32"}
+
+
+def setting_name(policy: dict, dtype: str) -> str:
+    """The paper's names where they apply: FP16 (here: the dtype), 8-bit, 4-bit, 4-bit-S
+    (weights and cache both compressed alike, -S: with sparse attention)."""
+    w, c = policy.get("compress_weight"), policy.get("compress_cache")
+    sparse = policy.get("attn_sparsity", 1.0) < 1.0
+    if not w and not c and not sparse:
+        return _DTYPE.get(dtype, dtype)
+    if w and c and w["bits"] == c["bits"]:
+        return f"{w['bits']}-bit" + ("-S" if sparse else "")
+    return approximations(policy)
+
+
+def eval_table(records: list[dict]) -> pd.DataFrame:
+    """One row per (setting, scope): LAMBADA accuracy, WikiText perplexity and bits/byte.
+
+    Scope is "full" or "subset" (a --limit run), so that a row pairs like with like; of
+    several records for one cell, the one over the most data wins."""
+    best: dict[tuple, dict] = {}
+    for r in records:
+        policy = r["policy"]
+        scope = "full" if not r.get("limit") else "subset"
+        key = (setting_name(policy, r.get("dtype", "")), approximations(policy), r.get("model", ""), scope)
+        if (key, r["task"]) not in best or _size(r) > _size(best[key, r["task"]]):
+            best[key, r["task"]] = r
+    rows: dict[tuple, dict] = {}
+    for (key, task), r in best.items():
+        row = rows.setdefault(key, dict(zip(("setting", "approximations", "model", "scope"), key)))
+        m, c = r["metrics"], r.get("counts", {})
+        if task == "lambada":
+            row.update({"LAMBADA acc": m.get("accuracy"), "LAMBADA passages": c.get("passages")})
+        elif task == "wikitext":
+            row.update({"WikiText ppl": m.get("token_perplexity"), "WikiText bits/byte": m.get("bits_per_byte"),
+                        "WikiText tokens": c.get("tokens")})
+    if not rows:
+        return pd.DataFrame()
+    df = pd.DataFrame(list(rows.values()))
+    order = {"FP16": 0, "BF16": 0, "FP32": 0, "8-bit": 1, "4-bit": 2, "4-bit-S": 3}
+    df["_o"] = df["setting"].map(order).fillna(9)
+    df = df.sort_values(["scope", "_o", "setting"], kind="stable").drop(columns="_o")
+    return df.reset_index(drop=True)
+
+
+def _size(r: dict) -> int:
+    c = r.get("counts", {})
+    return c.get("passages") or c.get("tokens") or 0
+
+
+def primary_metrics(scenario: str) -> tuple[str, ...]:
+    return PRIMARY.get(scenario.split(":")[0], DEFAULT_PRIMARY)
+
+
+def helm_accuracy_table(helm: pd.DataFrame) -> pd.DataFrame:
+    """Rows: deployments; columns: "<scenario> <metric>" for each scenario's primary metrics."""
+    if helm.empty:
+        return pd.DataFrame()
+    cells: dict[str, dict[str, float]] = {}
+    for _, run in helm.iterrows():
+        for metric in primary_metrics(run["scenario"]):
+            value = run.get(f"metric:{metric}")
+            if value is not None and not pd.isna(value):
+                cells.setdefault(run["deployment"], {})[f"{run['scenario']} {metric}"] = value
+    if not cells:
+        return pd.DataFrame()
+    df = pd.DataFrame.from_dict(cells, orient="index")
+    df.index.name = "deployment"
+    return df[sorted(df.columns)].reset_index()

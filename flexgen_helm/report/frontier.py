@@ -1,0 +1,78 @@
+"""Latency-throughput points from bench records, one curve per system / setting (the
+paper's Figure 1), and the ablation table (Table 6 of the paper: each optimization off).
+
+A point is one `flexgen-helm bench` (or policy-validation) record; its curve is the
+record's `--label` if it has one, else a short description of its policy without the
+block shape, so that the same setting at several batch sizes makes one curve.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from flexgen_helm.evaluation.run import approximations
+
+# The paper's ablation rows, matched against bench labels (case and -/_ ignored).
+ABLATION = ("all optimizations", "no policy search", "no overlap", "no CPU compute", "no disk",
+            "DeepSpeed-style policy")
+
+
+def _pct(split: dict) -> str:
+    return "/".join(f"{100 * split[t]:g}" for t in ("gpu", "cpu", "disk"))
+
+
+def setting_of(r: dict) -> str:
+    if r.get("label"):
+        return str(r["label"])
+    p = r["policy"]
+    parts = [f"W{_pct(p['weights'])} C{_pct(p['cache'])} A{_pct(p['activations'])}"]
+    if approximations(p) != "none":
+        parts.append(approximations(p))
+    if not p.get("overlap", True):
+        parts.append("no overlap")
+    if p.get("cpu_cache_compute"):
+        parts.append("CPU attention")
+    model = r.get("model")
+    return (f"{model}: " if model else "") + ", ".join(parts)
+
+
+def batch_of(r: dict) -> int:
+    p = r["policy"]
+    return int(r.get("effective_batch_size") or r.get("block_size") or p["gpu_batch_size"] * p["num_gpu_batches"])
+
+
+def frontier_table(records: list[dict]) -> pd.DataFrame:
+    rows = [{"curve": setting_of(r), "batch": batch_of(r), "prompt_len": r.get("prompt_len"),
+             "gen_len": r.get("gen_len"), "latency (s)": r["total_latency_s"],
+             "throughput (tok/s)": r["total_throughput"], "source": r.get("_path", "")} for r in records]
+    if not rows:
+        return pd.DataFrame()
+    df = pd.DataFrame(rows)
+    # latency depends on the sequence lengths: different lengths are different curves
+    if df[["prompt_len", "gen_len"]].drop_duplicates().shape[0] > 1:
+        df["curve"] = df["curve"] + " (s=" + df["prompt_len"].astype(str) + ", n=" + df["gen_len"].astype(str) + ")"
+    return df.sort_values(["curve", "batch"], kind="stable").reset_index(drop=True)
+
+
+def _norm(label: str) -> str:
+    return " ".join(str(label).lower().replace("-", " ").replace("_", " ").split())
+
+
+def ablation_table(records: list[dict]) -> pd.DataFrame:
+    """One row per ablation label present: its best throughput (the paper reports each
+    setting at its best batch size) and the ratio to "all optimizations"."""
+    wanted = {_norm(a): a for a in ABLATION}
+    best: dict[str, dict] = {}
+    for r in records:
+        name = wanted.get(_norm(r.get("label") or ""))
+        if name and (name not in best or r["total_throughput"] > best[name]["total_throughput"]):
+            best[name] = r
+    if not best:
+        return pd.DataFrame()
+    base = best.get("all optimizations", {}).get("total_throughput")
+    rows = [{"setting": name, "model": r.get("model"), "policy": r.get("policy_summary", ""),
+             "batch": batch_of(r), "throughput (tok/s)": r["total_throughput"],
+             "latency (s)": r["total_latency_s"],
+             "vs all optimizations": r["total_throughput"] / base if base else None}
+            for name, r in ((a, best[a]) for a in ABLATION if a in best)]
+    return pd.DataFrame(rows)
