@@ -72,11 +72,13 @@ def command(row: Row, scope: str, task: str) -> list[str]:
             + ["--quiet", "--json", str(json_path(row.name, scope, task))])
 
 
-def run(rows: list[str] | None, scopes: list[str] | None, dry_run: bool) -> None:
-    for name, scope in PLAN:
+def run(rows: list[str] | None, scopes: list[str] | None, tasks: list[str] | None, dry_run: bool) -> None:
+    """The plan's missing runs, in the order of `rows` when given (to run first what matters)."""
+    plan = sorted((rs for rs in PLAN if rs[0] in rows), key=lambda rs: rows.index(rs[0])) if rows else PLAN
+    for name, scope in plan:
         if (rows and name not in rows) or (scopes and scope not in scopes):
             continue
-        for task in TASKS:
+        for task in tasks or TASKS:
             if json_path(name, scope, task).exists():
                 continue
             argv = command(ROW_BY_NAME[name], scope, task)
@@ -91,11 +93,12 @@ def main(argv=None) -> int:
     r = sub.add_parser("run", help="run the missing runs of the plan")
     r.add_argument("--rows", nargs="*", choices=list(ROW_BY_NAME))
     r.add_argument("--scopes", nargs="*", choices=list(SCOPES))
+    r.add_argument("--tasks", nargs="*", choices=list(TASKS))
     r.add_argument("--dry-run", action="store_true")
     sub.add_parser("report", help="write runs/accuracy/results.csv and README.md from the JSON records")
     args = p.parse_args(argv)
     if args.what == "run":
-        run(args.rows, args.scopes, args.dry_run)
+        run(args.rows, args.scopes, args.tasks, args.dry_run)
     else:
         from flexgen_helm.evaluation.report import write_report
 
