@@ -148,8 +148,9 @@ flexgen_helm/evaluation/lambada.py and wikitext.py):
   rows are LIMITED to the first 400 passages and the first 16384 tokens (16 windows; the protocol of the
   reference numbers): the full baseline (both tasks) took {full_s} here, so the {n_rows} rows on the full
   sets would take about {grid_h} hours.
-  Δ columns compare with the baseline of the same scope. Throughput is that of a shared, loaded machine,
-  not a benchmark."""
+  Δ columns compare with the baseline of the same scope.
+- tokens/s: tokens through the model in the scoring pass / evaluation wall time (for LAMBADA with greedy
+  generation the time includes the generation pass). A shared, loaded machine: not a benchmark."""
 
 
 def write_report(out: Path) -> None:

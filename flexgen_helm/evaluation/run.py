@@ -9,6 +9,7 @@ import shlex
 import time
 from pathlib import Path
 
+from flexgen_helm.errors import FlexGenError
 from flexgen_helm.evaluation import lambada, wikitext
 from flexgen_helm.evaluation.data import read_lambada, read_wikitext
 
@@ -18,11 +19,13 @@ TASKS = ("lambada", "wikitext")
 def run_eval(args, policy, argv: list[str]) -> dict:
     from flexgen_helm.engine import Engine
 
+    if args.limit is not None and args.limit < 1:
+        raise FlexGenError(f"--limit must be at least 1, got {args.limit}")
     t0 = time.perf_counter()
     # read the data first: a missing file should fail before the model loads
     if args.task == "lambada":
         texts, source = read_lambada(args.data)
-        texts = texts[:args.limit] if args.limit else texts
+        texts = texts[:args.limit]  # None: all
     else:
         lines, source = read_wikitext(args.data)
     engine = Engine.load(args.model, policy, path=args.path, dummy=args.dummy, offload_dir=args.offload_dir,

@@ -16,8 +16,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flexgen_helm.evaluation.run import TASKS
+
 OUT = Path("runs/accuracy")
-TASKS = ("lambada", "wikitext")
 MODEL = ["--model", "smollm2-135m", "--dtype", "float32", "--num-gpu-batches", "1"]
 # windows of 1024 tokens are ~30x longer than LAMBADA passages: fewer per batch keeps the
 # (batch x heads x 1024 x 1024) attention scores of the prefill small on a shared machine
