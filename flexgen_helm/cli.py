@@ -118,6 +118,12 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_compare(args) -> int:
+    from flexgen_helm.compare.run import main as compare_main
+
+    return compare_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flexgen-helm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -172,6 +178,19 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--quiet", action="store_true", help="no progress bars")
     e.add_argument("--json", help="write the record here")
     e.set_defaults(func=cmd_eval)
+    from flexgen_helm.compare.workloads import SETUPS
+
+    k = sub.add_parser("compare", help="ours vs HF accelerate (and the ablations) on the same setup, in one run")
+    k.add_argument("--setup", nargs="+", default=["opt-6.7b-p512-g32"], choices=sorted(SETUPS),
+                   help="model, workload and budgets (flexgen_helm/compare/workloads.py)")
+    k.add_argument("--ablations", choices=sorted(SETUPS), help="also run the ablations on this setup")
+    k.add_argument("--ablations-only", action="store_true")
+    k.add_argument("--max-block", type=int, default=4,
+                   help="cap on our effective batch (prefill compute per sequence is minutes on 2 CPU cores)")
+    k.add_argument("--warmup", type=int, default=0, help="untimed runs before each timed one (bench --warmup)")
+    k.add_argument("--timeout", type=int, default=1500, help="seconds allowed to each system's run")
+    k.add_argument("--out", default="runs/compare")
+    k.set_defaults(func=cmd_compare)
     return parser
 
 

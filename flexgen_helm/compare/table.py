@@ -1,0 +1,88 @@
+"""Rows of a comparison (the JSON each system's process wrote) into the paper-style table:
+throughput with the policy in each cell, the ratio to accelerate, the disk-read roofline,
+and where the weights were read from. Written as CSV and as the README of its folder."""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+
+GIB = 2**30
+COLUMNS = ["setup", "system", "label", "policy", "effective_batch", "prefill_s", "decode_s", "total_s",
+           "throughput_tok_s", "vs_accelerate", "disk_weight_gib", "disk_read_gib", "disk_reads_per_token",
+           "weights_read_from", "roofline_tok_s", "pct_of_roofline", "peak_rss_gib", "loadavg_1m"]
+
+
+def disk_weight_bytes(record: dict) -> int:
+    if "disk_weight_bytes" in record:  # accelerate's rows say it themselves
+        return record["disk_weight_bytes"]
+    return record.get("memory", {}).get("placement", {}).get("weight_bytes", {}).get("disk", 0)
+
+
+def row(setup: str, system: str, record: dict, bandwidth: float | None, loadavg: float | None) -> dict:
+    """One table row. The roofline: every generated token needs the disk-resident weights read
+    once, so a block of B sequences makes at most B x bandwidth / disk bytes tokens a second."""
+    if record.get("skipped"):
+        return {"setup": setup, "system": system, "label": record.get("label", system),
+                "policy": record.get("policy_summary", ""), "weights_read_from": record["skipped"]}
+    b = record["effective_batch_size"]
+    disk = disk_weight_bytes(record)
+    read = record.get("disk_read_bytes")
+    roof = b * bandwidth / disk if bandwidth and disk else None
+    passes = record["gen_len"]  # one read of the disk weights per generated token (prefill included)
+    if record.get("system") == "hf-accelerate":
+        evict = record["page_cache"]["evict_each_token"]
+        source = "disk via mmap, page cache evicted " + ("before every token" if evict else "before the run only")
+    else:
+        source = f"disk, {record['memory']['disk_page_cache_bypass']} (no page cache)" if disk else "RAM only"
+    return {
+        "setup": setup, "system": system, "label": record.get("label") or system,
+        "policy": record.get("policy_summary", ""), "effective_batch": b,
+        "prefill_s": round(record["prefill_latency_s"], 2), "decode_s": round(record["decode_latency_s"], 2),
+        "total_s": round(record["total_latency_s"], 2), "throughput_tok_s": round(record["total_throughput"], 4),
+        "disk_weight_gib": round(disk / GIB, 2),
+        "disk_read_gib": None if read is None else round(read / GIB, 2),
+        "disk_reads_per_token": round(read / (disk * passes), 2) if read is not None and disk else None,
+        "weights_read_from": source,
+        "roofline_tok_s": None if roof is None else round(roof, 4),
+        "pct_of_roofline": None if roof is None else round(100 * record["total_throughput"] / roof, 1),
+        "peak_rss_gib": round((record.get("memory", {}).get("cpu_peak_rss_bytes") or record.get("cpu_peak_rss_bytes", 0)) / GIB, 2),
+        "loadavg_1m": loadavg,
+    }
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Throughput over accelerate's in the same setup (the paper's headline ratio)."""
+    base = {r["setup"]: r["throughput_tok_s"] for r in rows if r["system"] == "hf-accelerate" and r.get("throughput_tok_s")}
+    for r in rows:
+        if r.get("throughput_tok_s") and r["setup"] in base:
+            r["vs_accelerate"] = round(r["throughput_tok_s"] / base[r["setup"]], 2)
+
+
+def to_csv(rows: list[dict]) -> str:
+    out = io.StringIO()
+    w = csv.DictWriter(out, COLUMNS, extrasaction="ignore")
+    w.writeheader()
+    w.writerows(rows)
+    return out.getvalue()
+
+
+def from_csv(text: str) -> list[dict]:
+    return [{k: (v if v != "" else None) for k, v in r.items()} for r in csv.DictReader(io.StringIO(text))]
+
+
+def to_markdown(rows: list[dict], columns: list[str] | None = None) -> str:
+    cols = columns or COLUMNS
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join("" if r.get(c) is None else str(r[c]) for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def write(folder: Path, rows: list[dict], title: str, notes: list[str], commands: list[str]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "results.csv").write_text(to_csv(rows))
+    md = [f"# {title}", "", *notes, "", to_markdown(rows), "", "## Commands (exactly what ran, in order)", "",
+          "```bash", *commands, "```", ""]
+    (folder / "README.md").write_text("\n".join(md))
