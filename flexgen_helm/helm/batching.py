@@ -89,14 +89,49 @@ def buckets(jobs: list[Job], max_batch: int, pad_tolerance: float = 0.25, pad_sl
     return out
 
 
-def run_jobs(handle: EngineHandle, jobs: list[Job], max_batch: int, pad_tolerance: float = 0.25) -> None:
-    """Run `jobs` in batches; every job's future gets a JobOutput or an exception."""
+def run_jobs(handle: EngineHandle, jobs: list[Job], max_batch: int, pad_tolerance: float = 0.25,
+             progress: str | None = None) -> None:
+    """Run `jobs` in batches; every job's future gets a JobOutput or an exception.
+    `progress`: a tqdm bar with this description (requests done, real tokens/s)."""
     groups: dict[tuple, list[Job]] = {}
     for job in jobs:
         groups.setdefault(job.group, []).append(job)
+    bar = _Progress(len(jobs), progress) if progress else None
     for group_jobs in groups.values():
         for batch in buckets(group_jobs, max_batch, pad_tolerance):
             _run_splitting(handle, batch)
+            if bar:
+                bar.done(batch)
+    if bar:
+        bar.close()
+
+
+class _Progress:
+    """A run can take hours (the paper's HELM suite: 21 h): show requests done and the
+    engine's real (unpadded) tokens/s so far, counted once per engine batch."""
+
+    def __init__(self, total: int, desc: str):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc=desc, unit="req")
+        self.batches: set[str] = set()
+        self.tokens, self.seconds = 0, 0.0
+
+    def done(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            if job.future.exception() is not None:
+                continue
+            b = job.future.result().batch
+            if b["batch_id"] not in self.batches:
+                self.batches.add(b["batch_id"])
+                self.tokens += b.get("batch_prompt_tokens", 0) + b.get("batch_generated_tokens", 0)
+                self.seconds += b.get("batch_time_s", 0.0)
+        self.bar.update(len(jobs))
+        if self.seconds:
+            self.bar.set_postfix_str(f"{self.tokens / self.seconds:.1f} tok/s")
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _run_splitting(handle: EngineHandle, batch: list[Job]) -> None:
