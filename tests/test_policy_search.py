@@ -174,3 +174,11 @@ def test_search_command_prints_breakdown(tmp_path, capsys):
     record = json.loads((tmp_path / "s.json").read_text())
     assert Policy.from_dict(record["policy"]).weights.disk > 0
     assert Budgets(cpu=1).constraints()[0][0] == "cpu"
+
+
+def test_helm_plugin_accepts_policy_auto():
+    from flexgen_helm.helm.engines import resolve_load_args
+
+    cpu_profile().save(default_profile_path())
+    args = resolve_load_args("facebook/opt-125m", deployment="flexgen/opt-125m", dummy=True, policy="auto")
+    assert Policy.from_dict(json.loads(args.policy_json)).block_size >= 1

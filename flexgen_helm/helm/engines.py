@@ -12,7 +12,8 @@ How a deployment finds its weights and policy (first match wins):
        FLEXGEN_HELM_WEIGHTS_DIR   a folder with one sub-folder per model, named like the
                                   deployment without its "flexgen/" (e.g. .../opt-30b);
                                   a dummy deployment whose folder exists there loads it
-       FLEXGEN_HELM_POLICY        a Policy as JSON, or the path of a JSON file
+       FLEXGEN_HELM_POLICY        a Policy as JSON, the path of a JSON file, or "auto" (searched by
+                                  the cost model for the model's full context and this machine)
        FLEXGEN_HELM_DEVICE        "cuda", "cuda:1", "cpu"
        FLEXGEN_HELM_OFFLOAD_DIR   where the disk tier lives
   3. defaults: the engine's own policy choice, random ("dummy") weights for OPT.
@@ -100,6 +101,10 @@ def resolve_load_args(
         dummy = False
     if policy is None and env.get("FLEXGEN_HELM_POLICY"):
         policy = env["FLEXGEN_HELM_POLICY"]
+    if policy == "auto":  # the cost model's choice for this model and machine (policy/auto.py)
+        from flexgen_helm.policy.auto import policy_for_model
+
+        policy = policy_for_model(model, path=path, dummy=bool(dummy))
     policy_obj = _policy_from_any(policy)
     return LoadArgs(
         model=model,

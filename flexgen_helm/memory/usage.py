@@ -40,15 +40,27 @@ def tensor_bytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-def process_peak_rss_bytes() -> int:
-    """Peak resident set size of this process (VmHWM), pinned memory included."""
+def _proc_status_bytes(field: str) -> int | None:
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+def process_peak_rss_bytes() -> int:
+    """Peak resident set size of this process (VmHWM), pinned memory included."""
+    peak = _proc_status_bytes("VmHWM:")
+    if peak is not None:
+        return peak
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def current_rss_bytes() -> int:
+    """Resident set size of this process now (VmRSS); 0 where /proc is missing."""
+    return _proc_status_bytes("VmRSS:") or 0

@@ -79,3 +79,12 @@ def policy_for_command(args) -> Policy:
         options.max_gpu_batch_size = 1 << max(0, sequences - 1).bit_length()
         options.max_num_gpu_batches = 1
     return resolve_policy(args, cfg, max(1, min(prompt_len, cfg.max_seq_len - gen_len)), gen_len, options=options)
+
+
+def policy_for_model(model: str, path: str | None = None, dummy: bool = False, gen_len: int = 32) -> Policy:
+    """`policy: auto` in the HELM plugin, where prompts vary: searched for the longest prompt
+    the context allows, so that the KV cache of any request fits, with the machine's budgets."""
+    from flexgen_helm.models.registry import resolve
+
+    cfg = resolve(model, path=path, dummy=dummy).config
+    return resolve_policy("auto", cfg, max(1, cfg.max_seq_len - gen_len), gen_len)

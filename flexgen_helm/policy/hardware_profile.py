@@ -68,6 +68,7 @@ class HardwareProfile:
     cpu_available_bytes: int = 0  # RAM available when profiled
     disk_free_bytes: int = 0
     offload_dir: str = ""
+    process_baseline_bytes: int = 0  # RSS of a process that has imported torch and the engine
     # refit multipliers on the cost model's terms, "phase.resource" -> factor (policy/refit.py)
     time_scale: dict[str, float] = field(default_factory=dict)
     machine: dict = field(default_factory=dict)
@@ -144,7 +145,7 @@ def _interpolate_log(table: dict[int, float], x: float) -> float:
 
 # ---- measuring ----------------------------------------------------------------------------
 
-def _timed(fn, min_s: float = 0.15, min_reps: int = 3, sync=None) -> float:
+def _timed(fn, min_s: float = 0.4, min_reps: int = 5, sync=None) -> float:
     """Seconds of one call: the fastest of several, after a warm-up call. The fastest, not
     the median, because the profile describes the hardware: on a shared machine other jobs
     only ever add time (the refit, policy/refit.py, absorbs a steady slowdown)."""
@@ -245,7 +246,10 @@ def measure(offload_dir: str | os.PathLike | None = None, device: str | None = N
     from flexgen_helm.engine import default_offload_dir
     from flexgen_helm.memory.devices import pick_devices
 
+    from flexgen_helm.memory.usage import current_rss_bytes
+
     devs = pick_devices(device, dtype)
+    baseline = current_rss_bytes()
     offload = Path(offload_dir) if offload_dir else default_offload_dir()
     prof = HardwareProfile(compute_device=devs.compute.type, dtype=str(devs.dtype).replace("torch.", ""))
     prof.devices = {"cpu": measure_device(torch.device("cpu"), devs.dtype)}
@@ -272,6 +276,7 @@ def measure(offload_dir: str | os.PathLike | None = None, device: str | None = N
     prof.cpu_available_bytes = _mem_available()
     prof.disk_free_bytes = shutil.disk_usage(offload).free
     prof.offload_dir = str(offload)
+    prof.process_baseline_bytes = baseline
     prof.measured_at = time.strftime("%Y-%m-%dT%H:%M:%S")
     return prof
 

@@ -81,6 +81,7 @@ class SearchOptions:
     max_latency_s: float | None = None  # on the block latency (prefill + all decode steps)
     max_gpu_batch_size: int = 64
     max_num_gpu_batches: int = 16
+    max_block_size: int | None = None  # sequences per block (latency and padding grow with it)
     overlap: bool = True
 
 
@@ -235,6 +236,8 @@ def search(cfg: ModelConfig, profile: HardwareProfile, prompt_len: int, gen_len:
     nb_list = [2**i for i in range(int(math.log2(options.max_num_gpu_batches)) + 1)]
     for gbs in gbs_list:
         for nb in nb_list:
+            if options.max_block_size is not None and gbs * nb > options.max_block_size:
+                continue
             best = None
             for deleg in delegation:
                 shape = Policy(gbs, nb, overlap=options.overlap, cpu_cache_compute=deleg,

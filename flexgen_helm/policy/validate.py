@@ -2,6 +2,7 @@
 throughput and peak memory per tier, for OPT-1.3B (dummy weights) on this machine.
 
     python -m flexgen_helm.policy.validate measure --out runs/policy/measured   # minutes per config
+    python -m flexgen_helm.policy.validate grid --cpu-mem 2GiB                  # auto vs a hand grid
     python -m flexgen_helm.policy.validate report --out runs/policy             # CSV + README table
 
 Each configuration runs in its own process, so that the process's peak RSS is its own.
@@ -97,6 +98,34 @@ def measure_all(configs: dict, out: Path, prompt_len: int, gen_len: int, repeats
         subprocess.run(cmd, check=False)
 
 
+GRID_SHAPES = ((2, 1), (4, 1), (8, 1), (4, 2))
+
+
+def grid_configs(profile_path: str, cpu_mem: str, max_block: int) -> dict[str, tuple[Policy, str]]:
+    """The auto policy for a RAM budget that forces part of the weights to disk, and a small
+    hand-made grid: each block shape with the most weights in RAM (in steps of 10%) that the
+    budget allows."""
+    from flexgen_helm.memory.budget import parse_size
+    from flexgen_helm.models.registry import resolve
+    from flexgen_helm.policy.cost_model import CostModel, Workload
+    from flexgen_helm.policy.hardware_profile import HardwareProfile
+    from flexgen_helm.policy.search import SearchOptions, default_budgets, fits, search
+
+    cfg = resolve(MODEL, dummy=True).config
+    profile = HardwareProfile.load(profile_path)
+    budgets = default_budgets(profile, cpu=parse_size(cpu_mem))
+    best = search(cfg, profile, PROMPT_LEN, GEN_LEN, budgets, SearchOptions(max_block_size=max_block))
+    out = {"auto": (best.policy, f"searched: {best.policy.describe()}")}
+    model = CostModel(cfg, profile, Workload(PROMPT_LEN, GEN_LEN))
+    for gbs, nb in GRID_SHAPES:
+        for wg in range(90, -1, -10):
+            p = Policy(gbs, nb, weights=Split(wg / 100, 0, 1 - wg / 100))
+            if fits(model.estimate(p), budgets):
+                out[f"grid-{gbs}x{nb}-w{wg}"] = (p, f"hand grid: {p.describe()}")
+                break
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m flexgen_helm.policy.validate")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -106,10 +135,15 @@ def main(argv=None) -> int:
     o = sub.add_parser("one")
     o.add_argument("--policy-json", required=True)
     o.add_argument("--json", required=True)
+    g = sub.add_parser("grid", help="the auto policy vs a grid, under a RAM budget")
+    g.add_argument("--out", default="runs/policy/grid")
+    g.add_argument("--profile", default="runs/policy/hardware.json")
+    g.add_argument("--cpu-mem", default="2GiB")
+    g.add_argument("--max-block", type=int, default=8, help="sequences per block (a run must finish in minutes)")
     r = sub.add_parser("report")
     r.add_argument("--out", default="runs/policy")
     r.add_argument("--profile", help="hardware profile JSON (default: the saved one)")
-    for q in (m, o):
+    for q in (m, o, g):
         q.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
         q.add_argument("--gen-len", type=int, default=GEN_LEN)
         q.add_argument("--repeats", type=int, default=2)
@@ -123,6 +157,14 @@ def main(argv=None) -> int:
     elif args.cmd == "measure":
         configs = {k: v for k, v in CONFIGS.items() if not args.only or k in args.only}
         measure_all(configs, Path(args.out), args.prompt_len, args.gen_len, args.repeats, args.offload_dir)
+    elif args.cmd == "grid":
+        configs = grid_configs(args.profile, args.cpu_mem, args.max_block)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "grid.json").write_text(json.dumps({"cpu_mem": args.cpu_mem, "max_block": args.max_block,
+                                                   "configs": {k: p.to_dict() for k, (p, _) in configs.items()}},
+                                                  indent=1))
+        measure_all(configs, out, args.prompt_len, args.gen_len, args.repeats, args.offload_dir)
     else:
         from flexgen_helm.policy.validate_report import write_report
 
