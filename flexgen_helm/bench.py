@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 
-from flexgen_helm.engine import Engine
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.hardware import machine_info
 from flexgen_helm.memory.budget import check_budgets, parse_size, planned_bytes
@@ -52,7 +51,9 @@ def run_bench(args, policy: Policy) -> dict:
     planned = planned_bytes(cfg, policy, max_len, devices.dtype)
     check_budgets(planned, {"gpu": parse_size(args.gpu_mem), "cpu": parse_size(args.cpu_mem), "disk": None})
 
-    engine = Engine.load(args.model, policy, path=args.path, dummy=args.dummy, offload_dir=args.offload_dir,
+    from flexgen_helm.cli import engine_class, is_reporting_rank
+
+    engine = engine_class(args).load(args.model, policy, path=args.path, dummy=args.dummy, offload_dir=args.offload_dir,
                          device=args.device, dtype=args.dtype)
     g = torch.Generator().manual_seed(0)
     batch = policy.block_size
@@ -81,6 +82,12 @@ def run_bench(args, policy: Policy) -> dict:
         "breakdown": breakdown(stats["timers"]),
         "hardware": machine_info(),
     }
+    if getattr(engine, "world", 1) > 1:
+        result["pipeline"] = {"stages": engine.world, "layer_bounds": engine.bounds,
+                              "memory_of": "stage 0 (each stage holds its own share)"}
+    engine.close()
+    if not is_reporting_rank(engine):
+        return result
     _print(result)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

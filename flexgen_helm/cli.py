@@ -19,6 +19,24 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="compute device (default: cuda if present, else cpu)")
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"],
                    help="weights and compute (default: float16 on GPU, bfloat16 on CPU)")
+    p.add_argument("--pipeline", action="store_true",
+                   help="run as one stage of a pipeline over the processes torchrun started")
+
+
+def engine_class(args):
+    """The single-process engine, or one pipeline stage under torchrun (--pipeline)."""
+    if getattr(args, "pipeline", False):
+        from flexgen_helm.dist.pipeline import PipelineEngine
+
+        return PipelineEngine
+    from flexgen_helm.engine import Engine
+
+    return Engine
+
+
+def is_reporting_rank(engine) -> bool:
+    """Under a pipeline every rank holds the results; only the first one prints them."""
+    return getattr(engine, "rank", 0) == 0
 
 
 def add_policy_args(p: argparse.ArgumentParser) -> None:
@@ -68,15 +86,17 @@ def policy_from_args(args) -> Policy:
 
 
 def cmd_generate(args) -> int:
-    from flexgen_helm.engine import Engine
     from flexgen_helm.executor.sampling import SamplingParams
 
-    engine = Engine.load(args.model, policy_from_args(args), path=args.path, dummy=args.dummy,
+    engine = engine_class(args).load(args.model, policy_from_args(args), path=args.path, dummy=args.dummy,
                          offload_dir=args.offload_dir, device=args.device, dtype=args.dtype)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, num_completions=args.num_completions,
                             stop_strings=tuple(args.stop or ()))
     results = engine.generate(args.prompt, params)
+    engine.close()
+    if not is_reporting_rank(engine):
+        return 0
     out = []
     for prompt, r in zip(args.prompt, results):
         for c in r.completions:
@@ -159,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", help="store directory (default: the cache)")
     c.add_argument("--verify", action="store_true", help="re-read every tensor and check its checksum")
     c.set_defaults(func=cmd_convert)
+
+    from flexgen_helm.report.cli import add_commands as add_report_commands  # report, demo
+
+    add_report_commands(sub)
 
     from flexgen_helm.policy.commands import add_commands
 

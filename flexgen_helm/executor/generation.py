@@ -87,14 +87,18 @@ class BlockRunner:
         self.rt, self.policy, self.decode_text, self.workdir, self.stats = runtime, policy, decode_text, workdir, stats
         self.pad_id = runtime.config.pad_token_id if runtime.config.pad_token_id is not None else 0
 
-    def schedule(self, groups: list[list[list[int]]], max_len: int) -> BlockSchedule:
+    def schedule(self, groups: list[list[list[int]]], max_len: int, name: str = "") -> BlockSchedule:
+        """A schedule for GPU batches of prompts; schedules alive at once need distinct names
+        (their disk files live in a folder of that name)."""
+        workdir = self.workdir / name if name else self.workdir
+        workdir.mkdir(exist_ok=True)
         length = max(len(p) for g in groups for p in g)
         batches = [left_pad(g, length, self.pad_id) for g in groups]
         real = sum(len(p) for g in groups for p in g)
         self.stats.prompt_tokens += real
         self.stats.padded_prompt_tokens += length * sum(len(g) for g in groups)
         self.stats.blocks += 1
-        return BlockSchedule(self.rt, self.policy, batches, max_len, self.workdir)
+        return BlockSchedule(self.rt, self.policy, batches, max_len, workdir)
 
     # ---- generation ------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -45,8 +46,26 @@ def convert(source: WeightSource, out_dir: str | os.PathLike, dtype: str = "floa
     """Write `source` as a tensor store in `out_dir` and return the directory.
 
     A complete store of the same config and dtype is reused as is; after an interruption,
-    tensors already written (and intact) are kept.
+    tensors already written (and intact) are kept. Processes that share a cache (pipeline
+    stages, HELM workers) convert one at a time; the others then find the store done.
     """
+    with _exclusive(Path(out_dir)):
+        return _convert(source, out_dir, dtype, progress)
+
+
+@contextlib.contextmanager
+def _exclusive(out: Path):
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(out.parent / f".{out.name}.lock", "w")
+    except OSError as e:
+        raise OffloadDirError(f"{out}: cannot write the weight store there ({e}); choose a writable directory") from e
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _convert(source: WeightSource, out_dir: str | os.PathLike, dtype: str, progress: bool) -> Path:
     if dtype not in DTYPES:
         raise FlexGenError(f"unsupported store dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     out = Path(out_dir)
