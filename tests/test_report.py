@@ -1,0 +1,191 @@
+"""The report: built from a small fake HELM suite plus bench / eval JSONs, with known
+numbers checked through the tables (padded vs actual arithmetic, efficiency, ratios)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from flexgen_helm.bench import breakdown
+from flexgen_helm.cli import main
+from flexgen_helm.report import accuracy, breakdown as breakdown_report, frontier, helm_runs
+from flexgen_helm.report.build import build_report
+from flexgen_helm.report.demo import helm_command, run_entries
+from flexgen_helm.report.markdown import table
+
+FP = {"gpu_batch_size": 4, "num_gpu_batches": 2, "weights": {"gpu": 1.0, "cpu": 0.0, "disk": 0.0},
+      "cache": {"gpu": 1.0, "cpu": 0.0, "disk": 0.0}, "activations": {"gpu": 1.0, "cpu": 0.0, "disk": 0.0},
+      "overlap": True, "cpu_cache_compute": False, "pin_weight": True, "compress_weight": None,
+      "compress_cache": None, "attn_sparsity": 1.0}
+Q4 = {**FP, "compress_weight": {"bits": 4, "group_size": 64, "group_dim": None},
+      "compress_cache": {"bits": 4, "group_size": 64, "group_dim": None}}
+
+
+def _request(instance: str, prompt: int, gen: int, batch: dict) -> dict:
+    rec = {"prompt_tokens": prompt, "generated_tokens": gen, **batch}
+    return {"instance": {"id": instance, "input": {"text": "x"}, "references": [], "split": "test"},
+            "train_trial_index": 0,
+            "result": {"success": True, "completions": [{"text": "y", "finish_reason": {"flexgen": rec}}]}}
+
+
+def _stat(name: str, mean: float, **extra) -> dict:
+    return {"name": {"name": name, "split": "test", **extra}, "count": 1, "sum": mean, "mean": mean}
+
+
+def _write_run(suite: Path, name: str, deployment: str, requests: list[dict], stats: list[dict]) -> None:
+    d = suite / name
+    d.mkdir(parents=True)
+    (d / "run_spec.json").write_text(json.dumps({"name": name, "adapter_spec": {"model_deployment": deployment}}))
+    (d / "scenario_state.json").write_text(json.dumps({"request_states": requests}))
+    (d / "stats.json").write_text(json.dumps(stats))
+    (d / "per_instance_stats.json").write_text("[]")
+
+
+@pytest.fixture
+def fixture_dirs(tmp_path) -> tuple[Path, Path]:
+    suite = tmp_path / "benchmark_output" / "runs" / "mini"
+    # batch 1: two requests, prompts 10 + 6 padded to 2 x 10, 4 tokens each; batch 2: one request
+    b1 = {"batch_id": "b1", "batch_time_s": 2.0, "batch_padded_prompt_tokens": 20, "batch_padded_generated_tokens": 8}
+    b2 = {"batch_id": "b2", "batch_time_s": 1.0, "batch_padded_prompt_tokens": 8, "batch_padded_generated_tokens": 4}
+    _write_run(suite, "lambada:model=flexgen_m", "flexgen/m",
+               [_request("i1", 10, 4, b1), _request("i2", 6, 4, b1), _request("i3", 8, 4, b2)],
+               [_stat("prefix_exact_match", 0.5), _stat("exact_match", 0.25),
+                _stat("prefix_exact_match", 0.1, perturbation={"name": "typos"}), _stat("perplexity", 3.0)])
+    b3 = {"batch_id": "b3", "batch_time_s": 4.0, "batch_padded_prompt_tokens": 40, "batch_padded_generated_tokens": 0}
+    _write_run(suite, "wikitext:unit=paragraph,model=flexgen_m-4bit", "flexgen/m-4bit",
+               [_request("w1", 20, 0, b3), _request("w2", 20, 0, b3)],
+               [_stat("perplexity", 12.5), _stat("bits_per_byte", 1.25)])
+    (suite / "eval_cache").mkdir()  # HELM's own folders without a run_spec are not runs
+
+    runs = tmp_path / "runs"
+    (runs / "bench").mkdir(parents=True)
+    (runs / "accuracy" / "json").mkdir(parents=True)
+    timers = {"prefill_compute": 1.0, "prefill_load_weight": 0.5, "decode_compute": 2.0, "decode_load_cache": 0.25,
+              "decode_store_cache": 0.25, "decode_load_hidden": 0.1, "decode_store_hidden": 0.1}
+    for label, batch, thr, lat, pol in [("all optimizations", 8, 10.0, 4.0, FP), ("all optimizations", 16, 16.0, 6.0, FP),
+                                        ("no overlap", 8, 8.0, 5.0, {**FP, "overlap": False}),
+                                        (None, 8, 5.0, 8.0, Q4)]:
+        (runs / "bench" / f"{label}-{batch}.json").write_text(json.dumps({
+            "label": label, "model": "m", "policy": pol, "policy_summary": "p", "effective_batch_size": batch,
+            "prompt_len": 32, "gen_len": 8, "total_latency_s": lat, "total_throughput": thr,
+            "prefill_latency_s": 2.0, "decode_latency_s": 3.0, "timers": timers, "breakdown": breakdown(timers)}))
+    for name, pol, task, metrics, counts, limit in [
+        ("fp-lambada", FP, "lambada", {"accuracy": 0.4}, {"passages": 100}, None),
+        ("fp-lambada-lim", FP, "lambada", {"accuracy": 0.9}, {"passages": 10}, 10),
+        ("fp-wiki", FP, "wikitext", {"token_perplexity": 20.0, "bits_per_byte": 1.1}, {"tokens": 1000}, None),
+        ("q4-lambada", Q4, "lambada", {"accuracy": 0.35}, {"passages": 100}, None),
+        ("q4-wiki", Q4, "wikitext", {"token_perplexity": 22.0, "bits_per_byte": 1.2}, {"tokens": 1000}, None)]:
+        (runs / "accuracy" / "json" / f"{name}.json").write_text(json.dumps({
+            "task": task, "model": "m", "dtype": "float32", "policy": pol, "metrics": metrics, "counts": counts,
+            "limit": limit}))
+    (runs / "broken.json").write_text("{not json")  # skipped, not fatal
+    return suite, runs
+
+
+def test_helm_table_padded_and_actual_throughput(fixture_dirs):
+    suite, _ = fixture_dirs
+    df = helm_runs.helm_table(suite)
+    assert list(df["scenario"]) == ["lambada", "wikitext:unit=paragraph"]
+    lam = df.iloc[0]
+    assert lam["instances"] == 3 and lam["batches"] == 2
+    assert (lam["prompt tok"], lam["prompt tok (padded)"]) == (24, 28)
+    assert (lam["output tok"], lam["output tok (padded)"]) == (12, 12)
+    assert lam["engine time (s)"] == pytest.approx(3.0)
+    assert lam["padded tok/s"] == pytest.approx(40 / 3.0)
+    assert lam["actual tok/s"] == pytest.approx(36 / 3.0)
+    assert lam["efficiency"] == pytest.approx(0.9)
+    assert lam["metric:prefix_exact_match"] == 0.5  # the perturbed 0.1 is not the main number
+    wiki = df.iloc[1]
+    assert wiki["efficiency"] == pytest.approx(1.0) and wiki["actual tok/s"] == pytest.approx(10.0)
+    total = helm_runs.suite_total(df)
+    assert total["efficiency"] == pytest.approx(76 / 80) and total["actual tok/s"] == pytest.approx(76 / 7.0)
+
+
+def test_accuracy_tables(fixture_dirs):
+    suite, runs = fixture_dirs
+    from flexgen_helm.report.records import eval_records, load_json_files
+
+    ev = accuracy.eval_table(eval_records(load_json_files(runs)))
+    full = ev[ev["scope"] == "full"].set_index("setting")
+    assert list(full.index) == ["FP32", "4-bit"]
+    assert full.loc["FP32", "LAMBADA acc"] == 0.4 and full.loc["4-bit", "WikiText ppl"] == 22.0
+    assert ev[ev["scope"] == "subset"].iloc[0]["LAMBADA acc"] == 0.9
+    helm = accuracy.helm_accuracy_table(helm_runs.helm_table(suite)).set_index("deployment")
+    assert helm.loc["flexgen/m", "lambada prefix_exact_match"] == 0.5
+    assert helm.loc["flexgen/m-4bit", "wikitext:unit=paragraph perplexity"] == 12.5
+    assert accuracy.setting_name({**Q4, "attn_sparsity": 0.1}, "float16") == "4-bit-S"
+
+
+def test_frontier_ablation_breakdown(fixture_dirs):
+    _, runs = fixture_dirs
+    from flexgen_helm.report.records import bench_records, load_json_files
+
+    benches = bench_records(load_json_files(runs))
+    fr = frontier.frontier_table(benches)
+    curves = fr.groupby("curve")["batch"].apply(list).to_dict()
+    assert curves["all optimizations"] == [8, 16]
+    assert any("W4 g64" in c for c in curves)  # unlabelled: named by its policy
+    ab = frontier.ablation_table(benches).set_index("setting")
+    assert ab.loc["all optimizations", "throughput (tok/s)"] == 16.0  # best batch
+    assert ab.loc["no overlap", "vs all optimizations"] == pytest.approx(0.5)
+    bd = breakdown_report.breakdown_table(benches)
+    row = bd[(bd["setting"] == "no overlap") & (bd["stage"] == "decode")].iloc[0]
+    assert row["compute (s)"] == 2.0 and row["cache read (s)"] == 0.25 and row["activations (s)"] == pytest.approx(0.2)
+    assert row["other (s)"] == pytest.approx(3.0 - 2.0 - 0.25 - 0.25 - 0.2)
+    overlapped = bd[bd["overlap"]].iloc[0]
+    assert pd.isna(overlapped["other (s)"])  # parts overlap: no remainder to speak of
+
+
+def test_report_files(fixture_dirs, tmp_path):
+    suite, runs = fixture_dirs
+    out = tmp_path / "out"
+    assert main(["report", str(suite), "--runs-dir", str(runs), "--out", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    for heading in ("Table 25", "Table 5", "Figure 1", "Table 23", "Table 6"):
+        assert heading in text
+    assert "| lambada | flexgen/m | 3 | 24 | 28 | 12 | 12 | 3 | 13.33 | 12 | 0.9 |" in text
+    for name in ("helm_runs.csv", "accuracy_eval.csv", "accuracy_helm.csv", "frontier.csv", "breakdown.csv",
+                 "ablation.csv", "helm_throughput.png", "accuracy_eval.png", "accuracy_helm.png", "frontier.png",
+                 "breakdown.png"):
+        assert (out / name).stat().st_size > 0, name
+        if name.endswith(".png"):
+            assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert pd.read_csv(out / "helm_runs.csv")["prefix_exact_match"].iloc[0] == 0.5
+
+
+def test_report_by_suite_name_and_empty_sections(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "benchmark_output" / "runs" / "empty").mkdir(parents=True)
+    assert main(["report", "--suite", "empty"]) == 0
+    text = (tmp_path / "runs" / "empty" / "report.md").read_text()
+    assert "No HELM runs" in text and "flexgen-helm bench" in text  # each empty section says how to fill it
+
+
+def test_markdown_and_demo_entries():
+    md = table(pd.DataFrame({"a": [1, 2500], "b": [0.0123456, None], "c": ["x|y", "z"]}))
+    assert "| 2,500 |" in md and "0.01235" in md and "x\\|y" in md
+    entries = run_entries(("lambada", "wikitext:unit=paragraph"), ("flexgen/a",))
+    assert entries == ["lambada:model=flexgen/a", "wikitext:unit=paragraph,model=flexgen/a"]
+    cmd = helm_command(entries, 5, "s", "out", 2)
+    assert cmd[cmd.index("-m") + 1] == "5" and "flexgen_helm.helm.runner.BatchingRunner" in cmd
+
+
+def test_engine_times_each_event_without_overlap(tiny_llama, tmp_path):
+    """The breakdown's source: with overlap off, every stage's events are timed and their
+    sum stays within the stage's wall time."""
+    from flexgen_helm.engine import Engine
+    from flexgen_helm.executor.sampling import SamplingParams
+    from flexgen_helm.policy.policy import Policy
+
+    engine = Engine.load(str(tiny_llama), Policy(2, 2, overlap=False), dtype="float32", device="cpu",
+                         offload_dir=tmp_path, progress=False)
+    engine.generate([[5, 6, 7], [8, 9], [10], [11, 12, 13, 14]], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    stats = engine.last_stats
+    parts = breakdown(stats["timers"])
+    for stage in ("prefill", "decode"):
+        assert parts[stage]["compute"] > 0 and parts[stage]["load_weight"] > 0 and parts[stage]["store_cache"] > 0
+        assert sum(parts[stage].values()) <= stats[f"{stage}_s"] * 1.05
+    assert parts["decode"]["load_cache"] > 0
