@@ -134,7 +134,8 @@ def main(args) -> int:
     commands = [f"# load average {loadavg():.2f}\n{top}"]
     if not args.ablations_only:
         for s in setups:
-            rows, cmds = run_compare(s, out, args.max_block, args.warmup, args.timeout, bandwidth=bandwidth)
+            rows, cmds = run_compare(s, out, args.max_block, args.warmup, args.timeout, tuple(args.systems),
+                                     bandwidth=bandwidth)
             table.write(out / s.name, rows, f"{s.name}: ours vs Hugging Face accelerate",
                         notes([s.name], bandwidth, []), [commands[0], *cmds])
         # the top-level table: every setup's rows found under out/ (each from its own run)
