@@ -80,9 +80,6 @@ class Fractions:
     def from_vector(cls, v) -> "Fractions":
         return cls(*(float(x) for x in v))
 
-    def vector(self) -> list[float]:
-        return [getattr(self, n) for n in self.NAMES]
-
     def splits(self) -> tuple[dict, dict, dict]:
         return ({"gpu": self.wg, "cpu": self.wc, "disk": self.wd}, {"gpu": self.cg, "cpu": self.cc, "disk": self.cd},
                 {"gpu": self.hg, "cpu": self.hc, "disk": self.hd})
@@ -329,7 +326,7 @@ class CostModel:
         not_in_place = [lw.stored["disk"] + lw.assembled + (lw.stored["cpu"] if self.hw.is_cuda else 0.0)
                         for lw in lws]
         dense_layer = max(lw.dense_numel for lw in lws) * elt  # a compressed layer, dequantized for use
-        working_weights = 2 * max(not_in_place) + dense_layer
+        working_weights = 2 * (max(not_in_place) + dense_layer)  # the layer in use and the one prefetched
         out = {}
         for phase in PHASES:
             tokens = work.prompt_len if phase == "prefill" else 1

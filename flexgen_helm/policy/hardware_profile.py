@@ -30,6 +30,8 @@ FORMAT = "flexgen-helm-hardware/1"
 MATMUL_ROWS = (1, 4, 16, 64, 256, 1024, 4096)
 MATMUL_ROWS_FP32 = (1, 16, 256, 1024)
 MATMUL_SHAPE = (4096, 2048)  # (out, in)
+STREAMED_WEIGHTS = 8  # 8 x 16 MiB (bf16): more than the last-level cache
+MAX_STREAMED_ROWS = 64  # above this the product is compute-bound: one (cached) weight will do
 
 
 @dataclass
@@ -176,12 +178,21 @@ def measure_device(device: torch.device, dtype: torch.dtype) -> DeviceSpeeds:
         name = str(dt).replace("torch.", "")
         if name in speeds.matmul_flops:
             continue
-        w = torch.randn(out_f, in_f, device=device).to(dt)
+        # Decode-sized products stream their weight from memory, as a real layer's do: cycle
+        # through weights larger than any CPU cache together, or a cached weight flatters them.
+        ws = [torch.randn(out_f, in_f, device=device).to(dt) for _ in range(STREAMED_WEIGHTS)]
         table = {}
         for rows in rows_list:
             x = torch.randn(rows, in_f, device=device).to(dt)
-            table[rows] = 2 * rows * in_f * out_f / _timed(lambda: F.linear(x, w), sync=sync)
+            group = ws if rows <= MAX_STREAMED_ROWS else ws[:1]
+
+            def run():
+                for w in group:
+                    F.linear(x, w)
+
+            table[rows] = 2 * rows * in_f * out_f * len(group) / _timed(run, sync=sync)
         speeds.matmul_flops[name] = table
+        del ws
 
     # attention as the executor runs it (fp32 inside `attend`), at OPT-1.3B-like head sizes
     units, s, d = 16, 512, 64
