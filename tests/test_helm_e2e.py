@@ -25,14 +25,14 @@ ENTRIES = [
 ]
 
 
-def helm_run(tmp: Path, entries, *extra, fake=False, suite="t", max_instances=3):
+def helm_run(tmp: Path, entries, *extra, fake=False, suite="t", max_instances=3, launcher=None):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.pop("FLEXGEN_HELM_ENGINE_FACTORY", None)
     if fake:
         env["FLEXGEN_HELM_ENGINE_FACTORY"] = "helm_fake_engine:load"
         env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
     helm_run_bin = Path(sys.executable).parent / "helm-run"
-    cmd = [str(helm_run_bin), "-r", *entries, "-m", str(max_instances), "--suite", suite,
+    cmd = [*(launcher or [str(helm_run_bin)]), "-r", *entries, "-m", str(max_instances), "--suite", suite,
            "-o", str(tmp / "out"), "--local-path", str(tmp / "prod_env"), "-n", "4", "--exit-on-error", *extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -226,44 +226,66 @@ class FlexGenClient(CachingClient):
         Results wait in memory until `make_request` asks for them, so HELM's own executor,
         cache and error handling stay in charge. Returns the number of requests computed.
         """
+        todo_keys, _ = self.split_cached(requests)
+        by_key = {self.cache_key(r): r for r in requests if not r.embedding}
+        computed = self.compute_now([by_key[k] for k in todo_keys])
+        for key, response in computed.items():
+            self.keep(key, response)
+        return len(computed)
+
+    def cache_key(self, request: Request) -> str:
+        return _key_str(self.raw_request(request))
+
+    def split_cached(self, requests: List[Request]) -> tuple[List[str], Dict[str, Dict[str, Any]]]:
+        """(keys still to compute, in order and once each; {key: response} from HELM's cache)."""
         from helm.common.cache import create_key_value_store
 
-        todo = []
-        seen = set()
+        todo: List[str] = []
+        seen = set(self._prefetched)
+        cached: Dict[str, Dict[str, Any]] = {}
         with create_key_value_store(self.cache.config) as store:
             for request in requests:
                 if request.embedding:
                     continue
                 raw = self.raw_request(request)
                 key = _key_str(raw)
-                if key in seen or key in self._prefetched or store.get(raw):
+                if key in seen:
                     continue
                 seen.add(key)
-                todo.append((request, raw, key))
-        if not todo:
-            return 0
+                hit = store.get(raw)
+                if hit is not None:
+                    cached[key] = hit
+                else:
+                    todo.append(key)
+        return todo, cached
+
+    def compute_now(self, requests: List[Request]) -> Dict[str, Dict[str, Any]]:
+        """{cache key: response (or {"error": ...})} for requests, run in length-bucketed batches."""
+        if not requests:
+            return {}
         handle = self.handle
         tt = token_text_for(handle.tokenizer)
+        out: Dict[str, Dict[str, Any]] = {}
         jobs = []
-        for request, raw, key in todo:
+        for request in requests:
+            raw = self.raw_request(request)
+            key = _key_str(raw)
             try:
                 job, n_prefix = self.make_job(request, raw, handle)
             except RequestFailed as exc:
-                self._store(key, {"error": str(exc)})
+                out[key] = {"error": str(exc)}
                 continue
             jobs.append((request, key, job, n_prefix))
         hlog(f"flexgen: running {len(jobs)} requests in batches of up to {self.max_batch(handle)}")
-        run_jobs(handle, [j for _, _, j, _ in jobs], self.max_batch(handle), self.pad_tolerance,
-                 progress=f"flexgen {self.deployment}")
+        run_jobs(handle, [j for _, _, j, _ in jobs], self.max_batch(handle), self.pad_tolerance)
         for request, key, job, n_prefix in jobs:
             exc = job.future.exception()
-            if exc is not None:
-                self._store(key, {"error": str(exc)})
-            else:
-                self._store(key, self.to_response(request, job, n_prefix, job.future.result(), tt))
-        return len(jobs)
+            out[key] = {"error": str(exc)} if exc is not None else \
+                self.to_response(request, job, n_prefix, job.future.result(), tt)
+        return out
 
-    def _store(self, key: str, response: Dict[str, Any]) -> None:
+    def keep(self, key: str, response: Dict[str, Any]) -> None:
+        """Hold a response computed ahead until `make_request` asks for it."""
         with self._prefetched_lock:
             self._prefetched[key] = response
 

@@ -45,17 +45,22 @@ class BatchingExecutor(Executor):
             client = auto_client._get_client(deployment)
             if isinstance(client, FlexGenClient):
                 with htrack_block(f"flexgen: batching {len(requests)} requests of {deployment}"):
-                    n = client.prefetch(requests)
+                    n = self.prefetch_client(client, requests)
                     hlog(f"flexgen: computed {n} uncached requests")
+
+    def prefetch_client(self, client, requests) -> int:
+        return client.prefetch(requests)
 
 
 class BatchingRunner(Runner):
+    executor_class = BatchingExecutor
+
     def __init__(self, execution_spec, *args, **kwargs):
         super().__init__(execution_spec, *args, **kwargs)
         # Same executor object, batching class: HELM's tokenizer and metric services were
         # built on this executor's context, and the clients (with their prefetched
         # results) live in that context, so it must stay the one and only.
-        self.executor.__class__ = BatchingExecutor
+        self.executor.__class__ = self.executor_class
 
     def run_one(self, run_spec):
         super().run_one(run_spec)
