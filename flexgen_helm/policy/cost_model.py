@@ -341,8 +341,11 @@ class CostModel:
         return out
 
     def accounted_bytes(self, policy: Policy) -> dict[str, int]:
-        """Peak of what the engine's TierUsage records: homes + KV cache + one prefill hidden per batch."""
+        """Peak of what the engine's TierUsage records: weight homes on the gpu and cpu tiers (disk
+        weights stay in the weight store, which it does not count), the KV cache, one prefill
+        hidden state per GPU batch."""
         comps = planned_components(self.cfg, policy, self.work.max_len, self.dtype, act_len=self.work.prompt_len)
+        comps["weights"]["disk"] = 0
         return {t: sum(comps[k][t] for k in comps) for t in TIERS}
 
     def estimate(self, policy: Policy) -> Estimate:

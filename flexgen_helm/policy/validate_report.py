@@ -54,6 +54,7 @@ def rows_for(folder: Path, profile: HardwareProfile, what: dict[str, str]) -> li
             "measured_decode_s": rec["decode_latency_s"],
             "predicted_decode_s": est.decode_step_s * (rec["gen_len"] - 1),
             "bottleneck": f"{est.bottleneck['prefill']}/{est.bottleneck['decode']}",
+            "rss_scope": rec.get("rss_peak_scope", "whole process (loading included)"),
             "measured_rss_gib": rec["rss_peak_bytes"] / GIB, "predicted_host_gib": host_pred / GIB,
             "rss_err_pct": _err(host_pred, rec["rss_peak_bytes"]),
         }
@@ -107,7 +108,7 @@ def write_report(out: Path, profile_path: str | None = None) -> str:
         mem_cols += [(f"measured_{t}_gib", f"{t} GiB meas", ".3f"), (f"predicted_{t}_gib", "pred", ".3f"),
                      (f"{t}_err_pct", "err %", "+.1f")]
     mem_cols += [("measured_rss_gib", "RSS peak GiB", ".2f"), ("predicted_host_gib", "pred host", ".2f"),
-                 ("rss_err_pct", "err %", "+.0f")]
+                 ("rss_err_pct", "err %", "+.0f"), ("rss_scope", "RSS peak of", "")]
     lines = [
         "# Cost model validation: OPT-1.3B (dummy weights), bf16, CPU-only",
         "",
