@@ -13,8 +13,10 @@ def cmd_report(args) -> int:
         suite_dir = Path(args.path)
     elif args.suite:
         suite_dir = suite_path(args.output_path, args.suite)
+    elif args.out:  # no HELM suite: a report of the bench / eval JSONs alone
+        suite_dir = Path(args.out) / "no-helm-suite"
     else:
-        raise SystemExit("flexgen-helm report: give --suite NAME or a suite folder PATH")
+        raise SystemExit("flexgen-helm report: give --suite NAME, a suite folder PATH, or --out DIR")
     report = build_report(suite_dir, args.runs_dir, args.out or Path(args.runs_dir) / suite_dir.name)
     print(f"report: {report}")
     return 0
