@@ -84,7 +84,7 @@ def read_lambada(path: str | None = None, hint: str = "pass --data PATH") -> tup
     if local:
         with open(local, encoding="utf-8") as f:
             texts = [json.loads(line)["text"] for line in f if line.strip()]
-        return texts, {"path": os.path.abspath(local), "sha256": sha256_of(local)}
+        return texts, {"path": os.path.realpath(local), "sha256": sha256_of(local)}
     texts = _from_hub("LAMBADA", LAMBADA_FILE, hint, "EleutherAI/lambada_openai", "default")
     digest = hashlib.sha256("\n".join(texts).encode()).hexdigest()
     return texts, {"path": "hf:EleutherAI/lambada_openai (test)", "sha256": digest, "sha256_of": "joined texts"}
@@ -97,7 +97,7 @@ def read_wikitext(path: str | None = None, hint: str = "pass --data PATH") -> tu
     if local:
         with open(local, encoding="utf-8", newline="") as f:
             lines = f.read().replace("\r\n", "\n").split("\n")
-        source = {"path": os.path.abspath(local), "sha256": sha256_of(local)}
+        source = {"path": os.path.realpath(local), "sha256": sha256_of(local)}
     else:
         lines = _from_hub("WikiText-2", WIKITEXT_FILE, hint, "Salesforce/wikitext", "wikitext-2-raw-v1")
         source = {"path": "hf:Salesforce/wikitext wikitext-2-raw-v1 (test)",
