@@ -16,6 +16,8 @@ def fmt(value) -> str:
     if isinstance(value, int) or (isinstance(value, float) and value.is_integer() and abs(value) >= 1000):
         return f"{int(value):,}"
     if isinstance(value, float):
+        if value == 0:
+            return "0"
         if abs(value) >= 1000:
             return f"{value:,.1f}"
         # small seconds read better as 0.017 than 1.738e-02
