@@ -1,9 +1,9 @@
 """The validation tables: predicted vs measured throughput and peak memory (CSV + README.md).
 
 Predictions come from the saved hardware profile as measured, and again with a
-leave-one-out refit (policy/refit.py fitted on every *other* measured run), which says how
-well the model's shape holds once the machine's steady slowdown is known, without fitting
-the row it predicts."""
+leave-one-out refit (policy/refit.py fitted on every *other* measured run, validation and
+grid alike), which says how well the model's shape holds once the machine's steady
+slowdown is known, without fitting the row it predicts."""
 
 from __future__ import annotations
 
@@ -31,14 +31,17 @@ def _predict(profile: HardwareProfile, record: dict):
     return model.estimate(Policy.from_dict(record["policy"]))
 
 
-def rows_for(folder: Path, profile: HardwareProfile, what: dict[str, str]) -> list[dict]:
-    paths = sorted(folder.glob("*.json"))
-    paths = [p for p in paths if p.name != "grid.json"]
+def _runs(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.glob("*.json") if p.name != "grid.json")
+
+
+def rows_for(folder: Path, profile: HardwareProfile, what: dict[str, str], pool: list[Path]) -> list[dict]:
+    """One row per measured run in `folder`; the refit for a row uses every run of `pool` but it."""
     rows = []
-    for path in paths:
+    for path in _runs(folder):
         rec = json.loads(path.read_text())
         est = _predict(profile, rec)
-        others = [p for p in paths if p != path]
+        others = [p for p in pool if p != path]
         loo = _predict(refit(profile, others)[0], rec) if others else est
         name = path.stem
         acc = est.accounted_bytes
@@ -87,9 +90,10 @@ def _table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
 def write_report(out: Path, profile_path: str | None = None) -> str:
     profile = HardwareProfile.load(profile_path or out / "hardware.json")
     what = {k: w for k, (_, w) in CONFIGS.items()}
-    rows = rows_for(out / "measured", profile, what)
+    pool = _runs(out / "measured") + _runs(out / "grid")
+    rows = rows_for(out / "measured", profile, what, pool)
     grid_meta = json.loads((out / "grid" / "grid.json").read_text()) if (out / "grid" / "grid.json").exists() else None
-    grid = rows_for(out / "grid", profile, {}) if grid_meta else []
+    grid = rows_for(out / "grid", profile, {}, pool) if grid_meta else []
     _write_csv(out / "validation.csv", rows)
     _write_csv(out / "grid.csv", grid)
 
