@@ -277,7 +277,8 @@ class FlexGenClient(CachingClient):
                 continue
             jobs.append((request, key, job, n_prefix))
         hlog(f"flexgen: running {len(jobs)} requests in batches of up to {self.max_batch(handle)}")
-        run_jobs(handle, [j for _, _, j, _ in jobs], self.max_batch(handle), self.pad_tolerance)
+        run_jobs(handle, [j for _, _, j, _ in jobs], self.max_batch(handle), self.pad_tolerance,
+                 progress=f"flexgen {self.deployment}")
         for request, key, job, n_prefix in jobs:
             exc = job.future.exception()
             out[key] = {"error": str(exc)} if exc is not None else \
