@@ -202,13 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--quiet", action="store_true", help="no progress bars")
     e.add_argument("--json", help="write the record here")
     e.set_defaults(func=cmd_eval)
-    from flexgen_helm.compare.workloads import SETUPS
+    from flexgen_helm.compare.workloads import DEFAULT_SYSTEMS, SETUPS, SYSTEMS
 
     k = sub.add_parser("compare", help="ours vs HF accelerate (and the ablations) on the same setup, in one run")
     k.add_argument("--setup", nargs="+", default=["opt-6.7b-p512-g32"], choices=sorted(SETUPS),
                    help="model, workload and budgets (flexgen_helm/compare/workloads.py)")
-    k.add_argument("--systems", nargs="+", default=["ours-searched", "ours-grid", "ours-deepspeed-policy", "hf-accelerate"],
-                   choices=["ours-searched", "ours-grid", "ours-deepspeed-policy", "hf-accelerate"])
+    k.add_argument("--systems", nargs="+", default=list(DEFAULT_SYSTEMS), choices=SYSTEMS,
+                   help="rows to run (hf-accelerate-page-cache: accelerate without per-token eviction)")
     k.add_argument("--ablations", choices=sorted(SETUPS), help="also run the ablations on this setup")
     k.add_argument("--ablations-only", action="store_true")
     k.add_argument("--max-block", type=int, default=4,

@@ -25,8 +25,8 @@ def ablation_policies(setup: Setup, max_block: int) -> list[tuple[str, Policy | 
     if best.cpu_cache_compute:
         out.append(("no CPU compute", replace(best, cpu_cache_compute=False), how))
     else:
-        out.append(("no CPU compute", None, "same as all optimizations: its KV cache is on the device pool, "
-                                            "so there is no CPU attention to turn off"))
+        out.append(("no CPU compute", None, "same run as all optimizations: the searched policy does not "
+                                            "delegate attention to the CPU (cpu_cache_compute off)"))
     out.append(_no_disk(setup, best))
     out.append(("DeepSpeed-style policy", deepspeed_policy(setup), "row by row, largest batch that fits"))
     return out

@@ -112,8 +112,8 @@ def run(setup: Setup, batch: int, evict_each_token: bool = True, hf_dtype: str |
     end = time.perf_counter()
     stats = {"prefill_s": clock.ends[0] - start, "decode_s": end - clock.ends[0]}
     return {
-        "system": "hf-accelerate",
-        "label": "HF accelerate, cpu+disk offload",
+        "system": "hf-accelerate" if evict_each_token else "hf-accelerate-page-cache",
+        "label": "HF accelerate, cpu+disk offload" + ("" if evict_each_token else ", page cache kept during the run"),
         "setup": setup.to_dict(),
         "model": setup.model,
         "dtype": dtype_name,

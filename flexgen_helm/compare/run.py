@@ -15,7 +15,7 @@ from flexgen_helm.compare.ablations import ablation_policies
 from flexgen_helm.compare.accelerate_offload import largest_batch
 from flexgen_helm.compare.disk import measure_read_bandwidth
 from flexgen_helm.compare.ours import _grid, bench_flags, deepspeed_policy, searched_policy
-from flexgen_helm.compare.workloads import Setup, offload_dir, prepare_hf, prepare_store
+from flexgen_helm.compare.workloads import DEFAULT_SYSTEMS, Setup, offload_dir, prepare_hf, prepare_store
 
 GPU_ONLY = ("FlexGen reference (PyPI flexgen 0.1.8) and DeepSpeed ZeRO-Inference need a CUDA GPU "
             "(both call torch.cuda unconditionally); run `flexgen-helm compare` in a GPU session for those rows.")
@@ -47,22 +47,24 @@ class Runner:
 
 
 def run_compare(setup: Setup, out: Path, max_block: int, warmup: int, timeout_s: int,
-                systems: tuple[str, ...] = ("ours-searched", "ours-grid", "ours-deepspeed-policy", "hf-accelerate"),
+                systems: tuple[str, ...] = DEFAULT_SYSTEMS,
                 bandwidth: dict | None = None) -> tuple[list[dict], list[str]]:
     """Rows of `setup` (JSON per system under out/<setup.name>/) and the commands that ran."""
     folder = out / setup.name
     folder.mkdir(parents=True, exist_ok=True)
     prepare_store(setup)
-    if "hf-accelerate" in systems:
+    if any(s.startswith("hf-accelerate") for s in systems):
         prepare_hf(setup)
     bandwidth = bandwidth or measure_read_bandwidth(offload_dir(setup))
     run = Runner(timeout_s)
     rows = []
     for system in systems:
         path = folder / f"{system}.json"
-        if system == "hf-accelerate":
+        if system.startswith("hf-accelerate"):
             argv = ["-m", "flexgen_helm.compare.accelerate_offload", "--setup", setup.name,
                     "--batch", str(largest_batch(setup)), "--json", str(path)]
+            if system == "hf-accelerate-page-cache":  # what accelerate gets when the OS caches its files
+                argv.append("--no-evict-each-token")
         else:
             policy, label = our_policy(setup, system, max_block)
             if policy is None:

@@ -31,7 +31,7 @@ def row(setup: str, system: str, record: dict, bandwidth: float | None, loadavg:
     read = record.get("disk_read_bytes")
     roof = b * bandwidth / disk if bandwidth and disk else None
     passes = record["gen_len"]  # one read of the disk weights per generated token (prefill included)
-    if record.get("system") == "hf-accelerate":
+    if record.get("system", "").startswith("hf-accelerate"):
         evict = record["page_cache"]["evict_each_token"]
         source = "disk via mmap, page cache evicted " + ("before every token" if evict else "before the run only")
     else:

@@ -61,6 +61,11 @@ SETUPS = {s.name: s for s in [
 ]}
 
 
+# The rows a comparison can have, in table order; the last is optional (not in the default).
+SYSTEMS = ("ours-searched", "ours-grid", "ours-deepspeed-policy", "hf-accelerate", "hf-accelerate-page-cache")
+DEFAULT_SYSTEMS = SYSTEMS[:4]
+
+
 def prompts(setup: Setup, batch: int, vocab_size: int) -> list[list[int]]:
     """The token ids every system gets: those `flexgen-helm bench` draws (seed 0)."""
     g = torch.Generator().manual_seed(0)
