@@ -36,6 +36,6 @@ def breakdown_table(records: list[dict]) -> pd.DataFrame:
                 row[col] = sum(events.get(k, 0.0) for k in keys)
             # sampling, the head's softmax, Python: whatever the timed events leave (only
             # meaningful when the events ran one after the other)
-            row["other (s)"] = None if row["overlap"] else total - sum(row[c] for c in COLUMNS)
+            row["other (s)"] = float("nan") if row["overlap"] else total - sum(row[c] for c in COLUMNS)
             rows.append(row)
     return pd.DataFrame(rows)

@@ -58,21 +58,35 @@ def _norm(label: str) -> str:
     return " ".join(str(label).lower().replace("-", " ").replace("_", " ").split())
 
 
+def ablation_name(label: str | None) -> str | None:
+    """The ablation row a bench label names: "no disk (weights in RAM only)" -> "no disk"."""
+    label = _norm(label or "")
+    return next((a for a in ABLATION if label == _norm(a) or label.startswith(_norm(a) + " ")), None)
+
+
 def ablation_table(records: list[dict]) -> pd.DataFrame:
-    """One row per ablation label present: its best throughput (the paper reports each
-    setting at its best batch size) and the ratio to "all optimizations"."""
-    wanted = {_norm(a): a for a in ABLATION}
-    best: dict[str, dict] = {}
+    """One row per workload (model, lengths) and ablation setting present: its best
+    throughput (the paper reports each setting at its best batch size) and the ratio to
+    "all optimizations" of the same workload."""
+    best: dict[tuple, dict] = {}
     for r in records:
-        name = wanted.get(_norm(r.get("label") or ""))
-        if name and (name not in best or r["total_throughput"] > best[name]["total_throughput"]):
-            best[name] = r
+        name = ablation_name(r.get("label"))
+        if name is None:
+            continue
+        key = (f"{r.get('model')} s={r.get('prompt_len')} n={r.get('gen_len')}", name)
+        if key not in best or r["total_throughput"] > best[key]["total_throughput"]:
+            best[key] = r
     if not best:
         return pd.DataFrame()
-    base = best.get("all optimizations", {}).get("total_throughput")
-    rows = [{"setting": name, "model": r.get("model"), "policy": r.get("policy_summary", ""),
-             "batch": batch_of(r), "throughput (tok/s)": r["total_throughput"],
-             "latency (s)": r["total_latency_s"],
-             "vs all optimizations": r["total_throughput"] / base if base else None}
-            for name, r in ((a, best[a]) for a in ABLATION if a in best)]
+    rows = []
+    for workload in dict.fromkeys(w for w, _ in best):
+        base = best.get((workload, "all optimizations"), {}).get("total_throughput")
+        for name in ABLATION:
+            r = best.get((workload, name))
+            if r is None:
+                continue
+            rows.append({"workload": workload, "setting": name, "label": r.get("label"),
+                         "policy": r.get("policy_summary", ""), "batch": batch_of(r),
+                         "throughput (tok/s)": r["total_throughput"], "latency (s)": r["total_latency_s"],
+                         "vs all optimizations": r["total_throughput"] / base if base else None})
     return pd.DataFrame(rows)
