@@ -101,12 +101,14 @@ def breakdown(df: pd.DataFrame, path: Path) -> Path | None:
         return None
     parts = list(BREAKDOWN_COLUMNS) + ["other (s)"]
     labels = [f"{s} [{st}{'' if not o else ', overlap'}]" for s, st, o in zip(df["setting"], df["stage"], df["overlap"])]
-    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.5 * len(df)))
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.5 * len(df)))
     left = pd.Series(0.0, index=df.index)
     for col in parts:
         values = df[col].fillna(0.0).clip(lower=0.0)
         ax.barh(range(len(df)), values, left=left, label=col.replace(" (s)", ""))
         left = left + values
+    # the stage's measured wall time: the parts reach it without overlap, pass it with
+    ax.scatter(df["total (s)"], range(len(df)), marker="|", s=400, color="black", zorder=3, label="stage wall time")
     ax.set_yticks(range(len(df)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("time (s)")
