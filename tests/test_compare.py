@@ -53,3 +53,17 @@ def test_greedy_tokens_agree_with_accelerate_in_float32(tmp_path):
     ids = prompts(TINY, 2, engine.config.vocab_size)
     ours = engine.generate(ids, SamplingParams(max_new_tokens=TINY.gen_len, ignore_eos=True))
     assert [r.completions[0].token_ids for r in ours] == acc["generated_token_ids"]
+
+
+def test_roofline_and_ratio_arithmetic():
+    """4 sequences, 2 GiB on disk read at 1 GiB/s: at most 2 tokens a second; 1 token/s is 50%."""
+    ours = {"effective_batch_size": 4, "gen_len": 8, "prefill_latency_s": 2.0, "decode_latency_s": 30.0,
+            "total_latency_s": 32.0, "total_throughput": 1.0, "disk_read_bytes": 16 * 2**30,
+            "memory": {"placement": {"weight_bytes": {"disk": 2 * 2**30}}, "disk_page_cache_bypass": "O_DIRECT",
+                       "cpu_peak_rss_bytes": 2**30}}
+    acc = {**ours, "system": "hf-accelerate", "total_throughput": 0.25, "disk_weight_bytes": 2 * 2**30,
+           "page_cache": {"evict_each_token": True}}
+    rows = [table.row("s", "ours", ours, 2**30, 0.5), table.row("s", "hf-accelerate", acc, 2**30, 0.5)]
+    table.add_ratios(rows)
+    assert rows[0]["roofline_tok_s"] == 2.0 and rows[0]["pct_of_roofline"] == 50.0
+    assert rows[0]["disk_reads_per_token"] == 1.0 and rows[0]["vs_accelerate"] == 4.0

@@ -109,15 +109,20 @@ def run_ablations(setup: Setup, out: Path, max_block: int, warmup: int, timeout_
     return rows, run.commands
 
 
-def notes(setup_names: list[str], bandwidth: dict, extra: list[str]) -> list[str]:
-    bw = bandwidth["read_bytes_per_s"] / 1e9
+def bandwidth_note(bandwidth: dict) -> str:
+    return (f"Disk read bandwidth for the roofline: {bandwidth['read_bytes_per_s'] / 1e9:.3f} GB/s, O_DIRECT sequential "
+            f"reads of {bandwidth['chunk_bytes'] >> 20} MiB from a {bandwidth['file_bytes'] >> 30} GiB file in "
+            f"{bandwidth['directory']}, measured at the start of the run.")
+
+
+def notes(setup_names: list[str], bandwidth: dict | None, extra: list[str]) -> list[str]:
     return [
         f"Setups: {', '.join(setup_names)} (flexgen_helm/compare/workloads.py: model, prompt/gen lengths, budgets).",
-        f"Disk read bandwidth for the roofline: {bw:.3f} GB/s, O_DIRECT sequential reads of "
-        f"{bandwidth['chunk_bytes'] >> 20} MiB from a {bandwidth['file_bytes'] >> 30} GiB file in {bandwidth['directory']}.",
+        *([bandwidth_note(bandwidth)] if bandwidth else []),
         "roofline_tok_s = effective batch x bandwidth / disk-resident weight bytes (each token reads them once); "
         "disk_reads_per_token = bytes the process read from storage during the timed generation (/proc/self/io) "
-        "/ (disk-resident weight bytes x generated tokens): about 1 means every token's weights came from disk.",
+        "/ (disk-resident weight bytes x generated tokens): about 1 means every token's weights came from disk "
+        "(KV cache or activations placed on disk add their own reads on top).",
         "throughput = generated tokens / (prefill + decode), FlexGen's definition (flexgen_helm/bench.py).",
         f"Not run here: {GPU_ONLY}",
         *extra,
@@ -144,8 +149,9 @@ def main(args) -> int:
         folders = [f.parent for f in sorted(out.glob("*/results.csv")) if f.parent.name != "ablations"]
         all_rows = [r for f in folders for r in table.from_csv((f / "results.csv").read_text())]
         table.write(out, all_rows, "Throughput: ours vs Hugging Face accelerate (same machine)",
-                    notes([f.name for f in folders], bandwidth,
-                          ["Each setup's folder has its JSON records, its commands and the load average of each run."]),
+                    notes([f.name for f in folders], None,
+                          ["Each setup's folder has its JSON records, its commands, the load average before each "
+                           "run and the disk bandwidth its roofline used (bandwidth.json)."]),
                     [f"cat {f / 'README.md'}  # the commands of {f.name}" for f in folders])
     if args.ablations:
         s = SETUPS[args.ablations]
