@@ -65,7 +65,7 @@ def test_lp_returns_valid_fractions():
 ])
 def test_search_respects_budgets(profile, budgets):
     b = default_budgets(profile, **budgets)
-    result = search(OPT13, profile, 256, 16, b, SearchOptions(max_gpu_batch_size=16, max_num_gpu_batches=4))
+    result = search(OPT13, profile, 256, 16, b, SearchOptions(max_gpu_batch_size=8, max_num_gpu_batches=4))
     assert not shortfalls(result.estimate, b)
     for phase in result.estimate.peak_bytes.values():
         if profile.is_cuda:
@@ -86,7 +86,7 @@ def test_more_gpu_memory_never_predicts_lower_throughput():
     prof, last = gpu_profile(), 0.0
     for gpu_gib in (0.5, 1, 2, 4, 8):
         b = default_budgets(prof, gpu=int(gpu_gib * GIB), cpu=8 * GIB)
-        got = search(OPT13, prof, 256, 32, b, SearchOptions(max_gpu_batch_size=16, max_num_gpu_batches=4))
+        got = search(OPT13, prof, 256, 32, b, SearchOptions(max_gpu_batch_size=8, max_num_gpu_batches=4))
         assert got.estimate.throughput >= last * (1 - 1e-9)
         last = got.estimate.throughput
 

@@ -20,6 +20,29 @@ from flexgen_helm.policy.validate import CONFIGS, MODEL
 
 GIB = 2**30
 
+NOTES = """## How to read this
+
+- Commands: `flexgen-helm profile --json runs/policy/hardware.json`, then
+  `python -m flexgen_helm.policy.validate measure` (each configuration in its own process:
+  load, a short warm-up, 2 timed generations, medians), `... validate grid --cpu-mem 2GiB`
+  (the auto policy and a hand grid under a RAM budget that forces weights to disk), and
+  `... validate report`. The refitted profile: `flexgen-helm profile --json
+  runs/policy/hardware_refit.json --refit runs/policy/measured/*.json runs/policy/grid/*.json`.
+- "predicted" uses the hardware profile as measured; "LOO-refit" rescales the cost model's
+  terms (per phase and resource, least squares on the bottleneck terms) on every other run
+  and predicts this one, so a row never fits itself.
+- The machine (2 cores) ran other engineers' jobs throughout: load averages of 11-17 mean
+  this process got a fraction of the cores, and the profile's microbenchmarks (fastest of
+  several timings) were taken under the same contention. Absolute predictions are therefore
+  off by the contention factor of the moment; the refit absorbs the steady part of it.
+- Memory: the gpu/cpu/disk columns are the engine's own accounting (TierUsage: weight homes
+  on gpu and cpu, KV cache, activations; disk-tier weights stay in the weight store, the
+  whole model, not counted there). "pred host" adds the compute side's working set (two
+  layers of loaded weights, one GPU batch's activations and attention scores, the logits)
+  and the profiled baseline RSS of a Python process with torch; on this CPU-only machine
+  the gpu tier is host RAM, so it is compared with the process's peak RSS.
+"""
+
 
 def _err(pred: float, meas: float) -> float:
     return 100.0 * (pred - meas) / meas if meas else float("nan")
@@ -148,6 +171,7 @@ def write_report(out: Path, profile_path: str | None = None) -> str:
                           ("predicted_tok_s", "predicted", ".2f"), ("loo_refit_tok_s", "LOO-refit", ".2f"),
                           ("predicted_rank", "predicted rank", ""), ("measured_rss_gib", "RSS GiB", ".2f")]),
         ]
+    lines += ["", NOTES]
     text = "\n".join(lines) + "\n"
     (out / "README.md").write_text(text)
     return text
