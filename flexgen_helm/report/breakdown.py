@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from flexgen_helm.report.frontier import setting_of
+from flexgen_helm.report.frontier import batch_of, setting_of
 
 # table column -> the bench breakdown events it sums (activations: hidden states moved
 # between layers, which the paper folds into its other columns)
@@ -30,8 +30,8 @@ def breakdown_table(records: list[dict]) -> pd.DataFrame:
         for stage in ("prefill", "decode"):
             events = r["breakdown"].get(stage, {})
             total = r.get(f"{stage}_latency_s", 0.0)
-            row = {"setting": setting_of(r), "stage": stage, "overlap": r["policy"].get("overlap", True),
-                   "total (s)": total}
+            row = {"setting": setting_of(r), "batch": batch_of(r), "stage": stage,
+                   "overlap": r["policy"].get("overlap", True), "total (s)": total}
             for col, keys in COLUMNS.items():
                 row[col] = sum(events.get(k, 0.0) for k in keys)
             # sampling, the head's softmax, Python: whatever the timed events leave (only

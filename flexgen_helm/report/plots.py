@@ -74,7 +74,7 @@ def frontier(df: pd.DataFrame, path: Path) -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(7.5, 5))
     for curve, g in df.groupby("curve", sort=False):
-        g = g.sort_values("latency (s)")
+        g = g.sort_values("batch")  # a curve is traced by growing the batch, as in Figure 1
         ax.plot(g["latency (s)"], g["throughput (tok/s)"], marker="o", label=curve)
         for x, y, b in zip(g["latency (s)"], g["throughput (tok/s)"], g["batch"]):
             ax.annotate(f"bs={b}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
@@ -100,7 +100,8 @@ def breakdown(df: pd.DataFrame, path: Path) -> Path | None:
     if df.empty:
         return None
     parts = list(BREAKDOWN_COLUMNS) + ["other (s)"]
-    labels = [f"{s} [{st}{'' if not o else ', overlap'}]" for s, st, o in zip(df["setting"], df["stage"], df["overlap"])]
+    labels = [f"{s}, bs={b} [{st}{', overlap' if o else ''}]"
+              for s, b, st, o in zip(df["setting"], df["batch"], df["stage"], df["overlap"])]
     fig, ax = plt.subplots(figsize=(10, 1.2 + 0.5 * len(df)))
     left = pd.Series(0.0, index=df.index)
     for col in parts:
