@@ -25,8 +25,13 @@ def setting_name(policy: dict, dtype: str) -> str:
     sparse = policy.get("attn_sparsity", 1.0) < 1.0
     if not w and not c and not sparse:
         return _DTYPE.get(dtype, dtype)
+    suffix = "-S" if sparse else ""
     if w and c and w["bits"] == c["bits"]:
-        return f"{w['bits']}-bit" + ("-S" if sparse else "")
+        return f"{w['bits']}-bit{suffix}"
+    if w and not c:
+        return f"{w['bits']}-bit weights{suffix}"
+    if c and not w:
+        return f"{c['bits']}-bit cache{suffix}"
     return approximations(policy)
 
 
