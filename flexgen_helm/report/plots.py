@@ -72,10 +72,13 @@ def frontier(df: pd.DataFrame, path: Path) -> Path | None:
     """Throughput against latency, one line per setting, points labelled with the batch."""
     if df.empty:
         return None
-    fig, ax = plt.subplots(figsize=(7.5, 5))
-    for curve, g in df.groupby("curve", sort=False):
+    fig, ax = plt.subplots(figsize=(10, 5.5))
+    colors, markers = plt.get_cmap("tab20").colors, "osD^vPX*"
+    for i, (curve, g) in enumerate(df.groupby("curve", sort=False)):
         g = g.sort_values("batch")  # a curve is traced by growing the batch, as in Figure 1
-        ax.plot(g["latency (s)"], g["throughput (tok/s)"], marker="o", label=curve)
+        # colour and marker both vary: many settings stay tellable apart
+        ax.plot(g["latency (s)"], g["throughput (tok/s)"], marker=markers[i % len(markers)],
+                color=colors[(2 * i) % 20 if i < 10 else (2 * i + 1) % 20], label=curve)
         for x, y, b in zip(g["latency (s)"], g["throughput (tok/s)"], g["batch"]):
             ax.annotate(f"bs={b}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     for axis, values in (("x", df["latency (s)"]), ("y", df["throughput (tok/s)"])):
@@ -91,7 +94,7 @@ def frontier(df: pd.DataFrame, path: Path) -> Path | None:
     sub = f" (prompt {lens.iloc[0, 0]}, output {lens.iloc[0, 1]} tokens)" if len(lens) == 1 else ""
     ax.set_title("Latency-throughput trade-off" + sub)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _save(fig, path)
 
 
@@ -102,7 +105,7 @@ def breakdown(df: pd.DataFrame, path: Path) -> Path | None:
     parts = list(BREAKDOWN_COLUMNS) + ["other (s)"]
     labels = [f"{s}, bs={b} [{st}{', overlap' if o else ''}]"
               for s, b, st, o in zip(df["setting"], df["batch"], df["stage"], df["overlap"])]
-    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.5 * len(df)))
+    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.5 * len(df)))
     left = pd.Series(0.0, index=df.index)
     for col in parts:
         values = df[col].fillna(0.0).clip(lower=0.0)
