@@ -4,7 +4,8 @@ the cost model matches what bench measured.
 Each measured phase time is modelled by its bottleneck term: measured ~= k[r] * T[r] where
 r is the term with the largest k * T. For every term, k is the least-squares fit over the
 runs it is the bottleneck of (k = sum(m T) / sum(T^2)); the bottlenecks are then re-chosen
-with the new k, a few rounds. Terms that bottleneck no run keep their factor."""
+with the new k, a few rounds. Terms that bottleneck no run keep their factor. Runs with
+overlap off (time = the sum of the terms, no single bottleneck) are predicted, not fitted."""
 
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ from flexgen_helm.policy.policy import Policy
 ROUNDS = 5
 
 
-def _samples(profile: HardwareProfile, paths: list[Path]) -> list[tuple[str, str, dict, float]]:
-    """(run, phase, unscaled term times, measured seconds) for each phase of each run: a
-    `flexgen-helm bench --json` result or a validation record (policy/validate.py)."""
+def _samples(profile: HardwareProfile, paths: list[Path]) -> list[tuple[str, str, dict, float, bool]]:
+    """(run, phase, unscaled term times, measured seconds, overlap) for each phase of each run:
+    a `flexgen-helm bench --json` result or a validation record (policy/validate.py)."""
     from flexgen_helm.policy.validate import MODEL
 
     base = replace(profile, time_scale={})
@@ -33,9 +34,9 @@ def _samples(profile: HardwareProfile, paths: list[Path]) -> list[tuple[str, str
         policy = Policy.from_dict(d["policy"])
         s, n = d["prompt_len"], d["gen_len"]
         est = CostModel(cfg, base, Workload(s, n)).estimate(policy)
-        out.append((path.name, "prefill", est.prefill_terms, d["prefill_latency_s"]))
+        out.append((path.name, "prefill", est.prefill_terms, d["prefill_latency_s"], policy.overlap))
         if n > 1:
-            out.append((path.name, "decode", est.decode_terms, d["decode_latency_s"] / (n - 1)))
+            out.append((path.name, "decode", est.decode_terms, d["decode_latency_s"] / (n - 1), policy.overlap))
     return out
 
 
@@ -46,19 +47,21 @@ def refit(profile: HardwareProfile, paths: list[Path]) -> tuple[HardwareProfile,
     def k(phase, term):
         return scale.get(f"{phase}.{term}", 1.0)
 
-    def predicted(phase, terms):
-        return max(k(phase, t) * v for t, v in terms.items())
+    def predicted(phase, terms, overlap):
+        return (max if overlap else sum)(k(phase, t) * v for t, v in terms.items())
 
-    before = [(name, phase, predicted(phase, terms), m) for name, phase, terms, m in samples]
+    before = [(name, phase, predicted(phase, terms, ov), m) for name, phase, terms, m, ov in samples]
     for _ in range(ROUNDS):
         sums: dict[str, list[float]] = {}
-        for _, phase, terms, m in samples:
+        for _, phase, terms, m, overlap in samples:
+            if not overlap:
+                continue
             top = max(terms, key=lambda t: k(phase, t) * terms[t])
             acc = sums.setdefault(f"{phase}.{top}", [0.0, 0.0])
             acc[0] += m * terms[top]
             acc[1] += terms[top] ** 2
         scale.update({key: num / den for key, (num, den) in sums.items() if den > 0})
-    after = [predicted(phase, terms) for _, phase, terms, _ in samples]
+    after = [predicted(phase, terms, ov) for _, phase, terms, _, ov in samples]
 
     lines = ["refit time scales: " + ", ".join(f"{key} x{v:.2f}" for key, v in sorted(scale.items())),
              f"{'run':32s} {'phase':8s} {'measured':>10s} {'before':>10s} {'after':>10s}"]
