@@ -90,12 +90,15 @@ def _get(runs, row, scope, task, metric):
     return None if rec is None else rec["metrics"].get(metric)
 
 
-def quant_check_text(out: Path) -> str:
-    """The outside-the-engine quantization check (runs/accuracy/quant_check.py), if it ran."""
+def load_quant_check(out: Path) -> dict | None:
     p = out / "json" / "quant_check.json"
-    if not p.exists():
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def quant_check_text(q: dict | None) -> str:
+    """The outside-the-engine quantization check (runs/accuracy/quant_check.py), if it ran."""
+    if q is None:
         return ""
-    q = json.loads(p.read_text())
 
     def weights(r):
         return "none (the dequantized GGUF)" if r["bits"] is None else f"W4 g{r['group_size']} dim {r['group_dim']}"
@@ -108,7 +111,7 @@ def quant_check_text(out: Path) -> str:
             + rows)
 
 
-def findings(runs) -> list[str]:
+def findings(runs, qc: dict | None = None) -> list[str]:
     """What the numbers say, each sentence computed from the records (absent runs: skipped)."""
     out = []
     ppl = lambda row, scope="lim": _get(runs, row, scope, "wikitext", "token_perplexity")  # noqa: E731
@@ -156,16 +159,26 @@ def findings(runs) -> list[str]:
         out.append(text + "The reference numbers (transformers, cache quantized at every position) are not "
                           "comparable with these rows.")
     if None not in (ppl("w4-g32-d1"), ppl("baseline")):
+        d0 = f", against {ppl('w4-g32-d0'):.3f} along dim 0" if ppl("w4-g32-d0") is not None else ""
         out.append(
             f"4-bit weights in groups of 32 along the input dimension (dim 1): perplexity {ppl('w4-g32-d1'):.3f} vs "
-            f"baseline {ppl('baseline'):.3f} ({100 * (ppl('w4-g32-d1') / ppl('baseline') - 1):+.2f}%), against "
-            f"{_f(ppl('w4-g32-d0'), '.3f')} for the same group size along dim 0. This is an artifact of the checkpoint, "
-            "not a property of the method: SmolLM2-135M is published as GGUF Q4_1, whose projection weights are "
-            "stored in blocks of 32 consecutive input-dimension values, each as min + code x scale with 4-bit codes "
-            "(0 and 15 are the block's min and max). Our min/max quantizer on exactly those blocks finds the same "
-            "min and scale and recovers every value (up to float rounding). What remains is the token embedding "
-            "(tied with the output head), which the GGUF stores as Q8_0 (8-bit, symmetric, blocks of 32) and "
-            "4 bits cannot represent exactly.")
+            f"baseline {ppl('baseline'):.3f} ({100 * (ppl('w4-g32-d1') / ppl('baseline') - 1):+.2f}%){d0}. "
+            "This row is an artifact of the checkpoint, not a property of the method: SmolLM2-135M is published as "
+            "GGUF Q4_1, whose projection weights are stored in blocks of 32 consecutive input-dimension values, each "
+            "as min + code x scale with a 4-bit code; when a block's codes reach 0 and 15 (llama.cpp's plain Q4_1 "
+            "rounding does), a min/max quantizer on exactly those blocks finds the same min and scale and recovers "
+            "every value up to float rounding. What it cannot recover is the token embedding (tied with the output "
+            "head), stored as Q8_0 (8-bit, symmetric).")
+    if qc:
+        by = {(r["group_size"], r["group_dim"], r["embedding_quantized"]): r["token_perplexity"] for r in qc["results"]}
+        fp, lossless = by.get((None, None, None)), by.get((32, 1, False))
+        if None not in (fp, lossless):
+            out.append(
+                f"Checked outside the engine (section below): quantizing the projections alone in g32 along dim 1 "
+                f"gives {lossless:.4f} vs {fp:.4f} unquantized ({100 * (lossless / fp - 1):+.3f}%: "
+                + ("lossless, as explained" if abs(lossless / fp - 1) < 1e-3 else "NOT lossless: this GGUF's blocks do "
+                   "not all use the full code range") + ")"
+                + (f"; with the embedding quantized too, {by[(32, 1, True)]:.4f}." if (32, 1, True) in by else "."))
     return out
 
 
@@ -205,7 +218,7 @@ def scopes_text(runs) -> str:
 
 
 def write_report(out: Path) -> None:
-    runs = load(out)
+    runs, qc = load(out), load_quant_check(out)
     rows = table_rows(runs)
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
@@ -225,8 +238,8 @@ def write_report(out: Path) -> None:
         "(one per `flexgen-helm eval` run); do not edit by hand.",
         setup,
         markdown_table(rows),
-        "## Findings\n\n" + "\n".join(f"- {s}" for s in findings(runs)),
-        quant_check_text(out),
+        "## Findings\n\n" + "\n".join(f"- {s}" for s in findings(runs, qc)),
+        quant_check_text(qc),
         "Reference numbers measured outside the project (issue 3; transformers, first 16k WikiText tokens with "
         "window 1024, 400 LAMBADA passages), for context:\n\n| setting | WikiText ppl | LAMBADA acc |\n|---|---|---|\n"
         + "\n".join(f"| {a} | {b} | {c} |" for a, b, c in REFERENCE),
