@@ -256,8 +256,10 @@ def search(cfg: ModelConfig, profile: HardwareProfile, prompt_len: int, gen_len:
 def _best_rounded(model: CostModel, shape: Policy, budgets: Budgets, max_latency_s: float | None,
                   attempts: int = 4) -> Candidate | None:
     """Solve, round, re-evaluate. The LP sees continuous fractions; the engine's placement
-    also assembles tensors split over tiers (a working copy the LP cannot see), so when no
-    rounding fits, solve again with the budget that fell short tightened by the shortfall."""
+    also assembles tensors split over tiers (a working copy the LP cannot see) and rounds to
+    whole percents, so when no rounding fits, solve again with the budget that fell short
+    tightened by the shortfall plus one percent of the weights (one rounding step)."""
+    step = 0.01 * sum(model.peak_bytes(replace(shape, weights=_ONE_TIER["disk"]))["decode"].values())
     tight = budgets
     for _ in range(attempts):
         res = solve_lp(model, shape, tight, max_latency_s)
@@ -277,7 +279,7 @@ def _best_rounded(model: CostModel, shape: Policy, budgets: Budgets, max_latency
                 best = Candidate(p, est, float(res.fun))
         if best is not None or least_short is None:
             return best
-        tight = replace(tight, **{b: getattr(tight, b) - need for b, need in least_short.items()})
+        tight = replace(tight, **{b: getattr(tight, b) - need - step for b, need in least_short.items()})
     return None
 
 
