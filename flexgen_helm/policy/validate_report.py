@@ -171,6 +171,8 @@ def write_report(out: Path, profile_path: str | None = None) -> str:
                           ("predicted_tok_s", "predicted", ".2f"), ("loo_refit_tok_s", "LOO-refit", ".2f"),
                           ("predicted_rank", "predicted rank", ""), ("measured_rss_gib", "RSS GiB", ".2f")]),
         ]
+        if grid_meta.get("notes"):
+            lines += ["", grid_meta["notes"]]
     lines += ["", NOTES]
     text = "\n".join(lines) + "\n"
     (out / "README.md").write_text(text)
