@@ -25,6 +25,7 @@ import numpy as np
 from scipy.optimize import linprog
 
 from flexgen_helm.errors import PolicyError
+from flexgen_helm.memory.budget import planned_components
 from flexgen_helm.models.config import ModelConfig
 from flexgen_helm.policy.cost_model import PHASES, TERMS, CostModel, Estimate, Fractions, Workload
 from flexgen_helm.policy.hardware_profile import HardwareProfile
@@ -259,7 +260,8 @@ def _best_rounded(model: CostModel, shape: Policy, budgets: Budgets, max_latency
     also assembles tensors split over tiers (a working copy the LP cannot see) and rounds to
     whole percents, so when no rounding fits, solve again with the budget that fell short
     tightened by the shortfall plus one percent of the weights (one rounding step)."""
-    step = 0.01 * sum(model.peak_bytes(replace(shape, weights=_ONE_TIER["disk"]))["decode"].values())
+    on_disk = replace(shape, weights=_ONE_TIER["disk"])
+    step = 0.01 * planned_components(model.cfg, on_disk, model.work.max_len, model.dtype)["weights"]["disk"]
     tight = budgets
     for _ in range(attempts):
         res = solve_lp(model, shape, tight, max_latency_s)
