@@ -101,11 +101,13 @@ def _print(r: dict) -> None:
     frac = mem["placement"]["weight_fractions"]
     print(f"model: {r['model']}{' (dummy weights)' if r['dummy'] else ''}, {r['dtype']} on {r['device']}")
     print(f"policy: {r['policy_summary']}; effective batch {r['effective_batch_size']}")
-    print("weights placed: " + ", ".join(f"{t} {100 * f:.1f}%" for t, f in frac.items()))
+    placed = mem["placement"]["weight_bytes"]
+    print("weights placed: " + ", ".join(f"{t} {100 * f:.1f}% ({placed[t] / gib:.2f} GiB)" for t, f in frac.items()))
     print(f"prefill: {r['prefill_latency_s']:.3f} s, {r['prefill_throughput']:.1f} token/s")
     print(f"decode:  {r['decode_latency_s']:.3f} s, {r['decode_throughput']:.2f} token/s")
     print(f"total:   {r['total_latency_s']:.3f} s, {r['total_throughput']:.2f} token/s")
     tiers = mem["tiers"]
-    print("peak memory: " + ", ".join(f"{t} {tiers[t]['peak_bytes'] / gib:.2f} GiB" for t in tiers)
-          + f"; process RSS peak {mem['cpu_peak_rss_bytes'] / gib:.2f} GiB")
+    peaks = ", ".join(f"{t} {tiers[t]['peak_bytes'] / gib:.2f} GiB" for t in tiers)
+    print(f"peak memory (weight homes in RAM, KV cache, activations): {peaks}; "
+          f"process RSS peak {mem['cpu_peak_rss_bytes'] / gib:.2f} GiB")
     print(f"disk reads bypass the page cache with: {mem['disk_page_cache_bypass']}")
