@@ -2,14 +2,16 @@
 the cost model matches what bench measured.
 
 Each measured phase time is modelled by its bottleneck term: measured ~= k[r] * T[r] where
-r is the term with the largest k * T. For every term, k is the least-squares fit over the
-runs it is the bottleneck of (k = sum(m T) / sum(T^2)); the bottlenecks are then re-chosen
+r is the term with the largest k * T. For every term, k is the least-squares fit of
+log m = log k + log T over the runs it is the bottleneck of (k = the geometric mean of m / T:
+relative errors count alike, so one slow run does not outweigh the others); the bottlenecks are then re-chosen
 with the new k, a few rounds. Terms that bottleneck no run keep their factor. Runs with
 overlap off (time = the sum of the terms, no single bottleneck) are predicted, not fitted."""
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -57,10 +59,12 @@ def refit(profile: HardwareProfile, paths: list[Path]) -> tuple[HardwareProfile,
             if not overlap:
                 continue
             top = max(terms, key=lambda t: k(phase, t) * terms[t])
-            acc = sums.setdefault(f"{phase}.{top}", [0.0, 0.0])
-            acc[0] += m * terms[top]
-            acc[1] += terms[top] ** 2
-        scale.update({key: num / den for key, (num, den) in sums.items() if den > 0})
+            if terms[top] <= 0 or m <= 0:
+                continue
+            acc = sums.setdefault(f"{phase}.{top}", [0.0, 0])
+            acc[0] += math.log(m / terms[top])
+            acc[1] += 1
+        scale.update({key: math.exp(total / n) for key, (total, n) in sums.items()})
     after = [predicted(phase, terms, ov) for _, phase, terms, _, ov in samples]
 
     lines = ["refit time scales: " + ", ".join(f"{key} x{v:.2f}" for key, v in sorted(scale.items())),
