@@ -161,9 +161,11 @@ def findings(runs, qc: dict | None = None) -> list[str]:
                      "can change a score. ")
         if gen(row) is not None:
             # a reference row without decode-only approximations: generation accuracy = scoring accuracy
-            ref_gen = gen(ref) if gen(ref) is not None else (acc(ref) if ref in ("baseline", "w4-g64") else None)
+            gref = next((r for r in refs if gen(r) is not None or (r in ("baseline", "w4-g64") and acc(r) is not None)),
+                        ref)
+            ref_gen = gen(gref) if gen(gref) is not None else (acc(gref) if gref in ("baseline", "w4-g64") else None)
             text += (f"The decode path shows it: LAMBADA accuracy by greedy generation {gen(row):.4f} vs "
-                     f"{_f(ref_gen, '.4f')} ({ref}); the first token of a word comes from the prefill, so only "
+                     f"{_f(ref_gen, '.4f')} ({gref}); the first token of a word comes from the prefill, so only "
                      "multi-token words can change. ")
         out.append(text + "The reference numbers (transformers, cache quantized at every position) are not "
                           "comparable with these rows.")
