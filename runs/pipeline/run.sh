@@ -14,4 +14,4 @@ for n in 2 4; do
   torchrun --nproc-per-node "$n" --master-port $((29500 + n)) -m flexgen_helm "${args[@]}" --pipeline \
     --label "stages-$n" --json "$out/json/stages-$n.json"
 done
-flexgen-helm report --runs-dir "$out/json" --out "$out"
+flexgen-helm report --runs-dir "$out/json" --out "$out/report"
