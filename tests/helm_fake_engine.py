@@ -123,7 +123,7 @@ class FakeEngine:
         return results
 
 
-def load(model, policy=None, path=None, dummy=False, offload_dir=None, device=None):
+def load(model, policy=None, path=None, dummy=False, offload_dir=None, device=None, dtype=None):
     engine = FakeEngine(model)
     engine.load_kwargs = dict(model=model, policy=policy, path=path, dummy=dummy, offload_dir=offload_dir,
                               device=device)

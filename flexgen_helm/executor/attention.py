@@ -10,6 +10,7 @@ import math
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 
 def to_units(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -46,21 +47,45 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | ValueRows, key_va
     The schedule may therefore run sparse attention tier by tier, exactly."""
     u, r, q_len, d = q.shape
     t = k.shape[1]
-    scores = torch.matmul(q.float(), k.float().transpose(1, 2).unsqueeze(1)) / math.sqrt(d)  # (u, r, q, t)
-    allowed = key_valid[:, None, None, :].expand(u, r, q_len, t)
-    if causal:
-        qpos = torch.arange(t - q_len, t, device=q.device)[:, None]
-        kpos = torch.arange(t, device=q.device)[None, :]
-        allowed = allowed & (kpos <= qpos)
-        # a padding query may see no valid key; let it see itself so that it stays finite
-        allowed = allowed | (kpos == qpos)
-    scores = scores.masked_fill(~allowed, -math.inf)
     if keep_fraction < 1.0 and q_len == 1:
+        scores = torch.matmul(q.float(), k.float().transpose(1, 2).unsqueeze(1)) / math.sqrt(d)  # (u, r, 1, t)
+        scores = scores.masked_fill(~key_valid[:, None, None, :], -math.inf)
         return _top_k_attention(scores, v, key_valid, keep_fraction).to(q.dtype)
     if callable(v):
         v = v(list(range(t)))
-    probs = scores.softmax(-1)
-    return torch.matmul(probs, v.float().unsqueeze(1)).to(q.dtype)
+    return _dense_attention(q, k, v, key_valid, causal)
+
+
+def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor,
+                     causal: bool) -> torch.Tensor:
+    """Fused attention (torch's scaled_dot_product_attention: no (q, t) score matrix in
+    memory on the common path). Queries are the last q_len positions; a padding query that
+    may see no valid key sees itself, so that it stays finite."""
+    u, r, q_len, d = q.shape
+    t = k.shape[1]
+    dtype = _attention_dtype(q)
+    q_, k_, v_ = q.to(dtype), k.to(dtype)[:, None], v.to(dtype)[:, None]
+    if bool(key_valid.all()) and (not causal or q_len == t):
+        # no padding: the plain (top-left aligned) causal flag is exact when q_len == t
+        k_, v_ = k_.expand(u, r, t, d), v_.expand(u, r, t, d)
+        out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal and q_len > 1)
+        return out.to(q.dtype)
+    kpos = torch.arange(t, device=q.device)[None, :]
+    qpos = torch.arange(t - q_len, t, device=q.device)[:, None]
+    allowed = key_valid[:, None, :].expand(u, q_len, t)
+    if causal:
+        allowed = (allowed & (kpos <= qpos)) | (kpos == qpos)
+    # the r query heads of a unit share its keys: fold them into the query axis
+    mask = allowed[:, None].expand(u, r, q_len, t).reshape(u, 1, r * q_len, t)
+    out = F.scaled_dot_product_attention(q_.reshape(u, 1, r * q_len, d), k_, v_, attn_mask=mask)
+    return out.reshape(u, r, q_len, d).to(q.dtype)
+
+
+def _attention_dtype(q: torch.Tensor) -> torch.dtype:
+    # CPU half-precision kernels are slow and lose accuracy; bfloat16 and float32 run fused
+    if q.device.type == "cpu" and q.dtype == torch.float16:
+        return torch.float32
+    return q.dtype
 
 
 def _top_k_attention(scores: torch.Tensor, v: torch.Tensor | ValueRows, key_valid: torch.Tensor,

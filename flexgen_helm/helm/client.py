@@ -56,6 +56,7 @@ class FlexGenClient(CachingClient):
         policy: Any = None,
         offload_dir: Optional[str] = None,
         device: Optional[str] = None,
+        dtype: Optional[str] = None,
         max_batch_size: Optional[int] = None,
         batch_linger_s: float = 0.02,
         batch_max_wait_s: float = 0.5,
@@ -66,7 +67,7 @@ class FlexGenClient(CachingClient):
         self.deployment = deployment or model_name or model
         self.load_args: LoadArgs = resolve_load_args(
             model, deployment=self.deployment, path=path, dummy=dummy, policy=policy,
-            offload_dir=offload_dir, device=device,
+            offload_dir=offload_dir, device=device, dtype=dtype,
         )
         self.max_batch_size = max_batch_size
         self.queue_kwargs = {"linger_s": batch_linger_s, "max_wait_s": batch_max_wait_s,

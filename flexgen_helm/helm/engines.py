@@ -15,6 +15,8 @@ How a deployment finds its weights and policy (first match wins):
        FLEXGEN_HELM_POLICY        a Policy as JSON, the path of a JSON file, or "auto" (searched by
                                   the cost model for the model's full context and this machine)
        FLEXGEN_HELM_DEVICE        "cuda", "cuda:1", "cpu"
+       FLEXGEN_HELM_DTYPE         "float32", "bfloat16", "float16" (default: the device's, see
+                                  memory/devices.py)
        FLEXGEN_HELM_OFFLOAD_DIR   where the disk tier lives
   3. defaults: the engine's own policy choice, random ("dummy") weights for OPT.
 FLEXGEN_HELM_ENGINE_FACTORY="module:function" swaps Engine.load for another loader
@@ -43,6 +45,7 @@ class LoadArgs:
     policy_json: str | None = None  # canonical JSON of the Policy, or None for the engine's default
     offload_dir: str | None = None
     device: str | None = None
+    dtype: str | None = None
 
     def numerics_key(self) -> dict:
         """The part of the load args that can change the numbers a model produces.
@@ -55,6 +58,7 @@ class LoadArgs:
             "model": self.model,
             "path": self.path,
             "dummy": self.dummy,
+            "dtype": self.dtype,
             "compress_weight": policy.get("compress_weight"),
             "compress_cache": policy.get("compress_cache"),
             "attn_sparsity": policy.get("attn_sparsity", 1.0),
@@ -89,6 +93,7 @@ def resolve_load_args(
     policy: Any = None,
     offload_dir: str | None = None,
     device: str | None = None,
+    dtype: str | None = None,
 ) -> LoadArgs:
     """Fill what the deployment's args leave open from the environment (see module doc)."""
     env = os.environ
@@ -113,6 +118,7 @@ def resolve_load_args(
         policy_json=json.dumps(policy_obj.to_dict(), sort_keys=True) if policy_obj is not None else None,
         offload_dir=offload_dir or env.get("FLEXGEN_HELM_OFFLOAD_DIR"),
         device=device or env.get("FLEXGEN_HELM_DEVICE"),
+        dtype=dtype or env.get("FLEXGEN_HELM_DTYPE"),
     )
 
 
@@ -162,7 +168,7 @@ def get_engine(args: LoadArgs) -> EngineHandle:
             policy = _policy_from_any(json.loads(args.policy_json)) if args.policy_json else None
             engine = _loader()(
                 args.model, policy=policy, path=args.path, dummy=args.dummy,
-                offload_dir=args.offload_dir, device=args.device,
+                offload_dir=args.offload_dir, device=args.device, dtype=args.dtype,
             )
             handle = _REGISTRY[args] = EngineHandle(args, engine)
     return handle

@@ -29,12 +29,13 @@ class FlexGenTokenizer(CachingTokenizer):
         policy: Any = None,
         offload_dir: Optional[str] = None,
         device: Optional[str] = None,
+        dtype: Optional[str] = None,
     ):
         super().__init__(cache_config=cache_config)
         self.tokenizer_name = tokenizer_name
         self.load_args: LoadArgs = resolve_load_args(
             model, deployment=deployment or tokenizer_name, path=path, dummy=dummy,
-            policy=policy, offload_dir=offload_dir, device=device,
+            policy=policy, offload_dir=offload_dir, device=device, dtype=dtype,
         )
 
     @property

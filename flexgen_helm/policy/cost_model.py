@@ -53,7 +53,7 @@ TERMS = ("cpu_gpu", "gpu_cpu", "disk_cpu", "cpu_disk", "compute")
 PHASES = ("prefill", "decode")
 OPS_PER_BLOCK = 30  # kernels one transformer block launches per GPU batch (norms, linears, attention, adds)
 OPS_PER_OTHER_LAYER = 6  # embedding or head
-ATTENTION_SCORE_BYTES = 9  # per score element in `attend`: fp32 scores, fp32 probs, a bool mask
+ATTENTION_MASK_BYTES = 1  # per score element in `attend`: fused attention keeps only a bool mask (padding)
 
 
 @dataclass(frozen=True)
@@ -319,7 +319,7 @@ class CostModel:
         """phase -> tier -> bytes: weight homes + KV cache + activations (as the engine accounts
         them, memory/budget.planned_components) + the compute side's working set: two layers of
         loaded weights (the one in use and the one prefetched), one GPU batch's intermediate
-        activations and attention scores, the head's logits."""
+        activations and attention mask, the head's logits."""
         cfg, elt, work = self.cfg, self.elt, self.work
         gbs, nb = policy.gpu_batch_size, policy.num_gpu_batches
         lws = self.weights_per_layer(policy)
@@ -333,7 +333,7 @@ class CostModel:
             keys = work.prompt_len if phase == "prefill" else work.max_len
             placed = planned_components(cfg, policy, work.max_len, self.dtype, act_len=tokens)
             inner = gbs * tokens * (4 * cfg.hidden_size + 2 * cfg.ffn_size) * elt  # hidden, q/k/v, MLP
-            scores = gbs * cfg.num_heads * tokens * keys * ATTENTION_SCORE_BYTES
+            scores = gbs * cfg.num_heads * tokens * keys * ATTENTION_MASK_BYTES
             logits = gbs * nb * cfg.vocab_size * 4  # fp32, the last position of every sequence
             tiers = {t: float(sum(part[t] for part in placed.values())) for t in TIERS}
             tiers["gpu"] += working_weights + inner + scores + logits

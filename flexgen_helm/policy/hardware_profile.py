@@ -40,7 +40,7 @@ class DeviceSpeeds:
 
     # dtype name -> rows -> FLOP/s of F.linear(x (rows, in), w (out, in)); interpolated in log(rows)
     matmul_flops: dict[str, dict[int, float]] = field(default_factory=dict)
-    attn_prefill_flops: float = 1e11  # causal attention over a prompt (the executor computes the full s x s)
+    attn_prefill_flops: float = 1e11  # causal attention over a prompt, counted as the full s x s
     attn_decode_bytes_per_s: float = 5e9  # bytes of K and V cache one decode attention step gets through
     dequant_elems_per_s: float = 1e9  # 4-bit weights turned back into the compute dtype
     op_latency_s: float = 1e-5  # a tiny kernel: the floor under every op of a layer
@@ -194,7 +194,7 @@ def measure_device(device: torch.device, dtype: torch.dtype) -> DeviceSpeeds:
         speeds.matmul_flops[name] = table
         del ws
 
-    # attention as the executor runs it (fp32 inside `attend`), at OPT-1.3B-like head sizes
+    # attention as the executor runs it (`attend`: fused, in the engine dtype), at OPT-1.3B-like head sizes
     units, s, d = 16, 512, 64
     q = torch.randn(units, 1, s, d, device=device).to(dtype)
     k = torch.randn(units, s, d, device=device).to(dtype)

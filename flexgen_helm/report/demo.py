@@ -44,11 +44,20 @@ def run_entries(scenarios=SCENARIOS, deployments=DEPLOYMENTS) -> list[str]:
     return out
 
 
-def helm_command(entries: list[str], max_instances: int, suite: str, output_path: str, threads: int) -> list[str]:
+BATCHING_RUNNER = "flexgen_helm.helm.runner.BatchingRunner"
+
+
+def helm_command(entries: list[str], max_instances: int, suite: str, output_path: str, threads: int,
+                 runner: str | None = BATCHING_RUNNER, local_path: str | None = None) -> list[str]:
+    """helm-run's command line; runner=None keeps HELM's own runner (one request per thread)."""
     exe = shutil.which("helm-run")
     head = [exe] if exe else [sys.executable, "-m", "helm.benchmark.run"]
-    return head + ["-r", *entries, "-m", str(max_instances), "--suite", suite, "-o", output_path, "-n", str(threads),
-                   "--runner-class-name", "flexgen_helm.helm.runner.BatchingRunner"]
+    cmd = head + ["-r", *entries, "-m", str(max_instances), "--suite", suite, "-o", output_path, "-n", str(threads)]
+    if runner:
+        cmd += ["--runner-class-name", runner]
+    if local_path:
+        cmd += ["--local-path", local_path]
+    return cmd
 
 
 def bench_sweep(runs_dir: str, suite: str) -> list[Path]:

