@@ -24,6 +24,8 @@ from helm.benchmark import model_deployment_registry as deployments
 from helm.benchmark import model_metadata_registry as metadata
 from helm.benchmark import tokenizer_config_registry as tokenizers
 
+from flexgen_helm.torchvision_guard import hide_mismatched_torchvision
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _LOCK = threading.Lock()
 _DONE = False
@@ -63,6 +65,9 @@ def register() -> None:
     with _LOCK:
         if _DONE:
             return
+        # our install pins a torchvision that may not match the CPU torch; hidden, it cannot
+        # break transformers (ours or HELM's HuggingFaceClient) in this helm-run
+        hide_mismatched_torchvision()
         _register_metadata()  # before deployments, so they find their metadata
         _register_tokenizers()
         _register_deployments()

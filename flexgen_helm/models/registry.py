@@ -71,7 +71,7 @@ def _real_source(model: str, path) -> WeightSource | None:
     if path is not None:
         return _local_source(Path(path), name=model)
     if model.lower() in SMOLLM2_ALIASES:
-        return GGUFFile(_smollm2_gguf(), name=SMOLLM2)
+        return GGUFFile(_smollm2_gguf(), name=SMOLLM2, cache_dir=default_cache_dir())
     if _opt_size(model):
         return None
     if Path(model).exists():
@@ -89,7 +89,7 @@ def _opt_size(model: str) -> str | None:
 
 def _local_source(path: Path, name: str | None) -> WeightSource:
     if path.is_file() and path.suffix == ".gguf":
-        return GGUFFile(path, name=name)
+        return GGUFFile(path, name=name, cache_dir=default_cache_dir())
     if path.is_dir():
         return HFCheckpoint(path, name=name)
     raise ModelNotFoundError(f"{path}: expected a Hugging Face checkpoint directory or a .gguf file")

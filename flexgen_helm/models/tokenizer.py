@@ -7,26 +7,16 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import sys
 from pathlib import Path
 
 from flexgen_helm.errors import ModelNotFoundError
 from flexgen_helm.models.config import ModelConfig
+from flexgen_helm.torchvision_guard import hide_broken_torchvision
 
 
 def import_transformers():
-    """transformers, importable even next to a broken torchvision.
-
-    transformers imports torchvision whenever it is installed, and a torchvision built for
-    another torch (the CUDA wheel beside a CPU torch) fails at import and takes every
-    model config class down with it. Text models never need it, so a broken one is hidden.
-    Must run before transformers first checks for torchvision.
-    """
-    if "torchvision" not in sys.modules:
-        try:
-            import torchvision  # noqa: F401
-        except Exception:
-            sys.modules["torchvision"] = None  # makes find_spec() report it absent
+    """transformers, importable even next to a broken torchvision (see torchvision_guard)."""
+    hide_broken_torchvision()
     import transformers
 
     return transformers

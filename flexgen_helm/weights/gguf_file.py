@@ -9,6 +9,10 @@ rotary pairs; our math (like transformers') rotates halves, so the rows go back.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -46,23 +50,51 @@ def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 class GGUFFile(WeightSource):
-    def __init__(self, path: str | Path, name: str | None = None):
-        from gguf import GGUFReader
+    """Parsing a GGUF's metadata takes seconds (its vocabulary is tens of thousands of
+    strings), so the derived config is cached as JSON under `cache_dir` (keyed by path,
+    size and mtime) and the file itself is parsed only when a tensor is read."""
 
+    def __init__(self, path: str | Path, name: str | None = None, cache_dir: str | Path | None = None):
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelNotFoundError(f"{self.path}: no such GGUF file")
+        meta = self._cached_meta(Path(cache_dir) if cache_dir else None)
+        self.arch = meta["arch"]
+        self.config = llama.config_from_hf(meta["hf_config"], name or meta["name"])
+
+    def _cached_meta(self, cache_dir: Path | None) -> dict:
+        key = hashlib.sha256(self.identity.encode()).hexdigest()[:16]
+        cached = cache_dir / "gguf-meta" / f"{self.path.stem}-{key}.json" if cache_dir else None
+        if cached is not None and cached.is_file():
+            return json.loads(cached.read_text())
+        arch = self._meta("general.architecture")
+        if arch not in ARCHITECTURES:
+            raise ModelNotFoundError(
+                f"{self.path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
+            )
+        meta = {"arch": arch, "name": self._meta("general.name", self.path.stem), "hf_config": self._hf_config(arch)}
+        if cached is not None:
+            try:  # beside the final name, then renamed: a reader never sees half a file
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
+                tmp.write_text(json.dumps(meta))
+                tmp.rename(cached)
+            except OSError:
+                pass  # a read-only cache: parse again next time
+        return meta
+
+    @cached_property
+    def _reader(self):
+        from gguf import GGUFReader
+
         try:
-            self._reader = GGUFReader(self.path)
+            return GGUFReader(self.path)
         except Exception as e:
             raise WeightStoreError(f"{self.path}: not a readable GGUF file ({e})") from e
-        self._tensors = {t.name: t for t in self._reader.tensors}
-        self.arch = self._meta("general.architecture")
-        if self.arch not in ARCHITECTURES:
-            raise ModelNotFoundError(
-                f"{self.path}: GGUF architecture {self.arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
-            )
-        self.config = llama.config_from_hf(self._hf_config(), name or self._meta("general.name", self.path.stem))
+
+    @cached_property
+    def _tensors(self) -> dict:
+        return {t.name: t for t in self._reader.tensors}
 
     def _meta(self, key: str, default=_REQUIRED):
         field = self._reader.get_field(key)
@@ -72,9 +104,9 @@ class GGUFFile(WeightSource):
             return default
         return field.contents()
 
-    def _hf_config(self) -> dict:
-        """The metadata as a transformers config dict, so one function builds Llama configs."""
-        a = self.arch
+    def _hf_config(self, a: str) -> dict:
+        """The metadata of architecture `a` as a transformers config dict, so one function
+        builds Llama configs."""
         heads = self._meta(f"{a}.attention.head_count")
         hidden = self._meta(f"{a}.embedding_length")
         scaling = self._meta(f"{a}.rope.scaling.type", None)
