@@ -23,3 +23,7 @@ class PromptTooLongError(FlexGenError, ValueError):
 
 class OffloadDirError(FlexGenError, IOError):
     """The offload directory is unwritable or the disk is full."""
+
+
+class DataUnreachableError(FlexGenError, ConnectionError):
+    """A scenario's data must be downloaded and its source cannot be reached."""

@@ -234,3 +234,24 @@ def test_engine_registry_is_thread_safe():
     with ThreadPoolExecutor(4) as pool:
         handles = list(pool.map(get, range(4)))
     assert all(h is handles[0] for h in handles) and len(helm_fake_engine.LOADS) == 1
+
+
+def test_offline_download_failures_are_recognised_for_a_clear_message():
+    import socket
+    import urllib.error
+
+    from flexgen_helm.helm.runner import download_failure
+
+    def chained(inner: Exception) -> Exception:
+        try:
+            try:
+                raise inner
+            except Exception as e:
+                raise RuntimeError("scenario failed") from e
+        except RuntimeError as outer:
+            return outer
+
+    assert "URLError" in download_failure(chained(urllib.error.URLError(socket.gaierror(-3, "name resolution"))))
+    assert "wget" in download_failure(Exception("Failed with exit code 4: wget https://example.org/d.tar -O d.tmp"))
+    assert download_failure(chained(ValueError("bad instance"))) is None
+    assert download_failure(Exception("Failed with exit code 1: python make_data.py")) is None

@@ -71,6 +71,10 @@ def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_vali
         out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal and q_len > 1)
         return out.to(q.dtype)
     kpos = torch.arange(t, device=q.device)[None, :]
+    if causal and q_len == t:
+        lengths = key_valid.sum(-1)
+        if bool((key_valid == (kpos >= t - lengths[:, None])).all()):  # left padding: no mask needed
+            return _left_padded_causal(q_, k_, v_, lengths).to(q.dtype)
     qpos = torch.arange(t - q_len, t, device=q.device)[:, None]
     allowed = key_valid[:, None, :].expand(u, q_len, t)
     if causal:
@@ -79,6 +83,21 @@ def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_vali
     mask = allowed[:, None].expand(u, r, q_len, t).reshape(u, 1, r * q_len, t)
     out = F.scaled_dot_product_attention(q_.reshape(u, 1, r * q_len, d), k_, v_, attn_mask=mask)
     return out.reshape(u, r, q_len, d).to(q.dtype)
+
+
+def _left_padded_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Prompt attention when each unit's valid keys are its last `length` positions: causal
+    attention over that suffix, units of one length together; no (q, t) mask is ever built
+    (it would take gigabytes for long padded prompts). q: (u, r, t, d); k, v: (u, 1, t, d)."""
+    u, r, t, d = q.shape
+    out = v.expand(u, r, t, d).clone()  # a padding query sees only itself, i.e. its own value
+    for n in lengths.unique().tolist():
+        if n == 0:
+            continue
+        units = (lengths == n).nonzero().squeeze(1)
+        kn, vn = k[units, :, t - n:].expand(-1, r, n, d), v[units, :, t - n:].expand(-1, r, n, d)
+        out[units, :, t - n:] = F.scaled_dot_product_attention(q[units, :, t - n:], kn, vn, is_causal=True)
+    return out
 
 
 def _attention_dtype(q: torch.Tensor) -> torch.dtype:

@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import socket
+import subprocess
+from urllib.error import URLError
 
 from helm.benchmark.adaptation.scenario_state import ScenarioState
 from helm.benchmark.executor import Executor
 from helm.benchmark.runner import Runner
 from helm.common.hierarchical_logger import hlog, htrack_block
 
+from flexgen_helm.errors import DataUnreachableError
 from flexgen_helm.helm import accounting
 
 
@@ -52,6 +57,33 @@ class BatchingExecutor(Executor):
         return client.prefetch(requests)
 
 
+_NETWORK_ERRORS = (URLError, socket.gaierror, ConnectionError, TimeoutError)
+_DOWNLOADERS = ("wget", "gdown", "curl")
+_SHELL_FAILURE = re.compile(r"Failed with exit code (\d+): (\S+)")
+
+
+def download_failure(error: BaseException) -> str | None:
+    """The network failure somewhere in `error`'s chain of causes, described; else None.
+
+    HELM's scenarios download their data on first use (urllib, or wget / gdown in a
+    subprocess) and report an offline machine as whatever that tool raised, deep in a
+    traceback, after which the run is lost anyway: better to say so in one line."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, _NETWORK_ERRORS):
+            return f"{type(error).__name__}: {error}"
+        if isinstance(error, subprocess.CalledProcessError):
+            cmd = error.cmd if isinstance(error.cmd, str) else " ".join(map(str, error.cmd))
+            if os.path.basename(cmd.split()[0]) in _DOWNLOADERS:
+                return f"`{cmd}` exited with {error.returncode}"
+        failed_tool = _SHELL_FAILURE.match(str(error))  # helm.common.general.shell's own exception
+        if failed_tool and os.path.basename(failed_tool[2]) in _DOWNLOADERS:
+            return str(error)
+        error = error.__cause__ or error.__context__
+    return None
+
+
 class BatchingRunner(Runner):
     executor_class = BatchingExecutor
 
@@ -63,7 +95,17 @@ class BatchingRunner(Runner):
         self.executor.__class__ = self.executor_class
 
     def run_one(self, run_spec):
-        super().run_one(run_spec)
+        try:
+            super().run_one(run_spec)
+        except Exception as e:
+            cause = download_failure(e)
+            if cause is None:
+                raise
+            raise DataUnreachableError(
+                f"{run_spec.name}: the scenario's data could not be downloaded ({cause}); this machine cannot "
+                f"reach its source. Run it where the source is reachable, or place the files HELM downloads "
+                f"under {os.path.join(self.output_path, 'scenarios')}/<scenario name>/ first."
+            ) from e
         run_path = self._get_run_path(run_spec)
         if os.path.exists(os.path.join(run_path, "scenario_state.json")):
             summary = accounting.summarize_run(run_path)
