@@ -57,7 +57,7 @@ class BlockSchedule:
         self.batches = batches
         self.devices = runtime.devices
         self.timers = defaultdict(float)
-        self.io = CopyEngine(policy.overlap and self._has_io_to_hide(policy), self.devices.compute, self.timers)
+        self.io = CopyEngine(policy.overlap, self.devices.compute, self.timers)
         self.length = 0  # positions in the cache so far
         nb = len(batches)
         blocks = [layer for layer in runtime.layers if layer.kind == "block"]
@@ -76,13 +76,6 @@ class BlockSchedule:
         self.key_valid = [b.valid.clone() for b in batches]
         self.real_len = [b.valid.sum(1) for b in batches]
         self._weights_ahead = None
-
-    def _has_io_to_hide(self, policy: Policy) -> bool:
-        """On a CPU-only machine, a move between in-memory tiers is a memcpy on the very cores
-        that compute: only disk I/O has anything to overlap with, and without it a worker
-        thread would only add hand-offs (2 ms a layer on 2 cores, measured)."""
-        on_disk = any(split.disk > 0 for split in (policy.weights, policy.cache, policy.activations))
-        return self.devices.is_cuda or on_disk
 
     # ---- one token step over the whole block -------------------------------------------
 
