@@ -198,7 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--window", type=int, default=1024, help="WikiText window in tokens (capped at the context)")
     e.add_argument("--generate", action="store_true",
                    help="LAMBADA: also measure accuracy by greedy generation (the decode path, where KV-cache "
-                        "compression and sparse attention act; scoring runs the prefill only)")
+                        "compression and sparse attention act; a plain score runs the prefill only)")
+    e.add_argument("--score-as-decode", action="store_true",
+                   help="score every token as if the engine had generated it: attention through the KV cache, "
+                        "compressed and sparse as the policy says (a plain score's prefill attends to fresh keys "
+                        "and values, where neither acts); the same numbers without cache compression or sparsity")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
     e.add_argument("--json", help="write the record here")
     e.set_defaults(func=cmd_eval)

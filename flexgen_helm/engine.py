@@ -131,8 +131,12 @@ class Engine:
         for block in plan_blocks([len(s.prompt) for s in seqs], self.policy):
             runner.generate([[seqs[i] for i in group] for group in block])
 
-    def score(self, prompts, top_logprobs: int = 0) -> list[ScoreResult]:
-        """log p of every prompt token given the ones before it (HELM's echo, max_tokens=0)."""
+    def score(self, prompts, top_logprobs: int = 0, as_decode: bool = False) -> list[ScoreResult]:
+        """log p of every prompt token given the ones before it (HELM's echo, max_tokens=0).
+
+        as_decode: score each token as if the engine had generated it, attending through the
+        KV cache (compressed and sparse as the policy says), instead of the fresh keys and
+        values of one prefill; equal to a plain score without cache compression or sparsity."""
         ids = self.encode(prompts)
         for i, p in enumerate(ids):
             self._check_length(i, len(p), 0)
@@ -143,7 +147,7 @@ class Engine:
                 runner = BlockRunner(self.runtime, self.policy, self.decode, Path(workdir), stats)
                 for block in plan_blocks([len(p) for p in ids], self.policy):
                     flat = [i for group in block for i in group]
-                    for i, (lps, top) in zip(flat, runner.score([ids[i] for i in flat], top_logprobs)):
+                    for i, (lps, top) in zip(flat, runner.score([ids[i] for i in flat], top_logprobs, as_decode)):
                         out[i] = ScoreResult(token_ids=ids[i], logprobs=lps, top_logprobs=top)
             self._finish_stats(stats)
         return out

@@ -233,3 +233,39 @@ def test_sparse_disk_reads_only_kept_rows(tmp_path):
     slot.read("disk", 64)
     assert slot.disk_bytes_read == 2 * 64 * row
     slot.close()
+
+
+# ---- (d) scoring as decode: the accuracy evaluation's view of the cache --------------------
+
+@pytest.mark.parametrize("compress_cache, sparsity", [(CACHE_CFG, 1.0), (None, 0.3), (CACHE_CFG, 0.3)],
+                         ids=["compressed", "sparse", "compressed-sparse"])
+def test_score_as_decode_equals_generation(model_path, compress_cache, sparsity, tmp_path):
+    """Scoring a greedy continuation of one-token prompts with as_decode gives back the
+    logprobs generation recorded for it: every token after the first came from a decode
+    step, through the compressed (and sparse) cache; a plain score does not."""
+    policy = _with(CACHE_POLICIES["cpu-2x2-delegated"], compress_cache=compress_cache, attn_sparsity=sparsity)
+    engine = Engine.load(str(model_path), policy, offload_dir=tmp_path, **CPU32)
+    prompts = [[5], [12], [30], [40]]
+    gen = engine.generate(prompts, SamplingParams(max_new_tokens=14, ignore_eos=True))
+    texts = [p + r.completions[0].token_ids for p, r in zip(prompts, gen)]
+    want = [r.completions[0].logprobs for r in gen]
+    as_decode = [r.logprobs[1:] for r in engine.score(texts, as_decode=True)]
+    for got, ref in zip(as_decode, want):
+        assert got == pytest.approx(ref, abs=1e-4)
+    plain = [r.logprobs[1:] for r in engine.score(texts)]
+    assert max(abs(a - b) for x, y in zip(plain, want) for a, b in zip(x, y)) > 1e-3
+
+
+def test_score_as_decode_is_policy_invariant_with_padding(model_path, tmp_path):
+    """Prompts of different lengths share left-padded batches: padding changes nothing."""
+    texts = PROMPTS + [[7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
+    scores = {}
+    for name in ("gpu-1x1", "cpu-2x2-delegated", "disk-4x2-no-overlap"):
+        policy = _with(CACHE_POLICIES[name], compress_cache=CACHE_CFG, attn_sparsity=0.3)
+        engine = Engine.load(str(model_path), policy, offload_dir=tmp_path, **CPU32)
+        scores[name] = [r.logprobs[1:] for r in engine.score(texts, as_decode=True)]
+    alone = [Engine.load(str(model_path), _with(Policy(), compress_cache=CACHE_CFG, attn_sparsity=0.3),
+                         offload_dir=tmp_path, **CPU32).score([t], as_decode=True)[0].logprobs[1:] for t in texts[:2]]
+    for got in list(scores.values()) + [alone + scores["gpu-1x1"][2:]]:
+        for a, b in zip(got, scores["gpu-1x1"]):
+            assert a == pytest.approx(b, abs=1e-5)

@@ -143,6 +143,18 @@ def test_cli_wikitext(tiny_llama, tmp_path, data_dir, monkeypatch, capsys):
     assert "not scored" in r["counts"]["note"] and "token perplexity" in capsys.readouterr().out
 
 
+def test_cli_score_as_decode(tiny_llama, tmp_path, data_dir, capsys):
+    """--score-as-decode shows a compressed cache in perplexity; without one it changes nothing."""
+    base = ["--task", "wikitext", "--data", str(data_dir), "--limit", "200"]
+    kv4 = ["--compress-cache", "--compress-bits", "4", "--compress-group-size", "4"]
+    plain = run_cli(tiny_llama, tmp_path, *base)
+    assert run_cli(tiny_llama, tmp_path, *base, "--score-as-decode")["metrics"] == plain["metrics"]
+    assert run_cli(tiny_llama, tmp_path, *base, *kv4)["metrics"] == plain["metrics"]  # a prefill never reads it
+    through = run_cli(tiny_llama, tmp_path, *base, *kv4, "--score-as-decode")
+    assert through["score_as_decode"] and through["metrics"] != plain["metrics"]
+    assert "scoring: as decode" in capsys.readouterr().out
+
+
 def test_missing_data_is_a_clear_error(tiny_llama, tmp_path, monkeypatch, capsys):
     assert main(["eval", "--model", str(tiny_llama), "--task", "lambada", "--data", str(tmp_path / "nope.jsonl")]) == 2
     assert "nope.jsonl does not exist" in capsys.readouterr().err

@@ -73,12 +73,13 @@ def _chunks(order: list[int], size: int, progress: bool, desc: str):
         yield order[s:s + size]
 
 
-def evaluate(engine, items: list[Item], chunk: int, progress: bool = True) -> dict:
-    """Per-passage correctness and last-word NLL, and the aggregate metrics."""
+def evaluate(engine, items: list[Item], chunk: int, progress: bool = True, as_decode: bool = False) -> dict:
+    """Per-passage correctness and last-word NLL, and the aggregate metrics (as_decode:
+    Engine.score's)."""
     order = sorted(range(len(items)), key=lambda i: len(items[i].full))
     correct, nll = [False] * len(items), [0.0] * len(items)
     for idx in _chunks(order, chunk, progress, "lambada"):
-        for i, r in zip(idx, engine.score([items[i].full for i in idx], top_logprobs=1)):
+        for i, r in zip(idx, engine.score([items[i].full for i in idx], top_logprobs=1, as_decode=as_decode)):
             k, target = len(items[i].context), items[i].target
             # top_logprobs[j] holds the argmax predicting token j (ties: one of them)
             argmax = [next(iter(top)) for top in r.top_logprobs[k:]]

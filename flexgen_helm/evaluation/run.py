@@ -35,12 +35,13 @@ def run_eval(args, policy, argv: list[str]) -> dict:
     record = {"task": args.task, "model": args.model, "model_name": engine.config.name,
               "policy": engine.policy.to_dict(), "policy_summary": engine.policy.describe(),
               "dtype": str(engine.runtime.devices.dtype).removeprefix("torch."),
-              "device": str(engine.runtime.devices.compute), "limit": args.limit, "data": source}
+              "device": str(engine.runtime.devices.compute), "limit": args.limit, "data": source,
+              "score_as_decode": args.score_as_decode}
     t1 = time.perf_counter()
     if args.task == "lambada":
         items, merged = lambada.prepare(engine.tokenizer, texts)
         chunk = policy.block_size * max(1, math.ceil(128 / policy.block_size))
-        out = lambada.evaluate(engine, items, chunk, progress)
+        out = lambada.evaluate(engine, items, chunk, progress, args.score_as_decode)
         out["counts"]["boundary_merges"] = merged
         if args.generate:
             acc, _ = lambada.generation_accuracy(engine, items, chunk, progress)
@@ -49,7 +50,7 @@ def run_eval(args, policy, argv: list[str]) -> dict:
     else:
         window = min(args.window, engine.config.max_seq_len)
         ids, text = wikitext.tokenize(engine.tokenizer, lines, args.limit)
-        out = wikitext.evaluate(engine, ids, text, window, policy.block_size, progress)
+        out = wikitext.evaluate(engine, ids, text, window, policy.block_size, progress, args.score_as_decode)
         record["window"] = window
     eval_s = time.perf_counter() - t1
     tokens = out["counts"]["tokens_scored"] if args.task == "lambada" else out["counts"]["tokens"]
@@ -78,7 +79,9 @@ def approximations(policy: dict) -> str:
 
 def summary(r: dict) -> str:
     m, c = r["metrics"], r["counts"]
-    head = f"{r['task']} | {r['model']} | {r['dtype']} | approximations: {approximations(r['policy'])}"
+    scoring = "as decode (through the cache)" if r.get("score_as_decode") else "one prefill"
+    head = (f"{r['task']} | {r['model']} | {r['dtype']} | approximations: {approximations(r['policy'])} "
+            f"| scoring: {scoring}")
     if r["task"] == "lambada":
         body = (f"accuracy {m['accuracy']:.4f} ({c['correct']}/{c['passages']} passages), "
                 f"last-word perplexity {m['last_word_perplexity']:.3f}")

@@ -30,14 +30,15 @@ def tokenize(tokenizer, lines: list[str], limit: int | None) -> tuple[list[int],
     return ids, text
 
 
-def evaluate(engine, ids: list[int], text: str, window: int, batch: int, progress: bool = True) -> dict:
+def evaluate(engine, ids: list[int], text: str, window: int, batch: int, progress: bool = True,
+             as_decode: bool = False) -> dict:
     windows = [ids[s:s + window] for s in range(0, len(ids), window)]
     windows = [w for w in windows if len(w) > 1]  # a lone trailing token has nothing to score
     if not windows:
         raise FlexGenError("WikiText: fewer than two tokens to evaluate")
     nll, scored = [], 0
     for s in tqdm(range(0, len(windows), batch), desc="wikitext", unit="chunk", disable=not progress):
-        for r in engine.score(windows[s:s + batch]):
+        for r in engine.score(windows[s:s + batch], as_decode=as_decode):
             nll.append(-math.fsum(r.logprobs[1:]))  # logprobs[0] is nan: no context
             scored += len(r.logprobs) - 1
     total = math.fsum(nll)

@@ -131,3 +131,50 @@ def _top_k_attention(scores: torch.Tensor, v: torch.Tensor | ValueRows, key_vali
     d = v.shape[-1]
     v_kept = torch.gather(v.float()[:, None].expand(u, r, v.shape[1], d), 2, index[..., None].expand(*index.shape, d))
     return torch.matmul(weights, v_kept)
+
+
+def attend_as_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor,
+                     as_stored: Callable[[torch.Tensor], torch.Tensor], keep_fraction: float = 1.0,
+                     chunk: int = 128) -> torch.Tensor:
+    """Prompt attention in which every position attends as a decode step of the engine
+    would if it had generated that token: to the keys and values of the positions before
+    it as the KV cache returns them (`as_stored`: quantized, then dequantized, under cache
+    compression), to its own fresh key and value, and, with keep_fraction < 1, only to its
+    top ceil(keep_fraction * n) of the n keys it may see, renormalised (as _top_k_attention).
+
+    Scoring with it measures what a compressed or sparse cache costs at every position (a
+    plain prefill attends to fresh keys and values, so neither can change a score there).
+    q: (u, r, t, d); k, v: (u, t, d); key_valid: (u, t). Returns (u, r, t, d) in q's dtype."""
+    u, r, t, d = q.shape
+    k_c, v_c = as_stored(k).float(), as_stored(v).float()
+    pos = torch.arange(t, device=q.device)
+    out = torch.empty(u, r, t, d, dtype=torch.float32, device=q.device)
+    for c0 in range(0, t, chunk):
+        c1 = min(c0 + chunk, t)
+        qc = q[:, :, c0:c1].float()
+        scores = torch.matmul(qc, k_c.transpose(1, 2)[:, None]) / math.sqrt(d)  # (u, r, c, t)
+        own, rows = pos[c0:c1], pos[:c1 - c0]
+        own_scores = (qc * k[:, None, c0:c1].float()).sum(-1) / math.sqrt(d)  # (u, r, c): fresh keys
+        scores[..., rows, own] = own_scores  # query c of the chunk, key c0 + c
+        allowed = (key_valid[:, None, :] & (pos[None, None, :] <= own[None, :, None])) | \
+            (pos[None, None, :] == own[None, :, None])  # (u, c, t): a padding query sees itself
+        scores = scores.masked_fill(~allowed[:, None], -math.inf)
+        if keep_fraction < 1.0:
+            scores = _keep_top(scores, allowed.sum(-1), keep_fraction)
+        weights = scores.softmax(-1)
+        own_weight = weights[..., rows, own]  # (u, r, c)
+        # every key's value as stored, but a query's own value fresh
+        fresh_minus_stored = (v[:, c0:c1].float() - v_c[:, c0:c1])[:, None]  # (u, 1, c, d)
+        out[:, :, c0:c1] = torch.matmul(weights, v_c[:, None]) + own_weight[..., None] * fresh_minus_stored
+    return out.to(q.dtype)
+
+
+def _keep_top(scores: torch.Tensor, visible: torch.Tensor, keep_fraction: float) -> torch.Tensor:
+    """scores (u, r, c, t) with -inf where a query may not look, visible (u, c): keys each
+    query may see. The scores of each query's top ceil(keep_fraction * visible) keys; -inf
+    elsewhere. Rounded in float64, as _top_k_attention rounds in Python floats."""
+    keeps = (visible.double() * keep_fraction).ceil().clamp(min=1).long()  # (u, c)
+    top = scores.topk(int(keeps.max()), dim=-1)
+    rank = torch.arange(top.indices.shape[-1], device=scores.device)
+    kept_values = top.values.masked_fill(rank >= keeps[:, None, :, None], -math.inf)
+    return torch.full_like(scores, -math.inf).scatter_(-1, top.indices, kept_values)

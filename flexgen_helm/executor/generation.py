@@ -164,15 +164,18 @@ class BlockRunner:
 
     # ---- scoring (echo) -----------------------------------------------------------------
 
-    def score(self, prompts: list[list[int]], top_k: int) -> list[tuple[list[float], list[dict] | None]]:
-        """Per prompt: log p(token_i | tokens_<i) for each token (the first: nan)."""
+    def score(self, prompts: list[list[int]], top_k: int,
+              as_decode: bool = False) -> list[tuple[list[float], list[dict] | None]]:
+        """Per prompt: log p(token_i | tokens_<i) for each token (the first: nan); as_decode:
+        see BlockSchedule.prefill."""
         groups = [list(range(i, min(i + self.policy.gpu_batch_size, len(prompts))))
                   for i in range(0, len(prompts), self.policy.gpu_batch_size)]
         sched = self.schedule([[prompts[i] for i in g] for g in groups], max(len(p) for p in prompts))
         length = sched.batches[0].ids.shape[1]
         try:
             t0 = time.perf_counter()
-            per_batch = sched.prefill(lambda k, w, h: self._all_positions_head(sched.batches[k], w, h, top_k))
+            per_batch = sched.prefill(lambda k, w, h: self._all_positions_head(sched.batches[k], w, h, top_k),
+                                      as_decode=as_decode)
             self.stats.prefill_s += time.perf_counter() - t0
             self.stats.add_timers(sched.timers)
         finally:

@@ -23,9 +23,10 @@ from typing import Callable
 
 import torch
 
-from flexgen_helm.compression.stored import dense
+from flexgen_helm.compression.quantize import CACHE_GROUP_DIM
+from flexgen_helm.compression.stored import dense, encode
 from flexgen_helm.executor.activations import ActivationHome
-from flexgen_helm.executor.attention import attend, from_units, to_units
+from flexgen_helm.executor.attention import attend, attend_as_decode, from_units, to_units
 from flexgen_helm.executor.kv_cache import KVCacheSlot
 from flexgen_helm.memory.copy_engine import CopyEngine, consume
 from flexgen_helm.memory.placement import cumulative_split_count
@@ -76,6 +77,7 @@ class BlockSchedule:
         self.key_valid = [b.valid.clone() for b in batches]
         self.real_len = [b.valid.sum(1) for b in batches]
         self._weights_ahead = None
+        self.prefill_as_decode = False
 
     # ---- one token step over the whole block -------------------------------------------
 
@@ -83,7 +85,11 @@ class BlockSchedule:
     # embedding, the inputs are hidden states instead of token ids, and when it ends
     # before the head (head=None), the outputs are the hidden states it computed.
 
-    def prefill(self, head: HeadFn | None, hidden: list[torch.Tensor] | None = None) -> list:
+    def prefill(self, head: HeadFn | None, hidden: list[torch.Tensor] | None = None, as_decode: bool = False) -> list:
+        """as_decode: every prompt position attends as a decode step would (attend_as_decode),
+        to score what the cache's compression and sparsity cost at every position."""
+        # without cache compression or sparsity a decode step attends exactly as the prefill does
+        self.prefill_as_decode = as_decode and (self.policy.compress_cache is not None or self.policy.attn_sparsity < 1)
         inputs = []
         for k, b in enumerate(self.batches):
             positions = (b.valid.long().cumsum(1) - 1).clamp(min=0)
@@ -189,12 +195,21 @@ class BlockSchedule:
         qu = to_units(q, kvh)
         ku, vu = key.reshape(b * kvh, s, d), value.reshape(b * kvh, s, d)
         valid = self.key_valid[k].repeat_interleave(kvh, dim=0)  # (units, t)
-        if prefill:
+        if prefill and self.prefill_as_decode:
+            out = attend_as_decode(qu, ku, vu, valid.to(compute), self._as_stored, self.policy.attn_sparsity)
+        elif prefill:
             out = attend(qu, ku, vu, valid.to(compute), causal=True)
         else:
             out = self._decode_attention(self.slots[index, k], cache, qu, ku, vu, valid)
         h = self.family.finish_block(cfg, w, h, from_units(out, b))
         return h, (ku.transpose(0, 1), vu.transpose(0, 1), self.length)
+
+    def _as_stored(self, x: torch.Tensor) -> torch.Tensor:
+        """(units, t, d) keys or values -> what the cache returns for them (KVCacheSlot.write
+        then read: the same encoding, in the cache's layout)."""
+        cfg = self.policy.compress_cache
+        stored = encode(x.transpose(0, 1).to(self.devices.dtype), cfg, None if cfg is None else CACHE_GROUP_DIM)
+        return dense(stored, self.devices.dtype).transpose(0, 1)
 
     def _decode_attention(self, slot: KVCacheSlot, cache: dict, qu, ku, vu, valid):
         outs = []
