@@ -165,6 +165,16 @@ def test_request_time_batch_fields_and_accounting():
     assert rec["batch_padded_prompt_tokens"] >= rec["batch_prompt_tokens"] == 2
 
 
+def test_prefetched_requests_report_their_batch_time():
+    """The BatchingRunner computes requests ahead; HELM's runtime for each is its batch's."""
+    c = client()
+    requests = [req(f"Prompt {i} is here", max_tokens=3) for i in range(5)]
+    assert c.prefetch(requests) == 5
+    results = [c.make_request(r) for r in requests]
+    assert {r.batch_size for r in results} == {5}
+    assert all(r.request_time == r.batch_request_time > 0 and r.request_datetime > 0 for r in results)
+
+
 # ----- failures ---------------------------------------------------------------------------
 
 

@@ -172,6 +172,7 @@ def _run_batch(handle: EngineHandle, batch: list[Job]) -> list[JobOutput]:
     gens: list[GenerationResult | None] = [None] * len(batch)
     stats = {k: 0 for k in _STAT_KEYS}
     with handle.lock:
+        started = time.time()
         t0 = time.perf_counter()
         for step in (SCORE, GENERATE):
             if step not in mode:
@@ -189,6 +190,7 @@ def _run_batch(handle: EngineHandle, batch: list[Job]) -> list[JobOutput]:
         "batch_size": len(batch),
         "batch_mode": mode,
         "batch_time_s": elapsed,
+        "batch_started": started,
         **{f"batch_{k}": v for k, v in stats.items()},
     }
     return [JobOutput(score=s, generation=g, batch=batch_info) for s, g in zip(scores, gens)]

@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 import threading
+import time
 from typing import Any, Dict, List, Optional
 
 from helm.clients.client import CachingClient
@@ -27,7 +28,6 @@ from helm.common.request import (
     Request,
     RequestResult,
     Token,
-    wrap_request_time,
 )
 
 from flexgen_helm.executor.sampling import SamplingParams
@@ -216,7 +216,7 @@ class FlexGenClient(CachingClient):
             return self.to_response(request, job, n_prefix, out, token_text_for(handle.tokenizer))
 
         try:
-            response, cached = self.cache.get(raw, wrap_request_time(compute))
+            response, cached = self.cache.get(raw, _timed(compute))
         except RequestFailed as exc:
             return failed_result(str(exc))
         return self.to_result(response, cached)
@@ -282,8 +282,14 @@ class FlexGenClient(CachingClient):
                  progress=f"flexgen {self.deployment}")
         for request, key, job, n_prefix in jobs:
             exc = job.future.exception()
-            out[key] = {"error": str(exc)} if exc is not None else \
-                self.to_response(request, job, n_prefix, job.future.result(), tt)
+            if exc is not None:
+                out[key] = {"error": str(exc)}
+                continue
+            result = job.future.result()
+            out[key] = self.to_response(request, job, n_prefix, result, tt)
+            # computed in its batch, not when make_request picks it up
+            out[key]["request_time"] = result.batch["batch_time_s"]
+            out[key]["request_datetime"] = int(result.batch["batch_started"])
         return out
 
     def keep(self, key: str, response: Dict[str, Any]) -> None:
@@ -312,6 +318,21 @@ class FlexGenClient(CachingClient):
             batch_size=batch.get("batch_size"),
             batch_request_time=batch.get("batch_time_s"),
         )
+
+
+def _timed(compute):
+    """HELM's wrap_request_time, except that a response computed ahead in a batch keeps that
+    batch's time (picking it up takes microseconds, which HELM would report as its runtime)."""
+
+    def run() -> Dict[str, Any]:
+        start = time.time()
+        response = compute()
+        if "request_time" not in response:
+            response["request_time"] = time.time() - start
+            response["request_datetime"] = int(start)
+        return response
+
+    return run
 
 
 def failed_result(error: str) -> RequestResult:
