@@ -28,6 +28,7 @@ from flexgen_helm.models import family_of
 from flexgen_helm.models.registry import ResolvedModel, resolve
 from flexgen_helm.policy.policy import Policy
 from flexgen_helm.weights.loading import open_weights
+from flexgen_helm.memory.host_allocator import keep_freed_host_memory
 
 _seed_counter = itertools.count()
 
@@ -62,6 +63,7 @@ class Engine:
              offload_dir: str | os.PathLike | None = None, device: str | None = None, dtype: str | None = None,
              progress: bool = True) -> "Engine":
         policy = policy or Policy()
+        keep_freed_host_memory()  # fresh pages for every big activation cost a third of a CPU prefill
         resolved = resolve(model, path=path, dummy=dummy)
         devices = pick_devices(device, dtype)
         offload = Path(offload_dir) if offload_dir else default_offload_dir()

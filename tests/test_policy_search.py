@@ -108,7 +108,7 @@ def test_cost_terms_of_a_hand_computable_case():
     cfg = ModelConfig(family="llama", name="hand", vocab_size=16, hidden_size=8, num_layers=1, num_heads=2,
                       num_kv_heads=1, ffn_size=16, max_seq_len=32)
     flat = DeviceSpeeds({"bfloat16": {1: 1e9}}, attn_prefill_flops=1e9, attn_decode_bytes_per_s=1e9,
-                        dequant_elems_per_s=1e9, op_latency_s=0.0)
+                        dequant_elems_per_s=1e9, elementwise_elems_per_s=1e9, op_latency_s=0.0)
     prof = HardwareProfile(devices={"cpu": flat}, memcpy_bytes_per_s=1e9, disk_read_bytes_per_s=1e6,
                            disk_write_bytes_per_s=1e6, disk_read_latency_s=0.0)
     model = CostModel(cfg, prof, Workload(prompt_len=4, gen_len=3))
@@ -118,14 +118,16 @@ def test_cost_terms_of_a_hand_computable_case():
     # weights: norms 8 + 8, q 8x8, k 4x8, v 4x8, o 8x8, gate/up 16x8, down 8x16 = 592 bf16 = 1184 bytes
     assert decode["disk_cpu"] == pytest.approx(1184 / 1e6)
     # linears: 2 flops x 2 rows x 576 matrix elements; attention reads K, V of 2 units x 4 dims x
-    # 2 bytes at the mean length 4 + 3/2 = 5.5
-    assert decode["compute"] == pytest.approx(2 * 2 * 576 / 1e9 + 5.5 * 2 * 2 * 4 * 2 / 1e9)
-    # the new token's K, V copied into the gpu-tier slot (a memcpy on a CPU-only machine)
-    assert decode["gpu_cpu"] == pytest.approx(2 * 2 * 4 * 2 / 1e9)
-    assert decode["cpu_gpu"] == 0.0 and decode["cpu_disk"] == 0.0
+    # 2 bytes at the mean length 4 + 3/2 = 5.5; elementwise passes: 2 rows x (22 x 8 + 2 x 16);
+    # the new token's K, V copied into the gpu-tier slot: a memcpy by the computing cores here
+    elementwise = 22 * 8 + 2 * 16
+    kv_store = 2 * 2 * 4 * 2
+    assert decode["compute"] == pytest.approx((2 * 2 * 576 + 5.5 * 2 * 2 * 4 * 2 + 2 * elementwise + kv_store) / 1e9)
+    assert decode["gpu_cpu"] == decode["cpu_gpu"] == decode["cpu_disk"] == 0.0
     prefill = model.phase_terms(policy, "prefill")[block]
     # prefill attention computes the full 4 x 4 scores for 2 sequences x 2 heads x dim 4
-    assert prefill["compute"] == pytest.approx(2 * 8 * 576 / 1e9 + 4 * 2 * 2 * 4 * 4 * 4 / 1e9)
+    assert prefill["compute"] == pytest.approx(
+        (2 * 8 * 576 + 4 * 2 * 2 * 4 * 4 * 4 + 8 * elementwise + 4 * kv_store) / 1e9)
     est = model.estimate(policy)
     assert est.total_s == pytest.approx(est.prefill_s + 2 * est.decode_step_s)
     assert est.throughput == pytest.approx(2 * 3 / est.total_s)

@@ -6,7 +6,9 @@ Per layer and phase the time is the max over five resources, which overlap (Algo
     gpu_cpu   compute-device -> host copies (CPU-only: memcpy, e.g. KV-cache stores)
     disk_cpu  disk reads, page cache bypassed (O_DIRECT)
     cpu_disk  disk writes
-    compute   linear layers + attention (+ CPU-delegated attention) + dequantization + op overheads
+    compute   linear layers + attention (+ CPU-delegated attention) + dequantization + elementwise
+              passes + op overheads; on a CPU-only machine also the two memcpy terms above, which
+              the computing cores make themselves (so they add to compute instead of overlapping)
 
 (the sum instead of the max when the policy turns overlap off). The terms sum over the
 block's GPU batches, except weights, which a layer loads once per step for the whole block.
@@ -54,6 +56,12 @@ PHASES = ("prefill", "decode")
 OPS_PER_BLOCK = 30  # kernels one transformer block launches per GPU batch (norms, linears, attention, adds)
 OPS_PER_OTHER_LAYER = 6  # embedding or head
 ATTENTION_MASK_BYTES = 1  # per score element in `attend`: fused attention keeps only a bool mask (padding)
+# Elementwise passes a block makes over its activations, per token, counted in models/<family>.py
+# and executor/: (per hidden-size element, per MLP-width element). OPT: two layer norms (~2.5
+# passes each), two residual adds, the attention output's reshape, the K/V cache write (2), the
+# hidden-state store; ReLU over the MLP. Llama: two RMS norms in float32 (~5 passes each), rotary
+# embedding of q and k (~5), residual adds, reshapes, cache write, store; SiLU and the gate product.
+ELEMENTWISE_PASSES = {"opt": (12.0, 1.0), "llama": (22.0, 2.0)}
 
 
 @dataclass(frozen=True)
@@ -220,6 +228,10 @@ class CostModel:
         b["compute"] += nb * 2 * rows * lw.matmul_numel / dev.linear_flops(hw.dtype, rows)
         ops = OPS_PER_BLOCK if layer.kind == "block" else OPS_PER_OTHER_LAYER
         b["compute"] += nb * ops * dev.op_latency_s
+        if layer.kind == "block":
+            per_hidden, per_mlp = ELEMENTWISE_PASSES.get(cfg.family, ELEMENTWISE_PASSES["llama"])
+            passes = per_hidden * cfg.hidden_size + per_mlp * cfg.ffn_size
+            b["compute"] += nb * gbs * tokens * passes / dev.elementwise_elems_per_s
 
         # activations: stored after each layer but the head, loaded before each but the embedding
         hidden = gbs * tokens * cfg.hidden_size * elt
@@ -246,6 +258,11 @@ class CostModel:
             "cpu_disk": b["cpu_disk"] / hw.disk_write_bytes_per_s,
             "compute": b["compute"],
         }
+        if not cuda:
+            # Without a GPU the copies are memcpys run by the same cores that compute: they
+            # take turns with it, not overlap (disk transfers are DMA and do overlap).
+            out["compute"] += out["cpu_gpu"] + out["gpu_cpu"]
+            out["cpu_gpu"] = out["gpu_cpu"] = 0.0
         return {t: v * hw.time_scale.get(f"{phase}.{t}", 1.0) for t, v in out.items()}
 
     def _attention_and_cache(self, b: dict, policy: Policy, c: dict, gbs: int, nb: int, tokens: int,

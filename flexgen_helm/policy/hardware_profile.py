@@ -30,7 +30,9 @@ FORMAT = "flexgen-helm-hardware/1"
 MATMUL_ROWS = (1, 4, 16, 64, 256, 1024, 4096)
 MATMUL_ROWS_FP32 = (1, 16, 256, 1024)
 MATMUL_SHAPE = (4096, 2048)  # (out, in)
-STREAMED_WEIGHTS = 8  # 8 x 16 MiB (bf16): more than the last-level cache
+# 32 x 16 MiB (bf16) = 512 MiB, several times any last-level cache (a server CPU's shared L3
+# reaches ~100 MiB: 8 weights were partly served from it and made decode look 2x faster)
+STREAMED_WEIGHTS = 32
 MAX_STREAMED_ROWS = 64  # above this the product is compute-bound: one (cached) weight will do
 
 
@@ -43,6 +45,9 @@ class DeviceSpeeds:
     attn_prefill_flops: float = 1e11  # causal attention over a prompt, counted as the full s x s
     attn_decode_bytes_per_s: float = 5e9  # bytes of K and V cache one decode attention step gets through
     dequant_elems_per_s: float = 1e9  # 4-bit weights turned back into the compute dtype
+    # one elementwise pass (an activation function, a residual add, a copy) over activations in
+    # the compute dtype, elements/s: the block's work besides its matmuls and attention
+    elementwise_elems_per_s: float = 1e9
     op_latency_s: float = 1e-5  # a tiny kernel: the floor under every op of a layer
 
     def linear_flops(self, dtype: str, rows: int) -> float:
@@ -217,6 +222,17 @@ def measure_device(device: torch.device, dtype: torch.dtype) -> DeviceSpeeds:
 
     wq = quantize(torch.randn(out_f, in_f, device=device).to(dtype), Compression(4, 64), 0)
     speeds.dequant_elems_per_s = out_f * in_f / _timed(lambda: dequantize(wq, dtype), sync=sync)
+
+    # a prefill's activations (1024 rows x an 8192-wide MLP: bigger than a CPU's caches)
+    a, b = torch.randn(1024, 8192, device=device).to(dtype), torch.randn(1024, 8192, device=device).to(dtype)
+    out = torch.empty_like(a)
+
+    def elementwise():  # the kinds of pass a block makes: an activation, an add, a copy
+        torch.clamp_min(a, 0, out=out)  # what relu runs
+        torch.add(a, b, out=out)
+        out.copy_(b)
+
+    speeds.elementwise_elems_per_s = 3 * a.numel() / _timed(elementwise, sync=sync)
 
     tiny_x, tiny_w = torch.randn(1, 64, device=device).to(dtype), torch.randn(64, 64, device=device).to(dtype)
     speeds.op_latency_s = _timed(lambda: F.linear(tiny_x, tiny_w), min_reps=200, sync=sync)

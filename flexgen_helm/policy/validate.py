@@ -99,7 +99,12 @@ def measure_all(configs: dict, out: Path, prompt_len: int, gen_len: int, repeats
     for name, (policy, what) in configs.items():
         path = out / f"{name}.json"
         if path.exists():
-            continue
+            earlier = Policy.from_dict(json.loads(path.read_text())["policy"])
+            if earlier == policy:
+                continue
+            # the search now picks another policy: keep the measured one as a grid point
+            w = round(earlier.weights.gpu * 100)
+            path.rename(out / f"earlier-{name}-{earlier.gpu_batch_size}x{earlier.num_gpu_batches}-w{w}.json")
         cmd = [sys.executable, "-m", "flexgen_helm.policy.validate", "one", "--policy-json", policy.to_json(),
                "--prompt-len", str(prompt_len), "--gen-len", str(gen_len), "--repeats", str(repeats),
                "--json", str(path)] + (["--offload-dir", offload_dir] if offload_dir else [])
