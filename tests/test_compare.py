@@ -5,6 +5,7 @@ systems generate the same greedy tokens from the same exported weights in float3
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("accelerate")
 
@@ -67,3 +68,23 @@ def test_roofline_and_ratio_arithmetic():
     table.add_ratios(rows)
     assert rows[0]["roofline_tok_s"] == 2.0 and rows[0]["pct_of_roofline"] == 50.0
     assert rows[0]["disk_reads_per_token"] == 1.0 and rows[0]["vs_accelerate"] == 4.0
+
+
+@pytest.mark.parametrize("fixture", ["tiny_opt", "tiny_llama"])
+def test_compute_floor_counts_every_matmul_weight(fixture, request):
+    """The floor's weights per token are the model's Linear weights (the head included)."""
+    from conftest import hf_model
+
+    from flexgen_helm.compare.compute_floor import compute_floor, matmul_params_per_token
+    from flexgen_helm.models.registry import resolve
+    from flexgen_helm.policy.hardware_profile import DeviceSpeeds, HardwareProfile
+
+    path = request.getfixturevalue(fixture)
+    model = hf_model(path)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    cfg = resolve(str(path)).config
+    assert matmul_params_per_token(cfg) == linear
+    prof = HardwareProfile(devices={"cpu": DeviceSpeeds({"bfloat16": {1: 1e9, 256: 4e9}})})
+    f = compute_floor(cfg, [10, 20], prof)
+    width = cfg.num_heads * cfg.head_dim
+    assert f.seconds == pytest.approx((2 * linear * 30 + 2 * (100 + 400) * width * cfg.num_layers) / 4e9)
