@@ -24,17 +24,21 @@ NOTES = """## How to read this
 
 - Commands: `flexgen-helm profile --json runs/policy/hardware.json`, then
   `python -m flexgen_helm.policy.validate measure` (each configuration in its own process:
-  load, a short warm-up, 2 timed generations, medians), `... validate grid --cpu-mem 2GiB`
+  load, a warm-up at the timed shapes, 2 timed generations, medians), `... validate grid --cpu-mem 2GiB`
   (the auto policy and a hand grid under a RAM budget that forces weights to disk), and
   `... validate report`. The refitted profile: `flexgen-helm profile --json
   runs/policy/hardware_refit.json --refit runs/policy/measured/*.json runs/policy/grid/*.json`.
 - "predicted" uses the hardware profile as measured; "LOO-refit" rescales the cost model's
   terms (per phase and resource, least squares on the bottleneck terms) on every other run
   and predicts this one, so a row never fits itself.
-- The machine (2 cores) ran other engineers' jobs throughout: load averages of 11-17 mean
-  this process got a fraction of the cores, and the profile's microbenchmarks (fastest of
-  several timings) were taken under the same contention. Absolute predictions are therefore
-  off by the contention factor of the moment; the refit absorbs the steady part of it.
+- `load` is the 1-minute load average when a row ran (2 cores; one run alone shows ~1.5-2).
+  This host's speed also drifts by tens of percent between minutes without load showing it
+  (runs/helm_vs_hf/NOTES.md), so the profile and the rows are taken in one sitting.
+- Where the model is still short (raw predictions too fast): decode steps, by ~1.5x where
+  compute-bound (per-layer Python and copy-engine work of the schedule, which the model
+  charges only as op latencies) and ~2.5x with the KV cache on disk (many small reads and
+  one-row O_DIRECT writes per step, where the profile measures 16 MiB chunks); 4-bit
+  weights dequantize ~2.5x slower inside the engine than in the profile's microbenchmark.
 - Memory: the gpu/cpu/disk columns are the engine's own accounting (TierUsage: weight homes
   on gpu and cpu, KV cache, activations; disk-tier weights stay in the weight store, the
   whole model, not counted there). "pred host" adds the compute side's working set (two
