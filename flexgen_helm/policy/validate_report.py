@@ -34,11 +34,12 @@ NOTES = """## How to read this
 - `load` is the 1-minute load average when a row ran (2 cores; one run alone shows ~1.5-2).
   This host's speed also drifts by tens of percent between minutes without load showing it
   (runs/helm_vs_hf/NOTES.md), so the profile and the rows are taken in one sitting.
-- Where the model is still short (raw predictions too fast): decode steps, by ~1.5x where
-  compute-bound (per-layer Python and copy-engine work of the schedule, which the model
-  charges only as op latencies) and ~2.5x with the KV cache on disk (many small reads and
-  one-row O_DIRECT writes per step, where the profile measures 16 MiB chunks); 4-bit
-  weights dequantize ~2.5x slower inside the engine than in the profile's microbenchmark.
+- Where the model is still short (raw predictions too fast; the "decode s meas/pred"
+  columns): decode steps where compute-bound (per-layer Python and copy-engine work of the
+  schedule, which the model charges only as op latencies), more so with the KV cache on
+  disk (many small reads and one-row O_DIRECT writes per step, where the profile measures
+  16 MiB chunks), and most with 4-bit weights (they dequantize slower inside the engine
+  than in the profile's microbenchmark).
 - Memory: the gpu/cpu/disk columns are the engine's own accounting (TierUsage: weight homes
   on gpu and cpu, KV cache, activations; disk-tier weights stay in the weight store, the
   whole model, not counted there). "pred host" adds the compute side's working set (two
