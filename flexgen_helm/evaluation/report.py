@@ -203,10 +203,15 @@ flexgen_helm/evaluation/lambada.py and wikitext.py):
 
 def scopes_text(runs) -> str:
     """What "full" and "lim" cover, and (from measured times) why most rows are limited."""
-    lim = runs.get(("baseline", "lim"), {})
+    lim, full = runs.get(("baseline", "lim"), {}), runs.get(("baseline", "full"), {})
     text = ("\"lim\" = the first 400 LAMBADA passages and the first 16384 WikiText tokens (16 windows), the protocol "
             "of the reference numbers below; \"full\" = all 5153 passages and the whole WikiText-2 test set. "
             "Δ columns compare with the baseline of the same scope.")
+    if "wikitext" in full and "lambada" in full:
+        return text + (f" The full baseline took {full['lambada']['eval_s'] / 60:.0f} + "
+                       f"{full['wikitext']['eval_s'] / 60:.0f} min of wall time (LAMBADA scoring, WikiText) beside "
+                       "other jobs on this 2-core machine; rows without a \"full\" line have not run on the full sets "
+                       "yet (`python -m flexgen_helm.evaluation.sweep run --scopes full` resumes where it stopped).")
     if "wikitext" in lim and "lambada" in lim:
         from flexgen_helm.evaluation.data import read_wikitext
 
