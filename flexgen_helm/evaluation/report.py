@@ -209,8 +209,8 @@ def scopes_text(runs) -> str:
             "Δ columns compare with the baseline of the same scope.")
     if "wikitext" in full and "lambada" in full:
         return text + (f" The full baseline took {full['lambada']['eval_s'] / 60:.0f} + "
-                       f"{full['wikitext']['eval_s'] / 60:.0f} min of wall time (LAMBADA scoring, WikiText) beside "
-                       "other jobs on this 2-core machine; rows without a \"full\" line have not run on the full sets "
+                       f"{full['wikitext']['eval_s'] / 60:.0f} min of wall time (LAMBADA scoring, WikiText), pauses "
+                       "while other measurements had this 2-core machine included; rows without a \"full\" line have not run on the full sets "
                        "yet (`python -m flexgen_helm.evaluation.sweep run --scopes full` resumes where it stopped).")
     if "wikitext" in lim and "lambada" in lim:
         from flexgen_helm.evaluation.data import read_wikitext
