@@ -58,7 +58,7 @@ class BlockSchedule:
         self.batches = batches
         self.devices = runtime.devices
         self.timers = defaultdict(float)
-        self.io = CopyEngine(policy.overlap, self.devices.compute, self.timers)
+        self.io = CopyEngine(policy.overlap and self._anything_to_overlap(), self.devices.compute, self.timers)
         self.length = 0  # positions in the cache so far
         nb = len(batches)
         blocks = [layer for layer in runtime.layers if layer.kind == "block"]
@@ -78,6 +78,15 @@ class BlockSchedule:
         self.real_len = [b.valid.sum(1) for b in batches]
         self._weights_ahead = None
         self.prefill_as_decode = False
+
+    def _anything_to_overlap(self) -> bool:
+        """Transfers overlap compute only where another engine does them: a GPU's copy engine,
+        or the disk. On a CPU-only machine with nothing on disk every transfer is a memcpy by
+        the cores that compute, and a copy thread only competes with them: SmolLM2-135M, 64 x
+        100 tokens + 8 generated, bfloat16, 2 cores: 2.95 s with the thread, 2.25 s inline
+        (decode 1.16 -> 0.69 s)."""
+        p = self.policy
+        return self.devices.is_cuda or any(split.disk > 0 for split in (p.weights, p.cache, p.activations))
 
     # ---- one token step over the whole block -------------------------------------------
 
