@@ -18,7 +18,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload-dir", help="directory for disk-tier tensors (default: $FLEXGEN_HELM_OFFLOAD or /tmp)")
     p.add_argument("--device", help="compute device (default: cuda if present, else cpu)")
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"],
-                   help="weights and compute (default: float16 on GPU, bfloat16 on CPU)")
+                   help="weights and compute (default: float16 on GPU; on CPU bfloat16 where the CPU "
+                        "computes it natively, else float32)")
     p.add_argument("--pipeline", action="store_true",
                    help="run as one stage of a pipeline over the processes torchrun started")
 

@@ -26,6 +26,7 @@ import torch
 from flexgen_helm.compare.compute_floor import compute_floor
 from flexgen_helm.compare.run import loadavg
 from flexgen_helm.compare.workloads import work_dir
+from flexgen_helm.memory.devices import default_dtype
 from flexgen_helm.report.demo import BATCHING_RUNNER, helm_command
 from flexgen_helm.report.helm_runs import read_run, run_dirs
 from flexgen_helm.report.markdown import table
@@ -51,8 +52,9 @@ SYSTEMS = (
            "HELM HuggingFaceClient (transformers), torch_dtype bfloat16, helm-run -n 1"),
     System("ours-float32", "flexgen/smollm2-135m-fp32", "float32", BATCHING_RUNNER,
            "flexgen-helm, float32, BatchingRunner (length-bucketed batches)"),
-    System("ours", "flexgen/smollm2-135m", "bfloat16", BATCHING_RUNNER,
-           "flexgen-helm as shipped (bfloat16 on CPU), BatchingRunner"),
+    System("ours", "flexgen/smollm2-135m", default_dtype(torch.device("cpu")), BATCHING_RUNNER,
+           "flexgen-helm as shipped (its CPU default: bfloat16 where the CPU has bf16 arithmetic, "
+           "else float32), BatchingRunner"),
 )
 
 
@@ -119,7 +121,7 @@ def run_one(system: System, scenario: str, max_instances: int, out: Path, checkp
     run_dir = run_dirs(output_path / "runs" / tag)[0]
     row = read_run(run_dir)
     metrics = {k.removeprefix("metric:"): v for k, v in row.items() if k.startswith("metric:")}
-    return {"system": system.name, "scenario": scenario, "instances": row.get("instances"),
+    return {"system": system.name, "dtype": system.dtype, "scenario": scenario, "instances": row.get("instances"),
             "wall_s": round(wall, 1), "loadavg_1m": load, **metrics,
             "request_tokens": request_tokens(run_dir),
             "command": shlex.join(["helm-run", *cmd[1:]]).replace(str(local), "<prod_env>")}
@@ -179,11 +181,11 @@ def findings(df: pd.DataFrame, out: Path) -> list[str]:
         speed = ", ".join(f"`{s}` {by.wall_s[s]:.0f} s ({by.speedup_vs_hf_float32[s]:.2f}x)" for s in by.index)
         lines.append(f"- {scenario}, {int(by.instances.iloc[0])} instances: wall time (speed-up over hf-float32): "
                      f"{speed}.")
-        if "ours" in by.index and "hf-bfloat16" in by.index:
-            lines.append(f"  - same dtype (bfloat16): ours is {by.wall_s['hf-bfloat16'] / by.wall_s['ours']:.2f}x "
-                         f"HELM's client; float32: "
-                         + (f"{by.wall_s['hf-float32'] / by.wall_s['ours-float32']:.2f}x."
-                            if "ours-float32" in by.index else "not run."))
+        for dtype in ("bfloat16", "float32"):
+            ours = [s for s in by.index if s.startswith("ours") and by.get("dtype", {}).get(s) == dtype]
+            if ours and f"hf-{dtype}" in by.index:
+                lines.append(f"  - same dtype ({dtype}): `{ours[0]}` is "
+                             f"{by.wall_s[f'hf-{dtype}'] / by.wall_s[ours[0]]:.2f}x HELM's client.")
         if scenario == "wikitext":
             worst = by.perplexity_delta_pct.abs().max()
             lines.append(f"  - perplexity: largest difference from hf-float32 {worst:.3f}% (goal: within 0.5%).")
