@@ -4,10 +4,14 @@ systems generate the same greedy tokens from the same exported weights in float3
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 pytest.importorskip("accelerate")
+
+import pandas as pd  # noqa: E402
 
 from flexgen_helm.compare import accelerate_offload, table  # noqa: E402
 from flexgen_helm.compare.disk import measure_read_bandwidth  # noqa: E402
@@ -88,3 +92,19 @@ def test_compute_floor_counts_every_matmul_weight(fixture, request):
     f = compute_floor(cfg, [10, 20], prof)
     width = cfg.num_heads * cfg.head_dim
     assert f.seconds == pytest.approx((2 * linear * 30 + 2 * (100 + 400) * width * cfg.num_layers) / 4e9)
+
+
+def test_helm_client_rows_compare_within_one_host():
+    from flexgen_helm.compare.helm_clients import agreement, findings
+
+    def row(host, system, dtype, wall, correct):
+        return {"host": host, "system": system, "dtype": dtype, "scenario": "lambada", "instances": 500,
+                "wall_s": wall, "prefix_exact_match": correct / 500, "perplexity": None, "bits_per_byte": None}
+    df = pd.DataFrame([row("A", "hf-float32", "float32", 200.0, 141), row("A", "ours", "bfloat16", 40.0, 142),
+                       row("B", "hf-float32", "float32", 600.0, 141), row("B", "ours", "float32", 300.0, 141)])
+    out = agreement(df).set_index(["host", "system"])
+    assert out.speedup_vs_hf_float32[("A", "ours")] == 5.0  # against host A's HELM client, not B's
+    assert out.speedup_vs_hf_float32[("B", "ours")] == 2.0
+    assert out.correct_delta[("A", "ours")] == 1
+    text = "\n".join(findings(agreement(df), Path("/nonexistent")))
+    assert "lambada, 500 instances, B" in text and "same dtype (float32): `ours` is 2.00x" in text

@@ -184,3 +184,18 @@ def test_helm_plugin_accepts_policy_auto():
     cpu_profile().save(default_profile_path())
     args = resolve_load_args("facebook/opt-125m", deployment="flexgen/opt-125m", dummy=True, policy="auto")
     assert Policy.from_dict(json.loads(args.policy_json)).block_size >= 1
+
+
+def test_saved_profile_of_other_hardware_is_remeasured(tmp_path, monkeypatch, capsys):
+    from flexgen_helm.hardware import machine_info
+    from flexgen_helm.policy import hardware_profile
+
+    here = machine_info()
+    fresh = HardwareProfile(machine=here, disk_read_bytes_per_s=7.0)
+    monkeypatch.setattr(hardware_profile, "measure", lambda offload_dir=None: fresh)
+    path = tmp_path / "hardware.json"
+    HardwareProfile(machine={**here, "cpu": "Some Other CPU"}).save(path)
+    assert hardware_profile.load_or_profile(path).disk_read_bytes_per_s == 7.0
+    assert "measured on Some Other CPU" in capsys.readouterr().out
+    HardwareProfile(machine=here, disk_read_bytes_per_s=3.0).save(path)  # this machine's: reused
+    assert hardware_profile.load_or_profile(path).disk_read_bytes_per_s == 3.0

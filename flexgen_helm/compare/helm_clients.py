@@ -26,6 +26,7 @@ import torch
 from flexgen_helm.compare.compute_floor import compute_floor
 from flexgen_helm.compare.run import loadavg
 from flexgen_helm.compare.workloads import work_dir
+from flexgen_helm.hardware import machine_label
 from flexgen_helm.memory.devices import default_dtype
 from flexgen_helm.report.demo import BATCHING_RUNNER, helm_command
 from flexgen_helm.report.helm_runs import read_run, run_dirs
@@ -121,7 +122,8 @@ def run_one(system: System, scenario: str, max_instances: int, out: Path, checkp
     run_dir = run_dirs(output_path / "runs" / tag)[0]
     row = read_run(run_dir)
     metrics = {k.removeprefix("metric:"): v for k, v in row.items() if k.startswith("metric:")}
-    return {"system": system.name, "dtype": system.dtype, "scenario": scenario, "instances": row.get("instances"),
+    return {"system": system.name, "dtype": system.dtype, "host": machine_label(), "scenario": scenario,
+            "instances": row.get("instances"),
             "wall_s": round(wall, 1), "loadavg_1m": load, **metrics,
             "request_tokens": request_tokens(run_dir),
             "command": shlex.join(["helm-run", *cmd[1:]]).replace(str(local), "<prod_env>")}
@@ -146,7 +148,10 @@ def floor_finding(rows: pd.DataFrame, out: Path) -> str | None:
     from flexgen_helm.models.registry import resolve
     from flexgen_helm.policy.hardware_profile import HardwareProfile
 
-    f = compute_floor(resolve(MODEL).config, tokens, HardwareProfile.load(PROFILE))
+    profile = HardwareProfile.load(PROFILE)
+    if not rows.host.iloc[0].startswith(f"{profile.machine.get('cpu')}, {profile.machine.get('cpu_cores')} cores,"):
+        return None  # the floor needs this host's speeds
+    f = compute_floor(resolve(MODEL).config, tokens, profile)
     ratios = ", ".join(f"`{r.system}` {r.wall_s / f.seconds:.1f}x" for r in rows.itertuples())
     return (f"  - compute floor: {len(tokens)} requests, {sum(tokens)} tokens = {f.linear_flop / 1e12:.1f} TFLOP of "
             f"matmuls + {f.attention_flop / 1e12:.1f} TFLOP of causal attention; at the best matmul rate of "
@@ -155,31 +160,37 @@ def floor_finding(rows: pd.DataFrame, out: Path) -> str | None:
 
 
 def agreement(df: pd.DataFrame, reference: str = "hf-float32") -> pd.DataFrame:
-    """Each row against the reference system on the same scenario: metric deltas, speed-up."""
-    ref = df[df.system == reference].set_index("scenario")
-    out = df.copy()
-    out["speedup_vs_hf_float32"] = [ref.wall_s[s] / w for s, w in zip(df.scenario, df.wall_s)]
-    lm = df.scenario == "wikitext"  # a generation run's "perplexity" is over its few output tokens
-    out["perplexity_delta_pct"] = [100 * (p / ref.perplexity[s] - 1) if is_lm else None
-                                   for s, p, is_lm in zip(df.scenario, df.perplexity, lm)]
+    """Each row against the reference system on the same host and run (scenario, instances):
+    metric deltas, speed-up. A row without such a reference row gets none."""
+    key = ["host", "scenario", "instances"]
+    ref = df[df.system == reference][key + ["wall_s", "perplexity"]]
+    out = df.merge(ref, on=key, how="left", suffixes=("", "_ref"))
+    out["speedup_vs_hf_float32"] = out.wall_s_ref / out.wall_s
+    lm = out.scenario == "wikitext"  # a generation run's "perplexity" is over its few output tokens
+    out["perplexity_delta_pct"] = (100 * (out.perplexity / out.perplexity_ref - 1)).where(lm)
     out.loc[~lm, ["perplexity", "bits_per_byte"]] = None
     if "prefix_exact_match" in df:
-        out["correct"] = (df.prefix_exact_match * df.instances).round()
-        ref_correct = out[out.system == reference].set_index("scenario").correct
-        out["correct_delta"] = [c - ref_correct[s] if pd.notna(c) else None for s, c in zip(df.scenario, out.correct)]
-    return out
+        out["correct"] = (out.prefix_exact_match * out.instances).round()
+        ref_correct = out[out.system == reference][key + ["correct"]]
+        out = out.merge(ref_correct, on=key, how="left", suffixes=("", "_ref"))
+        out["correct_delta"] = out.correct - out.correct_ref
+    return out.drop(columns=[c for c in out if c.endswith("_ref")])
 
 
-COLUMNS = ["system", "scenario", "instances", "wall_s", "speedup_vs_hf_float32", "prefix_exact_match", "correct",
+# rows from before hosts were recorded all ran on one host (2026-11-22), the one
+# runs/policy/hardware.json was measured on then, whose bf16 matmuls ran at 2.4 TFLOP/s (AMX)
+EARLIER_HOST = "Intel(R) Xeon(R) Processor @ 2.10GHz, 2 cores, bf16 arithmetic (AMX)"
+EARLIER_DTYPES = {"hf-float32": "float32", "hf-bfloat16": "bfloat16", "ours-float32": "float32", "ours": "bfloat16"}
+COLUMNS = ["host", "system", "dtype", "scenario", "instances", "wall_s", "speedup_vs_hf_float32", "prefix_exact_match", "correct",
            "correct_delta", "perplexity", "perplexity_delta_pct", "bits_per_byte", "loadavg_1m"]
 
 
 def findings(df: pd.DataFrame, out: Path) -> list[str]:
     lines = []
-    for scenario, rows in df.groupby("scenario", sort=False):
+    for (host, scenario, instances), rows in df.groupby(["host", "scenario", "instances"], sort=False):
         by = rows.set_index("system")
         speed = ", ".join(f"`{s}` {by.wall_s[s]:.0f} s ({by.speedup_vs_hf_float32[s]:.2f}x)" for s in by.index)
-        lines.append(f"- {scenario}, {int(by.instances.iloc[0])} instances: wall time (speed-up over hf-float32): "
+        lines.append(f"- {scenario}, {int(instances)} instances, {host}: wall time (speed-up over hf-float32): "
                      f"{speed}.")
         for dtype in ("bfloat16", "float32"):
             ours = [s for s in by.index if s.startswith("ours") and by.get("dtype", {}).get(s) == dtype]
@@ -239,8 +250,11 @@ def main(argv: list[str] | None = None) -> None:
             row = run_one(system, scenario, args.max_instances or SCENARIOS[scenario][1], out, checkpoint)
             with rows_path.open("a") as f:  # each finished row survives an interrupted benchmark
                 f.write(json.dumps(row) + "\n")
-    rows = [json.loads(line) for line in rows_path.read_text().splitlines()]
-    latest = pd.DataFrame(rows).drop_duplicates(["system", "scenario"], keep="last")
+    rows = pd.DataFrame([json.loads(line) for line in rows_path.read_text().splitlines()])
+    unrecorded = pd.Series(index=rows.index, dtype=object)
+    rows["host"] = rows.get("host", unrecorded).fillna(EARLIER_HOST)
+    rows["dtype"] = rows.get("dtype", unrecorded).fillna(rows.system.map(EARLIER_DTYPES))
+    latest = rows.drop_duplicates(["host", "system", "scenario", "instances"], keep="last")
     print(write_report(agreement(latest.reset_index(drop=True)), out))
 
 

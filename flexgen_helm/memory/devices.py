@@ -58,3 +58,4 @@ def default_dtype(device: torch.device) -> str:
 def cpu_has_bf16_arithmetic() -> bool:
     caps = torch.cpu.get_capabilities()
     return any(caps.get(flag, False) for flag in ("avx512_bf16", "amx_bf16", "bf16"))
+

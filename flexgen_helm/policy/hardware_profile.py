@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from flexgen_helm.hardware import machine_info
+from flexgen_helm.hardware import machine_info, machine_label, same_machine
 from flexgen_helm.models.registry import default_cache_dir
 
 FORMAT = "flexgen-helm-hardware/1"
@@ -125,12 +125,17 @@ def default_profile_path() -> Path:
 
 def load_or_profile(path: str | os.PathLike | None = None, offload_dir: str | None = None,
                     verbose: bool = True) -> HardwareProfile:
-    """The saved profile, or a fresh one (saved) when there is none."""
+    """The saved profile, or a fresh one (saved) when there is none or the saved one was
+    measured on other hardware (a home directory, and its cache, can move between hosts)."""
     p = Path(path) if path else default_profile_path()
+    reason = f"no hardware profile at {p}"
     if p.exists():
-        return HardwareProfile.load(p)
+        saved = HardwareProfile.load(p)
+        if not saved.machine or same_machine(saved.machine, machine_info()):
+            return saved
+        reason = f"the profile at {p} was measured on {machine_label(saved.machine)}"
     if verbose:
-        print(f"no hardware profile at {p}: profiling this machine (under a minute)...", flush=True)
+        print(f"{reason}: profiling this machine, {machine_label()} (under a minute)...", flush=True)
     prof = measure(offload_dir=offload_dir)
     prof.save(p)
     return prof
