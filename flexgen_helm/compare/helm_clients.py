@@ -240,12 +240,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     p.add_argument("--max-instances", type=int, default=None,
                    help="override every scenario's instance count (a quick check, not the benchmark)")
+    p.add_argument("--report-only", action="store_true", help="rewrite README.md from rows.jsonl, run nothing")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    checkpoint = export_checkpoint()
     rows_path = out / "rows.jsonl"
-    for scenario in args.scenarios:
+    checkpoint = None if args.report_only else export_checkpoint()
+    for scenario in [] if args.report_only else args.scenarios:
         for system in (s for s in SYSTEMS if s.name in args.systems):
             row = run_one(system, scenario, args.max_instances or SCENARIOS[scenario][1], out, checkpoint)
             with rows_path.open("a") as f:  # each finished row survives an interrupted benchmark

@@ -11,6 +11,7 @@ import csv
 import json
 from pathlib import Path
 
+from flexgen_helm.hardware import machine_label
 from flexgen_helm.models.registry import resolve
 from flexgen_helm.policy.cost_model import CostModel, Workload
 from flexgen_helm.policy.hardware_profile import HardwareProfile
@@ -142,10 +143,11 @@ def write_report(out: Path, profile_path: str | None = None) -> str:
     mem_cols += [("measured_rss_gib", "RSS peak GiB", ".2f"), ("predicted_host_gib", "pred host", ".2f"),
                  ("rss_err_pct", "err %", "+.0f"), ("rss_scope", "RSS peak of", "")]
     lines = [
-        "# Cost model validation: OPT-1.3B (dummy weights), bf16, CPU-only",
+        f"# Cost model validation: OPT-1.3B (dummy weights), {profile.dtype}, CPU-only",
         "",
         "Produced by `python -m flexgen_helm.policy.validate measure|grid|report` (flexgen_helm/policy/validate.py).",
-        f"Hardware profile: `hardware.json` ({profile.measured_at}). Workload: prompt {rows[0]['prompt_len']}, "
+        f"Hardware profile: `hardware.json` ({profile.measured_at}; {machine_label(profile.machine)}). "
+        f"Workload: prompt {rows[0]['prompt_len']}, "
         f"generation {rows[0]['gen_len']} tokens, engine commit {rows[0]['engine_commit'] or '?'}; each row is the "
         "median of its timed runs; `load` is the machine's 1-minute load average during the run (2 cores, shared).",
         "",
