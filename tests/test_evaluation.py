@@ -166,3 +166,35 @@ def test_missing_data_is_a_clear_error(tiny_llama, tmp_path, monkeypatch, capsys
 
 def test_local_file_accepts_a_data_folder(data_dir):
     assert local_file("lambada/lambada_openai_test.jsonl", str(data_dir)).endswith("lambada_openai_test.jsonl")
+
+
+def test_interrupted_eval_resumes_where_it_stopped(tiny_llama, tmp_path, data_dir, monkeypatch):
+    """A killed evaluation keeps its finished chunks; the same command then scores only the rest
+    and reports what an uninterrupted run reports."""
+    from flexgen_helm.engine import Engine
+
+    args = ["--task", "wikitext", "--data", str(data_dir), "--gpu-batch-size", "1"]  # 3 windows of 64, one a chunk
+    whole = run_cli(tiny_llama, tmp_path / "whole", *args)
+    real_score, calls = Engine.score, []
+
+    def dies_on_third_chunk(self, *a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("killed")
+        return real_score(self, *a, **kw)
+
+    monkeypatch.setattr(Engine, "score", dies_on_third_chunk)
+    with pytest.raises(RuntimeError, match="killed"):
+        run_cli(tiny_llama, tmp_path, *args)
+    partial = tmp_path / "r.json.partial.jsonl"
+    assert len(partial.read_text().splitlines()) == 1 + 2  # the fingerprint, two chunks
+    calls.clear()
+    resumed = run_cli(tiny_llama, tmp_path, *args)
+    assert len(calls) == 1 and resumed["resumed_results"] == 2 and resumed["throughput_tokens_per_s"] is None
+    assert resumed["metrics"] == whole["metrics"] and not partial.exists()
+
+    # another evaluation under the same file name does not take those results
+    monkeypatch.setattr(Engine, "score", real_score)
+    partial.write_text('{"fingerprint": {"task": "other"}}\n{"window:0": [0.0, 63]}\n')
+    assert run_cli(tiny_llama, tmp_path, *args)["resumed_results"] == 0
+    assert (tmp_path / "r.json.partial.jsonl.stale").exists()

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from tqdm.auto import tqdm
 
 from flexgen_helm.errors import FlexGenError
+from flexgen_helm.evaluation.resume import ResumeLog
 
 
 @dataclass(frozen=True)
@@ -73,18 +74,26 @@ def _chunks(order: list[int], size: int, progress: bool, desc: str):
         yield order[s:s + size]
 
 
-def evaluate(engine, items: list[Item], chunk: int, progress: bool = True, as_decode: bool = False) -> dict:
+def evaluate(engine, items: list[Item], chunk: int, progress: bool = True, as_decode: bool = False,
+             resume: ResumeLog | None = None) -> dict:
     """Per-passage correctness and last-word NLL, and the aggregate metrics (as_decode:
-    Engine.score's)."""
+    Engine.score's). Chunks recorded in `resume` are not scored again."""
+    resume = resume or ResumeLog(None, {})
     order = sorted(range(len(items)), key=lambda i: len(items[i].full))
     correct, nll = [False] * len(items), [0.0] * len(items)
     for idx in _chunks(order, chunk, progress, "lambada"):
-        for i, r in zip(idx, engine.score([items[i].full for i in idx], top_logprobs=1, as_decode=as_decode)):
-            k, target = len(items[i].context), items[i].target
-            # top_logprobs[j] holds the argmax predicting token j (ties: one of them)
-            argmax = [next(iter(top)) for top in r.top_logprobs[k:]]
-            correct[i] = argmax == target
-            nll[i] = -math.fsum(r.logprobs[k:])
+        keys = [f"score:{i}" for i in idx]
+        results = resume.get(keys)
+        if results is None:
+            results = []
+            for i, r in zip(idx, engine.score([items[i].full for i in idx], top_logprobs=1, as_decode=as_decode)):
+                k = len(items[i].context)
+                # top_logprobs[j] holds the argmax predicting token j (ties: one of them)
+                argmax = [next(iter(top)) for top in r.top_logprobs[k:]]
+                results.append([argmax == items[i].target, -math.fsum(r.logprobs[k:])])
+            resume.add(dict(zip(keys, results)))
+        for i, (ok, loss) in zip(idx, results):
+            correct[i], nll[i] = ok, loss
     n = len(items)
     return {
         "correct": correct,
@@ -97,16 +106,24 @@ def evaluate(engine, items: list[Item], chunk: int, progress: bool = True, as_de
     }
 
 
-def generation_accuracy(engine, items: list[Item], chunk: int, progress: bool = True) -> tuple[float, list[bool]]:
+def generation_accuracy(engine, items: list[Item], chunk: int, progress: bool = True,
+                        resume: ResumeLog | None = None) -> tuple[float, list[bool]]:
     """Accuracy by greedy generation of len(target) tokens: the decode path, where a
     compressed KV cache and sparse attention act (the first target token still comes
     from the prefill)."""
     from flexgen_helm.executor.sampling import SamplingParams
 
+    resume = resume or ResumeLog(None, {})
     order = sorted(range(len(items)), key=lambda i: len(items[i].context))
     correct = [False] * len(items)
     for idx in _chunks(order, chunk, progress, "lambada generate"):
-        params = [SamplingParams(max_new_tokens=len(items[i].target), ignore_eos=True) for i in idx]
-        for i, r in zip(idx, engine.generate([items[i].context for i in idx], params)):
-            correct[i] = r.completions[0].token_ids == items[i].target
+        keys = [f"generate:{i}" for i in idx]
+        results = resume.get(keys)
+        if results is None:
+            params = [SamplingParams(max_new_tokens=len(items[i].target), ignore_eos=True) for i in idx]
+            outputs = engine.generate([items[i].context for i in idx], params)
+            results = [[r.completions[0].token_ids == items[i].target] for i, r in zip(idx, outputs)]
+            resume.add(dict(zip(keys, results)))
+        for i, (ok,) in zip(idx, results):
+            correct[i] = ok
     return sum(correct) / len(items), correct

@@ -12,6 +12,7 @@ from pathlib import Path
 from flexgen_helm.errors import FlexGenError
 from flexgen_helm.evaluation import lambada, wikitext
 from flexgen_helm.evaluation.data import read_lambada, read_wikitext
+from flexgen_helm.evaluation.resume import ResumeLog
 
 TASKS = ("lambada", "wikitext")
 
@@ -37,29 +38,39 @@ def run_eval(args, policy, argv: list[str]) -> dict:
               "dtype": str(engine.runtime.devices.dtype).removeprefix("torch."),
               "device": str(engine.runtime.devices.compute), "limit": args.limit, "data": source,
               "score_as_decode": args.score_as_decode}
+    record["window"] = min(args.window, engine.config.max_seq_len) if args.task == "wikitext" else None
+    # what decides the numbers; a rerun of the same evaluation resumes from its progress file
+    fingerprint = {k: record[k] for k in ("task", "model", "model_name", "policy", "dtype", "limit", "data",
+                                          "score_as_decode", "window")}
+    resume = ResumeLog(args.json + ".partial.jsonl" if args.json else None, {**fingerprint, "path": args.path})
+    resumed = len(resume.done)
+    if resumed and progress:
+        print(f"resuming: {resumed} results from {resume.path}")
     t1 = time.perf_counter()
     if args.task == "lambada":
         items, merged = lambada.prepare(engine.tokenizer, texts)
         chunk = policy.block_size * max(1, math.ceil(128 / policy.block_size))
-        out = lambada.evaluate(engine, items, chunk, progress, args.score_as_decode)
+        out = lambada.evaluate(engine, items, chunk, progress, args.score_as_decode, resume)
         out["counts"]["boundary_merges"] = merged
         if args.generate:
-            acc, _ = lambada.generation_accuracy(engine, items, chunk, progress)
+            acc, _ = lambada.generation_accuracy(engine, items, chunk, progress, resume)
             out["metrics"]["generation_accuracy"] = acc
-        record["window"] = None
     else:
-        window = min(args.window, engine.config.max_seq_len)
         ids, text = wikitext.tokenize(engine.tokenizer, lines, args.limit)
-        out = wikitext.evaluate(engine, ids, text, window, policy.block_size, progress, args.score_as_decode)
-        record["window"] = window
+        out = wikitext.evaluate(engine, ids, text, record["window"], policy.block_size, progress,
+                                args.score_as_decode, resume)
     eval_s = time.perf_counter() - t1
     tokens = out["counts"]["tokens_scored"] if args.task == "lambada" else out["counts"]["tokens"]
     record.update(metrics=out["metrics"], counts=out["counts"], load_s=load_s, eval_s=eval_s,
-                  wall_s=time.perf_counter() - t0, throughput_tokens_per_s=tokens / eval_s,
+                  resumed_results=resumed,
+                  wall_s=time.perf_counter() - t0,
+                  # a resumed run timed only its own part
+                  throughput_tokens_per_s=None if resumed else tokens / eval_s,
                   command="flexgen-helm " + shlex.join(argv))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+        resume.finish()
     print(summary(record))
     return record
 
@@ -92,6 +103,7 @@ def summary(r: dict) -> str:
                 f"bits/byte {m['bits_per_byte']:.4f}\n  window {r['window']}, {c['tokens']} tokens "
                 f"({c['tokens_scored']} scored: the first of each of {c['windows']} windows has no context), "
                 f"{c['words']} words, {c['bytes']} bytes")
-    tail = (f"{r['eval_s']:.1f} s evaluating ({r['throughput_tokens_per_s']:.0f} tokens/s), "
-            f"{r['load_s']:.1f} s loading; data {r['data']['path']}")
+    rate = (f"{r['throughput_tokens_per_s']:.0f} tokens/s" if r.get("throughput_tokens_per_s")
+            else f"resumed from {r['resumed_results']} earlier results")
+    tail = f"{r['eval_s']:.1f} s evaluating ({rate}), {r['load_s']:.1f} s loading; data {r['data']['path']}"
     return f"{head}\n  {body}\n  {tail}"

@@ -5,7 +5,8 @@ the report built from their JSON records (no number is typed by hand).
     python -m flexgen_helm.evaluation.sweep report
 
 Each run is one `flexgen-helm eval` command writing runs/accuracy/json/ROW__SCOPE__TASK.json;
-`run` skips runs whose JSON exists, so an interrupted sweep resumes.
+`run` skips runs whose JSON exists, and a run stopped midway resumes from the chunks its
+JSON.partial.jsonl holds (evaluation/resume.py), so an interrupted sweep loses little.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import math
 from tqdm.auto import tqdm
 
 from flexgen_helm.errors import FlexGenError
+from flexgen_helm.evaluation.resume import ResumeLog
 
 
 def tokenize(tokenizer, lines: list[str], limit: int | None) -> tuple[list[int], str]:
@@ -31,16 +32,25 @@ def tokenize(tokenizer, lines: list[str], limit: int | None) -> tuple[list[int],
 
 
 def evaluate(engine, ids: list[int], text: str, window: int, batch: int, progress: bool = True,
-             as_decode: bool = False) -> dict:
+             as_decode: bool = False, resume: ResumeLog | None = None) -> dict:
+    """Windows recorded in `resume` are not scored again."""
+    resume = resume or ResumeLog(None, {})
     windows = [ids[s:s + window] for s in range(0, len(ids), window)]
     windows = [w for w in windows if len(w) > 1]  # a lone trailing token has nothing to score
     if not windows:
         raise FlexGenError("WikiText: fewer than two tokens to evaluate")
     nll, scored = [], 0
     for s in tqdm(range(0, len(windows), batch), desc="wikitext", unit="chunk", disable=not progress):
-        for r in engine.score(windows[s:s + batch], as_decode=as_decode):
-            nll.append(-math.fsum(r.logprobs[1:]))  # logprobs[0] is nan: no context
-            scored += len(r.logprobs) - 1
+        keys = [f"window:{w}" for w in range(s, min(s + batch, len(windows)))]
+        results = resume.get(keys)
+        if results is None:
+            # logprobs[0] is nan: the window's first token has no context
+            results = [[-math.fsum(r.logprobs[1:]), len(r.logprobs) - 1]
+                       for r in engine.score(windows[s:s + batch], as_decode=as_decode)]
+            resume.add(dict(zip(keys, results)))
+        for loss, n in results:
+            nll.append(loss)
+            scored += n
     total = math.fsum(nll)
     words, n_bytes = len(text.split()), len(text.encode("utf-8"))
     return {
