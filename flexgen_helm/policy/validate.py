@@ -83,8 +83,21 @@ def measure_one(policy: Policy, prompt_len: int, gen_len: int, repeats: int, off
         "rss_peak_bytes": mem["cpu_peak_rss_bytes"], "rss_peak_scope": "timed runs", "placement": mem["placement"],
         "disk_page_cache_bypass": mem["disk_page_cache_bypass"],
         "loadavg_1min": [load_before, os.getloadavg()[0]],
-        "engine_commit": os.environ.get("FLEXGEN_HELM_ENGINE_COMMIT", ""),
+        "engine_commit": os.environ.get("FLEXGEN_HELM_ENGINE_COMMIT") or _source_commit(),
     }
+
+
+def _source_commit() -> str:
+    """The git commit of the code that measured (with "+" if flexgen_helm/ had local changes), or ""."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no", str(here.parent)],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return head + ("+" if head and dirty else "")
 
 
 def _reset_peak_rss() -> None:
