@@ -3,7 +3,8 @@
 A block is `num_gpu_batches` GPU batches. Each token step walks the layers; within a
 layer it walks the GPU batches, so a layer's weights are loaded once per step and
 reused by the whole block. While batch k computes layer j, the copy engine loads layer
-j+1's weights, batch k+1's cache and activations, and stores batch k's.
+j+1's weights, batch k+1's cache and activations (while the last batch computes, batch 0's
+cache of layer j+1), and stores batch k's.
 
 `timers` (seconds): "compute" and "wait_*" (time the compute thread waited for a load)
 over the whole run, plus per stage "{prefill,decode}_{compute,load_weight,load_cache,
@@ -128,21 +129,23 @@ class BlockSchedule:
             for k, (hidden_in, _) in enumerate(inputs):
                 io.submit(self.acts[k].store, hidden_in, kind=f"{stage}_store_hidden")
         weights = self._weights_ahead or io.submit(self.rt.load_layer, layers[0], kind=f"{stage}_load_weight")
+        cache_ahead = None  # batch 0's cache of the next layer
         for j, layer in enumerate(layers):
             w = self._wait(weights, "load_weight")
             # prefetch the next layer (after the last, the first layer of the next step)
             weights = io.submit(self.rt.load_layer, layers[(j + 1) % len(layers)], kind=f"{stage}_load_weight")
-            cache = io.submit(self._load_cache, layer, 0, prefill, kind=f"{stage}_load_cache") \
-                if layer.kind == "block" else None
+            cache = cache_ahead or self._submit_cache_load(layer, 0, prefill)
             hidden = io.submit(self.acts[0].load, kind=f"{stage}_load_hidden") if layer.kind != "embed" else None
             for k in range(nb):
                 h = self._wait(hidden, "load_hidden") if hidden is not None else None
                 kv = self._wait(cache, "load_cache") if cache is not None else None
                 if k + 1 < nb:  # batch k+1's inputs travel while batch k computes
-                    cache = io.submit(self._load_cache, layer, k + 1, prefill, kind=f"{stage}_load_cache") \
-                        if layer.kind == "block" else None
+                    cache = self._submit_cache_load(layer, k + 1, prefill)
                     hidden = io.submit(self.acts[k + 1].load, kind=f"{stage}_load_hidden") \
                         if layer.kind != "embed" else None
+                else:  # the next layer's first cache travels while the last batch computes (its
+                    # hidden state cannot: this layer's compute makes it)
+                    cache_ahead = self._submit_cache_load(layers[j + 1], 0, prefill) if j + 1 < len(layers) else None
                 ids, positions = inputs[k]
                 t0 = time.perf_counter()
                 if layer.kind == "embed":
@@ -174,10 +177,15 @@ class BlockSchedule:
 
     # ---- a transformer block for one GPU batch -------------------------------------------
 
-    def _load_cache(self, layer, k: int, prefill: bool):
-        """Batch k's cache of this layer, each tier's part where its attention will run."""
-        if prefill:
+    def _submit_cache_load(self, layer, k: int, prefill: bool):
+        """A future for batch k's cache of a block layer (None where nothing is read: a
+        prefill attends only to its own keys and values)."""
+        if prefill or layer.kind != "block":
             return None
+        return self.io.submit(self._load_cache, layer, k, kind="decode_load_cache")
+
+    def _load_cache(self, layer, k: int):
+        """Batch k's cache of this layer, each tier's part where its attention will run."""
         slot = self.slots[layer.index, k]
         parts = {}
         for tier in TIERS:
