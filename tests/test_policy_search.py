@@ -133,6 +133,26 @@ def test_cost_terms_of_a_hand_computable_case():
     assert est.throughput == pytest.approx(2 * 3 / est.total_s)
 
 
+def test_disk_overlap_loss_interpolates_between_overlap_and_taking_turns():
+    """CPU-only: with loss 0 a layer costs max(compute, disk), with loss 1 their sum (the
+    cores take turns), and the profile's measured loss sits in between."""
+    policy = Policy(4, 1, cache=Split(0, 0, 1))
+    steps = {}
+    for loss in (0.0, 0.5, 1.0):
+        model = CostModel(OPT13, cpu_profile(disk_overlap_loss={"prefill": loss, "decode": loss}), Workload(256, 16))
+        steps[loss] = model.estimate(policy).decode_step_s
+    free = CostModel(OPT13, cpu_profile(), Workload(256, 16))
+    terms = free.phase_terms(policy, "decode")
+    assert steps[0.0] == pytest.approx(free.estimate(policy).decode_step_s)
+    assert steps[1.0] == pytest.approx(sum(n * (t["compute"] + t["disk_cpu"] + t["cpu_disk"])
+                                           for n, t in zip(free.counts, terms)))
+    assert steps[0.0] < steps[0.5] < steps[1.0]
+    # without overlap the terms are summed already: the loss changes nothing
+    serial = replace(policy, overlap=False)
+    assert CostModel(OPT13, cpu_profile(disk_overlap_loss={"decode": 1.0}), Workload(256, 16)).estimate(
+        serial).decode_step_s == pytest.approx(free.estimate(serial).decode_step_s)
+
+
 def test_profile_json_round_trip(tmp_path):
     prof = replace(gpu_profile(), time_scale={"decode.compute": 1.3}, offload_dir="/tmp/x")
     path = prof.save(tmp_path / "hw.json")

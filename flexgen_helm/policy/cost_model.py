@@ -8,7 +8,9 @@ Per layer and phase the time is the max over five resources, which overlap (Algo
     cpu_disk  disk writes
     compute   linear layers + attention (+ CPU-delegated attention) + dequantization + elementwise
               passes + op overheads; on a CPU-only machine also the two memcpy terms above, which
-              the computing cores make themselves (so they add to compute instead of overlapping)
+              the computing cores make themselves (so they add to compute instead of overlapping),
+              and there disk transfers overlap compute only in part (the same cores serve them:
+              HardwareProfile.disk_overlap_loss), which the compute and disk terms each carry
 
 (the sum instead of the max when the policy turns overlap off). The terms sum over the
 block's GPU batches, except weights, which a layer loads once per step for the whole block.
@@ -263,7 +265,21 @@ class CostModel:
             # take turns with it, not overlap (disk transfers are DMA and do overlap).
             out["compute"] += out["cpu_gpu"] + out["gpu_cpu"]
             out["cpu_gpu"] = out["gpu_cpu"] = 0.0
+            if policy.overlap:
+                self._share_cores_with_disk(out, phase)
         return {t: v * hw.time_scale.get(f"{phase}.{t}", 1.0) for t, v in out.items()}
+
+    def _share_cores_with_disk(self, out: dict[str, float], phase: str) -> None:
+        """Disk transfers and compute on the same few cores (CPU-only): when both run, the
+        profiled fraction `loss` of the shorter does not hide behind the longer. With c the
+        compute and d the disk time, max(c + loss * d, d + loss * c) is that (up to rounding),
+        and each side stays affine in the placement fractions, as the LP needs."""
+        loss = self.hw.disk_overlap_loss.get(phase, 0.0)
+        compute, disk = out["compute"], out["disk_cpu"] + out["cpu_disk"]
+        out["compute"] += loss * disk
+        for term in ("disk_cpu", "cpu_disk"):
+            if out[term]:
+                out[term] += loss * compute
 
     def _attention_and_cache(self, b: dict, policy: Policy, c: dict, gbs: int, nb: int, tokens: int,
                              prefill: bool) -> None:

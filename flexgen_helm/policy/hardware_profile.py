@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -69,6 +70,11 @@ class HardwareProfile:
     disk_read_bytes_per_s: float = 1e9  # page cache bypassed
     disk_write_bytes_per_s: float = 5e8
     disk_read_latency_s: float = 2e-4  # one small O_DIRECT read (a bias, a norm)
+    # phase -> the fraction of the shorter of (disk transfers, compute) that does not hide
+    # behind the longer when both run at once: 0 = perfect overlap, 1 = they take turns.
+    # Measured on a CPU-only machine, where the cores that compute also serve the reads
+    # (a 2-core EPYC: 0.6 beside prefill-sized matmuls, 0.8 beside decode-sized ones)
+    disk_overlap_loss: dict[str, float] = field(default_factory=dict)
     # capacities, bytes
     gpu_mem_bytes: int = 0
     cpu_mem_bytes: int = 0  # total RAM
@@ -273,15 +279,78 @@ def measure_disk(offload_dir: Path, nbytes: int = 256 << 20, chunk: int = 16 << 
     return read_bw, write_bw, min(lat)
 
 
+# activation rows of the linear that runs beside the disk reads, per phase
+OVERLAP_ROWS = {"prefill": 1024, "decode": 4}
+OVERLAP_READ = 4 << 20  # about one layer's KV cache or a slice of its weights
+
+
+def measure_disk_overlap_loss(offload_dir: Path, dtype: torch.dtype, seconds: float = 0.5) -> dict[str, float]:
+    """Per phase, how much of the shorter of (disk reads, linears) fails to overlap the
+    longer when a copy thread reads while the compute threads multiply, as the schedule
+    runs them on a CPU-only machine: each alone for about `seconds`, then both at once."""
+    from flexgen_helm.memory.disk_buffer import DiskBuffer
+
+    nbytes = 128 << 20
+    buf = DiskBuffer(Path(tempfile.mkdtemp(dir=offload_dir, prefix="profile-")) / "overlap.bin", nbytes)
+    try:
+        buf.write(0, torch.randint(0, 255, (nbytes,), dtype=torch.uint8))
+        os.sync()
+
+        def reads(n: int) -> None:
+            for i in range(n):
+                buf.read((i * OVERLAP_READ) % (nbytes - OVERLAP_READ), (OVERLAP_READ,), torch.uint8)
+
+        out = {}
+        for phase, rows in OVERLAP_ROWS.items():
+            x = torch.randn(rows, MATMUL_SHAPE[1]).to(dtype)
+            ws = [torch.randn(MATMUL_SHAPE).to(dtype) for _ in range(1 if rows > MAX_STREAMED_ROWS else 8)]
+
+            def linears(n: int) -> None:
+                for i in range(n):
+                    F.linear(x, ws[i % len(ws)])
+
+            n_mm = _count_for(linears, seconds)
+            n_rd = _count_for(reads, seconds)
+            c, d = _elapsed(linears, n_mm), _elapsed(reads, n_rd)
+            reader = threading.Thread(target=reads, args=(n_rd,))
+            t0 = time.perf_counter()
+            reader.start()
+            linears(n_mm)
+            reader.join()
+            both = time.perf_counter() - t0
+            out[phase] = min(1.0, max(0.0, (both - max(c, d)) / min(c, d)))
+        return out
+    finally:
+        buf.close()
+        shutil.rmtree(buf.path.parent, ignore_errors=True)
+
+
+def _elapsed(fn, n: int) -> float:
+    t0 = time.perf_counter()
+    fn(n)
+    return time.perf_counter() - t0
+
+
+def _count_for(fn, seconds: float) -> int:
+    """How many calls of fn(n) take about `seconds` (after one warm call)."""
+    fn(1)
+    per_call = _elapsed(fn, 2) / 2
+    return max(2, round(seconds / per_call))
+
+
 def measure(offload_dir: str | os.PathLike | None = None, device: str | None = None,
             dtype: str | None = None) -> HardwareProfile:
     from flexgen_helm.engine import default_offload_dir
     from flexgen_helm.memory.devices import pick_devices
+    from flexgen_helm.memory.host_allocator import keep_freed_host_memory
 
     from flexgen_helm.memory.usage import current_rss_bytes
 
     devs = pick_devices(device, dtype)
     baseline = current_rss_bytes()
+    # measure with the engine's allocator setting: without it every big output is fresh pages
+    # (a 4-bit (4096, 2048) weight dequantized at 0.4-0.5 G elements/s instead of 0.9)
+    keep_freed_host_memory()
     offload = Path(offload_dir) if offload_dir else default_offload_dir()
     prof = HardwareProfile(compute_device=devs.compute.type, dtype=str(devs.dtype).replace("torch.", ""))
     prof.devices = {"cpu": measure_device(torch.device("cpu"), devs.dtype)}
@@ -302,6 +371,8 @@ def measure(offload_dir: str | os.PathLike | None = None, device: str | None = N
         prof.gpu_mem_bytes = torch.cuda.get_device_properties(devs.compute).total_memory
 
     prof.disk_read_bytes_per_s, prof.disk_write_bytes_per_s, prof.disk_read_latency_s = measure_disk(offload)
+    if not devs.is_cuda:  # on a GPU machine the GPU computes and the host's cores are free to read
+        prof.disk_overlap_loss = measure_disk_overlap_loss(offload, devs.dtype)
     info = machine_info()
     prof.machine = info
     prof.cpu_mem_bytes = info["ram_bytes"]
@@ -340,6 +411,9 @@ def describe(p: HardwareProfile) -> str:
                      f"gpu->host pinned {p.d2h_pinned_bytes_per_s / gb:.2f}, pageable {p.d2h_pageable_bytes_per_s / gb:.2f} GB/s")
     lines.append(f"disk ({p.offload_dir}, page cache bypassed): read {p.disk_read_bytes_per_s / gb:.2f} GB/s, "
                  f"write {p.disk_write_bytes_per_s / gb:.2f} GB/s, 4 KiB read {p.disk_read_latency_s * 1e3:.2f} ms")
+    if p.disk_overlap_loss:
+        lines.append("disk reads beside compute: " + ", ".join(
+            f"{phase} {loss:.0%} of the shorter not overlapped" for phase, loss in p.disk_overlap_loss.items()))
     lines.append(f"memory: gpu {p.gpu_mem_bytes / gib:.1f} GiB, cpu {p.cpu_mem_bytes / gib:.1f} GiB "
                  f"({p.cpu_available_bytes / gib:.1f} available), disk free {p.disk_free_bytes / gib:.1f} GiB")
     if p.time_scale:
