@@ -35,12 +35,16 @@ NOTES = """## How to read this
 - `load` is the 1-minute load average when a row ran (2 cores; one run alone shows ~1.5-2).
   This host's speed also drifts by tens of percent between minutes without load showing it
   (runs/helm_vs_hf/NOTES.md), so the profile and the rows are taken in one sitting.
-- Where the model is still short (raw predictions too fast; the "decode s meas/pred"
-  columns): decode steps where compute-bound (per-layer Python and copy-engine work of the
-  schedule, which the model charges only as op latencies), more so with the KV cache on
-  disk (many small reads and one-row O_DIRECT writes per step, where the profile measures
-  16 MiB chunks), and most with 4-bit weights (they dequantize slower inside the engine
-  than in the profile's microbenchmark).
+- CPU-only overlap: the cores that compute also serve the disk reads (system calls, page
+  pinning, the copy out of the read buffer), so a read and a linear running at once each go
+  slower. The profile measures how much of the shorter of the two fails to hide behind the
+  longer (`disk_overlap_loss`, per phase, printed by `flexgen-helm profile`) and the cost model
+  charges it to both sides; before, the rows with the KV cache on disk were predicted ~30% too
+  fast. The next layer's first cache read is also started while the last GPU batch computes
+  (Algorithm 1), where the schedule used to read it only when the layer began.
+- Where the model is still short: decode with several GPU batches per block (ram-2x4) is
+  predicted faster than measured: per-(layer x GPU batch) Python and copy-engine work that the
+  model charges only as op latencies.
 - Memory: the gpu/cpu/disk columns are the engine's own accounting (TierUsage: weight homes
   on gpu and cpu, KV cache, activations; disk-tier weights stay in the weight store, the
   whole model, not counted there). "pred host" adds the compute side's working set (two
