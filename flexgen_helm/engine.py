@@ -133,8 +133,12 @@ class Engine:
         for block in plan_blocks([len(s.prompt) for s in seqs], self.policy):
             runner.generate([[seqs[i] for i in group] for group in block])
 
-    def score(self, prompts, top_logprobs: int = 0, as_decode: bool = False) -> list[ScoreResult]:
+    def score(self, prompts, top_logprobs: int = 0, as_decode: bool = False,
+              first_scored: list[int] | None = None) -> list[ScoreResult]:
         """log p of every prompt token given the ones before it (HELM's echo, max_tokens=0).
+
+        first_scored[i]: score prompt i's tokens from this index on (e.g. only a LAMBADA
+        passage's last word); the earlier ones get nan and no top entries, and cost no head.
 
         as_decode: score each token as if the engine had generated it, attending through the
         KV cache (compressed and sparse as the policy says), instead of the fresh keys and
@@ -142,6 +146,9 @@ class Engine:
         ids = self.encode(prompts)
         for i, p in enumerate(ids):
             self._check_length(i, len(p), 0)
+        firsts = list(first_scored) if first_scored is not None else [1] * len(ids)
+        if len(firsts) != len(ids) or any(not 1 <= f <= len(p) for f, p in zip(firsts, ids)):
+            raise FlexGenError("first_scored needs one index per prompt, each from 1 to the prompt's token count")
         out: list[ScoreResult | None] = [None] * len(ids)
         with self._lock:
             stats = RunStats(sequences=len(ids))
@@ -149,7 +156,8 @@ class Engine:
                 runner = BlockRunner(self.runtime, self.policy, self.decode, Path(workdir), stats)
                 for block in plan_blocks([len(p) for p in ids], self.policy):
                     flat = [i for group in block for i in group]
-                    for i, (lps, top) in zip(flat, runner.score([ids[i] for i in flat], top_logprobs, as_decode)):
+                    for i, (lps, top) in zip(flat, runner.score([ids[i] for i in flat], top_logprobs, as_decode,
+                                                                  [firsts[i] for i in flat])):
                         out[i] = ScoreResult(token_ids=ids[i], logprobs=lps, top_logprobs=top)
             self._finish_stats(stats)
         return out

@@ -3,9 +3,12 @@ CPU delegation gives the same tokens, and (in fp32) the same log-probs to roundi
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from flexgen_helm.engine import Engine
+from flexgen_helm.errors import FlexGenError
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.policy import Policy, Split
 
@@ -68,3 +71,20 @@ def test_placement_is_honest(tiny_opt, tmp_path):
     assert frac["gpu"] == pytest.approx(0.2, abs=0.02)
     assert frac["cpu"] == pytest.approx(0.5, abs=0.02)
     assert frac["disk"] == pytest.approx(0.3, abs=0.02)
+
+
+def test_scoring_from_a_position_returns_those_logprobs_and_nothing_before(tiny_llama, tmp_path):
+    """first_scored (LAMBADA's last word): the same log-probs and top entries as a full
+    score from that token on, nan and no entries before it, whatever the padding."""
+    engine = Engine.load(str(tiny_llama), Policy(gpu_batch_size=4, num_gpu_batches=2), dtype="float32", device="cpu",
+                         offload_dir=tmp_path, progress=False)
+    full = engine.score(PROMPTS, top_logprobs=2)
+    firsts = [max(1, len(p) - 2) for p in PROMPTS]
+    part = engine.score(PROMPTS, top_logprobs=2, first_scored=firsts)
+    for f, whole, some in zip(firsts, full, part):
+        assert all(math.isnan(x) for x in some.logprobs[:f])
+        assert some.logprobs[f:] == pytest.approx(whole.logprobs[f:], abs=1e-5)
+        assert all(top == {} for top in some.top_logprobs[:f])
+        assert [list(t) for t in some.top_logprobs[f:]] == [list(t) for t in whole.top_logprobs[f:]]
+    with pytest.raises(FlexGenError, match="first_scored"):
+        engine.score(PROMPTS[:2], first_scored=[1, 3])  # the second prompt has 2 tokens

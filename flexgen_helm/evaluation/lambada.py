@@ -86,7 +86,9 @@ def evaluate(engine, items: list[Item], chunk: int, progress: bool = True, as_de
         results = resume.get(keys)
         if results is None:
             results = []
-            for i, r in zip(idx, engine.score([items[i].full for i in idx], top_logprobs=1, as_decode=as_decode)):
+            scored = engine.score([items[i].full for i in idx], top_logprobs=1, as_decode=as_decode,
+                                  first_scored=[len(items[i].context) for i in idx])  # the last word only
+            for i, r in zip(idx, scored):
                 k = len(items[i].context)
                 # top_logprobs[j] holds the argmax predicting token j (ties: one of them)
                 argmax = [next(iter(top)) for top in r.top_logprobs[k:]]

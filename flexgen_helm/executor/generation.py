@@ -164,18 +164,24 @@ class BlockRunner:
 
     # ---- scoring (echo) -----------------------------------------------------------------
 
-    def score(self, prompts: list[list[int]], top_k: int,
-              as_decode: bool = False) -> list[tuple[list[float], list[dict] | None]]:
-        """Per prompt: log p(token_i | tokens_<i) for each token (the first: nan); as_decode:
+    def score(self, prompts: list[list[int]], top_k: int, as_decode: bool = False,
+              first_scored: list[int] | None = None) -> list[tuple[list[float], list[dict] | None]]:
+        """Per prompt: log p(token_i | tokens_<i) for each token from first_scored[i] on
+        (default 1; earlier tokens, the first always: nan, and no top entries); as_decode:
         see BlockSchedule.prefill."""
+        firsts = first_scored or [1] * len(prompts)
         groups = [list(range(i, min(i + self.policy.gpu_batch_size, len(prompts))))
                   for i in range(0, len(prompts), self.policy.gpu_batch_size)]
         sched = self.schedule([[prompts[i] for i in g] for g in groups], max(len(p) for p in prompts))
         length = sched.batches[0].ids.shape[1]
+        # column c of a left-padded row predicts its token c + 1
+        wanted = [torch.arange(length - 1)[None, :] >= torch.tensor(
+            [length - len(prompts[i]) + firsts[i] - 1 for i in g])[:, None] for g in groups]
         try:
             t0 = time.perf_counter()
-            per_batch = sched.prefill(lambda k, w, h: self._all_positions_head(sched.batches[k], w, h, top_k),
-                                      as_decode=as_decode)
+            per_batch = sched.prefill(
+                lambda k, w, h: self._scored_positions_head(sched.batches[k], w, h, top_k, wanted[k]),
+                as_decode=as_decode)
             self.stats.prefill_s += time.perf_counter() - t0
             self.stats.add_timers(sched.timers)
         finally:
@@ -189,21 +195,34 @@ class BlockRunner:
                 out.append((row, top))
         return out
 
-    def _all_positions_head(self, batch: GpuBatch, w: dict, h: torch.Tensor, top_k: int, chunk: int = 128):
-        """Log-probs of each next prompt token, computed a chunk of positions at a time so
-        that the (positions x vocabulary) logits never exist all at once."""
+    def _scored_positions_head(self, batch: GpuBatch, w: dict, h: torch.Tensor, top_k: int, wanted: torch.Tensor,
+                               rows_per_chunk: int = 256):
+        """Log-probs of the wanted next tokens ((b, s-1) mask), through the head a chunk of
+        positions at a time: padding and unwanted positions never reach the vocabulary-wide
+        head, and the (positions x vocabulary) logits never exist all at once."""
         b, s = batch.ids.shape
-        targets = batch.ids[:, 1:].to(h.device)
-        lps = torch.empty(b, s - 1)
-        tops = [[] for _ in range(b)] if top_k else None
-        for c0 in range(0, s - 1, chunk):
-            c1 = min(c0 + chunk, s - 1)
-            logp = F.log_softmax(self.rt.family.head(self.rt.config, w, h[:, c0:c1]).float(), dim=-1)
-            lps[:, c0:c1] = logp.gather(-1, targets[:, c0:c1, None])[..., 0].cpu()
+        mask = wanted.to(h.device)
+        hidden = h[:, :-1][mask]  # (n, hidden)
+        targets = batch.ids[:, 1:].to(h.device)[mask]
+        picked = torch.empty(len(targets))
+        top_vals, top_ids = [], []
+        for c0 in range(0, len(targets), rows_per_chunk):
+            c1 = min(c0 + rows_per_chunk, len(targets))
+            logits = self.rt.family.head(self.rt.config, w, hidden[None, c0:c1])[0].float()
+            norm = torch.logsumexp(logits, dim=-1)
+            picked[c0:c1] = (logits.gather(-1, targets[c0:c1, None])[:, 0] - norm).cpu()
             if top_k:
-                vals, idx = logp.topk(top_k, dim=-1)
-                for r in range(b):
-                    tops[r] += [{int(i): float(v) for v, i in zip(vr, ir)} for vr, ir in zip(vals[r], idx[r])]
+                vals, idx = logits.topk(top_k, dim=-1)
+                top_vals.append((vals - norm[:, None]).cpu())
+                top_ids.append(idx.cpu())
+        lps = torch.full((b, s - 1), math.nan)
+        lps[wanted] = picked
+        if not top_k:
+            return lps, None
+        tops = [[{} for _ in range(s - 1)] for _ in range(b)]
+        rows, cols = wanted.nonzero(as_tuple=True)
+        for r, c, vals, idx in zip(rows.tolist(), cols.tolist(), torch.cat(top_vals).tolist(), torch.cat(top_ids).tolist()):
+            tops[r][c] = dict(zip(idx, vals))
         return lps, tops
 
 
