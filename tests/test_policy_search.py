@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from flexgen_helm.cli import build_parser, main, policy_from_args
@@ -15,10 +16,11 @@ from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.models.config import ModelConfig
 from flexgen_helm.models.opt import config_for_size
 from flexgen_helm.policy import Compression, Policy, Split
-from flexgen_helm.policy.cost_model import CostModel, Workload
+from flexgen_helm.policy.cost_model import TERMS, CostModel, Workload
 from flexgen_helm.policy.hardware_profile import DeviceSpeeds, HardwareProfile, default_profile_path
 from flexgen_helm.policy.refit import refit
-from flexgen_helm.policy.search import NF, Budgets, SearchOptions, default_budgets, search, shortfalls, solve_lp
+from flexgen_helm.policy.search import (NF, Budgets, SearchOptions, _time_rows, default_budgets, search, shortfalls,
+                                       solve_lp)
 
 from conftest import save_tiny
 
@@ -147,6 +149,12 @@ def test_disk_overlap_loss_interpolates_between_overlap_and_taking_turns():
     assert steps[1.0] == pytest.approx(sum(n * (t["compute"] + t["disk_cpu"] + t["cpu_disk"])
                                            for n, t in zip(free.counts, terms)))
     assert steps[0.0] < steps[0.5] < steps[1.0]
+    # the LP reads each term as an affine function of the fractions: it must be one
+    lossy = CostModel(OPT13, cpu_profile(disk_overlap_loss={"prefill": 0.7, "decode": 0.7}), Workload(256, 16))
+    mixed = Policy(4, 1, cache=Split(0.7, 0, 0.3), activations=Split(0.6, 0.2, 0.2))
+    base, slopes = _time_rows(lossy, mixed, "decode")
+    x = np.array([0, 0, 0, 0.7, 0, 0.3, 0.6, 0.2, 0.2])
+    assert [lt[t] for lt in lossy.phase_terms(mixed, "decode") for t in TERMS] == pytest.approx(base + slopes @ x)
     # without overlap the terms are summed already: the loss changes nothing
     serial = replace(policy, overlap=False)
     assert CostModel(OPT13, cpu_profile(disk_overlap_loss={"decode": 1.0}), Workload(256, 16)).estimate(

@@ -277,9 +277,10 @@ class CostModel:
         loss = self.hw.disk_overlap_loss.get(phase, 0.0)
         compute, disk = out["compute"], out["disk_cpu"] + out["cpu_disk"]
         out["compute"] += loss * disk
-        for term in ("disk_cpu", "cpu_disk"):
-            if out[term]:
-                out[term] += loss * compute
+        # unconditionally (a guard on disk traffic would break affinity): with none, a disk
+        # term is loss * compute <= compute and never the max
+        out["disk_cpu"] += loss * compute
+        out["cpu_disk"] += loss * compute
 
     def _attention_and_cache(self, b: dict, policy: Policy, c: dict, gbs: int, nb: int, tokens: int,
                              prefill: bool) -> None:
@@ -351,7 +352,8 @@ class CostModel:
     def _peak_bytes(self, policy: Policy) -> dict[str, dict[str, float]]:
         """phase -> tier -> bytes: weight homes + KV cache + activations (as the engine accounts
         them, memory/budget.planned_components) + the compute side's working set: two layers of
-        loaded weights (the one in use and the one prefetched), one GPU batch's intermediate
+        loaded weights (the one in use and the one prefetched), the K and V of a GPU batch read
+        off the cpu/disk tiers for two layers (decode), one GPU batch's intermediate
         activations and attention mask, the head's logits."""
         cfg, elt, work = self.cfg, self.elt, self.work
         gbs, nb = policy.gpu_batch_size, policy.num_gpu_batches
@@ -360,6 +362,11 @@ class CostModel:
                         for lw in lws]
         dense_layer = max(lw.dense_numel for lw in lws) * elt  # a compressed layer, dequantized for use
         working_weights = 2 * (max(not_in_place) + dense_layer)  # the layer in use and the one prefetched
+        _, c, _ = Fractions.of(policy).splits()
+        moved = c["disk"] + (c["cpu"] if self.hw.is_cuda and not policy.cpu_cache_compute else 0.0)
+        # a GPU batch's cache of one layer read off its tier (in use, and the next one prefetched)
+        loaded_cache = 2 * 2 * cache_nbytes(work.max_len, gbs * cfg.num_kv_heads, cfg.head_dim, self.dtype,
+                                            policy.compress_cache) * moved
         out = {}
         for phase in PHASES:
             tokens = work.prompt_len if phase == "prefill" else 1
@@ -369,7 +376,7 @@ class CostModel:
             scores = gbs * cfg.num_heads * tokens * keys * ATTENTION_MASK_BYTES
             logits = gbs * nb * cfg.vocab_size * 4  # fp32, the last position of every sequence
             tiers = {t: float(sum(part[t] for part in placed.values())) for t in TIERS}
-            tiers["gpu"] += working_weights + inner + scores + logits
+            tiers["gpu"] += working_weights + inner + scores + logits + (loaded_cache if phase == "decode" else 0.0)
             out[phase] = tiers
         return out
 
@@ -390,7 +397,7 @@ class CostModel:
             terms[phase] = {t: sum(n * lt[t] for n, lt in zip(self.counts, per_layer)) for t in TERMS}
             dominant = {t: 0.0 for t in TERMS}  # time of the layers each term is the max of
             for n, lt in zip(self.counts, per_layer):
-                top = max(lt, key=lt.get)
+                top = max(reversed(TERMS), key=lt.get)  # a tie (disk_overlap_loss 1, no disk) is compute
                 dominant[top] += n * lt[top]
             bottleneck[phase] = max(dominant, key=dominant.get)
         n = self.work.gen_len

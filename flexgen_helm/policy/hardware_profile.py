@@ -291,8 +291,10 @@ def measure_disk_overlap_loss(offload_dir: Path, dtype: torch.dtype, seconds: fl
     from flexgen_helm.memory.disk_buffer import DiskBuffer
 
     nbytes = 128 << 20
-    buf = DiskBuffer(Path(tempfile.mkdtemp(dir=offload_dir, prefix="profile-")) / "overlap.bin", nbytes)
+    folder = Path(tempfile.mkdtemp(dir=offload_dir, prefix="profile-"))
+    buf = None
     try:
+        buf = DiskBuffer(folder / "overlap.bin", nbytes)
         buf.write(0, torch.randint(0, 255, (nbytes,), dtype=torch.uint8))
         os.sync()
 
@@ -321,8 +323,9 @@ def measure_disk_overlap_loss(offload_dir: Path, dtype: torch.dtype, seconds: fl
             out[phase] = min(1.0, max(0.0, (both - max(c, d)) / min(c, d)))
         return out
     finally:
-        buf.close()
-        shutil.rmtree(buf.path.parent, ignore_errors=True)
+        if buf is not None:
+            buf.close()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _elapsed(fn, n: int) -> float:
