@@ -86,6 +86,8 @@ def test_scoring_from_a_position_returns_those_logprobs_and_nothing_before(tiny_
         assert some.logprobs[f:] == pytest.approx(whole.logprobs[f:], abs=1e-5)
         assert all(top == {} for top in some.top_logprobs[:f])
         assert [list(t) for t in some.top_logprobs[f:]] == [list(t) for t in whole.top_logprobs[f:]]
+        for got, want in zip(some.top_logprobs[f:], whole.top_logprobs[f:]):
+            assert list(got.values()) == pytest.approx(list(want.values()), abs=1e-5)
     one_token = engine.score([[5], [7]], top_logprobs=2)  # nothing to score: no head at all
     assert [(r.logprobs, r.top_logprobs) for r in one_token] == [([pytest.approx(math.nan, nan_ok=True)], [{}])] * 2
     with pytest.raises(FlexGenError, match="first_scored"):

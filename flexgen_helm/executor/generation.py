@@ -164,19 +164,18 @@ class BlockRunner:
 
     # ---- scoring (echo) -----------------------------------------------------------------
 
-    def score(self, prompts: list[list[int]], top_k: int, as_decode: bool = False,
-              first_scored: list[int] | None = None) -> list[tuple[list[float], list[dict] | None]]:
-        """Per prompt: log p(token_i | tokens_<i) for each token from first_scored[i] on
-        (default 1; earlier tokens, the first always: nan, and no top entries); as_decode:
-        see BlockSchedule.prefill."""
-        firsts = first_scored or [1] * len(prompts)
+    def score(self, prompts: list[list[int]], top_k: int, as_decode: bool,
+              first_scored: list[int]) -> list[tuple[list[float], list[dict] | None]]:
+        """Per prompt: log p(token_i | tokens_<i) for each token from first_scored[i] (>= 1)
+        on (earlier tokens, the first always: nan, and no top entries); as_decode: see
+        BlockSchedule.prefill."""
         groups = [list(range(i, min(i + self.policy.gpu_batch_size, len(prompts))))
                   for i in range(0, len(prompts), self.policy.gpu_batch_size)]
         sched = self.schedule([[prompts[i] for i in g] for g in groups], max(len(p) for p in prompts))
         length = sched.batches[0].ids.shape[1]
         # column c of a left-padded row predicts its token c + 1
         wanted = [torch.arange(length - 1)[None, :] >= torch.tensor(
-            [length - len(prompts[i]) + firsts[i] - 1 for i in g])[:, None] for g in groups]
+            [length - len(prompts[i]) + first_scored[i] - 1 for i in g])[:, None] for g in groups]
         try:
             t0 = time.perf_counter()
             per_batch = sched.prefill(
