@@ -11,7 +11,7 @@ import pytest
 
 from flexgen_helm.bench import breakdown
 from flexgen_helm.cli import main
-from flexgen_helm.report import accuracy, breakdown as breakdown_report, frontier, helm_runs
+from flexgen_helm.report import accuracy, breakdown as breakdown_report, frontier, helm_runs, placement
 from flexgen_helm.report.build import build_report
 from flexgen_helm.report.demo import helm_command, run_entries
 from flexgen_helm.report.markdown import table
@@ -22,6 +22,9 @@ FP = {"gpu_batch_size": 4, "num_gpu_batches": 2, "weights": {"gpu": 1.0, "cpu": 
       "compress_cache": None, "attn_sparsity": 1.0}
 Q4 = {**FP, "compress_weight": {"bits": 4, "group_size": 64, "group_dim": None},
       "compress_cache": {"bits": 4, "group_size": 64, "group_dim": None}}
+GIB = 2**30
+Q4_MEMORY = {"tiers": {"gpu": {"peak_bytes": GIB // 2}, "cpu": {"peak_bytes": GIB // 4}, "disk": {"peak_bytes": 0}},
+             "placement": {"weight_bytes": {"gpu": 0, "cpu": 0, "disk": 3 * GIB // 2}}, "cpu_peak_rss_bytes": 2 * GIB}
 
 
 def _request(instance: str, prompt: int, gen: int, batch: dict) -> dict:
@@ -71,7 +74,8 @@ def fixture_dirs(tmp_path) -> tuple[Path, Path]:
         (runs / "bench" / f"{i}.json").write_text(json.dumps({
             "label": label, "model": "m", "policy": pol, "policy_summary": "p", "effective_batch_size": batch,
             "prompt_len": 32, "gen_len": 8, "total_latency_s": lat, "total_throughput": thr,
-            "prefill_latency_s": 2.0, "decode_latency_s": 3.0, "timers": timers, "breakdown": breakdown(timers)}))
+            "prefill_latency_s": 2.0, "decode_latency_s": 3.0, "timers": timers, "breakdown": breakdown(timers),
+            **({"memory": Q4_MEMORY} if pol is Q4 else {})}))
     for name, pol, task, metrics, counts, limit in [
         ("fp-lambada", FP, "lambada", {"accuracy": 0.4}, {"passages": 100}, None),
         ("fp-lambada-lim", FP, "lambada", {"accuracy": 0.9}, {"passages": 10}, 10),
@@ -138,6 +142,11 @@ def test_frontier_ablation_breakdown(fixture_dirs):
     assert row["other (s)"] == pytest.approx(3.0 - 2.0 - 0.25 - 0.25 - 0.2)
     overlapped = bd[bd["overlap"]].iloc[0]
     assert pd.isna(overlapped["other (s)"])  # parts overlap: no remainder to speak of
+    placed = placement.placement_table(benches)
+    assert len(placed) == 1  # only the record that carries its memory use
+    q4 = placed.iloc[0]
+    assert q4["compression"] == "W4 g64 + KV4 g64" and q4["weights disk (GiB)"] == 1.5 and q4["weights gpu (GiB)"] == 0
+    assert q4["peak cpu (GiB)"] == 0.25 and q4["RSS peak (GiB)"] == 2.0
 
 
 def test_report_files(fixture_dirs, tmp_path):
@@ -145,10 +154,10 @@ def test_report_files(fixture_dirs, tmp_path):
     out = tmp_path / "out"
     assert main(["report", str(suite), "--runs-dir", str(runs), "--out", str(out)]) == 0
     text = (out / "report.md").read_text()
-    for heading in ("Table 25", "Table 5", "Figure 1", "Table 23", "Table 6"):
+    for heading in ("Table 25", "Table 5", "Figure 1", "Table 23", "per tier", "Table 6"):
         assert heading in text
     assert "| lambada | flexgen/m | 3 | 24 | 28 | 12 | 12 | 3 | 13.33 | 12 | 0.9 |" in text
-    for name in ("helm_runs.csv", "accuracy_eval.csv", "accuracy_helm.csv", "frontier.csv", "breakdown.csv",
+    for name in ("helm_runs.csv", "accuracy_eval.csv", "accuracy_helm.csv", "frontier.csv", "breakdown.csv", "placement.csv",
                  "ablation.csv", "helm_throughput.png", "accuracy_eval.png", "accuracy_helm.png", "frontier.png",
                  "breakdown.png"):
         assert (out / name).stat().st_size > 0, name

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from flexgen_helm.report import accuracy, breakdown, frontier, helm_runs, plots, records
+from flexgen_helm.report import accuracy, breakdown, frontier, helm_runs, placement, plots, records
 from flexgen_helm.report.markdown import fmt, table
 
 HELM_SHOWN = ["scenario", "deployment", "instances", "prompt tok", "prompt tok (padded)", "output tok",
@@ -41,6 +41,7 @@ def build_report(suite_dir: str | Path, runs_dir: str | Path = "runs", out: str 
     md += _accuracy_section(evals, helm, out)
     md += _frontier_section(benches, out)
     md += _breakdown_section(benches, out)
+    md += _placement_section(benches, out)
     md += _ablation_section(benches, out)
     path = out / "report.md"
     path.write_text("\n".join(md))
@@ -124,6 +125,18 @@ def _breakdown_section(benches: list[dict], out: Path) -> list[str]:
     md += ["Seconds per stage, timed per kind of event; with overlap off they add up to the stage's time "
            "(other: sampling, softmax, Python), with overlap on transfers ran beside compute.\n",
            table(df), _csv(df, out, "breakdown.csv"), _img(plots.breakdown(df, out / "breakdown.png"), "breakdown")]
+    return md
+
+
+def _placement_section(benches: list[dict], out: Path) -> list[str]:
+    md = ["## Placement and memory per tier\n"]
+    df = placement.placement_table(benches)
+    if df.empty:
+        return md + ["No bench record carries its memory use: `flexgen-helm bench ... --json runs/bench/X.json`.\n"]
+    md += ["Weights as placed on each tier (compressed bytes under weight compression). Peak: the most the "
+           "engine's bookkeeping held on a tier at once (weight homes on gpu/cpu, KV cache, activations; not "
+           "the working copies of the layers in use, nor the weight store on disk). RSS: the whole process.\n",
+           table(df), _csv(df, out, "placement.csv")]
     return md
 
 
