@@ -86,6 +86,22 @@ def test_error_bound(bits, G, group_dim, dtype):
     assert torch.equal(fake_quantize(x, Compression(bits, G), group_dim), dequantize(q))
 
 
+@pytest.mark.parametrize("shape,group_dim", [((203, 37), 0), ((203, 37), 1), ((9, 5, 70), 2), ((150,), 0), ((0, 8), 1)])
+@pytest.mark.parametrize("chunk_elements", [1, 100, 1 << 30])
+def test_blocks_of_rows_give_the_same_bytes_as_the_whole(shape, group_dim, chunk_elements):
+    """quantize and dequantize work on blocks of rows to bound their float32 copies; any
+    block size stores and returns exactly what the whole tensor at once does."""
+    x = torch.randn(shape, dtype=torch.bfloat16)
+    cfg = Compression(4, 16)
+    whole = quantize(x, cfg, group_dim, chunk_elements=1 << 30)
+    blocked = quantize(x, cfg, group_dim, chunk_elements=chunk_elements)
+    assert blocked.shape == whole.shape
+    for a, b in zip(whole.parts, blocked.parts):
+        assert torch.equal(a, b)
+    for dtype in (torch.bfloat16, torch.float32):
+        assert torch.equal(dequantize(whole, dtype, chunk_elements=chunk_elements), dequantize(whole, dtype, chunk_elements=1 << 30))
+
+
 def test_scale_is_range_over_levels():
     x = torch.tensor([[0.0, 1.0, 2.0, 3.0, 15.0], [1.0, 1.0, 1.0, 1.0, 1.0]])
     q = quantize(x, Compression(4, 5), 1)

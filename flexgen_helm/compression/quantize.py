@@ -39,6 +39,7 @@ Conventions for which dimension forms the groups (FlexGen's reference code):
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,11 @@ from flexgen_helm.policy.policy import Compression
 WEIGHT_GROUP_DIM = 0  # torch Linear (out, in): consecutive output channels
 CACHE_GROUP_DIM = 2  # KV cache (max_len, batch * kv_heads, head_dim): the head dim
 
+# Elements per block of rows that quantize and dequantize work on: bounds their float32
+# working copies (a few of this size, 64 MiB each). Smaller blocks measured slower on the
+# CPU (more, smaller ops) without saving anything that matters; a layer's projections of a
+# ~1B model fit in one block, and a big embedding or a 175B model's MLP takes several.
+CHUNK_ELEMENTS = 1 << 24
 _INT_VIEW = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # float itemsize -> same-size int
 
 
@@ -210,18 +216,42 @@ def _round_up_to(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(out.to(s.dtype) < s, bumped, out)
 
 
-def quantize(x: torch.Tensor, cfg: Compression, group_dim: int) -> QuantizedTensor:
-    """Quantize a floating-point tensor group-wise along `group_dim` (layout: module doc)."""
+def row_blocks(shape, group_dim: int, group_size: int, chunk_elements: int = CHUNK_ELEMENTS) -> list[tuple[int, int]]:
+    """Ranges of dim 0 of about chunk_elements elements each; whole groups when dim 0 is
+    the group dim, so that each block quantizes exactly as it does inside the whole."""
+    rows = shape[0]
+    per_row = max(1, math.prod(shape[1:]))
+    step = max(1, chunk_elements // per_row)
+    if group_dim == 0:
+        step = max(group_size, step // group_size * group_size)
+    return [(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+def quantize(x: torch.Tensor, cfg: Compression, group_dim: int,
+             chunk_elements: int = CHUNK_ELEMENTS) -> QuantizedTensor:
+    """Quantize a floating-point tensor group-wise along `group_dim` (layout: module doc).
+    Works on blocks of rows, so the float32 working copies stay small whatever the
+    tensor's size (a 175B model's embedding would otherwise need ~10 GB of them)."""
     cfg.validate("compression")
     if not x.is_floating_point():
         raise TypeError(f"quantize takes a floating-point tensor, got {x.dtype}")
     if x.dim() == 0:
         raise ValueError("quantize takes a tensor with at least one dimension")
-    bits, G = cfg.bits, cfg.group_size
     gd = group_dim % x.dim()
-    n = x.shape[gd]
-    if n == 0:
+    if x.shape[gd] == 0:
         raise ValueError(f"cannot quantize an empty group dimension (shape {tuple(x.shape)})")
+    blocks = row_blocks(x.shape, gd, cfg.group_size, chunk_elements)
+    if len(blocks) <= 1:  # one block, or no rows at all
+        return _quantize_block(x, cfg, gd)
+    # every stored part keeps dim 0 (as rows, or as whole groups of rows), so blocks concatenate
+    parts = [_quantize_block(x[start:end], cfg, gd) for start, end in blocks]
+    return dataclasses.replace(parts[0], shape=tuple(x.shape),
+                               **{name: torch.cat([getattr(p, name) for p in parts]) for name in ("data", "scale", "min")})
+
+
+def _quantize_block(x: torch.Tensor, cfg: Compression, gd: int) -> QuantizedTensor:
+    bits, G = cfg.bits, cfg.group_size
+    n = x.shape[gd]
     ng = -(-n // G)
     levels = (1 << bits) - 1
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -263,9 +293,18 @@ def codes_of(q: QuantizedTensor) -> torch.Tensor:
     return codes.flatten(-2)[..., : q.shape[gd]].movedim(-1, gd)
 
 
-def dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+def dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None,
+               chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
     """min + code * scale, in the original shape; computed in float32 (float64 for float64
-    tensors), then cast to `dtype` (default: the original dtype)."""
+    tensors), then cast to `dtype` (default: the original dtype). Block by block of rows
+    into the output, so the float32 working copies stay small."""
+    out = torch.empty(q.shape, dtype=dtype or q.dtype, device=q.device)
+    for start, end in row_blocks(q.shape, q.group_dim, q.group_size, chunk_elements):
+        _dequantize_block(q.narrow(0, start, end - start), out[start:end])
+    return out
+
+
+def _dequantize_block(q: QuantizedTensor, out: torch.Tensor) -> None:
     gd = q.group_dim
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     # Unpack, then move each group's codes next to its group index while still uint8, so
@@ -273,8 +312,7 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Te
     codes = unpack(q.data, q.bits, q.group_size).movedim(-1, gd + 1).contiguous()
     x = codes.to(work)
     x.mul_(q.scale.unsqueeze(gd + 1).to(work)).add_(q.min.unsqueeze(gd + 1).to(work))  # plain, unfused
-    x = x.flatten(gd, gd + 1).narrow(gd, 0, q.shape[gd])
-    return x.to(dtype or q.dtype).contiguous()
+    out.copy_(x.flatten(gd, gd + 1).narrow(gd, 0, q.shape[gd]))
 
 
 def fake_quantize(x: torch.Tensor, cfg: Compression, group_dim: int) -> torch.Tensor:
