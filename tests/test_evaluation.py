@@ -198,3 +198,21 @@ def test_interrupted_eval_resumes_where_it_stopped(tiny_llama, tmp_path, data_di
     partial.write_text('{"fingerprint": {"task": "other"}}\n{"window:0": [0.0, 63]}\n')
     assert run_cli(tiny_llama, tmp_path, *args)["resumed_results"] == 0
     assert (tmp_path / "r.json.partial.jsonl.stale").exists()
+
+
+def test_accuracy_findings_rank_weight_groupings_from_the_records():
+    """The sweep report's grouping finding is computed from the records: it names the
+    better dim-0 group size, says when the two metrics disagree, and only for complete scopes."""
+    from flexgen_helm.evaluation.report import findings
+
+    def rec(ppl, acc):
+        return {"wikitext": {"metrics": {"token_perplexity": ppl}}, "lambada": {"metrics": {"accuracy": acc}}}
+
+    runs = {("w4-g64", "full"): rec(40.0, 0.20), ("w4-g32-d0", "full"): rec(30.0, 0.22),
+            ("w4-g64-d1", "full"): rec(35.0, 0.21), ("w4-g32-d1", "full"): rec(25.0, 0.27),
+            ("w4-g64", "lim"): rec(40.0, 0.20)}
+    text = [f for f in findings(runs) if f.startswith("Grouping")]
+    assert len(text) == 1 and 'scope "full"' in text[0]  # "lim" lacks three of the rows
+    assert "g32 gives the lower perplexity." in text[0] and "Dim 1 gives the lower perplexity at both" in text[0]
+    runs[("w4-g32-d0", "full")] = rec(30.0, 0.15)
+    assert "moves the other way (0.1500 vs 0.2000)" in [f for f in findings(runs) if f.startswith("Grouping")][0]
