@@ -216,3 +216,6 @@ def test_accuracy_findings_rank_weight_groupings_from_the_records():
     assert "g32 gives the lower perplexity." in text[0] and "Dim 1 gives the lower perplexity at both" in text[0]
     runs[("w4-g32-d0", "full")] = rec(30.0, 0.15)
     assert "moves the other way (0.1500 vs 0.2000)" in [f for f in findings(runs) if f.startswith("Grouping")][0]
+    runs[("w4-g64-d1", "full")] = rec(45.0, 0.21)
+    assert "does not win at every size (g64: 45.000 along dim 1 vs 40.000" in [
+        f for f in findings(runs) if f.startswith("Grouping")][0]
