@@ -296,15 +296,21 @@ def codes_of(q: QuantizedTensor) -> torch.Tensor:
 def dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None,
                chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
     """min + code * scale, in the original shape; computed in float32 (float64 for float64
-    tensors), then cast to `dtype` (default: the original dtype). Block by block of rows
-    into the output, so the float32 working copies stay small."""
-    out = torch.empty(q.shape, dtype=dtype or q.dtype, device=q.device)
-    for start, end in row_blocks(q.shape, q.group_dim, q.group_size, chunk_elements):
-        _dequantize_block(q.narrow(0, start, end - start), out[start:end])
+    tensors), then cast to `dtype` (default: the original dtype). A tensor of several
+    blocks of rows is done block by block into the output, so the float32 working copies
+    stay small."""
+    dtype = dtype or q.dtype
+    blocks = row_blocks(q.shape, q.group_dim, q.group_size, chunk_elements)
+    if len(blocks) <= 1:  # the common case: cast once, no copy when it is float32 already
+        return _dequantize_block(q).to(dtype).contiguous()
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    for start, end in blocks:
+        out[start:end].copy_(_dequantize_block(q.narrow(0, start, end - start)))
     return out
 
 
-def _dequantize_block(q: QuantizedTensor, out: torch.Tensor) -> None:
+def _dequantize_block(q: QuantizedTensor) -> torch.Tensor:
+    """The values in the working dtype (a view that drops the group padding)."""
     gd = q.group_dim
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     # Unpack, then move each group's codes next to its group index while still uint8, so
@@ -312,7 +318,7 @@ def _dequantize_block(q: QuantizedTensor, out: torch.Tensor) -> None:
     codes = unpack(q.data, q.bits, q.group_size).movedim(-1, gd + 1).contiguous()
     x = codes.to(work)
     x.mul_(q.scale.unsqueeze(gd + 1).to(work)).add_(q.min.unsqueeze(gd + 1).to(work))  # plain, unfused
-    out.copy_(x.flatten(gd, gd + 1).narrow(gd, 0, q.shape[gd]))
+    return x.flatten(gd, gd + 1).narrow(gd, 0, q.shape[gd])
 
 
 def fake_quantize(x: torch.Tensor, cfg: Compression, group_dim: int) -> torch.Tensor:

@@ -106,44 +106,49 @@ def _accuracy_section(evals: list[dict], helm_df: pd.DataFrame, out: Path) -> li
     return md
 
 
-def _frontier_section(benches: list[dict], out: Path) -> list[str]:
-    md = ["## Latency-throughput trade-off (paper Figure 1)\n"]
-    df = frontier.frontier_table(benches)
+def _table_section(heading: str, df: pd.DataFrame, if_empty: str, out: Path, name: str, intro: str = "",
+                   plot=None, alt: str = "", hide: tuple[str, ...] = ()) -> list[str]:
+    """A section of one table: its heading, then the command that fills it when there is no
+    data, else the intro, the table (less the `hide` columns), its CSV and, given `plot`, a PNG."""
+    md = [f"## {heading}\n"]
     if df.empty:
-        return md + ["No bench records under runs/: `flexgen-helm bench ... --label NAME --json runs/bench/X.json` "
-                     "at several --gpu-batch-size / --num-gpu-batches.\n"]
-    md += [table(df.drop(columns=["source"])), _csv(df, out, "frontier.csv"),
-           _img(plots.frontier(df, out / "frontier.png"), "latency-throughput frontier")]
+        return md + [if_empty + "\n"]
+    md += [intro + "\n"] if intro else []
+    md += [table(df.drop(columns=list(hide))), _csv(df, out, f"{name}.csv")]
+    if plot:
+        md.append(_img(plot(df, out / f"{name}.png"), alt))
     return md
+
+
+def _frontier_section(benches: list[dict], out: Path) -> list[str]:
+    return _table_section(
+        "Latency-throughput trade-off (paper Figure 1)", frontier.frontier_table(benches),
+        "No bench records under runs/: `flexgen-helm bench ... --label NAME --json runs/bench/X.json` "
+        "at several --gpu-batch-size / --num-gpu-batches.", out, "frontier",
+        plot=plots.frontier, alt="latency-throughput frontier", hide=("source",))
 
 
 def _breakdown_section(benches: list[dict], out: Path) -> list[str]:
-    md = ["## Runtime breakdown (paper Table 23)\n"]
-    df = breakdown.breakdown_table(benches)
-    if df.empty:
-        return md + ["No bench record has a breakdown: `flexgen-helm bench ... --no-overlap --json runs/bench/X.json`.\n"]
-    md += ["Seconds per stage, timed per kind of event; with overlap off they add up to the stage's time "
-           "(other: sampling, softmax, Python), with overlap on transfers ran beside compute.\n",
-           table(df), _csv(df, out, "breakdown.csv"), _img(plots.breakdown(df, out / "breakdown.png"), "breakdown")]
-    return md
+    return _table_section(
+        "Runtime breakdown (paper Table 23)", breakdown.breakdown_table(benches),
+        "No bench record has a breakdown: `flexgen-helm bench ... --no-overlap --json runs/bench/X.json`.", out,
+        "breakdown", intro="Seconds per stage, timed per kind of event; with overlap off they add up to the stage's "
+        "time (other: sampling, softmax, Python), with overlap on transfers ran beside compute.",
+        plot=plots.breakdown, alt="breakdown")
 
 
 def _placement_section(benches: list[dict], out: Path) -> list[str]:
-    md = ["## Placement and memory per tier\n"]
-    df = placement.placement_table(benches)
-    if df.empty:
-        return md + ["No bench record carries its memory use: `flexgen-helm bench ... --json runs/bench/X.json`.\n"]
-    md += ["Weights as placed on each tier (compressed bytes under weight compression). Peak: the most the "
-           "engine's bookkeeping held on a tier at once (weight homes on gpu/cpu, KV cache, activations; not "
-           "the working copies of the layers in use, nor the weight store on disk). RSS: the whole process.\n",
-           table(df), _csv(df, out, "placement.csv")]
-    return md
+    return _table_section(
+        "Placement and memory per tier", placement.placement_table(benches),
+        "No bench record carries its memory use: `flexgen-helm bench ... --json runs/bench/X.json`.", out,
+        "placement", intro="Weights as placed on each tier (compressed bytes under weight compression). Peak: the "
+        "most the engine's bookkeeping held on a tier at once (weight homes on gpu/cpu, KV cache, activations; not "
+        "the working copies of the layers in use, nor the weight store on disk). RSS: the whole process.")
 
 
 def _ablation_section(benches: list[dict], out: Path) -> list[str]:
-    md = ["## Ablation (paper Table 6)\n"]
-    df = frontier.ablation_table(benches)
-    if df.empty:
-        return md + ["No labelled ablation runs: bench with `--label` one of "
-                     + ", ".join(f'"{a}"' for a in frontier.ABLATION) + ".\n"]
-    return md + ["Each setting at its best measured batch size.\n", table(df), _csv(df, out, "ablation.csv")]
+    return _table_section(
+        "Ablation (paper Table 6)", frontier.ablation_table(benches),
+        "No labelled ablation runs: bench with `--label` one of "
+        + ", ".join(f'"{a}"' for a in frontier.ABLATION) + ".", out, "ablation",
+        intro="Each setting at its best measured batch size.")

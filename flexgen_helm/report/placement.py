@@ -12,10 +12,10 @@ from __future__ import annotations
 import pandas as pd
 
 from flexgen_helm.evaluation.run import approximations
+from flexgen_helm.policy.policy import TIERS
 from flexgen_helm.report.frontier import batch_of, setting_of
 
 GIB = 2**30
-TIERS = ("gpu", "cpu", "disk")
 
 
 def placement_table(records: list[dict]) -> pd.DataFrame:
