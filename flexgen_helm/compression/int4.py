@@ -1,0 +1,299 @@
+"""4-bit weights in the layout of torch's int4 matmul kernels, and the one place where a
+compressed weight meets an activation (`CompressedWeight.linear`).
+
+The kernels: `aten._convert_weight_to_int4pack_for_cpu` + `aten._weight_int4pack_mm_for_cpu`
+on the CPU, `aten._convert_weight_to_int4pack` + `aten._weight_int4pack_mm` (tinygemm) on
+CUDA. Both take groups along the input dimension (dim 1 of a Linear's (out, in) weight) of
+32, 64, 128 or 256 codes, and a bfloat16 `scales_and_zeros` of shape (in / group, out, 2)
+meaning w = (q - 8) * scale + zero. FlexGen's min/max group w = min + q * scale is that with
+zero = min + 8 * scale (rounded to bfloat16 once, at packing; the dequantize path below
+decodes the same rounded scale and zero, so both paths compute with the same weights).
+
+Why the aten ops and not torchao (evaluated: torchao 0.18.0, the newest on PyPI, installs
+beside torch 2.13 without pulling another torch): on the CPU its stable int4 weight-only
+config either needs another package (`mslk`, the default "plain" format) or refuses the
+CPU ("plain_int32"); its CPU format ("opaque") lives under `prototype` and moves between
+releases; its weights are tensor subclasses meant for `torch.save`, whereas our tiers move
+raw bytes (weights/store.py reads row ranges of raw files); and its int4 path is a thin
+wrapper over these same two aten ops, which would still need FlexGen's min/max codes
+mapped onto them by us. So the dependency would add an import (~4 s) and no kernel.
+
+Layouts, and why a stored weight is in its compute device's layout:
+- CPU (this torch, AVX-512): uint8 (out, in / 2); whole blocks of 64 output rows are laid
+  out [in][32] with row i in the low nibble and row i + 32 in the high one; a tail of
+  fewer rows is [in][rows / 2] with rows 2i (low) and 2i + 1 (high). The block size follows
+  the CPU's vector width, so the layout is a property of the machine: `_cpu_layout_ok`
+  checks once that the converter produces exactly what `_cpu_codes` decodes, and the
+  kernel path is refused (with a log line) where it does not.
+- CUDA: int32 tiles (out / 8, in / (16 * inner_k_tiles), 32, inner_k_tiles / 2) from a
+  uint8 (out, in / 2) whose even input index sits in the high nibble (as torchao's tinygemm
+  path feeds it); decoded, for the dequantize path, by the kernel itself against an
+  identity (each output is one weight times 1.0).
+So no layout is device-neutral; a weight is packed once, when it is placed, for the device
+that computes with it, and every tier (the disk store too, whose name carries the layout)
+holds those bytes: a read is usable as it lands. Row ranges cut on ROW_BLOCK rows are
+packed matrices of their own in both layouts, so placement cuts packed weights there.
+
+The kernel is chosen per call by the number of activation rows: up to `max_kernel_rows`
+(measured: runs/bench/compression/kernel_crossover.py) it runs on the packed bytes; above,
+a dequantized copy (made once per use of the loaded layer, i.e. once per block) meets the
+rows in a plain matmul, which the kernel loses to at prefill sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+from flexgen_helm.compression.quantize import CHUNK_ELEMENTS, QuantizedTensor, codes_of, dequantize
+from flexgen_helm.policy.policy import Compression
+
+logger = logging.getLogger(__name__)
+
+KERNEL_BITS = 4
+KERNEL_GROUP_SIZES = (32, 64, 128, 256)
+KERNEL_DTYPE = torch.bfloat16
+ROW_MULTIPLE = 16  # the CPU converter's rule for the output dim
+ROW_BLOCK = 64  # CPU: rows per packed block; a multiple of CUDA's 8-row tiles
+_CPU_BLOCK = 64
+_CUDA_TILE_ROWS = 8
+# Activation rows up to which the kernel beats dequantize-then-matmul, per device type;
+# measured with runs/bench/compression/kernel_crossover.py (CPU). CUDA: not measured yet
+# (no GPU in the session that wrote this), so the kernel takes every row count there.
+MAX_KERNEL_ROWS = {"cpu": 128, "cuda": None}
+
+
+def layout_refusal(cfg: Compression, shape, group_dim: int | None) -> str | None:
+    """Why a weight under this compression cannot have the kernels' packed layout (on any
+    device), or None when it can."""
+    if group_dim is None:
+        return "not compressed"
+    if cfg.bits != KERNEL_BITS:
+        return f"{cfg.bits}-bit weights (the int4 kernels take {KERNEL_BITS} bits)"
+    if len(tuple(shape)) != 2 or group_dim != 1:
+        return "groups along dim 0 (the int4 kernels group along the input dimension, dim 1)"
+    if cfg.group_size not in KERNEL_GROUP_SIZES:
+        return f"group size {cfg.group_size} (the int4 kernels take {', '.join(map(str, KERNEL_GROUP_SIZES))})"
+    n, k = shape
+    if n % ROW_MULTIPLE or k % cfg.group_size:
+        return f"a ({n}, {k}) weight (the int4 kernels need out % {ROW_MULTIPLE} == 0 and in % group == 0)"
+    return None
+
+
+def device_refusal(dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why the kernels cannot compute on this device in this dtype, or None when they can."""
+    if dtype != KERNEL_DTYPE:
+        # float32 also keeps results independent of how many rows a call has (the kernel
+        # and the dequantize path round differently), which policy invariance relies on.
+        return f"{str(dtype).removeprefix('torch.')} compute (the int4 kernels compute in bfloat16)"
+    if device.type == "cpu" and not _cpu_layout_ok():
+        return (f"this CPU's int4pack layout (torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}) "
+                "is not the one this engine decodes")
+    if device.type not in ("cpu", "cuda"):
+        return f"device {device.type} (the int4 kernels run on cpu and cuda)"
+    return None
+
+
+_logged: set[str] = set()
+
+
+def log_slow_path_once(reason: str) -> None:
+    """One log line per reason and process: the settings, not the data, decide the path."""
+    if reason not in _logged:
+        _logged.add(reason)
+        logger.warning("4-bit weights: dequantize-then-matmul instead of the int4 kernel because of %s", reason)
+
+
+@dataclass(frozen=True, eq=False)
+class PackedInt4:
+    """A 4-bit (out, in) weight in one device type's int4 kernel layout (module doc)."""
+
+    packed: torch.Tensor  # cpu: uint8 (out, in / 2); cuda: int32 tiles (out / 8, ...)
+    scales_zeros: torch.Tensor  # bfloat16 (in / group, out, 2), contiguous: the kernels misread strides
+    shape: tuple  # (out, in)
+    group_size: int
+    layout: str  # "cpu" or "cuda": whose kernel these bytes are for
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    @property
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.packed, self.scales_zeros
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.parts)
+
+    def to(self, device, non_blocking: bool = False) -> "PackedInt4":
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "PackedInt4":
+        return self._map(lambda t: t.pin_memory())
+
+    def clone(self) -> "PackedInt4":
+        return self._map(lambda t: t.clone())
+
+    def _map(self, fn) -> "PackedInt4":
+        return dataclasses.replace(self, packed=fn(self.packed), scales_zeros=fn(self.scales_zeros))
+
+    def narrow(self, dim: int, start: int, length: int) -> "PackedInt4":
+        """Output rows [start, start + length), cut on ROW_BLOCK rows (or the end): the
+        packed bytes are a view; the scales are copied (the kernels need them contiguous)."""
+        n = self.shape[0]
+        if dim != 0 or start % ROW_BLOCK or (length % ROW_BLOCK and start + length != n):
+            raise ValueError(f"a packed weight is cut on blocks of {ROW_BLOCK} output rows: "
+                             f"got narrow({dim}, {start}, {length}) of {self.shape}")
+        per = _CUDA_TILE_ROWS if self.layout == "cuda" else 1
+        return dataclasses.replace(self, packed=self.packed.narrow(0, start // per, -(-length // per)),
+                                   scales_zeros=self.scales_zeros.narrow(1, start, length).contiguous(),
+                                   shape=(length, self.shape[1]))
+
+
+def pack_int4(q: QuantizedTensor, device: torch.device) -> PackedInt4:
+    """The kernel layout of `device`'s type for a 4-bit, dim-1 grouped weight (packed on
+    `device`, once)."""
+    n, k = q.shape
+    codes = codes_of(q).to(device)
+    scale = q.scale.to(device=device, dtype=torch.float32)
+    zero = q.min.to(device=device, dtype=torch.float32) + 8 * scale
+    scales_zeros = torch.stack((scale, zero), -1).transpose(0, 1).to(KERNEL_DTYPE).contiguous()
+    if device.type == "cuda":
+        nibbles = (codes[:, ::2] << 4 | codes[:, 1::2]).contiguous()
+        packed = torch.ops.aten._convert_weight_to_int4pack(nibbles, _inner_k_tiles(k))
+    else:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)
+    return PackedInt4(packed, scales_zeros, (n, k), q.group_size, device.type)
+
+
+def _inner_k_tiles(k: int) -> int:
+    return next(t for t in (8, 4, 2) if k % (16 * t) == 0)
+
+
+def packed_shapes(shape, group_size: int, layout: str) -> dict[str, tuple[tuple, torch.dtype]]:
+    """Shape and dtype of each stored part of a packed (out, in) weight, row-major in output
+    rows (the disk store's row-range reads): scales and zeros as (out, in / group, 2)."""
+    n, k = shape
+    if layout == "cuda":
+        t = _inner_k_tiles(k)
+        packed = ((n // _CUDA_TILE_ROWS, k // (16 * t), 32, t // 2), torch.int32)
+    else:
+        packed = ((n, k // 2), torch.uint8)
+    return {"packed": packed, "scales_zeros": ((n, k // group_size, 2), KERNEL_DTYPE)}
+
+
+def packed_rows(layout: str, rows: tuple[int, int]) -> tuple[int, int]:
+    """Rows of the stored packed part that hold output rows [start, end)."""
+    per = _CUDA_TILE_ROWS if layout == "cuda" else 1
+    return rows[0] // per, -(-rows[1] // per)
+
+
+def dequantize_packed(p: PackedInt4, dtype: torch.dtype = KERNEL_DTYPE) -> torch.Tensor:
+    """The (out, in) weight the kernel computes with, where it lives."""
+    if p.layout == "cuda":
+        return _cuda_dequantize(p).to(dtype)
+    out = torch.empty(p.shape, dtype=dtype, device=p.device)
+    n, k = p.shape
+    step = max(ROW_BLOCK, CHUNK_ELEMENTS // k // ROW_BLOCK * ROW_BLOCK)
+    for start in range(0, n, step):
+        rows = min(step, n - start)
+        part = p.narrow(0, start, rows)
+        codes = _cpu_codes(part.packed, rows, k).view(rows, k // p.group_size, p.group_size).float()
+        sz = part.scales_zeros.float().transpose(0, 1)  # (rows, groups, 2)
+        w = codes.sub_(8).mul_(sz[..., 0:1]).add_(sz[..., 1:2])
+        out[start:start + rows].copy_(w.view(rows, k))
+    return out
+
+
+def _cpu_codes(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Decode the CPU layout (module doc) back to uint8 codes (n, k)."""
+    full = n // _CPU_BLOCK * _CPU_BLOCK
+    parts = []
+    if full:
+        b = packed[:full].reshape(full // _CPU_BLOCK, k, _CPU_BLOCK // 2)
+        parts.append(torch.stack((b & 15, b >> 4), 1).transpose(2, 3).reshape(full, k))
+    if full < n:
+        b = packed[full:].reshape(k, (n - full) // 2)
+        parts.append(torch.stack((b & 15, b >> 4), -1).reshape(k, n - full).t())
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _cuda_dequantize(p: PackedInt4) -> torch.Tensor:
+    n, k = p.shape
+    eye = torch.eye(k, dtype=KERNEL_DTYPE, device=p.device)
+    return torch.ops.aten._weight_int4pack_mm(eye, p.packed, p.group_size, p.scales_zeros).t()
+
+
+@lru_cache(maxsize=1)
+def _cpu_layout_ok() -> bool:
+    """Whether this machine's CPU converter writes the layout `_cpu_codes` decodes: probed
+    on shapes with whole blocks, tails of 16 and 48 rows, and every code value."""
+    g = torch.Generator().manual_seed(0)
+    for n in (_CPU_BLOCK, 2 * _CPU_BLOCK + 16, _CPU_BLOCK + 48, 16):
+        codes = torch.randint(0, 16, (n, 64), generator=g, dtype=torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+        if packed.shape != (n, 32) or not torch.equal(_cpu_codes(packed, n, 64).to(torch.int32), codes):
+            return False
+    return True
+
+
+class CompressedWeight:
+    """A compressed (out, in) weight loaded for one use of its layer: its row segments as
+    stored (PackedInt4 or QuantizedTensor), on the compute device."""
+
+    def __init__(self, parts: list[tuple[int, "PackedInt4 | QuantizedTensor"]], shape, dtype: torch.dtype,
+                 max_kernel_rows: int | None):
+        self.parts = parts  # (first output row, stored rows)
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self.max_kernel_rows = max_kernel_rows
+        self._dense: torch.Tensor | None = None
+
+    @property
+    def packed(self) -> bool:
+        return all(isinstance(p, PackedInt4) for _, p in self.parts)
+
+    def uses_kernel(self, rows: int) -> bool:
+        return self.packed and (self.max_kernel_rows is None or rows <= self.max_kernel_rows)
+
+    def dense(self) -> torch.Tensor:
+        """The weight dequantized in the compute dtype; made once per use of the layer."""
+        if self._dense is None:
+            if len(self.parts) == 1:
+                self._dense = _dequantize_stored(self.parts[0][1], self.dtype)
+            else:
+                self._dense = torch.empty(self.shape, dtype=self.dtype, device=self.parts[0][1].device)
+                for start, p in self.parts:
+                    self._dense[start:start + p.shape[0]].copy_(_dequantize_stored(p, self.dtype))
+        return self._dense
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear(x, weight, bias): on the packed bytes when the row count is at most the
+        crossover, else on the dense copy."""
+        rows = x.numel() // self.shape[1]
+        if not self.uses_kernel(rows):
+            return F.linear(x, self.dense(), bias)
+        x2 = x.reshape(rows, self.shape[1]).contiguous()
+        if len(self.parts) == 1:
+            y = _kernel_mm(x2, self.parts[0][1])
+        else:
+            y = torch.cat([_kernel_mm(x2, p) for _, p in self.parts], dim=1)
+        if bias is not None:
+            y += bias
+        return y.view(*x.shape[:-1], self.shape[0])
+
+
+def _kernel_mm(x: torch.Tensor, p: PackedInt4) -> torch.Tensor:
+    if p.layout == "cuda":
+        return torch.ops.aten._weight_int4pack_mm(x, p.packed, p.group_size, p.scales_zeros)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, p.packed, p.group_size, p.scales_zeros)
+
+
+def _dequantize_stored(p: "PackedInt4 | QuantizedTensor", dtype: torch.dtype) -> torch.Tensor:
+    return dequantize_packed(p, dtype) if isinstance(p, PackedInt4) else dequantize(p, dtype)
