@@ -56,7 +56,8 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compress-bits", type=int, default=4)
     g.add_argument("--compress-group-size", type=int, default=64)
     g.add_argument("--compress-group-dim", type=int, default=None,
-                   help="dimension along which groups run (default: weights 0, cache the head dim)")
+                   help="dimension along which groups run (default: weights 1, the input dim the int4 "
+                        "kernels take; cache the head dim)")
     g.add_argument("--attn-sparsity", type=float, default=1.0, help="fraction of keys kept in decode attention")
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from flexgen_helm.compression.stored import check_weight_compression
 from flexgen_helm.errors import FlexGenError, PromptTooLongError
 from flexgen_helm.executor.generation import BlockRunner, RunStats, Sequence, plan_blocks, to_completion
 from flexgen_helm.executor.kv_cache import check_cache_compression
@@ -26,6 +27,7 @@ from flexgen_helm.memory.usage import TierUsage, process_peak_rss_bytes
 from flexgen_helm.memory.weight_homes import build_homes
 from flexgen_helm.models import family_of
 from flexgen_helm.models.registry import ResolvedModel, resolve
+from flexgen_helm.models.spec import all_store_tensors
 from flexgen_helm.policy.policy import Policy
 from flexgen_helm.weights.loading import open_weights
 from flexgen_helm.memory.host_allocator import keep_freed_host_memory
@@ -200,9 +202,11 @@ def build_runtime(resolved: ResolvedModel, policy: Policy, devices: Devices, off
     family = family_of(cfg)
     layers = layers if layers is not None else family.layer_specs(cfg)
     check_cache_compression(policy.compress_cache)
+    check_weight_compression(policy.compress_weight, [t.shape for t in all_store_tensors(layers)])
     placement = place_weights(layers, policy.weights, policy.compress_weight)
     needs_disk = any(s.tier == "disk" for segs in placement.values() for s in segs)
-    store, read_full = open_weights(resolved, devices.dtype, offload_dir, needs_disk, progress, policy.compress_weight)
+    store, read_full = open_weights(resolved, devices.dtype, offload_dir, needs_disk, progress, policy.compress_weight,
+                                   devices.compute)
     usage = TierUsage()
     homes = build_homes(layers, placement, devices, read_full, usage, policy.pin_weight, policy.compress_weight,
                         progress)

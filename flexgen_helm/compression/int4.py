@@ -65,7 +65,7 @@ _CUDA_TILE_ROWS = 8
 # Activation rows up to which the kernel beats dequantize-then-matmul, per device type;
 # measured with runs/bench/compression/kernel_crossover.py (CPU). CUDA: not measured yet
 # (no GPU in the session that wrote this), so the kernel takes every row count there.
-MAX_KERNEL_ROWS = {"cpu": 128, "cuda": None}
+MAX_KERNEL_ROWS = {"cpu": 32, "cuda": None}
 
 
 def layout_refusal(cfg: Compression, shape, group_dim: int | None) -> str | None:

@@ -28,8 +28,10 @@ other dimension (rows of a weight, tokens of the KV cache) is plain tensor slici
 `QuantizedTensor.narrow`.
 
 Conventions for which dimension forms the groups (FlexGen's reference code):
-- Weights: torch Linear weights are (out, in); groups run along dim 0, i.e. `group_size`
-  consecutive output channels of one input column share a min/scale.
+- Weights: torch Linear weights are (out, in); groups run along dim 1, i.e. `group_size`
+  consecutive input channels of one output row share a min/scale. That is the grouping
+  every fast int4 kernel takes (compression/int4.py); FlexGen's reference code grouped
+  along dim 0 (output channels), which `group_dim=0` still gives.
 - KV cache, our layout (max_len, batch * kv_heads, head_dim): groups run along head_dim
   (dim 2). Every token's row is quantized on its own, so the cache can be appended to one
   token at a time without touching earlier groups.
@@ -46,7 +48,7 @@ import torch
 
 from flexgen_helm.policy.policy import Compression
 
-WEIGHT_GROUP_DIM = 0  # torch Linear (out, in): consecutive output channels
+WEIGHT_GROUP_DIM = 1  # torch Linear (out, in): consecutive input channels, as the int4 kernels take
 CACHE_GROUP_DIM = 2  # KV cache (max_len, batch * kv_heads, head_dim): the head dim
 
 # Elements per block of rows that quantize and dequantize work on: bounds their float32
@@ -63,7 +65,7 @@ def should_compress(shape) -> bool:
 
 
 def default_weight_group_dim(shape) -> int:
-    """Group dimension of a weight: dim 0 (output channels of a Linear (out, in) weight)."""
+    """Group dimension of a weight: dim 1 (input channels of a Linear (out, in) weight)."""
     if not should_compress(shape):
         raise ValueError(f"a weight of shape {tuple(shape)} is not compressed (only >= 2-D weights are)")
     return WEIGHT_GROUP_DIM
@@ -75,7 +77,7 @@ def default_cache_group_dim() -> int:
 
 
 def weight_group_dim(cfg: Compression, shape) -> int:
-    """The policy's group_dim if it names one, else the paper's default for weights."""
+    """The policy's group_dim if it names one, else the default for weights (dim 1)."""
     return default_weight_group_dim(shape) if cfg.group_dim is None else cfg.group_dim
 
 

@@ -2,7 +2,8 @@
 
 One place answers, for weights and KV cache alike, "which dimension forms the groups",
 "where may a row range be cut" and "how many bytes does it take", so that placement,
-homes, budgets and reports all agree on the compressed sizes."""
+homes, budgets and reports all agree on the compressed sizes, and which weights are kept
+in an int4 kernel's packed layout (compression/int4.py) for the device that computes."""
 
 from __future__ import annotations
 
@@ -10,10 +11,20 @@ import math
 
 import torch
 
+from flexgen_helm.compression.int4 import (
+    ROW_BLOCK,
+    PackedInt4,
+    dequantize_packed,
+    device_refusal,
+    layout_refusal,
+    log_slow_path_once,
+    pack_int4,
+)
 from flexgen_helm.compression.quantize import QuantizedTensor, dequantize, quantize, should_compress, weight_group_dim
+from flexgen_helm.errors import PolicyError
 from flexgen_helm.policy.policy import Compression
 
-Stored = torch.Tensor | QuantizedTensor
+Stored = torch.Tensor | QuantizedTensor | PackedInt4
 
 
 def weight_groups(cfg: Compression | None, shape) -> int | None:
@@ -26,12 +37,48 @@ def weight_groups(cfg: Compression | None, shape) -> int | None:
 
 def row_alignment(cfg: Compression | None, shape) -> int:
     """Rows a placement cut must be a multiple of: a group when groups run along the rows
-    (so every tier holds whole groups), else one row."""
-    return cfg.group_size if weight_groups(cfg, shape) == 0 else 1
+    (so every tier holds whole groups); a packed block when the weight can take an int4
+    kernel's layout (so every tier's rows are a packed matrix of their own, whichever
+    device computes); else one row."""
+    gd = weight_groups(cfg, shape)
+    if gd == 0:
+        return cfg.group_size
+    return ROW_BLOCK if gd is not None and layout_refusal(cfg, shape, gd) is None else 1
 
 
-def encode(t: torch.Tensor, cfg: Compression | None, group_dim: int | None) -> Stored:
-    return t if group_dim is None else quantize(t, cfg, group_dim)
+def check_weight_compression(cfg: Compression | None, shapes) -> None:
+    """Refuse, before any weight is read, settings no weight can be quantized under."""
+    if cfg is None:
+        return
+    cfg.validate("compress_weight")
+    for shape in shapes:
+        gd = weight_groups(cfg, shape)
+        if gd is not None and shape[gd] % cfg.group_size:
+            raise PolicyError(f"compress_weight: group size {cfg.group_size} does not divide dim {gd} "
+                              f"(size {shape[gd]}) of a {tuple(shape)} weight; pick a divisor of it")
+
+
+def weight_layout(cfg: Compression | None, shape, dtype: torch.dtype, device: torch.device) -> str | None:
+    """The int4 kernel layout ("cpu" or "cuda") a weight is stored in when `device`
+    computes in `dtype`, or None for the group layout (QuantizedTensor) - logging once why
+    a compressed weight cannot take the kernel."""
+    gd = weight_groups(cfg, shape)
+    if gd is None:
+        return None
+    reason = layout_refusal(cfg, shape, gd) or device_refusal(dtype, device)
+    if reason is not None:
+        log_slow_path_once(reason)
+        return None
+    return device.type
+
+
+def encode(t: torch.Tensor, cfg: Compression | None, group_dim: int | None, layout: str | None = None) -> Stored:
+    """`t` as stored: plain, quantized, or quantized and packed for `layout`'s kernel (on
+    the CPU, whatever device packed it)."""
+    if group_dim is None:
+        return t
+    q = quantize(t, cfg, group_dim)
+    return q if layout is None else pack_int4(q, torch.device(layout)).to("cpu")
 
 
 def stored_nbytes(shape, dtype: torch.dtype, cfg: Compression | None, group_dim: int | None) -> int:
@@ -43,4 +90,6 @@ def stored_nbytes(shape, dtype: torch.dtype, cfg: Compression | None, group_dim:
 
 def dense(x: Stored, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A stored tensor ready for compute, dequantized where it now lives."""
+    if isinstance(x, PackedInt4):
+        return dequantize_packed(x, dtype or torch.bfloat16)
     return dequantize(x, dtype) if isinstance(x, QuantizedTensor) else x

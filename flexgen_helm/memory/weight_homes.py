@@ -1,10 +1,12 @@
 """Where each weight tensor lives (its home), and loading a layer's weights onto the
 compute device for one use.
 
-Under weight compression a home's parts on the gpu and cpu tiers are QuantizedTensor row
-ranges of the tensor quantized once at load, and its disk parts are read from the
-compressed store (weights/compressed_store.py): every tier holds compressed bytes, and a
-layer is dequantized on the compute device as it is loaded for use."""
+Under weight compression a home's parts on the gpu and cpu tiers are row ranges of the
+tensor quantized once at load - packed for the compute device's int4 kernel where the
+settings allow (compression/int4.py), else QuantizedTensors - and its disk parts are read
+from the compressed store (weights/compressed_store.py) in the same form: every tier holds
+compressed bytes, and a loaded layer hands the models a CompressedWeight, which multiplies
+on the packed bytes or dequantizes on the compute device as the row count says."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from flexgen_helm.compression.stored import Stored, dense, encode, stored_nbytes, weight_groups
+from flexgen_helm.compression.int4 import MAX_KERNEL_ROWS, CompressedWeight
+from flexgen_helm.compression.stored import Stored, encode, stored_nbytes, weight_groups, weight_layout
 from flexgen_helm.memory.devices import Devices
 from flexgen_helm.memory.placement import Segment
 from flexgen_helm.memory.usage import TierUsage
@@ -28,6 +31,7 @@ class WeightHome:
     segments: list[Segment]
     data: list[Stored | None] = field(default_factory=list)  # None: read from the store on use
     compression: Compression | None = None
+    layout: str | None = None  # the int4 kernel layout its compressed parts are packed in
 
     @property
     def group_dim(self) -> int | None:
@@ -48,10 +52,11 @@ def build_homes(layers: list[LayerSpec], placement: dict[str, list[Segment]], de
     homes: dict[str, WeightHome] = {}
     specs = all_store_tensors(layers)
     for spec in tqdm(specs, desc="placing weights", unit="tensor", disable=not progress):
-        home = WeightHome(spec, placement[spec.store_name], compression=compression)
+        home = WeightHome(spec, placement[spec.store_name], compression=compression,
+                          layout=weight_layout(compression, spec.shape, devices.dtype, devices.compute))
         full = None
         if any(s.tier != "disk" for s in home.segments):
-            full = encode(read_full(spec.store_name).to(devices.dtype), compression, home.group_dim)
+            full = encode(read_full(spec.store_name).to(devices.dtype), compression, home.group_dim, home.layout)
         for s in home.segments:
             if s.tier == "disk":
                 home.data.append(None)
@@ -69,25 +74,27 @@ def build_homes(layers: list[LayerSpec], placement: dict[str, list[Segment]], de
     return homes
 
 
-def load_home(home: WeightHome, devices: Devices, store) -> torch.Tensor:
+def load_home(home: WeightHome, devices: Devices, store) -> torch.Tensor | CompressedWeight:
     """The whole tensor on the compute device, in the compute dtype.
 
     A plain tensor whose home is one tier of the compute device's memory is used in place;
     otherwise its parts are copied to the compute device (the weight I/O, compressed bytes
-    when compressed) and dequantized there."""
+    when compressed). A compressed one stays compressed: a CompressedWeight of its parts."""
     parts = [p if p is not None else store.read(home.spec.store_name, rows=(s.start, s.end))
              for s, p in zip(home.segments, home.data)]
+    if home.group_dim is not None:
+        on_device = [(s.start, p.to(devices.compute, non_blocking=True)) for s, p in zip(home.segments, parts)]
+        return CompressedWeight(on_device, home.spec.shape, devices.dtype, MAX_KERNEL_ROWS.get(devices.compute.type))
     if len(parts) == 1:
-        return dense(parts[0].to(devices.compute, non_blocking=True), devices.dtype)
+        return parts[0].to(devices.compute, non_blocking=True)
     out = torch.empty(home.spec.shape, dtype=devices.dtype, device=devices.compute)
     for s, part in zip(home.segments, parts):
-        if home.group_dim is not None:
-            part = dense(part.to(devices.compute, non_blocking=True), devices.dtype)
         out[s.start:s.end].copy_(part, non_blocking=True)
     return out
 
 
-def load_layer(layer: LayerSpec, homes: dict[str, WeightHome], devices: Devices, store) -> dict[str, torch.Tensor]:
+def load_layer(layer: LayerSpec, homes: dict[str, WeightHome], devices: Devices,
+               store) -> dict[str, torch.Tensor | CompressedWeight]:
     return {t.key: load_home(homes[t.store_name], devices, store) for t in layer.tensors}
 
 

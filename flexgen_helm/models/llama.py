@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from flexgen_helm.errors import FlexGenError
 from flexgen_helm.models.config import ModelConfig
+from flexgen_helm.models.linear import embedding, linear
 from flexgen_helm.models.spec import LayerSpec, tensor
 
 SUPPORTED_ROPE_SCALING = ("default", "linear", "llama3")
@@ -84,7 +85,7 @@ def layer_specs(cfg: ModelConfig) -> list[LayerSpec]:
 
 
 def embed(cfg: ModelConfig, w: dict, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    return F.embedding(ids, w["tokens.weight"])
+    return embedding(ids, w["tokens.weight"])
 
 
 def _rms_norm(cfg: ModelConfig, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -140,20 +141,20 @@ def _heads(x: torch.Tensor, n: int) -> torch.Tensor:
 
 def qkv(cfg: ModelConfig, w: dict, h: torch.Tensor, positions: torch.Tensor):
     x = _rms_norm(cfg, w["attn_norm.weight"], h)
-    q = F.linear(x, w["q_proj.weight"], w.get("q_proj.bias"))
-    k = F.linear(x, w["k_proj.weight"], w.get("k_proj.bias"))
-    v = F.linear(x, w["v_proj.weight"], w.get("v_proj.bias"))
+    q = linear(x, w["q_proj.weight"], w.get("q_proj.bias"))
+    k = linear(x, w["k_proj.weight"], w.get("k_proj.bias"))
+    v = linear(x, w["v_proj.weight"], w.get("v_proj.bias"))
     q, k, v = _heads(q, cfg.num_heads), _heads(k, cfg.num_kv_heads), _heads(v, cfg.num_kv_heads)
     cos, sin = _rotary(cfg, positions, q.dtype)
     return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
 
 def finish_block(cfg: ModelConfig, w: dict, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-    h = h + F.linear(attn, w["o_proj.weight"])
+    h = h + linear(attn, w["o_proj.weight"])
     x = _rms_norm(cfg, w["mlp_norm.weight"], h)
-    x = F.silu(F.linear(x, w["gate_proj.weight"])) * F.linear(x, w["up_proj.weight"])
-    return h + F.linear(x, w["down_proj.weight"])
+    x = F.silu(linear(x, w["gate_proj.weight"])) * linear(x, w["up_proj.weight"])
+    return h + linear(x, w["down_proj.weight"])
 
 
 def head(cfg: ModelConfig, w: dict, h: torch.Tensor) -> torch.Tensor:
-    return F.linear(_rms_norm(cfg, w["norm.weight"], h), w["lm_head.weight"])
+    return linear(_rms_norm(cfg, w["norm.weight"], h), w["lm_head.weight"])

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from flexgen_helm.models.config import ModelConfig
+from flexgen_helm.models.linear import embedding, linear
 from flexgen_helm.models.spec import LayerSpec, tensor
 
 # (hidden, layers, heads, ffn); vocab 50272 and context 2048 for all sizes.
@@ -109,10 +110,10 @@ def layer_specs(cfg: ModelConfig) -> list[LayerSpec]:
 
 
 def embed(cfg: ModelConfig, w: dict, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    x = F.embedding(ids, w["tokens.weight"])
+    x = embedding(ids, w["tokens.weight"])
     if _projects(cfg):
-        x = F.linear(x, w["project_in.weight"])
-    return x + F.embedding(positions + POSITION_OFFSET, w["positions.weight"])
+        x = linear(x, w["project_in.weight"])
+    return x + embedding(positions + POSITION_OFFSET, w["positions.weight"])
 
 
 def _norm(cfg, w, prefix, x):
@@ -126,19 +127,19 @@ def _heads(x: torch.Tensor, n: int) -> torch.Tensor:
 
 def qkv(cfg: ModelConfig, w: dict, h: torch.Tensor, positions: torch.Tensor):
     x = _norm(cfg, w, "attn_norm", h) if cfg.do_layer_norm_before else h
-    q = F.linear(x, w["q_proj.weight"], w["q_proj.bias"])
-    k = F.linear(x, w["k_proj.weight"], w["k_proj.bias"])
-    v = F.linear(x, w["v_proj.weight"], w["v_proj.bias"])
+    q = linear(x, w["q_proj.weight"], w["q_proj.bias"])
+    k = linear(x, w["k_proj.weight"], w["k_proj.bias"])
+    v = linear(x, w["v_proj.weight"], w["v_proj.bias"])
     n = cfg.num_heads
     return _heads(q, n), _heads(k, n), _heads(v, n)
 
 
 def finish_block(cfg: ModelConfig, w: dict, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-    h = h + F.linear(attn, w["o_proj.weight"], w["o_proj.bias"])
+    h = h + linear(attn, w["o_proj.weight"], w["o_proj.bias"])
     if not cfg.do_layer_norm_before:
         h = _norm(cfg, w, "attn_norm", h)
     x = _norm(cfg, w, "mlp_norm", h) if cfg.do_layer_norm_before else h
-    x = F.linear(F.relu(F.linear(x, w["fc1.weight"], w["fc1.bias"])), w["fc2.weight"], w["fc2.bias"])
+    x = linear(F.relu(linear(x, w["fc1.weight"], w["fc1.bias"])), w["fc2.weight"], w["fc2.bias"])
     h = h + x
     if not cfg.do_layer_norm_before:
         h = _norm(cfg, w, "mlp_norm", h)
@@ -149,5 +150,5 @@ def head(cfg: ModelConfig, w: dict, h: torch.Tensor) -> torch.Tensor:
     if _has_final_norm(cfg):
         h = _norm(cfg, w, "norm", h)
     if _projects(cfg):
-        h = F.linear(h, w["project_out.weight"])
-    return F.linear(h, w["lm_head.weight"])
+        h = linear(h, w["project_out.weight"])
+    return linear(h, w["lm_head.weight"])

@@ -42,7 +42,7 @@ class Compression:
 
     bits: int = 4
     group_size: int = 64
-    group_dim: int | None = None  # None: the paper's default for the tensor kind
+    group_dim: int | None = None  # None: the default for the tensor kind (weights dim 1, cache head dim)
 
     def validate(self, what: str) -> None:
         if not 2 <= self.bits <= 8:

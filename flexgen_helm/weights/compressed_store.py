@@ -2,12 +2,19 @@
 every weight as the engine keeps it, so offloaded weight I/O moves compressed bytes.
 
 It is an ordinary tensor store (weights/store.py: one raw file per tensor, a manifest
-written last, reads of row ranges around the page cache) whose tensors are, for each
-compressed weight N, its parts N.data (uint8 packed codes), N.scale and N.min, and for
-each plain weight (biases, norms) N itself. Row r of a weight lives in row r of each part
-when its groups run along another dimension, and in row r // group_size when they run
-along the rows (placement cuts those on group boundaries). The directory name carries the
-bits, group size and group dim, so each compression setting is written once and reused.
+written last, reads of row ranges around the page cache). A weight N that takes an int4
+kernel's layout (compression/int4.py) has the parts N.packed (the kernel's packed codes,
+usable as they land) and N.scales_zeros (stored (out, in / group, 2) so a row range is
+one read; turned into the kernel's (in / group, rows, 2) on arrival, 1/9 of the bytes);
+another compressed weight has N.data (uint8 packed codes), N.scale and N.min; a plain
+one (biases, norms) is N itself. Row r of a weight lives in row r of each part when its
+groups run along another dimension, in row r // group_size when they run along the rows
+(placement cuts those on group boundaries), and in packed row r // 8 of CUDA's tiles.
+
+Packed layouts belong to a device type (and the CPU's to the machine), so the directory
+name carries the bits, group size, group dim and the layout, the manifest records the
+layout of each weight, and FORMAT_VERSION changes whenever what a directory name means
+does: a store written under other rules is rebuilt, not misread.
 """
 
 from __future__ import annotations
@@ -20,20 +27,29 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from flexgen_helm.compression.int4 import PackedInt4, device_refusal, packed_rows
 from flexgen_helm.compression.quantize import QuantizedTensor
-from flexgen_helm.compression.stored import Stored, encode, weight_groups
+from flexgen_helm.compression.stored import Stored, encode, weight_groups, weight_layout
 from flexgen_helm.models.spec import TensorSpec
 from flexgen_helm.policy.policy import Compression
 from flexgen_helm.weights.convert import atomic_write, disk_errors, write_tensor_file
-from flexgen_helm.weights.store import DTYPE_NAMES, FORMAT, MANIFEST, TensorStore
+from flexgen_helm.weights.store import DTYPE_NAMES, ELEMENT_DTYPE_NAMES, FORMAT, MANIFEST, TensorStore
 
-PARTS = ("data", "scale", "min")
+# 2: weights group along dim 1 by default, and 4-bit ones may be stored in a kernel layout.
+FORMAT_VERSION = 2
+GROUP_PARTS = ("data", "scale", "min")
+PACKED_PARTS = ("packed", "scales_zeros")
 
 
-def compressed_store_dir(store_root: Path, cfg: Compression) -> Path:
+def store_layout(dtype: torch.dtype, device: torch.device) -> str:
+    """The packed layout a store for this compute device and dtype uses where it can."""
+    return "groups" if device_refusal(dtype, device) else f"int4{device.type}"
+
+
+def compressed_store_dir(store_root: Path, cfg: Compression, layout: str) -> Path:
     """Next to the model's plain store (which names the weights and the dtype)."""
     dim = "auto" if cfg.group_dim is None else cfg.group_dim
-    return store_root.with_name(f"{store_root.name}-q{cfg.bits}g{cfg.group_size}d{dim}")
+    return store_root.with_name(f"{store_root.name}-q{cfg.bits}g{cfg.group_size}d{dim}-{layout}")
 
 
 class CompressedStore:
@@ -42,54 +58,66 @@ class CompressedStore:
     def __init__(self, root: Path, cfg: Compression):
         self.store = TensorStore(root)
         self.cfg = cfg
-        self.compressed = {name: (tuple(m["shape"]), m["group_dim"])
+        self.compressed = {name: (tuple(m["shape"]), m["group_dim"], m.get("layout"))
                            for name, m in self.store.manifest["compressed"].items()}
 
     def read(self, name: str, rows: tuple[int, int]) -> Stored:
-        """Rows [start, end) of a weight: a QuantizedTensor if compressed, else a tensor."""
+        """Rows [start, end) of a weight: packed or quantized if compressed, else a tensor."""
         if name not in self.compressed:
             return self.store.read(name, rows=rows)
-        shape, gd = self.compressed[name]
+        shape, gd, layout = self.compressed[name]
         start, end = rows
+        if layout is not None:
+            packed = self.store.read(f"{name}.packed", rows=packed_rows(layout, rows))
+            sz = self.store.read(f"{name}.scales_zeros", rows=rows).transpose(0, 1).contiguous()
+            return PackedInt4(packed, sz, (end - start, shape[1]), self.cfg.group_size, layout)
         g = self.cfg.group_size if gd == 0 else 1
         span = (start // g, math.ceil(end / g))
-        data, scale, mn = (self.store.read(f"{name}.{p}", rows=span) for p in PARTS)
+        data, scale, mn = (self.store.read(f"{name}.{p}", rows=span) for p in GROUP_PARTS)
         return QuantizedTensor(data=data, scale=scale, min=mn, shape=(end - start, *shape[1:]), dtype=scale.dtype,
                                bits=self.cfg.bits, group_size=self.cfg.group_size, group_dim=gd)
 
 
 def open_compressed_store(root: Path, specs: list[TensorSpec], cfg: Compression, dtype: torch.dtype,
-                          model_config: dict, read_full: Callable[[str], torch.Tensor],
+                          device: torch.device, model_config: dict, read_full: Callable[[str], torch.Tensor],
                           progress: bool = True) -> CompressedStore:
     """The compressed store in `root`, written first (from `read_full`) if it is missing,
-    incomplete, or of another model, dtype or compression."""
-    header = {"format": FORMAT, "config": model_config, "dtype": DTYPE_NAMES[dtype],
+    incomplete, or of another model, dtype, compression, layout or format version."""
+    header = {"format": FORMAT, "compressed_format": FORMAT_VERSION, "config": model_config,
+              "dtype": DTYPE_NAMES[dtype], "layout": store_layout(dtype, device),
               "compression": {"bits": cfg.bits, "group_size": cfg.group_size, "group_dim": cfg.group_dim}}
     try:
         manifest = json.loads((root / MANIFEST).read_text())
     except (OSError, ValueError):
         manifest = None
     if manifest is None or not manifest.get("complete") or any(manifest.get(k) != v for k, v in header.items()):
-        _write(root, header, specs, cfg, dtype, read_full, progress)
+        _write(root, header, specs, cfg, dtype, device, read_full, progress)
     return CompressedStore(root, cfg)
 
 
 def _write(root: Path, header: dict, specs: list[TensorSpec], cfg: Compression, dtype: torch.dtype,
-           read_full: Callable[[str], torch.Tensor], progress: bool) -> None:
+           device: torch.device, read_full: Callable[[str], torch.Tensor], progress: bool) -> None:
     with disk_errors(root):
         root.mkdir(parents=True, exist_ok=True)
         (root / MANIFEST).unlink(missing_ok=True)  # incomplete from here until the new one lands
     tensors, compressed = {}, {}
     for spec in tqdm(specs, desc=f"compress weights ({cfg.bits}-bit)", unit="tensor", disable=not progress):
         gd = weight_groups(cfg, spec.shape)
-        stored = encode(read_full(spec.store_name).to(dtype), cfg, gd)
+        layout = weight_layout(cfg, spec.shape, dtype, device)
+        stored = encode(read_full(spec.store_name).to(dtype), cfg, gd, layout)
         if gd is None:
             tensors[spec.store_name] = write_tensor_file(root, spec.store_name, stored, header["dtype"], 0)
             continue
-        compressed[spec.store_name] = {"shape": list(spec.shape), "group_dim": gd}
-        for part_name, part in zip(PARTS, stored.parts):
+        compressed[spec.store_name] = {"shape": list(spec.shape), "group_dim": gd, "layout": layout}
+        for part_name, part in _parts(stored):
             name = f"{spec.store_name}.{part_name}"
-            tensors[name] = write_tensor_file(root, name, part, DTYPE_NAMES.get(part.dtype, "uint8"), 0)
+            tensors[name] = write_tensor_file(root, name, part, ELEMENT_DTYPE_NAMES[part.dtype], 0)
     manifest = {**header, "complete": True, "tensors": tensors, "compressed": compressed}
     with disk_errors(root):
         atomic_write(root / MANIFEST, json.dumps(manifest, indent=1))
+
+
+def _parts(stored: QuantizedTensor | PackedInt4) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(stored, PackedInt4):
+        return [("packed", stored.packed), ("scales_zeros", stored.scales_zeros.transpose(0, 1))]
+    return list(zip(GROUP_PARTS, stored.parts))

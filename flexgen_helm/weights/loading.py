@@ -14,17 +14,23 @@ from flexgen_helm.models import family_of
 from flexgen_helm.models.registry import ResolvedModel, resolve, store_dir_for
 from flexgen_helm.models.spec import all_store_tensors
 from flexgen_helm.policy.policy import Compression
-from flexgen_helm.weights.compressed_store import CompressedStore, compressed_store_dir, open_compressed_store
+from flexgen_helm.weights.compressed_store import (
+    CompressedStore,
+    compressed_store_dir,
+    open_compressed_store,
+    store_layout,
+)
 from flexgen_helm.weights.convert import config_to_json, convert
 from flexgen_helm.weights.dummy import DummyWeights
 from flexgen_helm.weights.store import DTYPE_NAMES, TensorStore
 
 
 def open_weights(resolved: ResolvedModel, dtype: torch.dtype, offload_dir: Path, needs_disk: bool,
-                 progress: bool, compression: Compression | None = None
+                 progress: bool, compression: Compression | None, device: torch.device
                  ) -> tuple[TensorStore | CompressedStore | None, Callable[[str], torch.Tensor]]:
     """The store the disk tier reads (None when nothing is on disk and no store is needed)
-    and a reader of whole tensors in `dtype` for the memory tiers."""
+    and a reader of whole tensors in `dtype` for the memory tiers. `device` computes: the
+    compressed store packs weights for its int4 kernel."""
     dtype_name = DTYPE_NAMES[dtype]
     dummy = isinstance(resolved.source, DummyWeights)
     # Dummy weights for the disk tier are written next to the other offloaded tensors.
@@ -36,7 +42,8 @@ def open_weights(resolved: ResolvedModel, dtype: torch.dtype, offload_dir: Path,
         store, read_full = plain, lambda name: plain.read(name, verify=True)
     if compression is not None and needs_disk:
         specs = all_store_tensors(family_of(resolved.config).layer_specs(resolved.config))
-        store = open_compressed_store(compressed_store_dir(root, compression), specs, compression, dtype,
+        store = open_compressed_store(compressed_store_dir(root, compression, store_layout(dtype, device)), specs,
+                                      compression, dtype, device,
                                       config_to_json(resolved.config), read_full, progress)
     return store, read_full
 

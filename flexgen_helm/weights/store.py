@@ -22,9 +22,10 @@ MANIFEST = "manifest.json"
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-# Element types a stored tensor may have: the model dtypes, and uint8 for the packed codes
-# of compressed weights (weights/compressed_store.py).
-ELEMENT_DTYPES = {**DTYPES, "uint8": torch.uint8}
+# Element types a stored tensor may have: the model dtypes, and uint8 / int32 for the packed
+# codes of compressed weights (weights/compressed_store.py; int32: CUDA's int4 tiles).
+ELEMENT_DTYPES = {**DTYPES, "uint8": torch.uint8, "int32": torch.int32}
+ELEMENT_DTYPE_NAMES = {v: k for k, v in ELEMENT_DTYPES.items()}
 
 
 @dataclass(frozen=True)

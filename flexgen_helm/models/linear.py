@@ -1,0 +1,19 @@
+"""The two ways a layer's math uses a weight matrix, for plain and compressed weights alike.
+
+A compressed weight (compression/int4.py's CompressedWeight, which the weight homes hand
+out) is not a tensor: it multiplies itself, on packed bytes or dequantized as its row
+count says, and gives its dense form for table lookups. It is recognised by not being a
+tensor, so the models stay below compression in the import layers."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, w, bias) if isinstance(w, torch.Tensor) else w.linear(x, bias)
+
+
+def embedding(ids: torch.Tensor, w) -> torch.Tensor:
+    return F.embedding(ids, w if isinstance(w, torch.Tensor) else w.dense())
