@@ -9,12 +9,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from flexgen_helm.bench import breakdown
 from flexgen_helm.cli import main
-from flexgen_helm.report import accuracy, breakdown as breakdown_report, frontier, helm_runs, placement
-from flexgen_helm.report.build import build_report
-from flexgen_helm.report.demo import helm_command, run_entries
-from flexgen_helm.report.markdown import table
+from flexgen_helm.tools.bench import breakdown
+from flexgen_helm.tools.report import accuracy, frontier, helm_runs, placement
+from flexgen_helm.tools.report import breakdown as breakdown_report
+from flexgen_helm.tools.report.demo import helm_command, run_entries
+from flexgen_helm.tools.report.markdown import table
 
 FP = {"gpu_batch_size": 4, "num_gpu_batches": 2, "weights": {"gpu": 1.0, "cpu": 0.0, "disk": 0.0},
       "cache": {"gpu": 1.0, "cpu": 0.0, "disk": 0.0}, "activations": {"gpu": 1.0, "cpu": 0.0, "disk": 0.0},
@@ -110,7 +110,7 @@ def test_helm_table_padded_and_actual_throughput(fixture_dirs):
 
 def test_accuracy_tables(fixture_dirs):
     suite, runs = fixture_dirs
-    from flexgen_helm.report.records import eval_records, load_json_files
+    from flexgen_helm.tools.report.records import eval_records, load_json_files
 
     ev = accuracy.eval_table(eval_records(load_json_files(runs)))
     full = ev[ev["scope"] == "full"].set_index("setting")
@@ -125,7 +125,7 @@ def test_accuracy_tables(fixture_dirs):
 
 def test_frontier_ablation_breakdown(fixture_dirs):
     _, runs = fixture_dirs
-    from flexgen_helm.report.records import bench_records, load_json_files
+    from flexgen_helm.tools.report.records import bench_records, load_json_files
 
     benches = bench_records(load_json_files(runs))
     fr = frontier.frontier_table(benches)
