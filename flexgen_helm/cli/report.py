@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from flexgen_helm.errors import FlexGenError
+
 
 def cmd_report(args) -> int:
     from flexgen_helm.tools.report.build import build_report, suite_path
@@ -17,8 +19,13 @@ def cmd_report(args) -> int:
     elif args.out:  # no HELM suite: a report of the bench / eval JSONs alone
         suite_dir = Path(args.out) / "no-helm-suite"
     else:
-        raise SystemExit("flexgen-helm report: give --suite NAME, a suite folder PATH, or --out DIR")
-    report = build_report(suite_dir, args.runs_dir, args.out or Path(args.runs_dir) / suite_dir.name)
+        raise FlexGenError("flexgen-helm report: give --suite NAME, a suite folder PATH, or --out DIR")
+    if (args.path or args.suite) and not suite_dir.is_dir():
+        raise FlexGenError(f"no HELM suite at {suite_dir.resolve()} (looked there for --suite "
+                           f"{args.suite or suite_dir.name} under --output-path {args.output_path}); "
+                           "run helm-run with --suite NAME first, or pass the suite's folder")
+    out = Path(args.out) if args.out else Path(args.archives) / suite_dir.name
+    report = build_report(suite_dir, args.runs_dir, out, archive_root=args.archives)
     print(f"report: {report}")
     return 0
 
@@ -47,5 +54,8 @@ def add_command(sub) -> None:
 def _common(p: argparse.ArgumentParser, suite_default: str | None = None) -> None:
     p.add_argument("--suite", default=suite_default, help="HELM suite name")
     p.add_argument("--output-path", default="benchmark_output", help="helm-run's -o (default: benchmark_output)")
-    p.add_argument("--runs-dir", default="runs", help="where our bench/eval JSONs are (default: runs)")
-    p.add_argument("--out", help="report folder (default: <runs-dir>/<suite>)")
+    p.add_argument("--runs-dir", help="the bench / eval JSON records of this report (default: the suite's own, "
+                                      "<out>/records, where `demo --bench` writes them)")
+    p.add_argument("--archives", default="runs", help="where archived results live; linked, not merged "
+                                                      "(default: runs)")
+    p.add_argument("--out", help="report folder (default: <archives>/<suite>)")

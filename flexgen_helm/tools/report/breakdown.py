@@ -10,6 +10,7 @@ from __future__ import annotations
 import pandas as pd
 
 from flexgen_helm.tools.report.frontier import batch_of, setting_of
+from flexgen_helm.tools.report.records import host_of
 
 # table column -> the bench breakdown events it sums (activations: hidden states moved
 # between layers, which the paper folds into its other columns)
@@ -30,7 +31,8 @@ def breakdown_table(records: list[dict]) -> pd.DataFrame:
         for stage in ("prefill", "decode"):
             events = r["breakdown"].get(stage, {})
             total = r.get(f"{stage}_latency_s", 0.0)
-            row = {"setting": setting_of(r), "batch": batch_of(r), "stage": stage,
+            row = {"host": host_of(r), "model": r.get("model"), "setting": setting_of(r), "batch": batch_of(r),
+                   "stage": stage,
                    "overlap": r["policy"].get("overlap", True), "total (s)": total}
             for col, keys in COLUMNS.items():
                 row[col] = sum(events.get(k, 0.0) for k in keys)

@@ -1,21 +1,29 @@
-"""`flexgen-helm report`: read a HELM suite's output and our JSON results under runs/,
+"""`flexgen-helm report`: read a HELM suite's output and the JSON records of the same run,
 write <out>/report.md with its tables (each also as CSV) and PNG plots beside it.
 
     flexgen-helm report --suite demo                     # benchmark_output/runs/demo -> runs/demo
     flexgen-helm report benchmark_output/runs/demo       # the same, by path
+    flexgen-helm report --runs-dir runs/engine/json --out runs/engine/report   # bench records alone
 
-Each section is built from what exists and says which command fills it when empty.
+A suite's report is about that run: its HELM runs and the bench / eval records in its own
+folder (<out>/records, where `flexgen-helm demo --bench` writes them). Results archived
+elsewhere under runs/ (other hosts, other days) are linked with their host and date, never
+merged into this run's tables. Each section says which command fills it when empty.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 from pathlib import Path
 
 import pandas as pd
 
-from flexgen_helm.tools.report import accuracy, breakdown, frontier, helm_runs, placement, plots, records
+from flexgen_helm.memory.machine import machine_info, machine_label
+from flexgen_helm.tools.report import accuracy, archive, breakdown, frontier, helm_runs, placement, plots, records
 from flexgen_helm.tools.report.markdown import fmt, table
+
+RUN_INFO = "run_info.json"  # written beside the records by the command that made the run
 
 HELM_SHOWN = ["scenario", "deployment", "instances", "prompt tok", "prompt tok (padded)", "output tok",
               "output tok (padded)", "engine time (s)", "padded tok/s", "actual tok/s", "efficiency"]
@@ -25,17 +33,34 @@ def suite_path(output_path: str | Path, suite: str) -> Path:
     return Path(output_path) / "runs" / suite
 
 
-def build_report(suite_dir: str | Path, runs_dir: str | Path = "runs", out: str | Path | None = None) -> Path:
+def records_dir_of(out: Path) -> Path:
+    """Where a suite's own bench / eval records live: inside its report folder."""
+    return out / "records"
+
+
+def write_run_info(folder: Path, command: list[str]) -> Path:
+    """The host, date and command of a run, beside its records, for its report (written
+    when the run starts)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    info = {"hardware": machine_info(), "started": datetime.datetime.now().isoformat(timespec="seconds"),
+            "command": command}
+    path = folder / RUN_INFO
+    path.write_text(json.dumps(info, indent=1))
+    return path
+
+
+def build_report(suite_dir: str | Path, records_dir: str | Path | None = None, out: str | Path | None = None,
+                 archive_root: str | Path = "runs") -> Path:
+    """The report of one run: the HELM suite at `suite_dir` and the records in `records_dir`
+    (default: the suite's own, <out>/records); archives under `archive_root` are linked."""
     suite_dir = Path(suite_dir)
-    out = Path(out) if out else Path(runs_dir) / suite_dir.name
+    out = Path(out) if out else Path(archive_root) / suite_dir.name
     out.mkdir(parents=True, exist_ok=True)
-    files = records.load_json_files(runs_dir, skip=out)
+    records_dir = Path(records_dir) if records_dir else records_dir_of(out)
+    files = records.load_json_files(records_dir)
     benches, evals = records.bench_records(files), records.eval_records(files)
 
-    md = [f"# Report: suite `{suite_dir.name}`\n",
-          f"Built {datetime.datetime.now():%Y-%m-%d %H:%M} from `{suite_dir}` (HELM) and "
-          f"{len(benches)} bench / {len(evals)} eval records under `{runs_dir}/`. "
-          "Numbers are measured on this machine; every table is also a CSV beside this file.\n"]
+    md = [f"# Report: suite `{suite_dir.name}`\n", _provenance(suite_dir, records_dir, benches, evals)]
     helm = helm_runs.helm_table(suite_dir)
     md += _helm_section(helm, suite_dir, out)
     md += _accuracy_section(evals, helm, out)
@@ -43,9 +68,24 @@ def build_report(suite_dir: str | Path, runs_dir: str | Path = "runs", out: str 
     md += _breakdown_section(benches, out)
     md += _placement_section(benches, out)
     md += _ablation_section(benches, out)
+    md += archive.archive_section(Path(archive_root), out)
     path = out / "report.md"
     path.write_text("\n".join(md))
     return path
+
+
+def _provenance(suite_dir: Path, records_dir: Path, benches: list[dict], evals: list[dict]) -> str:
+    info_path = records_dir / RUN_INFO
+    if info_path.exists():
+        info = json.loads(info_path.read_text())
+        ran = (f"Measured on **{machine_label(info['hardware'])}**, started {info['started']} by "
+               f"`{' '.join(info['command'])}`.")
+    else:
+        ran = (f"The run recorded no host; this report was built on {machine_label()} "
+               f"on {datetime.datetime.now():%Y-%m-%d %H:%M}.")
+    return (f"{ran} Sources: HELM's output `{suite_dir}` and {len(benches)} bench / {len(evals)} eval records "
+            f"in `{records_dir}`; every table is also a CSV beside this file, every figure is drawn from the "
+            "table above it.\n")
 
 
 def _csv(df: pd.DataFrame, out: Path, name: str) -> str:
@@ -121,11 +161,20 @@ def _table_section(heading: str, df: pd.DataFrame, if_empty: str, out: Path, nam
 
 
 def _frontier_section(benches: list[dict], out: Path) -> list[str]:
-    return _table_section(
-        "Latency-throughput trade-off (paper Figure 1)", frontier.frontier_table(benches),
-        "No bench records under runs/: `flexgen-helm bench ... --label NAME --json runs/bench/X.json` "
-        "at several --gpu-batch-size / --num-gpu-batches.", out, "frontier",
-        plot=plots.frontier, alt="latency-throughput frontier", hide=("source",))
+    """One table and one plot per (host, model, workload): a frontier compares settings
+    measured on one machine with one model and one workload, nothing else."""
+    df = frontier.frontier_table(benches)
+    md = ["## Latency-throughput trade-off (paper Figure 1)\n"]
+    if df.empty:
+        return md + ["No bench records in this run: `flexgen-helm bench ... --label NAME --json "
+                     "<records folder>/X.json` at several --gpu-batch-size / --num-gpu-batches, or "
+                     "`flexgen-helm demo --bench`.\n"]
+    md.append(_csv(df, out, "frontier.csv"))
+    for i, ((host, model, workload), group) in enumerate(frontier.frontier_groups(df), start=1):
+        md += [f"### {model}, {workload} tokens, on {host}\n",
+               table(group.drop(columns=[*frontier.GROUP, "prompt_len", "gen_len"])),
+               _img(plots.frontier(group, out / f"frontier-{i}.png"), f"latency-throughput frontier {i}")]
+    return md
 
 
 def _breakdown_section(benches: list[dict], out: Path) -> list[str]:

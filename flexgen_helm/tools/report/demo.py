@@ -17,7 +17,7 @@ import time
 from argparse import Namespace
 from pathlib import Path
 
-from flexgen_helm.tools.report.build import build_report, suite_path
+from flexgen_helm.tools.report.build import build_report, records_dir_of, suite_path, write_run_info
 
 DEPLOYMENTS = ("flexgen/smollm2-135m", "flexgen/smollm2-135m-4bit")
 SCENARIOS = ("lambada", "wikitext:unit=paragraph", "synthetic_reasoning:mode=pattern_match")
@@ -60,8 +60,9 @@ def helm_command(entries: list[str], max_instances: int, suite: str, output_path
     return cmd
 
 
-def bench_sweep(runs_dir: str, suite: str) -> list[Path]:
-    """One bench per (setting, batch), JSON into runs/bench/ where the report finds it."""
+def bench_sweep(records_dir: Path) -> list[Path]:
+    """One bench per (setting, batch), JSON into the run's records folder, where its report
+    finds it."""
     from tqdm import tqdm
 
     from flexgen_helm.policy.policy import Policy
@@ -73,7 +74,7 @@ def bench_sweep(runs_dir: str, suite: str) -> list[Path]:
         # blocks of up to 4 sequences per GPU batch: the zig-zag schedule covers the rest
         gbs = min(b, 4)
         policy = Policy.from_dict({**fields, "gpu_batch_size": gbs, "num_gpu_batches": b // gbs})
-        path = Path(runs_dir) / "bench" / f"{suite}-{label.replace(' ', '-')}-bs{b}.json"
+        path = records_dir / f"bench-{label.replace(' ', '-')}-bs{b}.json"
         args = Namespace(model="smollm2-135m", path=None, dummy=False, offload_dir=None, device=None, dtype=None,
                          prompt_len=BENCH_PROMPT_LEN, gen_len=BENCH_GEN_LEN, gpu_mem=None, cpu_mem=None, warmup=1,
                          json=str(path), label=label, pipeline=False)
@@ -84,6 +85,9 @@ def bench_sweep(runs_dir: str, suite: str) -> list[Path]:
 
 def run_demo(args) -> Path:
     t0 = time.perf_counter()
+    out = Path(args.out) if args.out else Path(args.archives) / args.suite
+    records_dir = Path(args.runs_dir) if args.runs_dir else records_dir_of(out)
+    write_run_info(records_dir, ["flexgen-helm", *args.argv])
     env = dict(os.environ)
     env.setdefault("FLEXGEN_HELM_POLICY", json.dumps(FP16_POLICY))
     cmd = helm_command(run_entries(), args.max_instances, args.suite, args.output_path, args.threads)
@@ -91,9 +95,8 @@ def run_demo(args) -> Path:
     subprocess.run(cmd, env=env, check=True)
     helm_s = time.perf_counter() - t0
     if args.bench:
-        bench_sweep(args.runs_dir, args.suite)
-    report = build_report(suite_path(args.output_path, args.suite), args.runs_dir,
-                          args.out or Path(args.runs_dir) / args.suite)
+        bench_sweep(records_dir)
+    report = build_report(suite_path(args.output_path, args.suite), records_dir, out, archive_root=args.archives)
     total = time.perf_counter() - t0
     print(f"report: {report}  (helm-run {helm_s / 60:.1f} min, total {total / 60:.1f} min)")
     return report

@@ -3,7 +3,9 @@ paper's Figure 1), and the ablation table (Table 6 of the paper: each optimizati
 
 A point is one `flexgen-helm bench` (or policy-validation) record; its curve is the
 record's `--label` if it has one, else a short description of its policy without the
-block shape, so that the same setting at several batch sizes makes one curve.
+block shape, so that the same setting at several batch sizes makes one curve. Records of
+different hosts, models or workloads (prompt / output lengths) are never compared on one
+plot: each (host, model, workload) is a group of its own.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import pandas as pd
 
 from flexgen_helm.evaluation.run import approximations
+from flexgen_helm.tools.report.records import host_of
 
 # The paper's ablation rows, matched against bench labels (case and -/_ ignored).
 ABLATION = ("all optimizations", "no policy search", "no overlap", "no CPU compute", "no disk",
@@ -32,8 +35,7 @@ def setting_of(r: dict) -> str:
         parts.append("no overlap")
     if p.get("cpu_cache_compute"):
         parts.append("CPU attention")
-    model = r.get("model")
-    return (f"{model}: " if model else "") + ", ".join(parts)
+    return ", ".join(parts)
 
 
 def batch_of(r: dict) -> int:
@@ -41,17 +43,30 @@ def batch_of(r: dict) -> int:
     return int(r.get("effective_batch_size") or r.get("block_size") or p["gpu_batch_size"] * p["num_gpu_batches"])
 
 
+GROUP = ["host", "model", "workload"]
+
+
+def workload_of(r: dict) -> str:
+    return f"prompt {r.get('prompt_len')} / output {r.get('gen_len')}"
+
+
 def frontier_table(records: list[dict]) -> pd.DataFrame:
-    rows = [{"curve": setting_of(r), "batch": batch_of(r), "prompt_len": r.get("prompt_len"),
+    """One row per record: its group (host, model, workload), curve (setting) and point."""
+    rows = [{"host": host_of(r), "model": r.get("model", "model not recorded"), "workload": workload_of(r),
+             "curve": setting_of(r), "batch": batch_of(r), "prompt_len": r.get("prompt_len"),
              "gen_len": r.get("gen_len"), "latency (s)": r["total_latency_s"],
              "throughput (tok/s)": r["total_throughput"], "source": r.get("_path", "")} for r in records]
     if not rows:
         return pd.DataFrame()
     df = pd.DataFrame(rows)
-    # latency depends on the sequence lengths: different lengths are different curves
-    if df[["prompt_len", "gen_len"]].drop_duplicates().shape[0] > 1:
-        df["curve"] = df["curve"] + " (s=" + df["prompt_len"].astype(str) + ", n=" + df["gen_len"].astype(str) + ")"
-    return df.sort_values(["curve", "batch"], kind="stable").reset_index(drop=True)
+    return df.sort_values([*GROUP, "curve", "batch"], kind="stable").reset_index(drop=True)
+
+
+def frontier_groups(df: pd.DataFrame) -> list[tuple[tuple[str, str, str], pd.DataFrame]]:
+    """The table cut into its (host, model, workload) groups, each a plot of its own."""
+    if df.empty:
+        return []
+    return [(key, g.reset_index(drop=True)) for key, g in df.groupby(GROUP, sort=False)]
 
 
 def _norm(label: str) -> str:
@@ -73,7 +88,7 @@ def ablation_table(records: list[dict]) -> pd.DataFrame:
         name = ablation_name(r.get("label"))
         if name is None:
             continue
-        key = (f"{r.get('model')} s={r.get('prompt_len')} n={r.get('gen_len')}", name)
+        key = (f"{r.get('model')} s={r.get('prompt_len')} n={r.get('gen_len')}, {host_of(r)}", name)
         if key not in best or r["total_throughput"] > best[key]["total_throughput"]:
             best[key] = r
     if not best:

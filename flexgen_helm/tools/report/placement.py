@@ -14,6 +14,7 @@ import pandas as pd
 from flexgen_helm.evaluation.run import approximations
 from flexgen_helm.policy.policy import TIERS
 from flexgen_helm.tools.report.frontier import batch_of, setting_of
+from flexgen_helm.tools.report.records import host_of
 
 GIB = 2**30
 
@@ -25,7 +26,8 @@ def placement_table(records: list[dict]) -> pd.DataFrame:
         if not memory:
             continue
         weights = memory.get("placement", {}).get("weight_bytes", {})
-        row = {"setting": setting_of(r), "batch": batch_of(r), "compression": approximations(r["policy"])}
+        row = {"host": host_of(r), "model": r.get("model"), "setting": setting_of(r), "batch": batch_of(r),
+               "compression": approximations(r["policy"])}
         row.update({f"weights {t} (GiB)": weights.get(t, 0) / GIB for t in TIERS})
         row.update({f"peak {t} (GiB)": memory["tiers"][t]["peak_bytes"] / GIB for t in TIERS if t in memory["tiers"]})
         rss = memory.get("cpu_peak_rss_bytes")

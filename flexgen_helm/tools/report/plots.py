@@ -69,7 +69,8 @@ def bar_panels(df: pd.DataFrame, label_col: str, value_cols: list[str], title: s
 
 
 def frontier(df: pd.DataFrame, path: Path) -> Path | None:
-    """Throughput against latency, one line per setting, points labelled with the batch."""
+    """Throughput against latency for one (host, model, workload) group: one line per
+    setting, points labelled with the batch."""
     if df.empty:
         return None
     fig, ax = plt.subplots(figsize=(10, 5.5))
@@ -90,9 +91,9 @@ def frontier(df: pd.DataFrame, path: Path) -> Path | None:
         ax.set_ylim(bottom=0)
     ax.set_xlabel("latency (s per block: prefill + decode)")
     ax.set_ylabel("generation throughput (generated tokens/s)")
-    lens = df[["prompt_len", "gen_len"]].drop_duplicates()
-    sub = f" (prompt {lens.iloc[0, 0]}, output {lens.iloc[0, 1]} tokens)" if len(lens) == 1 else ""
-    ax.set_title("Latency-throughput trade-off" + sub)
+    first = df.iloc[0]
+    ax.set_title(f"Latency-throughput trade-off: {first['model']}, {first['workload']} tokens\n{first['host']}",
+                 fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _save(fig, path)

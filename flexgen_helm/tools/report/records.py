@@ -11,6 +11,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from flexgen_helm.memory.machine import machine_label
+
+NO_HOST = "host not recorded"
+
 BENCH_KEYS = {"policy", "total_latency_s", "total_throughput"}
 EVAL_KEYS = {"task", "metrics", "policy"}
 
@@ -40,3 +44,10 @@ def bench_records(files: list[tuple[Path, dict]]) -> list[dict]:
 
 def eval_records(files: list[tuple[Path, dict]]) -> list[dict]:
     return [{**d, "_path": str(p)} for p, d in files if EVAL_KEYS <= d.keys()]
+
+
+def host_of(record: dict) -> str:
+    """The machine a record was measured on, in a few words (results of different hosts are
+    never one curve)."""
+    info = record.get("hardware") or record.get("machine")
+    return machine_label(info) if isinstance(info, dict) and info.get("cpu") else NO_HOST
