@@ -135,7 +135,8 @@ def test_frontier_ablation_breakdown(fixture_dirs):
     ab = frontier.ablation_table(benches).set_index("setting")
     assert ab.loc["all optimizations", "throughput (tok/s)"] == 16.0  # best batch
     assert ab.loc["no overlap", "vs all optimizations"] == pytest.approx(0.5)  # label matched by its prefix
-    assert ab.loc["no overlap", "label"] == "no overlap (sync I/O)" and ab.loc["no overlap", "workload"] == "m s=32 n=8, host not recorded"
+    assert ab.loc["no overlap", "label"] == "no overlap (sync I/O)"
+    assert ab.loc["no overlap", "workload"] == "m s=32 n=8, host not recorded"
     bd = breakdown_report.breakdown_table(benches)
     row = bd[(bd["setting"] == "no overlap (sync I/O)") & (bd["stage"] == "decode")].iloc[0]
     assert row["compute (s)"] == 2.0 and row["cache read (s)"] == 0.25 and row["activations (s)"] == pytest.approx(0.2)
@@ -157,8 +158,8 @@ def test_report_files(fixture_dirs, tmp_path):
     for heading in ("Table 25", "Table 5", "Figure 1", "Table 23", "per tier", "Table 6"):
         assert heading in text
     assert "| lambada | flexgen/m | 3 | 24 | 28 | 12 | 12 | 3 | 13.33 | 12 | 0.9 |" in text
-    for name in ("helm_runs.csv", "accuracy_eval.csv", "accuracy_helm.csv", "frontier.csv", "breakdown.csv", "placement.csv",
-                 "ablation.csv", "helm_throughput.png", "accuracy_eval.png", "accuracy_helm.png", "frontier-1.png",
+    for name in ("helm_runs.csv", "accuracy_eval.csv", "accuracy_helm.csv", "frontier.csv", "breakdown.csv",
+                 "placement.csv", "ablation.csv", "helm_throughput.png", "accuracy_eval.png", "accuracy_helm.png", "frontier-1.png",
                  "breakdown.png"):
         assert (out / name).stat().st_size > 0, name
         if name.endswith(".png"):

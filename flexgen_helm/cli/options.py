@@ -12,7 +12,8 @@ from flexgen_helm.policy.policy import Compression, Policy
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="model name (smollm2-135m, facebook/opt-1.3b, ...) or local path")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="model name (smollm2-135m, facebook/opt-1.3b, ...) or local path")
     p.add_argument("--path", help="local checkpoint directory or GGUF file for the model")
     p.add_argument("--dummy", action="store_true", help="random weights of the right shapes (benchmarks)")
     p.add_argument("--offload-dir", help="directory for disk-tier tensors (default: $FLEXGEN_HELM_OFFLOAD or /tmp)")
