@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 from flexgen_helm.tools.compare import table
 from flexgen_helm.tools.compare.ablations import ablation_policies
 from flexgen_helm.tools.compare.accelerate_offload import largest_batch
@@ -58,7 +60,8 @@ def run_compare(setup: Setup, out: Path, max_block: int, warmup: int, timeout_s:
     bandwidth = bandwidth or measure_read_bandwidth(offload_dir(setup))
     run = Runner(timeout_s)
     rows = []
-    for system in systems:
+    # one system after another: tqdm's estimate of the time left is each run's mean so far
+    for system in tqdm(systems, desc=f"compare {setup.name}", unit="system"):
         path = folder / f"{system}.json"
         if system.startswith("hf-accelerate"):
             argv = ["-m", "flexgen_helm.tools.compare.accelerate_offload", "--setup", setup.name,
@@ -92,7 +95,8 @@ def run_ablations(setup: Setup, out: Path, max_block: int, warmup: int, timeout_
     prepare_store(setup)
     run = Runner(timeout_s)
     rows = []
-    for i, (label, policy, note) in enumerate(ablation_policies(setup, max_block)):
+    settings = ablation_policies(setup, max_block)
+    for i, (label, policy, note) in enumerate(tqdm(settings, desc=f"ablations {setup.name}", unit="setting")):
         if policy is None:
             rows.append(table.row(setup.name, label, {"skipped": note, "label": label}, None, None))
             continue
