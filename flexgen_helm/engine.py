@@ -22,21 +22,18 @@ from flexgen_helm.executor.runtime import ModelRuntime
 from flexgen_helm.executor.sampling import GenerationResult, SamplingParams, ScoreResult
 from flexgen_helm.memory.devices import Devices, pick_devices
 from flexgen_helm.memory.direct_io import bypass_mode
+from flexgen_helm.memory.host_allocator import keep_freed_host_memory
+from flexgen_helm.memory.offload_dir import default_offload_dir
 from flexgen_helm.memory.placement import place_weights
 from flexgen_helm.memory.usage import TierUsage, process_peak_rss_bytes
 from flexgen_helm.memory.weight_homes import build_homes
 from flexgen_helm.models import family_of
-from flexgen_helm.models.registry import ResolvedModel, resolve
 from flexgen_helm.models.spec import all_store_tensors
 from flexgen_helm.policy.policy import Policy
 from flexgen_helm.weights.loading import open_weights
-from flexgen_helm.memory.host_allocator import keep_freed_host_memory
+from flexgen_helm.weights.registry import ResolvedModel, resolve
 
 _seed_counter = itertools.count()
-
-
-def default_offload_dir() -> Path:
-    return Path(os.environ.get("FLEXGEN_HELM_OFFLOAD", Path(tempfile.gettempdir()) / "flexgen-helm-offload"))
 
 
 class Engine:

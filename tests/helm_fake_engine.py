@@ -25,7 +25,7 @@ def smollm2_tokenizer():
     global _TOKENIZER
     with _TOKENIZER_LOCK:
         if _TOKENIZER is None:
-            from flexgen_helm.models.registry import resolve
+            from flexgen_helm.weights.registry import resolve
 
             _TOKENIZER = resolve("smollm2-135m").load_tokenizer()
         return _TOKENIZER

@@ -11,15 +11,15 @@ import torch
 
 pytest.importorskip("accelerate")
 
-import pandas as pd  # noqa: E402
+import pandas as pd
 
-from flexgen_helm.compare import accelerate_offload, table  # noqa: E402
-from flexgen_helm.compare.disk import measure_read_bandwidth  # noqa: E402
-from flexgen_helm.compare.run import run_compare  # noqa: E402
-from flexgen_helm.compare.workloads import SETUPS, prompts  # noqa: E402
-from flexgen_helm.engine import Engine  # noqa: E402
-from flexgen_helm.executor.sampling import SamplingParams  # noqa: E402
-from flexgen_helm.policy.policy import Policy, Split  # noqa: E402
+from flexgen_helm.engine import Engine
+from flexgen_helm.executor.sampling import SamplingParams
+from flexgen_helm.policy.policy import Policy, Split
+from flexgen_helm.tools.compare import accelerate_offload, table
+from flexgen_helm.tools.compare.disk import measure_read_bandwidth
+from flexgen_helm.tools.compare.run import run_compare
+from flexgen_helm.tools.compare.workloads import SETUPS, prompts
 
 TINY = SETUPS["tiny"]
 
@@ -34,7 +34,7 @@ def test_harness_rows(tmp_path):
     rows, commands = run_compare(TINY, tmp_path / "out", max_block=2, warmup=0, timeout_s=300,
                                  systems=("ours-deepspeed-policy", "hf-accelerate"), bandwidth=bandwidth)
     assert [r["system"] for r in rows] == ["ours-deepspeed-policy", "hf-accelerate"]
-    assert len(commands) == 2 and "flexgen_helm.compare.accelerate_offload" in commands[1]
+    assert len(commands) == 2 and "flexgen_helm.tools.compare.accelerate_offload" in commands[1]
     for r in rows:
         assert r["throughput_tok_s"] > 0 and r["effective_batch"] >= 1, r
         assert r["disk_weight_gib"] > 0 and r["disk_read_gib"] > 0 and r["roofline_tok_s"] > 0, r
@@ -79,9 +79,9 @@ def test_compute_floor_counts_every_matmul_weight(fixture, request):
     """The floor's weights per token are the model's Linear weights (the head included)."""
     from conftest import hf_model
 
-    from flexgen_helm.compare.compute_floor import compute_floor, matmul_params_per_token
-    from flexgen_helm.models.registry import resolve
-    from flexgen_helm.policy.hardware_profile import DeviceSpeeds, HardwareProfile
+    from flexgen_helm.planner.hardware_profile import DeviceSpeeds, HardwareProfile
+    from flexgen_helm.tools.compare.compute_floor import compute_floor, matmul_params_per_token
+    from flexgen_helm.weights.registry import resolve
 
     path = request.getfixturevalue(fixture)
     model = hf_model(path)
@@ -95,7 +95,7 @@ def test_compute_floor_counts_every_matmul_weight(fixture, request):
 
 
 def test_helm_client_rows_compare_within_one_host():
-    from flexgen_helm.compare.helm_clients import agreement, findings
+    from flexgen_helm.tools.compare.helm_clients import agreement, findings
 
     def row(host, system, dtype, wall, correct):
         return {"host": host, "system": system, "dtype": dtype, "scenario": "lambada", "instances": 500,

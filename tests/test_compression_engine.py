@@ -17,9 +17,9 @@ from flexgen_helm.engine import Engine
 from flexgen_helm.executor.attention import attend
 from flexgen_helm.executor.kv_cache import KVCacheSlot, cache_nbytes
 from flexgen_helm.executor.sampling import SamplingParams
-from flexgen_helm.memory.budget import planned_bytes
 from flexgen_helm.memory.devices import Devices
 from flexgen_helm.memory.usage import TierUsage
+from flexgen_helm.planner.budget import planned_bytes
 from flexgen_helm.policy import Policy, Split
 from flexgen_helm.policy.policy import Compression
 from flexgen_helm.weights.compressed_store import CompressedStore

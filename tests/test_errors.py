@@ -10,8 +10,14 @@ import pytest
 
 from flexgen_helm.cli import main
 from flexgen_helm.engine import Engine
-from flexgen_helm.errors import (FlexGenError, ModelNotFoundError, OffloadDirError, PolicyError, PromptTooLongError,
-                                 WeightStoreError)
+from flexgen_helm.errors import (
+    FlexGenError,
+    ModelNotFoundError,
+    OffloadDirError,
+    PolicyError,
+    PromptTooLongError,
+    WeightStoreError,
+)
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.policy import Policy, Split
 

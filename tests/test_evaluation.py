@@ -9,14 +9,14 @@ import os
 
 import pytest
 import torch
+from conftest import hf_model
 
 from flexgen_helm.cli import main
+from flexgen_helm.data.sources import local_file, read_wikitext
 from flexgen_helm.engine import Engine
 from flexgen_helm.evaluation import lambada, wikitext
-from flexgen_helm.evaluation.data import local_file, read_wikitext
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.policy.policy import Policy
-from conftest import hf_model
 
 PASSAGES = ["the cat sat on the mat", "a dog ran far away", "she said hello to him",
             "one two three four five", "we went home at night", "it is a fine day today",
@@ -203,7 +203,7 @@ def test_interrupted_eval_resumes_where_it_stopped(tiny_llama, tmp_path, data_di
 def test_accuracy_findings_rank_weight_groupings_from_the_records():
     """The sweep report's grouping finding is computed from the records: it names the
     better dim-0 group size, says when the two metrics disagree, and only for complete scopes."""
-    from flexgen_helm.evaluation.report import findings
+    from flexgen_helm.tools.accuracy_sweep.report import findings
 
     def rec(ppl, acc):
         return {"wikitext": {"metrics": {"token_perplexity": ppl}}, "lambada": {"metrics": {"accuracy": acc}}}

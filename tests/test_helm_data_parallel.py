@@ -8,7 +8,6 @@ import socket
 import sys
 
 import pytest
-
 from test_helm_e2e import helm_run, run_dirs
 
 pytest.importorskip("helm")

@@ -10,13 +10,13 @@ import pytest
 
 pytest.importorskip("helm")
 
-import helm_fake_engine  # noqa: E402
-from helm.benchmark.metrics.basic_metrics import get_num_bytes  # noqa: E402
-from helm.common.cache import BlackHoleCacheConfig, SqliteCacheConfig  # noqa: E402
-from helm.common.request import Request  # noqa: E402
-from helm.common.tokenization_request import TokenizationRequest  # noqa: E402
+import helm_fake_engine
+from helm.benchmark.metrics.basic_metrics import get_num_bytes
+from helm.common.cache import BlackHoleCacheConfig, SqliteCacheConfig
+from helm.common.request import Request
+from helm.common.tokenization_request import TokenizationRequest
 
-from flexgen_helm.helm import engines  # noqa: E402
+from flexgen_helm.helm import engines
 
 DEPLOYMENT = "flexgen/smollm2-135m"
 

@@ -25,7 +25,7 @@ from flexgen_helm.compression.stored import weight_layout
 from flexgen_helm.engine import Engine
 from flexgen_helm.errors import PolicyError
 from flexgen_helm.executor.sampling import SamplingParams
-from flexgen_helm.models.registry import resolve
+from flexgen_helm.weights.registry import resolve
 from flexgen_helm.policy import Policy, Split
 from flexgen_helm.policy.policy import Compression
 from flexgen_helm.weights.compressed_store import CompressedStore

@@ -8,21 +8,29 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from conftest import save_tiny
 
-from flexgen_helm.cli import build_parser, main, policy_from_args
+from flexgen_helm.cli import build_parser, main
+from flexgen_helm.cli.options import policy_from_args
 from flexgen_helm.engine import Engine
 from flexgen_helm.errors import PolicyError
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.models.config import ModelConfig
 from flexgen_helm.models.opt import config_for_size
+from flexgen_helm.planner.cost_model import TERMS, CostModel, Workload
+from flexgen_helm.planner.hardware_profile import DeviceSpeeds, HardwareProfile, default_profile_path
+from flexgen_helm.planner.search import (
+    NF,
+    Budgets,
+    SearchOptions,
+    default_budgets,
+    search,
+    shortfalls,
+    solve_lp,
+    time_rows,
+)
 from flexgen_helm.policy import Compression, Policy, Split
-from flexgen_helm.policy.cost_model import TERMS, CostModel, Workload
-from flexgen_helm.policy.hardware_profile import DeviceSpeeds, HardwareProfile, default_profile_path
-from flexgen_helm.policy.refit import refit
-from flexgen_helm.policy.search import (NF, Budgets, SearchOptions, _time_rows, default_budgets, search, shortfalls,
-                                       solve_lp)
-
-from conftest import save_tiny
+from flexgen_helm.tools.validation.refit import refit
 
 GIB = 2**30
 OPT13 = config_for_size("1.3b")
@@ -152,7 +160,7 @@ def test_disk_overlap_loss_interpolates_between_overlap_and_taking_turns():
     # the LP reads each term as an affine function of the fractions: it must be one
     lossy = CostModel(OPT13, cpu_profile(disk_overlap_loss={"prefill": 0.7, "decode": 0.7}), Workload(256, 16))
     mixed = Policy(4, 1, cache=Split(0.7, 0, 0.3), activations=Split(0.6, 0.2, 0.2))
-    base, slopes = _time_rows(lossy, mixed, "decode")
+    base, slopes = time_rows(lossy, mixed, "decode")
     x = np.array([0, 0, 0, 0.7, 0, 0.3, 0.6, 0.2, 0.2])
     assert [lt[t] for lt in lossy.phase_terms(mixed, "decode") for t in TERMS] == pytest.approx(base + slopes @ x)
     # without overlap the terms are summed already: the loss changes nothing
@@ -215,8 +223,8 @@ def test_helm_plugin_accepts_policy_auto():
 
 
 def test_saved_profile_of_other_hardware_is_remeasured(tmp_path, monkeypatch, capsys):
-    from flexgen_helm.hardware import machine_info
-    from flexgen_helm.policy import hardware_profile
+    from flexgen_helm.memory.machine import machine_info
+    from flexgen_helm.planner import hardware_profile
 
     here = machine_info()
     fresh = HardwareProfile(machine=here, disk_read_bytes_per_s=7.0)

@@ -9,12 +9,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from flexgen_helm.bench import breakdown
 from flexgen_helm.cli import main
-from flexgen_helm.report import accuracy, breakdown as breakdown_report, frontier, helm_runs, placement
-from flexgen_helm.report.build import build_report
-from flexgen_helm.report.demo import helm_command, run_entries
-from flexgen_helm.report.markdown import table
+from flexgen_helm.tools.bench import breakdown
+from flexgen_helm.tools.report import accuracy, frontier, helm_runs, placement
+from flexgen_helm.tools.report import breakdown as breakdown_report
+from flexgen_helm.tools.report.demo import helm_command, run_entries
+from flexgen_helm.tools.report.markdown import table
 
 FP = {"gpu_batch_size": 4, "num_gpu_batches": 2, "weights": {"gpu": 1.0, "cpu": 0.0, "disk": 0.0},
       "cache": {"gpu": 1.0, "cpu": 0.0, "disk": 0.0}, "activations": {"gpu": 1.0, "cpu": 0.0, "disk": 0.0},
@@ -110,7 +110,7 @@ def test_helm_table_padded_and_actual_throughput(fixture_dirs):
 
 def test_accuracy_tables(fixture_dirs):
     suite, runs = fixture_dirs
-    from flexgen_helm.report.records import eval_records, load_json_files
+    from flexgen_helm.tools.report.records import eval_records, load_json_files
 
     ev = accuracy.eval_table(eval_records(load_json_files(runs)))
     full = ev[ev["scope"] == "full"].set_index("setting")
@@ -125,7 +125,7 @@ def test_accuracy_tables(fixture_dirs):
 
 def test_frontier_ablation_breakdown(fixture_dirs):
     _, runs = fixture_dirs
-    from flexgen_helm.report.records import bench_records, load_json_files
+    from flexgen_helm.tools.report.records import bench_records, load_json_files
 
     benches = bench_records(load_json_files(runs))
     fr = frontier.frontier_table(benches)
@@ -135,7 +135,8 @@ def test_frontier_ablation_breakdown(fixture_dirs):
     ab = frontier.ablation_table(benches).set_index("setting")
     assert ab.loc["all optimizations", "throughput (tok/s)"] == 16.0  # best batch
     assert ab.loc["no overlap", "vs all optimizations"] == pytest.approx(0.5)  # label matched by its prefix
-    assert ab.loc["no overlap", "label"] == "no overlap (sync I/O)" and ab.loc["no overlap", "workload"] == "m s=32 n=8"
+    assert ab.loc["no overlap", "label"] == "no overlap (sync I/O)"
+    assert ab.loc["no overlap", "workload"] == "m s=32 n=8, host not recorded"
     bd = breakdown_report.breakdown_table(benches)
     row = bd[(bd["setting"] == "no overlap (sync I/O)") & (bd["stage"] == "decode")].iloc[0]
     assert row["compute (s)"] == 2.0 and row["cache read (s)"] == 0.25 and row["activations (s)"] == pytest.approx(0.2)
@@ -157,8 +158,8 @@ def test_report_files(fixture_dirs, tmp_path):
     for heading in ("Table 25", "Table 5", "Figure 1", "Table 23", "per tier", "Table 6"):
         assert heading in text
     assert "| lambada | flexgen/m | 3 | 24 | 28 | 12 | 12 | 3 | 13.33 | 12 | 0.9 |" in text
-    for name in ("helm_runs.csv", "accuracy_eval.csv", "accuracy_helm.csv", "frontier.csv", "breakdown.csv", "placement.csv",
-                 "ablation.csv", "helm_throughput.png", "accuracy_eval.png", "accuracy_helm.png", "frontier.png",
+    for name in ("helm_runs.csv", "accuracy_eval.csv", "accuracy_helm.csv", "frontier.csv", "breakdown.csv",
+                 "placement.csv", "ablation.csv", "helm_throughput.png", "accuracy_eval.png", "accuracy_helm.png", "frontier-1.png",
                  "breakdown.png"):
         assert (out / name).stat().st_size > 0, name
         if name.endswith(".png"):
@@ -199,3 +200,45 @@ def test_engine_times_each_event_without_overlap(tiny_llama, tmp_path):
         assert parts[stage]["compute"] > 0 and parts[stage]["load_weight"] > 0 and parts[stage]["store_cache"] > 0
         assert sum(parts[stage].values()) <= stats[f"{stage}_s"] * 1.05
     assert parts["decode"]["load_cache"] > 0
+
+
+def _host(cpu: str) -> dict:
+    return {"cpu": cpu, "cpu_cores": 2, "cpu_bf16_arithmetic": True}
+
+
+def test_frontier_never_mixes_hosts_models_or_workloads(fixture_dirs):
+    _, runs = fixture_dirs
+    from flexgen_helm.tools.report.records import NO_HOST, bench_records, load_json_files
+
+    benches = bench_records(load_json_files(runs))
+    same = {k: v for k, v in benches[0].items() if k != "_path"}
+    benches += [{**same, "hardware": _host("CPU A")}, {**same, "hardware": _host("CPU B")},
+                {**same, "hardware": _host("CPU A"), "prompt_len": 64}]
+    groups = {key: len(g) for key, g in frontier.frontier_groups(frontier.frontier_table(benches))}
+    assert groups[(NO_HOST, "m", "prompt 32 / output 8")] == 4  # the fixture's own records say no host
+    host_a = next(h for h, _, _ in groups if h.startswith("CPU A"))
+    assert groups[(host_a, "m", "prompt 32 / output 8")] == 1
+    assert groups[(host_a, "m", "prompt 64 / output 8")] == 1
+    assert sum(1 for h, _, _ in groups if h.startswith("CPU B")) == 1
+
+
+def test_suite_report_is_about_its_own_run_and_links_archives(fixture_dirs, tmp_path, monkeypatch):
+    suite, runs = fixture_dirs
+    (runs / "accuracy" / "README.md").write_text("# archived accuracy\n")
+    out = runs / "mini"
+    from flexgen_helm.tools.report.build import records_dir_of, write_run_info
+
+    write_run_info(records_dir_of(out), ["flexgen-helm", "demo"])
+    assert main(["report", str(suite), "--archives", str(runs)]) == 0
+    text = (out / "report.md").read_text()
+    # the bench and eval records archived under runs/ are not this run's: no table of theirs
+    assert "0 bench / 0 eval records" in text and "No bench records in this run" in text
+    assert "Measured on **" in text and "`flexgen-helm demo`" in text  # the host and command of the run
+    assert "## Archived results" in text and "(../accuracy/README.md)" in text
+
+
+def test_report_of_a_missing_suite_names_the_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["report", "--suite", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path / "benchmark_output" / "runs" / "nope") in err

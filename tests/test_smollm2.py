@@ -7,13 +7,13 @@ import math
 
 import pytest
 import torch
-
 from conftest import hf_model
+
 from flexgen_helm.engine import Engine
 from flexgen_helm.executor.sampling import SamplingParams
-from flexgen_helm.models.registry import resolve
 from flexgen_helm.policy import Policy, Split
 from flexgen_helm.weights.export_hf import export_hf
+from flexgen_helm.weights.registry import resolve
 
 PROMPTS = ["The capital of France is", "Water boils at a temperature of", "def fibonacci(n):"]
 

@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import hf_model, save_tiny
+
 from flexgen_helm.engine import Engine
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.policy import Policy

@@ -11,19 +11,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import hf_model, save_tiny
 from safetensors.torch import load_file, save_file
 
-from conftest import hf_model, save_tiny
 from flexgen_helm.errors import FlexGenError, ModelNotFoundError, OffloadDirError, WeightStoreError
 from flexgen_helm.models import opt
 from flexgen_helm.models.config import ModelConfig
-from flexgen_helm.models.registry import SMOLLM2, default_cache_dir, resolve, store_dir_for
 from flexgen_helm.models.tokenizer import byte_standin_tokenizer, import_transformers
 from flexgen_helm.weights import convert as convert_mod
 from flexgen_helm.weights.convert import JOURNAL, config_from_json, convert
 from flexgen_helm.weights.dummy import DummyWeights
 from flexgen_helm.weights.gguf_file import GGUFFile
 from flexgen_helm.weights.hf_checkpoint import HFCheckpoint
+from flexgen_helm.weights.registry import SMOLLM2, default_cache_dir, resolve, store_dir_for
 from flexgen_helm.weights.store import MANIFEST, TensorStore
 
 

@@ -20,13 +20,14 @@ import torch
 import torch.distributed as dist
 
 from flexgen_helm.dist.partition import balanced_bounds, layer_costs
-from flexgen_helm.engine import Engine, build_runtime, default_offload_dir
+from flexgen_helm.engine import Engine, build_runtime
+from flexgen_helm.memory.offload_dir import default_offload_dir
 from flexgen_helm.errors import FlexGenError
 from flexgen_helm.executor.generation import BlockRunner, RunStats, plan_blocks
 from flexgen_helm.executor.schedule import BlockSchedule
 from flexgen_helm.memory.devices import pick_devices
 from flexgen_helm.models import family_of
-from flexgen_helm.models.registry import resolve
+from flexgen_helm.weights.registry import resolve
 from flexgen_helm.policy.policy import Policy
 
 

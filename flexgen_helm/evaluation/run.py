@@ -9,9 +9,9 @@ import shlex
 import time
 from pathlib import Path
 
+from flexgen_helm.data.sources import read_lambada, read_wikitext
 from flexgen_helm.errors import FlexGenError
 from flexgen_helm.evaluation import lambada, wikitext
-from flexgen_helm.evaluation.data import read_lambada, read_wikitext
 from flexgen_helm.evaluation.resume import ResumeLog
 
 TASKS = ("lambada", "wikitext")

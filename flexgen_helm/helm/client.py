@@ -211,7 +211,7 @@ class FlexGenClient(CachingClient):
             queue = get_batcher(handle, self.max_batch(handle), **self.queue_kwargs)
             try:
                 out = queue.submit(job).result()
-            except Exception as exc:  # noqa: BLE001 - engine errors become request errors
+            except Exception as exc:  # engine errors become request errors
                 raise RequestFailed(str(exc)) from exc
             return self.to_response(request, job, n_prefix, out, token_text_for(handle.tokenizer))
 

@@ -107,7 +107,7 @@ def resolve_load_args(
     if policy is None and env.get("FLEXGEN_HELM_POLICY"):
         policy = env["FLEXGEN_HELM_POLICY"]
     if policy == "auto":  # the cost model's choice for this model and machine (policy/auto.py)
-        from flexgen_helm.policy.auto import policy_for_model
+        from flexgen_helm.planner.auto import policy_for_model
 
         policy = policy_for_model(model, path=path, dummy=bool(dummy))
     policy_obj = _policy_from_any(policy)
@@ -188,7 +188,7 @@ def get_tokenizer(args: LoadArgs):
     with _REGISTRY_LOCK:
         key = (args.model, args.path, args.dummy)
         if key not in _TOKENIZERS:
-            from flexgen_helm.models.registry import resolve
+            from flexgen_helm.weights.registry import resolve
 
             _TOKENIZERS[key] = resolve(args.model, path=args.path, dummy=args.dummy).load_tokenizer()
         return _TOKENIZERS[key]

@@ -19,7 +19,6 @@ import threading
 import cattrs
 import dacite
 import yaml
-
 from helm.benchmark import model_deployment_registry as deployments
 from helm.benchmark import model_metadata_registry as metadata
 from helm.benchmark import tokenizer_config_registry as tokenizers

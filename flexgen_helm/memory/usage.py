@@ -64,3 +64,16 @@ def process_peak_rss_bytes() -> int:
 def current_rss_bytes() -> int:
     """Resident set size of this process now (VmRSS); 0 where /proc is missing."""
     return _proc_status_bytes("VmRSS:") or 0
+
+
+def process_disk_read_bytes() -> int:
+    """Bytes this process has caused to be read from storage, not served by the page cache
+    (/proc/self/io read_bytes); 0 where /proc is missing."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0

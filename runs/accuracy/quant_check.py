@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))  # the repository, when run as a script
 
 from flexgen_helm.compression.quantize import dequantize, quantize  # noqa: E402
-from flexgen_helm.evaluation.data import read_wikitext  # noqa: E402
+from flexgen_helm.data.sources import read_wikitext  # noqa: E402
 from flexgen_helm.models.tokenizer import import_transformers  # noqa: E402
 from flexgen_helm.policy.policy import Compression  # noqa: E402
 

@@ -13,7 +13,7 @@ from typing import List, Optional
 
 from helm.benchmark.scenarios.scenario import TEST_SPLIT, Input, Instance, Scenario
 
-from flexgen_helm.evaluation.data import local_file, missing, offline
+from flexgen_helm.data.sources import local_file, missing, offline
 
 RELATIVE = "wikitext-2-raw/wiki.test.raw"
 _ARTICLE = re.compile(r"^ ?= [^=].* = ?$")  # " = Title = " but not " = = Section = = "
@@ -44,7 +44,7 @@ class WikiTextScenario(Scenario):
                 import datasets
 
                 lines = datasets.load_dataset("Salesforce/wikitext", "wikitext-2-raw-v1", split="test")["text"]
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 raise missing("WikiText-2", RELATIVE) from exc
         return [line.rstrip("\n") for line in lines if line.strip()]
 

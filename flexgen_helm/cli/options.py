@@ -1,0 +1,90 @@
+"""Flags shared by several subcommands: the model, the policy, and output paths."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from flexgen_helm.errors import FlexGenError
+from flexgen_helm.policy.policy import Compression, Policy
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m",
+                   help="model name (smollm2-135m, facebook/opt-1.3b, ...) or local path")
+    p.add_argument("--path", help="local checkpoint directory or GGUF file for the model")
+    p.add_argument("--dummy", action="store_true", help="random weights of the right shapes (benchmarks)")
+    p.add_argument("--offload-dir", help="directory for disk-tier tensors (default: $FLEXGEN_HELM_OFFLOAD or /tmp)")
+    p.add_argument("--device", help="compute device (default: cuda if present, else cpu)")
+    p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"],
+                   help="weights and compute (default: float16 on GPU; on CPU bfloat16 where the CPU "
+                        "computes it natively, else float32)")
+    p.add_argument("--pipeline", action="store_true",
+                   help="run as one stage of a pipeline over the processes torchrun started")
+
+
+def add_policy_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("policy")
+    g.add_argument("--policy", help="a policy JSON file (see Policy.to_json), or 'auto': searched by the cost model")
+    g.add_argument("--gpu-batch-size", type=int, default=None)
+    g.add_argument("--num-gpu-batches", type=int, default=None)
+    g.add_argument("--percent", nargs=6, type=float, default=None, metavar="P",
+                   help="weights gpu cpu, cache gpu cpu, activations gpu cpu (percent; disk gets the rest)")
+    g.add_argument("--cpu-cache-compute", action="store_true", help="decode attention on the CPU for CPU/disk cache")
+    g.add_argument("--no-overlap", action="store_true", help="run I/O and compute one after the other")
+    g.add_argument("--pin-weight", dest="pin_weight", action="store_true", default=True)
+    g.add_argument("--no-pin-weight", dest="pin_weight", action="store_false")
+    g.add_argument("--compress-weight", action="store_true", help="group-wise quantized weights")
+    g.add_argument("--compress-cache", action="store_true", help="group-wise quantized KV cache")
+    g.add_argument("--compress-bits", type=int, default=4)
+    g.add_argument("--compress-group-size", type=int, default=64)
+    g.add_argument("--compress-group-dim", type=int, default=None,
+                   help="dimension along which groups run (default: weights 1, the input dim the int4 "
+                        "kernels take; cache the head dim)")
+    g.add_argument("--attn-sparsity", type=float, default=1.0, help="fraction of keys kept in decode attention")
+
+
+def policy_from_args(args) -> Policy:
+    if args.policy == "auto":
+        from flexgen_helm.planner.auto import policy_for_command
+
+        base = policy_for_command(args)
+    else:
+        base = Policy.from_dict(json.loads(Path(args.policy).read_text())) if args.policy else Policy()
+    changes = base.to_dict()
+    if args.percent is not None:
+        changes.update(Policy.from_percent(args.percent).to_dict())
+    for name in ("gpu_batch_size", "num_gpu_batches"):
+        if getattr(args, name) is not None:
+            changes[name] = getattr(args, name)
+    changes["overlap"] = base.overlap and not args.no_overlap
+    changes["cpu_cache_compute"] = base.cpu_cache_compute or args.cpu_cache_compute
+    changes["pin_weight"] = args.pin_weight
+    comp = Compression(args.compress_bits, args.compress_group_size, args.compress_group_dim)
+    if args.compress_weight:
+        changes["compress_weight"] = comp.__dict__
+    if args.compress_cache:
+        changes["compress_cache"] = comp.__dict__
+    if args.attn_sparsity != 1.0:
+        changes["attn_sparsity"] = args.attn_sparsity
+    return Policy.from_dict(changes)
+
+
+def checked_output_file(path: str | os.PathLike | None) -> Path | None:
+    """An output file the command will write at its end, made ready before any work starts:
+    its folder is created, and a path that cannot be written is an error now, not after
+    minutes of compute whose results would be lost."""
+    if path is None:
+        return None
+    out = Path(path)
+    if out.is_dir():
+        raise FlexGenError(f"output path {out} is a directory; give a file name")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise FlexGenError(f"cannot create the folder of the output file {out}: {e}") from e
+    if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise FlexGenError(f"output file {out} cannot be written (no write permission)")
+    return out

@@ -1,0 +1,61 @@
+"""`flexgen-helm report` (tables and plots from a suite and the JSON records) and
+`flexgen-helm demo` (the main job: helm-run, then the report)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from flexgen_helm.errors import FlexGenError
+
+
+def cmd_report(args) -> int:
+    from flexgen_helm.tools.report.build import build_report, suite_path
+
+    if args.path:  # benchmark_output/runs/<suite>
+        suite_dir = Path(args.path)
+    elif args.suite:
+        suite_dir = suite_path(args.output_path, args.suite)
+    elif args.out:  # no HELM suite: a report of the bench / eval JSONs alone
+        suite_dir = Path(args.out) / "no-helm-suite"
+    else:
+        raise FlexGenError("flexgen-helm report: give --suite NAME, a suite folder PATH, or --out DIR")
+    if (args.path or args.suite) and not suite_dir.is_dir():
+        raise FlexGenError(f"no HELM suite at {suite_dir.resolve()} (looked there for --suite "
+                           f"{args.suite or suite_dir.name} under --output-path {args.output_path}); "
+                           "run helm-run with --suite NAME first, or pass the suite's folder")
+    out = Path(args.out) if args.out else Path(args.archives) / suite_dir.name
+    report = build_report(suite_dir, args.runs_dir, out, archive_root=args.archives)
+    print(f"report: {report}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from flexgen_helm.tools.report.demo import run_demo
+
+    run_demo(args)
+    return 0
+
+
+def add_command(sub) -> None:
+    r = sub.add_parser("report", help="tables and plots from a HELM suite and the bench/eval JSONs under runs/")
+    r.add_argument("path", nargs="?", help="a HELM suite folder (e.g. benchmark_output/runs/demo)")
+    _common(r)
+    r.set_defaults(func=cmd_report)
+
+    d = sub.add_parser("demo", help="helm-run the bundled model uncompressed and 4-bit, then the report")
+    _common(d, suite_default="demo")
+    d.add_argument("--max-instances", "-m", type=int, default=10, help="instances per HELM scenario")
+    d.add_argument("--threads", "-n", type=int, default=2, help="helm-run threads")
+    d.add_argument("--bench", action="store_true", help="also a short bench sweep (frontier, breakdown)")
+    d.set_defaults(func=cmd_demo)
+
+
+def _common(p: argparse.ArgumentParser, suite_default: str | None = None) -> None:
+    p.add_argument("--suite", default=suite_default, help="HELM suite name")
+    p.add_argument("--output-path", default="benchmark_output", help="helm-run's -o (default: benchmark_output)")
+    p.add_argument("--runs-dir", help="the bench / eval JSON records of this report (default: the suite's own, "
+                                      "<out>/records, where `demo --bench` writes them)")
+    p.add_argument("--archives", default="runs", help="where archived results live; linked, not merged "
+                                                      "(default: runs)")
+    p.add_argument("--out", help="report folder (default: <archives>/<suite>)")

@@ -1,0 +1,419 @@
+"""FlexGen's cost model (paper, Appendix A.2) for this engine.
+
+Per layer and phase the time is the max over five resources, which overlap (Algorithm 1):
+
+    cpu_gpu   host -> compute-device copies (on a CPU-only machine: memcpy within RAM)
+    gpu_cpu   compute-device -> host copies (CPU-only: memcpy, e.g. KV-cache stores)
+    disk_cpu  disk reads, page cache bypassed (O_DIRECT)
+    cpu_disk  disk writes
+    compute   linear layers + attention (+ CPU-delegated attention) + dequantization + elementwise
+              passes + op overheads; on a CPU-only machine also the two memcpy terms above, which
+              the computing cores make themselves (so they add to compute instead of overlapping),
+              and there disk transfers overlap compute only in part (the same cores serve them:
+              HardwareProfile.disk_overlap_loss), which the compute and disk terms each carry
+
+(the sum instead of the max when the policy turns overlap off). The terms sum over the
+block's GPU batches, except weights, which a layer loads once per step for the whole block.
+
+    prefill = sum over layers of layer_time(prompt of s tokens)
+    decode  = sum over layers of layer_time(one token, KV cache of the average length s + n/2)
+    total   = prefill + (n - 1) * decode;   throughput = block_size * n / total
+
+Every term is affine in the nine placement fractions (wg, wc, wd, cg, cc, cd, hg, hc, hd)
+up to the engine's rounding of placements to rows: policy/search.py reads the LP's
+coefficients by evaluating this model at the placements where each kind of tensor sits on
+one tier (where rounding does not exist), so the formulas live here only.
+
+How this engine moves data (memory/weight_homes.load_home, executor/kv_cache.py,
+executor/activations.py):
+- a weight wholly on a tier of the compute device's memory is used in place (on a CPU-only
+  machine that is the gpu *and* the cpu tier); a weight split over tiers is assembled by
+  copying every part; a weight on disk is read (on CUDA then copied to the GPU);
+- the KV cache of a tier is read where it lives; with CPU delegation the cpu/disk parts are
+  attended on the CPU and only q and the attention output cross the link;
+- a KV-cache store copies into preallocated slots (a memcpy even on the gpu tier of a
+  CPU-only machine); activations on the compute device's memory move for free.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from flexgen_helm.executor.kv_cache import cache_nbytes
+from flexgen_helm.memory.placement import place_weights
+from flexgen_helm.memory.weight_homes import segment_nbytes
+from flexgen_helm.models import family_of
+from flexgen_helm.models.config import ModelConfig
+from flexgen_helm.models.spec import LayerSpec, TensorSpec
+from flexgen_helm.planner.budget import planned_components
+from flexgen_helm.planner.hardware_profile import HardwareProfile
+from flexgen_helm.policy.policy import TIERS, Compression, Policy
+from flexgen_helm.weights.store import DTYPES
+
+TERMS = ("cpu_gpu", "gpu_cpu", "disk_cpu", "cpu_disk", "compute")
+PHASES = ("prefill", "decode")
+OPS_PER_BLOCK = 30  # kernels one transformer block launches per GPU batch (norms, linears, attention, adds)
+OPS_PER_OTHER_LAYER = 6  # embedding or head
+ATTENTION_MASK_BYTES = 1  # per score element in `attend`: fused attention keeps only a bool mask (padding)
+# Elementwise passes a block makes over its activations, per token, counted in models/<family>.py
+# and executor/: (per hidden-size element, per MLP-width element). OPT: two layer norms (~2.5
+# passes each), two residual adds, the attention output's reshape, the K/V cache write (2), the
+# hidden-state store; ReLU over the MLP. Llama: two RMS norms in float32 (~5 passes each), rotary
+# embedding of q and k (~5), residual adds, reshapes, cache write, store; SiLU and the gate product.
+ELEMENTWISE_PASSES = {"opt": (12.0, 1.0), "llama": (22.0, 2.0)}
+
+
+@dataclass(frozen=True)
+class Fractions:
+    """The LP's variables: weights, KV cache, activations on gpu / cpu / disk."""
+
+    wg: float = 1.0
+    wc: float = 0.0
+    wd: float = 0.0
+    cg: float = 1.0
+    cc: float = 0.0
+    cd: float = 0.0
+    hg: float = 1.0
+    hc: float = 0.0
+    hd: float = 0.0
+
+    NAMES = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd")
+
+    @classmethod
+    def of(cls, policy: Policy) -> "Fractions":
+        return cls(*policy.weights.as_tuple(), *policy.cache.as_tuple(), *policy.activations.as_tuple())
+
+    @classmethod
+    def from_vector(cls, v) -> "Fractions":
+        return cls(*(float(x) for x in v))
+
+    def splits(self) -> tuple[dict, dict, dict]:
+        return ({"gpu": self.wg, "cpu": self.wc, "disk": self.wd}, {"gpu": self.cg, "cpu": self.cc, "disk": self.cd},
+                {"gpu": self.hg, "cpu": self.hc, "disk": self.hd})
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompt_len: int
+    gen_len: int
+
+    @property
+    def max_len(self) -> int:
+        return self.prompt_len + self.gen_len
+
+    @property
+    def mean_decode_len(self) -> float:
+        """Average cache length a decode step reads: s + 1 ... s + n - 1 (plus the new token)."""
+        return self.prompt_len + self.gen_len / 2
+
+
+@dataclass
+class Estimate:
+    """The cost model's answer for one policy."""
+
+    prefill_terms: dict[str, float]  # seconds per term, summed over layers (each layer's max picks its bottleneck)
+    decode_terms: dict[str, float]  # per decode step
+    prefill_s: float
+    decode_step_s: float
+    total_s: float
+    throughput: float  # generated tokens / s
+    block_size: int
+    peak_bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # phase -> tier -> bytes
+    accounted_bytes: dict[str, int] = field(default_factory=dict)  # what the engine's TierUsage counts
+    bottleneck: dict[str, str] = field(default_factory=dict)  # phase -> the term that dominates most
+
+    def describe(self) -> str:
+        def row(name, terms):
+            return f"  {name:8s}" + " ".join(f"{t}={v:9.3f}s" for t, v in terms.items())
+        gib = 2**30
+        return "\n".join([
+            f"predicted: {self.throughput:.2f} token/s; block latency {self.total_s:.2f} s "
+            f"(prefill {self.prefill_s:.2f} s + decode {self.decode_step_s:.3f} s/step)",
+            "per-resource time (summed over layers):",
+            row("prefill", self.prefill_terms),
+            row("decode", self.decode_terms),
+            f"bottleneck: prefill {self.bottleneck.get('prefill')}, decode {self.bottleneck.get('decode')}",
+            "peak memory: " + ", ".join(f"{t} {max(p[t] for p in self.peak_bytes.values()) / gib:.2f} GiB"
+                                         for t in TIERS),
+        ])
+
+
+# ---- what one layer moves and computes ----------------------------------------------------
+
+def _is_matrix(t: TensorSpec) -> bool:
+    return len(t.shape) >= 2
+
+
+def _is_lookup(layer: LayerSpec, t: TensorSpec) -> bool:
+    """Embedding tables are gathered from, not multiplied with."""
+    return layer.kind == "embed" and t.key.endswith(("tokens.weight", "positions.weight"))
+
+
+@dataclass
+class LayerWeights:
+    """Bytes of one layer's weights by tier as the layer loads them (tied tensors included)."""
+
+    stored: dict[str, float]  # tier -> bytes stored there (compressed if compressed)
+    disk_reads: float  # separate reads (each pays the disk latency)
+    assembled: float  # bytes copied to assemble tensors split over tiers
+    matmul_numel: int  # elements of the weights used in matmuls
+    dense_numel: int  # elements dequantized per load when compressed
+
+
+def layer_weights(layer: LayerSpec, placement: dict, compression: Compression | None, dtype: torch.dtype
+                  ) -> LayerWeights:
+    """From the engine's own placement (rounded to rows, or to quantization groups)."""
+    stored = {t: 0.0 for t in TIERS}
+    reads = assembled = 0.0
+    for t in layer.tensors:
+        segments = placement[t.store_name]
+        for s in segments:
+            nbytes = segment_nbytes(t, s, compression, dtype)
+            stored[s.tier] += nbytes
+            reads += s.tier == "disk"
+            if len(segments) > 1:
+                assembled += nbytes
+    return _with_numels(layer, LayerWeights(stored, reads, assembled, 0, 0), compression is not None)
+
+
+def _with_numels(layer: LayerSpec, lw: LayerWeights, compressed: bool) -> LayerWeights:
+    lw.matmul_numel = sum(t.numel for t in layer.tensors if _is_matrix(t) and not _is_lookup(layer, t))
+    lw.dense_numel = sum(t.numel for t in layer.tensors if _is_matrix(t)) if compressed else 0
+    return lw
+
+
+# ---- the model ----------------------------------------------------------------------------
+
+class CostModel:
+    """The cost of running `cfg` on this hardware for this workload, under any policy."""
+
+    def __init__(self, cfg: ModelConfig, profile: HardwareProfile, workload: Workload, dtype: torch.dtype | None = None):
+        self.cfg, self.hw, self.work = cfg, profile, workload
+        self.dtype = dtype or DTYPES[profile.dtype]
+        self.elt = torch.empty((), dtype=self.dtype).element_size()
+        self.layers = family_of(cfg).layer_specs(cfg)
+        # identical layers (every transformer block) cost the same: model one of each, times its count
+        groups: dict[tuple, list[LayerSpec]] = {}
+        for layer in self.layers:
+            groups.setdefault((layer.kind, tuple((t.key, t.shape, t.store_name.split(".")[0]) for t in layer.tensors)),
+                              []).append(layer)
+        self.groups = [(members[0], len(members)) for members in groups.values()]
+        self.counts = [n for _, n in self.groups]
+        self._weights_cache: dict = {}
+        self._memo: dict = {}
+
+    # one layer, one phase: seconds per term
+    def layer_terms(self, layer: LayerSpec, lw: LayerWeights, policy: Policy, fr: Fractions, phase: str
+                    ) -> dict[str, float]:
+        cfg, hw, elt = self.cfg, self.hw, self.elt
+        gbs, nb = policy.gpu_batch_size, policy.num_gpu_batches
+        _, c, h = fr.splits()
+        prefill = phase == "prefill"
+        tokens = self.work.prompt_len if prefill else 1  # new positions per sequence
+        cuda = hw.is_cuda
+        b = {t: 0.0 for t in TERMS}  # bytes per link, seconds for compute
+        dev = hw.compute
+
+        # weights: once per step for the whole block
+        b["disk_cpu"] += lw.stored["disk"]
+        if cuda:
+            b["cpu_gpu"] += lw.stored["cpu"] + lw.stored["disk"]
+        else:
+            b["cpu_gpu"] += lw.assembled
+        b["compute"] += lw.dense_numel / dev.dequant_elems_per_s
+
+        # linear layers, per GPU batch (the head projects only the last position)
+        rows = gbs * (tokens if layer.kind != "head" else 1)
+        b["compute"] += nb * 2 * rows * lw.matmul_numel / dev.linear_flops(hw.dtype, rows)
+        ops = OPS_PER_BLOCK if layer.kind == "block" else OPS_PER_OTHER_LAYER
+        b["compute"] += nb * ops * dev.op_latency_s
+        if layer.kind == "block":
+            per_hidden, per_mlp = ELEMENTWISE_PASSES.get(cfg.family, ELEMENTWISE_PASSES["llama"])
+            passes = per_hidden * cfg.hidden_size + per_mlp * cfg.ffn_size
+            b["compute"] += nb * gbs * tokens * passes / dev.elementwise_elems_per_s
+
+        # activations: stored after each layer but the head, loaded before each but the embedding
+        hidden = gbs * tokens * cfg.hidden_size * elt
+        stores, loads = nb * (layer.kind != "head"), nb * (layer.kind != "embed")
+        if cuda:  # on a CPU-only machine the gpu and cpu tiers are the same memory: no move
+            b["gpu_cpu"] += stores * hidden * (h["cpu"] + h["disk"])
+            b["cpu_gpu"] += loads * hidden * (h["cpu"] + h["disk"])
+        b["cpu_disk"] += stores * hidden * h["disk"]
+        b["disk_cpu"] += loads * hidden * h["disk"]
+
+        if layer.kind == "block":
+            self._attention_and_cache(b, policy, c, gbs, nb, tokens, prefill)
+
+        # bytes -> seconds
+        mem = hw.memcpy_bytes_per_s
+        h2d = (hw.h2d_pinned_bytes_per_s if policy.pin_weight else hw.h2d_pageable_bytes_per_s) if cuda else mem
+        d2h = hw.d2h_pinned_bytes_per_s if cuda else mem
+        # separate disk reads, each paying the latency (linear in the fractions, as the LP needs)
+        reads = lw.disk_reads + loads * h["disk"] + (nb * 2 * c["disk"] if layer.kind == "block" and not prefill else 0)
+        out = {
+            "cpu_gpu": b["cpu_gpu"] / h2d,
+            "gpu_cpu": b["gpu_cpu"] / d2h,
+            "disk_cpu": b["disk_cpu"] / hw.disk_read_bytes_per_s + reads * hw.disk_read_latency_s,
+            "cpu_disk": b["cpu_disk"] / hw.disk_write_bytes_per_s,
+            "compute": b["compute"],
+        }
+        if not cuda:
+            # Without a GPU the copies are memcpys run by the same cores that compute: they
+            # take turns with it, not overlap (disk transfers are DMA and do overlap).
+            out["compute"] += out["cpu_gpu"] + out["gpu_cpu"]
+            out["cpu_gpu"] = out["gpu_cpu"] = 0.0
+            if policy.overlap:
+                self._share_cores_with_disk(out, phase)
+        return {t: v * hw.time_scale.get(f"{phase}.{t}", 1.0) for t, v in out.items()}
+
+    def _share_cores_with_disk(self, out: dict[str, float], phase: str) -> None:
+        """Disk transfers and compute on the same few cores (CPU-only): when both run, the
+        profiled fraction `loss` of the shorter does not hide behind the longer. With c the
+        compute and d the disk time, max(c + loss * d, d + loss * c) is that (up to rounding),
+        and each side stays affine in the placement fractions, as the LP needs."""
+        loss = self.hw.disk_overlap_loss.get(phase, 0.0)
+        compute, disk = out["compute"], out["disk_cpu"] + out["cpu_disk"]
+        out["compute"] += loss * disk
+        # unconditionally (a guard on disk traffic would break affinity): with none, a disk
+        # term is loss * compute <= compute and never the max
+        out["disk_cpu"] += loss * compute
+        out["cpu_disk"] += loss * compute
+
+    def _attention_and_cache(self, b: dict, policy: Policy, c: dict, gbs: int, nb: int, tokens: int,
+                             prefill: bool) -> None:
+        """KV-cache traffic and attention compute of one block layer, added into `b`."""
+        cfg, hw = self.cfg, self.hw
+        cuda, dev, cpu = hw.is_cuda, hw.compute, hw.cpu
+        units = gbs * cfg.num_kv_heads
+        # K and V of one position of one GPU batch: as stored (maybe compressed), and as attended
+        stored = 2 * cache_nbytes(1, units, cfg.head_dim, self.dtype, policy.compress_cache)
+        dense = 2 * units * cfg.head_dim * self.elt
+        delegated = policy.cpu_cache_compute
+
+        # store the new positions' K, V into the slots of every tier (quantized first if compressed,
+        # at about the speed of dequantizing)
+        new = nb * tokens * stored
+        b["gpu_cpu"] += new * (c["cpu"] + c["disk"] + (0.0 if cuda else c["gpu"]))
+        b["cpu_disk"] += new * c["disk"]
+        if policy.compress_cache is not None:
+            b["compute"] += nb * tokens * dense / self.elt / dev.dequant_elems_per_s
+
+        if prefill:  # attention over the prompt, on the compute device (the full s x s is computed)
+            s = self.work.prompt_len
+            b["compute"] += nb * 4 * gbs * cfg.num_heads * s * s * cfg.head_dim / dev.attn_prefill_flops
+            return
+
+        # decode: read the cache of the mean length (V shrinks under sparse attention, the paper's
+        # top-k: only the kept values need to move)
+        t = self.work.mean_decode_len
+        read = nb * t * stored / 2 * (1 + policy.attn_sparsity)
+        b["disk_cpu"] += read * c["disk"]
+        if cuda and not delegated:
+            b["cpu_gpu"] += read * (c["cpu"] + c["disk"])
+        if cuda and delegated:  # q over, attention output back
+            qo = nb * gbs * cfg.num_heads * cfg.head_dim * self.elt * (c["cpu"] + c["disk"])
+            b["cpu_gpu"] += qo
+            b["gpu_cpu"] += qo
+        attended = nb * t * dense
+        on_cpu = c["cpu"] + c["disk"] if delegated else 0.0
+        b["compute"] += attended * ((1 - on_cpu) / dev.attn_decode_bytes_per_s + on_cpu / cpu.attn_decode_bytes_per_s)
+        if policy.compress_cache is not None:
+            b["compute"] += attended / self.elt / dev.dequant_elems_per_s
+
+    # ---- whole model -------------------------------------------------------------------
+
+    def weights_per_layer(self, policy: Policy) -> list[LayerWeights]:
+        key = (policy.weights, policy.compress_weight)
+        if key not in self._weights_cache:  # the search asks for the same weight placement many times
+            placement = place_weights(self.layers, policy.weights, policy.compress_weight)
+            self._weights_cache[key] = [layer_weights(layer, placement, policy.compress_weight, self.dtype)
+                                        for layer, _ in self.groups]
+        return self._weights_cache[key]
+
+    def phase_terms(self, policy: Policy, phase: str) -> list[dict[str, float]]:
+        """Per group of identical layers (see self.counts), seconds per term of one of its layers
+        (the LP takes the max per layer with an epigraph variable)."""
+        key = ("terms", policy, phase)
+        if key not in self._memo:  # the search evaluates the same vertex policies many times
+            fr = Fractions.of(policy)
+            self._memo[key] = [self.layer_terms(layer, lw, policy, fr, phase)
+                               for (layer, _), lw in zip(self.groups, self.weights_per_layer(policy))]
+        return self._memo[key]
+
+    def peak_bytes(self, policy: Policy) -> dict[str, dict[str, float]]:
+        key = ("peak", policy)
+        if key not in self._memo:
+            self._memo[key] = self._peak_bytes(policy)
+        return self._memo[key]
+
+    def _peak_bytes(self, policy: Policy) -> dict[str, dict[str, float]]:
+        """phase -> tier -> bytes: weight homes + KV cache + activations (as the engine accounts
+        them, memory/budget.planned_components) + the compute side's working set: two layers of
+        loaded weights (the one in use and the one prefetched), the K and V of a GPU batch read
+        off the cpu/disk tiers for two layers (decode), one GPU batch's intermediate
+        activations and attention mask, the head's logits."""
+        cfg, elt, work = self.cfg, self.elt, self.work
+        gbs, nb = policy.gpu_batch_size, policy.num_gpu_batches
+        lws = self.weights_per_layer(policy)
+        not_in_place = [lw.stored["disk"] + lw.assembled + (lw.stored["cpu"] if self.hw.is_cuda else 0.0)
+                        for lw in lws]
+        dense_layer = max(lw.dense_numel for lw in lws) * elt  # a compressed layer, dequantized for use
+        working_weights = 2 * (max(not_in_place) + dense_layer)  # the layer in use and the one prefetched
+        _, c, _ = Fractions.of(policy).splits()
+        moved = c["disk"] + (c["cpu"] if self.hw.is_cuda and not policy.cpu_cache_compute else 0.0)
+        # a GPU batch's cache of one layer read off its tier (in use, and the next one prefetched)
+        loaded_cache = 2 * 2 * cache_nbytes(work.max_len, gbs * cfg.num_kv_heads, cfg.head_dim, self.dtype,
+                                            policy.compress_cache) * moved
+        out = {}
+        for phase in PHASES:
+            tokens = work.prompt_len if phase == "prefill" else 1
+            keys = work.prompt_len if phase == "prefill" else work.max_len
+            placed = planned_components(cfg, policy, work.max_len, self.dtype, act_len=tokens)
+            inner = gbs * tokens * (4 * cfg.hidden_size + 2 * cfg.ffn_size) * elt  # hidden, q/k/v, MLP
+            scores = gbs * cfg.num_heads * tokens * keys * ATTENTION_MASK_BYTES
+            logits = gbs * nb * cfg.vocab_size * 4  # fp32, the last position of every sequence
+            tiers = {t: float(sum(part[t] for part in placed.values())) for t in TIERS}
+            tiers["gpu"] += working_weights + inner + scores + logits + (loaded_cache if phase == "decode" else 0.0)
+            out[phase] = tiers
+        return out
+
+    def accounted_bytes(self, policy: Policy) -> dict[str, int]:
+        """Peak of what the engine's TierUsage records: weight homes on the gpu and cpu tiers (disk
+        weights stay in the weight store, which it does not count), the KV cache, one prefill
+        hidden state per GPU batch."""
+        comps = planned_components(self.cfg, policy, self.work.max_len, self.dtype, act_len=self.work.prompt_len)
+        comps["weights"]["disk"] = 0
+        return {t: sum(comps[k][t] for k in comps) for t in TIERS}
+
+    def estimate(self, policy: Policy) -> Estimate:
+        phase_s, terms, bottleneck = {}, {}, {}
+        for phase in PHASES:
+            per_layer = self.phase_terms(policy, phase)
+            combine = max if policy.overlap else sum
+            phase_s[phase] = sum(n * combine(lt.values()) for n, lt in zip(self.counts, per_layer))
+            terms[phase] = {t: sum(n * lt[t] for n, lt in zip(self.counts, per_layer)) for t in TERMS}
+            dominant = {t: 0.0 for t in TERMS}  # time of the layers each term is the max of
+            for n, lt in zip(self.counts, per_layer):
+                top = max(reversed(TERMS), key=lt.get)  # a tie (disk_overlap_loss 1, no disk) is compute
+                dominant[top] += n * lt[top]
+            bottleneck[phase] = max(dominant, key=dominant.get)
+        n = self.work.gen_len
+        total = phase_s["prefill"] + (n - 1) * phase_s["decode"]
+        return Estimate(
+            prefill_terms=terms["prefill"], decode_terms=terms["decode"],
+            prefill_s=phase_s["prefill"], decode_step_s=phase_s["decode"], total_s=total,
+            throughput=policy.block_size * n / total if total > 0 else math.inf,
+            block_size=policy.block_size,
+            peak_bytes={ph: {t: int(v) for t, v in tiers.items()} for ph, tiers in self.peak_bytes(policy).items()},
+            accounted_bytes=self.accounted_bytes(policy),
+            bottleneck=bottleneck,
+        )
+
+
+def estimate(cfg: ModelConfig, policy: Policy, profile: HardwareProfile, prompt_len: int, gen_len: int,
+             dtype: torch.dtype | None = None) -> Estimate:
+    return CostModel(cfg, profile, Workload(prompt_len, gen_len), dtype).estimate(policy)
+

@@ -1,0 +1,423 @@
+"""The speeds and sizes of this machine that the cost model needs (the paper's profiler):
+measured once by `flexgen-helm profile`, saved as JSON, refittable from bench runs
+(policy/refit.py).
+
+Every speed is measured with the operations the engine itself runs: weight reads go
+through memory/direct_io.py with the page cache bypassed, attention through the
+executor's `attend`, dequantization through compression.dequantize."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from flexgen_helm.memory.machine import machine_info, machine_label, same_machine
+from flexgen_helm.weights.registry import default_cache_dir
+
+FORMAT = "flexgen-helm-hardware/1"
+
+# Activation rows of the profiled Linear: 1-64 are decode (one token per sequence of a GPU
+# batch), 256-4096 prefill (a GPU batch times the prompt). The weight is (4096, 2048): big
+# enough to stream from memory like a real layer's, small enough to profile in seconds.
+MATMUL_ROWS = (1, 4, 16, 64, 256, 1024, 4096)
+MATMUL_ROWS_FP32 = (1, 16, 256, 1024)
+MATMUL_SHAPE = (4096, 2048)  # (out, in)
+# 32 x 16 MiB (bf16) = 512 MiB, several times any last-level cache (a server CPU's shared L3
+# reaches ~100 MiB: 8 weights were partly served from it and made decode look 2x faster)
+STREAMED_WEIGHTS = 32
+MAX_STREAMED_ROWS = 64  # above this the product is compute-bound: one (cached) weight will do
+
+
+@dataclass
+class DeviceSpeeds:
+    """What one compute device (the CPU, or a GPU) sustains."""
+
+    # dtype name -> rows -> FLOP/s of F.linear(x (rows, in), w (out, in)); interpolated in log(rows)
+    matmul_flops: dict[str, dict[int, float]] = field(default_factory=dict)
+    attn_prefill_flops: float = 1e11  # causal attention over a prompt, counted as the full s x s
+    attn_decode_bytes_per_s: float = 5e9  # bytes of K and V cache one decode attention step gets through
+    dequant_elems_per_s: float = 1e9  # 4-bit weights turned back into the compute dtype
+    # one elementwise pass (an activation function, a residual add, a copy) over activations in
+    # the compute dtype, elements/s: the block's work besides its matmuls and attention
+    elementwise_elems_per_s: float = 1e9
+    op_latency_s: float = 1e-5  # a tiny kernel: the floor under every op of a layer
+
+    def linear_flops(self, dtype: str, rows: int) -> float:
+        table = self.matmul_flops.get(dtype) or next(iter(self.matmul_flops.values()), {1: 1e10})
+        return _interpolate_log(table, rows)
+
+
+@dataclass
+class HardwareProfile:
+    compute_device: str = "cpu"  # "cpu" or "cuda"
+    dtype: str = "bfloat16"
+    devices: dict[str, DeviceSpeeds] = field(default_factory=lambda: {"cpu": DeviceSpeeds()})
+    # bytes/s; the host<->GPU links are 0 on a CPU-only machine, where a "cpu -> gpu" copy is a memcpy
+    memcpy_bytes_per_s: float = 5e9
+    h2d_pinned_bytes_per_s: float = 0.0
+    h2d_pageable_bytes_per_s: float = 0.0
+    d2h_pinned_bytes_per_s: float = 0.0
+    d2h_pageable_bytes_per_s: float = 0.0
+    disk_read_bytes_per_s: float = 1e9  # page cache bypassed
+    disk_write_bytes_per_s: float = 5e8
+    disk_read_latency_s: float = 2e-4  # one small O_DIRECT read (a bias, a norm)
+    # phase -> the fraction of the shorter of (disk transfers, compute) that does not hide
+    # behind the longer when both run at once: 0 = perfect overlap, 1 = they take turns.
+    # Measured on a CPU-only machine, where the cores that compute also serve the reads
+    # (a 2-core EPYC: 0.6 beside prefill-sized matmuls, 0.8 beside decode-sized ones)
+    disk_overlap_loss: dict[str, float] = field(default_factory=dict)
+    # capacities, bytes
+    gpu_mem_bytes: int = 0
+    cpu_mem_bytes: int = 0  # total RAM
+    cpu_available_bytes: int = 0  # RAM available when profiled
+    disk_free_bytes: int = 0
+    offload_dir: str = ""
+    process_baseline_bytes: int = 0  # RSS of a process that has imported torch and the engine
+    # refit multipliers on the cost model's terms, "phase.resource" -> factor (policy/refit.py)
+    time_scale: dict[str, float] = field(default_factory=dict)
+    machine: dict = field(default_factory=dict)
+    measured_at: str = ""
+    format: str = FORMAT
+
+    @property
+    def compute(self) -> DeviceSpeeds:
+        return self.devices[self.compute_device]
+
+    @property
+    def cpu(self) -> DeviceSpeeds:
+        return self.devices["cpu"]
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.compute_device == "cuda"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HardwareProfile":
+        d = dict(d)
+        devices = {}
+        for name, s in d.pop("devices", {}).items():
+            s = dict(s)
+            s["matmul_flops"] = {dt: {int(m): float(f) for m, f in t.items()} for dt, t in s.get("matmul_flops", {}).items()}
+            devices[name] = DeviceSpeeds(**s)
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        return cls(devices=devices or {"cpu": DeviceSpeeds()}, **known)
+
+    def save(self, path: str | os.PathLike | None = None) -> Path:
+        path = Path(path) if path else default_profile_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike | None = None) -> "HardwareProfile":
+        return cls.from_dict(json.loads(Path(path or default_profile_path()).read_text()))
+
+
+def default_profile_path() -> Path:
+    return default_cache_dir() / "hardware.json"
+
+
+def load_or_profile(path: str | os.PathLike | None = None, offload_dir: str | None = None,
+                    verbose: bool = True) -> HardwareProfile:
+    """The saved profile, or a fresh one (saved) when there is none or the saved one was
+    measured on other hardware (a home directory, and its cache, can move between hosts)."""
+    p = Path(path) if path else default_profile_path()
+    reason = f"no hardware profile at {p}"
+    if p.exists():
+        saved = HardwareProfile.load(p)
+        if not saved.machine or same_machine(saved.machine, machine_info()):
+            return saved
+        reason = f"the profile at {p} was measured on {machine_label(saved.machine)}"
+    if verbose:
+        print(f"{reason}: profiling this machine, {machine_label()} (under a minute)...", flush=True)
+    prof = measure(offload_dir=offload_dir)
+    prof.save(p)
+    return prof
+
+
+def _interpolate_log(table: dict[int, float], x: float) -> float:
+    """Piecewise linear in log(x); flat beyond the measured range."""
+    import math
+
+    pts = sorted(table.items())
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return y0 + t * (y1 - y0)
+    return pts[-1][1]
+
+
+# ---- measuring ----------------------------------------------------------------------------
+
+def _timed(fn, min_s: float = 0.4, min_reps: int = 5, sync=None) -> float:
+    """Seconds of one call: the fastest of several, after a warm-up call. The fastest, not
+    the median, because the profile describes the hardware: on a shared machine other jobs
+    only ever add time (the refit, policy/refit.py, absorbs a steady slowdown)."""
+    fn()
+    if sync:
+        sync()
+    times, start = [], time.perf_counter()
+    while len(times) < min_reps or time.perf_counter() - start < min_s:
+        t0 = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        times.append(time.perf_counter() - t0)
+        if len(times) >= 50:
+            break
+    return min(times)
+
+
+def measure_device(device: torch.device, dtype: torch.dtype) -> DeviceSpeeds:
+    from flexgen_helm.compression import dequantize, quantize
+    from flexgen_helm.executor.attention import attend
+    from flexgen_helm.policy.policy import Compression
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    speeds = DeviceSpeeds()
+    out_f, in_f = MATMUL_SHAPE
+    for dt, rows_list in ((dtype, MATMUL_ROWS), (torch.float32, MATMUL_ROWS_FP32)):
+        name = str(dt).replace("torch.", "")
+        if name in speeds.matmul_flops:
+            continue
+        # Decode-sized products stream their weight from memory, as a real layer's do: cycle
+        # through weights larger than any CPU cache together, or a cached weight flatters them.
+        ws = [torch.randn(out_f, in_f, device=device).to(dt) for _ in range(STREAMED_WEIGHTS)]
+        table = {}
+        for rows in rows_list:
+            x = torch.randn(rows, in_f, device=device).to(dt)
+            group = ws if rows <= MAX_STREAMED_ROWS else ws[:1]
+
+            def run():
+                for w in group:
+                    F.linear(x, w)
+
+            table[rows] = 2 * rows * in_f * out_f * len(group) / _timed(run, sync=sync)
+        speeds.matmul_flops[name] = table
+        del ws
+
+    # attention as the executor runs it (`attend`: fused, in the engine dtype), at OPT-1.3B-like head sizes
+    units, s, d = 16, 512, 64
+    q = torch.randn(units, 1, s, d, device=device).to(dtype)
+    k = torch.randn(units, s, d, device=device).to(dtype)
+    valid = torch.ones(units, s, dtype=torch.bool, device=device)
+    speeds.attn_prefill_flops = 4 * units * s * s * d / _timed(lambda: attend(q, k, k, valid, causal=True), sync=sync)
+
+    units, t = 256, 512
+    kc = torch.randn(t, units, d, device=device).to(dtype)  # the cache's sequence-major layout
+    k1 = torch.randn(units, 1, d, device=device).to(dtype)
+    q1 = torch.randn(units, 1, 1, d, device=device).to(dtype)
+    valid = torch.ones(units, t + 1, dtype=torch.bool, device=device)
+
+    def decode_attention():  # what the schedule does per tier: join the new key, attend
+        keys = torch.cat([kc.transpose(0, 1), k1], dim=1)
+        values = torch.cat([kc.transpose(0, 1), k1], dim=1)
+        return attend(q1, keys, values, valid, causal=False)
+
+    cache_bytes = 2 * t * units * d * kc.element_size()
+    speeds.attn_decode_bytes_per_s = cache_bytes / _timed(decode_attention, sync=sync)
+
+    wq = quantize(torch.randn(out_f, in_f, device=device).to(dtype), Compression(4, 64), 0)
+    speeds.dequant_elems_per_s = out_f * in_f / _timed(lambda: dequantize(wq, dtype), sync=sync)
+
+    # a prefill's activations (1024 rows x an 8192-wide MLP: bigger than a CPU's caches)
+    a, b = torch.randn(1024, 8192, device=device).to(dtype), torch.randn(1024, 8192, device=device).to(dtype)
+    out = torch.empty_like(a)
+
+    def elementwise():  # the kinds of pass a block makes: an activation, an add, a copy
+        torch.clamp_min(a, 0, out=out)  # what relu runs
+        torch.add(a, b, out=out)
+        out.copy_(b)
+
+    speeds.elementwise_elems_per_s = 3 * a.numel() / _timed(elementwise, sync=sync)
+
+    tiny_x, tiny_w = torch.randn(1, 64, device=device).to(dtype), torch.randn(64, 64, device=device).to(dtype)
+    speeds.op_latency_s = _timed(lambda: F.linear(tiny_x, tiny_w), min_reps=200, sync=sync)
+    return speeds
+
+
+def _bandwidth(src: torch.Tensor, dst: torch.Tensor, sync=None) -> float:
+    return src.numel() * src.element_size() / _timed(lambda: dst.copy_(src, non_blocking=True), sync=sync)
+
+
+def measure_disk(offload_dir: Path, nbytes: int = 256 << 20, chunk: int = 16 << 20) -> tuple[float, float, float]:
+    """(read bytes/s, write bytes/s, small-read latency s), with the page cache bypassed."""
+    from flexgen_helm.memory.direct_io import read_bytes, write_bytes
+
+    offload_dir.mkdir(parents=True, exist_ok=True)
+    data = torch.randint(0, 255, (chunk,), dtype=torch.uint8).numpy()
+    with tempfile.NamedTemporaryFile(dir=offload_dir, prefix="profile-", suffix=".bin") as f:
+        fd = f.fileno()
+        t0 = time.perf_counter()
+        for off in range(0, nbytes, chunk):
+            write_bytes(fd, off, data, evict=True)  # fdatasync + drop: the disk, not the cache
+        write_bw = nbytes / (time.perf_counter() - t0)
+        path = Path(f.name)
+        t0 = time.perf_counter()
+        for off in range(0, nbytes, chunk):
+            read_bytes(path, off, chunk, bypass_page_cache=True)
+        read_bw = nbytes / (time.perf_counter() - t0)
+        lat = []
+        for i in range(64):
+            t0 = time.perf_counter()
+            read_bytes(path, (i * 7919 * 4096) % (nbytes - 4096), 4096, bypass_page_cache=True)
+            lat.append(time.perf_counter() - t0)
+    return read_bw, write_bw, min(lat)
+
+
+# activation rows of the linear that runs beside the disk reads, per phase
+OVERLAP_ROWS = {"prefill": 1024, "decode": 4}
+OVERLAP_READ = 4 << 20  # about one layer's KV cache or a slice of its weights
+
+
+def measure_disk_overlap_loss(offload_dir: Path, dtype: torch.dtype, seconds: float = 0.5) -> dict[str, float]:
+    """Per phase, how much of the shorter of (disk reads, linears) fails to overlap the
+    longer when a copy thread reads while the compute threads multiply, as the schedule
+    runs them on a CPU-only machine: each alone for about `seconds`, then both at once."""
+    from flexgen_helm.memory.disk_buffer import DiskBuffer
+
+    nbytes = 128 << 20
+    folder = Path(tempfile.mkdtemp(dir=offload_dir, prefix="profile-"))
+    buf = None
+    try:
+        buf = DiskBuffer(folder / "overlap.bin", nbytes)
+        buf.write(0, torch.randint(0, 255, (nbytes,), dtype=torch.uint8))
+        os.sync()
+
+        def reads(n: int) -> None:
+            for i in range(n):
+                buf.read((i * OVERLAP_READ) % (nbytes - OVERLAP_READ), (OVERLAP_READ,), torch.uint8)
+
+        out = {}
+        for phase, rows in OVERLAP_ROWS.items():
+            x = torch.randn(rows, MATMUL_SHAPE[1]).to(dtype)
+            ws = [torch.randn(MATMUL_SHAPE).to(dtype) for _ in range(1 if rows > MAX_STREAMED_ROWS else 8)]
+
+            def linears(n: int) -> None:
+                for i in range(n):
+                    F.linear(x, ws[i % len(ws)])
+
+            n_mm = _count_for(linears, seconds)
+            n_rd = _count_for(reads, seconds)
+            c, d = _elapsed(linears, n_mm), _elapsed(reads, n_rd)
+            reader = threading.Thread(target=reads, args=(n_rd,))
+            t0 = time.perf_counter()
+            reader.start()
+            linears(n_mm)
+            reader.join()
+            both = time.perf_counter() - t0
+            out[phase] = min(1.0, max(0.0, (both - max(c, d)) / min(c, d)))
+        return out
+    finally:
+        if buf is not None:
+            buf.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _elapsed(fn, n: int) -> float:
+    t0 = time.perf_counter()
+    fn(n)
+    return time.perf_counter() - t0
+
+
+def _count_for(fn, seconds: float) -> int:
+    """How many calls of fn(n) take about `seconds` (after one warm call)."""
+    fn(1)
+    per_call = _elapsed(fn, 2) / 2
+    return max(2, round(seconds / per_call))
+
+
+def measure(offload_dir: str | os.PathLike | None = None, device: str | None = None,
+            dtype: str | None = None) -> HardwareProfile:
+    from flexgen_helm.memory.devices import pick_devices
+    from flexgen_helm.memory.host_allocator import keep_freed_host_memory
+    from flexgen_helm.memory.offload_dir import default_offload_dir
+    from flexgen_helm.memory.usage import current_rss_bytes
+
+    devs = pick_devices(device, dtype)
+    baseline = current_rss_bytes()
+    # measure with the engine's allocator setting: without it every big output is fresh pages
+    # (a 4-bit (4096, 2048) weight dequantized at 0.4-0.5 G elements/s instead of 0.9)
+    keep_freed_host_memory()
+    offload = Path(offload_dir) if offload_dir else default_offload_dir()
+    prof = HardwareProfile(compute_device=devs.compute.type, dtype=str(devs.dtype).replace("torch.", ""))
+    prof.devices = {"cpu": measure_device(torch.device("cpu"), devs.dtype)}
+    if devs.is_cuda:
+        prof.devices["cuda"] = measure_device(devs.compute, devs.dtype)
+
+    n = 128 << 20
+    host = torch.empty(n, dtype=torch.uint8)
+    prof.memcpy_bytes_per_s = _bandwidth(torch.ones(n, dtype=torch.uint8), host)
+    if devs.is_cuda:
+        sync = torch.cuda.synchronize
+        gpu = torch.empty(n, dtype=torch.uint8, device=devs.compute)
+        pinned = torch.empty(n, dtype=torch.uint8).pin_memory()
+        prof.h2d_pinned_bytes_per_s = _bandwidth(pinned, gpu, sync)
+        prof.h2d_pageable_bytes_per_s = _bandwidth(host, gpu, sync)
+        prof.d2h_pinned_bytes_per_s = _bandwidth(gpu, pinned, sync)
+        prof.d2h_pageable_bytes_per_s = _bandwidth(gpu, host, sync)
+        prof.gpu_mem_bytes = torch.cuda.get_device_properties(devs.compute).total_memory
+
+    prof.disk_read_bytes_per_s, prof.disk_write_bytes_per_s, prof.disk_read_latency_s = measure_disk(offload)
+    if not devs.is_cuda:  # on a GPU machine the GPU computes and the host's cores are free to read
+        prof.disk_overlap_loss = measure_disk_overlap_loss(offload, devs.dtype)
+    info = machine_info()
+    prof.machine = info
+    prof.cpu_mem_bytes = info["ram_bytes"]
+    prof.cpu_available_bytes = _mem_available()
+    prof.disk_free_bytes = shutil.disk_usage(offload).free
+    prof.offload_dir = str(offload)
+    prof.process_baseline_bytes = baseline
+    prof.measured_at = time.strftime("%Y-%m-%dT%H:%M:%S")
+    return prof
+
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def describe(p: HardwareProfile) -> str:
+    gib, gb = 2**30, 1e9
+    lines = [f"compute: {p.compute_device} ({p.dtype}); {p.machine.get('cpu', '')}, {p.machine.get('cpu_cores')} cores"]
+    for name, s in p.devices.items():
+        for dt, table in s.matmul_flops.items():
+            lines.append(f"  {name} linear {dt}: " + ", ".join(f"{m} rows {f / 1e9:.1f}" for m, f in table.items())
+                         + " GFLOP/s")
+        lines.append(f"  {name} attention: prefill {s.attn_prefill_flops / 1e9:.1f} GFLOP/s, decode "
+                     f"{s.attn_decode_bytes_per_s / gb:.2f} GB/s of cache; dequantize "
+                     f"{s.dequant_elems_per_s / 1e9:.2f} G elements/s; op latency {s.op_latency_s * 1e6:.1f} us")
+    lines.append(f"memcpy {p.memcpy_bytes_per_s / gb:.2f} GB/s")
+    if p.is_cuda:
+        lines.append(f"host->gpu pinned {p.h2d_pinned_bytes_per_s / gb:.2f}, pageable {p.h2d_pageable_bytes_per_s / gb:.2f}; "
+                     f"gpu->host pinned {p.d2h_pinned_bytes_per_s / gb:.2f}, pageable {p.d2h_pageable_bytes_per_s / gb:.2f} GB/s")
+    lines.append(f"disk ({p.offload_dir}, page cache bypassed): read {p.disk_read_bytes_per_s / gb:.2f} GB/s, "
+                 f"write {p.disk_write_bytes_per_s / gb:.2f} GB/s, 4 KiB read {p.disk_read_latency_s * 1e3:.2f} ms")
+    if p.disk_overlap_loss:
+        lines.append("disk reads beside compute: " + ", ".join(
+            f"{phase} {loss:.0%} of the shorter not overlapped" for phase, loss in p.disk_overlap_loss.items()))
+    lines.append(f"memory: gpu {p.gpu_mem_bytes / gib:.1f} GiB, cpu {p.cpu_mem_bytes / gib:.1f} GiB "
+                 f"({p.cpu_available_bytes / gib:.1f} available), disk free {p.disk_free_bytes / gib:.1f} GiB")
+    if p.time_scale:
+        lines.append("refit time scales: " + ", ".join(f"{k} x{v:.2f}" for k, v in sorted(p.time_scale.items())))
+    return "\n".join(lines)

@@ -1,0 +1,304 @@
+"""Policy search (FlexGen Section 4.3): for each block shape (GPU batch size, number of GPU
+batches), the placement is a linear program in the nine fractions; solve it, round to a
+placement the engine realises (whole percents), re-evaluate with the cost model, keep the
+fastest.
+
+The LP, for one block shape:
+
+    minimise   sum_l P_l + (n - 1) * sum_l D_l            (block latency; P, D: per-layer epigraph)
+    subject to P_l >= prefill term r of layer l            for every layer l and resource r
+               D_l >= decode term r of layer l
+               peak bytes of tier t (prefill and decode)  <= budget of t
+               wg+wc+wd = cg+cc+cd = hg+hc+hd = 1, all fractions in [0, 1]
+               sum_l P_l + (n - 1) * sum_l D_l <= max latency   (optional)
+
+The coefficients come from the cost model itself, which is affine in the fractions: its
+value at the origin is the constant, its value at each unit vector minus that the slope.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+from scipy.optimize import linprog
+
+from flexgen_helm.errors import PolicyError
+from flexgen_helm.models.config import ModelConfig
+from flexgen_helm.planner.budget import planned_components
+from flexgen_helm.planner.cost_model import PHASES, TERMS, CostModel, Estimate, Fractions, Workload
+from flexgen_helm.planner.hardware_profile import HardwareProfile
+from flexgen_helm.policy.policy import TIERS, Compression, Policy, Split
+
+NF = len(Fractions.NAMES)
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """Bytes allowed per tier (None: unbounded). On a CPU-only machine the gpu tier is a pool
+    of host RAM: unless a gpu budget is given, it shares the cpu budget (`shared_host`)."""
+
+    gpu: int | None = None
+    cpu: int | None = None
+    disk: int | None = None
+    shared_host: bool = False
+
+    def constraints(self) -> list[tuple[str, dict[str, float], int]]:
+        """(budget, tier weights, limit) of each memory constraint."""
+        out = []
+        if self.gpu is not None and not self.shared_host:
+            out.append(("gpu", {"gpu": 1.0}, self.gpu))
+        if self.cpu is not None:
+            out.append(("cpu", {"gpu": 1.0, "cpu": 1.0} if self.shared_host else {"cpu": 1.0}, self.cpu))
+        if self.disk is not None:
+            out.append(("disk", {"disk": 1.0}, self.disk))
+        return out
+
+    def label(self, budget: str) -> str:
+        if budget == "cpu" and self.shared_host:
+            return "cpu (host RAM, which the gpu pool shares on this CPU-only machine)"
+        return budget
+
+
+def default_budgets(profile: HardwareProfile, gpu: int | None = None, cpu: int | None = None,
+                    disk: int | None = None) -> Budgets:
+    """What the user gave, else what the machine has (with headroom for the process itself)."""
+    if gpu is None and profile.is_cuda:
+        gpu = int(profile.gpu_mem_bytes * 0.9)
+    if cpu is None:
+        cpu = int((profile.cpu_available_bytes or profile.cpu_mem_bytes) * 0.8)
+    if disk is None and profile.disk_free_bytes:
+        disk = int(profile.disk_free_bytes * 0.9)
+    return Budgets(gpu, cpu, disk, shared_host=not profile.is_cuda and gpu is None)
+
+
+@dataclass
+class SearchOptions:
+    compress_weight: Compression | None = None  # compression changes the numbers: the user's choice
+    compress_cache: Compression | None = None
+    cpu_cache_compute: bool | None = None  # None: try both
+    max_latency_s: float | None = None  # on the block latency (prefill + all decode steps)
+    max_gpu_batch_size: int = 64
+    max_num_gpu_batches: int = 16
+    max_block_size: int | None = None  # sequences per block (latency and padding grow with it)
+    overlap: bool = True
+
+
+@dataclass
+class Candidate:
+    policy: Policy
+    estimate: Estimate
+    lp_latency_s: float  # the LP's optimum before rounding
+
+
+@dataclass
+class SearchResult:
+    policy: Policy
+    estimate: Estimate
+    candidates: list[Candidate] = field(default_factory=list)  # best of each block shape, fastest first
+
+
+# ---- the LP's coefficients from the cost model ------------------------------------------------
+
+_ONE_TIER = {"gpu": Split(1, 0, 0), "cpu": Split(0, 1, 0), "disk": Split(0, 0, 1)}
+_KINDS = ("weights", "cache", "activations")
+
+
+def _affine(shape: Policy, fn) -> tuple[np.ndarray, np.ndarray]:
+    """A vector function of the policy as (constant, slopes[k, fraction]) over the fractions.
+
+    On the simplexes (wg = 1 - wc - wd, ...) an affine function is fixed by its value with
+    everything on the gpu tier and its change when one kind moves wholly to the cpu or the
+    disk tier; the gpu fractions get slope 0. These placements need no rounding, so the
+    cost model is exact there."""
+    base_policy = replace(shape, **{k: _ONE_TIER["gpu"] for k in _KINDS})
+    base = np.asarray(fn(base_policy), dtype=float)
+    slopes = np.zeros((base.size, NF))
+    for k, kind in enumerate(_KINDS):
+        for t, tier in ((1, "cpu"), (2, "disk")):
+            slopes[:, 3 * k + t] = np.asarray(fn(replace(base_policy, **{kind: _ONE_TIER[tier]})), dtype=float) - base
+    return base, slopes
+
+
+def time_rows(model: CostModel, shape: Policy, phase: str):
+    """Per (layer, term): constant and slopes of the term's seconds."""
+    return _affine(shape, lambda p: [lt[t] for lt in model.phase_terms(p, phase) for t in TERMS])
+
+
+def _memory_rows(model: CostModel, shape: Policy):
+    """Per (phase, tier): constant and slopes of the peak bytes."""
+    def fn(p):
+        peaks = model.peak_bytes(p)
+        return [peaks[ph][t] for ph in PHASES for t in TIERS]
+    return _affine(shape, fn)
+
+
+def solve_lp(model: CostModel, policy: Policy, budgets: Budgets, max_latency_s: float | None = None,
+             with_slack: bool = False):
+    """The LP for one block shape (the policy's batching and options). Returns scipy's result;
+    x[:NF] are the fractions. With `with_slack`, memory limits may be exceeded at a cost:
+    the slack says which tier is short by how much."""
+    layers = len(model.groups)
+    n = model.work.gen_len
+    consts, slopes = {}, {}
+    for phase in PHASES:
+        consts[phase], slopes[phase] = time_rows(model, policy, phase)
+    mem_c, mem_s = _memory_rows(model, policy)
+    mem_constraints = budgets.constraints()
+    nslack = len(mem_constraints) if with_slack else 0
+    nvar = NF + 2 * layers + nslack
+    pre = slice(NF, NF + layers)
+    dec = slice(NF + layers, NF + 2 * layers)
+
+    a_ub, b_ub = [], []
+    for p, phase in enumerate(PHASES):
+        for row, (c, s) in enumerate(zip(consts[phase], slopes[phase])):
+            layer = row // len(TERMS)
+            a = np.zeros(nvar)
+            a[:NF] = s
+            a[NF + p * layers + layer] = -1.0  # term <= epigraph variable of this layer
+            a_ub.append(a)
+            b_ub.append(-c)
+    for k, (name, weights, limit) in enumerate(mem_constraints):
+        for p, phase in enumerate(PHASES):
+            a = np.zeros(nvar)
+            const = 0.0
+            for tier, w in weights.items():
+                i = p * len(TIERS) + TIERS.index(tier)
+                a[:NF] += w * mem_s[i]
+                const += w * mem_c[i]
+            if with_slack:
+                a[NF + 2 * layers + k] = -1.0
+            a_ub.append(a / GIB)  # GiB keeps the LP well scaled next to seconds
+            b_ub.append((limit - const) / GIB)
+    objective = np.zeros(nvar)
+    objective[pre] = model.counts
+    objective[dec] = (n - 1) * np.asarray(model.counts, dtype=float)
+    if max_latency_s is not None:
+        a_ub.append(objective.copy())
+        b_ub.append(max_latency_s)
+    if with_slack:
+        objective = np.zeros(nvar)
+        objective[NF + 2 * layers:] = 1.0
+    a_eq = np.zeros((3, nvar))
+    for k in range(3):
+        a_eq[k, 3 * k:3 * k + 3] = 1.0
+    bounds = [(0, 1)] * NF + [(0, None)] * (2 * layers + nslack)
+    return linprog(objective, A_ub=np.array(a_ub), b_ub=np.array(b_ub), A_eq=a_eq, b_eq=np.ones(3),
+                   bounds=bounds, method="highs")
+
+
+# ---- rounding to a placement the engine realises -----------------------------------------------
+
+def _round_split(gpu: float, cpu: float, down: bool) -> Split:
+    """Whole percents. `down` moves the rounding towards the lower tiers (never more memory
+    on the upper ones than the LP asked for)."""
+    r = math.floor if down else round
+    g = min(max(r(100 * gpu + 1e-9), 0), 100)
+    gc = min(max(r(100 * (gpu + cpu) + 1e-9), g), 100)
+    return Split.from_percent(g, gc - g)
+
+
+def rounded_policies(policy: Policy, x) -> list[Policy]:
+    fr = Fractions.from_vector(x[:NF])
+    out = []
+    for down in (False, True):
+        w, c, h = (_round_split(a, b, down) for a, b in ((fr.wg, fr.wc), (fr.cg, fr.cc), (fr.hg, fr.hc)))
+        p = replace(policy, weights=w, cache=c, activations=h)
+        if p not in out:
+            out.append(p)
+    return out
+
+
+def fits(est: Estimate, budgets: Budgets) -> bool:
+    return not shortfalls(est, budgets)
+
+
+def shortfalls(est: Estimate, budgets: Budgets) -> dict[str, int]:
+    out = {}
+    for name, weights, limit in budgets.constraints():
+        need = max(sum(w * peak[t] for t, w in weights.items()) for peak in est.peak_bytes.values())
+        if need > limit:
+            out[name] = need - limit
+    return out
+
+
+# ---- the search -------------------------------------------------------------------------------
+
+def search(cfg: ModelConfig, profile: HardwareProfile, prompt_len: int, gen_len: int, budgets: Budgets,
+           options: SearchOptions | None = None, dtype=None) -> SearchResult:
+    options = options or SearchOptions()
+    model = CostModel(cfg, profile, Workload(prompt_len, gen_len), dtype)
+    delegation = (False, True) if options.cpu_cache_compute is None else (options.cpu_cache_compute,)
+    candidates: list[Candidate] = []
+    gbs_list = [2**i for i in range(int(math.log2(options.max_gpu_batch_size)) + 1)]
+    nb_list = [2**i for i in range(int(math.log2(options.max_num_gpu_batches)) + 1)]
+    for gbs in gbs_list:
+        for nb in nb_list:
+            if options.max_block_size is not None and gbs * nb > options.max_block_size:
+                continue
+            best = None
+            for deleg in delegation:
+                shape = Policy(gbs, nb, overlap=options.overlap, cpu_cache_compute=deleg,
+                               compress_weight=options.compress_weight, compress_cache=options.compress_cache)
+                found = _best_rounded(model, shape, budgets, options.max_latency_s)
+                if found is not None and (best is None or found.estimate.throughput > best.estimate.throughput):
+                    best = found
+            if best is not None:
+                candidates.append(best)
+    if not candidates:
+        raise PolicyError(_infeasible_message(model, budgets, options))
+    candidates.sort(key=lambda c: -c.estimate.throughput)
+    return SearchResult(candidates[0].policy, candidates[0].estimate, candidates)
+
+
+def _best_rounded(model: CostModel, shape: Policy, budgets: Budgets, max_latency_s: float | None,
+                  attempts: int = 4) -> Candidate | None:
+    """Solve, round, re-evaluate. The LP sees continuous fractions; the engine's placement
+    also assembles tensors split over tiers (a working copy the LP cannot see) and rounds to
+    whole percents, so when no rounding fits, solve again with the budget that fell short
+    tightened by the shortfall plus one percent of the weights (one rounding step)."""
+    on_disk = replace(shape, weights=_ONE_TIER["disk"])
+    step = 0.01 * planned_components(model.cfg, on_disk, model.work.max_len, model.dtype)["weights"]["disk"]
+    tight = budgets
+    for _ in range(attempts):
+        res = solve_lp(model, shape, tight, max_latency_s)
+        if res.status != 0:
+            return None
+        best, least_short = None, None
+        for p in rounded_policies(shape, res.x):
+            est = model.estimate(p)
+            short = shortfalls(est, budgets)
+            if short:
+                if least_short is None or sum(short.values()) < sum(least_short.values()):
+                    least_short = short
+                continue
+            if max_latency_s is not None and est.total_s > max_latency_s:
+                continue
+            if best is None or est.throughput > best.estimate.throughput:
+                best = Candidate(p, est, float(res.fun))
+        if best is not None or least_short is None:
+            return best
+        tight = replace(tight, **{b: getattr(tight, b) - need - step for b, need in least_short.items()})
+    return None
+
+
+def _infeasible_message(model: CostModel, budgets: Budgets, options: SearchOptions) -> str:
+    """Which tier is short, by how much, for the smallest block (one sequence)."""
+    shape = Policy(1, 1, overlap=options.overlap, compress_weight=options.compress_weight,
+                   compress_cache=options.compress_cache)
+    res = solve_lp(model, shape, budgets, with_slack=True)
+    names = [budgets.label(name) for name, _, _ in budgets.constraints()]
+    slack = res.x[NF + 2 * len(model.groups):] if res.status == 0 else []
+    short = {n: s * GIB for n, s in zip(names, slack) if s > 1e-9}
+    if not short and options.max_latency_s is not None:
+        return (f"no policy meets the latency limit of {options.max_latency_s:g} s for one block "
+                f"(prompt {model.work.prompt_len}, {model.work.gen_len} new tokens); raise --max-latency")
+    if not short:  # fits continuously but not once rounded: the engine's own placement, all on disk
+        lowest = replace(shape, **{k: _ONE_TIER["disk"] for k in _KINDS})
+        short = {budgets.label(n): b for n, b in shortfalls(model.estimate(lowest), budgets).items()}
+    parts = [f"the {n} tier is short by {b / GIB:.2f} GiB" for n, b in short.items()]
+    return (f"no placement of {model.cfg.name} fits the memory budgets even with one sequence per block: "
+            + "; ".join(parts) + " (raise that budget, or compress weights / KV cache)")

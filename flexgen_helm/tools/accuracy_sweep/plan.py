@@ -1,0 +1,69 @@
+"""The plan of the accuracy table in runs/accuracy/: its rows (one approximation each), the
+scopes (the reference protocol's slice, the full sets) and the `flexgen-helm eval` command
+that makes each record."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+OUT = Path("runs/accuracy")
+MODEL = ["--model", "smollm2-135m", "--dtype", "float32", "--num-gpu-batches", "1"]
+# windows of 1024 tokens are ~30x longer than LAMBADA passages: fewer per batch keeps the
+# (batch x heads x 1024 x 1024) attention scores of the prefill small on a shared machine
+BATCH = {"lambada": ["--gpu-batch-size", "32"], "wikitext": ["--gpu-batch-size", "8", "--window", "1024"]}
+# "lim": the protocol of the reference numbers (first 400 passages, first 16 windows of 1024)
+SCOPES = {"full": {"lambada": [], "wikitext": []},
+          "lim": {"lambada": ["--limit", "400"], "wikitext": ["--limit", "16384"]}}
+
+
+def _compress(what: str, bits: int, group: int, dim: int | None = None) -> list[str]:
+    flags = {"w": ["--compress-weight"], "kv": ["--compress-cache"],
+             "both": ["--compress-weight", "--compress-cache"]}[what]
+    flags += ["--compress-bits", str(bits), "--compress-group-size", str(group)]
+    # one --compress-group-dim serves weights and cache alike: name it only for weights alone
+    return flags + (["--compress-group-dim", str(dim)] if dim is not None else [])
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    label: str
+    flags: list[str] = field(default_factory=list)
+    # LAMBADA accuracy by greedy generation too (on "lim"): rows whose approximations act in
+    # decode; elsewhere it equals the scoring accuracy (tests/test_evaluation.py)
+    generate: bool = False
+
+    @property
+    def acts_in_decode(self) -> bool:
+        """A compressed cache or sparse attention: scored as decode (--score-as-decode), since a
+        plain score's prefill attends to fresh keys and values, where neither acts."""
+        return "--compress-cache" in self.flags or "--attn-sparsity" in self.flags
+
+
+ROWS = [
+    Row("baseline", "baseline (no compression)", generate=True),
+    Row("int8-g64", "8-bit weights + cache, g64", _compress("both", 8, 64), generate=True),
+    Row("w4-g64", "4-bit weights, g64 dim 0", _compress("w", 4, 64)),
+    Row("kv4-g64", "4-bit cache, g64", _compress("kv", 4, 64), generate=True),
+    Row("w4kv4-g64", "4-bit weights + cache, g64", _compress("both", 4, 64), generate=True),
+    Row("w4kv4s-g64", "4-bit-S: 4-bit both + sparsity 0.1, g64", _compress("both", 4, 64) + ["--attn-sparsity", "0.1"],
+        generate=True),
+    Row("w4-g64-d1", "4-bit weights, g64 dim 1", _compress("w", 4, 64, 1)),
+    Row("w4-g32-d0", "4-bit weights, g32 dim 0", _compress("w", 4, 32, 0)),
+    Row("w4-g32-d1", "4-bit weights, g32 dim 1 (= the GGUF's Q4_1 blocks)", _compress("w", 4, 32, 1)),
+]
+ROW_BY_NAME = {r.name: r for r in ROWS}
+# every row on "lim" (the reference's protocol, quick) and on the full sets
+PLAN = [(r.name, scope) for scope in ("lim", "full") for r in ROWS]
+
+
+def json_path(row: str, scope: str, task: str) -> Path:
+    return OUT / "json" / f"{row}__{scope}__{task}.json"
+
+
+def command(row: Row, scope: str, task: str) -> list[str]:
+    extra = ["--generate"] if row.generate and task == "lambada" and scope == "lim" else []
+    extra += ["--score-as-decode"] if row.acts_in_decode else []
+    return (["eval", "--task", task] + MODEL + BATCH[task] + row.flags + SCOPES[scope][task] + extra
+            + ["--quiet", "--json", str(json_path(row.name, scope, task))])

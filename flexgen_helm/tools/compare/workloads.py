@@ -1,0 +1,98 @@
+"""What every system in a comparison gets: the same model (dummy weights, one seed), the
+same prompts and the same memory budgets.
+
+Budgets follow the paper's tiers. On a CPU-only machine the "gpu" tier is the pool of host
+RAM the compute device works in (the paper's 16 GB T4); "cpu" is the RAM that holds
+offloaded weights (and, if a policy says so, KV cache); the disk has no limit.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from flexgen_helm.planner.budget import parse_size
+from flexgen_helm.weights.convert import convert
+from flexgen_helm.weights.export_hf import export_hf
+from flexgen_helm.weights.registry import ResolvedModel, resolve, store_dir_for
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str  # folder name under runs/compare
+    model: str
+    prompt_len: int
+    gen_len: int
+    gpu_mem: str  # the compute device's pool (host RAM here): cache and activations of row-by-row systems
+    cpu_mem: str  # RAM for offloaded weights (accelerate's max_memory={"cpu": ...})
+    dtype: str = "bfloat16"  # compute and storage dtype of every system (bf16: fp16 matmuls are slow on CPUs)
+    max_batch: int = 64  # the search's and the batch probes' upper bound (compute time on 2 cores)
+
+    @property
+    def gpu_bytes(self) -> int:
+        return parse_size(self.gpu_mem)
+
+    @property
+    def cpu_bytes(self) -> int:
+        return parse_size(self.cpu_mem)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# The comparisons `flexgen-helm compare --setup NAME` knows. The headline is the brief's:
+# OPT-6.7B with 4 GiB of RAM for weights (the other ~68% of its 12.5 GiB on disk). Every
+# generated token reads the disk-resident weights once (~8.5 GB: ~15 s at ~0.55 GB/s) and
+# prefill costs about a minute per 512-token sequence on 2 cores, so batches are capped at
+# 4 to keep each run near 10 minutes. Prompt 128 / gen 128 reads the disk weights 128 times
+# (~30 minutes a system on OPT-6.7B), so that workload runs on OPT-350M, same share on disk.
+# The device pools are the smallest in which the policy search finds a placement.
+SETUPS = {s.name: s for s in [
+    Setup("opt-6.7b-p512-g32", "facebook/opt-6.7b", 512, 32, gpu_mem="1.5GiB", cpu_mem="4GiB", max_batch=4),
+    Setup("opt-350m-p128-g128", "facebook/opt-350m", 128, 128, gpu_mem="0.25GiB", cpu_mem="0.2GiB", max_batch=8),
+    Setup("opt-1.3b-p512-g32", "facebook/opt-1.3b", 512, 32, gpu_mem="1GiB", cpu_mem="0.75GiB", max_batch=4),
+    # the test's: seconds, not minutes
+    Setup("tiny", "facebook/opt-125m", 8, 4, gpu_mem="64MiB", cpu_mem="160MiB", max_batch=4),
+]}
+
+
+# The rows a comparison can have, in table order; the last is optional (not in the default).
+SYSTEMS = ("ours-searched", "ours-grid", "ours-deepspeed-policy", "hf-accelerate", "hf-accelerate-page-cache")
+DEFAULT_SYSTEMS = SYSTEMS[:4]
+
+
+def prompts(setup: Setup, batch: int, vocab_size: int) -> list[list[int]]:
+    """The token ids every system gets: those `flexgen-helm bench` draws (seed 0)."""
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(10, vocab_size, (batch, setup.prompt_len), generator=g).tolist()
+
+
+def work_dir() -> Path:
+    """Big files of a comparison (our store, the HF export, accelerate's offload folder)."""
+    return Path(os.environ.get("FLEXGEN_HELM_COMPARE_DIR", "/tmp/flexgen-helm-compare"))
+
+
+def offload_dir(setup: Setup) -> Path:
+    return work_dir() / "offload"
+
+
+def prepare_store(setup: Setup) -> ResolvedModel:
+    """Our dummy store, written once where the engine's disk tier will look for it."""
+    resolved = resolve(setup.model, dummy=True)
+    convert(resolved.source, store_dir_for(resolved, setup.dtype, cache_dir=offload_dir(setup)), setup.dtype)
+    return resolved
+
+
+def prepare_hf(setup: Setup, dtype: str | None = None) -> Path:
+    """The same dummy weights as a Hugging Face checkpoint folder (written once)."""
+    dtype = dtype or setup.dtype
+    resolved = resolve(setup.model, dummy=True)
+    out = work_dir() / "hf" / f"{resolved.store_key}-{dtype}"
+    if not (out / "config.json").exists():  # config.json is written last: its presence marks completion
+        export_hf(resolved.source, out, getattr(torch, dtype))
+    return out

@@ -1,0 +1,102 @@
+"""`flexgen-helm demo`: the whole product in one command on a small machine.
+
+helm-run (with our BatchingRunner) evaluates the bundled SmolLM2-135M uncompressed and
+4-bit on a small offline suite (LAMBADA, WikiText, synthetic reasoning), optionally a
+short bench sweep measures the latency-throughput points and the runtime breakdown, and
+the report is built from all of it: runs/<suite>/report.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from argparse import Namespace
+from pathlib import Path
+
+from flexgen_helm.tools.report.build import build_report, records_dir_of, suite_path, write_run_info
+
+DEPLOYMENTS = ("flexgen/smollm2-135m", "flexgen/smollm2-135m-4bit")
+SCENARIOS = ("lambada", "wikitext:unit=paragraph", "synthetic_reasoning:mode=pattern_match")
+# The uncompressed deployment has no policy in its YAML: give it the 4-bit one's block
+# (8 x 2 sequences), so that the two differ by compression only.
+FP16_POLICY = {"gpu_batch_size": 8, "num_gpu_batches": 2}
+# bench sweep: (label, policy fields, effective batch sizes); short sequences keep it minutes
+BENCH = [
+    ("uncompressed", {}, (1, 4, 16)),
+    ("4-bit", {"compress_weight": {"bits": 4, "group_size": 64}, "compress_cache": {"bits": 4, "group_size": 64}},
+     (4, 16)),
+    ("no overlap", {"overlap": False}, (4,)),
+]
+BENCH_PROMPT_LEN, BENCH_GEN_LEN = 64, 8
+
+
+def run_entries(scenarios=SCENARIOS, deployments=DEPLOYMENTS) -> list[str]:
+    """HELM run entries: "lambada:model=X", "wikitext:unit=paragraph,model=X", ..."""
+    out = []
+    for d in deployments:
+        for s in scenarios:
+            name, _, args = s.partition(":")
+            out.append(f"{name}:{args + ',' if args else ''}model={d}")
+    return out
+
+
+BATCHING_RUNNER = "flexgen_helm.helm.runner.BatchingRunner"
+
+
+def helm_command(entries: list[str], max_instances: int, suite: str, output_path: str, threads: int,
+                 runner: str | None = BATCHING_RUNNER, local_path: str | None = None) -> list[str]:
+    """helm-run's command line; runner=None keeps HELM's own runner (one request per thread)."""
+    exe = shutil.which("helm-run")
+    head = [exe] if exe else [sys.executable, "-m", "helm.benchmark.run"]
+    cmd = head + ["-r", *entries, "-m", str(max_instances), "--suite", suite, "-o", output_path, "-n", str(threads)]
+    if runner:
+        cmd += ["--runner-class-name", runner]
+    if local_path:
+        cmd += ["--local-path", local_path]
+    return cmd
+
+
+def bench_sweep(records_dir: Path) -> list[Path]:
+    """One bench per (setting, batch), JSON into the run's records folder, where its report
+    finds it."""
+    from tqdm import tqdm
+
+    from flexgen_helm.policy.policy import Policy
+    from flexgen_helm.tools.bench import run_bench
+
+    points = [(label, fields, b) for label, fields, batches in BENCH for b in batches]
+    paths = []
+    for label, fields, b in tqdm(points, desc="bench sweep", unit="run"):
+        # blocks of up to 4 sequences per GPU batch: the zig-zag schedule covers the rest
+        gbs = min(b, 4)
+        policy = Policy.from_dict({**fields, "gpu_batch_size": gbs, "num_gpu_batches": b // gbs})
+        path = records_dir / f"bench-{label.replace(' ', '-')}-bs{b}.json"
+        args = Namespace(model="smollm2-135m", path=None, dummy=False, offload_dir=None, device=None, dtype=None,
+                         prompt_len=BENCH_PROMPT_LEN, gen_len=BENCH_GEN_LEN, gpu_mem=None, cpu_mem=None, warmup=1,
+                         json=str(path), label=label, pipeline=False)
+        run_bench(args, policy)
+        paths.append(path)
+    return paths
+
+
+def run_demo(args) -> Path:
+    t0 = time.perf_counter()
+    out = Path(args.out) if args.out else Path(args.archives) / args.suite
+    records_dir = Path(args.runs_dir) if args.runs_dir else records_dir_of(out)
+    write_run_info(records_dir, ["flexgen-helm", *args.argv])
+    env = dict(os.environ)
+    env.setdefault("FLEXGEN_HELM_POLICY", json.dumps(FP16_POLICY))
+    cmd = helm_command(run_entries(), args.max_instances, args.suite, args.output_path, args.threads)
+    print("+ " + " ".join(cmd), flush=True)
+    subprocess.run(cmd, env=env, check=True)
+    helm_s = time.perf_counter() - t0
+    if args.bench:
+        bench_sweep(records_dir)
+    report = build_report(suite_path(args.output_path, args.suite), records_dir, out, archive_root=args.archives)
+    total = time.perf_counter() - t0
+    print(f"report: {report}  (helm-run {helm_s / 60:.1f} min, total {total / 60:.1f} min)")
+    return report
