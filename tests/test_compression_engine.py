@@ -36,8 +36,8 @@ def model_path(request):
 
 def _generate(path, policy, offload_dir):
     engine = Engine.load(str(path), policy, offload_dir=offload_dir, **CPU32)
-    results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=N_NEW, ignore_eos=True))
-    return engine, [(r.completions[0].token_ids, r.completions[0].logprobs) for r in results]
+    run = engine.generate(PROMPTS, SamplingParams(max_new_tokens=N_NEW, ignore_eos=True))
+    return run.stats, [(r.completions[0].token_ids, r.completions[0].logprobs) for r in run.results]
 
 
 def _assert_same(got, want, tol):
@@ -82,7 +82,7 @@ def test_compressed_weights_equal_fake_quantized_checkpoint(model_path, case, tm
     reference = Engine.load(str(_fake_quantized_checkpoint(model_path, tmp_path / "fq", cfg)), base,
                             offload_dir=tmp_path / "off-ref", **CPU32)
     engine = Engine.load(str(model_path), policy, offload_dir=tmp_path / "off", **CPU32)
-    for got, want in zip(engine.score(PROMPTS), reference.score(PROMPTS)):
+    for got, want in zip(engine.score(PROMPTS).results, reference.score(PROMPTS).results):
         assert got.logprobs[1:] == pytest.approx(want.logprobs[1:], abs=1e-4)
     _assert_same(_generate(model_path, policy, tmp_path / "off")[1],
                  _generate(tmp_path / "fq", base, tmp_path / "off-ref")[1], 1e-4)
@@ -212,9 +212,9 @@ def test_sparse_attention_is_policy_invariant(model_path, compress_cache, tmp_pa
     outs = {}
     for name in ("gpu-1x1", "cpu-2x2-delegated", "disk-4x2-no-overlap", "disk-delegated", "everything-split"):
         p = CACHE_POLICIES[name]
-        engine, outs[name] = _generate(model_path, _with(p, attn_sparsity=0.3, compress_cache=compress_cache), tmp_path)
+        stats, outs[name] = _generate(model_path, _with(p, attn_sparsity=0.3, compress_cache=compress_cache), tmp_path)
         if p.cache.disk == 1.0:  # V came off disk row by row, after scoring
-            assert engine.last_stats["timers"]["decode_read_sparse_values"] > 0
+            assert stats.timers["decode_read_sparse_values"] > 0
     ref = outs.pop("gpu-1x1")
     for got in outs.values():
         _assert_same(got, ref, 1e-5)
@@ -247,13 +247,13 @@ def test_score_as_decode_equals_generation(model_path, compress_cache, sparsity,
     policy = _with(CACHE_POLICIES["cpu-2x2-delegated"], compress_cache=compress_cache, attn_sparsity=sparsity)
     engine = Engine.load(str(model_path), policy, offload_dir=tmp_path, **CPU32)
     prompts = [[5], [12], [30], [40]]
-    gen = engine.generate(prompts, SamplingParams(max_new_tokens=14, ignore_eos=True))
+    gen = engine.generate(prompts, SamplingParams(max_new_tokens=14, ignore_eos=True)).results
     texts = [p + r.completions[0].token_ids for p, r in zip(prompts, gen)]
     want = [r.completions[0].logprobs for r in gen]
-    as_decode = [r.logprobs[1:] for r in engine.score(texts, as_decode=True)]
+    as_decode = [r.logprobs[1:] for r in engine.score(texts, as_decode=True).results]
     for got, ref in zip(as_decode, want):
         assert got == pytest.approx(ref, abs=1e-4)
-    plain = [r.logprobs[1:] for r in engine.score(texts)]
+    plain = [r.logprobs[1:] for r in engine.score(texts).results]
     assert max(abs(a - b) for x, y in zip(plain, want) for a, b in zip(x, y)) > 1e-3
 
 
@@ -264,9 +264,9 @@ def test_score_as_decode_is_policy_invariant_with_padding(model_path, tmp_path):
     for name in ("gpu-1x1", "cpu-2x2-delegated", "disk-4x2-no-overlap"):
         policy = _with(CACHE_POLICIES[name], compress_cache=CACHE_CFG, attn_sparsity=0.3)
         engine = Engine.load(str(model_path), policy, offload_dir=tmp_path, **CPU32)
-        scores[name] = [r.logprobs[1:] for r in engine.score(texts, as_decode=True)]
+        scores[name] = [r.logprobs[1:] for r in engine.score(texts, as_decode=True).results]
     alone = [Engine.load(str(model_path), _with(Policy(), compress_cache=CACHE_CFG, attn_sparsity=0.3),
-                         offload_dir=tmp_path, **CPU32).score([t], as_decode=True)[0].logprobs[1:] for t in texts[:2]]
+                         offload_dir=tmp_path, **CPU32).score([t], as_decode=True).results[0].logprobs[1:] for t in texts[:2]]
     for got in list(scores.values()) + [alone + scores["gpu-1x1"][2:]]:
         for a, b in zip(got, scores["gpu-1x1"]):
             assert a == pytest.approx(b, abs=1e-5)

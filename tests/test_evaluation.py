@@ -65,7 +65,8 @@ def test_split_and_tokenize(engine):
 def test_lambada_matches_transformers(engine, reference):
     items, _ = lambada.prepare(engine.tokenizer, PASSAGES)
     # Half the targets are the model's own greedy continuation (so accuracy is not 0):
-    greedy = engine.generate([it.context for it in items[:4]], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    greedy = engine.generate([it.context for it in items[:4]],
+                             SamplingParams(max_new_tokens=3, ignore_eos=True)).results
     items[:4] = [lambada.Item(it.context, r.completions[0].token_ids) for it, r in zip(items[:4], greedy)]
     out = lambada.evaluate(engine, items, chunk=5, progress=False)
 

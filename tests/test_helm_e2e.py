@@ -77,15 +77,16 @@ def test_helm_run_smollm2_lambada_wikitext_synthetic_reasoning(tmp_path):
 
     # Token alignment: one Token per prompt token, logprobs = engine.score of the same ids.
     from flexgen_helm.engine import Engine
-    from flexgen_helm.helm.tokens import token_text_for
+    from flexgen_helm.helm.tokens import helm_texts
+    from flexgen_helm.text import token_text_for
 
     state = json.loads((runs["wikitext"] / "scenario_state.json").read_text())
     rs = state["request_states"][0]
     tokens = rs["result"]["completions"][0]["tokens"]
     engine = Engine.load("smollm2-135m")
     ids = engine.tokenizer.encode(rs["request"]["prompt"], add_special_tokens=False)
-    assert [t["text"] for t in tokens] == token_text_for(engine.tokenizer).helm_texts(ids)
-    direct = engine.score([ids])[0].logprobs
+    assert [t["text"] for t in tokens] == helm_texts(token_text_for(engine.tokenizer), ids)
+    direct = engine.score([ids]).results[0].logprobs
     assert [t["logprob"] for t in tokens][1:] == pytest.approx(direct[1:], abs=2e-3)
     assert rs["result"]["completions"][0]["finish_reason"]["flexgen"]["prompt_tokens"] == len(ids)
 

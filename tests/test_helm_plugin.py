@@ -3,6 +3,7 @@ token alignment, request semantics, batching, failures, accounting. No helm-run 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,7 +17,8 @@ from helm.common.cache import BlackHoleCacheConfig, SqliteCacheConfig
 from helm.common.request import Request
 from helm.common.tokenization_request import TokenizationRequest
 
-from flexgen_helm.helm import engines
+from flexgen_helm.helm import accounting, engines
+from flexgen_helm.text import token_text_for
 
 DEPLOYMENT = "flexgen/smollm2-135m"
 
@@ -46,6 +48,11 @@ def req(prompt, **kw):
 def engine():
     assert len(helm_fake_engine.LOADS) == 1, "one engine per model per process"
     return helm_fake_engine.LOADS[0]
+
+
+def helm_ids(text: str) -> list[int]:
+    """The token ids the client sends the engine for a prompt (SmolLM2 adds no BOS)."""
+    return token_text_for(engine().tokenizer).encode(text)
 
 
 # ----- registration ---------------------------------------------------------------------
@@ -118,7 +125,7 @@ def test_echo_logprobs_equal_engine_score():
     prompt = "The quick brown fox jumps over the lazy dog."
     result = client().make_request(req(prompt, echo_prompt=True, max_tokens=0))
     assert result.success and result.completions[0].text == prompt
-    score = engine().score([prompt])[0]
+    score = engine().score([helm_ids(prompt)]).results[0]
     got = [t.logprob for t in result.completions[0].tokens]
     assert got[0] == 0.0  # no context for the first token (the LM adapter conditions on it)
     assert got[1:] == pytest.approx(score.logprobs[1:])
@@ -136,7 +143,8 @@ def test_generation_logprobs_stop_and_finish_reasons():
     # per-token logprobs are the engine's, for the engine's tokens
     from flexgen_helm.executor.sampling import SamplingParams
 
-    direct = engine().generate(["Once upon a time"], SamplingParams(max_new_tokens=12))[0].completions[0]
+    direct = engine().generate([helm_ids("Once upon a time")], SamplingParams(max_new_tokens=12)).results[0]
+    direct = direct.completions[0]
     assert [t.logprob for t in comp.tokens] == pytest.approx(direct.logprobs)
     # a multi-token stop sequence taken from the middle of the greedy text
     words = comp.text.split(" ")
@@ -160,9 +168,10 @@ def test_num_completions_sampling_and_greedy():
 def test_request_time_batch_fields_and_accounting():
     r = client().make_request(req("Hello there", max_tokens=4))
     assert r.request_time > 0 and r.batch_size == 1 and r.batch_request_time > 0
-    rec = r.completions[0].finish_reason["flexgen"]
-    assert rec["prompt_tokens"] == 2 and rec["generated_tokens"] == 4
-    assert rec["batch_padded_prompt_tokens"] >= rec["batch_prompt_tokens"] == 2
+    rec = accounting.from_request_result(dataclasses.asdict(r))  # as the report reads scenario_state.json
+    assert rec.prompt_tokens == 2 and rec.generated_tokens == 4
+    assert rec.batch.size == 1 and rec.batch.time_s == r.batch_request_time
+    assert rec.batch.padded_prompt_tokens >= rec.batch.prompt_tokens == 2
 
 
 def test_prefetched_requests_report_their_batch_time():

@@ -39,14 +39,14 @@ def model_path(request):
 @pytest.fixture(scope="module")
 def reference(model_path):
     engine = Engine.load(str(model_path), Policy(overlap=False), dtype="float32", device="cpu", progress=False)
-    return engine.generate(PROMPTS, SamplingParams(max_new_tokens=N_NEW, ignore_eos=True))
+    return engine.generate(PROMPTS, SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)).results
 
 
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_same_tokens_and_logprobs_under_every_policy(model_path, reference, name, tmp_path):
     engine = Engine.load(str(model_path), POLICIES[name], dtype="float32", device="cpu", offload_dir=tmp_path,
                          progress=False)
-    got = engine.generate(PROMPTS, SamplingParams(max_new_tokens=N_NEW, ignore_eos=True))
+    got = engine.generate(PROMPTS, SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)).results
     for r, ref in zip(got, reference):
         assert r.completions[0].token_ids == ref.completions[0].token_ids
         assert r.completions[0].logprobs == pytest.approx(ref.completions[0].logprobs, abs=1e-4)
@@ -60,7 +60,7 @@ def test_sampling_with_seed_is_policy_independent(tiny_llama, tmp_path):
     for policy in (Policy(), POLICIES["everything-split-no-overlap"]):
         engine = Engine.load(str(tiny_llama), policy, dtype="float32", device="cpu", offload_dir=tmp_path,
                              progress=False)
-        outs.append([[c.token_ids for c in r.completions] for r in engine.generate(PROMPTS, params)])
+        outs.append([[c.token_ids for c in r.completions] for r in engine.generate(PROMPTS, params).results])
     assert outs[0] == outs[1]
 
 
@@ -78,9 +78,9 @@ def test_scoring_from_a_position_returns_those_logprobs_and_nothing_before(tiny_
     score from that token on, nan and no entries before it, whatever the padding."""
     engine = Engine.load(str(tiny_llama), Policy(gpu_batch_size=4, num_gpu_batches=2), dtype="float32", device="cpu",
                          offload_dir=tmp_path, progress=False)
-    full = engine.score(PROMPTS, top_logprobs=2)
+    full = engine.score(PROMPTS, top_logprobs=2).results
     firsts = [max(1, len(p) - 2) for p in PROMPTS]
-    part = engine.score(PROMPTS, top_logprobs=2, first_scored=firsts)
+    part = engine.score(PROMPTS, top_logprobs=2, first_scored=firsts).results
     for f, whole, some in zip(firsts, full, part):
         assert all(math.isnan(x) for x in some.logprobs[:f])
         assert some.logprobs[f:] == pytest.approx(whole.logprobs[f:], abs=1e-5)
@@ -88,7 +88,7 @@ def test_scoring_from_a_position_returns_those_logprobs_and_nothing_before(tiny_
         assert [list(t) for t in some.top_logprobs[f:]] == [list(t) for t in whole.top_logprobs[f:]]
         for got, want in zip(some.top_logprobs[f:], whole.top_logprobs[f:]):
             assert list(got.values()) == pytest.approx(list(want.values()), abs=1e-5)
-    one_token = engine.score([[5], [7]], top_logprobs=2)  # nothing to score: no head at all
+    one_token = engine.score([[5], [7]], top_logprobs=2).results  # nothing to score: no head at all
     assert [(r.logprobs, r.top_logprobs) for r in one_token] == [([pytest.approx(math.nan, nan_ok=True)], [{}])] * 2
     with pytest.raises(FlexGenError, match="first_scored"):
         engine.score(PROMPTS[:2], first_scored=[1, 3])  # the second prompt has 2 tokens

@@ -198,7 +198,7 @@ def test_policy_auto_is_accepted_by_the_engine(tmp_path, capsys):
     assert isinstance(policy, Policy) and "auto policy" in capsys.readouterr().out
     assert policy.block_size <= 2  # two prompts: a bigger block would only pad
     engine = Engine.load(str(path), policy, dtype="float32", device="cpu", offload_dir=tmp_path, progress=False)
-    out = engine.generate([[5, 6, 7, 8, 9, 10, 11, 12]], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    out = engine.generate([[5, 6, 7, 8, 9, 10, 11, 12]], SamplingParams(max_new_tokens=4, ignore_eos=True)).results
     assert len(out[0].completions[0].token_ids) == 4
 
 

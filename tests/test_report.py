@@ -10,6 +10,8 @@ import pandas as pd
 import pytest
 
 from flexgen_helm.cli import main
+from flexgen_helm.helm import accounting
+from flexgen_helm.helm.accounting import BatchRecord
 from flexgen_helm.tools.bench import breakdown
 from flexgen_helm.tools.report import accuracy, frontier, helm_runs, placement
 from flexgen_helm.tools.report import breakdown as breakdown_report
@@ -27,11 +29,19 @@ Q4_MEMORY = {"tiers": {"gpu": {"peak_bytes": GIB // 2}, "cpu": {"peak_bytes": GI
              "placement": {"weight_bytes": {"gpu": 0, "cpu": 0, "disk": 3 * GIB // 2}}, "cpu_peak_rss_bytes": 2 * GIB}
 
 
-def _request(instance: str, prompt: int, gen: int, batch: dict) -> dict:
-    rec = {"prompt_tokens": prompt, "generated_tokens": gen, **batch}
+def _batch(id: str, size: int, time_s: float, padded_prompt: int, padded_gen: int) -> BatchRecord:
+    return BatchRecord(id=id, mode="generate", size=size, time_s=time_s, prompt_tokens=0,
+                       padded_prompt_tokens=padded_prompt, generated_tokens=0, padded_generated_tokens=padded_gen,
+                       prefill_s=0.0, decode_s=0.0)
+
+
+def _request(instance: str, prompt: int, gen: int, batch: BatchRecord) -> dict:
+    """A request state as HELM writes it, with the accounting the HELM client reports."""
+    rec = accounting.to_finish_reason(accounting.RequestRecord(prompt, gen, batch))
     return {"instance": {"id": instance, "input": {"text": "x"}, "references": [], "split": "test"},
             "train_trial_index": 0,
-            "result": {"success": True, "completions": [{"text": "y", "finish_reason": {"flexgen": rec}}]}}
+            "result": {"success": True, "batch_size": batch.size, "batch_request_time": batch.time_s,
+                       "completions": [{"text": "y", "finish_reason": {"flexgen": rec}}]}}
 
 
 def _stat(name: str, mean: float, **extra) -> dict:
@@ -51,13 +61,13 @@ def _write_run(suite: Path, name: str, deployment: str, requests: list[dict], st
 def fixture_dirs(tmp_path) -> tuple[Path, Path]:
     suite = tmp_path / "benchmark_output" / "runs" / "mini"
     # batch 1: two requests, prompts 10 + 6 padded to 2 x 10, 4 tokens each; batch 2: one request
-    b1 = {"batch_id": "b1", "batch_time_s": 2.0, "batch_padded_prompt_tokens": 20, "batch_padded_generated_tokens": 8}
-    b2 = {"batch_id": "b2", "batch_time_s": 1.0, "batch_padded_prompt_tokens": 8, "batch_padded_generated_tokens": 4}
+    b1 = _batch("b1", 2, 2.0, padded_prompt=20, padded_gen=8)
+    b2 = _batch("b2", 1, 1.0, padded_prompt=8, padded_gen=4)
     _write_run(suite, "lambada:model=flexgen_m", "flexgen/m",
                [_request("i1", 10, 4, b1), _request("i2", 6, 4, b1), _request("i3", 8, 4, b2)],
                [_stat("prefix_exact_match", 0.5), _stat("exact_match", 0.25),
                 _stat("prefix_exact_match", 0.1, perturbation={"name": "typos"}), _stat("perplexity", 3.0)])
-    b3 = {"batch_id": "b3", "batch_time_s": 4.0, "batch_padded_prompt_tokens": 40, "batch_padded_generated_tokens": 0}
+    b3 = _batch("b3", 2, 4.0, padded_prompt=40, padded_gen=0)
     _write_run(suite, "wikitext:unit=paragraph,model=flexgen_m-4bit", "flexgen/m-4bit",
                [_request("w1", 20, 0, b3), _request("w2", 20, 0, b3)],
                [_stat("perplexity", 12.5), _stat("bits_per_byte", 1.25)])
@@ -193,12 +203,11 @@ def test_engine_times_each_event_without_overlap(tiny_llama, tmp_path):
 
     engine = Engine.load(str(tiny_llama), Policy(2, 2, overlap=False), dtype="float32", device="cpu",
                          offload_dir=tmp_path, progress=False)
-    engine.generate([[5, 6, 7], [8, 9], [10], [11, 12, 13, 14]], SamplingParams(max_new_tokens=4, ignore_eos=True))
-    stats = engine.last_stats
-    parts = breakdown(stats["timers"])
-    for stage in ("prefill", "decode"):
+    run = engine.generate([[5, 6, 7], [8, 9], [10], [11, 12, 13, 14]], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    parts = breakdown(run.stats.timers)
+    for stage, stage_s in (("prefill", run.stats.prefill_s), ("decode", run.stats.decode_s)):
         assert parts[stage]["compute"] > 0 and parts[stage]["load_weight"] > 0 and parts[stage]["store_cache"] > 0
-        assert sum(parts[stage].values()) <= stats[f"{stage}_s"] * 1.05
+        assert sum(parts[stage].values()) <= stage_s * 1.05
     assert parts["decode"]["load_cache"] > 0
 
 

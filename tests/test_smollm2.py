@@ -12,6 +12,7 @@ from conftest import hf_model
 from flexgen_helm.engine import Engine
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.policy import Policy, Split
+from flexgen_helm.text import TextEngine
 from flexgen_helm.weights.export_hf import export_hf
 from flexgen_helm.weights.registry import resolve
 
@@ -33,7 +34,7 @@ def reference(tmp_path_factory):
 
 def test_logprobs_match_transformers(engine, reference):
     ids = [engine.tokenizer(p)["input_ids"] for p in PROMPTS]
-    for row, got in zip(ids, engine.score(ids)):
+    for row, got in zip(ids, engine.score(ids).results):
         with torch.no_grad():
             ref = torch.log_softmax(reference(torch.tensor([row])).logits[0].float(), -1)
         want = [float(ref[i - 1, row[i]]) for i in range(1, len(row))]
@@ -42,7 +43,7 @@ def test_logprobs_match_transformers(engine, reference):
 
 
 def test_greedy_generation_matches_transformers(engine, reference):
-    results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    results = TextEngine(engine).generate(PROMPTS, SamplingParams(max_new_tokens=8, ignore_eos=True)).results
     for prompt, r in zip(PROMPTS, results):
         ids = torch.tensor([engine.tokenizer(prompt)["input_ids"]])
         with torch.no_grad():

@@ -22,7 +22,7 @@ def _hf_logprobs(model, ids: list[int]) -> torch.Tensor:
 
 
 def _check_scores(engine: Engine, model, prompts, tol=1e-4):
-    for ids, got in zip(prompts, engine.score(prompts)):
+    for ids, got in zip(prompts, engine.score(prompts).results):
         ref = _hf_logprobs(model, ids)
         want = [math.nan] + [float(ref[i - 1, ids[i]]) for i in range(1, len(ids))]
         assert math.isnan(got.logprobs[0])
@@ -30,7 +30,7 @@ def _check_scores(engine: Engine, model, prompts, tol=1e-4):
 
 
 def _check_greedy(engine: Engine, model, prompts, n=6):
-    results = engine.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True))
+    results = engine.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True)).results
     for ids, r in zip(prompts, results):
         with torch.no_grad():
             out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,

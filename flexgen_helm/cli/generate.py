@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -28,27 +29,28 @@ def add_command(sub) -> None:
 
 def run(args) -> int:
     from flexgen_helm.executor.sampling import SamplingParams
+    from flexgen_helm.text import TextEngine
 
     json_out = checked_output_file(args.json)
     engine = engine_class(args.pipeline).load(args.model, policy_from_args(args), path=args.path, dummy=args.dummy,
                                               offload_dir=args.offload_dir, device=args.device, dtype=args.dtype)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, num_completions=args.num_completions,
-                            stop_strings=tuple(args.stop or ()))
-    results = engine.generate(args.prompt, params)
+                            top_k=args.top_k, seed=args.seed, num_completions=args.num_completions)
+    run = TextEngine(engine).generate(args.prompt, params, stop_strings=tuple(args.stop or ()))
     engine.close()
     if not is_reporting_rank(engine):
         return 0
     out = []
-    for prompt, r in zip(args.prompt, results):
+    for r in run.results:
         for c in r.completions:
-            print(f"{prompt}\033[1m{c.text}\033[0m" if sys.stdout.isatty() else f"{prompt}{c.text}")
+            print(f"{r.prompt}\033[1m{c.text}\033[0m" if sys.stdout.isatty() else f"{r.prompt}{c.text}")
             print("-" * 40)
-        out.append({"prompt": prompt, "prompt_token_ids": r.prompt_token_ids,
-                    "completions": [c.__dict__ for c in r.completions]})
-    stats = engine.last_stats
-    print(f"{stats['generated_tokens']} tokens in {stats['total_s']:.2f} s "
-          f"({stats['generated_tokens'] / max(stats['total_s'], 1e-9):.1f} token/s); policy: {engine.policy.describe()}")
+        out.append({"prompt": r.prompt, "prompt_token_ids": r.prompt_token_ids,
+                    "completions": [dataclasses.asdict(c) for c in r.completions]})
+    stats = run.stats
+    print(f"{stats.generated_tokens} tokens in {stats.total_s:.2f} s "
+          f"({stats.generated_tokens / max(stats.total_s, 1e-9):.1f} token/s); policy: {engine.policy.describe()}")
     if json_out:
-        json_out.write_text(json.dumps({"results": out, "stats": stats, "policy": engine.policy.to_dict()}, indent=1))
+        json_out.write_text(json.dumps({"results": out, "stats": stats.as_dict(), "policy": engine.policy.to_dict()},
+                                       indent=1))
     return 0

@@ -7,13 +7,15 @@ travel through the stages like micro-batches: while stage s runs group g, stage 
 group g-1. The last stage samples and sends the new tokens back to the first. Sends are
 asynchronous, so that a stage sending forward and a stage sending back never wait on
 each other.
+
+Every stage runs the engine's one block driver (executor/generation.py); `PipelineStage`
+is the StageLink that tells it where a step's inputs come from and where its outputs go.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -21,14 +23,15 @@ import torch.distributed as dist
 
 from flexgen_helm.dist.partition import balanced_bounds, layer_costs
 from flexgen_helm.engine import Engine, build_runtime
-from flexgen_helm.memory.offload_dir import default_offload_dir
 from flexgen_helm.errors import FlexGenError
-from flexgen_helm.executor.generation import BlockRunner, RunStats, plan_blocks
+from flexgen_helm.executor.generation import Block, StageLink
+from flexgen_helm.executor.sampling import Completion, RunStats, ScoreRun
 from flexgen_helm.executor.schedule import BlockSchedule
 from flexgen_helm.memory.devices import pick_devices
+from flexgen_helm.memory.offload_dir import default_offload_dir
 from flexgen_helm.models import family_of
-from flexgen_helm.weights.registry import resolve
 from flexgen_helm.policy.policy import Policy
+from flexgen_helm.weights.registry import resolve
 
 
 def init_distributed(timeout_s: float = 300.0) -> tuple[int, int]:
@@ -43,6 +46,55 @@ def init_distributed(timeout_s: float = 300.0) -> tuple[int, int]:
         # stages on one machine share its cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     return dist.get_rank(), dist.get_world_size()
+
+
+class PipelineStage:
+    """A StageLink for one stage of the pipeline: a step's input arrives from the stage
+    before (the first stage: the tokens the last one sampled), its output goes to the stage
+    after (the last stage: the tokens it sampled go back to the first)."""
+
+    def __init__(self, rank: int, world: int, hidden_size: int, dtype: torch.dtype, device):
+        self.rank, self.world = rank, world
+        self.hidden_size, self.dtype = hidden_size, dtype
+        self.device = device  # NCCL moves GPU tensors only; gloo, CPU ones
+        self.samples = rank == world - 1
+        self.stops_early = False  # the first stages cannot know when the last one is done
+        self._pending: list = []
+
+    def micro_batches(self, block: Block) -> list[Block]:
+        n_groups = min(self.world, len(block))
+        return [block[i::n_groups] for i in range(n_groups)]
+
+    def step_input(self, group: Block, sched: BlockSchedule, step: int,
+                   chosen: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+        if self.rank == 0 and step == 0:
+            return None  # the prompts' token ids
+        if self.rank == 0:
+            if self.world == 1:
+                return chosen
+            return [self._recv((len(b),), torch.long, self.world - 1) for b in group]
+        length = sched.batches[0].ids.shape[1] if step == 0 else 1
+        return [self._recv((len(b), length, self.hidden_size), self.dtype, self.rank - 1) for b in group]
+
+    def step_output(self, outputs: list[torch.Tensor], more_steps: bool) -> None:
+        if not self.samples:
+            self._pending += [self._send(h, self.rank + 1) for h in outputs]
+        elif more_steps and self.world > 1:
+            self._pending += [self._send(t, 0) for t in outputs]
+
+    def drain(self) -> None:
+        for p in self._pending:
+            p.wait()
+        self._pending = []
+
+    def _send(self, t: torch.Tensor, dst: int):
+        # asynchronous, so that a stage sending forward and one sending back never wait on each other
+        return dist.isend(t.to(self.device).contiguous(), dst=dst)
+
+    def _recv(self, shape, dtype, src: int) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(t, src=src)
+        return t
 
 
 class PipelineEngine(Engine):
@@ -70,94 +122,21 @@ class PipelineEngine(Engine):
         engine.rank, engine.world, engine.bounds = rank, world, bounds
         return engine
 
-    @property
-    def is_first(self) -> bool:
-        return self.rank == 0
+    def stage_link(self) -> StageLink:
+        devices = self.runtime.devices
+        return PipelineStage(self.rank, self.world, self.config.hidden_size, devices.dtype,
+                             devices.compute if devices.is_cuda else "cpu")
 
-    @property
-    def is_last(self) -> bool:
-        return self.rank == self.world - 1
-
-    def describe_stage(self) -> str:
-        names = [layer.name for layer in self.runtime.layers]
-        return f"stage {self.rank}/{self.world}: {names[0]} .. {names[-1]} ({len(names)} layers)"
-
-    def _run_blocks(self, seqs, stats: RunStats, workdir: Path) -> None:
-        runner = BlockRunner(self.runtime, self.policy, self.decode, workdir, stats)
-        for block in plan_blocks([len(s.prompt) for s in seqs], self.policy):
-            self._run_block(runner, [[seqs[i] for i in group] for group in block], stats)
-        # Every rank returns what the last stage sampled, and its timings, which are the
-        # pipeline's: it is the last to finish each step.
-        outputs = [{k: v for k, v in s.__dict__.items() if k != "generator"} for s in seqs]
-        shared = [(outputs, stats.__dict__) if self.is_last else None]
+    def gather(self, completions: list[Completion], stats: RunStats) -> tuple[list[Completion], RunStats]:
+        """What the last stage sampled, and its timings, which are the pipeline's: it is the
+        last to finish each step."""
+        shared = [(completions, stats) if self.rank == self.world - 1 else None]
         dist.broadcast_object_list(shared, src=self.world - 1)
-        outputs, last_stats = shared[0]
-        for mine, theirs in zip(seqs, outputs):
-            mine.__dict__.update(theirs)
-        stats.__dict__.update(last_stats)
+        return shared[0]
 
-    def _run_block(self, runner: BlockRunner, block, stats: RunStats) -> None:
-        steps = max(s.params.max_new_tokens for g in block for s in g)
-        if steps == 0:
-            for s in (s for g in block for s in g):
-                s.finish_reason = "length"
-            return
-        n_groups = min(self.world, len(block))
-        groups = [block[i::n_groups] for i in range(n_groups)]
-        longest = max(len(s.prompt) for g in block for s in g)
-        scheds = [runner.schedule([[s.prompt for s in batch] for batch in group], longest + steps, name=f"group-{i}")
-                  for i, group in enumerate(groups)]
-        pending: list = []
-        try:
-            t0 = time.perf_counter()
-            for step in range(steps):
-                for g, (group, sched) in enumerate(zip(groups, scheds)):
-                    out = self._stage_step(sched, group, step, runner)
-                    if self.is_last:
-                        tokens = [runner.choose(batch, lp) for batch, lp in zip(group, out)]
-                        stats.padded_generated_tokens += sum(len(b) for b in group)
-                        if step + 1 < steps and self.world > 1:
-                            pending += [self._send(t, 0) for t in tokens]
-                        sched.next_tokens = tokens
-                    else:
-                        pending += [self._send(h, self.rank + 1) for h in out]
-                if step == 0:
-                    stats.prefill_s += time.perf_counter() - t0
-                    t0 = time.perf_counter()
-            stats.decode_s += time.perf_counter() - t0
-        finally:
-            for p in pending:
-                p.wait()
-            for sched in scheds:
-                stats.add_timers(sched.timers)
-                sched.close()
-        for s in (s for g in block for s in g):
-            if not s.done:
-                s.finish_reason = "length"
-
-    def _stage_step(self, sched: BlockSchedule, group, step: int, runner: BlockRunner) -> list:
-        """One token step of one group through this stage's layers."""
-        head = runner.last_position_head if self.is_last else None
-        if self.is_first and step == 0:
-            return sched.prefill(head)
-        if self.is_first:
-            tokens = sched.next_tokens if self.world == 1 else [self._recv((len(b),), torch.long, self.world - 1) for b in group]
-            return sched.decode(tokens, head)
-        length = sched.batches[0].ids.shape[1] if step == 0 else 1
-        dtype, hidden = self.runtime.devices.dtype, self.config.hidden_size
-        xs = [self._recv((len(b), length, hidden), dtype, self.rank - 1) for b in group]
-        return sched.prefill(head, hidden=xs) if step == 0 else sched.decode(xs, head)
-
-    def _send(self, t: torch.Tensor, dst: int):
-        # NCCL moves GPU tensors only; gloo, CPU ones
-        device = self.runtime.devices.compute if self.runtime.devices.is_cuda else "cpu"
-        return dist.isend(t.to(device).contiguous(), dst=dst)
-
-    def _recv(self, shape, dtype, src: int) -> torch.Tensor:
-        device = self.runtime.devices.compute if self.runtime.devices.is_cuda else "cpu"
-        t = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(t, src=src)
-        return t
+    def score(self, prompts, top_logprobs: int = 0, as_decode: bool = False,
+              first_scored: list[int] | None = None) -> ScoreRun:
+        raise FlexGenError("scoring is not pipelined: run it with the single-process engine (no --pipeline)")
 
     def close(self) -> None:
         super().close()

@@ -87,7 +87,7 @@ def evaluate(engine, items: list[Item], chunk: int, progress: bool = True, as_de
         if results is None:
             results = []
             scored = engine.score([items[i].full for i in idx], top_logprobs=1, as_decode=as_decode,
-                                  first_scored=[len(items[i].context) for i in idx])  # the last word only
+                                  first_scored=[len(items[i].context) for i in idx]).results  # the last word only
             for i, r in zip(idx, scored):
                 k = len(items[i].context)
                 # top_logprobs[j] holds the argmax predicting token j (ties: one of them)
@@ -123,7 +123,7 @@ def generation_accuracy(engine, items: list[Item], chunk: int, progress: bool = 
         results = resume.get(keys)
         if results is None:
             params = [SamplingParams(max_new_tokens=len(items[i].target), ignore_eos=True) for i in idx]
-            outputs = engine.generate([items[i].context for i in idx], params)
+            outputs = engine.generate([items[i].context for i in idx], params).results
             results = [[r.completions[0].token_ids == items[i].target] for i, r in zip(idx, outputs)]
             resume.add(dict(zip(keys, results)))
         for i, (ok,) in zip(idx, results):

@@ -46,7 +46,7 @@ def evaluate(engine, ids: list[int], text: str, window: int, batch: int, progres
         if results is None:
             # logprobs[0] is nan: the window's first token has no context
             results = [[-math.fsum(r.logprobs[1:]), len(r.logprobs) - 1]
-                       for r in engine.score(windows[s:s + batch], as_decode=as_decode)]
+                       for r in engine.score(windows[s:s + batch], as_decode=as_decode).results]
             resume.add(dict(zip(keys, results)))
         for loss, n in results:
             nll.append(loss)

@@ -1,4 +1,7 @@
-"""Generation and scoring over blocks: bucketing, padding, sampling, stopping."""
+"""The block driver: generation and scoring over blocks (bucketing, padding, the token
+steps, sampling, stopping). The single-process Engine and every pipeline stage run this
+one driver; a pipeline stage plugs in through a `StageLink` (where a step's inputs come
+from and where its outputs go)."""
 
 from __future__ import annotations
 
@@ -6,13 +9,16 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from flexgen_helm.executor.sampling import Completion, SamplingParams, select_tokens
+from flexgen_helm.executor.sampling import Completion, RunStats, SamplingParams, ScoreResult, select_tokens
 from flexgen_helm.executor.schedule import BlockSchedule, GpuBatch
 from flexgen_helm.policy.policy import Policy
+
+__all__ = ["BlockDriver", "LocalStage", "RunStats", "Sequence", "StageLink", "left_pad", "plan_blocks"]
 
 
 @dataclass
@@ -27,37 +33,15 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     top: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
-    text: str | None = None
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
 
-
-@dataclass
-class RunStats:
-    sequences: int = 0
-    prompt_tokens: int = 0
-    padded_prompt_tokens: int = 0
-    generated_tokens: int = 0
-    padded_generated_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    blocks: int = 0
-    timers: dict = field(default_factory=dict)
-
-    @property
-    def total_s(self) -> float:
-        return self.prefill_s + self.decode_s
-
-    def add_timers(self, timers: dict) -> None:
-        for k, v in timers.items():
-            self.timers[k] = self.timers.get(k, 0.0) + v
-
-    def as_dict(self) -> dict:
-        d = dict(self.__dict__)
-        d["total_s"] = self.total_s
-        return d
+    def completion(self) -> Completion:
+        return Completion(token_ids=list(self.tokens), logprobs=list(self.logprobs),
+                          top_logprobs=list(self.top) if self.params.top_logprobs else None,
+                          finish_reason=self.finish_reason or "length")
 
 
 def plan_blocks(lengths: list[int], policy: Policy) -> list[list[list[int]]]:
@@ -80,11 +64,68 @@ def left_pad(prompts: list[list[int]], length: int, pad_id: int) -> GpuBatch:
     return GpuBatch(ids, valid)
 
 
-class BlockRunner:
-    """Runs blocks of sequences through a ModelRuntime under a policy."""
+# A block's GPU batches of sequences, split into micro-batches (see StageLink.micro_batches)
+Block = list[list[Sequence]]
 
-    def __init__(self, runtime, policy: Policy, decode_text, workdir: Path, stats: RunStats):
-        self.rt, self.policy, self.decode_text, self.workdir, self.stats = runtime, policy, decode_text, workdir, stats
+
+class StageLink(Protocol):
+    """How the driver's token steps meet the rest of the model.
+
+    A runtime that holds the whole model (`LocalStage`) feeds each step the tokens it chose
+    at the step before. A pipeline stage (dist/pipeline.py) holds some layers: it receives
+    a step's inputs from the stage before it and sends its outputs on."""
+
+    # holds the head: the driver chooses tokens from this stage's outputs
+    samples: bool
+    # may skip a block's remaining steps once all its sequences are done (every stage of a
+    # pipeline must run the same steps, and only the last one knows)
+    stops_early: bool
+
+    def micro_batches(self, block: Block) -> list[Block]:
+        """The block split into groups that have a schedule each and take turns per step."""
+
+    def step_input(self, group: Block, sched: BlockSchedule, step: int,
+                   chosen: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+        """Per GPU batch of `group`: the token ids (b,) or hidden states (b, s, hidden) that
+        `step` runs on; None at step 0 where the prompts' token ids are the input. `chosen`:
+        the tokens this driver chose for the group at the step before (None where it does not
+        sample, and at step 0)."""
+
+    def step_output(self, outputs: list[torch.Tensor], more_steps: bool) -> None:
+        """What `step` produced per GPU batch: the chosen tokens where this stage samples,
+        else its hidden states. more_steps: another step follows."""
+
+    def drain(self) -> None:
+        """Wait until every output handed on has left (at the end of a block)."""
+
+
+class LocalStage:
+    """The whole model in this process: a step's input is the tokens chosen at the step
+    before, which the driver keeps itself, so nothing travels."""
+
+    samples = True
+    stops_early = True
+
+    def micro_batches(self, block: Block) -> list[Block]:
+        return [block]
+
+    def step_input(self, group: Block, sched: BlockSchedule, step: int,
+                   chosen: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+        return chosen
+
+    def step_output(self, outputs: list[torch.Tensor], more_steps: bool) -> None:
+        """Nothing to send: the driver feeds the chosen tokens back itself."""
+
+    def drain(self) -> None:
+        """Nothing was sent."""
+
+
+class BlockDriver:
+    """Runs sequences through a ModelRuntime under a policy, block after block."""
+
+    def __init__(self, runtime, policy: Policy, workdir: Path, stats: RunStats, link: StageLink | None = None):
+        self.rt, self.policy, self.workdir, self.stats = runtime, policy, workdir, stats
+        self.link = link if link is not None else LocalStage()
         self.pad_id = runtime.config.pad_token_id if runtime.config.pad_token_id is not None else 0
 
     def schedule(self, groups: list[list[list[int]]], max_len: int, name: str = "") -> BlockSchedule:
@@ -102,33 +143,53 @@ class BlockRunner:
 
     # ---- generation ------------------------------------------------------------------
 
-    def generate(self, block: list[list[Sequence]]) -> None:
-        longest = max(len(s.prompt) for g in block for s in g)
-        steps = max(s.params.max_new_tokens for g in block for s in g)
+    def generate(self, seqs: list[Sequence]) -> None:
+        """Generate every sequence, in blocks of similar prompt length."""
+        for block in plan_blocks([len(s.prompt) for s in seqs], self.policy):
+            self.generate_block([[seqs[i] for i in group] for group in block])
+
+    def generate_block(self, block: Block) -> None:
         for s in (s for g in block for s in g):
             if s.params.max_new_tokens == 0:
                 s.finish_reason = "length"
+        steps = max(s.params.max_new_tokens for g in block for s in g)
         if steps == 0:
             return
-        sched = self.schedule([[s.prompt for s in g] for g in block], longest + steps)
+        longest = max(len(s.prompt) for g in block for s in g)
+        groups = self.link.micro_batches(block)
+        scheds = [self.schedule([[s.prompt for s in batch] for batch in group], longest + steps, name=f"group-{g}")
+                  for g, group in enumerate(groups)]
         try:
-            t0 = time.perf_counter()
-            logprobs = sched.prefill(self.last_position_head)
-            self.stats.prefill_s += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            for step in range(steps):
-                tokens = [self.choose(g, lp) for g, lp in zip(block, logprobs)]
-                self.stats.padded_generated_tokens += sum(len(g) for g in block)
-                if step == steps - 1 or all(s.done for g in block for s in g):
-                    break
-                logprobs = sched.decode(tokens, self.last_position_head)
-            self.stats.decode_s += time.perf_counter() - t0
-            self.stats.add_timers(sched.timers)
+            self._run_steps(block, groups, scheds, steps)
         finally:
-            sched.close()
+            self.link.drain()
+            for sched in scheds:
+                self.stats.add_timers(sched.timers)
+                sched.close()
         for s in (s for g in block for s in g):
             if not s.done:
                 s.finish_reason = "length"
+
+    def _run_steps(self, block: Block, groups: list[Block], scheds: list[BlockSchedule], steps: int) -> None:
+        """Step 0 is the prefill, every later step one decode; within a step the groups take
+        turns (in a pipeline, stage s runs group g while stage s+1 runs group g-1)."""
+        head = self.last_position_head if self.link.samples else None
+        chosen: list[list[torch.Tensor] | None] = [None] * len(groups)
+        t0 = time.perf_counter()
+        for step in range(steps):
+            if step > 0 and self.link.stops_early and all(s.done for g in block for s in g):
+                break
+            for g, (group, sched) in enumerate(zip(groups, scheds)):
+                inputs = self.link.step_input(group, sched, step, chosen[g])
+                outputs = sched.prefill(head, hidden=inputs) if step == 0 else sched.decode(inputs, head)
+                if self.link.samples:
+                    outputs = chosen[g] = [self.choose(batch, lp) for batch, lp in zip(group, outputs)]
+                    self.stats.padded_generated_tokens += sum(len(batch) for batch in group)
+                self.link.step_output(outputs, more_steps=step + 1 < steps)
+            if step == 0:
+                self.stats.prefill_s += time.perf_counter() - t0
+                t0 = time.perf_counter()
+        self.stats.decode_s += time.perf_counter() - t0
 
     def last_position_head(self, k: int, w: dict, h: torch.Tensor) -> torch.Tensor:
         logits = self.rt.family.head(self.rt.config, w, h[:, -1])
@@ -149,23 +210,27 @@ class BlockRunner:
             if s.params.top_logprobs:
                 top = logprobs[r].topk(s.params.top_logprobs)
                 s.top.append({int(i): float(v) for v, i in zip(top.values, top.indices)})
-            if s.params.stop_strings:
-                self._check_stop_strings(s)
-            if not s.done and len(s.tokens) >= s.params.max_new_tokens:
+            if s.params.stop is not None and s.params.stop.reached(s.tokens):
+                s.finish_reason = "stop_condition"
+            elif len(s.tokens) >= s.params.max_new_tokens:
                 s.finish_reason = "length"
         return chosen
-
-    def _check_stop_strings(self, s: Sequence) -> None:
-        text = self.decode_text(s.tokens)
-        cut = min((i for i in (text.find(stop) for stop in s.params.stop_strings) if i >= 0), default=-1)
-        if cut >= 0:
-            s.text = text[:cut]
-            s.finish_reason = "stop_string"
 
     # ---- scoring (echo) -----------------------------------------------------------------
 
     def score(self, prompts: list[list[int]], top_k: int, as_decode: bool,
-              first_scored: list[int]) -> list[tuple[list[float], list[dict] | None]]:
+              first_scored: list[int]) -> list[ScoreResult]:
+        """One ScoreResult per prompt, in order (see score_block), in blocks of similar length."""
+        out: list[ScoreResult | None] = [None] * len(prompts)
+        for block in plan_blocks([len(p) for p in prompts], self.policy):
+            flat = [i for group in block for i in group]
+            scored = self.score_block([prompts[i] for i in flat], top_k, as_decode, [first_scored[i] for i in flat])
+            for i, (lps, top) in zip(flat, scored):
+                out[i] = ScoreResult(token_ids=prompts[i], logprobs=lps, top_logprobs=top)
+        return out
+
+    def score_block(self, prompts: list[list[int]], top_k: int, as_decode: bool,
+                    first_scored: list[int]) -> list[tuple[list[float], list[dict] | None]]:
         """Per prompt: log p(token_i | tokens_<i) for each token from first_scored[i] (>= 1)
         on (earlier tokens, the first always: nan, and no top entries); as_decode: see
         BlockSchedule.prefill."""
@@ -225,9 +290,3 @@ class BlockRunner:
             tops[r][c] = dict(zip(idx, vals))
         return lps, tops
 
-
-def to_completion(s: Sequence, decode_text) -> Completion:
-    text = s.text if s.text is not None else decode_text(s.tokens)
-    return Completion(text=text, token_ids=list(s.tokens), logprobs=list(s.logprobs),
-                      top_logprobs=list(s.top) if s.params.top_logprobs else None,
-                      finish_reason=s.finish_reason or "length")

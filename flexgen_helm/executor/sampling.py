@@ -1,11 +1,30 @@
-"""Per-request generation parameters and outputs (plain data), and token selection."""
+"""Per-request generation parameters and outputs (plain data), and token selection.
+
+The engine works on token ids only: text, and stop strings, belong to the frontends
+(flexgen_helm.text). A frontend ends a sequence on something other than a token id by
+giving it a `StopCondition`.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
+
+
+@runtime_checkable
+class StopCondition(Protocol):
+    """Ends one sequence early (e.g. at a stop string: flexgen_helm.text.StopStrings).
+
+    The engine calls it with a sequence's generated token ids after every new token; once it
+    answers True the sequence is done, with finish_reason "stop_condition" and every token
+    generated so far (the frontend cuts what the condition matched)."""
+
+    def reached(self, token_ids: Sequence[int]) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -16,7 +35,7 @@ class SamplingParams:
     top_k: int = 0  # 0: no top-k filter
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()  # the model's EOS is added unless ignore_eos
-    stop_strings: tuple[str, ...] = ()
+    stop: StopCondition | None = None  # ends a sequence on what token ids alone cannot say
     num_completions: int = 1
     top_logprobs: int = 0  # how many alternatives to return per generated token
     ignore_eos: bool = False
@@ -36,11 +55,10 @@ class SamplingParams:
 
 @dataclass
 class Completion:
-    text: str
-    token_ids: list[int]
+    token_ids: list[int]  # every generated token (an EOS or stop token id is not one)
     logprobs: list[float]  # log p(token) under the model (before temperature / top-p)
     top_logprobs: list[dict[int, float]] | None = None
-    finish_reason: str = "length"  # "length", "stop" (EOS or stop token) or "stop_string"
+    finish_reason: str = "length"  # "length", "stop" (EOS or stop token id) or "stop_condition"
 
 
 @dataclass
@@ -56,6 +74,53 @@ class ScoreResult:
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class RunStats:
+    """What one engine call did: real and padded tokens, time per stage, the schedule's
+    timers (executor/schedule.py) and, filled in by the engine at the end, the memory
+    report and the block size it ran with."""
+
+    sequences: int = 0
+    prompt_tokens: int = 0
+    padded_prompt_tokens: int = 0
+    generated_tokens: int = 0
+    padded_generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    blocks: int = 0
+    timers: dict = field(default_factory=dict)
+    block_size: int = 0  # the policy's sequences per block (the effective batch size)
+    memory: dict = field(default_factory=dict)  # Engine.memory_report() after the run
+
+    @property
+    def total_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+    def add_timers(self, timers: dict) -> None:
+        for k, v in timers.items():
+            self.timers[k] = self.timers.get(k, 0.0) + v
+
+    def as_dict(self) -> dict:
+        """JSON-able, with total_s."""
+        return {**dataclasses.asdict(self), "total_s": self.total_s}
+
+
+@dataclass(frozen=True)
+class GenerationRun:
+    """Engine.generate's answer: one result per prompt, in the prompts' order, and the run's stats."""
+
+    results: list[GenerationResult]
+    stats: RunStats
+
+
+@dataclass(frozen=True)
+class ScoreRun:
+    """Engine.score's answer: one result per prompt, in the prompts' order, and the run's stats."""
+
+    results: list[ScoreResult]
+    stats: RunStats
 
 
 def select_tokens(logprobs: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]

@@ -1,54 +1,108 @@
 """Padding accounting: real vs padded tokens, per request and per run.
 
-Where it lives: every successful request's first completion carries
-`finish_reason["flexgen"]` (HELM's `GeneratedOutput.finish_reason` is a free dict and is
-written to `scenario_state.json` and to HELM's cache, so cached re-runs keep it):
+Every successful request ran in one engine batch (helm/batching.py). What it reports:
+  * in HELM's own RequestResult fields: `batch_size` (requests in the batch) and
+    `batch_request_time` (wall time of the engine calls for the batch);
+  * what HELM has no field for, in the first completion's `finish_reason["flexgen"]`
+    (HELM's `GeneratedOutput.finish_reason` is a free dict, written to
+    `scenario_state.json` and to HELM's cache, so cached re-runs keep it), written by
+    `to_finish_reason` and read back, with the two HELM fields, by `from_request_result`:
 
     {
-      "prompt_tokens": 37,              # this request's real prompt tokens (as the engine saw them)
-      "generated_tokens": 5,            # this request's real generated tokens, all completions
-      "batch_id": "1f2e-6650aa1b-12",  # requests with the same batch_id ran together
-      "batch_size": 8, "batch_mode": "generate",
-      "batch_time_s": 1.9,              # wall time of the engine calls for the batch
-      "batch_prompt_tokens": 290, "batch_padded_prompt_tokens": 320,
-      "batch_generated_tokens": 40, "batch_padded_generated_tokens": 40,
-      "batch_prefill_s": 0.4, "batch_decode_s": 1.5, "batch_total_s": 1.9
+      "prompt_tokens": 37,        # this request's real prompt tokens (as the engine saw them)
+      "generated_tokens": 5,      # this request's real generated tokens, all completions
+      "batch": {                  # the whole batch, summed over its engine calls (the score and
+                                  # generate calls of an echo+generate batch): RunStats' numbers
+        "id": "1f2e-6650aa1b-12", # requests with the same id ran together
+        "mode": "generate",
+        "prompt_tokens": 290, "padded_prompt_tokens": 320,
+        "generated_tokens": 40, "padded_generated_tokens": 40,
+        "prefill_s": 0.4, "decode_s": 1.5
+      }
     }
 
-`batch_*` numbers are the engine's `last_stats` for the whole batch (summed over the
-score and generate calls of an echo+generate batch). `summarize_run(run_dir)` adds them
-up once per batch, giving the paper's padded / actual token counts and efficiency.
+`summarize(records)` adds the batches up once each, giving the paper's padded / actual
+token counts, throughputs and efficiency (the report's and `flexgen_padding.json`'s).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+from dataclasses import dataclass
 from typing import Any
 
+from flexgen_helm.executor.sampling import RunStats
 
-def request_record(prompt_tokens: int, generated_tokens: int, batch: dict[str, Any]) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "generated_tokens": generated_tokens, **batch}
-
-
-def records_from_scenario_state(state: dict) -> list[dict]:
-    out = []
-    for rs in state.get("request_states", []):
-        comps = (rs.get("result") or {}).get("completions") or []
-        rec = ((comps[0].get("finish_reason") or {}).get("flexgen")) if comps else None
-        if rec:
-            out.append(rec)
-    return out
+# BatchRecord fields that HELM's RequestResult carries itself, by its field name
+_IN_HELM_FIELDS = {"size": "batch_size", "time_s": "batch_request_time"}
 
 
-def summarize(records: list[dict]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class BatchRecord:
+    """One engine batch: what it was and what the engine reported for it."""
+
+    id: str  # unique across processes: HELM's cache replays results of earlier runs
+    mode: str  # "score", "generate" or "score+generate"
+    size: int  # requests in the batch (RequestResult.batch_size)
+    time_s: float  # wall time of the batch's engine calls (RequestResult.batch_request_time)
+    prompt_tokens: int
+    padded_prompt_tokens: int
+    generated_tokens: int
+    padded_generated_tokens: int
+    prefill_s: float
+    decode_s: float
+
+    @classmethod
+    def of_runs(cls, id: str, mode: str, size: int, time_s: float, runs: list[RunStats]) -> "BatchRecord":
+        """The record of a batch whose engine calls reported `runs`."""
+        return cls(id=id, mode=mode, size=size, time_s=time_s,
+                   prompt_tokens=sum(r.prompt_tokens for r in runs),
+                   padded_prompt_tokens=sum(r.padded_prompt_tokens for r in runs),
+                   generated_tokens=sum(r.generated_tokens for r in runs),
+                   padded_generated_tokens=sum(r.padded_generated_tokens for r in runs),
+                   prefill_s=sum(r.prefill_s for r in runs), decode_s=sum(r.decode_s for r in runs))
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    prompt_tokens: int  # this request's real prompt tokens
+    generated_tokens: int  # this request's real generated tokens, all completions
+    batch: BatchRecord
+
+
+def to_finish_reason(record: RequestRecord) -> dict[str, Any]:
+    """The JSON for finish_reason["flexgen"]: the record less what HELM's fields carry."""
+    batch = {k: v for k, v in dataclasses.asdict(record.batch).items() if k not in _IN_HELM_FIELDS}
+    return {"prompt_tokens": record.prompt_tokens, "generated_tokens": record.generated_tokens, "batch": batch}
+
+
+def from_request_result(result: dict[str, Any]) -> RequestRecord | None:
+    """The record of a RequestResult as JSON (scenario_state.json); None where it has none
+    (a failed request)."""
+    completions = result.get("completions") or []
+    flexgen = (completions[0].get("finish_reason") or {}).get("flexgen") if completions else None
+    if flexgen is None:
+        return None
+    batch = BatchRecord(**flexgen["batch"], **{k: result[helm] for k, helm in _IN_HELM_FIELDS.items()})
+    return RequestRecord(prompt_tokens=flexgen["prompt_tokens"], generated_tokens=flexgen["generated_tokens"],
+                         batch=batch)
+
+
+def records_from_scenario_state(state: dict) -> list[RequestRecord]:
+    records = (from_request_result(rs.get("result") or {}) for rs in state.get("request_states", []))
+    return [r for r in records if r is not None]
+
+
+def summarize(records: list[RequestRecord]) -> dict[str, Any]:
     """Totals over requests (real) and over distinct batches (padded, time)."""
-    batches = {r["batch_id"]: r for r in records if "batch_id" in r}
-    real_prompt = sum(r.get("prompt_tokens", 0) for r in records)
-    real_gen = sum(r.get("generated_tokens", 0) for r in records)
-    padded_prompt = sum(b.get("batch_padded_prompt_tokens", 0) for b in batches.values())
-    padded_gen = sum(b.get("batch_padded_generated_tokens", 0) for b in batches.values())
-    time_s = sum(b.get("batch_time_s", 0.0) for b in batches.values())
+    batches = {r.batch.id: r.batch for r in records}
+    real_prompt = sum(r.prompt_tokens for r in records)
+    real_gen = sum(r.generated_tokens for r in records)
+    padded_prompt = sum(b.padded_prompt_tokens for b in batches.values())
+    padded_gen = sum(b.padded_generated_tokens for b in batches.values())
+    time_s = sum(b.time_s for b in batches.values())
     padded = padded_prompt + padded_gen
     actual = real_prompt + real_gen
     return {

@@ -25,9 +25,9 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
 
-from flexgen_helm.executor.sampling import GenerationResult, SamplingParams, ScoreResult
+from flexgen_helm.executor.sampling import GenerationResult, RunStats, SamplingParams, ScoreResult
+from flexgen_helm.helm.accounting import BatchRecord
 from flexgen_helm.helm.engines import EngineHandle
 
 SCORE, GENERATE, SCORE_AND_GENERATE = "score", "generate", "score+generate"
@@ -48,7 +48,8 @@ class Job:
 class JobOutput:
     score: ScoreResult | None
     generation: GenerationResult | None
-    batch: dict[str, Any]  # what the engine reported for the whole batch (see accounting.py)
+    batch: BatchRecord  # the whole batch, with what the engine reported for it (see accounting.py)
+    batch_started: float  # time.time() when the batch's engine calls began
 
 
 _batch_ids = itertools.count(1)
@@ -132,10 +133,10 @@ class _Progress:
             if job.future.exception() is not None:
                 continue
             b = job.future.result().batch
-            if b["batch_id"] not in self.batches:
-                self.batches.add(b["batch_id"])
-                self.tokens += b.get("batch_prompt_tokens", 0) + b.get("batch_generated_tokens", 0)
-                self.seconds += b.get("batch_time_s", 0.0)
+            if b.id not in self.batches:
+                self.batches.add(b.id)
+                self.tokens += b.prompt_tokens + b.generated_tokens
+                self.seconds += b.time_s
         self.bar.update(len(jobs))
         if self.seconds:
             self.bar.set_postfix_str(f"{self.tokens / self.seconds:.1f} tok/s")
@@ -155,14 +156,12 @@ def _run_splitting(handle: EngineHandle, batch: list[Job]) -> None:
             _run_splitting(handle, batch[mid:])
             return
         reason = "out of memory even for a batch of one" if is_out_of_memory(exc) else "engine error"
-        batch[0].future.set_exception(RuntimeError(f"{reason}: {type(exc).__name__}: {exc}"))
+        error = RuntimeError(f"{reason}: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc  # what `raise error from exc` records: the request's error keeps its cause
+        batch[0].future.set_exception(error)
         return
     for job, out in zip(batch, outputs):
         job.future.set_result(out)
-
-
-_STAT_KEYS = ("prompt_tokens", "padded_prompt_tokens", "generated_tokens", "padded_generated_tokens",
-              "prefill_s", "decode_s", "total_s")
 
 
 def _run_batch(handle: EngineHandle, batch: list[Job]) -> list[JobOutput]:
@@ -170,30 +169,19 @@ def _run_batch(handle: EngineHandle, batch: list[Job]) -> list[JobOutput]:
     mode = batch[0].mode
     scores: list[ScoreResult | None] = [None] * len(batch)
     gens: list[GenerationResult | None] = [None] * len(batch)
-    stats = {k: 0 for k in _STAT_KEYS}
+    runs: list[RunStats] = []
     with handle.lock:
         started = time.time()
         t0 = time.perf_counter()
-        for step in (SCORE, GENERATE):
-            if step not in mode:
-                continue
-            if step == SCORE:
-                scores = list(handle.engine.score(prompts))
-            else:
-                gens = list(handle.engine.generate(prompts, [j.params for j in batch]))
-            for k, v in (getattr(handle.engine, "last_stats", None) or {}).items():
-                if k in stats and isinstance(v, (int, float)):
-                    stats[k] += v
+        if SCORE in mode:
+            scored = handle.engine.score(prompts)
+            scores, runs = list(scored.results), runs + [scored.stats]
+        if GENERATE in mode:
+            generated = handle.engine.generate(prompts, [j.params for j in batch])
+            gens, runs = list(generated.results), runs + [generated.stats]
         elapsed = time.perf_counter() - t0
-    batch_info = {
-        "batch_id": f"{_PROCESS_TAG}-{next(_batch_ids)}",
-        "batch_size": len(batch),
-        "batch_mode": mode,
-        "batch_time_s": elapsed,
-        "batch_started": started,
-        **{f"batch_{k}": v for k, v in stats.items()},
-    }
-    return [JobOutput(score=s, generation=g, batch=batch_info) for s, g in zip(scores, gens)]
+    record = BatchRecord.of_runs(f"{_PROCESS_TAG}-{next(_batch_ids)}", mode, len(batch), elapsed, runs)
+    return [JobOutput(score=s, generation=g, batch=record, batch_started=started) for s, g in zip(scores, gens)]
 
 
 class BatchQueue:

@@ -6,7 +6,9 @@ and its request queue through `engines.get_engine`). The work per request:
      checkpoint and compression, not placement) -- a finished run re-runs for free;
   2. otherwise a result prepared by the BatchingRunner, or a trip through the engine's
      `BatchQueue`, which merges it with the requests of the other HELM threads;
-  3. conversion to HELM tokens (`tokens.TokenText`) with per-token logprobs.
+  3. conversion to HELM tokens (`tokens.helm_texts`) with per-token logprobs, the text cut
+     at the request's stop sequences (`flexgen_helm.text.StopStrings`, which also ends the
+     engine's generation there), and the batch's accounting (`accounting.py`).
 """
 
 from __future__ import annotations
@@ -34,11 +36,16 @@ from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.helm import accounting
 from flexgen_helm.helm.batching import GENERATE, SCORE, SCORE_AND_GENERATE, Job, JobOutput, get_batcher, run_jobs
 from flexgen_helm.helm.engines import EngineHandle, LoadArgs, get_engine, resolve_load_args
-from flexgen_helm.helm.tokens import TokenText, token_text_for
+from flexgen_helm.helm.tokens import helm_texts
+from flexgen_helm.text import StopStrings, TokenText, token_text_for
 
 DEFAULT_MAX_BATCH = 16
-# engine finish reasons -> HELM's (basic_metrics counts "length", "stop", "endoftext")
-_FINISH = {"length": "length", "stop": "endoftext", "stop_string": "stop"}
+# engine finish reasons -> HELM's (basic_metrics counts "length", "stop", "endoftext"); the
+# engine's "stop_condition" is a stop sequence, which to_response finds itself
+_FINISH = {"length": "length", "stop": "endoftext"}
+# The form of the responses kept in HELM's cache (part of the cache key): responses of an
+# older form are computed again instead of being read as this one.
+RESPONSE_FORMAT = 2
 
 
 class RequestFailed(Exception):
@@ -103,6 +110,7 @@ class FlexGenClient(CachingClient):
             "num_completions": request.num_completions,
             "stop_sequences": list(request.stop_sequences),
             "echo_prompt": request.echo_prompt,
+            "response_format": RESPONSE_FORMAT,
         }
         return dict(CachingClient.make_cache_key(raw, request))
 
@@ -118,8 +126,8 @@ class FlexGenClient(CachingClient):
         tt = token_text_for(handle.tokenizer)
         ids = tt.encode(request.prompt)
         n_prefix = 0
-        bos = getattr(handle.tokenizer, "bos_token_id", None)
-        if _adds_bos(handle.tokenizer) and bos is not None and (not ids or ids[0] != bos):
+        bos = handle.tokenizer.bos_token_id
+        if tt.starts_with_bos() and (not ids or ids[0] != bos):
             # The model was trained with a BOS in front (OPT's </s>); give it one, and drop it
             # from what we return so the tokens stay those of the HELM tokenizer.
             ids, n_prefix = [bos] + ids, 1
@@ -139,7 +147,7 @@ class FlexGenClient(CachingClient):
             max_new_tokens=request.max_tokens,
             temperature=float(request.temperature),
             top_p=float(request.top_p) if request.top_p else 1.0,
-            stop_strings=tuple(request.stop_sequences),
+            stop=StopStrings(tt, tuple(request.stop_sequences)) if request.stop_sequences else None,
             num_completions=request.num_completions,
             seed=_seed(raw) if request.temperature > 0 else None,
         )
@@ -148,7 +156,7 @@ class FlexGenClient(CachingClient):
         else:
             mode = GENERATE
         group = (mode, sampling.temperature, sampling.top_p, sampling.max_new_tokens,
-                 sampling.num_completions, sampling.stop_strings)
+                 sampling.num_completions, tuple(request.stop_sequences))
         return Job(prompt_ids=ids, params=sampling, mode=mode, group=group), n_prefix
 
     # ----- job output -> cached response ---------------------------------------------
@@ -160,12 +168,13 @@ class FlexGenClient(CachingClient):
         if out.score is not None:
             ids = job.prompt_ids[n_prefix:]
             lps = out.score.logprobs[n_prefix:]
-            texts = tt.helm_texts(ids)
+            texts = helm_texts(tt, ids)
             # No context for the first token (unless we prepended a BOS): 0.0, as HELM's
             # HuggingFaceClient does; the LM adapter treats that token as conditioning.
             prompt_tokens = [[t, _finite(lp)] for t, lp in zip(texts, lps)]
         completions = []
         generated_total = 0
+        stop = StopStrings(tt, tuple(request.stop_sequences))
         n = request.num_completions
         gen_completions = out.generation.completions if out.generation is not None else [None] * n
         for comp in gen_completions[:n]:
@@ -173,22 +182,20 @@ class FlexGenClient(CachingClient):
             text = request.prompt if request.echo_prompt else ""
             reason = "length"
             if comp is not None:
-                ids, lps = list(comp.token_ids), list(comp.logprobs)
-                reason = _FINISH.get(comp.finish_reason, "unknown")
-                eos = set(job.params.stop_token_ids) | {getattr(tt.tokenizer, "eos_token_id", None)}
-                if reason == "endoftext" and ids and ids[-1] in eos:
-                    ids, lps = ids[:-1], lps[:-1]  # the EOS itself is not part of the text
-                ids, gen_text, stopped = tt.cut_at_stop(ids, job.params.stop_strings)
-                if stopped:
-                    reason = "stop"
-                lps = lps[: len(ids)]
+                cut = stop.cut(comp.token_ids)
+                reason = "stop" if cut.stopped else _FINISH[comp.finish_reason]
+                ids, lps = cut.token_ids, comp.logprobs[: len(cut.token_ids)]
                 generated_total += len(ids)
-                tokens += [[t, float(lp)] for t, lp in zip(tt.helm_texts(ids), lps)]
-                text += gen_text
+                tokens += [[t, float(lp)] for t, lp in zip(helm_texts(tt, ids), lps)]
+                text += cut.text
             completions.append({"text": text, "tokens": tokens, "finish_reason": reason})
+        record = accounting.RequestRecord(len(job.prompt_ids), generated_total, out.batch)
+        # RequestResult's own fields where HELM has them, the rest in finish_reason (to_result)
         return {
             "completions": completions,
-            "flexgen": accounting.request_record(len(job.prompt_ids), generated_total, out.batch),
+            "flexgen": accounting.to_finish_reason(record),
+            "batch_size": out.batch.size,
+            "batch_request_time": out.batch.time_s,
         }
 
     # ----- HELM entry points ---------------------------------------------------------
@@ -288,8 +295,8 @@ class FlexGenClient(CachingClient):
             result = job.future.result()
             out[key] = self.to_response(request, job, n_prefix, result, tt)
             # computed in its batch, not when make_request picks it up
-            out[key]["request_time"] = result.batch["batch_time_s"]
-            out[key]["request_datetime"] = int(result.batch["batch_started"])
+            out[key]["request_time"] = result.batch.time_s
+            out[key]["request_datetime"] = int(result.batch_started)
         return out
 
     def keep(self, key: str, response: Dict[str, Any]) -> None:
@@ -303,11 +310,10 @@ class FlexGenClient(CachingClient):
         for i, c in enumerate(response["completions"]):
             tokens = [Token(text=t, logprob=lp) for t, lp in c["tokens"]]
             finish: Dict[str, Any] = {"reason": c["finish_reason"]}
-            if i == 0 and response.get("flexgen"):
+            if i == 0:
                 finish["flexgen"] = response["flexgen"]
             completions.append(GeneratedOutput(text=c["text"], logprob=sum(t.logprob for t in tokens),
                                                tokens=tokens, finish_reason=finish))
-        batch = response.get("flexgen") or {}
         return RequestResult(
             success=True,
             cached=cached,
@@ -315,8 +321,8 @@ class FlexGenClient(CachingClient):
             request_datetime=response.get("request_datetime"),
             completions=completions,
             embedding=[],
-            batch_size=batch.get("batch_size"),
-            batch_request_time=batch.get("batch_time_s"),
+            batch_size=response["batch_size"],
+            batch_request_time=response["batch_request_time"],
         )
 
 
@@ -342,30 +348,15 @@ def failed_result(error: str) -> RequestResult:
                          error_flags=ErrorFlags(is_retriable=False, is_fatal=False))
 
 
-_ADDS_BOS: Dict[int, bool] = {}
-
-
-def _adds_bos(tokenizer) -> bool:
-    """Whether the tokenizer's default encoding starts with a BOS (as the model was trained)."""
-    if id(tokenizer) not in _ADDS_BOS:
-        bos = getattr(tokenizer, "bos_token_id", None)
-        tt = token_text_for(tokenizer)
-        try:
-            with tt.call_lock:
-                ids = tokenizer("a")["input_ids"]
-        except Exception:  # noqa: BLE001
-            ids = []
-        _ADDS_BOS[id(tokenizer)] = bos is not None and len(ids) > 0 and ids[0] == bos
-    return _ADDS_BOS[id(tokenizer)]
-
-
 def _key_str(raw: Dict[str, Any]) -> str:
     return json.dumps(raw, sort_keys=True)
 
 
 def _seed(raw: Dict[str, Any]) -> int:
-    """A sampling seed fixed by the request, so a result does not depend on its batch."""
-    return int.from_bytes(hashlib.sha256(_key_str(raw).encode()).digest()[:4], "little") & 0x7FFFFFFF
+    """A sampling seed fixed by the request, so a result does not depend on its batch (nor
+    on the form its response is cached in)."""
+    request = {k: v for k, v in raw.items() if k != "response_format"}
+    return int.from_bytes(hashlib.sha256(_key_str(request).encode()).digest()[:4], "little") & 0x7FFFFFFF
 
 
 def _finite(x: float) -> float:

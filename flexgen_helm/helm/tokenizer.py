@@ -14,7 +14,8 @@ from helm.common.cache import CacheConfig
 from helm.tokenizers.caching_tokenizer import CachingTokenizer
 
 from flexgen_helm.helm.engines import LoadArgs, get_tokenizer, resolve_load_args
-from flexgen_helm.helm.tokens import token_text_for
+from flexgen_helm.helm.tokens import helm_texts
+from flexgen_helm.text import token_text_for
 
 
 class FlexGenTokenizer(CachingTokenizer):
@@ -63,7 +64,7 @@ class FlexGenTokenizer(CachingTokenizer):
             ids = ids[: max(request["max_length"], 0)]
         if request["encode"]:
             return {"tokens": list(ids)}
-        return {"tokens": tt.helm_texts(ids)}
+        return {"tokens": helm_texts(tt, ids)}
 
     def _decode_do_it(self, request: Dict[str, Any]) -> Dict[str, Any]:
         text = token_text_for(self.hf_tokenizer).hf_decode(

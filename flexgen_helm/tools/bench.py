@@ -18,10 +18,10 @@ from flexgen_helm.policy.policy import Policy
 from flexgen_helm.weights.registry import resolve
 
 
-def throughput(stats: dict, batch: int, prompt_len: int, gen_len: int) -> dict:
+def throughput(prefill: float, decode: float, batch: int, prompt_len: int, gen_len: int) -> dict:
     """FlexGen's definitions: generation throughput counts generated tokens over the whole
-    time; decode throughput counts the tokens after the first over the decode time."""
-    prefill, decode = stats["prefill_s"], stats["decode_s"]
+    time (prefill + decode seconds); decode throughput counts the tokens after the first
+    over the decode time."""
     return {
         "prefill_latency_s": prefill,
         "prefill_throughput": batch * prompt_len / prefill if prefill else 0.0,
@@ -63,9 +63,8 @@ def run_bench(args, policy: Policy) -> dict:
         engine.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))
     engine.runtime.usage.reset_peak()
     reads_before = process_disk_read_bytes()
-    engine.generate(prompts, params)
+    stats = engine.generate(prompts, params).stats
     disk_read_bytes = process_disk_read_bytes() - reads_before
-    stats = engine.last_stats
     result = {
         "label": getattr(args, "label", None),
         "model": cfg.name,
@@ -77,13 +76,13 @@ def run_bench(args, policy: Policy) -> dict:
         "policy": policy.to_dict(),
         "policy_summary": policy.describe(),
         "effective_batch_size": batch,
-        **throughput(stats, batch, args.prompt_len, args.gen_len),
+        **throughput(stats.prefill_s, stats.decode_s, batch, args.prompt_len, args.gen_len),
         "planned_bytes": planned,
         # what came from storage, not the page cache, during the timed generation
         "disk_read_bytes": disk_read_bytes,
-        "memory": stats["memory"],
-        "timers": stats["timers"],
-        "breakdown": breakdown(stats["timers"]),
+        "memory": stats.memory,
+        "timers": stats.timers,
+        "breakdown": breakdown(stats.timers),
         "hardware": machine_info(),
     }
     if getattr(engine, "world", 1) > 1:

@@ -109,7 +109,6 @@ def run(setup: Setup, batch: int, evict_each_token: bool = True, hf_dtype: str |
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=setup.gen_len,
                              min_new_tokens=setup.gen_len, do_sample=False, pad_token_id=model.config.pad_token_id)
     end = time.perf_counter()
-    stats = {"prefill_s": clock.ends[0] - start, "decode_s": end - clock.ends[0]}
     return {
         "system": "hf-accelerate" if evict_each_token else "hf-accelerate-page-cache",
         "label": "HF accelerate, cpu+disk offload" + ("" if evict_each_token else ", page cache kept during the run"),
@@ -121,7 +120,7 @@ def run(setup: Setup, batch: int, evict_each_token: bool = True, hf_dtype: str |
         "effective_batch_size": batch,
         "policy_summary": f"bs={batch} (row by row), weights by layer: {len(device_map) - len(on_disk)} "
                           f"modules in RAM, {len(on_disk)} on disk; cache and activations on the device",
-        **throughput(stats, batch, setup.prompt_len, setup.gen_len),
+        **throughput(clock.ends[0] - start, end - clock.ends[0], batch, setup.prompt_len, setup.gen_len),
         "device_map": device_map,
         "disk_weight_bytes": disk_weight_bytes,
         "disk_read_bytes": process_disk_read_bytes() - reads0,

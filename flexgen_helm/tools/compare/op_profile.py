@@ -15,10 +15,10 @@ import time
 from torch.profiler import ProfilerActivity, profile
 
 from flexgen_helm.data.sources import read_lambada, read_wikitext
-from flexgen_helm.engine import Engine
 from flexgen_helm.evaluation.lambada import split_last_word
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.policy import Policy
+from flexgen_helm.text import TextEngine
 from flexgen_helm.tools.compare.compute_floor import matmul_params_per_token
 
 MODEL = "smollm2-135m"
@@ -47,18 +47,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--data", help="data folder (default: ../shared/data)")
     args = p.parse_args(argv)
 
-    scorer = Engine.load(MODEL, Policy(gpu_batch_size=1, num_gpu_batches=1), dtype=args.dtype, progress=False)
-    params = matmul_params_per_token(scorer.config)
+    scorer = TextEngine.load(MODEL, Policy(gpu_batch_size=1, num_gpu_batches=1), dtype=args.dtype, progress=False)
+    params = matmul_params_per_token(scorer.engine.config)
     text = "\n".join(read_wikitext(args.data)[0])[:40 * args.window]  # ~4 characters a token: ample
     window = scorer.encode([text])[0][:args.window]
-    profiled(f"score one {len(window)}-token WikiText window ({scorer.runtime.devices.dtype})",
-             lambda: scorer.score([window]), 2.0 * params * len(window))
+    profiled(f"score one {len(window)}-token WikiText window ({scorer.engine.runtime.devices.dtype})",
+             lambda: scorer.engine.score([window]), 2.0 * params * len(window))
     del scorer
 
-    gen = Engine.load(MODEL, Policy(gpu_batch_size=args.block, num_gpu_batches=1), dtype=args.dtype, progress=False)
+    gen = TextEngine.load(MODEL, Policy(gpu_batch_size=args.block, num_gpu_batches=1), dtype=args.dtype,
+                          progress=False)
     contexts = [split_last_word(t)[0] for t in read_lambada(args.data)[0][:args.passages]]
     tokens = sum(len(ids) for ids in gen.encode(contexts))
-    body = params - gen.config.vocab_size * gen.config.hidden_size  # the head runs on last positions only
+    cfg = gen.engine.config
+    body = params - cfg.vocab_size * cfg.hidden_size  # the head runs on last positions only
     profiled(f"generate 5 tokens after {len(contexts)} LAMBADA passages ({tokens} prompt tokens, "
              f"blocks of {args.block})", lambda: gen.generate(contexts, SamplingParams(max_new_tokens=5)),
              2.0 * body * tokens)

@@ -46,10 +46,9 @@ def measure_one(policy: Policy, prompt_len: int, gen_len: int, repeats: int, off
     load_before = os.getloadavg()[0]  # others share this machine: say how busy it was
     runs = []
     for _ in range(repeats):
-        engine.generate(prompts, SamplingParams(max_new_tokens=gen_len, ignore_eos=True))
-        s = engine.last_stats
-        runs.append({**throughput(s, batch, prompt_len, gen_len), "timers": s["timers"]})
-    mem = engine.last_stats["memory"]
+        s = engine.generate(prompts, SamplingParams(max_new_tokens=gen_len, ignore_eos=True)).stats
+        runs.append({**throughput(s.prefill_s, s.decode_s, batch, prompt_len, gen_len), "timers": s.timers})
+    mem = s.memory
     med = {k: statistics.median(r[k] for r in runs) for k in ("prefill_latency_s", "decode_latency_s", "total_latency_s")}
     return {
         "policy": policy.to_dict(), "prompt_len": prompt_len, "gen_len": gen_len, "block_size": batch,
