@@ -265,8 +265,9 @@ def test_score_as_decode_is_policy_invariant_with_padding(model_path, tmp_path):
         policy = _with(CACHE_POLICIES[name], compress_cache=CACHE_CFG, attn_sparsity=0.3)
         engine = Engine.load(str(model_path), policy, offload_dir=tmp_path, **CPU32)
         scores[name] = [r.logprobs[1:] for r in engine.score(texts, as_decode=True).results]
-    alone = [Engine.load(str(model_path), _with(Policy(), compress_cache=CACHE_CFG, attn_sparsity=0.3),
-                         offload_dir=tmp_path, **CPU32).score([t], as_decode=True).results[0].logprobs[1:] for t in texts[:2]]
+    alone_policy = _with(Policy(), compress_cache=CACHE_CFG, attn_sparsity=0.3)
+    alone = [Engine.load(str(model_path), alone_policy, offload_dir=tmp_path, **CPU32).score([t], as_decode=True)
+             .results[0].logprobs[1:] for t in texts[:2]]
     for got in list(scores.values()) + [alone + scores["gpu-1x1"][2:]]:
         for a, b in zip(got, scores["gpu-1x1"]):
             assert a == pytest.approx(b, abs=1e-5)

@@ -203,7 +203,8 @@ def test_engine_times_each_event_without_overlap(tiny_llama, tmp_path):
 
     engine = Engine.load(str(tiny_llama), Policy(2, 2, overlap=False), dtype="float32", device="cpu",
                          offload_dir=tmp_path, progress=False)
-    run = engine.generate([[5, 6, 7], [8, 9], [10], [11, 12, 13, 14]], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    prompts = [[5, 6, 7], [8, 9], [10], [11, 12, 13, 14]]
+    run = engine.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))
     parts = breakdown(run.stats.timers)
     for stage, stage_s in (("prefill", run.stats.prefill_s), ("decode", run.stats.decode_s)):
         assert parts[stage]["compute"] > 0 and parts[stage]["load_weight"] > 0 and parts[stage]["store_cache"] > 0
