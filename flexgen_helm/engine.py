@@ -1,7 +1,7 @@
 """The engine core: load a model under a policy, then generate or score token ids.
 
     engine = Engine.load("smollm2-135m", policy=Policy(...))
-    run = engine.generate([[1, 504, 3458, 282]], SamplingParams(max_new_tokens=8))
+    run = engine.generate([[6403, 1980, 253, 655]], SamplingParams(max_new_tokens=8))  # "Once upon a time"
     run.results[0].completions[0].token_ids, run.stats.total_s
 
 Token ids in, token ids (and log-probs, and the run's `RunStats`) out: text, stop strings
