@@ -23,7 +23,7 @@ import torch
 
 from flexgen_helm.compression.stored import check_weight_compression
 from flexgen_helm.errors import FlexGenError, PromptTooLongError
-from flexgen_helm.executor.generation import BlockDriver, Sequence, StageLink
+from flexgen_helm.executor.generation import BlockDriver, LocalStage, Sequence, StageLink
 from flexgen_helm.executor.kv_cache import check_cache_compression
 from flexgen_helm.executor.runtime import ModelRuntime
 from flexgen_helm.executor.sampling import (
@@ -167,9 +167,9 @@ class Engine:
             results[owner].completions.append(completion)
         return GenerationRun(results=results, stats=stats)
 
-    def stage_link(self) -> StageLink | None:
-        """How the driver's steps connect to the rest of the model: None, the whole model is here."""
-        return None
+    def stage_link(self) -> StageLink:
+        """How the driver's steps connect to the rest of the model: here it is all in this process."""
+        return LocalStage()
 
     def gather(self, completions: list, stats: RunStats) -> tuple[list, RunStats]:
         """The completions and stats that every caller of this engine gets (a pipeline's come
