@@ -144,14 +144,14 @@ def test_engine_computes_on_packed_weights_in_bfloat16(tiny_opt, tmp_path, monke
     assert "layers.0.fc1.weight" in packed and "layers.0.q_proj.weight" in packed
     assert all(isinstance(p, PackedInt4) for name in packed for p in engine.runtime.homes[name].data if p is not None)
     prompts = [[5, 17, 3, 44], [12, 7, 9, 1]]
-    out = engine.generate(prompts, SamplingParams(max_new_tokens=3, ignore_eos=True))
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=3, ignore_eos=True)).results
     assert calls and max(calls) <= MAX_KERNEL_ROWS["cpu"]  # decode rows ran on the kernel
     # the same weights, dequantized, give the same tokens' logprobs to bf16 rounding
     monkeypatch.setattr(int4, "MAX_KERNEL_ROWS", {"cpu": 0})
     monkeypatch.setattr("flexgen_helm.memory.weight_homes.MAX_KERNEL_ROWS", {"cpu": 0})
     calls.clear()
     texts = [p + r.completions[0].token_ids for p, r in zip(prompts, out)]
-    dense = [r.logprobs[1:] for r in engine.score(texts, as_decode=True)]
+    dense = [r.logprobs[1:] for r in engine.score(texts, as_decode=True).results]
     assert not calls
     for r, want in zip(out, dense):
         assert r.completions[0].logprobs == pytest.approx(want[-3:], abs=0.05)
