@@ -9,8 +9,8 @@ import json
 import os
 from pathlib import Path
 
-from flexgen_helm.evaluation.run import approximations
-from flexgen_helm.tools.accuracy_sweep.plan import PLAN, ROW_BY_NAME, TASKS, json_path
+from flexgen_helm.evaluation.run import TASKS, approximations
+from flexgen_helm.tools.accuracy_sweep.plan import PLAN, ROW_BY_NAME, json_path
 
 # Measured outside the project with transformers (issue 3): context, not our results.
 REFERENCE = [("FP32", "22.55", "0.305"), ("weights 4-bit g64", "32.1-32.6", "0.21"),
@@ -250,8 +250,9 @@ def scopes_text(runs) -> str:
                        "yet (`python -m flexgen_helm.tools.accuracy_sweep.sweep run --scopes full` resumes where it stopped).")
     if "wikitext" in lim and "lambada" in lim:
         from flexgen_helm.data.sources import read_wikitext
+        from flexgen_helm.data.wikitext import join_paragraphs
 
-        words = len("\n\n".join(read_wikitext(lim["wikitext"]["data"]["path"])[0]).split())
+        words = len(join_paragraphs(read_wikitext(lim["wikitext"]["data"]["path"])[0]).split())
         per_row = (lim["lambada"]["eval_s"] * 5153 / lim["lambada"]["counts"]["passages"]
                    + lim["wikitext"]["eval_s"] * words / lim["wikitext"]["counts"]["words"])
         text += (f" At the throughput measured here (the \"lim\" baseline took {lim['lambada']['eval_s'] / 60:.0f} + "

@@ -14,9 +14,9 @@ import time
 
 from torch.profiler import ProfilerActivity, profile
 
+from flexgen_helm.data.lambada import split_last_word
 from flexgen_helm.data.sources import read_lambada, read_wikitext
 from flexgen_helm.engine import Engine
-from flexgen_helm.evaluation.lambada import split_last_word
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.policy import Policy
 from flexgen_helm.tools.compare.compute_floor import matmul_params_per_token
