@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flexgen_helm.executor.kv_cache import cache_nbytes
+from flexgen_helm.memory.devices import DTYPES
 from flexgen_helm.memory.placement import place_weights
 from flexgen_helm.memory.weight_homes import segment_nbytes
 from flexgen_helm.models import family_of
@@ -51,7 +52,6 @@ from flexgen_helm.models.spec import LayerSpec, TensorSpec
 from flexgen_helm.planner.budget import planned_components
 from flexgen_helm.planner.hardware_profile import HardwareProfile
 from flexgen_helm.policy.policy import TIERS, Compression, Policy
-from flexgen_helm.weights.store import DTYPES
 
 TERMS = ("cpu_gpu", "gpu_cpu", "disk_cpu", "cpu_disk", "compute")
 PHASES = ("prefill", "decode")

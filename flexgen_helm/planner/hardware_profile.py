@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from flexgen_helm.memory.devices import DTYPE_NAMES
 from flexgen_helm.memory.machine import machine_info, machine_label, same_machine
 from flexgen_helm.weights.registry import default_cache_dir
 
@@ -191,7 +192,7 @@ def measure_device(device: torch.device, dtype: torch.dtype) -> DeviceSpeeds:
     speeds = DeviceSpeeds()
     out_f, in_f = MATMUL_SHAPE
     for dt, rows_list in ((dtype, MATMUL_ROWS), (torch.float32, MATMUL_ROWS_FP32)):
-        name = str(dt).replace("torch.", "")
+        name = DTYPE_NAMES[dt]
         if name in speeds.matmul_flops:
             continue
         # Decode-sized products stream their weight from memory, as a real layer's do: cycle
@@ -354,7 +355,7 @@ def measure(offload_dir: str | os.PathLike | None = None, device: str | None = N
     # (a 4-bit (4096, 2048) weight dequantized at 0.4-0.5 G elements/s instead of 0.9)
     keep_freed_host_memory()
     offload = Path(offload_dir) if offload_dir else default_offload_dir()
-    prof = HardwareProfile(compute_device=devs.compute.type, dtype=str(devs.dtype).replace("torch.", ""))
+    prof = HardwareProfile(compute_device=devs.compute.type, dtype=DTYPE_NAMES[devs.dtype])
     prof.devices = {"cpu": measure_device(torch.device("cpu"), devs.dtype)}
     if devs.is_cuda:
         prof.devices["cuda"] = measure_device(devs.compute, devs.dtype)

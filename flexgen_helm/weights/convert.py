@@ -23,9 +23,10 @@ import torch
 from tqdm import tqdm
 
 from flexgen_helm.errors import FlexGenError, OffloadDirError
+from flexgen_helm.memory.devices import DTYPES
 from flexgen_helm.models.config import ModelConfig
 from flexgen_helm.weights.source import WeightSource
-from flexgen_helm.weights.store import DTYPES, FORMAT, MANIFEST, tensor_file_name
+from flexgen_helm.weights.store import FORMAT, MANIFEST, tensor_file_name
 
 JOURNAL = ".convert-journal.jsonl"
 _CHUNK = 64 << 20

@@ -15,13 +15,12 @@ from pathlib import Path
 import torch
 
 from flexgen_helm.errors import WeightStoreError
+from flexgen_helm.memory.devices import DTYPES
 from flexgen_helm.memory.direct_io import read_bytes
 
 FORMAT = "flexgen-helm-store/1"
 MANIFEST = "manifest.json"
 
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 # Element types a stored tensor may have: the model dtypes, and uint8 / int32 for the packed
 # codes of compressed weights (weights/compressed_store.py; int32: CUDA's int4 tiles).
 ELEMENT_DTYPES = {**DTYPES, "uint8": torch.uint8, "int32": torch.int32}

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from flexgen_helm.memory.devices import DTYPES
 from flexgen_helm.memory.machine import machine_info
 from flexgen_helm.memory.usage import process_disk_read_bytes, process_peak_rss_bytes
 from flexgen_helm.models.tokenizer import import_transformers
@@ -42,7 +43,7 @@ def fits_device(setup: Setup, batch: int) -> bool:
     the same accounting (and budget) as our DeepSpeed-style policy."""
     cfg = resolve(setup.model, dummy=True).config
     row = Policy(gpu_batch_size=batch, weights=Split(0, 0, 1), cache=Split(1, 0, 0), activations=Split(1, 0, 0))
-    parts = planned_components(cfg, row, setup.prompt_len + setup.gen_len, getattr(torch, setup.dtype))
+    parts = planned_components(cfg, row, setup.prompt_len + setup.gen_len, DTYPES[setup.dtype])
     return parts["cache"]["gpu"] + parts["activations"]["gpu"] <= setup.gpu_bytes
 
 
@@ -90,7 +91,7 @@ class ForwardClock:
 
 def run(setup: Setup, batch: int, evict_each_token: bool = True, hf_dtype: str | None = None) -> dict:
     dtype_name = hf_dtype or setup.dtype
-    dtype = getattr(torch, dtype_name)
+    dtype = DTYPES[dtype_name]
     hf_dir = prepare_hf(setup, dtype_name)
     offload = work_dir() / "accelerate-offload" / hf_dir.name
     t0 = time.perf_counter()
