@@ -30,7 +30,7 @@ from flexgen_helm.executor.activations import ActivationHome
 from flexgen_helm.executor.attention import attend, attend_as_decode, from_units, to_units
 from flexgen_helm.executor.kv_cache import KVCacheSlot
 from flexgen_helm.memory.copy_engine import CopyEngine, consume
-from flexgen_helm.memory.placement import cumulative_split_count
+from flexgen_helm.memory.placement import slot_tier_counts
 from flexgen_helm.policy.policy import TIERS, Policy
 
 
@@ -61,20 +61,15 @@ class BlockSchedule:
         self.timers = defaultdict(float)
         self.io = CopyEngine(policy.overlap and self._anything_to_overlap(), self.devices.compute, self.timers)
         self.length = 0  # positions in the cache so far
-        nb = len(batches)
-        blocks = [layer for layer in runtime.layers if layer.kind == "block"]
-        self.slots: dict[tuple[int, int], KVCacheSlot] = {}
-        for layer in blocks:
-            for k, batch in enumerate(batches):
-                units = cumulative_split_count(batch.size * self.cfg.num_kv_heads, policy.cache, layer.index * nb + k)
-                self.slots[layer.index, k] = KVCacheSlot(
-                    units, max_len, self.cfg.head_dim, self.devices, runtime.usage,
-                    workdir / f"kv-{layer.index}-{k}.bin", pin=True, compression=policy.compress_cache)
-        self.acts = [
-            ActivationHome(cumulative_split_count(batch.size, policy.activations, k), max_len,
-                           self.cfg.hidden_size, self.devices, runtime.usage, workdir / f"act-{k}.bin")
-            for k, batch in enumerate(batches)
-        ]
+        blocks = [layer.index for layer in runtime.layers if layer.kind == "block"]
+        cache_units = slot_tier_counts(policy.cache, [b.size * self.cfg.num_kv_heads for b in batches], blocks)
+        self.slots: dict[tuple[int, int], KVCacheSlot] = {
+            (index, k): KVCacheSlot(units, max_len, self.cfg.head_dim, self.devices, runtime.usage,
+                                    workdir / f"kv-{index}-{k}.bin", pin=True, compression=policy.compress_cache)
+            for (index, k), units in cache_units.items()}
+        act_rows = slot_tier_counts(policy.activations, [b.size for b in batches])
+        self.acts = [ActivationHome(act_rows[0, k], max_len, self.cfg.hidden_size, self.devices, runtime.usage,
+                                    workdir / f"act-{k}.bin") for k in range(len(batches))]
         self.key_valid = [b.valid.clone() for b in batches]
         self.real_len = [b.valid.sum(1) for b in batches]
         self._weights_ahead = None
