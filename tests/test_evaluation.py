@@ -13,7 +13,7 @@ from conftest import hf_model
 
 from flexgen_helm.cli import main
 from flexgen_helm.data.lambada import split_last_word
-from flexgen_helm.data.sources import local_file, read_wikitext
+from flexgen_helm.data.sources import local_file, read_lambada, read_wikitext
 from flexgen_helm.data.wikitext import join_paragraphs, split_articles
 from flexgen_helm.engine import Engine
 from flexgen_helm.errors import FlexGenError
@@ -186,6 +186,13 @@ def test_missing_data_is_a_clear_error(tiny_llama, tmp_path, monkeypatch, capsys
     assert main(["eval", "--model", str(tiny_llama), "--task", "wikitext"]) == 2
     err = capsys.readouterr().err
     assert "wikitext-2-raw/wiki.test.raw" in err and "--data PATH" in err
+
+
+def test_missing_data_says_why_it_was_not_downloaded(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEXGEN_HELM_DATA", str(tmp_path))
+    monkeypatch.setenv("FLEXGEN_HELM_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="no local file.*unavailable: offline"):
+        read_lambada()
 
 
 def test_local_file_accepts_a_data_folder(data_dir):

@@ -346,16 +346,17 @@ _ADDS_BOS: Dict[int, bool] = {}
 
 
 def _adds_bos(tokenizer) -> bool:
-    """Whether the tokenizer's default encoding starts with a BOS (as the model was trained)."""
+    """Whether the tokenizer's default encoding starts with a BOS (as the model was trained).
+    A tokenizer without a BOS token encodes "a" like any other and answers False; one that
+    cannot encode at all raises here, with its own error, rather than passing for BOS-less."""
     if id(tokenizer) not in _ADDS_BOS:
         bos = getattr(tokenizer, "bos_token_id", None)
-        tt = token_text_for(tokenizer)
-        try:
-            with tt.call_lock:
+        if bos is None:
+            _ADDS_BOS[id(tokenizer)] = False
+        else:
+            with token_text_for(tokenizer).call_lock:
                 ids = tokenizer("a")["input_ids"]
-        except Exception:  # noqa: BLE001
-            ids = []
-        _ADDS_BOS[id(tokenizer)] = bos is not None and len(ids) > 0 and ids[0] == bos
+            _ADDS_BOS[id(tokenizer)] = len(ids) > 0 and ids[0] == bos
     return _ADDS_BOS[id(tokenizer)]
 
 

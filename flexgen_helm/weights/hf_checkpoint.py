@@ -103,8 +103,10 @@ class HFCheckpoint(WeightSource):
                     self._open[file] = safe_open(str(file), framework="pt")
                 else:
                     self._open[file] = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+            # safetensors and torch.load report a damaged shard as whatever they hit (SafetensorError,
+            # pickle errors, RuntimeError, OSError): each is named, with the shard
             except Exception as e:
-                raise WeightStoreError(f"{file}: cannot read weight shard ({e})") from e
+                raise WeightStoreError(f"{file}: cannot read weight shard ({type(e).__name__}: {e})") from e
         return self._open[file]
 
     def _candidates(self, store_name: str) -> list[str]:
