@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -353,7 +354,7 @@ def test_store_detects_missing_file(tmp_path):
 def test_convert_refuses_a_store_of_another_model(tmp_path):
     _, out = _tiny_store(tmp_path)
     with pytest.raises(OffloadDirError, match="another model"):
-        convert(DummyWeights(TINY.with_(num_layers=1)), out, progress=False)
+        convert(DummyWeights(replace(TINY, num_layers=1)), out, progress=False)
 
 
 def test_convert_into_unwritable_dir(tmp_path):

@@ -104,10 +104,6 @@ class QuantizedTensor:
         return self.data.device
 
     @property
-    def num_groups(self) -> int:
-        return self.scale.shape[self.group_dim]
-
-    @property
     def nbytes(self) -> int:
         """All bytes it stores: packed codes, scales and mins."""
         return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.min))
