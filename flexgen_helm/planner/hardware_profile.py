@@ -8,6 +8,7 @@ executor's `attend`, dequantization through compression.dequantize."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -185,70 +186,81 @@ def _timed(fn, min_s: float = 0.4, min_reps: int = 5, sync=None) -> float:
 
 def measure_device(device: torch.device, dtype: torch.dtype) -> DeviceSpeeds:
     from flexgen_helm.compression import dequantize, quantize
-    from flexgen_helm.executor.attention import attend
     from flexgen_helm.policy.policy import Compression
 
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     speeds = DeviceSpeeds()
-    out_f, in_f = MATMUL_SHAPE
     for dt, rows_list in ((dtype, MATMUL_ROWS), (torch.float32, MATMUL_ROWS_FP32)):
-        name = DTYPE_NAMES[dt]
-        if name in speeds.matmul_flops:
-            continue
-        # Decode-sized products stream their weight from memory, as a real layer's do: cycle
-        # through weights larger than any CPU cache together, or a cached weight flatters them.
-        ws = [torch.randn(out_f, in_f, device=device).to(dt) for _ in range(STREAMED_WEIGHTS)]
-        table = {}
-        for rows in rows_list:
-            x = torch.randn(rows, in_f, device=device).to(dt)
-            group = ws if rows <= MAX_STREAMED_ROWS else ws[:1]
+        if DTYPE_NAMES[dt] not in speeds.matmul_flops:  # the engine dtype may be float32 itself
+            speeds.matmul_flops[DTYPE_NAMES[dt]] = _matmul_flops(device, dt, rows_list, sync)
+    speeds.attn_prefill_flops, speeds.attn_decode_bytes_per_s = _attention_speeds(device, dtype, sync)
 
-            def run():
-                for w in group:
-                    F.linear(x, w)
+    out_f, in_f = MATMUL_SHAPE
+    wq = quantize(torch.randn(out_f, in_f, device=device).to(dtype), Compression(4, 64), 0)
+    speeds.dequant_elems_per_s = out_f * in_f / _timed(lambda: dequantize(wq, dtype), sync=sync)
+    speeds.elementwise_elems_per_s = _elementwise_elems_per_s(device, dtype, sync)
+    tiny_x, tiny_w = torch.randn(1, 64, device=device).to(dtype), torch.randn(64, 64, device=device).to(dtype)
+    speeds.op_latency_s = _timed(lambda: F.linear(tiny_x, tiny_w), min_reps=200, sync=sync)
+    return speeds
 
-            table[rows] = 2 * rows * in_f * out_f * len(group) / _timed(run, sync=sync)
-        speeds.matmul_flops[name] = table
-        del ws
 
-    # attention as the executor runs it (`attend`: fused, in the engine dtype), at OPT-1.3B-like head sizes
+def _matmul_flops(device: torch.device, dtype: torch.dtype, rows_list, sync) -> dict[int, float]:
+    """FLOP/s of a MATMUL_SHAPE linear layer, by the number of rows multiplied."""
+    out_f, in_f = MATMUL_SHAPE
+    # Decode-sized products stream their weight from memory, as a real layer's do: cycle
+    # through weights larger than any CPU cache together, or a cached weight flatters them.
+    ws = [torch.randn(out_f, in_f, device=device).to(dtype) for _ in range(STREAMED_WEIGHTS)]
+    table = {}
+    for rows in rows_list:
+        x = torch.randn(rows, in_f, device=device).to(dtype)
+        group = ws if rows <= MAX_STREAMED_ROWS else ws[:1]
+        table[rows] = 2 * rows * in_f * out_f * len(group) / _timed(functools.partial(_linears, x, group), sync=sync)
+    return table
+
+
+def _linears(x: torch.Tensor, weights: list[torch.Tensor]) -> None:
+    for w in weights:
+        F.linear(x, w)
+
+
+def _attention_speeds(device: torch.device, dtype: torch.dtype, sync) -> tuple[float, float]:
+    """Attention as the executor runs it (`attend`: fused, in the engine dtype), at
+    OPT-1.3B-like head sizes: a prefill's FLOP/s, and a decode step's cache bytes read per second."""
+    from flexgen_helm.executor.attention import attend
+
     units, s, d = 16, 512, 64
     q = torch.randn(units, 1, s, d, device=device).to(dtype)
     k = torch.randn(units, s, d, device=device).to(dtype)
     valid = torch.ones(units, s, dtype=torch.bool, device=device)
-    speeds.attn_prefill_flops = 4 * units * s * s * d / _timed(lambda: attend(q, k, k, valid, causal=True), sync=sync)
+    prefill_flops = 4 * units * s * s * d / _timed(lambda: attend(q, k, k, valid, causal=True), sync=sync)
 
     units, t = 256, 512
     kc = torch.randn(t, units, d, device=device).to(dtype)  # the cache's sequence-major layout
     k1 = torch.randn(units, 1, d, device=device).to(dtype)
     q1 = torch.randn(units, 1, 1, d, device=device).to(dtype)
-    valid = torch.ones(units, t + 1, dtype=torch.bool, device=device)
+    valid_t = torch.ones(units, t + 1, dtype=torch.bool, device=device)
 
     def decode_attention():  # what the schedule does per tier: join the new key, attend
         keys = torch.cat([kc.transpose(0, 1), k1], dim=1)
         values = torch.cat([kc.transpose(0, 1), k1], dim=1)
-        return attend(q1, keys, values, valid, causal=False)
+        return attend(q1, keys, values, valid_t, causal=False)
 
     cache_bytes = 2 * t * units * d * kc.element_size()
-    speeds.attn_decode_bytes_per_s = cache_bytes / _timed(decode_attention, sync=sync)
+    return prefill_flops, cache_bytes / _timed(decode_attention, sync=sync)
 
-    wq = quantize(torch.randn(out_f, in_f, device=device).to(dtype), Compression(4, 64), 0)
-    speeds.dequant_elems_per_s = out_f * in_f / _timed(lambda: dequantize(wq, dtype), sync=sync)
 
-    # a prefill's activations (1024 rows x an 8192-wide MLP: bigger than a CPU's caches)
+def _elementwise_elems_per_s(device: torch.device, dtype: torch.dtype, sync) -> float:
+    """Elements per second of the kinds of pass a block makes (an activation, an add, a
+    copy), over a prefill's activations (1024 rows x an 8192-wide MLP: bigger than a CPU's caches)."""
     a, b = torch.randn(1024, 8192, device=device).to(dtype), torch.randn(1024, 8192, device=device).to(dtype)
     out = torch.empty_like(a)
 
-    def elementwise():  # the kinds of pass a block makes: an activation, an add, a copy
+    def elementwise():
         torch.clamp_min(a, 0, out=out)  # what relu runs
         torch.add(a, b, out=out)
         out.copy_(b)
 
-    speeds.elementwise_elems_per_s = 3 * a.numel() / _timed(elementwise, sync=sync)
-
-    tiny_x, tiny_w = torch.randn(1, 64, device=device).to(dtype), torch.randn(64, 64, device=device).to(dtype)
-    speeds.op_latency_s = _timed(lambda: F.linear(tiny_x, tiny_w), min_reps=200, sync=sync)
-    return speeds
+    return 3 * a.numel() / _timed(elementwise, sync=sync)
 
 
 def _bandwidth(src: torch.Tensor, dst: torch.Tensor, sync=None) -> float:
