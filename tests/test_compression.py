@@ -98,7 +98,8 @@ def test_blocks_of_rows_give_the_same_bytes_as_the_whole(shape, group_dim, chunk
     for a, b in zip(whole.parts, blocked.parts):
         assert torch.equal(a, b)
     for dtype in (torch.bfloat16, torch.float32):
-        assert torch.equal(dequantize(whole, dtype, chunk_elements=chunk_elements), dequantize(whole, dtype, chunk_elements=1 << 30))
+        assert torch.equal(dequantize(whole, dtype, chunk_elements=chunk_elements),
+                           dequantize(whole, dtype, chunk_elements=1 << 30))
 
 
 def test_scale_is_range_over_levels():

@@ -90,7 +90,8 @@ def test_local_deployment_of_the_same_name_wins(tmp_path):
 def test_env_vars_configure_path_and_policy(tmp_path, monkeypatch):
     (tmp_path / "opt-30b").mkdir()
     monkeypatch.setenv("FLEXGEN_HELM_WEIGHTS_DIR", str(tmp_path))
-    monkeypatch.setenv("FLEXGEN_HELM_POLICY", '{"gpu_batch_size": 4, "num_gpu_batches": 2, "percent": [0, 100, 0, 100, 0, 100]}')
+    monkeypatch.setenv("FLEXGEN_HELM_POLICY",
+                       '{"gpu_batch_size": 4, "num_gpu_batches": 2, "percent": [0, 100, 0, 100, 0, 100]}')
     args = engines.resolve_load_args("facebook/opt-30b", deployment="flexgen/opt-30b", dummy=True)
     assert args.path == str(tmp_path / "opt-30b") and args.dummy is False
     assert '"gpu_batch_size": 4' in args.policy_json and '"cpu": 1.0' in args.policy_json
@@ -205,7 +206,7 @@ def test_oom_batch_is_split_and_bad_request_isolated():
 
 def test_queue_merges_concurrent_requests_and_groups_by_params():
     c = client(batch_linger_s=0.2, batch_max_wait_s=2.0)
-    c.handle  # load first, so the requests arrive together
+    _ = c.handle  # load first, so the requests arrive together
     prompts = [f"Question {i}: what is {i} plus {i}?" for i in range(6)]
     with ThreadPoolExecutor(6) as pool:
         results = list(pool.map(lambda p: c.make_request(req(p, max_tokens=4)), prompts))

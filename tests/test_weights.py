@@ -285,7 +285,8 @@ def test_convert_round_trip(tmp_path):
 def test_convert_bfloat16(tmp_path):
     source = DummyWeights(TINY)
     out = convert(source, tmp_path / "bf16", dtype="bfloat16", progress=False)
-    assert torch.equal(TensorStore(out).read("layers.1.up_proj.weight"), source.read("layers.1.up_proj.weight").bfloat16())
+    assert torch.equal(TensorStore(out).read("layers.1.up_proj.weight"),
+                       source.read("layers.1.up_proj.weight").bfloat16())
     with pytest.raises(FlexGenError, match="int3"):
         convert(source, tmp_path / "x", dtype="int3", progress=False)
 

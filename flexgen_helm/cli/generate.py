@@ -48,7 +48,8 @@ def run(args) -> int:
                     "completions": [c.__dict__ for c in r.completions]})
     stats = engine.last_stats
     print(f"{stats['generated_tokens']} tokens in {stats['total_s']:.2f} s "
-          f"({stats['generated_tokens'] / max(stats['total_s'], 1e-9):.1f} token/s); policy: {engine.policy.describe()}")
+          f"({stats['generated_tokens'] / max(stats['total_s'], 1e-9):.1f} token/s); "
+          f"policy: {engine.policy.describe()}")
     if json_out:
         json_out.write_text(json.dumps({"results": out, "stats": stats, "policy": engine.policy.to_dict()}, indent=1))
     return 0

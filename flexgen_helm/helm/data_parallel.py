@@ -77,7 +77,8 @@ def _set(args, names, value):
 
 def main() -> None:
     if "RANK" not in os.environ:
-        raise SystemExit("launch with torchrun, e.g. torchrun --nproc-per-node 2 -m flexgen_helm.helm.data_parallel ...")
+        raise SystemExit("launch with torchrun, e.g. "
+                         "torchrun --nproc-per-node 2 -m flexgen_helm.helm.data_parallel ...")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     argv = sys.argv[1:] if rank == 0 else _private_folders(sys.argv[1:], rank)

@@ -190,7 +190,8 @@ def _with_numels(layer: LayerSpec, lw: LayerWeights, compressed: bool) -> LayerW
 class CostModel:
     """The cost of running `cfg` on this hardware for this workload, under any policy."""
 
-    def __init__(self, cfg: ModelConfig, profile: HardwareProfile, workload: Workload, dtype: torch.dtype | None = None):
+    def __init__(self, cfg: ModelConfig, profile: HardwareProfile, workload: Workload,
+                 dtype: torch.dtype | None = None):
         self.cfg, self.hw, self.work = cfg, profile, workload
         self.dtype = dtype or DTYPES[profile.dtype]
         self.elt = torch.empty((), dtype=self.dtype).element_size()

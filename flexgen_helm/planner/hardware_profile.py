@@ -111,7 +111,8 @@ class HardwareProfile:
         devices = {}
         for name, s in d.pop("devices", {}).items():
             s = dict(s)
-            s["matmul_flops"] = {dt: {int(m): float(f) for m, f in t.items()} for dt, t in s.get("matmul_flops", {}).items()}
+            s["matmul_flops"] = {dt: {int(m): float(f) for m, f in t.items()}
+                                 for dt, t in s.get("matmul_flops", {}).items()}
             devices[name] = DeviceSpeeds(**s)
         known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
         return cls(devices=devices or {"cpu": DeviceSpeeds()}, **known)
@@ -202,6 +203,12 @@ def measure_device(device: torch.device, dtype: torch.dtype) -> DeviceSpeeds:
     tiny_x, tiny_w = torch.randn(1, 64, device=device).to(dtype), torch.randn(64, 64, device=device).to(dtype)
     speeds.op_latency_s = _timed(lambda: F.linear(tiny_x, tiny_w), min_reps=200, sync=sync)
     return speeds
+
+
+def _cycled_linears(x: torch.Tensor, weights: list[torch.Tensor], n: int) -> None:
+    """n linear layers on x, cycling through the weights."""
+    for i in range(n):
+        F.linear(x, weights[i % len(weights)])
 
 
 def _matmul_flops(device: torch.device, dtype: torch.dtype, rows_list, sync) -> dict[int, float]:
@@ -319,11 +326,7 @@ def measure_disk_overlap_loss(offload_dir: Path, dtype: torch.dtype, seconds: fl
         for phase, rows in OVERLAP_ROWS.items():
             x = torch.randn(rows, MATMUL_SHAPE[1]).to(dtype)
             ws = [torch.randn(MATMUL_SHAPE).to(dtype) for _ in range(1 if rows > MAX_STREAMED_ROWS else 8)]
-
-            def linears(n: int) -> None:
-                for i in range(n):
-                    F.linear(x, ws[i % len(ws)])
-
+            linears = functools.partial(_cycled_linears, x, ws)
             n_mm = _count_for(linears, seconds)
             n_rd = _count_for(reads, seconds)
             c, d = _elapsed(linears, n_mm), _elapsed(reads, n_rd)
@@ -422,8 +425,10 @@ def describe(p: HardwareProfile) -> str:
                      f"{s.dequant_elems_per_s / 1e9:.2f} G elements/s; op latency {s.op_latency_s * 1e6:.1f} us")
     lines.append(f"memcpy {p.memcpy_bytes_per_s / gb:.2f} GB/s")
     if p.is_cuda:
-        lines.append(f"host->gpu pinned {p.h2d_pinned_bytes_per_s / gb:.2f}, pageable {p.h2d_pageable_bytes_per_s / gb:.2f}; "
-                     f"gpu->host pinned {p.d2h_pinned_bytes_per_s / gb:.2f}, pageable {p.d2h_pageable_bytes_per_s / gb:.2f} GB/s")
+        lines.append(f"host->gpu pinned {p.h2d_pinned_bytes_per_s / gb:.2f}, "
+                     f"pageable {p.h2d_pageable_bytes_per_s / gb:.2f}; "
+                     f"gpu->host pinned {p.d2h_pinned_bytes_per_s / gb:.2f}, "
+                     f"pageable {p.d2h_pageable_bytes_per_s / gb:.2f} GB/s")
     lines.append(f"disk ({p.offload_dir}, page cache bypassed): read {p.disk_read_bytes_per_s / gb:.2f} GB/s, "
                  f"write {p.disk_write_bytes_per_s / gb:.2f} GB/s, 4 KiB read {p.disk_read_latency_s * 1e3:.2f} ms")
     if p.disk_overlap_loss:

@@ -53,8 +53,8 @@ def run_bench(args, policy: Policy) -> dict:
     planned = planned_bytes(cfg, policy, max_len, devices.dtype)
     check_budgets(planned, {"gpu": parse_size(args.gpu_mem), "cpu": parse_size(args.cpu_mem), "disk": None})
 
-    engine = engine_class(args.pipeline).load(args.model, policy, path=args.path, dummy=args.dummy, offload_dir=args.offload_dir,
-                         device=args.device, dtype=args.dtype)
+    engine = engine_class(args.pipeline).load(args.model, policy, path=args.path, dummy=args.dummy,
+                                              offload_dir=args.offload_dir, device=args.device, dtype=args.dtype)
     g = torch.Generator().manual_seed(0)
     batch = policy.block_size
     prompts = torch.randint(10, cfg.vocab_size, (batch, args.prompt_len), generator=g).tolist()

@@ -80,7 +80,8 @@ class HFCheckpoint(WeightSource):
     @property
     def identity(self) -> str:
         files = sorted(set(self._file_of.values()))
-        return f"hf:{self.root.resolve()}:" + ",".join(f"{f.name}/{f.stat().st_size}/{f.stat().st_mtime_ns}" for f in files)
+        stamps = ",".join(f"{f.name}/{f.stat().st_size}/{f.stat().st_mtime_ns}" for f in files)
+        return f"hf:{self.root.resolve()}:" + stamps
 
     def _index_tensors(self) -> dict[str, Path]:
         for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):

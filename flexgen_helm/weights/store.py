@@ -67,9 +67,11 @@ class TensorStore:
         try:
             manifest = json.loads(manifest_path.read_text())
         except json.JSONDecodeError as e:
-            raise WeightStoreError(f"{manifest_path}: corrupt manifest ({e}); delete the store and convert again") from e
+            raise WeightStoreError(
+                f"{manifest_path}: corrupt manifest ({e}); delete the store and convert again") from e
         if manifest.get("format") != FORMAT or not manifest.get("complete"):
-            raise WeightStoreError(f"{self.root}: incomplete or foreign store (format {manifest.get('format')!r}); convert again")
+            raise WeightStoreError(
+                f"{self.root}: incomplete or foreign store (format {manifest.get('format')!r}); convert again")
         self.manifest = manifest
         self.config = manifest["config"]
         self.tensors = {
@@ -112,7 +114,8 @@ class TensorStore:
         data = read_bytes(self.root / t.file, start * t.row_bytes, (end - start) * t.row_bytes, bypass_page_cache)
         if verify and (start, end) == (0, t.shape[0]) and sha256_of(data) != t.sha256:
             raise WeightStoreError(
-                f"{self.root / t.file}: checksum mismatch for tensor {t.name}: the file is corrupt; convert the model again"
+                f"{self.root / t.file}: checksum mismatch for tensor {t.name}: the file is corrupt; "
+                "convert the model again"
             )
         out = torch.frombuffer(data, dtype=t.torch_dtype) if len(data) else torch.empty(0, dtype=t.torch_dtype)
         return out.view(end - start, *t.shape[1:])

@@ -74,12 +74,15 @@ def markdown_table(rows: list[dict]) -> str:
             "WikiText token ppl | Δ ppl | word ppl | bits/byte | tokens/s (L / W) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        scope = "full" if r["scope"] == "full" else f"{r.get('lambada_passages', '—')} passages / {r.get('wikitext_tokens', '—')} tokens"
+        scope = "full" if r["scope"] == "full" else (
+            f"{r.get('lambada_passages', '—')} passages / {r.get('wikitext_tokens', '—')} tokens")
         lines.append(
             f"| {r['label']} | {scope} | {_f(r.get('lambada_accuracy'), '.4f')} | "
-            f"{_f(r.get('lambada_accuracy_delta_points'), '+.2f')} | {_f(r.get('lambada_generation_accuracy'), '.4f')} | "
+            f"{_f(r.get('lambada_accuracy_delta_points'), '+.2f')} | "
+            f"{_f(r.get('lambada_generation_accuracy'), '.4f')} | "
             f"{_f(r.get('lambada_last_word_perplexity'), '.3f')} | {_f(r.get('wikitext_token_perplexity'), '.3f')} | "
-            f"{_f(r.get('wikitext_token_perplexity_delta_pct'), '+.2f%')} | {_f(r.get('wikitext_word_perplexity'), '.3f')} | "
+            f"{_f(r.get('wikitext_token_perplexity_delta_pct'), '+.2f%')} | "
+            f"{_f(r.get('wikitext_word_perplexity'), '.3f')} | "
             f"{_f(r.get('wikitext_bits_per_byte'), '.4f')} | {_f(r.get('lambada_tokens_per_s'), '.0f')} / "
             f"{_f(r.get('wikitext_tokens_per_s'), '.0f')} |")
     return "\n".join(lines)
@@ -227,7 +230,8 @@ def _outside_check_finding(qc: dict | None) -> list[str]:
             f"gives {lossless:.4f} vs {fp:.4f} unquantized ({100 * (lossless / fp - 1):+.3f}%: {verdict}){embedding}"]
 
 
-GROUPINGS = (("w4-g64", "g64 dim 0"), ("w4-g32-d0", "g32 dim 0"), ("w4-g64-d1", "g64 dim 1"), ("w4-g32-d1", "g32 dim 1"))
+GROUPINGS = (("w4-g64", "g64 dim 0"), ("w4-g32-d0", "g32 dim 0"), ("w4-g64-d1", "g64 dim 1"),
+             ("w4-g32-d1", "g32 dim 1"))
 
 
 def _grouping_findings(ppl, acc) -> list[str]:
@@ -266,7 +270,8 @@ flexgen_helm/evaluation/lambada.py and wikitext.py):
 
 - LAMBADA accuracy: greedy argmax equals every token of " " + last word, from one teacher-forced scoring
   pass (equivalent to greedy generation; "acc, greedy generation" measures it by actually generating, which
-  exercises the decode path). Rows with a compressed cache or sparse attention score as decode (see findings). Last-word perplexity: exp of the mean over passages of the NLL of the whole word.
+  exercises the decode path). Rows with a compressed cache or sparse attention score as decode (see findings). \
+Last-word perplexity: exp of the mean over passages of the NLL of the whole word.
 - WikiText-2 test: non-empty lines joined with "\\n\\n", tokenized once, non-overlapping windows of 1024 tokens;
   the first token of each window has no context and is not scored. Word perplexity and bits per byte divide
   the same NLL by the whitespace words / UTF-8 bytes of the evaluated text.
@@ -284,8 +289,9 @@ def scopes_text(runs) -> str:
     if "wikitext" in full and "lambada" in full:
         return text + (f" The full baseline took {full['lambada']['eval_s'] / 60:.0f} + "
                        f"{full['wikitext']['eval_s'] / 60:.0f} min of wall time (LAMBADA scoring, WikiText), pauses "
-                       "while other measurements had this 2-core machine included; rows without a \"full\" line have not run on the full sets "
-                       "yet (`python -m flexgen_helm.tools.accuracy_sweep.sweep run --scopes full` resumes where it stopped).")
+                       "while other measurements had this 2-core machine included; rows without a \"full\" line "
+                       "have not run on the full sets yet (`python -m flexgen_helm.tools.accuracy_sweep.sweep run "
+                       "--scopes full` resumes where it stopped).")
     if "wikitext" in lim and "lambada" in lim:
         from flexgen_helm.data.sources import read_wikitext
         from flexgen_helm.data.wikitext import join_paragraphs
@@ -307,7 +313,6 @@ def write_report(out: Path) -> None:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
         w.writerows({k: r.get(k) for k in COLUMNS} for r in rows)
-    full_w = runs.get(("baseline", "full"), {}).get("wikitext")
     any_rec = next(iter(next(iter(runs.values())).values()))
     setup = SETUP.format(dtype=any_rec["dtype"], device=any_rec["device"], scopes=scopes_text(runs))
     # realpath: runs made from a snapshot reach ../shared/data through a symlink

@@ -65,8 +65,8 @@ def load_model(setup: Setup, hf_dir: Path, offload: Path, dtype: torch.dtype):
     empty.tie_weights()  # lm_head shares the embedding: the device map must keep them together
     device_map = infer_auto_device_map(empty, max_memory={"cpu": setup.cpu_bytes},
                                        no_split_module_classes=empty._no_split_modules, dtype=dtype)
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, device_map=device_map, offload_folder=str(offload),
-                                                              dtype=dtype)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, device_map=device_map,
+                                                              offload_folder=str(offload), dtype=dtype)
     model.eval()
     return model, device_map
 
@@ -149,7 +149,8 @@ def main(argv=None) -> int:
     setup = SETUPS[args.setup]
     batch = args.batch or largest_batch(setup)
     r = run(setup, batch, args.evict_each_token, args.hf_dtype)
-    r["command"] = "python -m flexgen_helm.tools.compare.accelerate_offload " + " ".join(sys.argv[1:] if argv is None else argv)
+    r["command"] = ("python -m flexgen_helm.tools.compare.accelerate_offload "
+                    + " ".join(sys.argv[1:] if argv is None else argv))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(r, indent=1))
     print(f"accelerate: batch {batch}, total {r['total_latency_s']:.2f} s, {r['total_throughput']:.3f} token/s, "

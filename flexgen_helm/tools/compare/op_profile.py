@@ -10,6 +10,7 @@ the matmul rate it reached, to set against the compute floor (compute_floor.py).
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 from torch.profiler import ProfilerActivity, profile
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     text = "\n".join(read_wikitext(args.data)[0])[:40 * args.window]  # ~4 characters a token: ample
     window = scorer.encode([text])[0][:args.window]
     profiled(f"score one {len(window)}-token WikiText window ({scorer.runtime.devices.dtype})",
-             lambda: scorer.score([window]), 2.0 * params * len(window))
+             functools.partial(scorer.score, [window]), 2.0 * params * len(window))
     del scorer
 
     gen = Engine.load(MODEL, Policy(gpu_batch_size=args.block, num_gpu_batches=1), dtype=args.dtype, progress=False)
