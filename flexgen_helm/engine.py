@@ -119,7 +119,8 @@ class Engine:
                 raise FlexGenError(f"prompt {i} is empty (no tokens)")
             bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
             if bad:
-                raise FlexGenError(f"prompt {i} has token ids outside the vocabulary (0..{self.config.vocab_size - 1}): {bad[:5]}")
+                raise FlexGenError(f"prompt {i} has token ids outside the vocabulary "
+                                   f"(0..{self.config.vocab_size - 1}): {bad[:5]}")
             out.append(ids)
         return out
 

@@ -9,6 +9,7 @@ absent. Either guard must run before transformers first checks for torchvision.
 
 from __future__ import annotations
 
+import logging
 import sys
 from importlib import metadata
 
@@ -18,8 +19,12 @@ def hide_broken_torchvision() -> None:
     if "torchvision" not in sys.modules:
         try:
             import torchvision  # noqa: F401
-        except Exception:
+        # what a torchvision built for another torch raises: a missing operator (RuntimeError),
+        # an undefined symbol or library (ImportError, OSError), a half-initialised module
+        except (ImportError, OSError, RuntimeError, AttributeError) as exc:
             sys.modules["torchvision"] = None
+            logging.getLogger(__name__).warning("torchvision hidden: its import fails (%s: %s)",
+                                                type(exc).__name__, exc)
 
 
 def hide_mismatched_torchvision() -> bool:

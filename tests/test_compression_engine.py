@@ -54,7 +54,8 @@ def _max_logprob_gap(a, b) -> float:
 
 WEIGHT_CASES = {
     "4bit-g16-gpu": (Compression(4, 16), Policy(gpu_batch_size=2)),
-    "4bit-g16-split-2x2": (Compression(4, 16), Policy(gpu_batch_size=2, num_gpu_batches=2, weights=Split(0.3, 0.3, 0.4))),
+    "4bit-g16-split-2x2": (Compression(4, 16),
+                           Policy(gpu_batch_size=2, num_gpu_batches=2, weights=Split(0.3, 0.3, 0.4))),
     "3bit-g2-dim0-disk-no-overlap": (Compression(3, 2, group_dim=0),
                                      Policy(gpu_batch_size=3, weights=Split(0, 0, 1), overlap=False)),
     "4bit-g8-dim1-split": (Compression(4, 8, group_dim=1), Policy(gpu_batch_size=2, weights=Split(0.2, 0.5, 0.3))),

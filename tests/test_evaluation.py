@@ -12,10 +12,15 @@ import torch
 from conftest import hf_model
 
 from flexgen_helm.cli import main
-from flexgen_helm.data.sources import local_file, read_wikitext
+from flexgen_helm.data.lambada import split_last_word
+from flexgen_helm.data.sources import local_file, read_lambada, read_wikitext
+from flexgen_helm.data.wikitext import join_paragraphs, split_articles
 from flexgen_helm.engine import Engine
+from flexgen_helm.errors import FlexGenError
 from flexgen_helm.evaluation import lambada, wikitext
 from flexgen_helm.executor.sampling import SamplingParams
+from flexgen_helm.helm.scenarios.lambada import LambadaScenario
+from flexgen_helm.helm.scenarios.wikitext import WikiTextScenario
 from flexgen_helm.policy.policy import Policy
 
 PASSAGES = ["the cat sat on the mat", "a dog ran far away", "she said hello to him",
@@ -54,8 +59,27 @@ def data_dir(tmp_path):
     return tmp_path
 
 
+def test_split_last_word_one_meaning_for_eval_and_helm(data_dir):
+    assert split_last_word(" the cat sat  on the\tmat\n") == ("the cat sat  on the", "mat")
+    with pytest.raises(FlexGenError, match="no context"):
+        split_last_word("  alone ")
+    # eval scores the text that follows the context; HELM's reference is the bare word
+    assert lambada.context_and_target("the cat sat on the mat\n") == ("the cat sat on the", " mat")
+    instances = LambadaScenario(path=str(data_dir)).get_instances("unused")
+    assert [(i.input.text, i.references[0].output.text) for i in instances] == [
+        split_last_word(t) for t in PASSAGES]
+
+
+def test_wikitext_articles(data_dir):
+    lines = ["preface", " = One = ", "a", " = = Section = = ", "b", " = Two = ", "c"]
+    assert split_articles(lines) == ["preface", " = One = \n\na\n\n = = Section = = \n\nb", " = Two = \n\nc"]
+    articles = WikiTextScenario(path=str(data_dir)).get_instances("unused")
+    assert [a.input.text for a in articles] == [join_paragraphs(PARAGRAPHS)]  # one title: one article
+    paragraphs = WikiTextScenario(unit="paragraph", path=str(data_dir)).get_instances("unused")
+    assert [p.input.text for p in paragraphs] == PARAGRAPHS
+
+
 def test_split_and_tokenize(engine):
-    assert lambada.split_last_word("the cat sat on the mat\n") == ("the cat sat on the", " mat")
     items, merged = lambada.prepare(engine.tokenizer, ["the cat sat on the mat"])
     assert merged == 0
     assert engine.tokenizer.decode(items[0].target) == " mat"
@@ -165,6 +189,13 @@ def test_missing_data_is_a_clear_error(tiny_llama, tmp_path, monkeypatch, capsys
     assert "wikitext-2-raw/wiki.test.raw" in err and "--data PATH" in err
 
 
+def test_missing_data_says_why_it_was_not_downloaded(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEXGEN_HELM_DATA", str(tmp_path))
+    monkeypatch.setenv("FLEXGEN_HELM_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="no local file.*unavailable: offline"):
+        read_lambada()
+
+
 def test_local_file_accepts_a_data_folder(data_dir):
     assert local_file("lambada/lambada_openai_test.jsonl", str(data_dir)).endswith("lambada_openai_test.jsonl")
 
@@ -172,7 +203,6 @@ def test_local_file_accepts_a_data_folder(data_dir):
 def test_interrupted_eval_resumes_where_it_stopped(tiny_llama, tmp_path, data_dir, monkeypatch):
     """A killed evaluation keeps its finished chunks; the same command then scores only the rest
     and reports what an uninterrupted run reports."""
-    from flexgen_helm.engine import Engine
 
     args = ["--task", "wikitext", "--data", str(data_dir), "--gpu-batch-size", "1"]  # 3 windows of 64, one a chunk
     whole = run_cli(tiny_llama, tmp_path / "whole", *args)

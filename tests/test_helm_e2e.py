@@ -53,15 +53,6 @@ def run_dirs(tmp: Path, suite="t") -> dict:
     return {p.name.split(":")[0]: p for p in root.iterdir() if ":" in p.name}
 
 
-def _real_engine_available() -> bool:
-    try:
-        from flexgen_helm.engine import Engine  # noqa: F401
-    except Exception:  # noqa: BLE001
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _real_engine_available(), reason="flexgen_helm.engine does not import yet")
 def test_helm_run_smollm2_lambada_wikitext_synthetic_reasoning(tmp_path):
     helm_run(tmp_path, ENTRIES)
     runs = run_dirs(tmp_path)

@@ -275,3 +275,23 @@ def test_offline_download_failures_are_recognised_for_a_clear_message():
     assert "wget" in download_failure(Exception("Failed with exit code 4: wget https://example.org/d.tar -O d.tmp"))
     assert download_failure(chained(ValueError("bad instance"))) is None
     assert download_failure(Exception("Failed with exit code 1: python make_data.py")) is None
+
+
+def test_batching_runner_runs_everything_on_its_executors_context(tmp_path):
+    """The runner's executor batches, and nothing of the runner still holds the context of
+    the plain executor HELM's Runner built first (a HELM that adds a service on it shows here)."""
+    from helm.benchmark.executor import ExecutionSpec
+    from helm.common.context import Context
+
+    from flexgen_helm.helm.runner import BatchingExecutor, BatchingRunner
+
+    spec = ExecutionSpec(url=None, auth=None, local_path=str(tmp_path / "prod_env"), parallelism=1, dry_run=True)
+    runner = BatchingRunner(spec, str(tmp_path / "out"), "suite", skip_instances=False, cache_instances=False,
+                            cache_instances_only=False, skip_completed_runs=False, exit_on_error=True)
+    assert isinstance(runner.executor, BatchingExecutor)
+    parts = {name: part for name, part in vars(runner).items() if hasattr(part, "__dict__")}
+    held = [(name, ctx_name) for name, part in parts.items() for ctx_name, ctx in vars(part).items()
+            if isinstance(ctx, Context)]
+    assert held, "no context found on the runner's parts"
+    for name, ctx_name in held:
+        assert getattr(getattr(runner, name), ctx_name) is runner.executor.context, (name, ctx_name)

@@ -16,7 +16,8 @@ def _run(env_value: str | None) -> str:
     env = {k: v for k, v in os.environ.items() if k != "FLEXGEN_HELM_KEEP_FREED_MEMORY"}
     if env_value is not None:
         env["FLEXGEN_HELM_KEEP_FREED_MEMORY"] = env_value
-    return subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, check=True).stdout.strip()
+    done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, check=True)
+    return done.stdout.strip()
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="a glibc setting")

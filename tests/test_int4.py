@@ -25,10 +25,10 @@ from flexgen_helm.compression.stored import weight_layout
 from flexgen_helm.engine import Engine
 from flexgen_helm.errors import PolicyError
 from flexgen_helm.executor.sampling import SamplingParams
-from flexgen_helm.weights.registry import resolve
 from flexgen_helm.policy import Policy, Split
 from flexgen_helm.policy.policy import Compression
 from flexgen_helm.weights.compressed_store import CompressedStore
+from flexgen_helm.weights.registry import resolve
 
 CPU = torch.device("cpu")
 BF16 = dict(dtype="bfloat16", device="cpu", progress=False)
@@ -63,7 +63,8 @@ def test_kernel_equals_dequantize_then_matmul(family, rows):
         assert got.shape == (2, rows, shape[0]) and got.dtype == torch.bfloat16
         w = cw.dense()
         _assert_bf16_close(got.reshape(-1, shape[0]), x.reshape(-1, shape[1]), w, bias)
-        _assert_bf16_close(torch.nn.functional.linear(x, w, bias).reshape(-1, shape[0]), x.reshape(-1, shape[1]), w, bias)
+        ref = torch.nn.functional.linear(x, w, bias).reshape(-1, shape[0])
+        _assert_bf16_close(ref, x.reshape(-1, shape[1]), w, bias)
 
 
 def test_prefill_rows_above_the_crossover_take_the_dense_copy_once():
@@ -130,7 +131,10 @@ def test_slow_path_is_logged_once_per_reason(caplog, monkeypatch):
 W4 = Compression(4, 32)  # the tiny models' dims (32, 48, 64, 96) take groups of 32 (48: no)
 
 
-def _engine(path, tmp_path, weights=Split(1, 0, 0), cfg=W4, **kw):
+ON_COMPUTE_TIER = Split(1, 0, 0)
+
+
+def _engine(path, tmp_path, weights=ON_COMPUTE_TIER, cfg=W4, **kw):
     policy = Policy(gpu_batch_size=2, weights=weights, compress_weight=cfg)
     return Engine.load(str(path), policy, offload_dir=tmp_path, **{**BF16, **kw})
 

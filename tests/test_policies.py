@@ -4,13 +4,19 @@ CPU delegation gives the same tokens, and (in fp32) the same log-probs to roundi
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
+import torch
 
 from flexgen_helm.engine import Engine
 from flexgen_helm.errors import FlexGenError
 from flexgen_helm.executor.sampling import SamplingParams
-from flexgen_helm.policy import Policy, Split
+from flexgen_helm.executor.schedule import BlockSchedule, GpuBatch
+from flexgen_helm.memory.placement import slot_tier_counts, split_in_turn
+from flexgen_helm.planner.budget import planned_components
+from flexgen_helm.policy import Compression, Policy, Split
+from flexgen_helm.policy.policy import TIERS
 
 # mixed lengths; 7 prompts is not a multiple of any block below
 PROMPTS = [[5, 17, 3, 44, 9, 21, 8, 2, 60], [12, 7], [30, 31, 32, 33], [1, 2, 3], [40] * 11, [8, 9, 10, 11, 12], [70]]
@@ -92,3 +98,50 @@ def test_scoring_from_a_position_returns_those_logprobs_and_nothing_before(tiny_
     assert [(r.logprobs, r.top_logprobs) for r in one_token] == [([pytest.approx(math.nan, nan_ok=True)], [{}])] * 2
     with pytest.raises(FlexGenError, match="first_scored"):
         engine.score(PROMPTS[:2], first_scored=[1, 3])  # the second prompt has 2 tokens
+
+
+@pytest.mark.parametrize("policy", [
+    Policy(gpu_batch_size=3, num_gpu_batches=3, cache=Split(0.3, 0.45, 0.25), activations=Split(0.35, 0.3, 0.35)),
+    Policy(gpu_batch_size=5, num_gpu_batches=2, cache=Split(1 / 3, 1 / 3, 1 / 3), activations=Split(0.1, 0.1, 0.8)),
+    Policy(gpu_batch_size=1, num_gpu_batches=7, cache=Split(0.05, 0.9, 0.05), activations=Split(0.4, 0.2, 0.4),
+           compress_cache=Compression(4, 4)),
+], ids=["3x3", "5x2-thirds", "1x7-compressed"])
+def test_budget_plans_the_cache_and_activations_the_schedule_allocates(tiny_llama, tmp_path, policy):
+    """The plan that checks the budgets and the run split units over the tiers the same way,
+    so for odd splits the planned bytes per tier are the bytes allocated, to the byte."""
+    engine = Engine.load(str(tiny_llama), Policy(), dtype="float32", device="cpu", offload_dir=tmp_path,
+                         progress=False)
+    rt, max_len = engine.runtime, 20
+    batches = [GpuBatch(torch.zeros(policy.gpu_batch_size, 6, dtype=torch.long),
+                        torch.ones(policy.gpu_batch_size, 6, dtype=torch.bool)) for _ in range(policy.num_gpu_batches)]
+    before = dict(rt.usage.current)
+    sched = BlockSchedule(rt, policy, batches, max_len, tmp_path)
+    try:
+        allocated = {t: rt.usage.current.get(t, 0) - before.get(t, 0) for t in TIERS}  # the KV cache slots
+        act_rows = {t: sum(a.rows[t] for a in sched.acts) for t in TIERS}
+    finally:
+        sched.close()
+    planned = planned_components(rt.config, policy, max_len, torch.float32)
+    assert planned["cache"] == allocated and all(allocated.values())
+    row_bytes = max_len * rt.config.hidden_size * 4
+    assert planned["activations"] == {t: act_rows[t] * row_bytes for t in TIERS} and all(act_rows.values())
+
+
+def test_groups_split_in_turn_keep_the_totals_near_the_fractions():
+    rng = random.Random(0)
+    for _ in range(200):
+        gpu, cpu = sorted(rng.random() for _ in range(2))
+        split = Split(gpu, cpu - gpu, 1 - cpu)
+        sizes = [rng.randint(1, 9) for _ in range(rng.randint(1, 30))]
+        placed = {t: 0 for t in TIERS}
+        for n, counts in zip(sizes, split_in_turn(split, sizes), strict=True):
+            assert sum(counts.values()) == n and min(counts.values()) >= 0
+            placed = {t: placed[t] + counts[t] for t in TIERS}
+            seen = sum(placed.values())
+            assert abs(placed["gpu"] - seen * split.gpu) <= 0.5 + 1e-9
+            assert all(abs(placed[t] - seen * getattr(split, t)) < 2.5 for t in ("cpu", "disk"))
+    seven = list(split_in_turn(Split(0.4, 0.2, 0.4), [1] * 7))
+    assert {t: sum(c[t] for c in seven) for t in TIERS} == {"gpu": 3, "cpu": 2, "disk": 2}  # each edge alone: 3/4/0
+    # a pipeline stage's slots are the whole model's
+    whole = slot_tier_counts(Split(0.3, 0.3, 0.4), [6, 6, 4], range(5))
+    assert slot_tier_counts(Split(0.3, 0.3, 0.4), [6, 6, 4], [3, 4]) == {s: c for s, c in whole.items() if s[0] >= 3}

@@ -169,7 +169,8 @@ def test_report_files(fixture_dirs, tmp_path):
         assert heading in text
     assert "| lambada | flexgen/m | 3 | 24 | 28 | 12 | 12 | 3 | 13.33 | 12 | 0.9 |" in text
     for name in ("helm_runs.csv", "accuracy_eval.csv", "accuracy_helm.csv", "frontier.csv", "breakdown.csv",
-                 "placement.csv", "ablation.csv", "helm_throughput.png", "accuracy_eval.png", "accuracy_helm.png", "frontier-1.png",
+                 "placement.csv", "ablation.csv", "helm_throughput.png", "accuracy_eval.png", "accuracy_helm.png",
+                 "frontier-1.png",
                  "breakdown.png"):
         assert (out / name).stat().st_size > 0, name
         if name.endswith(".png"):

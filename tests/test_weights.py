@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -284,7 +285,8 @@ def test_convert_round_trip(tmp_path):
 def test_convert_bfloat16(tmp_path):
     source = DummyWeights(TINY)
     out = convert(source, tmp_path / "bf16", dtype="bfloat16", progress=False)
-    assert torch.equal(TensorStore(out).read("layers.1.up_proj.weight"), source.read("layers.1.up_proj.weight").bfloat16())
+    assert torch.equal(TensorStore(out).read("layers.1.up_proj.weight"),
+                       source.read("layers.1.up_proj.weight").bfloat16())
     with pytest.raises(FlexGenError, match="int3"):
         convert(source, tmp_path / "x", dtype="int3", progress=False)
 
@@ -353,7 +355,7 @@ def test_store_detects_missing_file(tmp_path):
 def test_convert_refuses_a_store_of_another_model(tmp_path):
     _, out = _tiny_store(tmp_path)
     with pytest.raises(OffloadDirError, match="another model"):
-        convert(DummyWeights(TINY.with_(num_layers=1)), out, progress=False)
+        convert(DummyWeights(replace(TINY, num_layers=1)), out, progress=False)
 
 
 def test_convert_into_unwritable_dir(tmp_path):

@@ -49,7 +49,8 @@ def run(args) -> int:
                     "completions": [dataclasses.asdict(c) for c in r.completions]})
     stats = run.stats
     print(f"{stats.generated_tokens} tokens in {stats.total_s:.2f} s "
-          f"({stats.generated_tokens / max(stats.total_s, 1e-9):.1f} token/s); policy: {engine.policy.describe()}")
+          f"({stats.generated_tokens / max(stats.total_s, 1e-9):.1f} token/s); "
+          f"policy: {engine.policy.describe()}")
     if json_out:
         json_out.write_text(json.dumps({"results": out, "stats": stats.as_dict(), "policy": engine.policy.to_dict()},
                                        indent=1))

@@ -104,10 +104,6 @@ class QuantizedTensor:
         return self.data.device
 
     @property
-    def num_groups(self) -> int:
-        return self.scale.shape[self.group_dim]
-
-    @property
     def nbytes(self) -> int:
         """All bytes it stores: packed codes, scales and mins."""
         return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.min))
@@ -161,7 +157,8 @@ class QuantizedTensor:
         else:
             g = self.group_size
             if start % g or (length % g and start + length != n):
-                raise ValueError(f"narrow along the group dim must align to groups of {g}: got start {start}, length {length}")
+                raise ValueError(f"narrow along the group dim must align to groups of {g}: "
+                                 f"got start {start}, length {length}")
             g0, gl = start // g, -(-length // g)
         return dataclasses.replace(
             self,
@@ -248,7 +245,8 @@ def quantize(x: torch.Tensor, cfg: Compression, group_dim: int,
     # every stored part keeps dim 0 (as rows, or as whole groups of rows), so blocks concatenate
     parts = [_quantize_block(x[start:end], cfg, gd) for start, end in blocks]
     return dataclasses.replace(parts[0], shape=tuple(x.shape),
-                               **{name: torch.cat([getattr(p, name) for p in parts]) for name in ("data", "scale", "min")})
+                               **{name: torch.cat([getattr(p, name) for p in parts])
+                                  for name in ("data", "scale", "min")})
 
 
 def _quantize_block(x: torch.Tensor, cfg: Compression, gd: int) -> QuantizedTensor:

@@ -51,11 +51,10 @@ def offline() -> bool:
                for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "FLEXGEN_HELM_OFFLINE"))
 
 
-def missing(what: str, relative: str, hint: str = "pass path=... in the run entry") -> FileNotFoundError:
+def missing(what: str, relative: str, hint: str, why_no_download: str) -> FileNotFoundError:
     return FileNotFoundError(
         f"{what}: no local file at {os.path.join(data_dir(), relative)} (set FLEXGEN_HELM_DATA to the folder "
-        f"that holds {relative}, or {hint}), and the download fallback is unavailable "
-        f"(offline, or the `datasets` library could not reach the hub)"
+        f"that holds {relative}, or {hint}), and the download fallback is unavailable: {why_no_download}"
     )
 
 
@@ -69,13 +68,15 @@ def sha256_of(path: str) -> str:
 
 def _from_hub(what: str, relative: str, hint: str, repo: str, config: str) -> list[str]:
     if offline():
-        raise missing(what, relative, hint)
+        raise missing(what, relative, hint, "offline (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE or FLEXGEN_HELM_OFFLINE)")
     try:
         import datasets
-
+    except ImportError as exc:
+        raise missing(what, relative, hint, f"the `datasets` library does not import ({exc})") from exc
+    try:
         return list(datasets.load_dataset(repo, config, split="test")["text"])
-    except Exception as exc:  # any hub failure means: no data here
-        raise missing(what, relative, hint) from exc
+    except OSError as exc:  # the hub's errors: connection, HTTP, offline mode, dataset not found
+        raise missing(what, relative, hint, f"{repo} could not be loaded ({type(exc).__name__}: {exc})") from exc
 
 
 def read_lambada(path: str | None = None, hint: str = "pass --data PATH") -> tuple[list[str], dict]:

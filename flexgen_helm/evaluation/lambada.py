@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
+from flexgen_helm.data.lambada import split_last_word
 from flexgen_helm.errors import FlexGenError
 from flexgen_helm.evaluation.resume import ResumeLog
 
@@ -37,12 +38,10 @@ class Item:
         return self.context + self.target
 
 
-def split_last_word(text: str) -> tuple[str, str]:
-    """(context, target) split at the last whitespace; target = " " + last word."""
-    parts = text.strip().rsplit(None, 1)
-    if len(parts) != 2:
-        raise FlexGenError(f"LAMBADA passage has no context before its last word: {text[:80]!r}")
-    return parts[0], " " + parts[1]
+def context_and_target(text: str) -> tuple[str, str]:
+    """(context, target): the target is the text that follows the context, " " + last word."""
+    context, word = split_last_word(text)
+    return context, " " + word
 
 
 def prepare(tokenizer, texts: list[str]) -> tuple[list[Item], int]:
@@ -51,7 +50,7 @@ def prepare(tokenizer, texts: list[str]) -> tuple[list[Item], int]:
     The target tokens are those of tokenize(context + target) after tokenize(context).
     When the tokenizer merges across the boundary (rare: the target starts with a space),
     the context is the longest common prefix and the target takes the rest."""
-    contexts, targets = zip(*(split_last_word(t) for t in texts))
+    contexts, targets = zip(*(context_and_target(t) for t in texts))
     ctx_ids = tokenizer(list(contexts))["input_ids"]
     full_ids = tokenizer([c + t for c, t in zip(contexts, targets)])["input_ids"]
     items, merged = [], 0

@@ -13,6 +13,7 @@ from flexgen_helm.data.sources import read_lambada, read_wikitext
 from flexgen_helm.errors import FlexGenError
 from flexgen_helm.evaluation import lambada, wikitext
 from flexgen_helm.evaluation.resume import ResumeLog
+from flexgen_helm.memory.devices import DTYPE_NAMES
 
 TASKS = ("lambada", "wikitext")
 
@@ -33,12 +34,7 @@ def run_eval(args, policy, argv: list[str]) -> dict:
                          device=args.device, dtype=args.dtype, progress=not args.quiet)
     load_s = time.perf_counter() - t0
     progress = not args.quiet
-    record = {"task": args.task, "model": args.model, "model_name": engine.config.name,
-              "policy": engine.policy.to_dict(), "policy_summary": engine.policy.describe(),
-              "dtype": str(engine.runtime.devices.dtype).removeprefix("torch."),
-              "device": str(engine.runtime.devices.compute), "limit": args.limit, "data": source,
-              "score_as_decode": args.score_as_decode}
-    record["window"] = min(args.window, engine.config.max_seq_len) if args.task == "wikitext" else None
+    record = _setup_record(args, engine, source)
     # what decides the numbers; a rerun of the same evaluation resumes from its progress file
     fingerprint = {k: record[k] for k in ("task", "model", "model_name", "policy", "dtype", "limit", "data",
                                           "score_as_decode", "window")}
@@ -48,13 +44,7 @@ def run_eval(args, policy, argv: list[str]) -> dict:
         print(f"resuming: {resumed} results from {resume.path}")
     t1 = time.perf_counter()
     if args.task == "lambada":
-        items, merged = lambada.prepare(engine.tokenizer, texts)
-        chunk = policy.block_size * max(1, math.ceil(128 / policy.block_size))
-        out = lambada.evaluate(engine, items, chunk, progress, args.score_as_decode, resume)
-        out["counts"]["boundary_merges"] = merged
-        if args.generate:
-            acc, _ = lambada.generation_accuracy(engine, items, chunk, progress, resume)
-            out["metrics"]["generation_accuracy"] = acc
+        out = _evaluate_lambada(args, engine, policy, texts, progress, resume)
     else:
         ids, text = wikitext.tokenize(engine.tokenizer, lines, args.limit)
         out = wikitext.evaluate(engine, ids, text, record["window"], policy.block_size, progress,
@@ -73,6 +63,28 @@ def run_eval(args, policy, argv: list[str]) -> dict:
         resume.finish()
     print(summary(record))
     return record
+
+
+def _setup_record(args, engine, source: dict) -> dict:
+    """What was evaluated, on what, with which data: the record's head."""
+    return {"task": args.task, "model": args.model, "model_name": engine.config.name,
+            "policy": engine.policy.to_dict(), "policy_summary": engine.policy.describe(),
+            "dtype": DTYPE_NAMES[engine.runtime.devices.dtype],
+            "device": str(engine.runtime.devices.compute), "limit": args.limit, "data": source,
+            "score_as_decode": args.score_as_decode,
+            "window": min(args.window, engine.config.max_seq_len) if args.task == "wikitext" else None}
+
+
+def _evaluate_lambada(args, engine, policy, texts: list[str], progress: bool, resume: ResumeLog) -> dict:
+    """Scoring accuracy and last-word perplexity, and with --generate the accuracy by generation."""
+    items, merged = lambada.prepare(engine.tokenizer, texts)
+    chunk = policy.block_size * max(1, math.ceil(128 / policy.block_size))
+    out = lambada.evaluate(engine, items, chunk, progress, args.score_as_decode, resume)
+    out["counts"]["boundary_merges"] = merged
+    if args.generate:
+        acc, _ = lambada.generation_accuracy(engine, items, chunk, progress, resume)
+        out["metrics"]["generation_accuracy"] = acc
+    return out
 
 
 def approximations(policy: dict) -> str:

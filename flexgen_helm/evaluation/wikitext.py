@@ -15,13 +15,14 @@ import math
 
 from tqdm.auto import tqdm
 
+from flexgen_helm.data.wikitext import join_paragraphs
 from flexgen_helm.errors import FlexGenError
 from flexgen_helm.evaluation.resume import ResumeLog
 
 
 def tokenize(tokenizer, lines: list[str], limit: int | None) -> tuple[list[int], str]:
     """Token ids of the joined text (the first `limit` of them), and the text they cover."""
-    text = "\n\n".join(lines)
+    text = join_paragraphs(lines)
     # verbose=False: the whole text is longer than the model context on purpose
     enc = tokenizer(text, return_offsets_mapping=True, verbose=False)
     ids = enc["input_ids"]

@@ -120,7 +120,8 @@ def _top_k_attention(scores: torch.Tensor, v: torch.Tensor | ValueRows, key_vali
     # per unit, in Python floats so that every policy rounds the same way
     keeps = [max(1, math.ceil(keep_fraction * n)) for n in key_valid.sum(-1).tolist()]
     top = scores.topk(max(keeps), dim=-1)  # sorted, best first: (u, r, 1, K)
-    kept = torch.arange(top.indices.shape[-1], device=scores.device) < torch.tensor(keeps, device=scores.device)[:, None]
+    rank = torch.arange(top.indices.shape[-1], device=scores.device)
+    kept = rank < torch.tensor(keeps, device=scores.device)[:, None]
     kept = kept[:, None, None, :]  # (u, 1, 1, K): a unit keeping fewer than K drops the tail
     weights = top.values.masked_fill(~kept, -math.inf).softmax(-1)  # renormalised over kept keys
     index = top.indices.squeeze(2)  # (u, r, K) key positions

@@ -285,7 +285,8 @@ class BlockDriver:
             return lps, None
         tops = [[{} for _ in range(s - 1)] for _ in range(b)]
         rows, cols = wanted.nonzero(as_tuple=True)
-        for r, c, vals, idx in zip(rows.tolist(), cols.tolist(), torch.cat(top_vals or [torch.empty(0, top_k)]).tolist(),
+        all_vals = torch.cat(top_vals or [torch.empty(0, top_k)]).tolist()
+        for r, c, vals, idx in zip(rows.tolist(), cols.tolist(), all_vals,
                                    torch.cat(top_ids or [torch.empty(0, top_k, dtype=torch.long)]).tolist()):
             tops[r][c] = dict(zip(idx, vals))
         return lps, tops

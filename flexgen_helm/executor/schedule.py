@@ -30,7 +30,7 @@ from flexgen_helm.executor.activations import ActivationHome
 from flexgen_helm.executor.attention import attend, attend_as_decode, from_units, to_units
 from flexgen_helm.executor.kv_cache import KVCacheSlot
 from flexgen_helm.memory.copy_engine import CopyEngine, consume
-from flexgen_helm.memory.placement import cumulative_split_count
+from flexgen_helm.memory.placement import slot_tier_counts
 from flexgen_helm.policy.policy import TIERS, Policy
 
 
@@ -61,20 +61,17 @@ class BlockSchedule:
         self.timers = defaultdict(float)
         self.io = CopyEngine(policy.overlap and self._anything_to_overlap(), self.devices.compute, self.timers)
         self.length = 0  # positions in the cache so far
-        nb = len(batches)
-        blocks = [layer for layer in runtime.layers if layer.kind == "block"]
-        self.slots: dict[tuple[int, int], KVCacheSlot] = {}
-        for layer in blocks:
-            for k, batch in enumerate(batches):
-                units = cumulative_split_count(batch.size * self.cfg.num_kv_heads, policy.cache, layer.index * nb + k)
-                self.slots[layer.index, k] = KVCacheSlot(
-                    units, max_len, self.cfg.head_dim, self.devices, runtime.usage,
-                    workdir / f"kv-{layer.index}-{k}.bin", pin=True, compression=policy.compress_cache)
-        self.acts = [
-            ActivationHome(cumulative_split_count(batch.size, policy.activations, k), max_len,
-                           self.cfg.hidden_size, self.devices, runtime.usage, workdir / f"act-{k}.bin")
-            for k, batch in enumerate(batches)
-        ]
+        blocks = [layer.index for layer in runtime.layers if layer.kind == "block"]
+        cache_units = slot_tier_counts(policy.cache, [b.size * self.cfg.num_kv_heads for b in batches], blocks)
+        self.slots: dict[tuple[int, int], KVCacheSlot] = {
+            (index, k): KVCacheSlot(units, max_len, self.cfg.head_dim, self.devices, runtime.usage,
+                                    workdir / f"kv-{index}-{k}.bin", pin=True, compression=policy.compress_cache)
+            for (index, k), units in cache_units.items()}
+        act_rows = slot_tier_counts(policy.activations, [b.size for b in batches])
+        self.acts = [ActivationHome(act_rows[0, k], max_len, self.cfg.hidden_size, self.devices, runtime.usage,
+                                    workdir / f"act-{k}.bin") for k in range(len(batches))]
+        # per-run constants (Llama's rotary tables), for every position this run will reach
+        self.constants = self.family.run_constants(self.cfg, max_len, self.devices.compute, self.devices.dtype)
         self.key_valid = [b.valid.clone() for b in batches]
         self.real_len = [b.valid.sum(1) for b in batches]
         self._weights_ahead = None
@@ -122,6 +119,8 @@ class BlockSchedule:
         return out
 
     def _step(self, inputs, head: HeadFn, prefill: bool) -> list:
+        """One token step: every layer for every GPU batch, each batch's inputs (weights of the
+        next layer, cache, hidden state) loading while the batch before computes."""
         layers, nb, io = self.rt.layers, len(self.batches), self.io
         stage = "prefill" if prefill else "decode"
         results = [None] * nb
@@ -135,39 +134,57 @@ class BlockSchedule:
             # prefetch the next layer (after the last, the first layer of the next step)
             weights = io.submit(self.rt.load_layer, layers[(j + 1) % len(layers)], kind=f"{stage}_load_weight")
             cache = cache_ahead or self._submit_cache_load(layer, 0, prefill)
-            hidden = io.submit(self.acts[0].load, kind=f"{stage}_load_hidden") if layer.kind != "embed" else None
+            hidden = self._submit_hidden_load(layer, 0, stage)
             for k in range(nb):
                 h = self._wait(hidden, "load_hidden") if hidden is not None else None
                 kv = self._wait(cache, "load_cache") if cache is not None else None
                 if k + 1 < nb:  # batch k+1's inputs travel while batch k computes
                     cache = self._submit_cache_load(layer, k + 1, prefill)
-                    hidden = io.submit(self.acts[k + 1].load, kind=f"{stage}_load_hidden") \
-                        if layer.kind != "embed" else None
+                    hidden = self._submit_hidden_load(layer, k + 1, stage)
                 else:  # the next layer's first cache travels while the last batch computes (its
                     # hidden state cannot: this layer's compute makes it)
                     cache_ahead = self._submit_cache_load(layers[j + 1], 0, prefill) if j + 1 < len(layers) else None
-                ids, positions = inputs[k]
-                t0 = time.perf_counter()
-                if layer.kind == "embed":
-                    h = self.family.embed(self.cfg, w, ids.to(self.devices.compute), positions.to(self.devices.compute))
-                elif layer.kind == "block":
-                    h, new_kv = self._block(layer.index, k, w, h, kv, positions, prefill)
+                out, new_kv = self._run_layer(layer, k, w, h, kv, inputs[k], head, prefill)
+                if layer.kind == "head":
+                    results[k] = out
                 else:
-                    results[k] = head(k, w, h)
-                if self.devices.is_cuda:
-                    torch.cuda.current_stream().synchronize()
-                elapsed = time.perf_counter() - t0
-                self.timers["compute"] += elapsed
-                self.timers[f"{stage}_compute"] += elapsed
-                if layer.kind == "block":
-                    io.submit(self.slots[layer.index, k].write, *new_kv, kind=f"{stage}_store_cache")
-                if layer.kind != "head":
-                    io.submit(self.acts[k].store, h, kind=f"{stage}_store_hidden")
+                    self._submit_stores(layer, k, out, new_kv, stage)
             del w
         self._weights_ahead = weights
         if layers[-1].kind != "head":
             results = [self._wait(io.submit(a.load, kind=f"{stage}_load_hidden"), "load_hidden") for a in self.acts]
         return results
+
+    def _submit_hidden_load(self, layer, k: int, stage: str):
+        """A future for batch k's hidden state (None before the embedding: it reads token ids)."""
+        if layer.kind == "embed":
+            return None
+        return self.io.submit(self.acts[k].load, kind=f"{stage}_load_hidden")
+
+    def _run_layer(self, layer, k: int, w: dict, h, kv, batch_input, head: HeadFn, prefill: bool):
+        """One layer for GPU batch k, timed as compute: its output (the hidden state, or what
+        the head makes of it) and, for a block, the new positions' keys and values."""
+        ids, positions = batch_input
+        new_kv = None
+        t0 = time.perf_counter()
+        if layer.kind == "embed":
+            out = self.family.embed(self.cfg, w, ids.to(self.devices.compute), positions.to(self.devices.compute))
+        elif layer.kind == "block":
+            out, new_kv = self._block(layer.index, k, w, h, kv, positions, prefill)
+        else:
+            out = head(k, w, h)
+        if self.devices.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        elapsed = time.perf_counter() - t0
+        self.timers["compute"] += elapsed
+        self.timers[f"{'prefill' if prefill else 'decode'}_compute"] += elapsed
+        return out, new_kv
+
+    def _submit_stores(self, layer, k: int, hidden: torch.Tensor, new_kv, stage: str) -> None:
+        """Batch k's new cache positions (of a block) and hidden state go to their tiers."""
+        if layer.kind == "block":
+            self.io.submit(self.slots[layer.index, k].write, *new_kv, kind=f"{stage}_store_cache")
+        self.io.submit(self.acts[k].store, hidden, kind=f"{stage}_store_hidden")
 
     def _wait(self, future, what: str):
         t0 = time.perf_counter()
@@ -207,7 +224,7 @@ class BlockSchedule:
         cfg = self.cfg
         compute = self.devices.compute
         positions = positions.to(compute)
-        q, key, value = self.family.qkv(cfg, w, h, positions)
+        q, key, value = self.family.qkv(cfg, w, h, positions, self.constants)
         b, kvh, s, d = key.shape
         qu = to_units(q, kvh)
         ku, vu = key.reshape(b * kvh, s, d), value.reshape(b * kvh, s, d)

@@ -23,7 +23,9 @@ from urllib.error import URLError
 
 from helm.benchmark.adaptation.scenario_state import ScenarioState
 from helm.benchmark.executor import Executor
+from helm.benchmark.metrics.metric_service import MetricService
 from helm.benchmark.runner import Runner
+from helm.benchmark.window_services.tokenizer_service import TokenizerService
 from helm.common.hierarchical_logger import hlog, htrack_block
 
 from flexgen_helm.errors import DataUnreachableError
@@ -40,6 +42,10 @@ class BatchingExecutor(Executor):
         from flexgen_helm.helm.client import FlexGenClient
 
         auto_client = getattr(self.context, "client", None)  # LocalContext's AutoClient
+        # AutoClient has no public way to reach the client it routes a deployment's requests
+        # to, and the prefetched results must land in that very client: its private
+        # _get_client (crfm-helm 0.5.12-0.5.16) is the only way in. Checked, so that a HELM
+        # without it runs the requests one by one instead of failing.
         if auto_client is None or not hasattr(auto_client, "_get_client"):
             hlog("flexgen: no local AutoClient (remote server?); requests go one by one")
             return
@@ -89,10 +95,13 @@ class BatchingRunner(Runner):
 
     def __init__(self, execution_spec, *args, **kwargs):
         super().__init__(execution_spec, *args, **kwargs)
-        # Same executor object, batching class: HELM's tokenizer and metric services were
-        # built on this executor's context, and the clients (with their prefetched
-        # results) live in that context, so it must stay the one and only.
-        self.executor.__class__ = self.executor_class
+        # HELM's Runner builds a plain Executor, with no hook to choose its class: build ours,
+        # and on its context again the two services HELM built on the first one (tokenizer,
+        # metrics), so that one context serves the whole run (the clients, with their
+        # prefetched results, live in it).
+        self.executor = self.executor_class(execution_spec)
+        self.tokenizer_service = TokenizerService(self.executor.context)
+        self.metric_service = MetricService(self.executor.context)
 
     def run_one(self, run_spec):
         try:
@@ -106,7 +115,7 @@ class BatchingRunner(Runner):
                 f"reach its source. Run it where the source is reachable, or place the files HELM downloads "
                 f"under {os.path.join(self.output_path, 'scenarios')}/<scenario name>/ first."
             ) from e
-        run_path = self._get_run_path(run_spec)
+        run_path = os.path.join(self.runs_path, run_spec.name)  # where HELM's Runner writes the run
         if os.path.exists(os.path.join(run_path, "scenario_state.json")):
             summary = accounting.summarize_run(run_path)
             with open(os.path.join(run_path, "flexgen_padding.json"), "w") as f:

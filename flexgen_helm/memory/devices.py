@@ -8,6 +8,10 @@ import torch
 
 from flexgen_helm.errors import FlexGenError
 
+# The compute dtypes, by the names that flags, manifests and profiles use
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
 
 @dataclass(frozen=True)
 class Devices:
@@ -38,10 +42,9 @@ def pick_devices(device: str | None = None, dtype: str | None = None) -> Devices
         raise FlexGenError(f"device {device!r} asked for, but torch sees no CUDA GPU on this machine")
     if dtype is None:
         dtype = default_dtype(dev)
-    names = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-    if dtype not in names:
-        raise FlexGenError(f"dtype {dtype!r} is not one of {', '.join(names)}")
-    return Devices(dev, names[dtype])
+    if dtype not in DTYPES:
+        raise FlexGenError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    return Devices(dev, DTYPES[dtype])
 
 
 def default_dtype(device: torch.device) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,3 @@ class ModelConfig:
     @property
     def rope_scaling_dict(self) -> dict:
         return dict(self.rope_scaling)
-
-    def with_(self, **changes) -> "ModelConfig":
-        return replace(self, **changes)

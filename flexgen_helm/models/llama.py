@@ -7,6 +7,7 @@ grouped-query attention, tied or untied embeddings, optional q/k/v biases (Qwen2
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -127,11 +128,24 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
-def _rotary(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype):
-    inv = inverse_frequencies(cfg).to(positions.device)
-    angles = positions.float()[..., None] * inv  # (b, s, d/2)
-    angles = torch.cat((angles, angles), dim=-1)[:, None]  # (b, 1, s, d)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+@dataclass(frozen=True)
+class Rotary:
+    """cos and sin of the rotation angles of every position of a run, (max_len, head_dim):
+    built once per schedule (as gpt-fast's setup_caches), indexed by position at each step."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (b, 1, s, head_dim) cos and sin for (b, s) positions."""
+        return self.cos[positions][:, None], self.sin[positions][:, None]
+
+
+def run_constants(cfg: ModelConfig, max_len: int, device: torch.device, dtype: torch.dtype) -> Rotary:
+    inv = inverse_frequencies(cfg).to(device)
+    angles = torch.arange(max_len, device=device).float()[:, None] * inv  # (max_len, d/2)
+    angles = torch.cat((angles, angles), dim=-1)
+    return Rotary(angles.cos().to(dtype), angles.sin().to(dtype))
 
 
 def _heads(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -139,13 +153,13 @@ def _heads(x: torch.Tensor, n: int) -> torch.Tensor:
     return x.view(b, s, n, -1).transpose(1, 2)
 
 
-def qkv(cfg: ModelConfig, w: dict, h: torch.Tensor, positions: torch.Tensor):
+def qkv(cfg: ModelConfig, w: dict, h: torch.Tensor, positions: torch.Tensor, rotary: Rotary):
     x = _rms_norm(cfg, w["attn_norm.weight"], h)
     q = linear(x, w["q_proj.weight"], w.get("q_proj.bias"))
     k = linear(x, w["k_proj.weight"], w.get("k_proj.bias"))
     v = linear(x, w["v_proj.weight"], w.get("v_proj.bias"))
     q, k, v = _heads(q, cfg.num_heads), _heads(k, cfg.num_kv_heads), _heads(v, cfg.num_kv_heads)
-    cos, sin = _rotary(cfg, positions, q.dtype)
+    cos, sin = rotary.at(positions)
     return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
 

@@ -125,7 +125,12 @@ def _heads(x: torch.Tensor, n: int) -> torch.Tensor:
     return x.view(b, s, n, -1).transpose(1, 2)
 
 
-def qkv(cfg: ModelConfig, w: dict, h: torch.Tensor, positions: torch.Tensor):
+def run_constants(cfg: ModelConfig, max_len: int, device: torch.device, dtype: torch.dtype) -> None:
+    """None: learned positions are weights of the embedding layer."""
+    return None
+
+
+def qkv(cfg: ModelConfig, w: dict, h: torch.Tensor, positions: torch.Tensor, constants: None):
     x = _norm(cfg, w, "attn_norm", h) if cfg.do_layer_norm_before else h
     q = linear(x, w["q_proj.weight"], w["q_proj.bias"])
     k = linear(x, w["k_proj.weight"], w["k_proj.bias"])

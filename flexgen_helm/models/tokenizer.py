@@ -71,7 +71,8 @@ def byte_standin_tokenizer(cfg: ModelConfig):
     vocab = {t: i for i, t in enumerate(_STANDIN_SPECIALS)}
     vocab.update({ch: len(_STANDIN_SPECIALS) + i for i, ch in enumerate(alphabet)})
     if len(vocab) > cfg.vocab_size:
-        raise ModelNotFoundError(f"{cfg.name}: vocabulary of {cfg.vocab_size} is too small for the byte stand-in tokenizer")
+        raise ModelNotFoundError(
+            f"{cfg.name}: vocabulary of {cfg.vocab_size} is too small for the byte stand-in tokenizer")
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()

@@ -17,8 +17,8 @@ def search_for(cfg: ModelConfig, prompt_len: int, gen_len: int, budgets: dict | 
     profile is saved."""
     profile = load_or_profile(profile_path, offload_dir=offload_dir)
     b = {k: parse_size(v) if isinstance(v, str) else v for k, v in (budgets or {}).items()}
-    return search(cfg, profile, prompt_len, gen_len, default_budgets(profile, b.get("gpu"), b.get("cpu"), b.get("disk")),
-                  options, dtype=dtype)
+    budget = default_budgets(profile, b.get("gpu"), b.get("cpu"), b.get("disk"))
+    return search(cfg, profile, prompt_len, gen_len, budget, options, dtype=dtype)
 
 
 def options_from_args(args) -> SearchOptions:

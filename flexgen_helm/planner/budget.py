@@ -9,7 +9,7 @@ import torch
 
 from flexgen_helm.errors import PolicyError
 from flexgen_helm.executor.kv_cache import cache_nbytes
-from flexgen_helm.memory.placement import place_weights
+from flexgen_helm.memory.placement import place_weights, slot_tier_counts, tier_totals
 from flexgen_helm.memory.weight_homes import segment_nbytes
 from flexgen_helm.models import family_of
 from flexgen_helm.models.config import ModelConfig
@@ -24,12 +24,14 @@ def planned_components(cfg: ModelConfig, policy: Policy, max_len: int, dtype: to
     transient buffers."""
     elt = torch.empty((), dtype=dtype).element_size()
     weights = dict(_weight_bytes(cfg, policy.weights, policy.compress_weight, dtype))
-    units = policy.block_size * cfg.num_kv_heads  # per layer, over the block
-    cache = {t: 2 * cfg.num_layers * cache_nbytes(max_len, round(units * getattr(policy.cache, t)), cfg.head_dim,
-                                                  dtype, policy.compress_cache) for t in TIERS}
-    act = policy.block_size * (act_len or max_len) * cfg.hidden_size * elt
-    return {"weights": weights, "cache": cache,
-            "activations": {t: int(act * getattr(policy.activations, t)) for t in TIERS}}
+    batches = [policy.gpu_batch_size] * policy.num_gpu_batches
+    # as the schedule splits them (executor/schedule.py): slot by slot, rounding carried over
+    units = tier_totals(slot_tier_counts(policy.cache, [b * cfg.num_kv_heads for b in batches], range(cfg.num_layers)))
+    rows = tier_totals(slot_tier_counts(policy.activations, batches))
+    # K and V; a unit's rows are stored (and quantized) on their own, so bytes add up over slots
+    cache = {t: 2 * cache_nbytes(max_len, units[t], cfg.head_dim, dtype, policy.compress_cache) for t in TIERS}
+    row_bytes = (act_len or max_len) * cfg.hidden_size * elt
+    return {"weights": weights, "cache": cache, "activations": {t: rows[t] * row_bytes for t in TIERS}}
 
 
 @functools.lru_cache(maxsize=256)  # the policy search asks for the same few placements many times

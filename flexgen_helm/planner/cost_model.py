@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flexgen_helm.executor.kv_cache import cache_nbytes
+from flexgen_helm.memory.devices import DTYPES
 from flexgen_helm.memory.placement import place_weights
 from flexgen_helm.memory.weight_homes import segment_nbytes
 from flexgen_helm.models import family_of
@@ -51,7 +52,6 @@ from flexgen_helm.models.spec import LayerSpec, TensorSpec
 from flexgen_helm.planner.budget import planned_components
 from flexgen_helm.planner.hardware_profile import HardwareProfile
 from flexgen_helm.policy.policy import TIERS, Compression, Policy
-from flexgen_helm.weights.store import DTYPES
 
 TERMS = ("cpu_gpu", "gpu_cpu", "disk_cpu", "cpu_disk", "compute")
 PHASES = ("prefill", "decode")
@@ -190,7 +190,8 @@ def _with_numels(layer: LayerSpec, lw: LayerWeights, compressed: bool) -> LayerW
 class CostModel:
     """The cost of running `cfg` on this hardware for this workload, under any policy."""
 
-    def __init__(self, cfg: ModelConfig, profile: HardwareProfile, workload: Workload, dtype: torch.dtype | None = None):
+    def __init__(self, cfg: ModelConfig, profile: HardwareProfile, workload: Workload,
+                 dtype: torch.dtype | None = None):
         self.cfg, self.hw, self.work = cfg, profile, workload
         self.dtype = dtype or DTYPES[profile.dtype]
         self.elt = torch.empty((), dtype=self.dtype).element_size()
@@ -205,9 +206,16 @@ class CostModel:
         self._weights_cache: dict = {}
         self._memo: dict = {}
 
-    # one layer, one phase: seconds per term
     def layer_terms(self, layer: LayerSpec, lw: LayerWeights, policy: Policy, fr: Fractions, phase: str
                     ) -> dict[str, float]:
+        """One layer, one phase: seconds per term."""
+        work, reads = self._layer_work(layer, lw, policy, fr, phase)
+        return self._seconds(work, reads, policy, phase)
+
+    def _layer_work(self, layer: LayerSpec, lw: LayerWeights, policy: Policy, fr: Fractions, phase: str
+                    ) -> tuple[dict[str, float], float]:
+        """Bytes per link and compute seconds of one layer in one phase, and how many separate
+        disk reads it makes (each pays the disk's latency)."""
         cfg, hw, elt = self.cfg, self.hw, self.elt
         gbs, nb = policy.gpu_batch_size, policy.num_gpu_batches
         _, c, h = fr.splits()
@@ -246,13 +254,17 @@ class CostModel:
 
         if layer.kind == "block":
             self._attention_and_cache(b, policy, c, gbs, nb, tokens, prefill)
+        # linear in the fractions, as the LP needs
+        reads = lw.disk_reads + loads * h["disk"] + (nb * 2 * c["disk"] if layer.kind == "block" and not prefill else 0)
+        return b, reads
 
-        # bytes -> seconds
+    def _seconds(self, b: dict[str, float], reads: float, policy: Policy, phase: str) -> dict[str, float]:
+        """Bytes per link -> seconds at the profiled rates, with the CPU-only machine's copies
+        taking turns with compute, and the refit's scale of each term."""
+        hw, cuda = self.hw, self.hw.is_cuda
         mem = hw.memcpy_bytes_per_s
         h2d = (hw.h2d_pinned_bytes_per_s if policy.pin_weight else hw.h2d_pageable_bytes_per_s) if cuda else mem
         d2h = hw.d2h_pinned_bytes_per_s if cuda else mem
-        # separate disk reads, each paying the latency (linear in the fractions, as the LP needs)
-        reads = lw.disk_reads + loads * h["disk"] + (nb * 2 * c["disk"] if layer.kind == "block" and not prefill else 0)
         out = {
             "cpu_gpu": b["cpu_gpu"] / h2d,
             "gpu_cpu": b["gpu_cpu"] / d2h,

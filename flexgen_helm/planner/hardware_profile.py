@@ -8,6 +8,7 @@ executor's `attend`, dequantization through compression.dequantize."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from flexgen_helm.memory.devices import DTYPE_NAMES
 from flexgen_helm.memory.machine import machine_info, machine_label, same_machine
 from flexgen_helm.weights.registry import default_cache_dir
 
@@ -109,7 +111,8 @@ class HardwareProfile:
         devices = {}
         for name, s in d.pop("devices", {}).items():
             s = dict(s)
-            s["matmul_flops"] = {dt: {int(m): float(f) for m, f in t.items()} for dt, t in s.get("matmul_flops", {}).items()}
+            s["matmul_flops"] = {dt: {int(m): float(f) for m, f in t.items()}
+                                 for dt, t in s.get("matmul_flops", {}).items()}
             devices[name] = DeviceSpeeds(**s)
         known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
         return cls(devices=devices or {"cpu": DeviceSpeeds()}, **known)
@@ -184,70 +187,87 @@ def _timed(fn, min_s: float = 0.4, min_reps: int = 5, sync=None) -> float:
 
 def measure_device(device: torch.device, dtype: torch.dtype) -> DeviceSpeeds:
     from flexgen_helm.compression import dequantize, quantize
-    from flexgen_helm.executor.attention import attend
     from flexgen_helm.policy.policy import Compression
 
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     speeds = DeviceSpeeds()
-    out_f, in_f = MATMUL_SHAPE
     for dt, rows_list in ((dtype, MATMUL_ROWS), (torch.float32, MATMUL_ROWS_FP32)):
-        name = str(dt).replace("torch.", "")
-        if name in speeds.matmul_flops:
-            continue
-        # Decode-sized products stream their weight from memory, as a real layer's do: cycle
-        # through weights larger than any CPU cache together, or a cached weight flatters them.
-        ws = [torch.randn(out_f, in_f, device=device).to(dt) for _ in range(STREAMED_WEIGHTS)]
-        table = {}
-        for rows in rows_list:
-            x = torch.randn(rows, in_f, device=device).to(dt)
-            group = ws if rows <= MAX_STREAMED_ROWS else ws[:1]
+        if DTYPE_NAMES[dt] not in speeds.matmul_flops:  # the engine dtype may be float32 itself
+            speeds.matmul_flops[DTYPE_NAMES[dt]] = _matmul_flops(device, dt, rows_list, sync)
+    speeds.attn_prefill_flops, speeds.attn_decode_bytes_per_s = _attention_speeds(device, dtype, sync)
 
-            def run():
-                for w in group:
-                    F.linear(x, w)
+    out_f, in_f = MATMUL_SHAPE
+    wq = quantize(torch.randn(out_f, in_f, device=device).to(dtype), Compression(4, 64), 0)
+    speeds.dequant_elems_per_s = out_f * in_f / _timed(lambda: dequantize(wq, dtype), sync=sync)
+    speeds.elementwise_elems_per_s = _elementwise_elems_per_s(device, dtype, sync)
+    tiny_x, tiny_w = torch.randn(1, 64, device=device).to(dtype), torch.randn(64, 64, device=device).to(dtype)
+    speeds.op_latency_s = _timed(lambda: F.linear(tiny_x, tiny_w), min_reps=200, sync=sync)
+    return speeds
 
-            table[rows] = 2 * rows * in_f * out_f * len(group) / _timed(run, sync=sync)
-        speeds.matmul_flops[name] = table
-        del ws
 
-    # attention as the executor runs it (`attend`: fused, in the engine dtype), at OPT-1.3B-like head sizes
+def _cycled_linears(x: torch.Tensor, weights: list[torch.Tensor], n: int) -> None:
+    """n linear layers on x, cycling through the weights."""
+    for i in range(n):
+        F.linear(x, weights[i % len(weights)])
+
+
+def _matmul_flops(device: torch.device, dtype: torch.dtype, rows_list, sync) -> dict[int, float]:
+    """FLOP/s of a MATMUL_SHAPE linear layer, by the number of rows multiplied."""
+    out_f, in_f = MATMUL_SHAPE
+    # Decode-sized products stream their weight from memory, as a real layer's do: cycle
+    # through weights larger than any CPU cache together, or a cached weight flatters them.
+    ws = [torch.randn(out_f, in_f, device=device).to(dtype) for _ in range(STREAMED_WEIGHTS)]
+    table = {}
+    for rows in rows_list:
+        x = torch.randn(rows, in_f, device=device).to(dtype)
+        group = ws if rows <= MAX_STREAMED_ROWS else ws[:1]
+        table[rows] = 2 * rows * in_f * out_f * len(group) / _timed(functools.partial(_linears, x, group), sync=sync)
+    return table
+
+
+def _linears(x: torch.Tensor, weights: list[torch.Tensor]) -> None:
+    for w in weights:
+        F.linear(x, w)
+
+
+def _attention_speeds(device: torch.device, dtype: torch.dtype, sync) -> tuple[float, float]:
+    """Attention as the executor runs it (`attend`: fused, in the engine dtype), at
+    OPT-1.3B-like head sizes: a prefill's FLOP/s, and a decode step's cache bytes read per second."""
+    from flexgen_helm.executor.attention import attend
+
     units, s, d = 16, 512, 64
     q = torch.randn(units, 1, s, d, device=device).to(dtype)
     k = torch.randn(units, s, d, device=device).to(dtype)
     valid = torch.ones(units, s, dtype=torch.bool, device=device)
-    speeds.attn_prefill_flops = 4 * units * s * s * d / _timed(lambda: attend(q, k, k, valid, causal=True), sync=sync)
+    prefill_flops = 4 * units * s * s * d / _timed(lambda: attend(q, k, k, valid, causal=True), sync=sync)
 
     units, t = 256, 512
     kc = torch.randn(t, units, d, device=device).to(dtype)  # the cache's sequence-major layout
     k1 = torch.randn(units, 1, d, device=device).to(dtype)
     q1 = torch.randn(units, 1, 1, d, device=device).to(dtype)
-    valid = torch.ones(units, t + 1, dtype=torch.bool, device=device)
+    valid_t = torch.ones(units, t + 1, dtype=torch.bool, device=device)
 
     def decode_attention():  # what the schedule does per tier: join the new key, attend
         keys = torch.cat([kc.transpose(0, 1), k1], dim=1)
         values = torch.cat([kc.transpose(0, 1), k1], dim=1)
-        return attend(q1, keys, values, valid, causal=False)
+        return attend(q1, keys, values, valid_t, causal=False)
 
     cache_bytes = 2 * t * units * d * kc.element_size()
-    speeds.attn_decode_bytes_per_s = cache_bytes / _timed(decode_attention, sync=sync)
+    return prefill_flops, cache_bytes / _timed(decode_attention, sync=sync)
 
-    wq = quantize(torch.randn(out_f, in_f, device=device).to(dtype), Compression(4, 64), 0)
-    speeds.dequant_elems_per_s = out_f * in_f / _timed(lambda: dequantize(wq, dtype), sync=sync)
 
-    # a prefill's activations (1024 rows x an 8192-wide MLP: bigger than a CPU's caches)
+def _elementwise_elems_per_s(device: torch.device, dtype: torch.dtype, sync) -> float:
+    """Elements per second of the kinds of pass a block makes (an activation, an add, a
+    copy), over a prefill's activations (1024 rows x an 8192-wide MLP: bigger than a CPU's caches)."""
     a, b = torch.randn(1024, 8192, device=device).to(dtype), torch.randn(1024, 8192, device=device).to(dtype)
     out = torch.empty_like(a)
 
-    def elementwise():  # the kinds of pass a block makes: an activation, an add, a copy
+    def elementwise():
         torch.clamp_min(a, 0, out=out)  # what relu runs
         torch.add(a, b, out=out)
         out.copy_(b)
 
-    speeds.elementwise_elems_per_s = 3 * a.numel() / _timed(elementwise, sync=sync)
-
-    tiny_x, tiny_w = torch.randn(1, 64, device=device).to(dtype), torch.randn(64, 64, device=device).to(dtype)
-    speeds.op_latency_s = _timed(lambda: F.linear(tiny_x, tiny_w), min_reps=200, sync=sync)
-    return speeds
+    return 3 * a.numel() / _timed(elementwise, sync=sync)
 
 
 def _bandwidth(src: torch.Tensor, dst: torch.Tensor, sync=None) -> float:
@@ -306,11 +326,7 @@ def measure_disk_overlap_loss(offload_dir: Path, dtype: torch.dtype, seconds: fl
         for phase, rows in OVERLAP_ROWS.items():
             x = torch.randn(rows, MATMUL_SHAPE[1]).to(dtype)
             ws = [torch.randn(MATMUL_SHAPE).to(dtype) for _ in range(1 if rows > MAX_STREAMED_ROWS else 8)]
-
-            def linears(n: int) -> None:
-                for i in range(n):
-                    F.linear(x, ws[i % len(ws)])
-
+            linears = functools.partial(_cycled_linears, x, ws)
             n_mm = _count_for(linears, seconds)
             n_rd = _count_for(reads, seconds)
             c, d = _elapsed(linears, n_mm), _elapsed(reads, n_rd)
@@ -354,7 +370,7 @@ def measure(offload_dir: str | os.PathLike | None = None, device: str | None = N
     # (a 4-bit (4096, 2048) weight dequantized at 0.4-0.5 G elements/s instead of 0.9)
     keep_freed_host_memory()
     offload = Path(offload_dir) if offload_dir else default_offload_dir()
-    prof = HardwareProfile(compute_device=devs.compute.type, dtype=str(devs.dtype).replace("torch.", ""))
+    prof = HardwareProfile(compute_device=devs.compute.type, dtype=DTYPE_NAMES[devs.dtype])
     prof.devices = {"cpu": measure_device(torch.device("cpu"), devs.dtype)}
     if devs.is_cuda:
         prof.devices["cuda"] = measure_device(devs.compute, devs.dtype)
@@ -409,8 +425,10 @@ def describe(p: HardwareProfile) -> str:
                      f"{s.dequant_elems_per_s / 1e9:.2f} G elements/s; op latency {s.op_latency_s * 1e6:.1f} us")
     lines.append(f"memcpy {p.memcpy_bytes_per_s / gb:.2f} GB/s")
     if p.is_cuda:
-        lines.append(f"host->gpu pinned {p.h2d_pinned_bytes_per_s / gb:.2f}, pageable {p.h2d_pageable_bytes_per_s / gb:.2f}; "
-                     f"gpu->host pinned {p.d2h_pinned_bytes_per_s / gb:.2f}, pageable {p.d2h_pageable_bytes_per_s / gb:.2f} GB/s")
+        lines.append(f"host->gpu pinned {p.h2d_pinned_bytes_per_s / gb:.2f}, "
+                     f"pageable {p.h2d_pageable_bytes_per_s / gb:.2f}; "
+                     f"gpu->host pinned {p.d2h_pinned_bytes_per_s / gb:.2f}, "
+                     f"pageable {p.d2h_pageable_bytes_per_s / gb:.2f} GB/s")
     lines.append(f"disk ({p.offload_dir}, page cache bypassed): read {p.disk_read_bytes_per_s / gb:.2f} GB/s, "
                  f"write {p.disk_write_bytes_per_s / gb:.2f} GB/s, 4 KiB read {p.disk_read_latency_s * 1e3:.2f} ms")
     if p.disk_overlap_loss:

@@ -161,8 +161,8 @@ def solve_lp(model: CostModel, policy: Policy, budgets: Budgets, max_latency_s: 
             a[NF + p * layers + layer] = -1.0  # term <= epigraph variable of this layer
             a_ub.append(a)
             b_ub.append(-c)
-    for k, (name, weights, limit) in enumerate(mem_constraints):
-        for p, phase in enumerate(PHASES):
+    for k, (_name, weights, limit) in enumerate(mem_constraints):
+        for p in range(len(PHASES)):
             a = np.zeros(nvar)
             const = 0.0
             for tier, w in weights.items():

@@ -92,7 +92,8 @@ class Policy:
     def from_percent(cls, percent, **kwargs) -> "Policy":
         """FlexGen's `--percent`: six numbers, weights gpu/cpu, cache gpu/cpu, activations gpu/cpu."""
         if len(percent) != 6:
-            raise PolicyError(f"--percent takes six numbers (weights, cache, activations: gpu then cpu), got {len(percent)}")
+            raise PolicyError("--percent takes six numbers (weights, cache, activations: gpu then cpu), "
+                              f"got {len(percent)}")
         for p in percent:
             if not 0 <= p <= 100:
                 raise PolicyError(f"--percent values must be within 0..100, got {p}")

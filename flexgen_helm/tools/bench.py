@@ -10,7 +10,7 @@ import torch
 
 from flexgen_helm.dist.launch import engine_class, is_reporting_rank
 from flexgen_helm.executor.sampling import SamplingParams
-from flexgen_helm.memory.devices import pick_devices
+from flexgen_helm.memory.devices import DTYPE_NAMES, pick_devices
 from flexgen_helm.memory.machine import machine_info
 from flexgen_helm.memory.usage import process_disk_read_bytes
 from flexgen_helm.planner.budget import check_budgets, parse_size, planned_bytes
@@ -69,7 +69,7 @@ def run_bench(args, policy: Policy) -> dict:
         "label": getattr(args, "label", None),
         "model": cfg.name,
         "dummy": args.dummy,
-        "dtype": str(devices.dtype).replace("torch.", ""),
+        "dtype": DTYPE_NAMES[devices.dtype],
         "device": str(devices.compute),
         "prompt_len": args.prompt_len,
         "gen_len": args.gen_len,

@@ -30,10 +30,11 @@ from tqdm import tqdm
 from flexgen_helm.compression.int4 import PackedInt4, device_refusal, packed_rows
 from flexgen_helm.compression.quantize import QuantizedTensor
 from flexgen_helm.compression.stored import Stored, encode, weight_groups, weight_layout
+from flexgen_helm.memory.devices import DTYPE_NAMES
 from flexgen_helm.models.spec import TensorSpec
 from flexgen_helm.policy.policy import Compression
 from flexgen_helm.weights.convert import atomic_write, disk_errors, write_tensor_file
-from flexgen_helm.weights.store import DTYPE_NAMES, ELEMENT_DTYPE_NAMES, FORMAT, MANIFEST, TensorStore
+from flexgen_helm.weights.store import ELEMENT_DTYPE_NAMES, FORMAT, MANIFEST, TensorStore
 
 # 2: weights group along dim 1 by default, and 4-bit ones may be stored in a kernel layout.
 FORMAT_VERSION = 2

@@ -23,9 +23,10 @@ import torch
 from tqdm import tqdm
 
 from flexgen_helm.errors import FlexGenError, OffloadDirError
+from flexgen_helm.memory.devices import DTYPES
 from flexgen_helm.models.config import ModelConfig
 from flexgen_helm.weights.source import WeightSource
-from flexgen_helm.weights.store import DTYPES, FORMAT, MANIFEST, tensor_file_name
+from flexgen_helm.weights.store import FORMAT, MANIFEST, tensor_file_name
 
 JOURNAL = ".convert-journal.jsonl"
 _CHUNK = 64 << 20
@@ -80,7 +81,8 @@ def _convert(source: WeightSource, out_dir: str | os.PathLike, dtype: str, progr
     elif previous is not None and previous.get("complete"):
         raise OffloadDirError(
             f"{out} already holds a converted store of another model or dtype "
-            f"({previous.get('config', {}).get('name')}, {previous.get('dtype')}); choose another directory or delete it"
+            f"({previous.get('config', {}).get('name')}, {previous.get('dtype')}); "
+            "choose another directory or delete it"
         )
     candidates = {**(previous or {}).get("tensors", {}), **_journal_entries(out / JOURNAL, header)}
 
@@ -94,7 +96,8 @@ def _convert(source: WeightSource, out_dir: str | os.PathLike, dtype: str, progr
     _check_free_space(out, sum(nbytes[n] for n in todo))
 
     with disk_errors(out):
-        atomic_write(out / JOURNAL, "".join(json.dumps(x) + "\n" for x in [header, *({n: e} for n, e in entries.items())]))
+        lines = [header, *({n: e} for n, e in entries.items())]
+        atomic_write(out / JOURNAL, "".join(json.dumps(x) + "\n" for x in lines))
         journal = open(out / JOURNAL, "a")
     with journal, tqdm(total=sum(nbytes.values()), initial=sum(nbytes[n] for n in entries), unit="B",
                        unit_scale=True, unit_divisor=1024, desc=f"convert {source.config.name}",
@@ -143,12 +146,15 @@ def _journal_entries(path: Path, header: dict) -> dict:
 
 
 def _sizes_ok(out: Path, tensors: dict) -> bool:
-    return all((out / e["file"]).is_file() and (out / e["file"]).stat().st_size == e["nbytes"] for e in tensors.values())
+    return all((out / e["file"]).is_file() and (out / e["file"]).stat().st_size == e["nbytes"]
+               for e in tensors.values())
 
 
 def _intact(out: Path, entry: dict, nbytes: int, dtype: str) -> bool:
     path = out / entry["file"]
-    if entry.get("dtype") != dtype or entry.get("nbytes") != nbytes or not path.is_file() or path.stat().st_size != nbytes:
+    if entry.get("dtype") != dtype or entry.get("nbytes") != nbytes:
+        return False
+    if not path.is_file() or path.stat().st_size != nbytes:
         return False
     h = hashlib.sha256()
     with open(path, "rb") as f:

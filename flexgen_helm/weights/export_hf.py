@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from flexgen_helm.memory.devices import DTYPE_NAMES
 from flexgen_helm.models.config import ModelConfig
 from flexgen_helm.weights.hf_checkpoint import HF_NAMES
 from flexgen_helm.weights.source import WeightSource, rename
@@ -65,7 +66,7 @@ def export_hf(source: WeightSource, out_dir: str | Path, dtype: torch.dtype = to
         (out / f"shard-{i}.tmp").rename(out / files[i])
     index = {"metadata": {}, "weight_map": {k: files[v] for k, v in weight_map.items()}}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    config = {**hf_config(cfg), "torch_dtype": str(dtype).replace("torch.", "")}
+    config = {**hf_config(cfg), "torch_dtype": DTYPE_NAMES[dtype]}
     (out / "config.json").write_text(json.dumps(config, indent=1))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))

@@ -89,8 +89,10 @@ class GGUFFile(WeightSource):
 
         try:
             return GGUFReader(self.path)
+        # the parser reports a malformed file as whatever it hit (ValueError, struct or numpy
+        # errors, OSError): each is named, with the file
         except Exception as e:
-            raise WeightStoreError(f"{self.path}: not a readable GGUF file ({e})") from e
+            raise WeightStoreError(f"{self.path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
 
     @cached_property
     def _tensors(self) -> dict:

@@ -80,7 +80,8 @@ class HFCheckpoint(WeightSource):
     @property
     def identity(self) -> str:
         files = sorted(set(self._file_of.values()))
-        return f"hf:{self.root.resolve()}:" + ",".join(f"{f.name}/{f.stat().st_size}/{f.stat().st_mtime_ns}" for f in files)
+        stamps = ",".join(f"{f.name}/{f.stat().st_size}/{f.stat().st_mtime_ns}" for f in files)
+        return f"hf:{self.root.resolve()}:" + stamps
 
     def _index_tensors(self) -> dict[str, Path]:
         for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
@@ -103,8 +104,10 @@ class HFCheckpoint(WeightSource):
                     self._open[file] = safe_open(str(file), framework="pt")
                 else:
                     self._open[file] = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+            # safetensors and torch.load report a damaged shard as whatever they hit (SafetensorError,
+            # pickle errors, RuntimeError, OSError): each is named, with the shard
             except Exception as e:
-                raise WeightStoreError(f"{file}: cannot read weight shard ({e})") from e
+                raise WeightStoreError(f"{file}: cannot read weight shard ({type(e).__name__}: {e})") from e
         return self._open[file]
 
     def _candidates(self, store_name: str) -> list[str]:

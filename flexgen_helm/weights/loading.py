@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from flexgen_helm.memory.devices import DTYPE_NAMES
 from flexgen_helm.models import family_of
 from flexgen_helm.models.spec import all_store_tensors
 from flexgen_helm.policy.policy import Compression
@@ -22,7 +23,7 @@ from flexgen_helm.weights.compressed_store import (
 from flexgen_helm.weights.convert import config_to_json, convert
 from flexgen_helm.weights.dummy import DummyWeights
 from flexgen_helm.weights.registry import ResolvedModel, resolve, store_dir_for
-from flexgen_helm.weights.store import DTYPE_NAMES, TensorStore
+from flexgen_helm.weights.store import TensorStore
 
 
 def open_weights(resolved: ResolvedModel, dtype: torch.dtype, offload_dir: Path, needs_disk: bool,

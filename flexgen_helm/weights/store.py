@@ -15,13 +15,12 @@ from pathlib import Path
 import torch
 
 from flexgen_helm.errors import WeightStoreError
+from flexgen_helm.memory.devices import DTYPES
 from flexgen_helm.memory.direct_io import read_bytes
 
 FORMAT = "flexgen-helm-store/1"
 MANIFEST = "manifest.json"
 
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 # Element types a stored tensor may have: the model dtypes, and uint8 / int32 for the packed
 # codes of compressed weights (weights/compressed_store.py; int32: CUDA's int4 tiles).
 ELEMENT_DTYPES = {**DTYPES, "uint8": torch.uint8, "int32": torch.int32}
@@ -68,9 +67,11 @@ class TensorStore:
         try:
             manifest = json.loads(manifest_path.read_text())
         except json.JSONDecodeError as e:
-            raise WeightStoreError(f"{manifest_path}: corrupt manifest ({e}); delete the store and convert again") from e
+            raise WeightStoreError(
+                f"{manifest_path}: corrupt manifest ({e}); delete the store and convert again") from e
         if manifest.get("format") != FORMAT or not manifest.get("complete"):
-            raise WeightStoreError(f"{self.root}: incomplete or foreign store (format {manifest.get('format')!r}); convert again")
+            raise WeightStoreError(
+                f"{self.root}: incomplete or foreign store (format {manifest.get('format')!r}); convert again")
         self.manifest = manifest
         self.config = manifest["config"]
         self.tensors = {
@@ -113,7 +114,8 @@ class TensorStore:
         data = read_bytes(self.root / t.file, start * t.row_bytes, (end - start) * t.row_bytes, bypass_page_cache)
         if verify and (start, end) == (0, t.shape[0]) and sha256_of(data) != t.sha256:
             raise WeightStoreError(
-                f"{self.root / t.file}: checksum mismatch for tensor {t.name}: the file is corrupt; convert the model again"
+                f"{self.root / t.file}: checksum mismatch for tensor {t.name}: the file is corrupt; "
+                "convert the model again"
             )
         out = torch.frombuffer(data, dtype=t.torch_dtype) if len(data) else torch.empty(0, dtype=t.torch_dtype)
         return out.view(end - start, *t.shape[1:])

@@ -8,21 +8,13 @@ the word's tokens).
 
 from __future__ import annotations
 
-import json
 from typing import List, Optional
 
 from helm.benchmark.scenarios.scenario import CORRECT_TAG, TEST_SPLIT, Input, Instance, Output, Reference, Scenario
 
-from flexgen_helm.data.sources import local_file, missing, offline
-
-RELATIVE = "lambada/lambada_openai_test.jsonl"
-
-
-def split_last_word(text: str) -> tuple[str, str]:
-    """(context, last word); the context keeps no trailing space (the model must produce it)."""
-    text = text.rstrip()
-    cut = max(text.rfind(" "), text.rfind("\n"))
-    return text[:cut], text[cut + 1:]
+from flexgen_helm.data.lambada import split_last_word
+from flexgen_helm.data.sources import read_lambada
+from flexgen_helm.helm.scenarios import RUN_ENTRY_HINT
 
 
 class LambadaScenario(Scenario):
@@ -34,23 +26,10 @@ class LambadaScenario(Scenario):
         super().__init__()
         self.path = path
 
-    def _texts(self) -> List[str]:
-        local = local_file(RELATIVE, self.path)
-        if local:
-            with open(local, encoding="utf-8") as f:
-                return [json.loads(line)["text"] for line in f if line.strip()]
-        if offline():
-            raise missing("LAMBADA", RELATIVE)
-        try:
-            import datasets
-
-            return list(datasets.load_dataset("EleutherAI/lambada_openai", "default", split="test")["text"])
-        except Exception as exc:  # any hub failure means: no data here
-            raise missing("LAMBADA", RELATIVE) from exc
-
     def get_instances(self, output_path: str) -> List[Instance]:
+        texts, _ = read_lambada(self.path, hint=RUN_ENTRY_HINT)
         instances = []
-        for i, text in enumerate(self._texts()):
+        for i, text in enumerate(texts):
             context, word = split_last_word(text)
             instances.append(Instance(
                 input=Input(text=context),

@@ -9,8 +9,8 @@ import json
 import os
 from pathlib import Path
 
-from flexgen_helm.evaluation.run import approximations
-from flexgen_helm.tools.accuracy_sweep.plan import PLAN, ROW_BY_NAME, TASKS, json_path
+from flexgen_helm.evaluation.run import TASKS, approximations
+from flexgen_helm.tools.accuracy_sweep.plan import PLAN, ROW_BY_NAME, json_path
 
 # Measured outside the project with transformers (issue 3): context, not our results.
 REFERENCE = [("FP32", "22.55", "0.305"), ("weights 4-bit g64", "32.1-32.6", "0.21"),
@@ -74,12 +74,15 @@ def markdown_table(rows: list[dict]) -> str:
             "WikiText token ppl | Δ ppl | word ppl | bits/byte | tokens/s (L / W) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        scope = "full" if r["scope"] == "full" else f"{r.get('lambada_passages', '—')} passages / {r.get('wikitext_tokens', '—')} tokens"
+        scope = "full" if r["scope"] == "full" else (
+            f"{r.get('lambada_passages', '—')} passages / {r.get('wikitext_tokens', '—')} tokens")
         lines.append(
             f"| {r['label']} | {scope} | {_f(r.get('lambada_accuracy'), '.4f')} | "
-            f"{_f(r.get('lambada_accuracy_delta_points'), '+.2f')} | {_f(r.get('lambada_generation_accuracy'), '.4f')} | "
+            f"{_f(r.get('lambada_accuracy_delta_points'), '+.2f')} | "
+            f"{_f(r.get('lambada_generation_accuracy'), '.4f')} | "
             f"{_f(r.get('lambada_last_word_perplexity'), '.3f')} | {_f(r.get('wikitext_token_perplexity'), '.3f')} | "
-            f"{_f(r.get('wikitext_token_perplexity_delta_pct'), '+.2f%')} | {_f(r.get('wikitext_word_perplexity'), '.3f')} | "
+            f"{_f(r.get('wikitext_token_perplexity_delta_pct'), '+.2f%')} | "
+            f"{_f(r.get('wikitext_word_perplexity'), '.3f')} | "
             f"{_f(r.get('wikitext_bits_per_byte'), '.4f')} | {_f(r.get('lambada_tokens_per_s'), '.0f')} / "
             f"{_f(r.get('wikitext_tokens_per_s'), '.0f')} |")
     return "\n".join(lines)
@@ -113,20 +116,39 @@ def quant_check_text(q: dict | None) -> str:
             + rows)
 
 
+def _metric(runs, task: str, metric: str):
+    """metric(row, scope="lim"): one number of the records, None where that run is absent."""
+    def get(row: str, scope: str = "lim"):
+        return _get(runs, row, scope, task, metric)
+    return get
+
+
 def findings(runs, qc: dict | None = None) -> list[str]:
     """What the numbers say, each sentence computed from the records (absent runs: skipped)."""
+    ppl = _metric(runs, "wikitext", "token_perplexity")
+    acc = _metric(runs, "lambada", "accuracy")
+    gen = _metric(runs, "lambada", "generation_accuracy")
+    return [*_baseline_finding(ppl, acc), *_goal_findings(ppl, acc), *_w4_finding(ppl, acc),
+            *_cache_findings(runs, ppl, acc, gen), *_dim1_finding(ppl), *_grouping_findings(ppl, acc),
+            *_outside_check_finding(qc)]
+
+
+def _baseline_finding(ppl, acc) -> list[str]:
+    if ppl("baseline") is None:
+        return []
+    return [f"Baseline on the reference protocol (first 16384 WikiText tokens, window 1024): token perplexity "
+            f"{ppl('baseline'):.3f}, {100 * (ppl('baseline') / 22.55 - 1):+.1f}% from the reference 22.55 "
+            "(transformers, FP32); LAMBADA accuracy on the first 400 passages "
+            f"{_f(acc('baseline'), '.4f')} (reference 0.305). The engine equals transformers on the same token "
+            "ids (tests/test_transformers_equivalence.py, tests/test_smollm2.py), so a perplexity gap can only "
+            "come from the text preparation, which the reference does not record: e.g. the hub copy of "
+            "WikiText keeps each line's newline and the blank lines, so its first 16384 tokens cover slightly "
+            "different text than the non-empty lines joined with two newlines used here."]
+
+
+def _goal_findings(ppl, acc) -> list[str]:
+    """The 8-bit goal, met or not, per scope where both rows ran."""
     out = []
-    ppl = lambda row, scope="lim": _get(runs, row, scope, "wikitext", "token_perplexity")  # noqa: E731
-    acc = lambda row, scope="lim": _get(runs, row, scope, "lambada", "accuracy")  # noqa: E731
-    if ppl("baseline") is not None:
-        out.append(f"Baseline on the reference protocol (first 16384 WikiText tokens, window 1024): token perplexity "
-                   f"{ppl('baseline'):.3f}, {100 * (ppl('baseline') / 22.55 - 1):+.1f}% from the reference 22.55 "
-                   "(transformers, FP32); LAMBADA accuracy on the first 400 passages "
-                   f"{_f(acc('baseline'), '.4f')} (reference 0.305). The engine equals transformers on the same token "
-                   "ids (tests/test_transformers_equivalence.py, tests/test_smollm2.py), so a perplexity gap can only "
-                   "come from the text preparation, which the reference does not record: e.g. the hub copy of "
-                   "WikiText keeps each line's newline and the blank lines, so its first 16384 tokens cover slightly "
-                   "different text than the non-empty lines joined with two newlines used here.")
     for scope in ("lim", "full"):
         if None in (ppl("int8-g64", scope), ppl("baseline", scope), acc("int8-g64", scope), acc("baseline", scope)):
             continue
@@ -135,13 +157,23 @@ def findings(runs, qc: dict | None = None) -> list[str]:
         ok = abs(dp) <= 1 and abs(da) <= 1
         out.append(f"Goal (8-bit within 1% of baseline perplexity and 1 point of LAMBADA accuracy), scope "
                    f"\"{scope}\": perplexity {dp:+.2f}%, accuracy {da:+.2f} points: {'met' if ok else 'NOT met'}.")
-    if None not in (ppl("w4-g64"), acc("w4-g64")):
-        out.append(f"4-bit weights, g64 along dim 0 (FlexGen's default): WikiText perplexity {ppl('w4-g64'):.3f}, "
-                   f"LAMBADA accuracy {acc('w4-g64'):.4f} (reference: 32.1-32.6 and 0.21). As in FlexGen, every "
-                   "weight with two or more dimensions is quantized, the token embedding and the output head tied to "
-                   "it included; the reference's choice there is not recorded and may explain part of a gap (see the check "
-                   "outside the engine below, which quantizes with and without the embedding).")
-    gen = lambda row: _get(runs, row, "lim", "lambada", "generation_accuracy")  # noqa: E731
+    return out
+
+
+def _w4_finding(ppl, acc) -> list[str]:
+    if None in (ppl("w4-g64"), acc("w4-g64")):
+        return []
+    return [f"4-bit weights, g64 along dim 0 (FlexGen's default): WikiText perplexity {ppl('w4-g64'):.3f}, "
+            f"LAMBADA accuracy {acc('w4-g64'):.4f} (reference: 32.1-32.6 and 0.21). As in FlexGen, every "
+            "weight with two or more dimensions is quantized, the token embedding and the output head tied to "
+            "it included; the reference's choice there is not recorded and may explain part of a gap (see the "
+            "check outside the engine below, which quantizes with and without the embedding)."]
+
+
+def _cache_findings(runs, ppl, acc, gen) -> list[str]:
+    """The compressed cache and sparse attention rows against the row each adds to, and how
+    they are scored."""
+    out = []
     for row, ref, what, reference in (
             ("kv4-g64", "baseline", "4-bit KV cache alone", "25.3 / 0.24"),
             ("w4kv4-g64", "w4-g64", "4-bit KV cache on top of 4-bit weights", "37.8 / 0.17"),
@@ -164,32 +196,42 @@ def findings(runs, qc: dict | None = None) -> list[str]:
                    "score could not show them: the engine, like FlexGen, quantizes the cache when it stores it and "
                    "sparsifies decode attention only, and a prefill attends to fresh keys and values. This is the "
                    "reference's protocol too (cache quantized at every position).")
-    if None not in (ppl("w4-g32-d1"), ppl("baseline")):
-        d0 = f", against {ppl('w4-g32-d0'):.3f} along dim 0" if ppl("w4-g32-d0") is not None else ""
-        out.append(
-            f"4-bit weights in groups of 32 along the input dimension (dim 1): perplexity {ppl('w4-g32-d1'):.3f} vs "
-            f"baseline {ppl('baseline'):.3f} ({100 * (ppl('w4-g32-d1') / ppl('baseline') - 1):+.2f}%){d0}. "
-            "This row is an artifact of the checkpoint, not a property of the method: SmolLM2-135M is published as "
-            "GGUF Q4_1, whose projection weights are stored in blocks of 32 consecutive input-dimension values, each "
-            "as min + code x scale with a 4-bit code; when a block's codes reach 0 and 15 (llama.cpp's plain Q4_1 "
-            "rounding does), a min/max quantizer on exactly those blocks finds the same min and scale and recovers "
-            "every value up to float rounding. What it cannot recover is the token embedding (tied with the output "
-            "head), stored as Q8_0 (8-bit, symmetric).")
-    out += _grouping_findings(ppl, acc)
-    if qc:
-        by = {(r["group_size"], r["group_dim"], r["embedding_quantized"]): r["token_perplexity"] for r in qc["results"]}
-        fp, lossless = by.get((None, None, None)), by.get((32, 1, False))
-        if None not in (fp, lossless):
-            out.append(
-                f"Checked outside the engine (section below): quantizing the projections alone in g32 along dim 1 "
-                f"gives {lossless:.4f} vs {fp:.4f} unquantized ({100 * (lossless / fp - 1):+.3f}%: "
-                + ("lossless, as explained" if abs(lossless / fp - 1) < 1e-3 else "NOT lossless: this GGUF's blocks do "
-                   "not all use the full code range") + ")"
-                + (f"; with the embedding quantized too, {by[(32, 1, True)]:.4f}." if (32, 1, True) in by else "."))
     return out
 
 
-GROUPINGS = (("w4-g64", "g64 dim 0"), ("w4-g32-d0", "g32 dim 0"), ("w4-g64-d1", "g64 dim 1"), ("w4-g32-d1", "g32 dim 1"))
+def _dim1_finding(ppl) -> list[str]:
+    """Why 4-bit weights in g32 along dim 1 lose nothing on this checkpoint."""
+    if None in (ppl("w4-g32-d1"), ppl("baseline")):
+        return []
+    d0 = f", against {ppl('w4-g32-d0'):.3f} along dim 0" if ppl("w4-g32-d0") is not None else ""
+    return [
+        f"4-bit weights in groups of 32 along the input dimension (dim 1): perplexity {ppl('w4-g32-d1'):.3f} vs "
+        f"baseline {ppl('baseline'):.3f} ({100 * (ppl('w4-g32-d1') / ppl('baseline') - 1):+.2f}%){d0}. "
+        "This row is an artifact of the checkpoint, not a property of the method: SmolLM2-135M is published as "
+        "GGUF Q4_1, whose projection weights are stored in blocks of 32 consecutive input-dimension values, each "
+        "as min + code x scale with a 4-bit code; when a block's codes reach 0 and 15 (llama.cpp's plain Q4_1 "
+        "rounding does), a min/max quantizer on exactly those blocks finds the same min and scale and recovers "
+        "every value up to float rounding. What it cannot recover is the token embedding (tied with the output "
+        "head), stored as Q8_0 (8-bit, symmetric)."]
+
+
+def _outside_check_finding(qc: dict | None) -> list[str]:
+    """runs/accuracy/quant_check.py's result: the dim-1 explanation checked outside the engine."""
+    if not qc:
+        return []
+    by = {(r["group_size"], r["group_dim"], r["embedding_quantized"]): r["token_perplexity"] for r in qc["results"]}
+    fp, lossless = by.get((None, None, None)), by.get((32, 1, False))
+    if None in (fp, lossless):
+        return []
+    verdict = ("lossless, as explained" if abs(lossless / fp - 1) < 1e-3
+               else "NOT lossless: this GGUF's blocks do not all use the full code range")
+    embedding = f"; with the embedding quantized too, {by[(32, 1, True)]:.4f}." if (32, 1, True) in by else "."
+    return [f"Checked outside the engine (section below): quantizing the projections alone in g32 along dim 1 "
+            f"gives {lossless:.4f} vs {fp:.4f} unquantized ({100 * (lossless / fp - 1):+.3f}%: {verdict}){embedding}"]
+
+
+GROUPINGS = (("w4-g64", "g64 dim 0"), ("w4-g32-d0", "g32 dim 0"), ("w4-g64-d1", "g64 dim 1"),
+             ("w4-g32-d1", "g32 dim 1"))
 
 
 def _grouping_findings(ppl, acc) -> list[str]:
@@ -228,7 +270,8 @@ flexgen_helm/evaluation/lambada.py and wikitext.py):
 
 - LAMBADA accuracy: greedy argmax equals every token of " " + last word, from one teacher-forced scoring
   pass (equivalent to greedy generation; "acc, greedy generation" measures it by actually generating, which
-  exercises the decode path). Rows with a compressed cache or sparse attention score as decode (see findings). Last-word perplexity: exp of the mean over passages of the NLL of the whole word.
+  exercises the decode path). Rows with a compressed cache or sparse attention score as decode (see findings). \
+Last-word perplexity: exp of the mean over passages of the NLL of the whole word.
 - WikiText-2 test: non-empty lines joined with "\\n\\n", tokenized once, non-overlapping windows of 1024 tokens;
   the first token of each window has no context and is not scored. Word perplexity and bits per byte divide
   the same NLL by the whitespace words / UTF-8 bytes of the evaluated text.
@@ -246,12 +289,14 @@ def scopes_text(runs) -> str:
     if "wikitext" in full and "lambada" in full:
         return text + (f" The full baseline took {full['lambada']['eval_s'] / 60:.0f} + "
                        f"{full['wikitext']['eval_s'] / 60:.0f} min of wall time (LAMBADA scoring, WikiText), pauses "
-                       "while other measurements had this 2-core machine included; rows without a \"full\" line have not run on the full sets "
-                       "yet (`python -m flexgen_helm.tools.accuracy_sweep.sweep run --scopes full` resumes where it stopped).")
+                       "while other measurements had this 2-core machine included; rows without a \"full\" line "
+                       "have not run on the full sets yet (`python -m flexgen_helm.tools.accuracy_sweep.sweep run "
+                       "--scopes full` resumes where it stopped).")
     if "wikitext" in lim and "lambada" in lim:
         from flexgen_helm.data.sources import read_wikitext
+        from flexgen_helm.data.wikitext import join_paragraphs
 
-        words = len("\n\n".join(read_wikitext(lim["wikitext"]["data"]["path"])[0]).split())
+        words = len(join_paragraphs(read_wikitext(lim["wikitext"]["data"]["path"])[0]).split())
         per_row = (lim["lambada"]["eval_s"] * 5153 / lim["lambada"]["counts"]["passages"]
                    + lim["wikitext"]["eval_s"] * words / lim["wikitext"]["counts"]["words"])
         text += (f" At the throughput measured here (the \"lim\" baseline took {lim['lambada']['eval_s'] / 60:.0f} + "
@@ -268,7 +313,6 @@ def write_report(out: Path) -> None:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
         w.writerows({k: r.get(k) for k in COLUMNS} for r in rows)
-    full_w = runs.get(("baseline", "full"), {}).get("wikitext")
     any_rec = next(iter(next(iter(runs.values())).values()))
     setup = SETUP.format(dtype=any_rec["dtype"], device=any_rec["device"], scopes=scopes_text(runs))
     # realpath: runs made from a snapshot reach ../shared/data through a symlink

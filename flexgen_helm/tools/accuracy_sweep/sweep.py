@@ -15,7 +15,8 @@ import argparse
 import subprocess
 import sys
 
-from flexgen_helm.tools.accuracy_sweep.plan import OUT, PLAN, ROW_BY_NAME, SCOPES, TASKS, command, json_path
+from flexgen_helm.evaluation.run import TASKS
+from flexgen_helm.tools.accuracy_sweep.plan import OUT, PLAN, ROW_BY_NAME, SCOPES, command, json_path
 from flexgen_helm.tools.accuracy_sweep.report import write_report
 
 

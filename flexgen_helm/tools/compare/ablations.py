@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
-
+from flexgen_helm.memory.devices import DTYPES
 from flexgen_helm.planner.budget import planned_bytes
 from flexgen_helm.policy.policy import Policy, Split
 from flexgen_helm.tools.compare.ours import deepspeed_policy, fits_budgets, most_weights_in_ram, searched_policy
@@ -40,7 +39,7 @@ def _no_disk(setup: Setup, best: Policy) -> tuple[str, Policy | None, str]:
             return "no disk (weights in RAM only)", p, "fits"
     cfg = resolve(setup.model, dummy=True).config
     need = planned_bytes(cfg, replace(best, weights=Split(0, 1, 0)), setup.prompt_len + setup.gen_len,
-                         getattr(torch, setup.dtype))
+                         DTYPES[setup.dtype])
     return ("no disk (weights in RAM only)", None,
             f"does not fit: the weights alone need {need['cpu'] / 2**30:.2f} GiB of RAM, the budget is "
             f"{setup.gpu_mem} device + {setup.cpu_mem} cpu")

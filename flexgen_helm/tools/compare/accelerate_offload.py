@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from flexgen_helm.memory.devices import DTYPES
 from flexgen_helm.memory.machine import machine_info
 from flexgen_helm.memory.usage import process_disk_read_bytes, process_peak_rss_bytes
 from flexgen_helm.models.tokenizer import import_transformers
@@ -42,7 +43,7 @@ def fits_device(setup: Setup, batch: int) -> bool:
     the same accounting (and budget) as our DeepSpeed-style policy."""
     cfg = resolve(setup.model, dummy=True).config
     row = Policy(gpu_batch_size=batch, weights=Split(0, 0, 1), cache=Split(1, 0, 0), activations=Split(1, 0, 0))
-    parts = planned_components(cfg, row, setup.prompt_len + setup.gen_len, getattr(torch, setup.dtype))
+    parts = planned_components(cfg, row, setup.prompt_len + setup.gen_len, DTYPES[setup.dtype])
     return parts["cache"]["gpu"] + parts["activations"]["gpu"] <= setup.gpu_bytes
 
 
@@ -64,8 +65,8 @@ def load_model(setup: Setup, hf_dir: Path, offload: Path, dtype: torch.dtype):
     empty.tie_weights()  # lm_head shares the embedding: the device map must keep them together
     device_map = infer_auto_device_map(empty, max_memory={"cpu": setup.cpu_bytes},
                                        no_split_module_classes=empty._no_split_modules, dtype=dtype)
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, device_map=device_map, offload_folder=str(offload),
-                                                              dtype=dtype)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, device_map=device_map,
+                                                              offload_folder=str(offload), dtype=dtype)
     model.eval()
     return model, device_map
 
@@ -90,7 +91,7 @@ class ForwardClock:
 
 def run(setup: Setup, batch: int, evict_each_token: bool = True, hf_dtype: str | None = None) -> dict:
     dtype_name = hf_dtype or setup.dtype
-    dtype = getattr(torch, dtype_name)
+    dtype = DTYPES[dtype_name]
     hf_dir = prepare_hf(setup, dtype_name)
     offload = work_dir() / "accelerate-offload" / hf_dir.name
     t0 = time.perf_counter()
@@ -147,7 +148,8 @@ def main(argv=None) -> int:
     setup = SETUPS[args.setup]
     batch = args.batch or largest_batch(setup)
     r = run(setup, batch, args.evict_each_token, args.hf_dtype)
-    r["command"] = "python -m flexgen_helm.tools.compare.accelerate_offload " + " ".join(sys.argv[1:] if argv is None else argv)
+    r["command"] = ("python -m flexgen_helm.tools.compare.accelerate_offload "
+                    + " ".join(sys.argv[1:] if argv is None else argv))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(r, indent=1))
     print(f"accelerate: batch {batch}, total {r['total_latency_s']:.2f} s, {r['total_throughput']:.3f} token/s, "

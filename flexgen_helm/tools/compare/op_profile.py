@@ -10,12 +10,13 @@ the matmul rate it reached, to set against the compute floor (compute_floor.py).
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 from torch.profiler import ProfilerActivity, profile
 
+from flexgen_helm.data.lambada import split_last_word
 from flexgen_helm.data.sources import read_lambada, read_wikitext
-from flexgen_helm.evaluation.lambada import split_last_word
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.policy import Policy
 from flexgen_helm.text import TextEngine
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     text = "\n".join(read_wikitext(args.data)[0])[:40 * args.window]  # ~4 characters a token: ample
     window = scorer.encode([text])[0][:args.window]
     profiled(f"score one {len(window)}-token WikiText window ({scorer.engine.runtime.devices.dtype})",
-             lambda: scorer.engine.score([window]), 2.0 * params * len(window))
+             functools.partial(scorer.engine.score, [window]), 2.0 * params * len(window))
     del scorer
 
     gen = TextEngine.load(MODEL, Policy(gpu_batch_size=args.block, num_gpu_batches=1), dtype=args.dtype,

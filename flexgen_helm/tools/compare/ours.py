@@ -8,8 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
+from flexgen_helm.memory.devices import DTYPES
 from flexgen_helm.planner.budget import planned_bytes
 from flexgen_helm.policy.policy import Policy, Split
 from flexgen_helm.tools.compare.workloads import Setup
@@ -18,7 +17,7 @@ from flexgen_helm.weights.registry import resolve
 
 def fits_budgets(setup: Setup, policy: Policy) -> bool:
     cfg = resolve(setup.model, dummy=True).config
-    planned = planned_bytes(cfg, policy, setup.prompt_len + setup.gen_len, getattr(torch, setup.dtype))
+    planned = planned_bytes(cfg, policy, setup.prompt_len + setup.gen_len, DTYPES[setup.dtype])
     return planned["gpu"] <= setup.gpu_bytes and planned["cpu"] <= setup.cpu_bytes
 
 

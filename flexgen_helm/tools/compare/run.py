@@ -109,14 +109,16 @@ def run_ablations(setup: Setup, out: Path, max_block: int, warmup: int, timeout_
 
 
 def bandwidth_note(bandwidth: dict) -> str:
-    return (f"Disk read bandwidth for the roofline: {bandwidth['read_bytes_per_s'] / 1e9:.3f} GB/s, O_DIRECT sequential "
+    return (f"Disk read bandwidth for the roofline: {bandwidth['read_bytes_per_s'] / 1e9:.3f} GB/s, "
+            "O_DIRECT sequential "
             f"reads of {bandwidth['chunk_bytes'] >> 20} MiB from a {bandwidth['file_bytes'] >> 30} GiB file in "
             f"{bandwidth['directory']}, measured at the start of the run.")
 
 
 def notes(setup_names: list[str], bandwidth: dict | None, extra: list[str]) -> list[str]:
     return [
-        f"Setups: {', '.join(setup_names)} (flexgen_helm/tools/compare/workloads.py: model, prompt/gen lengths, budgets).",
+        f"Setups: {', '.join(setup_names)} "
+        "(flexgen_helm/tools/compare/workloads.py: model, prompt/gen lengths, budgets).",
         *([bandwidth_note(bandwidth)] if bandwidth else []),
         "roofline_tok_s = effective batch x bandwidth / disk-resident weight bytes (each token reads them once); "
         "disk_reads_per_token = bytes the process read from storage during the timed generation (/proc/self/io) "

@@ -20,6 +20,11 @@ def disk_weight_bytes(record: dict) -> int:
     return record.get("memory", {}).get("placement", {}).get("weight_bytes", {}).get("disk", 0)
 
 
+def _peak_rss_bytes(record: dict) -> int:
+    """The process's peak RSS: under "memory" in our records, at the top level in accelerate's."""
+    return record.get("memory", {}).get("cpu_peak_rss_bytes") or record.get("cpu_peak_rss_bytes", 0)
+
+
 def row(setup: str, system: str, record: dict, bandwidth: float | None, loadavg: float | None) -> dict:
     """One table row. The roofline: every generated token needs the disk-resident weights read
     once, so a block of B sequences makes at most B x bandwidth / disk bytes tokens a second."""
@@ -47,14 +52,15 @@ def row(setup: str, system: str, record: dict, bandwidth: float | None, loadavg:
         "weights_read_from": source,
         "roofline_tok_s": None if roof is None else round(roof, 4),
         "pct_of_roofline": None if roof is None else round(100 * record["total_throughput"] / roof, 1),
-        "peak_rss_gib": round((record.get("memory", {}).get("cpu_peak_rss_bytes") or record.get("cpu_peak_rss_bytes", 0)) / GIB, 2),
+        "peak_rss_gib": round(_peak_rss_bytes(record) / GIB, 2),
         "loadavg_1m": loadavg,
     }
 
 
 def add_ratios(rows: list[dict]) -> None:
     """Throughput over accelerate's in the same setup (the paper's headline ratio)."""
-    base = {r["setup"]: r["throughput_tok_s"] for r in rows if r["system"] == "hf-accelerate" and r.get("throughput_tok_s")}
+    base = {r["setup"]: r["throughput_tok_s"] for r in rows
+            if r["system"] == "hf-accelerate" and r.get("throughput_tok_s")}
     for r in rows:
         if r.get("throughput_tok_s") and r["setup"] in base:
             r["vs_accelerate"] = round(r["throughput_tok_s"] / base[r["setup"]], 2)

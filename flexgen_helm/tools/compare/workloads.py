@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from flexgen_helm.memory.devices import DTYPES
 from flexgen_helm.planner.budget import parse_size
 from flexgen_helm.weights.convert import convert
 from flexgen_helm.weights.export_hf import export_hf
@@ -94,5 +95,5 @@ def prepare_hf(setup: Setup, dtype: str | None = None) -> Path:
     resolved = resolve(setup.model, dummy=True)
     out = work_dir() / "hf" / f"{resolved.store_key}-{dtype}"
     if not (out / "config.json").exists():  # config.json is written last: its presence marks completion
-        export_hf(resolved.source, out, getattr(torch, dtype))
+        export_hf(resolved.source, out, DTYPES[dtype])
     return out

@@ -120,7 +120,26 @@ def _table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
     return "\n".join([head, sep, *body])
 
 
+THROUGHPUT_COLS = [
+    ("config", "config", ""), ("block", "block", ""), ("loadavg", "load", ".1f"),
+    ("measured_tok_s", "measured tok/s", ".2f"), ("predicted_tok_s", "predicted", ".2f"),
+    ("err_pct", "err %", "+.0f"), ("loo_refit_tok_s", "LOO-refit", ".2f"), ("loo_err_pct", "err %", "+.0f"),
+    ("measured_prefill_s", "prefill s meas/pred", ".1f"), ("predicted_prefill_s", "", ".1f"),
+    ("measured_decode_s", "decode s meas/pred", ".1f"), ("predicted_decode_s", "", ".1f"),
+    ("bottleneck", "bottleneck (prefill/decode)", "")]
+MEMORY_COLS = [
+    ("config", "config", ""),
+    *[col for t in TIERS for col in ((f"measured_{t}_gib", f"{t} GiB meas", ".3f"),
+                                     (f"predicted_{t}_gib", "pred", ".3f"), (f"{t}_err_pct", "err %", "+.1f"))],
+    ("measured_rss_gib", "RSS peak GiB", ".2f"), ("predicted_host_gib", "pred host", ".2f"),
+    ("rss_err_pct", "err %", "+.0f"), ("rss_scope", "RSS peak of", "")]
+GRID_COLS = [("config", "config", ""), ("policy", "policy", ""), ("measured_tok_s", "measured tok/s", ".2f"),
+             ("predicted_tok_s", "predicted", ".2f"), ("loo_refit_tok_s", "LOO-refit", ".2f"),
+             ("predicted_rank", "predicted rank", ""), ("measured_rss_gib", "RSS GiB", ".2f")]
+
+
 def write_report(out: Path, profile_path: str | None = None) -> str:
+    """validation.csv, grid.csv and README.md in `out`, from the runs measured there; returns the README."""
     profile = HardwareProfile.load(profile_path or out / "hardware.json")
     what = {k: w for k, (_, w) in CONFIGS.items()}
     pool = _runs(out / "measured") + _runs(out / "grid")
@@ -129,27 +148,26 @@ def write_report(out: Path, profile_path: str | None = None) -> str:
     grid = rows_for(out / "grid", profile, {}, pool) if grid_meta else []
     _write_csv(out / "validation.csv", rows)
     _write_csv(out / "grid.csv", grid)
+    lines = _validation_sections(rows, profile)
+    if grid:
+        lines += _grid_section(grid, grid_meta)
+    lines += ["", NOTES]
+    text = "\n".join(lines) + "\n"
+    (out / "README.md").write_text(text)
+    return text
 
+
+def _validation_sections(rows: list[dict], profile: HardwareProfile) -> list[str]:
+    """The README's heading, and its throughput and memory tables with how many rows are within bounds."""
     def within(key, limit):
         ok = [r for r in rows if abs(r[key]) <= limit]
         return f"{len(ok)}/{len(rows)}"
 
-    tp_cols = [("config", "config", ""), ("block", "block", ""), ("loadavg", "load", ".1f"),
-               ("measured_tok_s", "measured tok/s", ".2f"), ("predicted_tok_s", "predicted", ".2f"),
-               ("err_pct", "err %", "+.0f"), ("loo_refit_tok_s", "LOO-refit", ".2f"), ("loo_err_pct", "err %", "+.0f"),
-               ("measured_prefill_s", "prefill s meas/pred", ".1f"), ("predicted_prefill_s", "", ".1f"),
-               ("measured_decode_s", "decode s meas/pred", ".1f"), ("predicted_decode_s", "", ".1f"),
-               ("bottleneck", "bottleneck (prefill/decode)", "")]
-    mem_cols = [("config", "config", "")]
-    for t in TIERS:
-        mem_cols += [(f"measured_{t}_gib", f"{t} GiB meas", ".3f"), (f"predicted_{t}_gib", "pred", ".3f"),
-                     (f"{t}_err_pct", "err %", "+.1f")]
-    mem_cols += [("measured_rss_gib", "RSS peak GiB", ".2f"), ("predicted_host_gib", "pred host", ".2f"),
-                 ("rss_err_pct", "err %", "+.0f"), ("rss_scope", "RSS peak of", "")]
-    lines = [
+    return [
         f"# Cost model validation: OPT-1.3B (dummy weights), {profile.dtype}, CPU-only",
         "",
-        "Produced by `python -m flexgen_helm.tools.validation.validate measure|grid|report` (flexgen_helm/tools/validation/validate.py).",
+        "Produced by `python -m flexgen_helm.tools.validation.validate measure|grid|report` "
+        "(flexgen_helm/tools/validation/validate.py).",
         f"Hardware profile: `hardware.json` ({profile.measured_at}; {machine_label(profile.machine)}). "
         f"Workload: prompt {rows[0]['prompt_len']}, "
         f"generation {rows[0]['gen_len']} tokens, engine commit {rows[0]['engine_commit'] or '?'}; each row is the "
@@ -157,34 +175,32 @@ def write_report(out: Path, profile_path: str | None = None) -> str:
         "",
         "## Generation throughput",
         "",
-        _table(rows, tp_cols),
+        _table(rows, THROUGHPUT_COLS),
         "",
         f"Within ±25%: {within('err_pct', 25)} with the profile as measured, {within('loo_err_pct', 25)} with the "
         "leave-one-out refit.",
         "",
         "## Peak memory per tier (the engine's TierUsage: weight homes + KV cache + activations)",
         "",
-        _table(rows, mem_cols),
+        _table(rows, MEMORY_COLS),
         "",
         f"Within ±10%: gpu {within('gpu_err_pct', 10)}, cpu {within('cpu_err_pct', 10)}, "
         f"disk {within('disk_err_pct', 10)}; process RSS within ±10%: {within('rss_err_pct', 10)}.",
     ]
-    if grid:
-        grid.sort(key=lambda r: -r["measured_tok_s"])
-        for rank, r in enumerate(sorted(grid, key=lambda r: -r["predicted_tok_s"]), 1):
-            r["predicted_rank"] = rank
-        lines += [
-            "",
-            f"## Auto policy vs a hand grid (--cpu-mem {grid_meta['cpu_mem']}, blocks of at most "
-            f"{grid_meta['max_block']} sequences)",
-            "",
-            _table(grid, [("config", "config", ""), ("policy", "policy", ""), ("measured_tok_s", "measured tok/s", ".2f"),
-                          ("predicted_tok_s", "predicted", ".2f"), ("loo_refit_tok_s", "LOO-refit", ".2f"),
-                          ("predicted_rank", "predicted rank", ""), ("measured_rss_gib", "RSS GiB", ".2f")]),
-        ]
-        if grid_meta.get("notes"):
-            lines += ["", grid_meta["notes"]]
-    lines += ["", NOTES]
-    text = "\n".join(lines) + "\n"
-    (out / "README.md").write_text(text)
-    return text
+
+
+def _grid_section(grid: list[dict], grid_meta: dict) -> list[str]:
+    """The auto policy against the hand grid, by measured throughput, with each row's predicted rank."""
+    grid.sort(key=lambda r: -r["measured_tok_s"])
+    for rank, r in enumerate(sorted(grid, key=lambda r: -r["predicted_tok_s"]), 1):
+        r["predicted_rank"] = rank
+    lines = [
+        "",
+        f"## Auto policy vs a hand grid (--cpu-mem {grid_meta['cpu_mem']}, blocks of at most "
+        f"{grid_meta['max_block']} sequences)",
+        "",
+        _table(grid, GRID_COLS),
+    ]
+    if grid_meta.get("notes"):
+        lines += ["", grid_meta["notes"]]
+    return lines

@@ -49,7 +49,8 @@ def measure_one(policy: Policy, prompt_len: int, gen_len: int, repeats: int, off
         s = engine.generate(prompts, SamplingParams(max_new_tokens=gen_len, ignore_eos=True)).stats
         runs.append({**throughput(s.prefill_s, s.decode_s, batch, prompt_len, gen_len), "timers": s.timers})
     mem = s.memory
-    med = {k: statistics.median(r[k] for r in runs) for k in ("prefill_latency_s", "decode_latency_s", "total_latency_s")}
+    med = {k: statistics.median(r[k] for r in runs)
+           for k in ("prefill_latency_s", "decode_latency_s", "total_latency_s")}
     return {
         "policy": policy.to_dict(), "prompt_len": prompt_len, "gen_len": gen_len, "block_size": batch,
         "load_s": load_s, "runs": runs, **med,
@@ -68,8 +69,9 @@ def _source_commit() -> str:
     try:
         head = subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no", str(here.parent)],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no", str(here.parent)],
+            capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
     return head + ("+" if head and dirty else "")
