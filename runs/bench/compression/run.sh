@@ -3,7 +3,7 @@
 # when weights or KV cache live on the CPU tier or on disk. OPT-1.3B with dummy weights,
 # prompt 512 / gen 32, block 4 x 2 (8 sequences), no warm-up run (the prefill warms the engine).
 # Writes runs/bench/compression/json/*.json and report/ (tables built from those files).
-# MODEL, PROMPT_LEN, GEN_LEN, OUT and OFFLOAD_DIR may be overridden (e.g. a quick smoke run).
+# MODEL, PROMPT_LEN, GEN_LEN, OUT, OFFLOAD_DIR and ONLY (row labels) may be overridden (e.g. a quick smoke run).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 out=${OUT:-runs/bench/compression}
@@ -12,6 +12,8 @@ mkdir -p "$out/json"
 uptime > "$out/loadavg-start.txt"
 bench() {
   local label=$1; shift
+  # ONLY="weights-ram weights-ram-w4": run just those rows (each row is minutes on 2 cores)
+  if [[ -n "${ONLY:-}" && " $ONLY " != *" $label "* ]]; then return 0; fi
   flexgen-helm bench --model "${MODEL:-facebook/opt-1.3b}" --dummy --prompt-len "${PROMPT_LEN:-512}" \
     --gen-len "${GEN_LEN:-32}" --offload-dir "$offload" --warmup 0 \
     --gpu-batch-size 4 --num-gpu-batches 2 --label "$label" --json "$out/json/$label.json" "$@"
