@@ -125,8 +125,8 @@ def _accuracy_section(evals: list[dict], helm_df: pd.DataFrame, out: Path) -> li
     md = ["## Accuracy under compression (paper Table 5)\n", "### `flexgen-helm eval`\n"]
     ev = accuracy.eval_table(evals)
     if ev.empty:
-        md.append("No eval records under runs/: `flexgen-helm eval --task lambada ... --json runs/accuracy/...` "
-                  "(or `python -m flexgen_helm.tools.accuracy_sweep.sweep run`).\n")
+        md.append("No eval records in this run: `flexgen-helm eval --task lambada ... --json <records folder>/X.json`; "
+                  "the full-set table is archived in runs/accuracy (below).\n")
     else:
         md += ["LAMBADA: last-word accuracy; WikiText: token perplexity and bits per byte. Scope \"subset\": "
                "runs with --limit, compare within a scope.\n", table(ev), _csv(ev, out, "accuracy_eval.csv")]
