@@ -50,6 +50,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from flexgen_helm.compression.bundle import TensorBundle
 from flexgen_helm.compression.quantize import CHUNK_ELEMENTS, QuantizedTensor, codes_of, dequantize
 from flexgen_helm.policy.policy import Compression
 
@@ -110,7 +111,7 @@ def log_slow_path_once(reason: str) -> None:
 
 
 @dataclass(frozen=True, eq=False)
-class PackedInt4:
+class PackedInt4(TensorBundle):
     """A 4-bit (out, in) weight in one device type's int4 kernel layout (module doc)."""
 
     packed: torch.Tensor  # cpu: uint8 (out, in / 2); cuda: int32 tiles (out / 8, ...)
@@ -118,30 +119,6 @@ class PackedInt4:
     shape: tuple  # (out, in)
     group_size: int
     layout: str  # "cpu" or "cuda": whose kernel these bytes are for
-
-    @property
-    def device(self) -> torch.device:
-        return self.packed.device
-
-    @property
-    def parts(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.packed, self.scales_zeros
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.parts)
-
-    def to(self, device, non_blocking: bool = False) -> "PackedInt4":
-        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
-
-    def pin_memory(self) -> "PackedInt4":
-        return self._map(lambda t: t.pin_memory())
-
-    def clone(self) -> "PackedInt4":
-        return self._map(lambda t: t.clone())
-
-    def _map(self, fn) -> "PackedInt4":
-        return dataclasses.replace(self, packed=fn(self.packed), scales_zeros=fn(self.scales_zeros))
 
     def narrow(self, dim: int, start: int, length: int) -> "PackedInt4":
         """Output rows [start, start + length), cut on ROW_BLOCK rows (or the end): the

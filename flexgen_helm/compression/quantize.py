@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flexgen_helm.compression.bundle import TensorBundle
 from flexgen_helm.policy.policy import Compression
 
 WEIGHT_GROUP_DIM = 1  # torch Linear (out, in): consecutive input channels, as the int4 kernels take
@@ -87,8 +88,9 @@ def cache_group_dim(cfg: Compression) -> int:
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: comparing tensors elementwise makes no sense here
-class QuantizedTensor:
-    """A compressed tensor: packed codes plus per-group scale and min (layout: module doc)."""
+class QuantizedTensor(TensorBundle):
+    """A compressed tensor: packed codes plus per-group scale and min (layout: module doc).
+    Its parts (TensorBundle), in order: codes, scales, mins."""
 
     data: torch.Tensor  # uint8, group-dim size ng, trailing bytes_per_group
     scale: torch.Tensor  # `dtype`, shape[group_dim] = ng
@@ -98,15 +100,6 @@ class QuantizedTensor:
     bits: int
     group_size: int
     group_dim: int  # non-negative
-
-    @property
-    def device(self) -> torch.device:
-        return self.data.device
-
-    @property
-    def nbytes(self) -> int:
-        """All bytes it stores: packed codes, scales and mins."""
-        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.min))
 
     @classmethod
     def empty(cls, shape, dtype: torch.dtype, cfg: Compression, group_dim: int, device="cpu",
@@ -124,23 +117,6 @@ class QuantizedTensor:
             min=torch.empty(grouped, dtype=dtype, **kw),
             shape=shape, dtype=dtype, bits=cfg.bits, group_size=cfg.group_size, group_dim=gd,
         )
-
-    @property
-    def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The stored tensors, in a fixed order: packed codes, scales, mins."""
-        return self.data, self.scale, self.min
-
-    def to(self, device, non_blocking: bool = False) -> "QuantizedTensor":
-        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
-
-    def pin_memory(self) -> "QuantizedTensor":
-        return self._map(lambda t: t.pin_memory())
-
-    def clone(self) -> "QuantizedTensor":
-        return self._map(lambda t: t.clone())
-
-    def _map(self, fn) -> "QuantizedTensor":
-        return dataclasses.replace(self, data=fn(self.data), scale=fn(self.scale), min=fn(self.min))
 
     def narrow(self, dim: int, start: int, length: int) -> "QuantizedTensor":
         """The compressed form of `dequantize(self).narrow(dim, start, length)`, without
