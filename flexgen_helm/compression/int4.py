@@ -64,9 +64,10 @@ ROW_BLOCK = 64  # CPU: rows per packed block; a multiple of CUDA's 8-row tiles
 _CPU_BLOCK = 64
 _CUDA_TILE_ROWS = 8
 # Activation rows up to which the kernel beats dequantize-then-matmul, per device type;
-# measured with runs/bench/compression/kernel_crossover.py (CPU). CUDA: not measured yet
+# measured alone with runs/bench/compression/kernel_crossover.py (CPU, AVX512-BF16 EPYC: 128
+# for OPT-1.3B and SmolLM2-135M alike; kernel_crossover.json). CUDA: not measured yet
 # (no GPU in the session that wrote this), so the kernel takes every row count there.
-MAX_KERNEL_ROWS = {"cpu": 32, "cuda": None}
+MAX_KERNEL_ROWS = {"cpu": 128, "cuda": None}
 
 
 def layout_refusal(cfg: Compression, shape, group_dim: int | None) -> str | None:
