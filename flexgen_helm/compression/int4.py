@@ -154,18 +154,6 @@ def _inner_k_tiles(k: int) -> int:
     return next(t for t in (8, 4, 2) if k % (16 * t) == 0)
 
 
-def packed_shapes(shape, group_size: int, layout: str) -> dict[str, tuple[tuple, torch.dtype]]:
-    """Shape and dtype of each stored part of a packed (out, in) weight, row-major in output
-    rows (the disk store's row-range reads): scales and zeros as (out, in / group, 2)."""
-    n, k = shape
-    if layout == "cuda":
-        t = _inner_k_tiles(k)
-        packed = ((n // _CUDA_TILE_ROWS, k // (16 * t), 32, t // 2), torch.int32)
-    else:
-        packed = ((n, k // 2), torch.uint8)
-    return {"packed": packed, "scales_zeros": ((n, k // group_size, 2), KERNEL_DTYPE)}
-
-
 def packed_rows(layout: str, rows: tuple[int, int]) -> tuple[int, int]:
     """Rows of the stored packed part that hold output rows [start, end)."""
     per = _CUDA_TILE_ROWS if layout == "cuda" else 1
