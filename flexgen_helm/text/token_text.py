@@ -47,7 +47,6 @@ class TokenText:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.byte_level = _is_byte_level(tokenizer)
-        self.special = set(getattr(tokenizer, "all_special_ids", []) or [])
         added = getattr(tokenizer, "added_tokens_decoder", None) or {}
         self.added = {int(i): getattr(t, "content", str(t)) for i, t in added.items()}
         self._cache: dict[int, bytes] = {}
