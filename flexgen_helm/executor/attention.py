@@ -31,9 +31,13 @@ ValueRows = Callable[[list[int]], torch.Tensor]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | ValueRows, key_valid: torch.Tensor,
-           causal: bool, keep_fraction: float = 1.0) -> torch.Tensor:
+           causal: bool, keep_fraction: float = 1.0, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q: (u, r, q_len, d); k: (u, t, d); v: (u, t, d) or a ValueRows; key_valid: (u, t)
     bool. Queries are the last q_len positions. Returns (u, r, q_len, d) in q's dtype.
+
+    window > 0 (causal attention, a sliding-window block): a query sees only the keys of
+    its last `window` positions, itself included (decode callers pass only those keys).
+    softcap > 0 (Gemma 2): scores become softcap * tanh(scores / softcap) before the softmax.
 
     With keep_fraction < 1 (sparse attention, decode only) each query keeps the top
     ceil(keep_fraction * n) of the n keys it may see (its unit's valid keys: padding does
@@ -48,12 +52,50 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | ValueRows, key_va
     u, r, q_len, d = q.shape
     t = k.shape[1]
     if keep_fraction < 1.0 and q_len == 1:
-        scores = torch.matmul(q.float(), k.float().transpose(1, 2).unsqueeze(1)) / math.sqrt(d)  # (u, r, 1, t)
-        scores = scores.masked_fill(~key_valid[:, None, None, :], -math.inf)
+        scores = _capped(torch.matmul(q.float(), k.float().transpose(1, 2).unsqueeze(1)) / math.sqrt(d), softcap)
+        scores = scores.masked_fill(~key_valid[:, None, None, :], -math.inf)  # (u, r, 1, t)
         return _top_k_attention(scores, v, key_valid, keep_fraction).to(q.dtype)
     if callable(v):
         v = v(list(range(t)))
-    return _dense_attention(q, k, v, key_valid, causal)
+    if softcap:
+        return _explicit_attention(q, k, v, key_valid, causal, window, softcap)
+    return _dense_attention(q, k, v, key_valid, causal, window)
+
+
+def _capped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    return torch.tanh(scores / softcap) * softcap if softcap else scores
+
+
+def _allowed(key_valid: torch.Tensor, qpos: torch.Tensor, causal: bool, window: int) -> torch.Tensor:
+    """(u, c, t) bool: which keys each query at positions qpos (c,) may see. A padding query
+    that may see no valid key sees itself, so that it stays finite."""
+    kpos = torch.arange(key_valid.shape[1], device=key_valid.device)[None, :]
+    qpos = qpos[:, None]
+    allowed = key_valid[:, None, :].expand(-1, len(qpos), -1)
+    if causal:
+        allowed = allowed & (kpos <= qpos)
+        if window:
+            allowed = allowed & (kpos > qpos - window)
+        allowed = allowed | (kpos == qpos)
+    return allowed
+
+
+def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor,
+                        causal: bool, window: int, softcap: float, chunk: int = 128) -> torch.Tensor:
+    """Attention with soft-capped scores, which the fused kernel cannot compute: scores in
+    float32, `chunk` queries at a time so that no (q_len, t) matrix of a long prompt exists
+    whole."""
+    u, r, q_len, d = q.shape
+    t = k.shape[1]
+    kf, vf = k.float().transpose(1, 2)[:, None], v.float()[:, None]  # (u, 1, d, t), (u, 1, t, d)
+    out = torch.empty(u, r, q_len, d, dtype=torch.float32, device=q.device)
+    for c0 in range(0, q_len, chunk):
+        c1 = min(c0 + chunk, q_len)
+        scores = _capped(torch.matmul(q[:, :, c0:c1].float(), kf) / math.sqrt(d), softcap)  # (u, r, c, t)
+        qpos = torch.arange(t - q_len + c0, t - q_len + c1, device=q.device)
+        scores = scores.masked_fill(~_allowed(key_valid, qpos, causal, window)[:, None], -math.inf)
+        out[:, :, c0:c1] = torch.matmul(scores.softmax(-1), vf)
+    return out.to(q.dtype)
 
 
 # A boolean mask of more elements than this is not built (bytes): long padded prompts are
@@ -63,7 +105,7 @@ MAX_MASK_ELEMENTS = 2**26
 
 
 def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor,
-                     causal: bool) -> torch.Tensor:
+                     causal: bool, window: int = 0) -> torch.Tensor:
     """Fused attention (torch's scaled_dot_product_attention: no (q, t) score matrix in
     memory on the common path). Queries are the last q_len positions; a padding query that
     may see no valid key sees itself, so that it stays finite."""
@@ -71,7 +113,7 @@ def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_vali
     t = k.shape[1]
     dtype = _attention_dtype(q)
     q_, k_, v_ = q.to(dtype), k.to(dtype)[:, None], v.to(dtype)[:, None]
-    if bool(key_valid.all()) and (not causal or q_len == t):
+    if bool(key_valid.all()) and (not causal or q_len == t) and (not causal or not window or t <= window):
         # no padding: the plain (top-left aligned) causal flag is exact when q_len == t
         k_, v_ = k_.expand(u, r, t, d), v_.expand(u, r, t, d)
         out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal and q_len > 1)
@@ -80,21 +122,20 @@ def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_vali
     if causal and q_len == t and u * r * q_len * t > MAX_MASK_ELEMENTS:
         lengths = key_valid.sum(-1)
         if bool((key_valid == (kpos >= t - lengths[:, None])).all()):  # left padding: no mask needed
-            return _left_padded_causal(q_, k_, v_, lengths).to(q.dtype)
-    qpos = torch.arange(t - q_len, t, device=q.device)[:, None]
-    allowed = key_valid[:, None, :].expand(u, q_len, t)
-    if causal:
-        allowed = (allowed & (kpos <= qpos)) | (kpos == qpos)
+            return _left_padded_causal(q_, k_, v_, lengths, window).to(q.dtype)
+    allowed = _allowed(key_valid, torch.arange(t - q_len, t, device=q.device), causal, window)
     # the r query heads of a unit share its keys: fold them into the query axis
     mask = allowed[:, None].expand(u, r, q_len, t).reshape(u, 1, r * q_len, t)
     out = F.scaled_dot_product_attention(q_.reshape(u, 1, r * q_len, d), k_, v_, attn_mask=mask)
     return out.reshape(u, r, q_len, d).to(q.dtype)
 
 
-def _left_padded_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def _left_padded_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                        window: int = 0) -> torch.Tensor:
     """Prompt attention when each unit's valid keys are its last `length` positions: causal
-    attention over that suffix, units of one length together; no (q, t) mask is ever built
-    (it would take gigabytes for long padded prompts). q: (u, r, t, d); k, v: (u, 1, t, d)."""
+    attention over that suffix, units of one length together; no (u, q, t) mask is ever
+    built (it would take gigabytes for long padded prompts), only a sliding window's one
+    (n, n) mask per length. q: (u, r, t, d); k, v: (u, 1, t, d)."""
     u, r, t, d = q.shape
     out = v.expand(u, r, t, d).clone()  # a padding query sees only itself, i.e. its own value
     for n in lengths.unique().tolist():
@@ -102,7 +143,12 @@ def _left_padded_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengt
             continue
         units = (lengths == n).nonzero().squeeze(1)
         kn, vn = k[units, :, t - n:].expand(-1, r, n, d), v[units, :, t - n:].expand(-1, r, n, d)
-        out[units, :, t - n:] = F.scaled_dot_product_attention(q[units, :, t - n:], kn, vn, is_causal=True)
+        if window and n > window:
+            pos = torch.arange(n, device=q.device)
+            near = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)  # (n, n)
+            out[units, :, t - n:] = F.scaled_dot_product_attention(q[units, :, t - n:], kn, vn, attn_mask=near)
+        else:
+            out[units, :, t - n:] = F.scaled_dot_product_attention(q[units, :, t - n:], kn, vn, is_causal=True)
     return out
 
 
@@ -136,7 +182,7 @@ def _top_k_attention(scores: torch.Tensor, v: torch.Tensor | ValueRows, key_vali
 
 def attend_as_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor,
                      as_stored: Callable[[torch.Tensor], torch.Tensor], keep_fraction: float = 1.0,
-                     chunk: int = 128) -> torch.Tensor:
+                     chunk: int = 128, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Prompt attention in which every position attends as a decode step of the engine
     would if it had generated that token: to the keys and values of the positions before
     it as the KV cache returns them (`as_stored`: quantized, then dequantized, under cache
@@ -145,6 +191,7 @@ def attend_as_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_vali
 
     Scoring with it measures what a compressed or sparse cache costs at every position (a
     plain prefill attends to fresh keys and values, so neither can change a score there).
+    window and softcap as in attend().
     q: (u, r, t, d); k, v: (u, t, d); key_valid: (u, t). Returns (u, r, t, d) in q's dtype."""
     u, r, t, d = q.shape
     k_c, v_c = as_stored(k).float(), as_stored(v).float()
@@ -153,12 +200,11 @@ def attend_as_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_vali
     for c0 in range(0, t, chunk):
         c1 = min(c0 + chunk, t)
         qc = q[:, :, c0:c1].float()
-        scores = torch.matmul(qc, k_c.transpose(1, 2)[:, None]) / math.sqrt(d)  # (u, r, c, t)
+        scores = _capped(torch.matmul(qc, k_c.transpose(1, 2)[:, None]) / math.sqrt(d), softcap)  # (u, r, c, t)
         own, rows = pos[c0:c1], pos[:c1 - c0]
-        own_scores = (qc * k[:, None, c0:c1].float()).sum(-1) / math.sqrt(d)  # (u, r, c): fresh keys
+        own_scores = _capped((qc * k[:, None, c0:c1].float()).sum(-1) / math.sqrt(d), softcap)  # (u, r, c): fresh
         scores[..., rows, own] = own_scores  # query c of the chunk, key c0 + c
-        allowed = (key_valid[:, None, :] & (pos[None, None, :] <= own[None, :, None])) | \
-            (pos[None, None, :] == own[None, :, None])  # (u, c, t): a padding query sees itself
+        allowed = _allowed(key_valid, own, causal=True, window=window)  # (u, c, t)
         scores = scores.masked_fill(~allowed[:, None], -math.inf)
         if keep_fraction < 1.0:
             scores = _keep_top(scores, allowed.sum(-1), keep_fraction)

@@ -9,7 +9,11 @@ along head_dim (cache_group_dim): a position's row of one unit is quantized on i
 each new token is quantized once as it is written and never touches earlier groups. On
 disk a position's row is the bytes of its packed codes, then scales, then mins (of all the
 tier's units), so [0, t) stays one read. Reads return what is stored; the reader moves it
-to where attention runs and dequantizes there (compression.stored.dense)."""
+to where attention runs and dequantizes there (compression.stored.dense).
+
+A sliding-window block (window w) keeps only its last w positions: its slot has w rows
+(cache_rows) used as a ring, position p in row p % w, and reads return the positions
+held oldest first, so the cache of a local block never grows past its window."""
 
 from __future__ import annotations
 
@@ -36,6 +40,11 @@ def check_cache_compression(cfg: Compression | None) -> None:
                           f"not dim {cfg.group_dim}: leave the cache's group dim unset")
 
 
+def cache_rows(max_len: int, window: int) -> int:
+    """Positions a block's slot holds: all of a run's, or a sliding window's last `window`."""
+    return min(max_len, window) if window else max_len
+
+
 def cache_nbytes(positions: int, units: int, head_dim: int, dtype: torch.dtype, cfg: Compression | None) -> int:
     """Bytes of K (or of V) for `positions` x `units`, as the cache stores them."""
     return stored_nbytes((positions, units, head_dim), dtype, cfg, None if cfg is None else CACHE_GROUP_DIM)
@@ -47,7 +56,8 @@ def _parts(x: Stored) -> tuple[torch.Tensor, ...]:
 
 class KVCacheSlot:
     def __init__(self, units: dict[str, int], max_len: int, head_dim: int, devices: Devices,
-                 usage: TierUsage, disk_path: Path | None, pin: bool, compression: Compression | None = None):
+                 usage: TierUsage, disk_path: Path | None, pin: bool, compression: Compression | None = None,
+                 window: int = 0):
         self.units = units
         self.ranges = {}
         start = 0
@@ -55,6 +65,7 @@ class KVCacheSlot:
             self.ranges[tier] = (start, start + units[tier])
             start += units[tier]
         self.max_len, self.head_dim, self.devices, self.usage = max_len, head_dim, devices, usage
+        self.rows = cache_rows(max_len, window)
         self.compression = compression
         self.k: dict[str, Stored] = {}
         self.v: dict[str, Stored] = {}
@@ -63,13 +74,13 @@ class KVCacheSlot:
         for tier in ("gpu", "cpu"):
             if units[tier]:
                 pinned = tier == "cpu" and pin and devices.is_cuda
-                self.k[tier] = self._empty(max_len, units[tier], devices.tier_device(tier), pinned)
-                self.v[tier] = self._empty(max_len, units[tier], devices.tier_device(tier), pinned)
+                self.k[tier] = self._empty(self.rows, units[tier], devices.tier_device(tier), pinned)
+                self.v[tier] = self._empty(self.rows, units[tier], devices.tier_device(tier), pinned)
                 usage.add(tier, self.k[tier].nbytes + self.v[tier].nbytes)
         # One position's row of the disk units, on the meta device: the layout of a disk row.
         self._disk_row = self._empty(1, units["disk"], "meta", False)
         self._row_bytes = sum(p.nbytes for p in _parts(self._disk_row))
-        self._disk_half = max_len * self._row_bytes  # K rows, then V rows
+        self._disk_half = self.rows * self._row_bytes  # K rows, then V rows
         if units["disk"]:
             self.disk = DiskBuffer(disk_path, 2 * self._disk_half)
             usage.add("disk", 2 * self._disk_half)
@@ -83,47 +94,70 @@ class KVCacheSlot:
     # ---- writes ----------------------------------------------------------------------------
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
-        """Store k, v of shape (s, units, d) at positions [start, start + s)."""
+        """Store k, v of shape (s, units, d) at positions [start, start + s) (a ring holds
+        only the last `rows` of them)."""
+        if k.shape[0] > self.rows:
+            start, k, v = start + k.shape[0] - self.rows, k[-self.rows:], v[-self.rows:]
         gd = None if self.compression is None else CACHE_GROUP_DIM
         k, v = encode(k, self.compression, gd), encode(v, self.compression, gd)  # quantized where computed
+        for row, a, n in self._row_runs(start, k.shape[0]):
+            self._write_rows(k.narrow(0, a, n), v.narrow(0, a, n), row)
+
+    def _row_runs(self, start: int, n: int) -> list[tuple[int, int, int]]:
+        """(first row, first of the n positions, count) of each run of rows that positions
+        [start, start + n) fill: one run, or two where the ring wraps."""
+        row = start % self.rows
+        first = min(n, self.rows - row)
+        return [(row, 0, first)] + ([(0, first, n - first)] if n > first else [])
+
+    def _write_rows(self, k: Stored, v: Stored, row: int) -> None:
         for tier in TIERS:
             a, b = self.ranges[tier]
             if a == b:
                 continue
             kt, vt = k.narrow(1, a, b - a), v.narrow(1, a, b - a)
             if tier == "disk":
-                self.disk.write(start * self._row_bytes, self._to_rows(kt))
-                self.disk.write(self._disk_half + start * self._row_bytes, self._to_rows(vt))
+                self.disk.write(row * self._row_bytes, self._to_rows(kt))
+                self.disk.write(self._disk_half + row * self._row_bytes, self._to_rows(vt))
             else:
                 for dst, src in ((self.k[tier], kt), (self.v[tier], vt)):
                     for d, s in zip(_parts(dst), _parts(src)):
-                        d[start:start + s.shape[0]].copy_(s, non_blocking=True)
+                        d[row:row + s.shape[0]].copy_(s, non_blocking=True)
 
     # ---- reads -------------------------------------------------------------------------------
 
+    def first_held(self, length: int) -> int:
+        """The oldest of positions [0, length) that the slot still holds."""
+        return max(0, length - self.rows)
+
     def read(self, tier: str, length: int, values: bool = True) -> tuple[Stored, Stored | None]:
-        """Positions [0, length) of a tier's units as stored, where they live (disk: into
-        CPU memory). values=False skips V (sparse attention reads only the rows it keeps)."""
+        """Positions [first_held(length), length) of a tier's units as stored, oldest first,
+        where they live (disk: into CPU memory). values=False skips V (sparse attention
+        reads only the rows it keeps)."""
+        first = self.first_held(length)
+        runs = [(r, r + n) for r, _, n in self._row_runs(first, length - first)]
         if tier != "disk":
-            return self.k[tier].narrow(0, 0, length), self.v[tier].narrow(0, 0, length) if values else None
-        k = self._read_rows(0, [(0, length)])
-        return k, self._read_rows(self._disk_half, [(0, length)]) if values else None
+            return _runs_of(self.k[tier], runs), _runs_of(self.v[tier], runs) if values else None
+        k = self._read_rows(0, runs)
+        return k, self._read_rows(self._disk_half, runs) if values else None
 
     def read_disk_values(self, positions: list[int]) -> Stored:
-        """V of the disk units at the given sorted positions, reading only the runs of rows
-        that hold them (runs closer than a disk page are read as one)."""
+        """V of the disk units at the given distinct positions (still held), in that order,
+        reading only the runs of rows that hold them (runs closer than a disk page are read
+        as one)."""
+        wanted = [p % self.rows for p in positions]
         gap = math.ceil(ALIGN / self._row_bytes)
         runs: list[list[int]] = []
-        for p in positions:
+        for p in sorted(wanted):
             if runs and p - runs[-1][1] <= gap:
                 runs[-1][1] = p + 1
             else:
                 runs.append([p, p + 1])
         rows = self._read_rows(self._disk_half, runs)
-        if sum(b - a for a, b in runs) == len(positions):
+        if sum(b - a for a, b in runs) == len(wanted) and wanted == sorted(wanted):
             return rows
         keep = torch.cat([torch.arange(a, b) for a, b in runs])
-        return _index_rows(rows, torch.searchsorted(keep, torch.tensor(positions)))
+        return _index_rows(rows, torch.searchsorted(keep, torch.tensor(wanted)))
 
     def _read_rows(self, base: int, runs) -> Stored:
         raw = [self.disk.read(base + a * self._row_bytes, (b - a, self._row_bytes), torch.uint8) for a, b in runs]
@@ -160,6 +194,13 @@ class KVCacheSlot:
         if self.disk is not None:
             self.usage.remove("disk", 2 * self._disk_half)
             self.disk.close()
+
+
+def _runs_of(x: Stored, runs: list[tuple[int, int]]) -> Stored:
+    """Rows [a, b) of each run, in order: a view for one run, a copy where a ring wraps."""
+    if len(runs) == 1:
+        return x.narrow(0, runs[0][0], runs[0][1] - runs[0][0])
+    return _index_rows(x, torch.cat([torch.arange(a, b) for a, b in runs]).to(x.device))
 
 
 def _index_rows(x: Stored, index: torch.Tensor) -> Stored:

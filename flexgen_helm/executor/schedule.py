@@ -65,12 +65,13 @@ class BlockSchedule:
         cache_units = slot_tier_counts(policy.cache, [b.size * self.cfg.num_kv_heads for b in batches], blocks)
         self.slots: dict[tuple[int, int], KVCacheSlot] = {
             (index, k): KVCacheSlot(units, max_len, self.cfg.head_dim, self.devices, runtime.usage,
-                                    workdir / f"kv-{index}-{k}.bin", pin=True, compression=policy.compress_cache)
+                                    workdir / f"kv-{index}-{k}.bin", pin=True, compression=policy.compress_cache,
+                                    window=self.cfg.window(index))
             for (index, k), units in cache_units.items()}
         act_rows = slot_tier_counts(policy.activations, [b.size for b in batches])
         self.acts = [ActivationHome(act_rows[0, k], max_len, self.cfg.hidden_size, self.devices, runtime.usage,
                                     workdir / f"act-{k}.bin") for k in range(len(batches))]
-        # per-run constants (Llama's rotary tables), for every position this run will reach
+        # per-run constants (the rotary tables), for every position this run will reach
         self.constants = self.family.run_constants(self.cfg, max_len, self.devices.compute, self.devices.dtype)
         self.key_valid = [b.valid.clone() for b in batches]
         self.real_len = [b.valid.sum(1) for b in batches]
@@ -202,7 +203,8 @@ class BlockSchedule:
         return self.io.submit(self._load_cache, layer, k, kind="decode_load_cache")
 
     def _load_cache(self, layer, k: int):
-        """Batch k's cache of this layer, each tier's part where its attention will run."""
+        """Batch k's cache of this layer (the positions its slot holds), each tier's part
+        where its attention will run."""
         slot = self.slots[layer.index, k]
         parts = {}
         for tier in TIERS:
@@ -224,17 +226,19 @@ class BlockSchedule:
         cfg = self.cfg
         compute = self.devices.compute
         positions = positions.to(compute)
-        q, key, value = self.family.qkv(cfg, w, h, positions, self.constants)
+        q, key, value = self.family.qkv(cfg, w, h, positions, self.constants, index)
         b, kvh, s, d = key.shape
         qu = to_units(q, kvh)
         ku, vu = key.reshape(b * kvh, s, d), value.reshape(b * kvh, s, d)
         valid = self.key_valid[k].repeat_interleave(kvh, dim=0)  # (units, t)
+        window, softcap = cfg.window(index), cfg.attn_softcap
         if prefill and self.prefill_as_decode:
-            out = attend_as_decode(qu, ku, vu, valid.to(compute), self._as_stored, self.policy.attn_sparsity)
+            out = attend_as_decode(qu, ku, vu, valid.to(compute), self._as_stored, self.policy.attn_sparsity,
+                                   window=window, softcap=softcap)
         elif prefill:
-            out = attend(qu, ku, vu, valid.to(compute), causal=True)
+            out = attend(qu, ku, vu, valid.to(compute), causal=True, window=window, softcap=softcap)
         else:
-            out = self._decode_attention(self.slots[index, k], cache, qu, ku, vu, valid)
+            out = self._decode_attention(self.slots[index, k], cache, qu, ku, vu, valid, window)
         h = self.family.finish_block(cfg, w, h, from_units(out, b))
         return h, (ku.transpose(0, 1), vu.transpose(0, 1), self.length)
 
@@ -245,7 +249,13 @@ class BlockSchedule:
         stored = encode(x.transpose(0, 1).to(self.devices.dtype), cfg, None if cfg is None else CACHE_GROUP_DIM)
         return dense(stored, self.devices.dtype).transpose(0, 1)
 
-    def _decode_attention(self, slot: KVCacheSlot, cache: dict, qu, ku, vu, valid):
+    def _decode_attention(self, slot: KVCacheSlot, cache: dict, qu, ku, vu, valid, window: int):
+        """The new token attends to the positions the slot holds and to itself; a
+        sliding-window block to its last `window` positions only (the slot may hold one
+        more: the oldest is dropped here)."""
+        first = slot.first_held(self.length)  # position of the first key read
+        drop = max(0, self.length - first + 1 - window) if window else 0
+        valid = valid[:, first + drop:]
         outs = []
         for tier in TIERS:
             a, b = slot.ranges[tier]
@@ -253,21 +263,23 @@ class BlockSchedule:
                 continue
             kc, vc = cache[tier]
             where = self._attention_device(tier)
-            keys = torch.cat([kc.transpose(0, 1), ku[a:b].to(where)], dim=1)
+            keys = torch.cat([kc.transpose(0, 1), ku[a:b].to(where)], dim=1)[:, drop:]
             new_v = vu[a:b].to(where)
             if vc is None:  # V left on disk: attend() asks for the rows it keeps
-                values = functools.partial(self._disk_values, slot, new_v)
+                values = functools.partial(self._disk_values, slot, new_v, first + drop)
             else:
-                values = torch.cat([vc.transpose(0, 1), new_v], dim=1)
+                values = torch.cat([vc.transpose(0, 1), new_v], dim=1)[:, drop:]
             out = attend(qu[a:b].to(where), keys, values, valid[a:b].to(where), causal=False,
-                         keep_fraction=self.policy.attn_sparsity)
+                         keep_fraction=self.policy.attn_sparsity, softcap=self.cfg.attn_softcap)
             outs.append(out.to(self.devices.compute, non_blocking=True))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _disk_values(self, slot: KVCacheSlot, new_v: torch.Tensor, positions: list[int]) -> torch.Tensor:
-        """V of the disk units at sorted `positions`, (units, n, d) on new_v's device; the
-        last position may be this step's token, whose V is not written yet."""
+    def _disk_values(self, slot: KVCacheSlot, new_v: torch.Tensor, first: int, keys: list[int]) -> torch.Tensor:
+        """V of the disk units at sorted key indices `keys` (key i at position first + i),
+        (units, n, d) on new_v's device; the last may be this step's token, whose V is not
+        written yet."""
         t0 = time.perf_counter()
+        positions = [first + i for i in keys]
         cached = [p for p in positions if p < self.length]
         pieces = []
         if cached:

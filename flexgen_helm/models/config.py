@@ -13,7 +13,7 @@ class ModelConfig:
     are the usual transformer hyper-parameters.
     """
 
-    family: str  # "opt" or "llama"
+    family: str  # a key of flexgen_helm.models.FAMILIES: "opt", "llama", "gemma", "phi3"
     name: str
     vocab_size: int
     hidden_size: int
@@ -26,12 +26,23 @@ class ModelConfig:
     # OPT
     word_embed_proj_dim: int = 0  # 0: hidden_size (opt-350m uses 512)
     do_layer_norm_before: bool = True
-    # Llama family
+    # Llama family (and Gemma, Phi-3)
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: tuple = ()  # sorted (key, value) pairs of the checkpoint's rope_scaling
+    # sorted (key, value) pairs of the checkpoint's rope_scaling (lists as tuples: LongRoPE's factors)
+    rope_scaling: tuple = ()
+    rotary_dims: int = 0  # 0: head_dim; fewer: only the first rotary_dims of each head rotate
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has biases on q, k, v
+    qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over each head's query and key
+    mlp_activation: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
+    # Attention, per block: sliding_windows[i] = w > 0 lets block i attend to its last w positions
+    # (itself included), and its KV cache holds only those; 0 (or an empty tuple) attends to all.
+    sliding_windows: tuple = ()
+    query_scale: float = 0.0  # scores are q.k * query_scale; 0: 1 / sqrt(head_dim)
+    attn_softcap: float = 0.0  # Gemma 2: scores -> cap * tanh(scores / cap); 0: none
+    final_softcap: float = 0.0  # Gemma 2: logits likewise
+    local_rope_theta: float = 0.0  # Gemma 3: rotary base of the sliding-window blocks (unscaled)
     # tokens
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -47,3 +58,7 @@ class ModelConfig:
     @property
     def rope_scaling_dict(self) -> dict:
         return dict(self.rope_scaling)
+
+    def window(self, block: int) -> int:
+        """The sliding window of block `block` (0: it attends to every earlier position)."""
+        return self.sliding_windows[block] if self.sliding_windows else 0

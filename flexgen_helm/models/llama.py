@@ -1,32 +1,42 @@
-"""The Llama family: Llama 2/3, Mistral, Qwen2, SmolLM2.
+"""The Llama family: Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2.
 
 RMSNorm, rotary position embeddings (with the checkpoint's theta and scaling), SwiGLU,
-grouped-query attention, tied or untied embeddings, optional q/k/v biases (Qwen2).
+grouped-query attention, tied or untied embeddings, optional q/k/v biases (Qwen2), an
+RMSNorm over each head's query and key (Qwen3), sliding-window blocks (Mistral v0.1,
+Qwen with use_sliding_window).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 
-from flexgen_helm.errors import FlexGenError
 from flexgen_helm.models.config import ModelConfig
+from flexgen_helm.models.gated_mlp import gated_mlp
+from flexgen_helm.models.heads import split_heads
+from flexgen_helm.models.hf_config import as_pairs, first, rope_from_hf, sliding_windows
 from flexgen_helm.models.linear import embedding, linear
+from flexgen_helm.models.norms import rms_norm
+from flexgen_helm.models.rotary import Rotary, rope_type, rotary_for
 from flexgen_helm.models.spec import LayerSpec, tensor
 
-SUPPORTED_ROPE_SCALING = ("default", "linear", "llama3")
+
+def _slides(hf: dict, model_type: str):
+    """transformers' rule for which blocks use the sliding window when the config does not
+    list layer_types: Mistral all of them, Qwen those from max_window_layers on."""
+    if model_type == "mistral":
+        return lambda i: True
+    if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+        return lambda i: i >= hf.get("max_window_layers", 28)
+    return lambda i: False
 
 
 def config_from_hf(hf: dict, name: str) -> ModelConfig:
     heads = hf["num_attention_heads"]
-    # transformers >= 5 writes theta and scaling together, as rope_parameters
-    rope = dict(hf.get("rope_parameters") or {})
-    theta = hf.get("rope_theta", rope.pop("rope_theta", 10000.0))
-    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else {})
     model_type = hf.get("model_type", "llama")
+    theta, scaling = rope_from_hf(hf)
+    window = hf.get("sliding_window")
+    if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window"):
+        window = None  # transformers ignores Qwen's sliding_window unless use_sliding_window
     cfg = ModelConfig(
         family="llama",
         name=name,
@@ -40,135 +50,90 @@ def config_from_hf(hf: dict, name: str) -> ModelConfig:
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=theta,
-        rope_scaling=tuple(sorted((k, v) for k, v in scaling.items() if not isinstance(v, (list, dict)))),
+        rope_scaling=as_pairs(scaling),
         tie_word_embeddings=hf.get("tie_word_embeddings", False),
         attention_bias=hf.get("attention_bias", model_type == "qwen2"),
+        qk_norm=model_type == "qwen3",
+        sliding_windows=sliding_windows(hf, hf["num_hidden_layers"], window, _slides(hf, model_type)),
         bos_token_id=hf.get("bos_token_id"),
-        eos_token_id=_first(hf.get("eos_token_id")),
+        eos_token_id=first(hf.get("eos_token_id")),
         pad_token_id=hf.get("pad_token_id"),
     )
-    _rope_type(cfg)  # fail early on an unsupported scaling
+    rope_type(cfg)  # fail early on an unsupported scaling
     return cfg
 
 
-def _first(x):
-    return x[0] if isinstance(x, list) else x
+def attention_tensors(cfg: ModelConfig, n: str) -> list:
+    """q, k, v (with their biases where the checkpoint has them), the per-head q/k norms
+    where it has them, o: the attention tensors of the Llama and Gemma families."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    q_out, kv_out = cfg.num_heads * d, cfg.num_kv_heads * d
+    ts = [tensor(n, "q_proj.weight", q_out, h), tensor(n, "k_proj.weight", kv_out, h),
+          tensor(n, "v_proj.weight", kv_out, h)]
+    if cfg.attention_bias:
+        ts += [tensor(n, "q_proj.bias", q_out), tensor(n, "k_proj.bias", kv_out), tensor(n, "v_proj.bias", kv_out)]
+    if cfg.qk_norm:
+        ts += [tensor(n, "q_norm.weight", d), tensor(n, "k_norm.weight", d)]
+    return ts + [tensor(n, "o_proj.weight", h, q_out)]
+
+
+def mlp_tensors(cfg: ModelConfig, n: str) -> list:
+    h, f = cfg.hidden_size, cfg.ffn_size
+    return [tensor(n, "gate_proj.weight", f, h), tensor(n, "up_proj.weight", f, h), tensor(n, "down_proj.weight", h, f)]
+
+
+def embed_layer(cfg: ModelConfig) -> LayerSpec:
+    return LayerSpec("embed", "embed", -1, (tensor("embed", "tokens.weight", cfg.vocab_size, cfg.hidden_size),))
+
+
+def head_layer(cfg: ModelConfig) -> LayerSpec:
+    tied = "embed.tokens.weight" if cfg.tie_word_embeddings else None
+    return LayerSpec("head", "head", -1, (
+        tensor("head", "norm.weight", cfg.hidden_size),
+        tensor("head", "lm_head.weight", cfg.vocab_size, cfg.hidden_size, tied_to=tied),
+    ))
 
 
 def layer_specs(cfg: ModelConfig) -> list[LayerSpec]:
-    h, f, d = cfg.hidden_size, cfg.ffn_size, cfg.head_dim
-    q_out, kv_out = cfg.num_heads * d, cfg.num_kv_heads * d
-    layers = [LayerSpec("embed", "embed", -1, (tensor("embed", "tokens.weight", cfg.vocab_size, h),))]
+    h = cfg.hidden_size
+    layers = [embed_layer(cfg)]
     for i in range(cfg.num_layers):
         n = f"layers.{i}"
-        ts = [
-            tensor(n, "attn_norm.weight", h),
-            tensor(n, "q_proj.weight", q_out, h),
-            tensor(n, "k_proj.weight", kv_out, h),
-            tensor(n, "v_proj.weight", kv_out, h),
-        ]
-        if cfg.attention_bias:
-            ts += [tensor(n, "q_proj.bias", q_out), tensor(n, "k_proj.bias", kv_out), tensor(n, "v_proj.bias", kv_out)]
-        ts += [
-            tensor(n, "o_proj.weight", h, q_out),
-            tensor(n, "mlp_norm.weight", h),
-            tensor(n, "gate_proj.weight", f, h),
-            tensor(n, "up_proj.weight", f, h),
-            tensor(n, "down_proj.weight", h, f),
-        ]
+        ts = [tensor(n, "attn_norm.weight", h), *attention_tensors(cfg, n), tensor(n, "mlp_norm.weight", h),
+              *mlp_tensors(cfg, n)]
         layers.append(LayerSpec(n, "block", i, tuple(ts)))
-    tied = "embed.tokens.weight" if cfg.tie_word_embeddings else None
-    layers.append(LayerSpec("head", "head", -1, (
-        tensor("head", "norm.weight", h),
-        tensor("head", "lm_head.weight", cfg.vocab_size, h, tied_to=tied),
-    )))
-    return layers
+    return layers + [head_layer(cfg)]
 
 
 def embed(cfg: ModelConfig, w: dict, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return embedding(ids, w["tokens.weight"])
 
 
-def _rms_norm(cfg: ModelConfig, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
-    return weight * xf.to(x.dtype)
-
-
-def _rope_type(cfg: ModelConfig) -> str:
-    scaling = cfg.rope_scaling_dict
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in SUPPORTED_ROPE_SCALING:
-        raise FlexGenError(
-            f"{cfg.name}: rope_scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_SCALING)})"
-        )
-    return kind
-
-
-def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    kind, s = _rope_type(cfg), cfg.rope_scaling_dict
-    if kind == "linear":
-        inv = inv / s["factor"]
-    elif kind == "llama3":
-        # Llama 3.1: leave high frequencies alone, divide low ones by `factor`, blend between.
-        factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
-        old_len = s.get("original_max_position_embeddings", 8192)
-        wavelen = 2 * math.pi / inv
-        smooth = ((old_len / wavelen) - low) / (high - low)
-        blended = (1 - smooth) * inv / factor + smooth * inv
-        inv = torch.where(wavelen > old_len / low, inv / factor, torch.where(wavelen < old_len / high, inv, blended))
-    return inv.float()
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-@dataclass(frozen=True)
-class Rotary:
-    """cos and sin of the rotation angles of every position of a run, (max_len, head_dim):
-    built once per schedule (as gpt-fast's setup_caches), indexed by position at each step."""
-
-    cos: torch.Tensor
-    sin: torch.Tensor
-
-    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (b, 1, s, head_dim) cos and sin for (b, s) positions."""
-        return self.cos[positions][:, None], self.sin[positions][:, None]
-
-
 def run_constants(cfg: ModelConfig, max_len: int, device: torch.device, dtype: torch.dtype) -> Rotary:
-    inv = inverse_frequencies(cfg).to(device)
-    angles = torch.arange(max_len, device=device).float()[:, None] * inv  # (max_len, d/2)
-    angles = torch.cat((angles, angles), dim=-1)
-    return Rotary(angles.cos().to(dtype), angles.sin().to(dtype))
+    return rotary_for(cfg, max_len, device, dtype)
 
 
-def _heads(x: torch.Tensor, n: int) -> torch.Tensor:
-    b, s, _ = x.shape
-    return x.view(b, s, n, -1).transpose(1, 2)
+def project_heads(cfg: ModelConfig, w: dict, x: torch.Tensor, norm) -> tuple[torch.Tensor, ...]:
+    """q, k, v heads of the normalised input x; `norm(heads, weight, eps)` normalises each
+    head's query and key where the family has those norms (Qwen3, Gemma 3)."""
+    q = split_heads(linear(x, w["q_proj.weight"], w.get("q_proj.bias")), cfg.num_heads)
+    k = split_heads(linear(x, w["k_proj.weight"], w.get("k_proj.bias")), cfg.num_kv_heads)
+    v = split_heads(linear(x, w["v_proj.weight"], w.get("v_proj.bias")), cfg.num_kv_heads)
+    if cfg.qk_norm:
+        q, k = norm(q, w["q_norm.weight"], cfg.rms_norm_eps), norm(k, w["k_norm.weight"], cfg.rms_norm_eps)
+    return q, k, v
 
 
-def qkv(cfg: ModelConfig, w: dict, h: torch.Tensor, positions: torch.Tensor, rotary: Rotary):
-    x = _rms_norm(cfg, w["attn_norm.weight"], h)
-    q = linear(x, w["q_proj.weight"], w.get("q_proj.bias"))
-    k = linear(x, w["k_proj.weight"], w.get("k_proj.bias"))
-    v = linear(x, w["v_proj.weight"], w.get("v_proj.bias"))
-    q, k, v = _heads(q, cfg.num_heads), _heads(k, cfg.num_kv_heads), _heads(v, cfg.num_kv_heads)
-    cos, sin = rotary.at(positions)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+def qkv(cfg: ModelConfig, w: dict, h: torch.Tensor, positions: torch.Tensor, rotary: Rotary, block: int):
+    q, k, v = project_heads(cfg, w, rms_norm(h, w["attn_norm.weight"], cfg.rms_norm_eps), rms_norm)
+    return rotary.apply(q, positions), rotary.apply(k, positions), v
 
 
 def finish_block(cfg: ModelConfig, w: dict, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
     h = h + linear(attn, w["o_proj.weight"])
-    x = _rms_norm(cfg, w["mlp_norm.weight"], h)
-    x = F.silu(linear(x, w["gate_proj.weight"])) * linear(x, w["up_proj.weight"])
-    return h + linear(x, w["down_proj.weight"])
+    x = rms_norm(h, w["mlp_norm.weight"], cfg.rms_norm_eps)
+    return h + gated_mlp(x, w["gate_proj.weight"], w["up_proj.weight"], w["down_proj.weight"], cfg.mlp_activation)
 
 
 def head(cfg: ModelConfig, w: dict, h: torch.Tensor) -> torch.Tensor:
-    return linear(_rms_norm(cfg, w["norm.weight"], h), w["lm_head.weight"])
+    return linear(rms_norm(h, w["norm.weight"], cfg.rms_norm_eps), w["lm_head.weight"])

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from flexgen_helm.models.config import ModelConfig
+from flexgen_helm.models.heads import split_heads
 from flexgen_helm.models.linear import embedding, linear
 from flexgen_helm.models.spec import LayerSpec, tensor
 
@@ -120,23 +121,18 @@ def _norm(cfg, w, prefix, x):
     return F.layer_norm(x, (cfg.hidden_size,), w[f"{prefix}.weight"], w[f"{prefix}.bias"])
 
 
-def _heads(x: torch.Tensor, n: int) -> torch.Tensor:
-    b, s, _ = x.shape
-    return x.view(b, s, n, -1).transpose(1, 2)
-
-
 def run_constants(cfg: ModelConfig, max_len: int, device: torch.device, dtype: torch.dtype) -> None:
     """None: learned positions are weights of the embedding layer."""
     return None
 
 
-def qkv(cfg: ModelConfig, w: dict, h: torch.Tensor, positions: torch.Tensor, constants: None):
+def qkv(cfg: ModelConfig, w: dict, h: torch.Tensor, positions: torch.Tensor, constants: None, block: int):
     x = _norm(cfg, w, "attn_norm", h) if cfg.do_layer_norm_before else h
     q = linear(x, w["q_proj.weight"], w["q_proj.bias"])
     k = linear(x, w["k_proj.weight"], w["k_proj.bias"])
     v = linear(x, w["v_proj.weight"], w["v_proj.bias"])
     n = cfg.num_heads
-    return _heads(q, n), _heads(k, n), _heads(v, n)
+    return split_heads(q, n), split_heads(k, n), split_heads(v, n)
 
 
 def finish_block(cfg: ModelConfig, w: dict, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,105 @@
+"""Rotary position embeddings, shared by the Llama, Gemma and Phi-3 families.
+
+The inverse frequencies of a checkpoint's scaling (none, linear, Llama 3.1's, Phi-3's
+LongRoPE), the cos/sin tables of a run (built once per schedule, as gpt-fast's
+setup_caches, and indexed per step) and the rotation of query and key heads. Heads rotate
+in halves, as transformers and llama.cpp's NEOX mode do (the GGUF reader undoes the row
+permutation of llama.cpp's "llama" files)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from flexgen_helm.errors import FlexGenError
+from flexgen_helm.models.config import ModelConfig
+
+SUPPORTED_ROPE_SCALING = ("default", "linear", "llama3", "longrope")
+
+
+def rope_type(cfg: ModelConfig, scaling: dict | None = None) -> str:
+    """The scaling's type, checked (Phi-3's early checkpoints call LongRoPE "su")."""
+    s = cfg.rope_scaling_dict if scaling is None else scaling
+    kind = s.get("rope_type", s.get("type", "default"))
+    kind = "longrope" if kind == "su" else kind
+    if kind not in SUPPORTED_ROPE_SCALING:
+        raise FlexGenError(
+            f"{cfg.name}: rope_scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_SCALING)})"
+        )
+    return kind
+
+
+def rotary_dims(cfg: ModelConfig) -> int:
+    return cfg.rotary_dims or cfg.head_dim
+
+
+def inverse_frequencies(cfg: ModelConfig, max_len: int, theta: float | None = None, scaling: dict | None = None
+                        ) -> tuple[torch.Tensor, float]:
+    """The (rotary_dims / 2,) float32 inverse frequencies of base `theta` (default the
+    checkpoint's) under `scaling` (default the checkpoint's), and the factor that cos and
+    sin are multiplied by (LongRoPE's attention factor, else 1)."""
+    d = rotary_dims(cfg)
+    s = cfg.rope_scaling_dict if scaling is None else scaling
+    inv = 1.0 / ((cfg.rope_theta if theta is None else theta) ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    kind, factor = rope_type(cfg, s), 1.0
+    if kind == "linear":
+        inv = inv / s["factor"]
+    elif kind == "llama3":
+        # Llama 3.1: leave high frequencies alone, divide low ones by `factor`, blend between.
+        f, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+        old_len = s.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv
+        smooth = ((old_len / wavelen) - low) / (high - low)
+        blended = (1 - smooth) * inv / f + smooth * inv
+        inv = torch.where(wavelen > old_len / low, inv / f, torch.where(wavelen < old_len / high, inv, blended))
+    elif kind == "longrope":
+        inv, factor = _longrope(cfg, s, inv, max_len)
+    return inv.float(), factor
+
+
+def _longrope(cfg: ModelConfig, s: dict, inv: torch.Tensor, max_len: int) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE: each frequency divided by its own factor, the long set when the run
+    reaches past the pretraining context. Chosen once per run from its length (as llama.cpp
+    chooses by its context size); transformers chooses per forward call from the longest
+    position it sees, which agrees whenever a run stays on one side of that context."""
+    original = s["original_max_position_embeddings"]
+    factors = torch.tensor(s["long_factor"] if max_len > original else s["short_factor"], dtype=torch.float64)
+    scale = s.get("factor") or cfg.max_seq_len / original
+    attention = s.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+    return inv / factors, attention
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """cos and sin of the rotation angles of every position of a run, (max_len, rotary_dims)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def table(cls, inv: torch.Tensor, factor: float, max_len: int, device, dtype: torch.dtype) -> "Rotary":
+        angles = torch.arange(max_len, device=device).float()[:, None] * inv.to(device)  # (max_len, dims / 2)
+        angles = torch.cat((angles, angles), dim=-1)
+        return cls((angles.cos() * factor).to(dtype), (angles.sin() * factor).to(dtype))
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Heads x (b, n, s, head_dim) at (b, s) positions, rotated; dimensions past the
+        table's width (partial rotary) pass unchanged."""
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (b, 1, s, dims)
+        dims = cos.shape[-1]
+        xr, rest = x[..., :dims], x[..., dims:]
+        half = dims // 2
+        rotated = torch.cat((-xr[..., half:], xr[..., :half]), dim=-1)
+        out = xr * cos + rotated * sin
+        return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
+
+
+def rotary_for(cfg: ModelConfig, max_len: int, device, dtype: torch.dtype, theta: float | None = None,
+               scaling: dict | None = None) -> Rotary:
+    """The run's table for base `theta` under `scaling` (defaults: the checkpoint's)."""
+    inv, factor = inverse_frequencies(cfg, max_len, theta, scaling)
+    return Rotary.table(inv, factor, max_len, device, dtype)
