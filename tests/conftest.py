@@ -24,6 +24,30 @@ def _transformers():
     return import_transformers()
 
 
+# Small random configurations of the newer families: sliding windows (4 positions) shorter
+# than the test prompts, Gemma's scales and soft-caps small enough to matter, head_dim apart
+# from hidden / heads, Phi-3's LongRoPE with a pretraining context of 16.
+_SHAPE = dict(vocab_size=300, hidden_size=48, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+              max_position_embeddings=64)
+TINY_FAMILIES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_SHAPE, num_hidden_layers=2, head_dim=16)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        _SHAPE, num_hidden_layers=3, head_dim=16, sliding_window=4, query_pre_attn_scalar=24,
+        attn_logit_softcapping=3.0, final_logit_softcapping=2.0, attn_implementation="eager")),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        _SHAPE, num_hidden_layers=4, head_dim=16, sliding_window=4, query_pre_attn_scalar=12,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}})),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
+        _SHAPE, num_hidden_layers=2, original_max_position_embeddings=16, sliding_window=6,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                         "short_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0],
+                         "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]})),
+}
+
+
 def save_tiny(kind: str, path: Path, **overrides) -> Path:
     """A small random checkpoint of an architecture, saved as safetensors."""
     tf = _transformers()
@@ -41,12 +65,40 @@ def save_tiny(kind: str, path: Path, **overrides) -> Path:
         cfg = tf.Qwen2Config(vocab_size=300, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
                              num_key_value_heads=2, intermediate_size=96, max_position_embeddings=64, **overrides)
         model = tf.Qwen2ForCausalLM(cfg)
+    elif kind in TINY_FAMILIES:
+        config_class, model_class, kwargs = TINY_FAMILIES[kind]
+        cfg = getattr(tf, config_class)(**{**kwargs, **overrides})
+        model = getattr(tf, model_class)(cfg)
+        with torch.no_grad():  # norms start at 1 (or Gemma's offset at 0): random, so that each one counts
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.add_(torch.randn_like(p) * 0.2)
     else:
         raise ValueError(kind)
     model.save_pretrained(path, safe_serialization=True)
     # a byte-level tokenizer, so that text prompts and completions work too
     byte_standin_tokenizer(SimpleNamespace(vocab_size=cfg.vocab_size, name=kind)).save_pretrained(path)
     return path
+
+
+def fake_quantized_checkpoint(src: Path, dst: Path, cfg) -> Path:
+    """The checkpoint with every tensor the engine compresses (>= 2-D: projections,
+    embeddings, positions, an untied lm_head) replaced by its simulated quantization. Our
+    store tensors have the checkpoint's names' shapes and (out, in) orientation, and a tied
+    lm_head is the embedding itself, so this is the same set of tensors."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from flexgen_helm.compression import fake_quantize, should_compress, weight_group_dim
+
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        state = load_file(f)
+        state = {k: fake_quantize(t, cfg, weight_group_dim(cfg, t.shape)) if should_compress(t.shape) else t
+                 for k, t in state.items()}
+        save_file(state, f, metadata={"format": "pt"})
+    return dst
 
 
 def hf_model(path: Path):

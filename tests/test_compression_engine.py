@@ -5,13 +5,12 @@ placement, block shape, overlap setting or CPU delegation changes them further."
 from __future__ import annotations
 
 import math
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from conftest import fake_quantized_checkpoint
 
-from flexgen_helm.compression import fake_quantize, should_compress, weight_group_dim
+from flexgen_helm.compression import fake_quantize
 from flexgen_helm.compression.stored import dense
 from flexgen_helm.engine import Engine
 from flexgen_helm.executor.attention import attend
@@ -62,25 +61,11 @@ WEIGHT_CASES = {
 }
 
 
-def _fake_quantized_checkpoint(src, dst, cfg: Compression):
-    """The checkpoint with every tensor the engine compresses (>= 2-D: projections,
-    embeddings, positions, an untied lm_head) replaced by its simulated quantization. Our
-    store tensors have the checkpoint's names' shapes and (out, in) orientation, and a tied
-    lm_head is the embedding itself, so this is the same set of tensors."""
-    shutil.copytree(src, dst)
-    for f in dst.glob("*.safetensors"):
-        state = load_file(f)
-        state = {k: fake_quantize(t, cfg, weight_group_dim(cfg, t.shape)) if should_compress(t.shape) else t
-                 for k, t in state.items()}
-        save_file(state, f, metadata={"format": "pt"})
-    return dst
-
-
 @pytest.mark.parametrize("case", list(WEIGHT_CASES))
-def test_compressed_weights_equal_fake_quantized_checkpoint(model_path, case, tmp_path):
+def test_compressed_weights_equalfake_quantized_checkpoint(model_path, case, tmp_path):
     cfg, base = WEIGHT_CASES[case]
     policy = Policy.from_dict({**base.to_dict(), "compress_weight": cfg.__dict__})
-    reference = Engine.load(str(_fake_quantized_checkpoint(model_path, tmp_path / "fq", cfg)), base,
+    reference = Engine.load(str(fake_quantized_checkpoint(model_path, tmp_path / "fq", cfg)), base,
                             offload_dir=tmp_path / "off-ref", **CPU32)
     engine = Engine.load(str(model_path), policy, offload_dir=tmp_path / "off", **CPU32)
     for got, want in zip(engine.score(PROMPTS).results, reference.score(PROMPTS).results):

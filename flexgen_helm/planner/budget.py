@@ -8,7 +8,7 @@ import functools
 import torch
 
 from flexgen_helm.errors import PolicyError
-from flexgen_helm.executor.kv_cache import cache_nbytes
+from flexgen_helm.executor.kv_cache import cache_nbytes, cache_rows
 from flexgen_helm.memory.placement import place_weights, slot_tier_counts, tier_totals
 from flexgen_helm.memory.weight_homes import segment_nbytes
 from flexgen_helm.models import family_of
@@ -26,10 +26,17 @@ def planned_components(cfg: ModelConfig, policy: Policy, max_len: int, dtype: to
     weights = dict(_weight_bytes(cfg, policy.weights, policy.compress_weight, dtype))
     batches = [policy.gpu_batch_size] * policy.num_gpu_batches
     # as the schedule splits them (executor/schedule.py): slot by slot, rounding carried over
-    units = tier_totals(slot_tier_counts(policy.cache, [b * cfg.num_kv_heads for b in batches], range(cfg.num_layers)))
+    slots = slot_tier_counts(policy.cache, [b * cfg.num_kv_heads for b in batches], range(cfg.num_layers))
     rows = tier_totals(slot_tier_counts(policy.activations, batches))
-    # K and V; a unit's rows are stored (and quantized) on their own, so bytes add up over slots
-    cache = {t: 2 * cache_nbytes(max_len, units[t], cfg.head_dim, dtype, policy.compress_cache) for t in TIERS}
+    # K and V of the positions each slot holds (a sliding-window block: its window's); a unit's
+    # rows are stored (and quantized) on their own, so bytes add up over the slots of one length
+    units_by_rows: dict[int, dict[str, int]] = {}
+    for (layer, _), units in slots.items():
+        total = units_by_rows.setdefault(cache_rows(max_len, cfg.window(layer)), dict.fromkeys(TIERS, 0))
+        for t in TIERS:
+            total[t] += units[t]
+    cache = {t: sum(2 * cache_nbytes(n, units[t], cfg.head_dim, dtype, policy.compress_cache)
+                    for n, units in units_by_rows.items()) for t in TIERS}
     row_bytes = (act_len or max_len) * cfg.hidden_size * elt
     return {"weights": weights, "cache": cache, "activations": {t: rows[t] * row_bytes for t in TIERS}}
 

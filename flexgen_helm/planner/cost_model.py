@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flexgen_helm.executor.kv_cache import cache_nbytes
+from flexgen_helm.executor.kv_cache import cache_nbytes, cache_rows
 from flexgen_helm.memory.devices import DTYPES
 from flexgen_helm.memory.placement import place_weights
 from flexgen_helm.memory.weight_homes import segment_nbytes
@@ -61,9 +61,11 @@ ATTENTION_MASK_BYTES = 1  # per score element in `attend`: fused attention keeps
 # Elementwise passes a block makes over its activations, per token, counted in models/<family>.py
 # and executor/: (per hidden-size element, per MLP-width element). OPT: two layer norms (~2.5
 # passes each), two residual adds, the attention output's reshape, the K/V cache write (2), the
-# hidden-state store; ReLU over the MLP. Llama: two RMS norms in float32 (~5 passes each), rotary
-# embedding of q and k (~5), residual adds, reshapes, cache write, store; SiLU and the gate product.
-ELEMENTWISE_PASSES = {"opt": (12.0, 1.0), "llama": (22.0, 2.0)}
+# hidden-state store; ReLU over the MLP. Llama (and Phi-3): two RMS norms in float32 (~5 passes
+# each), rotary embedding of q and k (~5), residual adds, reshapes, cache write, store; SiLU and the
+# gate product. Gemma: Llama's plus two more norms (~5 each, (1 + w) in float32), the embedding
+# scale and the query's rescale (~1 each); tanh GELU (~3) and the gate product over the MLP.
+ELEMENTWISE_PASSES = {"opt": (12.0, 1.0), "llama": (22.0, 2.0), "phi3": (22.0, 2.0), "gemma": (34.0, 4.0)}
 
 
 @dataclass(frozen=True)
@@ -196,15 +198,19 @@ class CostModel:
         self.dtype = dtype or DTYPES[profile.dtype]
         self.elt = torch.empty((), dtype=self.dtype).element_size()
         self.layers = family_of(cfg).layer_specs(cfg)
-        # identical layers (every transformer block) cost the same: model one of each, times its count
+        # identical layers (every transformer block of one sliding window) cost the same: model one
+        # of each, times its count
         groups: dict[tuple, list[LayerSpec]] = {}
         for layer in self.layers:
-            groups.setdefault((layer.kind, tuple((t.key, t.shape, t.store_name.split(".")[0]) for t in layer.tensors)),
-                              []).append(layer)
+            shapes = tuple((t.key, t.shape, t.store_name.split(".")[0]) for t in layer.tensors)
+            groups.setdefault((layer.kind, self._window(layer), shapes), []).append(layer)
         self.groups = [(members[0], len(members)) for members in groups.values()]
         self.counts = [n for _, n in self.groups]
         self._weights_cache: dict = {}
         self._memo: dict = {}
+
+    def _window(self, layer: LayerSpec) -> int:
+        return self.cfg.window(layer.index) if layer.kind == "block" else 0
 
     def layer_terms(self, layer: LayerSpec, lw: LayerWeights, policy: Policy, fr: Fractions, phase: str
                     ) -> dict[str, float]:
@@ -253,7 +259,7 @@ class CostModel:
         b["disk_cpu"] += loads * hidden * h["disk"]
 
         if layer.kind == "block":
-            self._attention_and_cache(b, policy, c, gbs, nb, tokens, prefill)
+            self._attention_and_cache(b, policy, c, gbs, nb, tokens, prefill, self._window(layer))
         # linear in the fractions, as the LP needs
         reads = lw.disk_reads + loads * h["disk"] + (nb * 2 * c["disk"] if layer.kind == "block" and not prefill else 0)
         return b, reads
@@ -295,8 +301,9 @@ class CostModel:
         out["cpu_disk"] += loss * compute
 
     def _attention_and_cache(self, b: dict, policy: Policy, c: dict, gbs: int, nb: int, tokens: int,
-                             prefill: bool) -> None:
-        """KV-cache traffic and attention compute of one block layer, added into `b`."""
+                             prefill: bool, window: int = 0) -> None:
+        """KV-cache traffic and attention compute of one block layer, added into `b`; a
+        sliding-window block reads and attends to at most its window."""
         cfg, hw = self.cfg, self.hw
         cuda, dev, cpu = hw.is_cuda, hw.compute, hw.cpu
         units = gbs * cfg.num_kv_heads
@@ -313,14 +320,15 @@ class CostModel:
         if policy.compress_cache is not None:
             b["compute"] += nb * tokens * dense / self.elt / dev.dequant_elems_per_s
 
-        if prefill:  # attention over the prompt, on the compute device (the full s x s is computed)
+        if prefill:  # attention over the prompt, on the compute device (the full s x s is computed,
+            # a sliding window's too: it is a mask over the same scores)
             s = self.work.prompt_len
             b["compute"] += nb * 4 * gbs * cfg.num_heads * s * s * cfg.head_dim / dev.attn_prefill_flops
             return
 
-        # decode: read the cache of the mean length (V shrinks under sparse attention, the paper's
-        # top-k: only the kept values need to move)
-        t = self.work.mean_decode_len
+        # decode: read the cache of the mean length, a window's at most (V shrinks under sparse
+        # attention, the paper's top-k: only the kept values need to move)
+        t = min(self.work.mean_decode_len, window) if window else self.work.mean_decode_len
         read = nb * t * stored / 2 * (1 + policy.attn_sparsity)
         b["disk_cpu"] += read * c["disk"]
         if cuda and not delegated:
@@ -376,8 +384,10 @@ class CostModel:
         working_weights = 2 * (max(not_in_place) + dense_layer)  # the layer in use and the one prefetched
         _, c, _ = Fractions.of(policy).splits()
         moved = c["disk"] + (c["cpu"] if self.hw.is_cuda and not policy.cpu_cache_compute else 0.0)
-        # a GPU batch's cache of one layer read off its tier (in use, and the next one prefetched)
-        loaded_cache = 2 * 2 * cache_nbytes(work.max_len, gbs * cfg.num_kv_heads, cfg.head_dim, self.dtype,
+        # a GPU batch's cache of one layer read off its tier (in use, and the next one prefetched;
+        # the longest a slot holds: a global block's)
+        held = max(cache_rows(work.max_len, self._window(layer)) for layer, _ in self.groups)
+        loaded_cache = 2 * 2 * cache_nbytes(held, gbs * cfg.num_kv_heads, cfg.head_dim, self.dtype,
                                             policy.compress_cache) * moved
         out = {}
         for phase in PHASES:

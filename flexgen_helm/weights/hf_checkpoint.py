@@ -37,22 +37,37 @@ HF_NAMES = {
         "head.project_out": "decoder.project_out",
         "head.lm_head": "lm_head",
     },
-    "llama": {
-        "embed.tokens": "embed_tokens",
-        "layers.{i}.attn_norm": "layers.{i}.input_layernorm",
-        "layers.{i}.q_proj": "layers.{i}.self_attn.q_proj",
-        "layers.{i}.k_proj": "layers.{i}.self_attn.k_proj",
-        "layers.{i}.v_proj": "layers.{i}.self_attn.v_proj",
-        "layers.{i}.o_proj": "layers.{i}.self_attn.o_proj",
-        "layers.{i}.mlp_norm": "layers.{i}.post_attention_layernorm",
-        "layers.{i}.gate_proj": "layers.{i}.mlp.gate_proj",
-        "layers.{i}.up_proj": "layers.{i}.mlp.up_proj",
-        "layers.{i}.down_proj": "layers.{i}.mlp.down_proj",
-        "head.norm": "norm",
-        "head.lm_head": "lm_head",
-    },
 }
-_PREFIXES = ("model.", "")
+_LLAMA_ATTENTION = {
+    "embed.tokens": "embed_tokens",
+    "layers.{i}.attn_norm": "layers.{i}.input_layernorm",
+    "layers.{i}.q_proj": "layers.{i}.self_attn.q_proj",
+    "layers.{i}.k_proj": "layers.{i}.self_attn.k_proj",
+    "layers.{i}.v_proj": "layers.{i}.self_attn.v_proj",
+    "layers.{i}.q_norm": "layers.{i}.self_attn.q_norm",
+    "layers.{i}.k_norm": "layers.{i}.self_attn.k_norm",
+    "layers.{i}.o_proj": "layers.{i}.self_attn.o_proj",
+    "head.norm": "norm",
+    "head.lm_head": "lm_head",
+}
+_GATED_MLP = {
+    "layers.{i}.gate_proj": "layers.{i}.mlp.gate_proj",
+    "layers.{i}.up_proj": "layers.{i}.mlp.up_proj",
+    "layers.{i}.down_proj": "layers.{i}.mlp.down_proj",
+}
+HF_NAMES["llama"] = {**_LLAMA_ATTENTION, **_GATED_MLP, "layers.{i}.mlp_norm": "layers.{i}.post_attention_layernorm"}
+# Gemma's post_attention_layernorm normalises the attention output, before the residual add
+HF_NAMES["gemma"] = {**_LLAMA_ATTENTION, **_GATED_MLP,
+                     "layers.{i}.post_attn_norm": "layers.{i}.post_attention_layernorm",
+                     "layers.{i}.mlp_norm": "layers.{i}.pre_feedforward_layernorm",
+                     "layers.{i}.post_mlp_norm": "layers.{i}.post_feedforward_layernorm"}
+HF_NAMES["phi3"] = {**_LLAMA_ATTENTION, "layers.{i}.qkv_proj": "layers.{i}.self_attn.qkv_proj",
+                    "layers.{i}.mlp_norm": "layers.{i}.post_attention_layernorm",
+                    "layers.{i}.gate_up_proj": "layers.{i}.mlp.gate_up_proj",
+                    "layers.{i}.down_proj": "layers.{i}.mlp.down_proj"}
+# "model." of *ForCausalLM, none of a bare *Model, and the language model inside a multimodal
+# Gemma 3 (transformers < 4.52 and >= 4.52 name it differently)
+_PREFIXES = ("model.", "", "model.language_model.", "language_model.model.")
 
 
 def read_hf_config(model_dir: Path) -> dict:

@@ -29,7 +29,7 @@ class ComputeFloor:
 def matmul_params_per_token(cfg: ModelConfig) -> int:
     """Weights every token multiplies: q, k, v, o and the MLP of each block, and the head."""
     q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    mlp = (3 if cfg.family == "llama" else 2) * cfg.hidden_size * cfg.ffn_size  # gate, up, down / fc1, fc2
+    mlp = (2 if cfg.family == "opt" else 3) * cfg.hidden_size * cfg.ffn_size  # fc1, fc2 / gate, up, down
     block = cfg.hidden_size * (2 * q_out + 2 * kv_out) + mlp
     return cfg.num_layers * block + cfg.vocab_size * cfg.hidden_size
 
