@@ -14,6 +14,7 @@ from flexgen_helm.models.gemma import config_from_hf as gemma_config
 from flexgen_helm.planner.budget import planned_components
 from flexgen_helm.policy import Policy, Split
 from flexgen_helm.policy.policy import Compression
+from flexgen_helm.weights.hf_checkpoint import HFCheckpoint
 
 FAMILIES = ["qwen3", "gemma2", "gemma3", "phi3"]
 # longer than the tiny models' sliding windows (4 and 6 positions); all within Phi-3's
@@ -134,3 +135,15 @@ def test_gemma3_config_of_older_checkpoints():
     assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_scaling_dict) == (
         1_000_000.0, 10_000.0, {"rope_type": "linear", "factor": 8.0})
     assert cfg.qk_norm and cfg.attn_softcap == 0 and cfg.final_softcap == 0 and cfg.tie_word_embeddings
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_sharded_checkpoint_reads_as_one_file(kind, tmp_path):
+    whole = save_tiny(kind, tmp_path / "whole")
+    hf_model(whole).save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 2
+    want = dict(HFCheckpoint(whole).iter_tensors())
+    got = dict(HFCheckpoint(tmp_path / "sharded").iter_tensors())
+    assert got.keys() == want.keys()
+    for name, t in got.items():
+        assert torch.equal(t, want[name]), name

@@ -39,7 +39,10 @@ def config_to_json(cfg: ModelConfig) -> dict:
 
 def config_from_json(d: dict) -> ModelConfig:
     """Inverse of config_to_json, e.g. for TensorStore(...).config."""
-    return ModelConfig(**{**d, "rope_scaling": tuple(tuple(p) for p in d.get("rope_scaling", ()))})
+    def pair(key, value):  # LongRoPE's factors are lists in JSON, tuples in the config
+        return key, tuple(value) if isinstance(value, list) else value
+    return ModelConfig(**{**d, "rope_scaling": tuple(pair(*p) for p in d.get("rope_scaling", ())),
+                          "sliding_windows": tuple(d.get("sliding_windows", ()))})
 
 
 def convert(source: WeightSource, out_dir: str | os.PathLike, dtype: str = "float16",

@@ -1,10 +1,12 @@
-"""A llama.cpp GGUF file (Llama-family architectures): config from its metadata, tensors
-dequantized to float one at a time.
+"""A llama.cpp GGUF file (llama, qwen2, qwen3, gemma2, gemma3, phi3): config from its
+metadata, tensors dequantized to float one at a time.
 
-Two things differ from a Hugging Face checkpoint and are undone here: GGUF lists shapes
-innermost-first (a Linear weight (out, in) shows as [in, out]), and llama.cpp's converter
+What differs from a Hugging Face checkpoint is undone here: GGUF lists shapes
+innermost-first (a Linear weight (out, in) shows as [in, out]); llama.cpp's converter
 permutes the rows of the Q and K projections of "llama" models to interleave each head's
-rotary pairs; our math (like transformers') rotates halves, so the rows go back.
+rotary pairs (our math, like transformers', rotates halves, so the rows go back); it
+stores Gemma's norm weights as 1 + w (the one comes off). Per architecture:
+weights/gguf_arch.py.
 """
 
 from __future__ import annotations
@@ -19,28 +21,11 @@ import numpy as np
 import torch
 
 from flexgen_helm.errors import ModelNotFoundError, WeightStoreError
-from flexgen_helm.models import llama
+from flexgen_helm.models import FAMILIES, HF_MODEL_TYPES
 from flexgen_helm.models.tokenizer import gguf_tokenizer
+from flexgen_helm.weights.gguf_arch import ARCHITECTURES
 from flexgen_helm.weights.source import WeightSource, rename
 
-GGUF_NAMES = {
-    "embed.tokens": "token_embd",
-    "layers.{i}.attn_norm": "blk.{i}.attn_norm",
-    "layers.{i}.q_proj": "blk.{i}.attn_q",
-    "layers.{i}.k_proj": "blk.{i}.attn_k",
-    "layers.{i}.v_proj": "blk.{i}.attn_v",
-    "layers.{i}.o_proj": "blk.{i}.attn_output",
-    "layers.{i}.mlp_norm": "blk.{i}.ffn_norm",
-    "layers.{i}.gate_proj": "blk.{i}.ffn_gate",
-    "layers.{i}.up_proj": "blk.{i}.ffn_up",
-    "layers.{i}.down_proj": "blk.{i}.ffn_down",
-    "head.norm": "output_norm",
-    "head.lm_head": "output",
-}
-# GGUF architecture -> transformers model_type. Only "llama" files carry the Q/K permutation
-# (Mistral files are written as "llama"; Qwen2's converter leaves rows alone).
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
-_PERMUTED = {"llama"}
 _REQUIRED = object()
 
 
@@ -59,8 +44,9 @@ class GGUFFile(WeightSource):
         if not self.path.is_file():
             raise ModelNotFoundError(f"{self.path}: no such GGUF file")
         meta = self._cached_meta(Path(cache_dir) if cache_dir else None)
-        self.arch = meta["arch"]
-        self.config = llama.config_from_hf(meta["hf_config"], name or meta["name"])
+        self.arch = ARCHITECTURES[meta["arch"]]
+        hf = meta["hf_config"]
+        self.config = FAMILIES[HF_MODEL_TYPES[hf["model_type"]]].config_from_hf(hf, name or meta["name"])
 
     def _cached_meta(self, cache_dir: Path | None) -> dict:
         key = hashlib.sha256(self.identity.encode()).hexdigest()[:16]
@@ -107,13 +93,13 @@ class GGUFFile(WeightSource):
         return field.contents()
 
     def _hf_config(self, a: str) -> dict:
-        """The metadata of architecture `a` as a transformers config dict, so one function
-        builds Llama configs."""
+        """The metadata of architecture `a` as a transformers config dict, so that one
+        function per family builds configs from either format."""
         heads = self._meta(f"{a}.attention.head_count")
         hidden = self._meta(f"{a}.embedding_length")
         scaling = self._meta(f"{a}.rope.scaling.type", None)
-        return {
-            "model_type": ARCHITECTURES[a],
+        hf = {
+            "model_type": ARCHITECTURES[a].model_type,
             # len(field.data) counts the tokens without decoding 50k strings
             "vocab_size": len(self._reader.get_field("tokenizer.ggml.tokens").data),
             "hidden_size": hidden,
@@ -122,7 +108,7 @@ class GGUFFile(WeightSource):
             "num_key_value_heads": self._meta(f"{a}.attention.head_count_kv", heads),
             "intermediate_size": self._meta(f"{a}.feed_forward_length"),
             "max_position_embeddings": self._meta(f"{a}.context_length"),
-            "head_dim": self._meta(f"{a}.attention.key_length", hidden // heads),
+            "head_dim": self._meta(f"{a}.attention.key_length", None) or self._head_dim(heads, hidden),
             "rms_norm_eps": self._meta(f"{a}.attention.layer_norm_rms_epsilon"),
             "rope_theta": self._meta(f"{a}.rope.freq_base", 10000.0),
             "rope_scaling": {"rope_type": scaling, "factor": self._meta(f"{a}.rope.scaling.factor", 1.0)}
@@ -133,6 +119,22 @@ class GGUFFile(WeightSource):
             "eos_token_id": self._meta("tokenizer.ggml.eos_token_id", None),
             "pad_token_id": self._meta("tokenizer.ggml.padding_token_id", None),
         }
+        hf.update(ARCHITECTURES[a].extra(lambda key, default: self._meta(f"{a}.{key}", default), hf))
+        if "rope_factors_long.weight" in self._tensors:  # Phi-3's LongRoPE: the factors are tensors
+            hf["rope_scaling"] = {"rope_type": "longrope", "long_factor": self._factors("long"),
+                                  "short_factor": self._factors("short"),
+                                  "attention_factor": self._meta(f"{a}.rope.scaling.attn_factor", None)}
+        return hf
+
+    def _head_dim(self, heads: int, hidden: int) -> int:
+        """Where key_length is not written: from the query projection's width (Qwen3's heads
+        are wider than hidden / heads)."""
+        q = self._tensors.get("blk.0.attn_q.weight")
+        return int(q.shape[1]) // heads if q is not None else hidden // heads
+
+    def _factors(self, kind: str) -> list[float]:
+        t = self._tensors[f"rope_factors_{kind}.weight"]
+        return [float(x) for x in np.asarray(t.data, dtype=np.float64).reshape(-1)]
 
     @property
     def identity(self) -> str:
@@ -142,7 +144,7 @@ class GGUFFile(WeightSource):
     def read(self, store_name: str) -> torch.Tensor:
         from gguf.quants import dequantize
 
-        name = rename(store_name, GGUF_NAMES)
+        name = rename(store_name, self.arch.names)
         t = self._tensors.get(name)
         if t is None:
             raise WeightStoreError(f"{self.path}: tensor {name!r} (store name {store_name}) is missing")
@@ -151,9 +153,11 @@ class GGUFFile(WeightSource):
         a = np.ascontiguousarray(a) if a.flags.writeable else a.copy()
         w = torch.from_numpy(a)
         w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
-        if self.arch in _PERMUTED and name.split(".")[-2] in ("attn_q", "attn_k"):
-            heads = self.config.num_heads if name.split(".")[-2] == "attn_q" else self.config.num_kv_heads
-            w = unpermute_rows(w, heads)
+        kind = name.split(".")[-2]
+        if self.arch.permuted and kind in ("attn_q", "attn_k"):
+            w = unpermute_rows(w, self.config.num_heads if kind == "attn_q" else self.config.num_kv_heads)
+        if self.arch.norm_offset and kind.endswith("norm"):
+            w = w - self.arch.norm_offset
         return w
 
     def load_tokenizer(self, cache_dir: Path):
