@@ -1,4 +1,4 @@
-"""Write any weight source as a Hugging Face checkpoint directory (config.json, sharded
+"""Write a weight source (OPT, Llama family) as a Hugging Face checkpoint directory (config.json, sharded
 safetensors, tokenizer), so that other systems (transformers, HELM's HuggingFaceClient,
 accelerate) can run the very same weights side by side with ours."""
 
@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from flexgen_helm.errors import FlexGenError
 from flexgen_helm.memory.devices import DTYPE_NAMES
 from flexgen_helm.models.config import ModelConfig
 from flexgen_helm.weights.hf_checkpoint import HF_NAMES
@@ -28,6 +29,9 @@ def hf_config(cfg: ModelConfig) -> dict:
         return {**common, "model_type": "opt", "architectures": ["OPTForCausalLM"], "ffn_dim": cfg.ffn_size,
                 "word_embed_proj_dim": cfg.word_embed_proj_dim, "do_layer_norm_before": cfg.do_layer_norm_before,
                 "activation_function": "relu", "enable_bias": True}
+    if cfg.family != "llama" or cfg.qk_norm or cfg.sliding_windows:
+        raise FlexGenError(f"{cfg.name}: exporting a Hugging Face checkpoint covers OPT and the Llama family without "
+                           f"q/k norms or sliding windows (Llama, Mistral v0.2+, Qwen2), not this {cfg.family} config")
     model_type = "qwen2" if cfg.attention_bias else "llama"
     out = {**common, "model_type": model_type,
            "architectures": ["Qwen2ForCausalLM" if model_type == "qwen2" else "LlamaForCausalLM"],
@@ -42,6 +46,7 @@ def export_hf(source: WeightSource, out_dir: str | Path, dtype: torch.dtype = to
               shard_bytes: int = 2 * 2**30, tokenizer=None, progress: bool = True) -> Path:
     """Streams tensors into shards of at most `shard_bytes`, so RAM stays bounded."""
     cfg = source.config
+    config = {**hf_config(cfg), "torch_dtype": DTYPE_NAMES[dtype]}  # first: an unsupported config fails before writing
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     names = HF_NAMES[cfg.family]
@@ -66,7 +71,6 @@ def export_hf(source: WeightSource, out_dir: str | Path, dtype: torch.dtype = to
         (out / f"shard-{i}.tmp").rename(out / files[i])
     index = {"metadata": {}, "weight_map": {k: files[v] for k, v in weight_map.items()}}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    config = {**hf_config(cfg), "torch_dtype": DTYPE_NAMES[dtype]}
     (out / "config.json").write_text(json.dumps(config, indent=1))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
