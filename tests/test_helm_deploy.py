@@ -12,16 +12,16 @@ from conftest import save_tiny
 
 pytest.importorskip("helm")
 
-from helm.benchmark import model_deployment_registry as deployments  # noqa: E402
-from helm.benchmark import model_metadata_registry as metadata  # noqa: E402
-from helm.benchmark import tokenizer_config_registry as tokenizers  # noqa: E402
-from helm.common.cache import BlackHoleCacheConfig  # noqa: E402
-from helm.common.tokenization_request import TokenizationRequest  # noqa: E402
+from helm.benchmark import model_deployment_registry as deployments
+from helm.benchmark import model_metadata_registry as metadata
+from helm.benchmark import tokenizer_config_registry as tokenizers
+from helm.common.cache import BlackHoleCacheConfig
+from helm.common.tokenization_request import TokenizationRequest
 
-from flexgen_helm.cli import main  # noqa: E402
-from flexgen_helm.helm import engines  # noqa: E402
-from flexgen_helm.helm.tokenizer import FlexGenTokenizer  # noqa: E402
-from flexgen_helm.models.tokenizer import hf_tokenizer  # noqa: E402
+from flexgen_helm.cli import main
+from flexgen_helm.helm import engines
+from flexgen_helm.helm.tokenizer import FlexGenTokenizer
+from flexgen_helm.models.tokenizer import hf_tokenizer
 
 
 def test_local_checkpoint_as_a_helm_deployment(tmp_path, monkeypatch):
