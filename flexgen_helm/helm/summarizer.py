@@ -1,11 +1,12 @@
 """helm-summarize for flexgen suites: HELM's Summarizer, with our models, throughput and
 one leaderboard table.
 
-    helm-summarize --suite demo --schema-path "$(python -c 'import flexgen_helm.helm.summarizer as s; print(s.SCHEMA_PATH)')" \
+    flexgen-helm leaderboard --suite demo     # runs schema.summarize_command, i.e.
+    helm-summarize --suite demo --schema-path "$(python -m flexgen_helm.helm.schema)" \
         --summarizer-class-name flexgen_helm.helm.summarizer.FlexGenSummarizer
-    helm-server --suite demo        # Leaderboard: one row per deployment
+    helm-server --suite demo                  # Leaderboard: one row per deployment
 
-HELM's summarizer is told what to show by a schema (SCHEMA_PATH, shipped beside this
+HELM's summarizer is told what to show by a schema (schema_flexgen.yaml, beside this
 module); three things a schema cannot say are done here:
   * register the flexgen model metadata: helm-summarize, unlike helm-run, loads no
     plugins, so our deployments would have no display names (uncompressed / 8-bit / 4-bit)
@@ -31,9 +32,7 @@ from helm.benchmark.presentation.table import Table
 
 import flexgen_helm.helm.plugin  # noqa: F401  (registers the flexgen model metadata)
 from flexgen_helm.helm import accounting
-
-SCHEMA_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "schema_flexgen.yaml")
-LEADERBOARD_GROUP = "flexgen"  # the schema's first run group
+from flexgen_helm.helm.schema import LEADERBOARD_GROUP
 
 # flexgen_* metric -> accounting.summarize's key
 THROUGHPUT_METRICS = {
