@@ -27,3 +27,7 @@ class OffloadDirError(FlexGenError, IOError):
 
 class DataUnreachableError(FlexGenError, ConnectionError):
     """A scenario's data must be downloaded and its source cannot be reached."""
+
+
+class BrowserError(FlexGenError, RuntimeError):
+    """No headless browser to take a screenshot with, or the page did not render in it."""

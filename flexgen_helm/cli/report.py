@@ -1,5 +1,6 @@
-"""`flexgen-helm report` (tables and plots from a suite and the JSON records) and
-`flexgen-helm demo` (the main job: helm-run, then the report)."""
+"""`flexgen-helm report` (tables and plots from a suite and the JSON records),
+`flexgen-helm leaderboard` (HELM's summary and web page of a suite, as a screenshot) and
+`flexgen-helm demo` (the main job: helm-run, then the leaderboard and the report)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,15 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_leaderboard(args) -> int:
+    from flexgen_helm.tools.report.leaderboard import make_leaderboard
+
+    out = Path(args.out) if args.out else Path(args.archives) / args.suite
+    make_leaderboard(args.output_path, args.suite, out)
+    print(f"serve it: helm-server --suite {args.suite} -o {args.output_path}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from flexgen_helm.tools.report.demo import run_demo
 
@@ -43,7 +53,16 @@ def add_command(sub) -> None:
     _common(r)
     r.set_defaults(func=cmd_report)
 
-    d = sub.add_parser("demo", help="helm-run the bundled model uncompressed and 4-bit, then the report")
+    lb = sub.add_parser("leaderboard", help="helm-summarize a suite with the plugin's schema, then a screenshot of "
+                                             "helm-server's Leaderboard page (needs Chromium) beside its report")
+    lb.add_argument("--suite", default="demo", help="HELM suite name")
+    lb.add_argument("--output-path", default="benchmark_output", help="helm-run's -o (default: benchmark_output)")
+    lb.add_argument("--archives", default="runs", help="reports live in <archives>/<suite> (default: runs)")
+    lb.add_argument("--out", help="the screenshot's folder (default: <archives>/<suite>, beside the report)")
+    lb.set_defaults(func=cmd_leaderboard)
+
+    d = sub.add_parser("demo", help="helm-run the bundled model uncompressed and 4-bit, then the leaderboard and "
+                                    "the report")
     _common(d, suite_default="demo")
     d.add_argument("--max-instances", "-m", type=int, default=10, help="instances per HELM scenario")
     d.add_argument("--threads", "-n", type=int, default=2, help="helm-run threads")

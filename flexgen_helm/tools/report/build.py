@@ -20,7 +20,17 @@ from pathlib import Path
 import pandas as pd
 
 from flexgen_helm.memory.machine import machine_info, machine_label
-from flexgen_helm.tools.report import accuracy, archive, breakdown, frontier, helm_runs, placement, plots, records
+from flexgen_helm.tools.report import (
+    accuracy,
+    archive,
+    breakdown,
+    frontier,
+    helm_runs,
+    leaderboard,
+    placement,
+    plots,
+    records,
+)
 from flexgen_helm.tools.report.markdown import fmt, table
 
 RUN_INFO = "run_info.json"  # written beside the records by the command that made the run
@@ -62,6 +72,7 @@ def build_report(suite_dir: str | Path, records_dir: str | Path | None = None, o
 
     md = [f"# Report: suite `{suite_dir.name}`\n", _provenance(suite_dir, records_dir, benches, evals)]
     helm = helm_runs.helm_table(suite_dir)
+    md += leaderboard.leaderboard_section(suite_dir, out)
     md += _helm_section(helm, suite_dir, out)
     md += _accuracy_section(evals, helm, out)
     md += _frontier_section(benches, out)

@@ -1,9 +1,11 @@
 """`flexgen-helm demo`: the whole product in one command on a small machine.
 
 helm-run (with our BatchingRunner) evaluates the bundled SmolLM2-135M uncompressed and
-4-bit on a small offline suite (LAMBADA, WikiText, synthetic reasoning), optionally a
-short bench sweep measures the latency-throughput points and the runtime breakdown, and
-the report is built from all of it: runs/<suite>/report.md.
+4-bit on a small offline suite (LAMBADA, WikiText, synthetic reasoning); helm-summarize
+with the plugin's schema makes HELM's leaderboard of it (`helm-server --suite <suite>`),
+photographed in headless Chromium where installed; optionally a short bench sweep
+measures the latency-throughput points and the runtime breakdown; and the report is
+built from all of it: runs/<suite>/report.md.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import time
 from argparse import Namespace
 from pathlib import Path
 
+from flexgen_helm.errors import BrowserError
 from flexgen_helm.tools.report.build import build_report, records_dir_of, suite_path, write_run_info
+from flexgen_helm.tools.report.leaderboard import make_leaderboard
 
 DEPLOYMENTS = ("flexgen/smollm2-135m", "flexgen/smollm2-135m-4bit")
 SCENARIOS = ("lambada", "wikitext:unit=paragraph", "synthetic_reasoning:mode=pattern_match")
@@ -94,9 +98,17 @@ def run_demo(args) -> Path:
     print("+ " + " ".join(cmd), flush=True)
     subprocess.run(cmd, env=env, check=True)
     helm_s = time.perf_counter() - t0
+    try:
+        make_leaderboard(args.output_path, args.suite, out)
+        browser_error = None
+    except BrowserError as e:  # the report is still worth writing; the command fails after it
+        browser_error = e
     if args.bench:
         bench_sweep(records_dir)
     report = build_report(suite_path(args.output_path, args.suite), records_dir, out, archive_root=args.archives)
     total = time.perf_counter() - t0
     print(f"report: {report}  (helm-run {helm_s / 60:.1f} min, total {total / 60:.1f} min)")
+    print(f"HELM's web UI on it: helm-server --suite {args.suite} -o {args.output_path}")
+    if browser_error is not None:
+        raise BrowserError(f"the leaderboard screenshot failed: {browser_error}")
     return report

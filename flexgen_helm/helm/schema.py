@@ -1,0 +1,28 @@
+"""The plugin's HELM schema and the helm-summarize command that uses it (no HELM import:
+tools call this before any HELM work).
+
+    python -m flexgen_helm.helm.schema       # prints SCHEMA_PATH, for --schema-path
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+SCHEMA_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "schema_flexgen.yaml")
+LEADERBOARD_GROUP = "flexgen"  # the schema's first run group: helm-server's Leaderboard page opens on it
+SUMMARIZER_CLASS = "flexgen_helm.helm.summarizer.FlexGenSummarizer"
+
+
+def summarize_command(suite: str, output_path: str) -> list[str]:
+    """helm-summarize of `suite` with our schema and summarizer (see summarizer.py); the
+    schema is validated strictly, so that a mistake in it fails here, not in the browser."""
+    exe = shutil.which("helm-summarize")
+    head = [exe] if exe else [sys.executable, "-m", "helm.benchmark.presentation.summarize"]
+    return head + ["--suite", suite, "-o", str(output_path), "--schema-path", SCHEMA_PATH,
+                   "--schema-validation", "error", "--summarizer-class-name", SUMMARIZER_CLASS]
+
+
+if __name__ == "__main__":
+    print(SCHEMA_PATH)

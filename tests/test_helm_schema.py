@@ -1,0 +1,135 @@
+"""HELM's summarizer and web UI on a flexgen suite: helm-summarize with the plugin's schema
+and summarizer makes one leaderboard table (LAMBADA accuracy, WikiText perplexity and
+bits/byte, throughput; one row per deployment, named with its compression), and the
+screenshot tool photographs helm-server's page of it (where Chromium is installed).
+
+The suite: the fake engine, two deployments x three scenarios, two instances each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+import flexgen_helm
+
+pytest.importorskip("helm")
+
+from test_helm_e2e import ENTRIES, helm_run, stats
+
+from flexgen_helm.errors import BrowserError, FlexGenError
+from flexgen_helm.helm import accounting
+from flexgen_helm.helm.schema import SCHEMA_PATH, summarize_command
+from flexgen_helm.tools.report import leaderboard, screenshot
+
+HELM_DIR = Path(SCHEMA_PATH).parent
+DEPLOYMENTS = ("flexgen/smollm2-135m", "flexgen/smollm2-135m-4bit")
+COLUMNS = ["Model", "LAMBADA - Accuracy (PEM)", "Pattern match - EM", "WikiText - Perplexity", "WikiText - Bits/byte",
+           "LAMBADA - tok/s", "WikiText - tok/s", "Pattern match - tok/s"]
+
+
+def _yaml(name: str) -> dict:
+    return yaml.safe_load((HELM_DIR / name).read_text())
+
+
+def display_names() -> dict[str, str]:
+    return {m["name"]: m["display_name"] for m in _yaml("model_metadata.yaml")["models"]}
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    """(output path, suite folder) of a summarized suite."""
+    tmp = tmp_path_factory.mktemp("schema")
+    entries = [e.replace("model=flexgen/smollm2-135m", f"model={d}") for d in DEPLOYMENTS for e in ENTRIES]
+    helm_run(tmp, entries, "--runner-class-name", "flexgen_helm.helm.runner.BatchingRunner", fake=True,
+             max_instances=2)
+    out = tmp / "out"
+    # helm-summarize imports our summarizer class: the flexgen_helm under test, not an installed one
+    root = str(Path(flexgen_helm.__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(summarize_command("t", str(out)), capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # every group, metric and model the suite uses is in the schema: HELM warns of none
+    assert "undefined" not in proc.stdout + proc.stderr
+    return out, out / "runs" / "t"
+
+
+def test_leaderboard_table_has_our_columns_and_one_row_per_deployment(suite):
+    _, suite_dir = suite
+    tables = json.loads(leaderboard.groups_json(suite_dir).read_text())
+    assert len(tables) == 1
+    table = tables[0]
+    assert [h["value"] for h in table["header"]] == COLUMNS
+    names = display_names()
+    assert [row[0]["value"] for row in table["rows"]] == [names[d] for d in DEPLOYMENTS]
+
+    runs = {}  # (scenario, deployment) -> run folder
+    for p in suite_dir.iterdir():
+        if (p / "run_spec.json").is_file():
+            spec = json.loads((p / "run_spec.json").read_text())
+            runs[spec["name"].split(":")[0], spec["adapter_spec"]["model_deployment"]] = p
+    for deployment, row in zip(DEPLOYMENTS, table["rows"]):
+        cells = dict(zip(COLUMNS, (c.get("value") for c in row)))
+        wiki = runs["wikitext", deployment]
+        wiki_stats = stats(wiki)
+        assert cells["WikiText - Perplexity"] == pytest.approx(wiki_stats["perplexity"])
+        assert cells["WikiText - Bits/byte"] == pytest.approx(wiki_stats["bits_per_byte"])
+        assert 0.0 <= cells["LAMBADA - Accuracy (PEM)"] <= 1.0
+        lam = runs["lambada", deployment]
+        # the throughput is the engine's, from the run's batch records
+        assert cells["LAMBADA - tok/s"] == pytest.approx(accounting.summarize_run(str(lam))["actual_throughput_tok_s"])
+        assert cells["WikiText - tok/s"] > 0 and cells["Pattern match - tok/s"] > 0
+
+
+def test_web_ui_opens_on_the_leaderboard_and_knows_our_models(suite):
+    _, suite_dir = suite
+    index = json.loads((suite_dir / "groups.json").read_text())
+    # helm-server's Leaderboard page shows the first group of the first index table
+    assert index[0]["rows"][0][0]["href"].endswith("group=flexgen")
+    models = {m["name"]: m["display_name"] for m in json.loads((suite_dir / "schema.json").read_text())["models"]}
+    assert models == {d: display_names()[d] for d in DEPLOYMENTS}
+
+
+def compression_label(policy) -> str:
+    """What a deployment's display name must say about how it stores weights and cache."""
+    policy = policy if isinstance(policy, dict) else {}
+    weight, cache = policy.get("compress_weight"), policy.get("compress_cache")
+    if not weight and not cache:
+        return "uncompressed"
+    if weight and cache and weight["bits"] == cache["bits"]:
+        return f"{weight['bits']}-bit"
+    return ", ".join(f"{c['bits']}-bit {what}" for what, c in (("weights", weight), ("KV cache", cache)) if c)
+
+
+def test_every_deployment_names_its_compression():
+    names = display_names()
+    for d in _yaml("model_deployments.yaml")["model_deployments"]:
+        label = compression_label(d["client_spec"]["args"].get("policy"))
+        assert f", {label} (FlexGen)" in names[d["model_name"]], (d["name"], label)
+
+
+def test_screenshot_of_the_leaderboard(suite, tmp_path):
+    if screenshot.find_browser() is None:
+        pytest.skip(f"no Chromium on PATH ({', '.join(screenshot.BROWSERS)}): {screenshot.INSTALL_HINT}")
+    out, suite_dir = suite
+    rows = leaderboard.row_names(leaderboard.groups_json(suite_dir))
+    assert "No screenshot" in "\n".join(leaderboard.leaderboard_section(suite_dir, tmp_path))
+    png = screenshot.leaderboard_screenshot(out, "t", tmp_path / leaderboard.PNG_NAME, rows)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    # the report embeds the picture of this summary
+    assert f"]({leaderboard.PNG_NAME})" in "\n".join(leaderboard.leaderboard_section(suite_dir, tmp_path))
+    with pytest.raises(BrowserError, match=r"did not render rows \['no such deployment'\]"):
+        screenshot.leaderboard_screenshot(out, "t", tmp_path / "x.png", ["no such deployment"])
+
+
+def test_no_browser_and_no_suite_are_errors_that_say_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(BrowserError, match="no Chromium on PATH .*apt-get install -y chromium"):
+        screenshot.leaderboard_screenshot(tmp_path, "t", tmp_path / "x.png", ["a"])
+    with pytest.raises(FlexGenError, match=f"no HELM suite at {tmp_path / 'runs' / 'nope'}"):
+        leaderboard.make_leaderboard(tmp_path, "nope", tmp_path)
