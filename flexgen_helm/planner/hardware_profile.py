@@ -69,7 +69,10 @@ class HardwareProfile:
     h2d_pageable_bytes_per_s: float = 0.0
     d2h_pinned_bytes_per_s: float = 0.0
     d2h_pageable_bytes_per_s: float = 0.0
-    disk_read_bytes_per_s: float = 1e9  # page cache bypassed
+    disk_read_bytes_per_s: float = 1e9  # the engine's reader: O_DIRECT, reads in flight, page cache bypassed
+    # the device's read bandwidth: the best way of reading it (memory/disk_speed.py), and each way's
+    disk_device_read_bytes_per_s: float = 0.0
+    disk_read_modes: dict[str, float] = field(default_factory=dict)
     disk_write_bytes_per_s: float = 5e8
     disk_read_latency_s: float = 2e-4  # one small O_DIRECT read (a bias, a norm)
     # phase -> the fraction of the shorter of (disk transfers, compute) that does not hide
@@ -274,11 +277,14 @@ def _bandwidth(src: torch.Tensor, dst: torch.Tensor, sync=None) -> float:
     return src.numel() * src.element_size() / _timed(lambda: dst.copy_(src, non_blocking=True), sync=sync)
 
 
-def measure_disk(offload_dir: Path, nbytes: int = 256 << 20, chunk: int = 16 << 20) -> tuple[float, float, float]:
-    """(read bytes/s, write bytes/s, small-read latency s), with the page cache bypassed."""
+def measure_disk(offload_dir: Path, nbytes: int = 256 << 20, chunk: int = 16 << 20) -> dict:
+    """Read bandwidth of each way of reading (memory/disk_speed.py), write bandwidth and the
+    latency of a small read, with the page cache bypassed."""
     from flexgen_helm.memory.direct_io import read_bytes, write_bytes
+    from flexgen_helm.memory.disk_speed import measure_read_modes
 
     offload_dir.mkdir(parents=True, exist_ok=True)
+    reads = measure_read_modes(offload_dir, nbytes, chunk)
     data = torch.randint(0, 255, (chunk,), dtype=torch.uint8).numpy()
     with tempfile.NamedTemporaryFile(dir=offload_dir, prefix="profile-", suffix=".bin") as f:
         fd = f.fileno()
@@ -287,16 +293,13 @@ def measure_disk(offload_dir: Path, nbytes: int = 256 << 20, chunk: int = 16 << 
             write_bytes(fd, off, data, evict=True)  # fdatasync + drop: the disk, not the cache
         write_bw = nbytes / (time.perf_counter() - t0)
         path = Path(f.name)
-        t0 = time.perf_counter()
-        for off in range(0, nbytes, chunk):
-            read_bytes(path, off, chunk, bypass_page_cache=True)
-        read_bw = nbytes / (time.perf_counter() - t0)
         lat = []
         for i in range(64):
             t0 = time.perf_counter()
             read_bytes(path, (i * 7919 * 4096) % (nbytes - 4096), 4096, bypass_page_cache=True)
             lat.append(time.perf_counter() - t0)
-    return read_bw, write_bw, min(lat)
+    return {"read_modes": reads["read_bytes_per_s"], "device_read": reads["device_read_bytes_per_s"],
+            "read": reads["read_bytes_per_s"]["direct_in_flight"], "write": write_bw, "latency": min(lat)}
 
 
 # activation rows of the linear that runs beside the disk reads, per phase
@@ -388,7 +391,10 @@ def measure(offload_dir: str | os.PathLike | None = None, device: str | None = N
         prof.d2h_pageable_bytes_per_s = _bandwidth(gpu, host, sync)
         prof.gpu_mem_bytes = torch.cuda.get_device_properties(devs.compute).total_memory
 
-    prof.disk_read_bytes_per_s, prof.disk_write_bytes_per_s, prof.disk_read_latency_s = measure_disk(offload)
+    disk = measure_disk(offload)
+    prof.disk_read_bytes_per_s, prof.disk_write_bytes_per_s = disk["read"], disk["write"]
+    prof.disk_device_read_bytes_per_s, prof.disk_read_modes = disk["device_read"], disk["read_modes"]
+    prof.disk_read_latency_s = disk["latency"]
     if not devs.is_cuda:  # on a GPU machine the GPU computes and the host's cores are free to read
         prof.disk_overlap_loss = measure_disk_overlap_loss(offload, devs.dtype)
     info = machine_info()
@@ -431,6 +437,9 @@ def describe(p: HardwareProfile) -> str:
                      f"pageable {p.d2h_pageable_bytes_per_s / gb:.2f} GB/s")
     lines.append(f"disk ({p.offload_dir}, page cache bypassed): read {p.disk_read_bytes_per_s / gb:.2f} GB/s, "
                  f"write {p.disk_write_bytes_per_s / gb:.2f} GB/s, 4 KiB read {p.disk_read_latency_s * 1e3:.2f} ms")
+    if p.disk_read_modes:
+        lines.append(f"disk device bandwidth {p.disk_device_read_bytes_per_s / gb:.2f} GB/s (the best way of reading); "
+                     "each way: " + ", ".join(f"{m} {v / gb:.2f}" for m, v in p.disk_read_modes.items()) + " GB/s")
     if p.disk_overlap_loss:
         lines.append("disk reads beside compute: " + ", ".join(
             f"{phase} {loss:.0%} of the shorter not overlapped" for phase, loss in p.disk_overlap_loss.items()))
