@@ -25,7 +25,7 @@ from flexgen_helm.memory.devices import DTYPE_NAMES
 from flexgen_helm.memory.machine import machine_info, machine_label, same_machine
 from flexgen_helm.weights.registry import default_cache_dir
 
-FORMAT = "flexgen-helm-hardware/1"
+FORMAT = "flexgen-helm-hardware/2"  # /2: fixed costs and the disk's ways of reading
 
 # Activation rows of the profiled Linear: 1-64 are decode (one token per sequence of a GPU
 # batch), 256-4096 prefill (a GPU batch times the prompt). The weight is (4096, 2048): big
@@ -52,6 +52,10 @@ class DeviceSpeeds:
     # the compute dtype, elements/s: the block's work besides its matmuls and attention
     elementwise_elems_per_s: float = 1e9
     op_latency_s: float = 1e-5  # a tiny kernel: the floor under every op of a layer
+    # the engine's fixed costs (planner/overhead_profile.py): family -> phase -> {"per_layer_batch",
+    # "per_step"} seconds; empty in a hand-made profile, where the cost model counts ops x op_latency_s
+    fixed_costs: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    copy_handoff_s: float = 0.0  # one transfer handed to the copy thread and waited for
 
     def linear_flops(self, dtype: str, rows: int) -> float:
         table = self.matmul_flops.get(dtype) or next(iter(self.matmul_flops.values()), {1: 1e10})
@@ -143,9 +147,12 @@ def load_or_profile(path: str | os.PathLike | None = None, offload_dir: str | No
     reason = f"no hardware profile at {p}"
     if p.exists():
         saved = HardwareProfile.load(p)
-        if not saved.machine or same_machine(saved.machine, machine_info()):
+        if saved.format != FORMAT:
+            reason = f"the profile at {p} is of format {saved.format}, without what {FORMAT} measures"
+        elif not saved.machine or same_machine(saved.machine, machine_info()):
             return saved
-        reason = f"the profile at {p} was measured on {machine_label(saved.machine)}"
+        else:
+            reason = f"the profile at {p} was measured on {machine_label(saved.machine)}"
     if verbose:
         print(f"{reason}: profiling this machine, {machine_label()} (under a minute)...", flush=True)
     prof = measure(offload_dir=offload_dir)
@@ -366,6 +373,7 @@ def measure(offload_dir: str | os.PathLike | None = None, device: str | None = N
     from flexgen_helm.memory.host_allocator import keep_freed_host_memory
     from flexgen_helm.memory.offload_dir import default_offload_dir
     from flexgen_helm.memory.usage import current_rss_bytes
+    from flexgen_helm.planner.overhead_profile import measure_fixed_costs, measure_handoff_s
 
     devs = pick_devices(device, dtype)
     baseline = current_rss_bytes()
@@ -377,6 +385,8 @@ def measure(offload_dir: str | os.PathLike | None = None, device: str | None = N
     prof.devices = {"cpu": measure_device(torch.device("cpu"), devs.dtype)}
     if devs.is_cuda:
         prof.devices["cuda"] = measure_device(devs.compute, devs.dtype)
+    prof.compute.fixed_costs = measure_fixed_costs(devs)
+    prof.compute.copy_handoff_s = measure_handoff_s(devs.compute)
 
     n = 128 << 20
     host = torch.empty(n, dtype=torch.uint8)
@@ -426,6 +436,13 @@ def describe(p: HardwareProfile) -> str:
         for dt, table in s.matmul_flops.items():
             lines.append(f"  {name} linear {dt}: " + ", ".join(f"{m} rows {f / 1e9:.1f}" for m, f in table.items())
                          + " GFLOP/s")
+        for fam, phases in s.fixed_costs.items():
+            lines.append(f"  {name} fixed costs ({fam}): " + "; ".join(
+                f"{ph} {c['per_layer_batch'] * 1e3:.2f} ms per layer and GPU batch + "
+                f"{c['per_step'] * 1e3:.2f} ms per step"
+                for ph, c in phases.items()))
+        if s.copy_handoff_s:
+            lines.append(f"  {name} copy-thread hand-off {s.copy_handoff_s * 1e6:.1f} us per transfer")
         lines.append(f"  {name} attention: prefill {s.attn_prefill_flops / 1e9:.1f} GFLOP/s, decode "
                      f"{s.attn_decode_bytes_per_s / gb:.2f} GB/s of cache; dequantize "
                      f"{s.dequant_elems_per_s / 1e9:.2f} G elements/s; op latency {s.op_latency_s * 1e6:.1f} us")

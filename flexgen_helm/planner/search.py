@@ -33,17 +33,23 @@ from flexgen_helm.policy.policy import TIERS, Compression, Policy, Split
 
 NF = len(Fractions.NAMES)
 GIB = 2**30
+NEAR_BEST = 0.02  # predictions within 2% are a tie: the cost model is not that exact
 
 
 @dataclass(frozen=True)
 class Budgets:
     """Bytes allowed per tier (None: unbounded). On a CPU-only machine the gpu tier is a pool
-    of host RAM: unless a gpu budget is given, it shares the cpu budget (`shared_host`)."""
+    of host RAM: unless a gpu budget is given, it shares the cpu budget (`shared_host`); when
+    both are given, the process's whole host RAM (both tiers and `process_bytes`, what the
+    process holds besides its tensors: Python, torch) must fit their sum (`host_ram`), so that
+    a user who sizes the budgets to the machine is not swapped."""
 
     gpu: int | None = None
     cpu: int | None = None
     disk: int | None = None
     shared_host: bool = False
+    host_ram: bool = False
+    process_bytes: int = 0
 
     def constraints(self) -> list[tuple[str, dict[str, float], int]]:
         """(budget, tier weights, limit) of each memory constraint."""
@@ -51,14 +57,29 @@ class Budgets:
         if self.gpu is not None and not self.shared_host:
             out.append(("gpu", {"gpu": 1.0}, self.gpu))
         if self.cpu is not None:
-            out.append(("cpu", {"gpu": 1.0, "cpu": 1.0} if self.shared_host else {"cpu": 1.0}, self.cpu))
+            if self.shared_host:
+                out.append(("cpu", {"gpu": 1.0, "cpu": 1.0}, self.cpu - self.process_bytes))
+            else:
+                out.append(("cpu", {"cpu": 1.0}, self.cpu))
+        if self.host_ram and not self.shared_host and self.gpu is not None and self.cpu is not None:
+            out.append(("host", {"gpu": 1.0, "cpu": 1.0}, self.gpu + self.cpu - self.process_bytes))
         if self.disk is not None:
             out.append(("disk", {"disk": 1.0}, self.disk))
         return out
 
+    def tightened(self, budget: str, nbytes: int) -> "Budgets":
+        """The same budgets with constraint `budget` lowered by `nbytes`."""
+        if budget == "host":  # its limit is gpu + cpu - process_bytes
+            return replace(self, process_bytes=self.process_bytes + nbytes)
+        return replace(self, **{budget: getattr(self, budget) - nbytes})
+
     def label(self, budget: str) -> str:
+        gib = self.process_bytes / GIB
         if budget == "cpu" and self.shared_host:
-            return "cpu (host RAM, which the gpu pool shares on this CPU-only machine)"
+            return (f"cpu (host RAM, which the gpu pool and the process's own {gib:.2f} GiB share on this CPU-only "
+                    "machine)")
+        if budget == "host":
+            return f"host RAM (the gpu pool and cpu budgets together, less the process's own {gib:.2f} GiB)"
         return budget
 
 
@@ -71,7 +92,8 @@ def default_budgets(profile: HardwareProfile, gpu: int | None = None, cpu: int |
         cpu = int((profile.cpu_available_bytes or profile.cpu_mem_bytes) * 0.8)
     if disk is None and profile.disk_free_bytes:
         disk = int(profile.disk_free_bytes * 0.9)
-    return Budgets(gpu, cpu, disk, shared_host=not profile.is_cuda and gpu is None)
+    return Budgets(gpu, cpu, disk, shared_host=not profile.is_cuda and gpu is None, host_ram=not profile.is_cuda,
+                   process_bytes=profile.process_baseline_bytes)
 
 
 @dataclass
@@ -176,9 +198,9 @@ def solve_lp(model: CostModel, policy: Policy, budgets: Budgets, max_latency_s: 
     objective = np.zeros(nvar)
     objective[pre] = model.counts
     objective[dec] = (n - 1) * np.asarray(model.counts, dtype=float)
-    if max_latency_s is not None:
+    if max_latency_s is not None:  # the steps' fixed costs are constants outside the per-layer terms
         a_ub.append(objective.copy())
-        b_ub.append(max_latency_s)
+        b_ub.append(max_latency_s - model.step_overhead_s("prefill") - (n - 1) * model.step_overhead_s("decode"))
     if with_slack:
         objective = np.zeros(nvar)
         objective[NF + 2 * layers:] = 1.0
@@ -251,7 +273,17 @@ def search(cfg: ModelConfig, profile: HardwareProfile, prompt_len: int, gen_len:
     if not candidates:
         raise PolicyError(_infeasible_message(model, budgets, options))
     candidates.sort(key=lambda c: -c.estimate.throughput)
-    return SearchResult(candidates[0].policy, candidates[0].estimate, candidates)
+    best = _smallest_near_best(candidates)
+    return SearchResult(best.policy, best.estimate, candidates)
+
+
+def _smallest_near_best(candidates: list[Candidate]) -> Candidate:
+    """The smallest block within NEAR_BEST of the fastest prediction: when prefill compute
+    dominates, every large block predicts about the same throughput, and a smaller one has
+    less latency, less memory and less padding (sequences of a block pad to its longest)."""
+    top = candidates[0].estimate.throughput
+    near = [c for c in candidates if c.estimate.throughput >= (1 - NEAR_BEST) * top]
+    return min(near, key=lambda c: (c.policy.block_size, -c.estimate.throughput))
 
 
 def _best_rounded(model: CostModel, shape: Policy, budgets: Budgets, max_latency_s: float | None,
@@ -281,7 +313,8 @@ def _best_rounded(model: CostModel, shape: Policy, budgets: Budgets, max_latency
                 best = Candidate(p, est, float(res.fun))
         if best is not None or least_short is None:
             return best
-        tight = replace(tight, **{b: getattr(tight, b) - need - step for b, need in least_short.items()})
+        for b, need in least_short.items():
+            tight = tight.tightened(b, int(need + step))
     return None
 
 
