@@ -223,14 +223,22 @@ def _round_split(gpu: float, cpu: float, down: bool) -> Split:
     return Split.from_percent(g, gc - g)
 
 
-def rounded_policies(policy: Policy, x) -> list[Policy]:
+def rounded_policies(policy: Policy, x, merge_host_tiers: bool = False) -> list[Policy]:
+    """The LP's placement rounded to whole percents (towards the upper tiers and towards the
+    lower ones). `merge_host_tiers` (a CPU-only machine, where the gpu and cpu tiers are both
+    host RAM): also the weights' RAM share on one tier, since a tensor split over the two is
+    assembled into a copy at every use, which costs memory and time the LP cannot see."""
     fr = Fractions.from_vector(x[:NF])
     out = []
     for down in (False, True):
         w, c, h = (_round_split(a, b, down) for a, b in ((fr.wg, fr.wc), (fr.cg, fr.cc), (fr.hg, fr.hc)))
-        p = replace(policy, weights=w, cache=c, activations=h)
-        if p not in out:
-            out.append(p)
+        variants = [w]
+        if merge_host_tiers and w.gpu > 0 and w.cpu > 0:
+            variants += [Split(w.gpu + w.cpu, 0.0, w.disk), Split(0.0, w.gpu + w.cpu, w.disk)]
+        for weights in variants:
+            p = replace(policy, weights=weights, cache=c, activations=h)
+            if p not in out:
+                out.append(p)
     return out
 
 
@@ -300,7 +308,7 @@ def _best_rounded(model: CostModel, shape: Policy, budgets: Budgets, max_latency
         if res.status != 0:
             return None
         best, least_short = None, None
-        for p in rounded_policies(shape, res.x):
+        for p in rounded_policies(shape, res.x, merge_host_tiers=not model.hw.is_cuda):
             est = model.estimate(p)
             short = shortfalls(est, budgets)
             if short:
@@ -332,6 +340,8 @@ def _infeasible_message(model: CostModel, budgets: Budgets, options: SearchOptio
     if not short:  # fits continuously but not once rounded: the engine's own placement, all on disk
         lowest = replace(shape, **{k: _ONE_TIER["disk"] for k in _KINDS})
         short = {budgets.label(n): b for n, b in shortfalls(model.estimate(lowest), budgets).items()}
-    parts = [f"the {n} tier is short by {b / GIB:.2f} GiB" for n, b in short.items()]
+    parts = [f"the {n} tier is short by {b / GIB:.2f} GiB" for n, b in short.items()] or [
+        "every placement that fits continuously falls short once rounded to the engine's (tensors split over "
+        "tiers are assembled into a working copy)"]
     return (f"no placement of {model.cfg.name} fits the memory budgets even with one sequence per block: "
             + "; ".join(parts) + " (raise that budget, or compress weights / KV cache)")
