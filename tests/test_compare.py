@@ -11,17 +11,24 @@ import torch
 
 pytest.importorskip("accelerate")
 
+from dataclasses import replace
+
 import pandas as pd
 
 from flexgen_helm.engine import Engine
+from flexgen_helm.errors import PolicyError
 from flexgen_helm.executor.sampling import SamplingParams
+from flexgen_helm.memory.machine import machine_info
+from flexgen_helm.planner.hardware_profile import DeviceSpeeds, HardwareProfile
 from flexgen_helm.policy.policy import Policy, Split
 from flexgen_helm.tools.compare import accelerate_offload, table
 from flexgen_helm.tools.compare.disk import measure_read_bandwidth
+from flexgen_helm.tools.compare.roofline import Roofline
 from flexgen_helm.tools.compare.run import run_compare
 from flexgen_helm.tools.compare.workloads import SETUPS, prompts
 
 TINY = SETUPS["tiny"]
+GIB = 2**30
 
 
 @pytest.fixture(autouse=True)
@@ -29,17 +36,35 @@ def _work_dir(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("FLEXGEN_HELM_COMPARE_DIR", str(tmp_path_factory.getbasetemp() / "compare-work"))
 
 
-def test_harness_rows(tmp_path):
-    bandwidth = measure_read_bandwidth(tmp_path, nbytes=64 << 20, repeats=1)
-    rows, commands = run_compare(TINY, tmp_path / "out", max_block=2, warmup=0, timeout_s=300,
-                                 systems=("ours-deepspeed-policy", "hf-accelerate"), bandwidth=bandwidth)
-    assert [r["system"] for r in rows] == ["ours-deepspeed-policy", "hf-accelerate"]
+@pytest.fixture(scope="module")
+def profile_path(tmp_path_factory) -> str:
+    """A hand-made profile of this machine (measuring one takes minutes on shared cores)."""
+    speeds = DeviceSpeeds({"bfloat16": {1: 2e9, 16: 30e9, 256: 200e9, 4096: 300e9}})
+    prof = HardwareProfile(devices={"cpu": speeds}, disk_read_bytes_per_s=1e9, disk_device_read_bytes_per_s=1e9,
+                           cpu_mem_bytes=24 * GIB, cpu_available_bytes=20 * GIB, disk_free_bytes=100 * GIB,
+                           process_baseline_bytes=0, machine=machine_info())
+    return str(prof.save(tmp_path_factory.mktemp("profile") / "hardware.json"))
+
+
+@pytest.fixture(scope="module")
+def bandwidth(tmp_path_factory):
+    return measure_read_bandwidth(tmp_path_factory.mktemp("bw"), nbytes=64 << 20, repeats=1)
+
+
+def test_harness_rows(tmp_path, bandwidth, profile_path):
+    rows, ablations, commands = run_compare(TINY, tmp_path / "out", warmup=0, timeout_s=300,
+                                            systems=("ours-deepspeed-policy", "hf-accelerate"), bandwidth=bandwidth,
+                                            ablations=False, profile_path=profile_path)
+    assert [r["system"] for r in rows] == ["ours-deepspeed-policy", "hf-accelerate"] and ablations == []
     assert len(commands) == 2 and "flexgen_helm.tools.compare.accelerate_offload" in commands[1]
     for r in rows:
         assert r["throughput_tok_s"] > 0 and r["effective_batch"] >= 1, r
         assert r["disk_weight_gib"] > 0 and r["disk_read_gib"] > 0 and r["roofline_tok_s"] > 0, r
         assert "disk" in r["weights_read_from"] and r["loadavg_1m"] is not None
+        assert r["peak_rss_gib"] > 0 and r["rss_limit_gib"] == round((256 + 160 + 512) / 1024, 2), r
+        assert r["disk_device_gb_s"] > 0
     ours, acc = rows
+    assert ours["predicted_tok_s"] > 0 and acc["predicted_tok_s"] is None  # the cost model predicts ours only
     assert "O_DIRECT" in ours["weights_read_from"] and "evicted before every token" in acc["weights_read_from"]
     assert acc["vs_accelerate"] == 1.0 and ours["vs_accelerate"] > 0
     assert ours["effective_batch"] == acc["effective_batch"]  # same device budget, same row-by-row batch
@@ -60,6 +85,32 @@ def test_greedy_tokens_agree_with_accelerate_in_float32(tmp_path):
     assert [r.completions[0].token_ids for r in ours] == acc["generated_token_ids"]
 
 
+def test_auto_row_and_its_ablations_from_one_run(tmp_path, bandwidth, profile_path):
+    """The searched policy runs, its prediction is recorded, and the ablations are derived from
+    it: each a real run, or a row saying why it would repeat the searched one."""
+    rows, ablations, commands = run_compare(TINY, tmp_path / "out", warmup=0, timeout_s=300, systems=("ours-auto",),
+                                            bandwidth=bandwidth, ablations=True, profile_path=profile_path)
+    (auto,) = rows
+    assert auto["throughput_tok_s"] > 0 and auto["predicted_tok_s"] > 0 and auto["rss_within_limit"] is not None
+    labels = [r["label"] for r in ablations]
+    assert labels[0].startswith("all optimizations") and ablations[0]["throughput_tok_s"] == auto["throughput_tok_s"]
+    assert labels[1:] == ["no overlap", "no CPU compute", "row-by-row schedule", "no policy search"]
+    for r in ablations[1:]:
+        assert r.get("throughput_tok_s") or r["weights_read_from"].startswith("same as all optimizations"), r
+    assert ablations[0]["vs_all_optimizations"] == 1.0
+    assert len(commands) == 1 + sum(1 for r in ablations[1:] if r.get("throughput_tok_s"))
+
+
+def test_compare_fails_loudly_when_the_search_finds_nothing(tmp_path, profile_path):
+    """Budgets too small for one sequence: the search's error, with the tier and shortfall, before
+    anything runs; no row benchmarks some other policy in its place."""
+    starved = replace(TINY, name="starved", gpu_mem="1MiB", cpu_mem="1MiB")
+    with pytest.raises(PolicyError, match=r"tier is short by"):
+        run_compare(starved, tmp_path / "out", warmup=0, timeout_s=300, systems=("ours-auto",),
+                    bandwidth={"device_read_bytes_per_s": 1e9}, ablations=False, profile_path=profile_path)
+    assert not (tmp_path / "out").exists()
+
+
 def test_roofline_and_ratio_arithmetic():
     """4 sequences, 2 GiB on disk read at 1 GiB/s: at most 2 tokens a second; 1 token/s is 50%."""
     ours = {"effective_batch_size": 4, "gen_len": 8, "prefill_latency_s": 2.0, "decode_latency_s": 30.0,
@@ -68,10 +119,31 @@ def test_roofline_and_ratio_arithmetic():
                        "cpu_peak_rss_bytes": 2**30}}
     acc = {**ours, "system": "hf-accelerate", "total_throughput": 0.25, "disk_weight_bytes": 2 * 2**30,
            "page_cache": {"evict_each_token": True}}
-    rows = [table.row("s", "ours", ours, 2**30, 0.5), table.row("s", "hf-accelerate", acc, 2**30, 0.5)]
+    roof = Roofline(prefill_s=2.0, decode_step_s=2.0, prefill_bound="disk", decode_bound="disk", total_s=16.0,
+                    tokens_per_s=2.0)
+    ctx = {"roofline": roof, "rss_limit_bytes": 2**30 + 2**29, "loadavg": 0.5}
+    rows = [table.row("s", "ours", ours, ctx), table.row("s", "hf-accelerate", acc, ctx)]
     table.add_ratios(rows)
     assert rows[0]["roofline_tok_s"] == 2.0 and rows[0]["pct_of_roofline"] == 50.0
     assert rows[0]["disk_reads_per_token"] == 1.0 and rows[0]["vs_accelerate"] == 4.0
+    assert rows[0]["rss_within_limit"] is True and rows[0]["peak_rss_gib"] == 1.0
+
+
+def test_roofline_takes_the_slower_of_compute_and_disk_per_phase():
+    """OPT-125M, 2 sequences of 8 tokens + 4 new at a flat 1 TFLOP/s; 1 GB on disk at 1 GB/s:
+    prefill is the disk's second, a decode step too (its matmuls are microseconds)."""
+    from flexgen_helm.tools.compare.compute_floor import matmul_params_per_token
+    from flexgen_helm.tools.compare.roofline import roofline
+    from flexgen_helm.weights.registry import resolve
+
+    cfg = resolve("facebook/opt-125m", dummy=True).config
+    prof = HardwareProfile(devices={"cpu": DeviceSpeeds({"bfloat16": {1: 1e12}})})
+    r = roofline(cfg, prof, "bfloat16", 2, 1, 8, 4, 1e9, 1e9)
+    assert (r.prefill_s, r.decode_step_s, r.prefill_bound, r.decode_bound) == (1.0, 1.0, "disk", "disk")
+    assert r.tokens_per_s == pytest.approx(2 * 4 / 4.0)
+    r = roofline(cfg, prof, "bfloat16", 2, 1, 8, 4, 0.0, 1e9)  # nothing on disk: compute alone
+    width = cfg.num_heads * cfg.head_dim
+    assert r.prefill_s == pytest.approx(2 * (2 * matmul_params_per_token(cfg) * 8 + 2 * 64 * width * 12) / 1e12)
 
 
 @pytest.mark.parametrize("fixture", ["tiny_opt", "tiny_llama"])

@@ -235,3 +235,26 @@ def test_saved_profile_of_other_hardware_is_remeasured(tmp_path, monkeypatch, ca
     assert "measured on Some Other CPU" in capsys.readouterr().out
     HardwareProfile(machine=here, disk_read_bytes_per_s=3.0).save(path)  # this machine's: reused
     assert hardware_profile.load_or_profile(path).disk_read_bytes_per_s == 3.0
+
+
+def test_ram_budgets_hold_the_process_itself_on_a_cpu_only_machine():
+    """gpu pool + cpu budgets are host RAM: both tiers' peaks and the process's own memory
+    (the profile's baseline) fit their sum, so RSS stays near the budgets the user gave."""
+    prof = cpu_profile(process_baseline_bytes=int(0.3 * GIB))
+    budgets = default_budgets(prof, gpu=GIB, cpu=2 * GIB)
+    assert "host" in [name for name, _, _ in budgets.constraints()]
+    est = search(OPT13, prof, 128, 8, budgets, SearchOptions(max_gpu_batch_size=16, max_num_gpu_batches=4)).estimate
+    for peak in est.peak_bytes.values():
+        assert peak["gpu"] + peak["cpu"] + prof.process_baseline_bytes <= 3 * GIB
+
+
+def test_among_near_equal_predictions_the_smallest_block_wins():
+    """Scoring-like work (prefill only) with nothing binding: large blocks all predict about
+    the same; the search takes the smallest of those within 2% of the best (less latency,
+    memory and padding), never one predicted slower than that."""
+    result = search(OPT13, cpu_profile(), 128, 1, default_budgets(cpu_profile()),
+                    SearchOptions(max_gpu_batch_size=64, max_num_gpu_batches=8))
+    best = result.candidates[0].estimate.throughput
+    near = [c for c in result.candidates if c.estimate.throughput >= 0.98 * best]
+    assert result.policy.block_size == min(c.policy.block_size for c in near)
+    assert result.estimate.throughput >= 0.98 * best

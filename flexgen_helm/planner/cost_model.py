@@ -7,16 +7,17 @@ Per layer and phase the time is the max over five resources, which overlap (Algo
     disk_cpu  disk reads, page cache bypassed (O_DIRECT)
     cpu_disk  disk writes
     compute   linear layers + attention (+ CPU-delegated attention) + dequantization + elementwise
-              passes + op overheads; on a CPU-only machine also the two memcpy terms above, which
-              the computing cores make themselves (so they add to compute instead of overlapping),
-              and there disk transfers overlap compute only in part (the same cores serve them:
-              HardwareProfile.disk_overlap_loss), which the compute and disk terms each carry
+              passes + the engine's profiled fixed cost per layer and GPU batch; on a CPU-only
+              machine also the two memcpy terms above, which the computing cores make themselves
+              (so they add to compute instead of overlapping), and there disk transfers overlap
+              compute only in part (the same cores serve them: HardwareProfile.disk_overlap_loss),
+              which the compute and disk terms each carry
 
 (the sum instead of the max when the policy turns overlap off). The terms sum over the
 block's GPU batches, except weights, which a layer loads once per step for the whole block.
 
-    prefill = sum over layers of layer_time(prompt of s tokens)
-    decode  = sum over layers of layer_time(one token, KV cache of the average length s + n/2)
+    prefill = sum over layers of layer_time(prompt of s tokens) + fixed cost of a step
+    decode  = sum over layers of layer_time(one token, KV cache of the average length s + n/2) + fixed cost of a step
     total   = prefill + (n - 1) * decode;   throughput = block_size * n / total
 
 Every term is affine in the nine placement fractions (wg, wc, wd, cg, cc, cd, hg, hc, hd)
@@ -57,6 +58,7 @@ TERMS = ("cpu_gpu", "gpu_cpu", "disk_cpu", "cpu_disk", "compute")
 PHASES = ("prefill", "decode")
 OPS_PER_BLOCK = 30  # kernels one transformer block launches per GPU batch (norms, linears, attention, adds)
 OPS_PER_OTHER_LAYER = 6  # embedding or head
+TRANSFERS_PER_LAYER_BATCH = 4  # the schedule's loads (cache, hidden) and stores (cache, hidden) per layer and batch
 ATTENTION_MASK_BYTES = 1  # per score element in `attend`: fused attention keeps only a bool mask (padding)
 # Elementwise passes a block makes over its activations, per token, counted in models/<family>.py
 # and executor/: (per hidden-size element, per MLP-width element). OPT: two layer norms (~2.5
@@ -242,8 +244,7 @@ class CostModel:
         # linear layers, per GPU batch (the head projects only the last position)
         rows = gbs * (tokens if layer.kind != "head" else 1)
         b["compute"] += nb * 2 * rows * lw.matmul_numel / dev.linear_flops(hw.dtype, rows)
-        ops = OPS_PER_BLOCK if layer.kind == "block" else OPS_PER_OTHER_LAYER
-        b["compute"] += nb * ops * dev.op_latency_s
+        b["compute"] += nb * self._fixed_per_layer_batch(layer, policy, phase)
         if layer.kind == "block":
             per_hidden, per_mlp = ELEMENTWISE_PASSES.get(cfg.family, ELEMENTWISE_PASSES["llama"])
             passes = per_hidden * cfg.hidden_size + per_mlp * cfg.ffn_size
@@ -263,6 +264,23 @@ class CostModel:
         # linear in the fractions, as the LP needs
         reads = lw.disk_reads + loads * h["disk"] + (nb * 2 * c["disk"] if layer.kind == "block" and not prefill else 0)
         return b, reads
+
+    def _fixed_per_layer_batch(self, layer: LayerSpec, policy: Policy, phase: str) -> float:
+        """What one layer costs one GPU batch besides its arithmetic and data: the profiled fixed
+        cost (planner/overhead_profile.py), plus the copy thread's hand-offs when the schedule
+        runs transfers on it (executor/schedule.py: on a GPU, or with anything on disk). A
+        hand-made profile without fixed costs counts the layer's ops at the tiny-op latency."""
+        dev = self.hw.compute
+        fixed = dev.fixed_costs.get(self.cfg.family, {}).get(phase)
+        if fixed is None:
+            return (OPS_PER_BLOCK if layer.kind == "block" else OPS_PER_OTHER_LAYER) * dev.op_latency_s
+        threaded = policy.overlap and (self.hw.is_cuda or any(
+            split.disk > 0 for split in (policy.weights, policy.cache, policy.activations)))
+        return fixed["per_layer_batch"] + (TRANSFERS_PER_LAYER_BATCH * dev.copy_handoff_s if threaded else 0.0)
+
+    def step_overhead_s(self, phase: str) -> float:
+        """The profiled fixed cost of one token step of the block (sampling, bookkeeping)."""
+        return self.hw.compute.fixed_costs.get(self.cfg.family, {}).get(phase, {}).get("per_step", 0.0)
 
     def _seconds(self, b: dict[str, float], reads: float, policy: Policy, phase: str) -> dict[str, float]:
         """Bytes per link -> seconds at the profiled rates, with the CPU-only machine's copies
@@ -415,7 +433,8 @@ class CostModel:
         for phase in PHASES:
             per_layer = self.phase_terms(policy, phase)
             combine = max if policy.overlap else sum
-            phase_s[phase] = sum(n * combine(lt.values()) for n, lt in zip(self.counts, per_layer))
+            phase_s[phase] = (sum(n * combine(lt.values()) for n, lt in zip(self.counts, per_layer))
+                              + self.step_overhead_s(phase))
             terms[phase] = {t: sum(n * lt[t] for n, lt in zip(self.counts, per_layer)) for t in TERMS}
             dominant = {t: 0.0 for t in TERMS}  # time of the layers each term is the max of
             for n, lt in zip(self.counts, per_layer):

@@ -25,7 +25,7 @@ from flexgen_helm.memory.devices import DTYPE_NAMES
 from flexgen_helm.memory.machine import machine_info, machine_label, same_machine
 from flexgen_helm.weights.registry import default_cache_dir
 
-FORMAT = "flexgen-helm-hardware/1"
+FORMAT = "flexgen-helm-hardware/2"  # /2: fixed costs and the disk's ways of reading
 
 # Activation rows of the profiled Linear: 1-64 are decode (one token per sequence of a GPU
 # batch), 256-4096 prefill (a GPU batch times the prompt). The weight is (4096, 2048): big
@@ -52,6 +52,10 @@ class DeviceSpeeds:
     # the compute dtype, elements/s: the block's work besides its matmuls and attention
     elementwise_elems_per_s: float = 1e9
     op_latency_s: float = 1e-5  # a tiny kernel: the floor under every op of a layer
+    # the engine's fixed costs (planner/overhead_profile.py): family -> phase -> {"per_layer_batch",
+    # "per_step"} seconds; empty in a hand-made profile, where the cost model counts ops x op_latency_s
+    fixed_costs: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    copy_handoff_s: float = 0.0  # one transfer handed to the copy thread and waited for
 
     def linear_flops(self, dtype: str, rows: int) -> float:
         table = self.matmul_flops.get(dtype) or next(iter(self.matmul_flops.values()), {1: 1e10})
@@ -69,7 +73,10 @@ class HardwareProfile:
     h2d_pageable_bytes_per_s: float = 0.0
     d2h_pinned_bytes_per_s: float = 0.0
     d2h_pageable_bytes_per_s: float = 0.0
-    disk_read_bytes_per_s: float = 1e9  # page cache bypassed
+    disk_read_bytes_per_s: float = 1e9  # the engine's reader: O_DIRECT, reads in flight, page cache bypassed
+    # the device's read bandwidth: the best way of reading it (memory/disk_speed.py), and each way's
+    disk_device_read_bytes_per_s: float = 0.0
+    disk_read_modes: dict[str, float] = field(default_factory=dict)
     disk_write_bytes_per_s: float = 5e8
     disk_read_latency_s: float = 2e-4  # one small O_DIRECT read (a bias, a norm)
     # phase -> the fraction of the shorter of (disk transfers, compute) that does not hide
@@ -140,9 +147,12 @@ def load_or_profile(path: str | os.PathLike | None = None, offload_dir: str | No
     reason = f"no hardware profile at {p}"
     if p.exists():
         saved = HardwareProfile.load(p)
-        if not saved.machine or same_machine(saved.machine, machine_info()):
+        if saved.format != FORMAT:
+            reason = f"the profile at {p} is of format {saved.format}, without what {FORMAT} measures"
+        elif not saved.machine or same_machine(saved.machine, machine_info()):
             return saved
-        reason = f"the profile at {p} was measured on {machine_label(saved.machine)}"
+        else:
+            reason = f"the profile at {p} was measured on {machine_label(saved.machine)}"
     if verbose:
         print(f"{reason}: profiling this machine, {machine_label()} (under a minute)...", flush=True)
     prof = measure(offload_dir=offload_dir)
@@ -274,11 +284,14 @@ def _bandwidth(src: torch.Tensor, dst: torch.Tensor, sync=None) -> float:
     return src.numel() * src.element_size() / _timed(lambda: dst.copy_(src, non_blocking=True), sync=sync)
 
 
-def measure_disk(offload_dir: Path, nbytes: int = 256 << 20, chunk: int = 16 << 20) -> tuple[float, float, float]:
-    """(read bytes/s, write bytes/s, small-read latency s), with the page cache bypassed."""
+def measure_disk(offload_dir: Path, nbytes: int = 256 << 20, chunk: int = 16 << 20) -> dict:
+    """Read bandwidth of each way of reading (memory/disk_speed.py), write bandwidth and the
+    latency of a small read, with the page cache bypassed."""
     from flexgen_helm.memory.direct_io import read_bytes, write_bytes
+    from flexgen_helm.memory.disk_speed import measure_read_modes
 
     offload_dir.mkdir(parents=True, exist_ok=True)
+    reads = measure_read_modes(offload_dir, nbytes, chunk)
     data = torch.randint(0, 255, (chunk,), dtype=torch.uint8).numpy()
     with tempfile.NamedTemporaryFile(dir=offload_dir, prefix="profile-", suffix=".bin") as f:
         fd = f.fileno()
@@ -287,16 +300,13 @@ def measure_disk(offload_dir: Path, nbytes: int = 256 << 20, chunk: int = 16 << 
             write_bytes(fd, off, data, evict=True)  # fdatasync + drop: the disk, not the cache
         write_bw = nbytes / (time.perf_counter() - t0)
         path = Path(f.name)
-        t0 = time.perf_counter()
-        for off in range(0, nbytes, chunk):
-            read_bytes(path, off, chunk, bypass_page_cache=True)
-        read_bw = nbytes / (time.perf_counter() - t0)
         lat = []
         for i in range(64):
             t0 = time.perf_counter()
             read_bytes(path, (i * 7919 * 4096) % (nbytes - 4096), 4096, bypass_page_cache=True)
             lat.append(time.perf_counter() - t0)
-    return read_bw, write_bw, min(lat)
+    return {"read_modes": reads["read_bytes_per_s"], "device_read": reads["device_read_bytes_per_s"],
+            "read": reads["read_bytes_per_s"]["direct_in_flight"], "write": write_bw, "latency": min(lat)}
 
 
 # activation rows of the linear that runs beside the disk reads, per phase
@@ -363,6 +373,7 @@ def measure(offload_dir: str | os.PathLike | None = None, device: str | None = N
     from flexgen_helm.memory.host_allocator import keep_freed_host_memory
     from flexgen_helm.memory.offload_dir import default_offload_dir
     from flexgen_helm.memory.usage import current_rss_bytes
+    from flexgen_helm.planner.overhead_profile import measure_fixed_costs, measure_handoff_s
 
     devs = pick_devices(device, dtype)
     baseline = current_rss_bytes()
@@ -374,6 +385,8 @@ def measure(offload_dir: str | os.PathLike | None = None, device: str | None = N
     prof.devices = {"cpu": measure_device(torch.device("cpu"), devs.dtype)}
     if devs.is_cuda:
         prof.devices["cuda"] = measure_device(devs.compute, devs.dtype)
+    prof.compute.fixed_costs = measure_fixed_costs(devs)
+    prof.compute.copy_handoff_s = measure_handoff_s(devs.compute)
 
     n = 128 << 20
     host = torch.empty(n, dtype=torch.uint8)
@@ -388,7 +401,10 @@ def measure(offload_dir: str | os.PathLike | None = None, device: str | None = N
         prof.d2h_pageable_bytes_per_s = _bandwidth(gpu, host, sync)
         prof.gpu_mem_bytes = torch.cuda.get_device_properties(devs.compute).total_memory
 
-    prof.disk_read_bytes_per_s, prof.disk_write_bytes_per_s, prof.disk_read_latency_s = measure_disk(offload)
+    disk = measure_disk(offload)
+    prof.disk_read_bytes_per_s, prof.disk_write_bytes_per_s = disk["read"], disk["write"]
+    prof.disk_device_read_bytes_per_s, prof.disk_read_modes = disk["device_read"], disk["read_modes"]
+    prof.disk_read_latency_s = disk["latency"]
     if not devs.is_cuda:  # on a GPU machine the GPU computes and the host's cores are free to read
         prof.disk_overlap_loss = measure_disk_overlap_loss(offload, devs.dtype)
     info = machine_info()
@@ -420,6 +436,13 @@ def describe(p: HardwareProfile) -> str:
         for dt, table in s.matmul_flops.items():
             lines.append(f"  {name} linear {dt}: " + ", ".join(f"{m} rows {f / 1e9:.1f}" for m, f in table.items())
                          + " GFLOP/s")
+        for fam, phases in s.fixed_costs.items():
+            lines.append(f"  {name} fixed costs ({fam}): " + "; ".join(
+                f"{ph} {c['per_layer_batch'] * 1e3:.2f} ms per layer and GPU batch + "
+                f"{c['per_step'] * 1e3:.2f} ms per step"
+                for ph, c in phases.items()))
+        if s.copy_handoff_s:
+            lines.append(f"  {name} copy-thread hand-off {s.copy_handoff_s * 1e6:.1f} us per transfer")
         lines.append(f"  {name} attention: prefill {s.attn_prefill_flops / 1e9:.1f} GFLOP/s, decode "
                      f"{s.attn_decode_bytes_per_s / gb:.2f} GB/s of cache; dequantize "
                      f"{s.dequant_elems_per_s / 1e9:.2f} G elements/s; op latency {s.op_latency_s * 1e6:.1f} us")
@@ -431,6 +454,9 @@ def describe(p: HardwareProfile) -> str:
                      f"pageable {p.d2h_pageable_bytes_per_s / gb:.2f} GB/s")
     lines.append(f"disk ({p.offload_dir}, page cache bypassed): read {p.disk_read_bytes_per_s / gb:.2f} GB/s, "
                  f"write {p.disk_write_bytes_per_s / gb:.2f} GB/s, 4 KiB read {p.disk_read_latency_s * 1e3:.2f} ms")
+    if p.disk_read_modes:
+        lines.append(f"disk device bandwidth {p.disk_device_read_bytes_per_s / gb:.2f} GB/s (the best way of reading); "
+                     "each way: " + ", ".join(f"{m} {v / gb:.2f}" for m, v in p.disk_read_modes.items()) + " GB/s")
     if p.disk_overlap_loss:
         lines.append("disk reads beside compute: " + ", ".join(
             f"{phase} {loss:.0%} of the shorter not overlapped" for phase, loss in p.disk_overlap_loss.items()))

@@ -33,17 +33,23 @@ from flexgen_helm.policy.policy import TIERS, Compression, Policy, Split
 
 NF = len(Fractions.NAMES)
 GIB = 2**30
+NEAR_BEST = 0.02  # predictions within 2% are a tie: the cost model is not that exact
 
 
 @dataclass(frozen=True)
 class Budgets:
     """Bytes allowed per tier (None: unbounded). On a CPU-only machine the gpu tier is a pool
-    of host RAM: unless a gpu budget is given, it shares the cpu budget (`shared_host`)."""
+    of host RAM: unless a gpu budget is given, it shares the cpu budget (`shared_host`); when
+    both are given, the process's whole host RAM (both tiers and `process_bytes`, what the
+    process holds besides its tensors: Python, torch) must fit their sum (`host_ram`), so that
+    a user who sizes the budgets to the machine is not swapped."""
 
     gpu: int | None = None
     cpu: int | None = None
     disk: int | None = None
     shared_host: bool = False
+    host_ram: bool = False
+    process_bytes: int = 0
 
     def constraints(self) -> list[tuple[str, dict[str, float], int]]:
         """(budget, tier weights, limit) of each memory constraint."""
@@ -51,14 +57,29 @@ class Budgets:
         if self.gpu is not None and not self.shared_host:
             out.append(("gpu", {"gpu": 1.0}, self.gpu))
         if self.cpu is not None:
-            out.append(("cpu", {"gpu": 1.0, "cpu": 1.0} if self.shared_host else {"cpu": 1.0}, self.cpu))
+            if self.shared_host:
+                out.append(("cpu", {"gpu": 1.0, "cpu": 1.0}, self.cpu - self.process_bytes))
+            else:
+                out.append(("cpu", {"cpu": 1.0}, self.cpu))
+        if self.host_ram and not self.shared_host and self.gpu is not None and self.cpu is not None:
+            out.append(("host", {"gpu": 1.0, "cpu": 1.0}, self.gpu + self.cpu - self.process_bytes))
         if self.disk is not None:
             out.append(("disk", {"disk": 1.0}, self.disk))
         return out
 
+    def tightened(self, budget: str, nbytes: int) -> "Budgets":
+        """The same budgets with constraint `budget` lowered by `nbytes`."""
+        if budget == "host":  # its limit is gpu + cpu - process_bytes
+            return replace(self, process_bytes=self.process_bytes + nbytes)
+        return replace(self, **{budget: getattr(self, budget) - nbytes})
+
     def label(self, budget: str) -> str:
+        gib = self.process_bytes / GIB
         if budget == "cpu" and self.shared_host:
-            return "cpu (host RAM, which the gpu pool shares on this CPU-only machine)"
+            return (f"cpu (host RAM, which the gpu pool and the process's own {gib:.2f} GiB share on this CPU-only "
+                    "machine)")
+        if budget == "host":
+            return f"host RAM (the gpu pool and cpu budgets together, less the process's own {gib:.2f} GiB)"
         return budget
 
 
@@ -71,7 +92,8 @@ def default_budgets(profile: HardwareProfile, gpu: int | None = None, cpu: int |
         cpu = int((profile.cpu_available_bytes or profile.cpu_mem_bytes) * 0.8)
     if disk is None and profile.disk_free_bytes:
         disk = int(profile.disk_free_bytes * 0.9)
-    return Budgets(gpu, cpu, disk, shared_host=not profile.is_cuda and gpu is None)
+    return Budgets(gpu, cpu, disk, shared_host=not profile.is_cuda and gpu is None, host_ram=not profile.is_cuda,
+                   process_bytes=profile.process_baseline_bytes)
 
 
 @dataclass
@@ -176,9 +198,9 @@ def solve_lp(model: CostModel, policy: Policy, budgets: Budgets, max_latency_s: 
     objective = np.zeros(nvar)
     objective[pre] = model.counts
     objective[dec] = (n - 1) * np.asarray(model.counts, dtype=float)
-    if max_latency_s is not None:
+    if max_latency_s is not None:  # the steps' fixed costs are constants outside the per-layer terms
         a_ub.append(objective.copy())
-        b_ub.append(max_latency_s)
+        b_ub.append(max_latency_s - model.step_overhead_s("prefill") - (n - 1) * model.step_overhead_s("decode"))
     if with_slack:
         objective = np.zeros(nvar)
         objective[NF + 2 * layers:] = 1.0
@@ -201,14 +223,26 @@ def _round_split(gpu: float, cpu: float, down: bool) -> Split:
     return Split.from_percent(g, gc - g)
 
 
-def rounded_policies(policy: Policy, x) -> list[Policy]:
+def rounded_policies(policy: Policy, x, merge_host_tiers: bool = False) -> list[Policy]:
+    """The LP's placement rounded to whole percents (towards the upper tiers and towards the
+    lower ones). `merge_host_tiers` (a CPU-only machine, where the gpu and cpu tiers are both
+    host RAM): also the weights' RAM share on one tier, and all of them on disk, since a tensor
+    split over tiers is assembled into a copy at every use, which costs memory and time the
+    LP cannot see (OPT-6.7B 512/32 in a 1.5 GiB pool: the LP's 20% in RAM left no room for a
+    block of 32; all on disk fits it and predicts 5x the throughput of the block that did fit)."""
     fr = Fractions.from_vector(x[:NF])
     out = []
     for down in (False, True):
         w, c, h = (_round_split(a, b, down) for a, b in ((fr.wg, fr.wc), (fr.cg, fr.cc), (fr.hg, fr.hc)))
-        p = replace(policy, weights=w, cache=c, activations=h)
-        if p not in out:
-            out.append(p)
+        variants = [w]
+        if merge_host_tiers and w.gpu > 0 and w.cpu > 0:
+            variants += [Split(w.gpu + w.cpu, 0.0, w.disk), Split(0.0, w.gpu + w.cpu, w.disk)]
+        if merge_host_tiers and w.disk > 0 and w.gpu + w.cpu > 0:
+            variants.append(Split(0.0, 0.0, 1.0))
+        for weights in variants:
+            p = replace(policy, weights=weights, cache=c, activations=h)
+            if p not in out:
+                out.append(p)
     return out
 
 
@@ -251,7 +285,17 @@ def search(cfg: ModelConfig, profile: HardwareProfile, prompt_len: int, gen_len:
     if not candidates:
         raise PolicyError(_infeasible_message(model, budgets, options))
     candidates.sort(key=lambda c: -c.estimate.throughput)
-    return SearchResult(candidates[0].policy, candidates[0].estimate, candidates)
+    best = _smallest_near_best(candidates)
+    return SearchResult(best.policy, best.estimate, candidates)
+
+
+def _smallest_near_best(candidates: list[Candidate]) -> Candidate:
+    """The smallest block within NEAR_BEST of the fastest prediction: when prefill compute
+    dominates, every large block predicts about the same throughput, and a smaller one has
+    less latency, less memory and less padding (sequences of a block pad to its longest)."""
+    top = candidates[0].estimate.throughput
+    near = [c for c in candidates if c.estimate.throughput >= (1 - NEAR_BEST) * top]
+    return min(near, key=lambda c: (c.policy.block_size, -c.estimate.throughput))
 
 
 def _best_rounded(model: CostModel, shape: Policy, budgets: Budgets, max_latency_s: float | None,
@@ -268,7 +312,7 @@ def _best_rounded(model: CostModel, shape: Policy, budgets: Budgets, max_latency
         if res.status != 0:
             return None
         best, least_short = None, None
-        for p in rounded_policies(shape, res.x):
+        for p in rounded_policies(shape, res.x, merge_host_tiers=not model.hw.is_cuda):
             est = model.estimate(p)
             short = shortfalls(est, budgets)
             if short:
@@ -281,7 +325,8 @@ def _best_rounded(model: CostModel, shape: Policy, budgets: Budgets, max_latency
                 best = Candidate(p, est, float(res.fun))
         if best is not None or least_short is None:
             return best
-        tight = replace(tight, **{b: getattr(tight, b) - need - step for b, need in least_short.items()})
+        for b, need in least_short.items():
+            tight = tight.tightened(b, int(need + step))
     return None
 
 
@@ -299,6 +344,8 @@ def _infeasible_message(model: CostModel, budgets: Budgets, options: SearchOptio
     if not short:  # fits continuously but not once rounded: the engine's own placement, all on disk
         lowest = replace(shape, **{k: _ONE_TIER["disk"] for k in _KINDS})
         short = {budgets.label(n): b for n, b in shortfalls(model.estimate(lowest), budgets).items()}
-    parts = [f"the {n} tier is short by {b / GIB:.2f} GiB" for n, b in short.items()]
+    parts = [f"the {n} tier is short by {b / GIB:.2f} GiB" for n, b in short.items()] or [
+        "every placement that fits continuously falls short once rounded to the engine's (tensors split over "
+        "tiers are assembled into a working copy)"]
     return (f"no placement of {model.cfg.name} fits the memory budgets even with one sequence per block: "
             + "; ".join(parts) + " (raise that budget, or compress weights / KV cache)")

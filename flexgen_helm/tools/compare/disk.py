@@ -1,42 +1,23 @@
-"""The disk side of the comparison: the bandwidth our roofline uses (O_DIRECT reads of a
-large file in the offload dir, the same call the engine's disk tier makes) and page-cache
-eviction for systems that read through it (accelerate memory-maps its offloaded weights)."""
+"""The disk side of the comparison: the bandwidth our roofline uses (the best of several ways
+of reading a large file in the offload dir, among them the engine's own reader) and
+page-cache eviction for systems that read through it (accelerate memory-maps its offloaded
+weights)."""
 
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
-from flexgen_helm.memory.direct_io import read_bytes, write_bytes
+from flexgen_helm.memory.disk_speed import measure_read_modes
 
 CHUNK = 64 * 2**20  # about one OPT-6.7B weight matrix (4096 x 4096 bf16 is 32 MiB, fc1 is 128 MiB)
 
 
 def measure_read_bandwidth(directory: str | os.PathLike, nbytes: int = 2 * 2**30, repeats: int = 2) -> dict:
-    """Bytes/s of sequential O_DIRECT reads of a fresh `nbytes` file (median of `repeats`);
-    the file is written with its pages evicted, so no read is served from the page cache."""
-    path = Path(directory) / "flexgen-helm-bandwidth.bin"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    block = os.urandom(CHUNK)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        for off in range(0, nbytes, CHUNK):
-            write_bytes(fd, off, block)
-    finally:
-        os.close(fd)
-    speeds = []
-    try:
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for off in range(0, nbytes, CHUNK):
-                read_bytes(path, off, CHUNK)
-            speeds.append(nbytes / (time.perf_counter() - t0))
-    finally:
-        path.unlink()
-    speeds.sort()
-    return {"read_bytes_per_s": speeds[len(speeds) // 2], "all_bytes_per_s": speeds, "file_bytes": nbytes,
-            "chunk_bytes": CHUNK, "directory": str(directory)}
+    """Each way of reading a fresh `nbytes` file (memory/disk_speed.py, best of `repeats`):
+    `device_read_bytes_per_s` (the best way: what the roofline uses) and `read_bytes_per_s`
+    per way, of which `direct_in_flight` is our engine's reader."""
+    return measure_read_modes(directory, nbytes, CHUNK, repeats)
 
 
 def evict_page_cache(paths) -> int:

@@ -1,7 +1,8 @@
-"""Our engine's rows: the searched policy and the DeepSpeed/Accelerate-style policy, each
-run as a `flexgen-helm bench` in its own process, whose record includes the bytes the
-process read from the disk during the timed generation (/proc/self/io), so the table can
-say whether weights came from the disk or from the OS page cache."""
+"""Our engine's rows: the DeepSpeed/Accelerate-style policy (row by row), the searched policy
+(`--policy auto`) and the searched policy with 4-bit weights, each run as a
+`flexgen-helm bench` in its own process, whose record includes the bytes the process read
+from the disk during the timed generation (/proc/self/io), so the table can say whether
+weights came from the disk or from the OS page cache."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from flexgen_helm.memory.devices import DTYPES
+from flexgen_helm.planner.auto import search_for
 from flexgen_helm.planner.budget import planned_bytes
-from flexgen_helm.policy.policy import Policy, Split
-from flexgen_helm.tools.compare.workloads import Setup
+from flexgen_helm.planner.search import SearchOptions, SearchResult
+from flexgen_helm.policy.policy import Compression, Policy, Split
+from flexgen_helm.tools.compare.workloads import Setup, offload_dir
 from flexgen_helm.weights.registry import resolve
+
+FOUR_BIT = Compression(bits=4, group_size=64)
 
 
 def fits_budgets(setup: Setup, policy: Policy) -> bool:
@@ -60,41 +65,17 @@ def deepspeed_policy(setup: Setup) -> Policy:
     return best
 
 
-def searched_policy(setup: Setup, max_block: int) -> Policy:
-    """What `--policy auto` runs (planner/auto.py), with the effective batch capped at
-    `max_block` (on 2 CPU cores the prefill of a block costs minutes per sequence, and each
-    run must finish in ~10 minutes). A search that fails is an error with its reason: a
-    comparison never quietly benchmarks some other policy in its place."""
-    from flexgen_helm.planner.auto import search_for
-    from flexgen_helm.planner.search import SearchOptions
-    from flexgen_helm.tools.compare.workloads import offload_dir
-
+def searched(setup: Setup, compress_weight: Compression | None = None, profile_path: str | None = None
+             ) -> SearchResult:
+    """What `--policy auto` runs (planner/auto.py) under the setup's budgets, with blocks of at
+    most `setup.max_batch` sequences (the run's time). A search that fails raises its error
+    (PolicyError: which tier is short, by how much): a comparison never benchmarks some other
+    policy in its place."""
     cfg = resolve(setup.model, dummy=True).config
-    opts = SearchOptions(max_gpu_batch_size=max_block, max_num_gpu_batches=max_block)
-    result = search_for(cfg, setup.prompt_len, setup.gen_len, {"gpu": setup.gpu_bytes, "cpu": setup.cpu_bytes},
-                        opts, offload_dir=str(offload_dir(setup)))
-    for cand in result.candidates:  # fastest first (by the cost model)
-        if cand.policy.block_size <= max_block and fits_budgets(setup, cand.policy):
-            return cand.policy
-    raise ValueError(f"no searched candidate with a block of at most {max_block} passes our budget check")
-
-
-def grid_policy(setup: Setup, max_block: int) -> Policy:
-    """Blocks of up to `max_block` sequences; cache on the device pool, else in CPU RAM (with
-    attention delegated to the CPU), else on disk; weights fill what RAM is left. Without a
-    cost model to rank them, the largest block wins: it amortises each weight read over the
-    most sequences, which is what the zig-zag schedule is for."""
-    pow2 = [2**i for i in range(max_block.bit_length()) if 2**i <= max_block]
-    cache_homes = [Split(1, 0, 0), Split(0, 1, 0), Split(0, 0, 1)]
-    for block in sorted({g * n for g in pow2 for n in pow2 if g * n <= max_block}, reverse=True):
-        for gbs in sorted({g for g in pow2 if block % g == 0}, reverse=True):
-            for cache in cache_homes:
-                shape = Policy(gpu_batch_size=gbs, num_gpu_batches=block // gbs, cache=cache,
-                               activations=Split(1, 0, 0), cpu_cache_compute=cache.gpu == 0)
-                p = most_weights_in_ram(setup, shape, use_gpu=True)
-                if p is not None:
-                    return p
-    raise ValueError(f"{setup.name}: no grid policy fits the budgets")
+    opts = SearchOptions(compress_weight=compress_weight, max_block_size=setup.max_batch,
+                         max_gpu_batch_size=min(64, setup.max_batch), max_num_gpu_batches=setup.max_batch)
+    return search_for(cfg, setup.prompt_len, setup.gen_len, {"gpu": setup.gpu_bytes, "cpu": setup.cpu_bytes},
+                      opts, offload_dir=str(offload_dir(setup)), profile_path=profile_path, dtype=DTYPES[setup.dtype])
 
 
 def bench_flags(setup: Setup, policy: Policy, offload: Path, label: str, json_path: Path, warmup: int) -> list[str]:

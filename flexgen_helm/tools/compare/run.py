@@ -1,5 +1,11 @@
 """`flexgen-helm compare`: every system on the same setup, one after the other in this run,
-each in its own process (own memory, own disk counters), then the table."""
+each in its own process (own memory, own disk counters), then the table and, from the same
+run, the ablation table.
+
+Every one of our policies is decided before anything runs: a policy search that fails stops
+the comparison with its reason (which tier is short, by how much) before minutes are spent,
+and no row ever benchmarks some other policy in its place. A system whose run fails is a
+row saying so, and the command exits non-zero after writing what did finish."""
 
 from __future__ import annotations
 
@@ -8,19 +14,29 @@ import shlex
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
+from flexgen_helm.memory.devices import DTYPES
+from flexgen_helm.planner.cost_model import CostModel, Workload
+from flexgen_helm.planner.hardware_profile import HardwareProfile, load_or_profile
+from flexgen_helm.policy.policy import Policy
 from flexgen_helm.tools.compare import table
 from flexgen_helm.tools.compare.ablations import ablation_policies
 from flexgen_helm.tools.compare.accelerate_offload import largest_batch
 from flexgen_helm.tools.compare.disk import measure_read_bandwidth
-from flexgen_helm.tools.compare.ours import bench_flags, deepspeed_policy, grid_policy, searched_policy
+from flexgen_helm.tools.compare.ours import FOUR_BIT, bench_flags, deepspeed_policy, searched
+from flexgen_helm.tools.compare.roofline import roofline
 from flexgen_helm.tools.compare.workloads import DEFAULT_SYSTEMS, Setup, offload_dir, prepare_hf, prepare_store
+from flexgen_helm.weights.registry import resolve
 
 GPU_ONLY = ("FlexGen reference (PyPI flexgen 0.1.8) and DeepSpeed ZeRO-Inference need a CUDA GPU "
             "(both call torch.cuda unconditionally); run `flexgen-helm compare` in a GPU session for those rows.")
+LABELS = {"ours-deepspeed-policy": "ours, w/ DeepSpeed policy (row by row)",
+          "ours-auto": "ours, --policy auto (searched)",
+          "ours-4bit": "ours, --policy auto with 4-bit weights"}
 
 
 def loadavg() -> float:
@@ -39,19 +55,72 @@ class Runner:
         cmd = [sys.executable, *argv]
         self.commands.append(f"# load average {load:.2f}\n" + shlex.join(["python", *argv]))
         print(f"[{time.strftime('%H:%M:%S')}] load {load:.2f}: {shlex.join(argv)}", flush=True)
+        json_path.unlink(missing_ok=True)  # a record left by an earlier run must not pass for this one's
         try:
             done = subprocess.run(cmd, timeout=self.timeout_s)
         except subprocess.TimeoutExpired:
-            return {"skipped": f"timed out after {self.timeout_s} s"}, load
+            return {"skipped": f"failed: timed out after {self.timeout_s} s"}, load
         if done.returncode != 0 or not json_path.exists():
             return {"skipped": f"failed (exit {done.returncode}; see the log)"}, load
         return json.loads(json_path.read_text()), load
 
 
-def run_compare(setup: Setup, out: Path, max_block: int, warmup: int, timeout_s: int,
-                systems: tuple[str, ...] = DEFAULT_SYSTEMS,
-                bandwidth: dict | None = None) -> tuple[list[dict], list[str]]:
-    """Rows of `setup` (JSON per system under out/<setup.name>/) and the commands that ran."""
+@dataclass
+class Planned:
+    """One of our rows, decided before anything runs."""
+
+    system: str
+    label: str
+    policy: Policy | None  # None: not run (see note)
+    note: str = ""
+
+
+def plan_ours(setup: Setup, systems: tuple[str, ...], ablations: bool, profile_path: str | None
+              ) -> tuple[list[Planned], list[Planned], Policy | None]:
+    """Our rows, the ablation rows and the searched policy (when either needs it). Raises the
+    search's PolicyError when it finds nothing."""
+    rows, best = [], None
+    if "ours-auto" in systems or ablations:
+        best = searched(setup, profile_path=profile_path).policy
+    for system in systems:
+        if system == "ours-deepspeed-policy":
+            rows.append(Planned(system, LABELS[system], deepspeed_policy(setup)))
+        elif system == "ours-auto":
+            rows.append(Planned(system, LABELS[system], best))
+        elif system == "ours-4bit":
+            rows.append(Planned(system, LABELS[system], searched(setup, FOUR_BIT, profile_path).policy))
+    extra = []
+    if ablations:
+        for i, (label, policy, note) in enumerate(ablation_policies(setup, best)):
+            extra.append(Planned(f"ablation-{i + 1}-{label.replace(' ', '-')}", label, policy, note))
+    return rows, extra, best
+
+
+def row_context(setup: Setup, record: dict, policy: Policy | None, profile: HardwareProfile, bandwidth: dict,
+                load: float) -> dict:
+    """What the table needs besides the record: roofline, the cost model's prediction, RSS limit."""
+    ctx = {"loadavg": load, "device_bytes_per_s": bandwidth["device_read_bytes_per_s"],
+           "rss_limit_bytes": setup.gpu_bytes + setup.cpu_bytes + table.RSS_SLACK}
+    if record.get("skipped"):
+        return ctx
+    cfg = resolve(setup.model, dummy=True).config
+    batch = record["effective_batch_size"]
+    gpu_batch = policy.gpu_batch_size if policy is not None else batch
+    ctx["roofline"] = roofline(cfg, profile, setup.dtype, batch, gpu_batch, setup.prompt_len, setup.gen_len,
+                               table.disk_weight_bytes(record), bandwidth["device_read_bytes_per_s"])
+    if policy is not None:
+        model = CostModel(cfg, profile, Workload(setup.prompt_len, setup.gen_len), DTYPES[setup.dtype])
+        ctx["predicted_tok_s"] = model.estimate(policy).throughput
+    return ctx
+
+
+def run_compare(setup: Setup, out: Path, warmup: int, timeout_s: int, systems: tuple[str, ...] = DEFAULT_SYSTEMS,
+                bandwidth: dict | None = None, ablations: bool = True, profile_path: str | None = None
+                ) -> tuple[list[dict], list[dict], list[str]]:
+    """Rows of `setup` and of its ablations (JSON per run under out/<setup.name>/) and the
+    commands that ran."""
+    profile = load_or_profile(profile_path, offload_dir=str(offload_dir(setup)))
+    ours, extra, best = plan_ours(setup, systems, ablations, profile_path)  # fails here, before any run
     folder = out / setup.name
     folder.mkdir(parents=True, exist_ok=True)
     prepare_store(setup)
@@ -59,75 +128,84 @@ def run_compare(setup: Setup, out: Path, max_block: int, warmup: int, timeout_s:
         prepare_hf(setup)
     bandwidth = bandwidth or measure_read_bandwidth(offload_dir(setup))
     run = Runner(timeout_s)
-    rows = []
-    # one system after another: tqdm's estimate of the time left is each run's mean so far
-    for system in tqdm(systems, desc=f"compare {setup.name}", unit="system"):
-        path = folder / f"{system}.json"
+    planned = {p.system: p for p in ours}
+
+    def one(system: str, label: str, policy: Policy | None, note: str = "") -> dict:
         if system.startswith("hf-accelerate"):
+            path = folder / f"{system}.json"
             argv = ["-m", "flexgen_helm.tools.compare.accelerate_offload", "--setup", setup.name,
                     "--batch", str(largest_batch(setup)), "--json", str(path)]
             if system == "hf-accelerate-page-cache":  # what accelerate gets when the OS caches its files
                 argv.append("--no-evict-each-token")
+        elif policy is None:
+            return table.row(setup.name, system, {"skipped": note, "label": label}, {})
         else:
-            policy, label = our_policy(setup, system, max_block)
+            path = folder / f"{system}.json"
             argv = ["-m", "flexgen_helm", *bench_flags(setup, policy, offload_dir(setup), label, path, warmup)]
         record, load = run(argv, path)
-        record.setdefault("label", system)
-        rows.append(table.row(setup.name, system, record, bandwidth["read_bytes_per_s"], load))
-    table.add_ratios(rows)
-    (folder / "bandwidth.json").write_text(json.dumps(bandwidth, indent=1))
-    return rows, run.commands
-
-
-def our_policy(setup: Setup, system: str, max_block: int):
-    """(policy, label) of one of our rows."""
-    if system == "ours-deepspeed-policy":
-        return deepspeed_policy(setup), "ours, w/ DeepSpeed policy"
-    if system == "ours-searched":
-        return searched_policy(setup, max_block), "ours, searched (--policy auto's search)"
-    return grid_policy(setup, max_block), "ours, best of a grid (largest block that fits)"
-
-
-def run_ablations(setup: Setup, out: Path, max_block: int, warmup: int, timeout_s: int,
-                  bandwidth: dict) -> tuple[list[dict], list[str]]:
-    folder = out / "ablations" / setup.name
-    folder.mkdir(parents=True, exist_ok=True)
-    prepare_store(setup)
-    run = Runner(timeout_s)
-    rows = []
-    settings = ablation_policies(setup, max_block)
-    for i, (label, policy, note) in enumerate(tqdm(settings, desc=f"ablations {setup.name}", unit="setting")):
-        if policy is None:
-            rows.append(table.row(setup.name, label, {"skipped": note, "label": label}, None, None))
-            continue
-        path = folder / f"{i}-{label.split(' (')[0].replace(' ', '-').lower()}.json"
-        record, load = run(["-m", "flexgen_helm",
-                            *bench_flags(setup, policy, offload_dir(setup), label, path, warmup)], path)
         record.setdefault("label", label)
-        rows.append(table.row(setup.name, label, record, bandwidth["read_bytes_per_s"], load))
-    return rows, run.commands
+        return table.row(setup.name, system, record, row_context(setup, record, policy, profile, bandwidth, load))
+
+    rows = []
+    # one system after another: tqdm's estimate of the time left is each run's mean so far
+    for system in tqdm(systems, desc=f"compare {setup.name}", unit="system"):
+        p = planned.get(system)
+        rows.append(one(system, p.label if p else system, p.policy if p else None))
+    table.add_ratios(rows)
+    ablation_rows = []
+    if ablations:
+        auto = next((r for r in rows if r["system"] == "ours-auto"), None)
+        if auto is None:  # the searched policy's own row, when the main table did not run it
+            auto = one("ours-auto", LABELS["ours-auto"], best)
+        ablation_rows.append({**auto, "label": "all optimizations (the ours-auto row)"})
+        for p in tqdm(extra, desc=f"ablations {setup.name}", unit="setting"):
+            ablation_rows.append(one(p.system, p.label, p.policy, p.note))
+        add_ratio_to(ablation_rows, ablation_rows[0], "vs_all_optimizations")
+    (folder / "bandwidth.json").write_text(json.dumps(bandwidth, indent=1))
+    return rows, ablation_rows, run.commands
+
+
+def add_ratio_to(rows: list[dict], base: dict, column: str) -> None:
+    """Each row's throughput over `base`'s, in `column` (the ablation table: over all optimizations)."""
+    for r in rows:
+        r[column] = (round(r["throughput_tok_s"] / base["throughput_tok_s"], 2)
+                     if r.get("throughput_tok_s") and base.get("throughput_tok_s") else None)
 
 
 def bandwidth_note(bandwidth: dict) -> str:
-    return (f"Disk read bandwidth for the roofline: {bandwidth['read_bytes_per_s'] / 1e9:.3f} GB/s, "
-            "O_DIRECT sequential "
-            f"reads of {bandwidth['chunk_bytes'] >> 20} MiB from a {bandwidth['file_bytes'] >> 30} GiB file in "
-            f"{bandwidth['directory']}, measured at the start of the run.")
+    ways = ", ".join(f"{m} {v / 1e9:.3f}" for m, v in bandwidth["read_bytes_per_s"].items())
+    device = bandwidth["device_read_bytes_per_s"] / 1e9
+    ours = bandwidth["read_bytes_per_s"].get("direct_in_flight", 0.0) / 1e9
+    return (f"Disk read bandwidth of the device (the roofline's): {device:.3f} GB/s, "
+            f"the best of these ways of reading {bandwidth['chunk_bytes'] >> 20} MiB pieces of a fresh "
+            f"{bandwidth['file_bytes'] / 2**30:g} GiB file in {bandwidth['directory']} with its pages evicted, "
+            f"measured at the start of the run (GB/s): {ways}. Ours is direct_in_flight "
+            f"({bandwidth['reads_in_flight']} O_DIRECT reads in flight, page cache bypassed): "
+            f"{ours:.3f} GB/s, {100 * ours / device:.0f}% of the device.")
 
 
 def notes(setup_names: list[str], bandwidth: dict | None, extra: list[str]) -> list[str]:
     return [
         f"Setups: {', '.join(setup_names)} "
-        "(flexgen_helm/tools/compare/workloads.py: model, prompt/gen lengths, budgets).",
+        "(flexgen_helm/tools/compare/workloads.py: model, prompt/gen lengths, budgets, the cap on blocks).",
         *([bandwidth_note(bandwidth)] if bandwidth else []),
-        "roofline_tok_s = effective batch x bandwidth / disk-resident weight bytes (each token reads them once); "
+        "roofline_tok_s (flexgen_helm/tools/compare/roofline.py): per phase, time >= max(the matmuls at the "
+        "profiled matmul rate for the rows one GPU batch multiplies, the disk-resident weights at the device's "
+        "bandwidth); pct_of_roofline = measured / roofline throughput. predicted_tok_s: the cost model's "
+        "prediction for the policy that ran, from this machine's hardware profile.",
         "disk_reads_per_token = bytes the process read from storage during the timed generation (/proc/self/io) "
         "/ (disk-resident weight bytes x generated tokens): about 1 means every token's weights came from disk "
         "(KV cache or activations placed on disk add their own reads on top).",
+        "peak_rss_gib: the process's peak resident memory (VmHWM, loading included); rss_limit_gib = gpu + cpu "
+        "budgets + 0.5 GiB.",
         "throughput = generated tokens / (prefill + decode), FlexGen's definition (flexgen_helm/tools/bench.py).",
         f"Not run here: {GPU_ONLY}",
         *extra,
     ]
+
+
+ABLATION_COLUMNS = ["setup", "system", "label", "policy", "effective_batch", "total_s", "throughput_tok_s",
+                    "vs_all_optimizations", "pct_of_roofline", "peak_rss_gib", "weights_read_from", "loadavg_1m"]
 
 
 def main(args) -> int:
@@ -140,23 +218,27 @@ def main(args) -> int:
     bandwidth = measure_read_bandwidth(offload_dir(first))
     top = "flexgen-helm " + " ".join(args.argv)
     commands = [f"# load average {loadavg():.2f}\n{top}"]
-    if not args.ablations_only:
-        for s in setups:
-            rows, cmds = run_compare(s, out, args.max_block, args.warmup, args.timeout, tuple(args.systems),
-                                     bandwidth=bandwidth)
-            table.write(out / s.name, rows, f"{s.name}: ours vs Hugging Face accelerate",
-                        notes([s.name], bandwidth, []), [commands[0], *cmds])
-        # the top-level table: every setup's rows found under out/ (each from its own run)
-        folders = [f.parent for f in sorted(out.glob("*/results.csv")) if f.parent.name != "ablations"]
-        all_rows = [r for f in folders for r in table.from_csv((f / "results.csv").read_text())]
-        table.write(out, all_rows, "Throughput: ours vs Hugging Face accelerate (same machine)",
-                    notes([f.name for f in folders], None,
-                          ["Each setup's folder has its JSON records, its commands, the load average before each "
-                           "run and the disk bandwidth its roofline used (bandwidth.json)."]),
-                    [f"cat {f / 'README.md'}  # the commands of {f.name}" for f in folders])
-    if args.ablations:
-        s = SETUPS[args.ablations]
-        rows, cmds = run_ablations(s, out, args.max_block, args.warmup, args.timeout, bandwidth)
-        table.write(out / "ablations", rows, f"Ablations on {s.name}", notes([s.name], bandwidth, []),
-                    [f"# load average {loadavg():.2f}\n{top}", *cmds])
+    failed = 0
+    for s in setups:
+        rows, ablation_rows, cmds = run_compare(s, out, args.warmup, args.timeout, tuple(args.systems),
+                                                bandwidth=bandwidth, ablations=not args.no_ablations,
+                                                profile_path=args.profile)
+        table.write(out / s.name, rows, f"{s.name}: ours vs Hugging Face accelerate",
+                    notes([s.name], bandwidth, []), [commands[0], *cmds])
+        if ablation_rows:
+            table.write(out / s.name / "ablations", ablation_rows,
+                        f"Ablations on {s.name} (from the same run as its comparison)",
+                        notes([s.name], bandwidth, []), [commands[0], *cmds], columns=ABLATION_COLUMNS)
+        failed += sum(1 for r in rows + ablation_rows if str(r.get("weights_read_from", "")).startswith("failed"))
+    # the top-level table: every setup's rows found under out/ (each from its own run)
+    folders = [f.parent for f in sorted(out.glob("*/results.csv")) if f.parent.name != "ablations"]
+    all_rows = [r for f in folders for r in table.from_csv((f / "results.csv").read_text())]
+    table.write(out, all_rows, "Throughput: ours vs Hugging Face accelerate (same machine)",
+                notes([f.name for f in folders], None,
+                      ["Each setup's folder has its JSON records, its commands, the load average before each "
+                       "run, the disk bandwidth its roofline used (bandwidth.json) and its ablations."]),
+                [f"cat {f / 'README.md'}  # the commands of {f.name}" for f in folders])
+    if failed:
+        print(f"compare: {failed} run(s) failed; their rows say so (see the log above)", file=sys.stderr)
+        return 1
     return 0

@@ -1,6 +1,8 @@
 """Rows of a comparison (the JSON each system's process wrote) into the paper-style table:
-throughput with the policy in each cell, the ratio to accelerate, the disk-read roofline,
-and where the weights were read from. Written as CSV and as the README of its folder."""
+throughput with the policy in each cell, the ratio to accelerate, the cost model's
+prediction, the roofline (roofline.py) and the percent of it reached, where the weights were
+read from, and the process's RSS peak against the budgets. Written as CSV and as the README
+of its folder."""
 
 from __future__ import annotations
 
@@ -9,9 +11,12 @@ import io
 from pathlib import Path
 
 GIB = 2**30
+RSS_SLACK = 0.5 * GIB  # the issue's bound: process RSS peak <= gpu + cpu budgets + this
 COLUMNS = ["setup", "system", "label", "policy", "effective_batch", "prefill_s", "decode_s", "total_s",
-           "throughput_tok_s", "vs_accelerate", "disk_weight_gib", "disk_read_gib", "disk_reads_per_token",
-           "weights_read_from", "roofline_tok_s", "pct_of_roofline", "peak_rss_gib", "loadavg_1m"]
+           "throughput_tok_s", "vs_accelerate", "predicted_tok_s", "predicted_over_measured", "roofline_tok_s",
+           "pct_of_roofline", "roofline_bound", "disk_device_gb_s", "disk_weight_gib", "disk_read_gib",
+           "disk_reads_per_token", "weights_read_from", "peak_rss_gib", "rss_limit_gib", "rss_within_limit",
+           "loadavg_1m"]
 
 
 def disk_weight_bytes(record: dict) -> int:
@@ -25,35 +30,45 @@ def _peak_rss_bytes(record: dict) -> int:
     return record.get("memory", {}).get("cpu_peak_rss_bytes") or record.get("cpu_peak_rss_bytes", 0)
 
 
-def row(setup: str, system: str, record: dict, bandwidth: float | None, loadavg: float | None) -> dict:
-    """One table row. The roofline: every generated token needs the disk-resident weights read
-    once, so a block of B sequences makes at most B x bandwidth / disk bytes tokens a second."""
+def row(setup: str, system: str, record: dict, context: dict) -> dict:
+    """One table row. `context`: "roofline" (roofline.Roofline or None), "predicted_tok_s" (the
+    cost model's, ours only), "rss_limit_bytes" (gpu + cpu budgets + RSS_SLACK),
+    "device_bytes_per_s" (the disk's bandwidth), "loadavg"."""
     if record.get("skipped"):
         return {"setup": setup, "system": system, "label": record.get("label", system),
                 "policy": record.get("policy_summary", ""), "weights_read_from": record["skipped"]}
     b = record["effective_batch_size"]
     disk = disk_weight_bytes(record)
     read = record.get("disk_read_bytes")
-    roof = b * bandwidth / disk if bandwidth and disk else None
     passes = record["gen_len"]  # one read of the disk weights per generated token (prefill included)
     if record.get("system", "").startswith("hf-accelerate"):
         evict = record["page_cache"]["evict_each_token"]
         source = "disk via mmap, page cache evicted " + ("before every token" if evict else "before the run only")
     else:
         source = f"disk, {record['memory']['disk_page_cache_bypass']} (no page cache)" if disk else "RAM only"
+    measured = record["total_throughput"]
+    roof, predicted = context.get("roofline"), context.get("predicted_tok_s")
+    rss, limit = _peak_rss_bytes(record), context.get("rss_limit_bytes")
+    device = context.get("device_bytes_per_s")
     return {
         "setup": setup, "system": system, "label": record.get("label") or system,
         "policy": record.get("policy_summary", ""), "effective_batch": b,
         "prefill_s": round(record["prefill_latency_s"], 2), "decode_s": round(record["decode_latency_s"], 2),
-        "total_s": round(record["total_latency_s"], 2), "throughput_tok_s": round(record["total_throughput"], 4),
+        "total_s": round(record["total_latency_s"], 2), "throughput_tok_s": round(measured, 4),
+        "predicted_tok_s": None if predicted is None else round(predicted, 4),
+        "predicted_over_measured": None if predicted is None else round(predicted / measured, 2),
+        "roofline_tok_s": None if roof is None else round(roof.tokens_per_s, 4),
+        "pct_of_roofline": None if roof is None else round(100 * measured / roof.tokens_per_s, 1),
+        "roofline_bound": None if roof is None else f"prefill {roof.prefill_bound}, decode {roof.decode_bound}",
+        "disk_device_gb_s": None if device is None else round(device / 1e9, 3),
         "disk_weight_gib": round(disk / GIB, 2),
         "disk_read_gib": None if read is None else round(read / GIB, 2),
         "disk_reads_per_token": round(read / (disk * passes), 2) if read is not None and disk else None,
         "weights_read_from": source,
-        "roofline_tok_s": None if roof is None else round(roof, 4),
-        "pct_of_roofline": None if roof is None else round(100 * record["total_throughput"] / roof, 1),
-        "peak_rss_gib": round(_peak_rss_bytes(record) / GIB, 2),
-        "loadavg_1m": loadavg,
+        "peak_rss_gib": round(rss / GIB, 2),
+        "rss_limit_gib": None if limit is None else round(limit / GIB, 2),
+        "rss_within_limit": None if limit is None else rss <= limit,
+        "loadavg_1m": context.get("loadavg"),
     }
 
 
@@ -66,9 +81,9 @@ def add_ratios(rows: list[dict]) -> None:
             r["vs_accelerate"] = round(r["throughput_tok_s"] / base[r["setup"]], 2)
 
 
-def to_csv(rows: list[dict]) -> str:
+def to_csv(rows: list[dict], columns: list[str] | None = None) -> str:
     out = io.StringIO()
-    w = csv.DictWriter(out, COLUMNS, extrasaction="ignore")
+    w = csv.DictWriter(out, columns or COLUMNS, extrasaction="ignore")
     w.writeheader()
     w.writerows(rows)
     return out.getvalue()
@@ -86,9 +101,10 @@ def to_markdown(rows: list[dict], columns: list[str] | None = None) -> str:
     return "\n".join(lines)
 
 
-def write(folder: Path, rows: list[dict], title: str, notes: list[str], commands: list[str]) -> None:
+def write(folder: Path, rows: list[dict], title: str, notes: list[str], commands: list[str],
+          columns: list[str] | None = None) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "results.csv").write_text(to_csv(rows))
-    md = [f"# {title}", "", *notes, "", to_markdown(rows), "", "## Commands (exactly what ran, in order)", "",
+    (folder / "results.csv").write_text(to_csv(rows, columns))
+    md = [f"# {title}", "", *notes, "", to_markdown(rows, columns), "", "## Commands (exactly what ran, in order)", "",
           "```bash", *commands, "```", ""]
     (folder / "README.md").write_text("\n".join(md))

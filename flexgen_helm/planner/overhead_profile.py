@@ -1,0 +1,98 @@
+"""The engine's fixed costs on this machine: time a token step spends besides arithmetic and
+data movement (Python, op dispatch, the schedule's bookkeeping, sampling), which the cost
+model cannot derive from FLOP/s and bytes/s and which decides what small blocks cost.
+
+Measured by running the engine's own block driver on a tiny random-weight model (hidden
+size 32: its arithmetic is negligible) with 1 and with NB_PROBE GPU batches per block:
+
+    step time = per_step + NB x layers x per_layer_batch
+
+per phase (prefill, decode) and per model family (their layers launch different ops). A
+second figure, the copy thread's hand-off, is what each transfer costs when the schedule
+runs transfers on its copy thread (a disk tier, or a GPU) instead of inline."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from flexgen_helm.executor.generation import BlockDriver, Sequence
+from flexgen_helm.executor.runtime import ModelRuntime
+from flexgen_helm.executor.sampling import RunStats, SamplingParams
+from flexgen_helm.memory.copy_engine import CopyEngine
+from flexgen_helm.memory.devices import Devices
+from flexgen_helm.memory.placement import place_weights
+from flexgen_helm.memory.usage import TierUsage
+from flexgen_helm.memory.weight_homes import build_homes
+from flexgen_helm.models import family_of
+from flexgen_helm.models.config import ModelConfig
+from flexgen_helm.policy.policy import Policy, Split
+from flexgen_helm.weights.dummy import DummyWeights
+
+NB_PROBE = 4
+PROMPT, NEW_TOKENS = 8, 6
+FAMILIES = ("opt", "llama")
+
+
+def tiny_config(family: str) -> ModelConfig:
+    return ModelConfig(family=family, name=f"overhead-probe-{family}", vocab_size=64, hidden_size=32, num_layers=4,
+                       num_heads=2, num_kv_heads=2, ffn_size=64, max_seq_len=64, eos_token_id=1, pad_token_id=0)
+
+
+def _runtime(cfg: ModelConfig, devices: Devices) -> ModelRuntime:
+    family = family_of(cfg)
+    layers = family.layer_specs(cfg)
+    placement = place_weights(layers, Split(1, 0, 0), None)
+    source = DummyWeights(cfg)
+    usage = TierUsage()
+    homes = build_homes(layers, placement, devices, source.read, usage, pin=False)
+    return ModelRuntime(cfg, family, layers, placement, homes, None, devices, usage)
+
+
+def _run(rt: ModelRuntime, nb: int, workdir: Path) -> tuple[float, float]:
+    """(prefill s, one decode step s) of a block of nb GPU batches of one sequence."""
+    policy = Policy(gpu_batch_size=1, num_gpu_batches=nb)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    seqs = [Sequence(list(range(2, 2 + PROMPT)), params, None, frozenset()) for _ in range(nb)]
+    stats = RunStats()
+    BlockDriver(rt, policy, workdir, stats).generate(seqs)
+    return stats.prefill_s, stats.decode_s / (NEW_TOKENS - 1)
+
+
+def measure_fixed_costs(devices: Devices, repeats: int = 5) -> dict[str, dict[str, dict[str, float]]]:
+    """family -> phase -> {"per_layer_batch": s, "per_step": s}."""
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="flexgen-overhead-") as tmp:
+        for fam in FAMILIES:
+            rt = _runtime(tiny_config(fam), devices)
+            layers = len(rt.layers)
+            _run(rt, NB_PROBE, Path(tmp))  # warm-up: first calls of every op
+            best = {nb: [min(x) for x in zip(*(_run(rt, nb, Path(tmp)) for _ in range(repeats)))]
+                    for nb in (1, NB_PROBE)}
+            out[fam] = {}
+            for i, phase in enumerate(("prefill", "decode")):
+                one, many = best[1][i], best[NB_PROBE][i]
+                per_layer_batch = max(0.0, (many - one) / ((NB_PROBE - 1) * layers))
+                out[fam][phase] = {"per_layer_batch": per_layer_batch,
+                                   "per_step": max(0.0, one - layers * per_layer_batch)}
+    return out
+
+
+def measure_handoff_s(device: torch.device, reps: int = 200) -> float:
+    """One transfer submitted to the copy thread and waited for (nothing to copy): the least
+    a transfer costs when the schedule runs transfers on that thread."""
+    io = CopyEngine(True, device)
+    try:
+        io.submit(lambda: None).result()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            io.submit(lambda: None).result()
+            times.append(time.perf_counter() - t0)
+    finally:
+        io.close()
+    times.sort()
+    return times[len(times) // 2]  # the median: hand-offs pay the thread wake-up every time

@@ -1,0 +1,50 @@
+"""A row's roofline on a CPU: the least time its run could take on this machine, phase by
+phase, given the block it ran and where its weights lived:
+
+    prefill     >= max(its matmuls at the profiled matmul rate for that many rows,
+                       its disk-resident weights at the device's read bandwidth)
+    decode step >= max(the same for one token per sequence, the same weight bytes)
+
+The matmuls are every Linear of the model (compute_floor.matmul_params_per_token) times the
+tokens, plus causal attention; the rate is the hardware profile's for the rows one GPU batch
+multiplies at once (a prefill's batch x prompt, a decode step's batch), because that is what
+the row's own block shape lets the CPU reach. The bytes are the weights placed on disk,
+read once per step; KV cache or activations a policy puts on disk add reads the roofline
+does not count, so a row's percent of it can only understate how close it is."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flexgen_helm.models.config import ModelConfig
+from flexgen_helm.planner.hardware_profile import HardwareProfile
+from flexgen_helm.tools.compare.compute_floor import matmul_params_per_token
+
+
+@dataclass(frozen=True)
+class Roofline:
+    prefill_s: float
+    decode_step_s: float
+    prefill_bound: str  # "compute" or "disk"
+    decode_bound: str
+    total_s: float
+    tokens_per_s: float
+
+
+def roofline(cfg: ModelConfig, profile: HardwareProfile, dtype: str, batch: int, gpu_batch: int, prompt_len: int,
+             gen_len: int, disk_weight_bytes: float, disk_bytes_per_s: float) -> Roofline:
+    params = matmul_params_per_token(cfg)
+    width = cfg.num_heads * cfg.head_dim
+    disk_s = disk_weight_bytes / disk_bytes_per_s
+    dev = profile.compute
+
+    pre_flop = batch * (2.0 * params * prompt_len + 2.0 * prompt_len * prompt_len * width * cfg.num_layers)
+    pre_compute = pre_flop / dev.linear_flops(dtype, gpu_batch * prompt_len)
+    mean_keys = prompt_len + gen_len / 2
+    dec_flop = batch * (2.0 * params + 4.0 * mean_keys * width * cfg.num_layers)
+    dec_compute = dec_flop / dev.linear_flops(dtype, gpu_batch)
+
+    prefill, decode = max(pre_compute, disk_s), max(dec_compute, disk_s)
+    total = prefill + (gen_len - 1) * decode
+    return Roofline(prefill, decode, "compute" if pre_compute >= disk_s else "disk",
+                    "compute" if dec_compute >= disk_s else "disk", total, batch * gen_len / total)
