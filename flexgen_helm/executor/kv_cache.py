@@ -82,11 +82,22 @@ class KVCacheSlot:
 
     # ---- writes ----------------------------------------------------------------------------
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
-        """Store k, v of shape (s, units, d) at positions [start, start + s)."""
+    def in_place(self, tier: str, device: torch.device) -> bool:
+        """Whether attention on `device` can read this tier's cache where it lives, as a view
+        in which a decode step writes its new position first (no copy of the cache per step)."""
+        return self.compression is None and tier != "disk" and bool(self.units[tier]) and \
+            self.k[tier].device == torch.device(device)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int, units: torch.Tensor | None = None,
+              tiers: tuple[str, ...] = TIERS) -> None:
+        """Store k, v of shape (s, units, d) at positions [start, start + s) of `tiers`.
+        units: the (sorted) units k and v hold when not all (finished sequences left the
+        batch): the others' rows at these positions are written as zeros, never read."""
+        if units is not None:
+            k, v = self._all_units(k, units), self._all_units(v, units)
         gd = None if self.compression is None else CACHE_GROUP_DIM
         k, v = encode(k, self.compression, gd), encode(v, self.compression, gd)  # quantized where computed
-        for tier in TIERS:
+        for tier in tiers:
             a, b = self.ranges[tier]
             if a == b:
                 continue
@@ -98,6 +109,28 @@ class KVCacheSlot:
                 for dst, src in ((self.k[tier], kt), (self.v[tier], vt)):
                     for d, s in zip(_parts(dst), _parts(src)):
                         d[start:start + s.shape[0]].copy_(s, non_blocking=True)
+
+    def _all_units(self, x: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
+        full = x.new_zeros(x.shape[0], sum(self.units.values()), x.shape[2])
+        full[:, units.to(x.device)] = x
+        return full
+
+    def append_in_place(self, tier: str, k: torch.Tensor, v: torch.Tensor, position: int,
+                        local: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step on a tier that is in_place: write its new k, v ((n, 1, d), of the
+        tier's units `local`, None: all of them) at `position` and return the keys and values
+        of positions [0, position] of those units, (n, t, d): views of the cache when all
+        its units compute, else copies of theirs."""
+        kt, vt = self.k[tier], self.v[tier]
+        if local is None:
+            kt[position].copy_(k[:, 0])
+            vt[position].copy_(v[:, 0])
+            return kt[:position + 1].transpose(0, 1), vt[:position + 1].transpose(0, 1)
+        local = local.to(kt.device)
+        kt[position].index_copy_(0, local, k[:, 0])
+        vt[position].index_copy_(0, local, v[:, 0])
+        return (kt[:position + 1].index_select(1, local).transpose(0, 1),
+                vt[:position + 1].index_select(1, local).transpose(0, 1))
 
     # ---- reads -------------------------------------------------------------------------------
 

@@ -1,6 +1,8 @@
 """Architectures. Each family module provides `layer_specs(cfg)`, `run_constants(cfg,
 max_len, device, dtype)` (what a run computes once for every step: Llama's rotary tables)
-and the per-layer math: `embed`, `qkv` (given the run constants), `finish_block`, `head`
+and `step_constants(constants, positions)` (what every layer of one step shares: the
+rotary cos/sin at the step's positions), and the per-layer math: `embed`, `qkv` (given the
+step constants), `finish_block`, `head`
 (attention itself lives in the executor, which knows where the KV cache is)."""
 
 from __future__ import annotations

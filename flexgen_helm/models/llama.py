@@ -141,6 +141,12 @@ class Rotary:
         return self.cos[positions][:, None], self.sin[positions][:, None]
 
 
+def step_constants(rotary: Rotary, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What qkv needs at (b, s) positions: their cos and sin, looked up once per step and
+    shared by every layer (the lookup per layer was a gather per layer and step)."""
+    return rotary.at(positions)
+
+
 def run_constants(cfg: ModelConfig, max_len: int, device: torch.device, dtype: torch.dtype) -> Rotary:
     inv = inverse_frequencies(cfg).to(device)
     angles = torch.arange(max_len, device=device).float()[:, None] * inv  # (max_len, d/2)
@@ -153,13 +159,14 @@ def _heads(x: torch.Tensor, n: int) -> torch.Tensor:
     return x.view(b, s, n, -1).transpose(1, 2)
 
 
-def qkv(cfg: ModelConfig, w: dict, h: torch.Tensor, positions: torch.Tensor, rotary: Rotary):
+def qkv(cfg: ModelConfig, w: dict, h: torch.Tensor, at: tuple[torch.Tensor, torch.Tensor]):
+    """at: step_constants of the positions of h."""
     x = _rms_norm(cfg, w["attn_norm.weight"], h)
     q = linear(x, w["q_proj.weight"], w.get("q_proj.bias"))
     k = linear(x, w["k_proj.weight"], w.get("k_proj.bias"))
     v = linear(x, w["v_proj.weight"], w.get("v_proj.bias"))
     q, k, v = _heads(q, cfg.num_heads), _heads(k, cfg.num_kv_heads), _heads(v, cfg.num_kv_heads)
-    cos, sin = rotary.at(positions)
+    cos, sin = at
     return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
 
