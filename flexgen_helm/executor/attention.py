@@ -56,30 +56,28 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | ValueRows, key_va
     return _dense_attention(q, k, v, key_valid, causal)
 
 
-# A boolean mask of more elements than this is not built (bytes): long padded prompts are
-# attended length by length instead. Below it one masked call is faster than a call per
-# length (16 short LAMBADA prompts: 2x faster prefill than the per-length loop, measured).
-MAX_MASK_ELEMENTS = 2**26
-
-
 def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor,
                      causal: bool) -> torch.Tensor:
     """Fused attention (torch's scaled_dot_product_attention: no (q, t) score matrix in
-    memory on the common path). Queries are the last q_len positions; a padding query that
-    may see no valid key sees itself, so that it stays finite."""
+    memory, and with is_causal the blocks above the diagonal are skipped). Queries are the
+    last q_len positions; a padding query that may see no valid key sees itself, so that
+    it stays finite.
+
+    Measured against torch's flex_attention (causal block mask, eager and compiled) and
+    blocked attention written with plain ops (bf16 matmuls, float32 softmax) at SmolLM2's
+    shapes, 512-8192 tokens, on the 2-core EPYC: SDPA was the fastest of them
+    (flexgen_helm/tools/compare/attention_kernels.py)."""
     u, r, q_len, d = q.shape
     t = k.shape[1]
     dtype = _attention_dtype(q)
     q_, k_, v_ = q.to(dtype), k.to(dtype)[:, None], v.to(dtype)[:, None]
     if bool(key_valid.all()) and (not causal or q_len == t):
         # no padding: the plain (top-left aligned) causal flag is exact when q_len == t
-        k_, v_ = k_.expand(u, r, t, d), v_.expand(u, r, t, d)
-        out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal and q_len > 1)
-        return out.to(q.dtype)
+        return _sdpa(q_, k_, v_, causal and q_len > 1).to(q.dtype)
     kpos = torch.arange(t, device=q.device)[None, :]
-    if causal and q_len == t and u * r * q_len * t > MAX_MASK_ELEMENTS:
+    if causal and q_len == t:
         lengths = key_valid.sum(-1)
-        if bool((key_valid == (kpos >= t - lengths[:, None])).all()):  # left padding: no mask needed
+        if bool((key_valid == (kpos >= t - lengths[:, None])).all()):  # left padding
             return _left_padded_causal(q_, k_, v_, lengths).to(q.dtype)
     qpos = torch.arange(t - q_len, t, device=q.device)[:, None]
     allowed = key_valid[:, None, :].expand(u, q_len, t)
@@ -91,19 +89,40 @@ def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_vali
     return out.reshape(u, r, q_len, d).to(q.dtype)
 
 
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """q (u, r, s, d); k, v (u, 1, t, d), shared by a unit's r query heads. Expanded views,
+    not enable_gqa: on CPU that measured slower (0.8-0.9x at SmolLM2's 9/3 heads)."""
+    u, r, _, d = q.shape
+    t = k.shape[2]
+    return F.scaled_dot_product_attention(q, k.expand(u, r, t, d), v.expand(u, r, t, d), is_causal=causal)
+
+
 def _left_padded_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Prompt attention when each unit's valid keys are its last `length` positions: causal
-    attention over that suffix, units of one length together; no (q, t) mask is ever built
-    (it would take gigabytes for long padded prompts). q: (u, r, t, d); k, v: (u, 1, t, d)."""
+    """Prompt attention when each unit's valid keys are its last `length` positions: every
+    unit's rows are rotated so that its real tokens come first (its padding last), one
+    fused causal call attends all of them at once, and the output is rotated back.
+
+    A real query then sees exactly the real keys up to it, as on its own, and the causal
+    kernel skips the masked half; no (q, t) mask is built (gigabytes for long padded
+    prompts, and no skipping), and no call runs per length (many small calls for a batch
+    of short prompts). A padding query (rotated to the end) attends to what precedes it,
+    which keeps it finite; nothing reads it: its keys are never valid.
+    q: (u, r, t, d); k, v: (u, 1, t, d)."""
     u, r, t, d = q.shape
-    out = v.expand(u, r, t, d).clone()  # a padding query sees only itself, i.e. its own value
-    for n in lengths.unique().tolist():
-        if n == 0:
-            continue
-        units = (lengths == n).nonzero().squeeze(1)
-        kn, vn = k[units, :, t - n:].expand(-1, r, n, d), v[units, :, t - n:].expand(-1, r, n, d)
-        out[units, :, t - n:] = F.scaled_dot_product_attention(q[units, :, t - n:], kn, vn, is_causal=True)
-    return out
+    shift = (t - lengths).to(q.device)  # each unit's padding
+    ahead = (torch.arange(t, device=q.device)[None, :] + shift[:, None]) % t  # rotated row j <- row ahead[j]
+    back = (torch.arange(t, device=q.device)[None, :] - shift[:, None]) % t
+    first_row = t * torch.arange(u, device=q.device)[:, None]
+
+    def rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        # whole (heads x d) rows by index_select: torch.gather with an expanded index ran
+        # far slower than a copy on CPU (slower than the attention itself at 512 tokens)
+        h = x.shape[1]
+        flat = x.transpose(1, 2).reshape(u * t, h * d)
+        return flat.index_select(0, (index + first_row).flatten()).view(u, t, h, d).transpose(1, 2)
+
+    out = _sdpa(rows(q, ahead), rows(k, ahead), rows(v, ahead), causal=True)
+    return rows(out, back)
 
 
 def _attention_dtype(q: torch.Tensor) -> torch.dtype:
