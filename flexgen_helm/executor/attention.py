@@ -51,10 +51,19 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | ValueRows, key_va
     The schedule may therefore run sparse attention tier by tier, exactly."""
     u, r, q_len, d = q.shape
     t = k.shape[1]
-    if keep_fraction < 1.0 and q_len == 1:
-        scores = _capped(torch.matmul(q.float(), k.float().transpose(1, 2).unsqueeze(1)) / math.sqrt(d), softcap)
-        scores = scores.masked_fill(~key_valid[:, None, None, :], -math.inf)  # (u, r, 1, t)
-        return _top_k_attention(scores, v, key_valid, keep_fraction).to(q.dtype)
+    if q_len == 1 and (keep_fraction < 1.0 or q.device.type == "cpu"):
+        # A decode step on CPU: float32 matmuls over the unit's keys, the r query heads of a
+        # unit as the rows of one product. torch's fused kernel spends most of a decode
+        # step on one query a head (SmolLM2, 96 units x 200 keys: 2.6-2.8x slower than this,
+        # 1 thread) and rounds the weights to the input dtype; this is exact to float32.
+        # (bmm, not a broadcast matmul: that would copy the keys once per query head.)
+        # A sliding-window block's decode keys are its window already (the caller's).
+        scores = _capped(torch.bmm(q.float().view(u, r, d), k.float().transpose(1, 2)) / math.sqrt(d), softcap)
+        scores = scores.masked_fill_(~key_valid[:, None, :], -math.inf).view(u, r, 1, t)  # (u, r, 1, t)
+        if keep_fraction < 1.0:
+            return _top_k_attention(scores, v, key_valid, keep_fraction).to(q.dtype)
+        v = v(list(range(t))) if callable(v) else v
+        return torch.bmm(scores.view(u, r, t).softmax(-1), v.float()).view(u, r, 1, d).to(q.dtype)
     if callable(v):
         v = v(list(range(t)))
     if softcap:
@@ -98,30 +107,28 @@ def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_v
     return out.to(q.dtype)
 
 
-# A boolean mask of more elements than this is not built (bytes): long padded prompts are
-# attended length by length instead. Below it one masked call is faster than a call per
-# length (16 short LAMBADA prompts: 2x faster prefill than the per-length loop, measured).
-MAX_MASK_ELEMENTS = 2**26
-
-
 def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor,
                      causal: bool, window: int = 0) -> torch.Tensor:
     """Fused attention (torch's scaled_dot_product_attention: no (q, t) score matrix in
-    memory on the common path). Queries are the last q_len positions; a padding query that
-    may see no valid key sees itself, so that it stays finite."""
+    memory, and with is_causal the blocks above the diagonal are skipped). Queries are the
+    last q_len positions; a padding query that may see no valid key sees itself, so that
+    it stays finite.
+
+    Measured against torch's flex_attention (causal block mask, eager and compiled) and
+    blocked attention written with plain ops (bf16 matmuls, float32 softmax) at SmolLM2's
+    shapes, 512-8192 tokens, on the 2-core EPYC: SDPA was the fastest of them
+    (flexgen_helm/tools/compare/attention_kernels.py)."""
     u, r, q_len, d = q.shape
     t = k.shape[1]
     dtype = _attention_dtype(q)
     q_, k_, v_ = q.to(dtype), k.to(dtype)[:, None], v.to(dtype)[:, None]
     if bool(key_valid.all()) and (not causal or q_len == t) and (not causal or not window or t <= window):
         # no padding: the plain (top-left aligned) causal flag is exact when q_len == t
-        k_, v_ = k_.expand(u, r, t, d), v_.expand(u, r, t, d)
-        out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal and q_len > 1)
-        return out.to(q.dtype)
+        return _sdpa(q_, k_, v_, causal and q_len > 1).to(q.dtype)
     kpos = torch.arange(t, device=q.device)[None, :]
-    if causal and q_len == t and u * r * q_len * t > MAX_MASK_ELEMENTS:
+    if causal and q_len == t:
         lengths = key_valid.sum(-1)
-        if bool((key_valid == (kpos >= t - lengths[:, None])).all()):  # left padding: no mask needed
+        if bool((key_valid == (kpos >= t - lengths[:, None])).all()):  # left padding
             return _left_padded_causal(q_, k_, v_, lengths, window).to(q.dtype)
     allowed = _allowed(key_valid, torch.arange(t - q_len, t, device=q.device), causal, window)
     # the r query heads of a unit share its keys: fold them into the query axis
@@ -130,26 +137,50 @@ def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_vali
     return out.reshape(u, r, q_len, d).to(q.dtype)
 
 
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int = 0) -> torch.Tensor:
+    """q (u, r, s, d); k, v (u, 1, t, d), shared by a unit's r query heads, queries the last
+    s positions. Expanded views, not enable_gqa: on CPU that measured slower (0.8-0.9x at
+    SmolLM2's 9/3 heads). A sliding window narrower than t is one (s, t) mask shared by
+    every unit (the causal flag cannot say it)."""
+    u, r, s, d = q.shape
+    t = k.shape[2]
+    k, v = k.expand(u, r, t, d), v.expand(u, r, t, d)
+    if causal and window and t > window:
+        qpos = torch.arange(t - s, t, device=q.device)[:, None]
+        kpos = torch.arange(t, device=q.device)[None, :]
+        near = (kpos <= qpos) & (kpos > qpos - window)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=near)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
 def _left_padded_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
                         window: int = 0) -> torch.Tensor:
-    """Prompt attention when each unit's valid keys are its last `length` positions: causal
-    attention over that suffix, units of one length together; no (u, q, t) mask is ever
-    built (it would take gigabytes for long padded prompts), only a sliding window's one
-    (n, n) mask per length. q: (u, r, t, d); k, v: (u, 1, t, d)."""
+    """Prompt attention when each unit's valid keys are its last `length` positions: every
+    unit's rows are rotated so that its real tokens come first (its padding last), one
+    fused causal call attends all of them at once, and the output is rotated back.
+
+    A real query then sees exactly the real keys up to it (and within a sliding window, the
+    same relative positions for every unit once rotated), as on its own, and the causal
+    kernel skips the masked half; no (u, q, t) mask is built (gigabytes for long padded
+    prompts), and no call runs per length (many small calls for a batch of short prompts).
+    A padding query (rotated to the end) attends to what precedes it, which keeps it finite;
+    nothing reads it: its keys are never valid.
+    q: (u, r, t, d); k, v: (u, 1, t, d)."""
     u, r, t, d = q.shape
-    out = v.expand(u, r, t, d).clone()  # a padding query sees only itself, i.e. its own value
-    for n in lengths.unique().tolist():
-        if n == 0:
-            continue
-        units = (lengths == n).nonzero().squeeze(1)
-        kn, vn = k[units, :, t - n:].expand(-1, r, n, d), v[units, :, t - n:].expand(-1, r, n, d)
-        if window and n > window:
-            pos = torch.arange(n, device=q.device)
-            near = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)  # (n, n)
-            out[units, :, t - n:] = F.scaled_dot_product_attention(q[units, :, t - n:], kn, vn, attn_mask=near)
-        else:
-            out[units, :, t - n:] = F.scaled_dot_product_attention(q[units, :, t - n:], kn, vn, is_causal=True)
-    return out
+    shift = (t - lengths).to(q.device)  # each unit's padding
+    ahead = (torch.arange(t, device=q.device)[None, :] + shift[:, None]) % t  # rotated row j <- row ahead[j]
+    back = (torch.arange(t, device=q.device)[None, :] - shift[:, None]) % t
+    first_row = t * torch.arange(u, device=q.device)[:, None]
+
+    def rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        # whole (heads x d) rows by index_select: torch.gather with an expanded index ran
+        # far slower than a copy on CPU (slower than the attention itself at 512 tokens)
+        h = x.shape[1]
+        flat = x.transpose(1, 2).reshape(u * t, h * d)
+        return flat.index_select(0, (index + first_row).flatten()).view(u, t, h, d).transpose(1, 2)
+
+    out = _sdpa(rows(q, ahead), rows(k, ahead), rows(v, ahead), causal=True, window=window)
+    return rows(out, back)
 
 
 def _attention_dtype(q: torch.Tensor) -> torch.dtype:

@@ -172,9 +172,14 @@ class BlockDriver:
 
     def _run_steps(self, block: Block, groups: list[Block], scheds: list[BlockSchedule], steps: int) -> None:
         """Step 0 is the prefill, every later step one decode; within a step the groups take
-        turns (in a pipeline, stage s runs group g while stage s+1 runs group g-1)."""
+        turns (in a pipeline, stage s runs group g while stage s+1 runs group g-1).
+
+        Where the driver knows which sequences are done (it stops early), a finished
+        sequence leaves its GPU batch's compute from the next step on (compute_only): the
+        block decodes to its longest max_tokens, but only the unfinished rows cost work."""
         head = self.last_position_head if self.link.samples else None
         chosen: list[list[torch.Tensor] | None] = [None] * len(groups)
+        computing = [[list(range(len(batch))) for batch in group] for group in groups]  # rows per GPU batch
         t0 = time.perf_counter()
         for step in range(steps):
             if step > 0 and self.link.stops_early and all(s.done for g in block for s in g):
@@ -183,9 +188,14 @@ class BlockDriver:
                 inputs = self.link.step_input(group, sched, step, chosen[g])
                 outputs = sched.prefill(head, hidden=inputs) if step == 0 else sched.decode(inputs, head)
                 if self.link.samples:
-                    outputs = chosen[g] = [self.choose(batch, lp) for batch, lp in zip(group, outputs)]
-                    self.stats.padded_generated_tokens += sum(len(batch) for batch in group)
+                    outputs = chosen[g] = [self.choose(batch, lp, rows)
+                                           for batch, lp, rows in zip(group, outputs, computing[g])]
+                    self.stats.padded_generated_tokens += sum(map(len, computing[g]))
                 self.link.step_output(outputs, more_steps=step + 1 < steps)
+                if self.link.stops_early:
+                    for k, batch in enumerate(group):
+                        computing[g][k] = [r for r, s in enumerate(batch) if not s.done]
+                        sched.compute_only(k, computing[g][k])
             if step == 0:
                 self.stats.prefill_s += time.perf_counter() - t0
                 t0 = time.perf_counter()
@@ -195,9 +205,16 @@ class BlockDriver:
         logits = self.rt.family.head(self.rt.config, w, h[:, -1])
         return F.log_softmax(logits.float(), dim=-1).cpu()
 
-    def choose(self, group: list[Sequence], logprobs: torch.Tensor) -> torch.Tensor:
-        chosen = select_tokens(logprobs, [s.params for s in group], [s.generator for s in group])
-        for r, s in enumerate(group):
+    def choose(self, group: list[Sequence], logprobs: torch.Tensor | None, rows: list[int]) -> torch.Tensor:
+        """The next token of every sequence of a GPU batch, (b,): logprobs has a row for each
+        of `rows` (the rows computed at this step, None where none was); the others get the
+        pad id, which no step computes on."""
+        chosen = torch.full((len(group),), self.pad_id, dtype=torch.long)
+        if not rows:
+            return chosen
+        picked = [group[r] for r in rows]
+        chosen[rows] = select_tokens(logprobs, [s.params for s in picked], [s.generator for s in picked])
+        for i, (r, s) in enumerate(zip(rows, picked)):
             if s.done:
                 continue
             token = int(chosen[r])
@@ -205,10 +222,10 @@ class BlockDriver:
                 s.finish_reason = "stop"
                 continue
             s.tokens.append(token)
-            s.logprobs.append(float(logprobs[r, token]))
+            s.logprobs.append(float(logprobs[i, token]))
             self.stats.generated_tokens += 1
             if s.params.top_logprobs:
-                top = logprobs[r].topk(s.params.top_logprobs)
+                top = logprobs[i].topk(s.params.top_logprobs)
                 s.top.append({int(i): float(v) for v, i in zip(top.values, top.indices)})
             if s.params.stop is not None and s.params.stop.reached(s.tokens):
                 s.finish_reason = "stop_condition"

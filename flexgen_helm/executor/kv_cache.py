@@ -93,15 +93,27 @@ class KVCacheSlot:
 
     # ---- writes ----------------------------------------------------------------------------
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
-        """Store k, v of shape (s, units, d) at positions [start, start + s) (a ring holds
-        only the last `rows` of them)."""
+    def in_place(self, tier: str, device: torch.device) -> bool:
+        """Whether attention on `device` can read this tier's cache where it lives, as a view
+        in which a decode step writes its new position first (no copy of the cache per step).
+        Not a sliding window's ring: its positions wrap, so [0, position] is no view of it."""
+        return self.compression is None and tier != "disk" and bool(self.units[tier]) and \
+            self.rows == self.max_len and self.k[tier].device == torch.device(device)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int, units: torch.Tensor | None = None,
+              tiers: tuple[str, ...] = TIERS) -> None:
+        """Store k, v of shape (s, units, d) at positions [start, start + s) of `tiers` (a
+        ring holds only the last `rows` of them). units: the (sorted) units k and v hold when
+        not all (finished sequences left the batch): the others' rows at these positions are
+        written as zeros, never read."""
+        if units is not None:
+            k, v = self._all_units(k, units), self._all_units(v, units)
         if k.shape[0] > self.rows:
             start, k, v = start + k.shape[0] - self.rows, k[-self.rows:], v[-self.rows:]
         gd = None if self.compression is None else CACHE_GROUP_DIM
         k, v = encode(k, self.compression, gd), encode(v, self.compression, gd)  # quantized where computed
         for row, a, n in self._row_runs(start, k.shape[0]):
-            self._write_rows(k.narrow(0, a, n), v.narrow(0, a, n), row)
+            self._write_rows(k.narrow(0, a, n), v.narrow(0, a, n), row, tiers)
 
     def _row_runs(self, start: int, n: int) -> list[tuple[int, int, int]]:
         """(first row, first of the n positions, count) of each run of rows that positions
@@ -110,8 +122,8 @@ class KVCacheSlot:
         first = min(n, self.rows - row)
         return [(row, 0, first)] + ([(0, first, n - first)] if n > first else [])
 
-    def _write_rows(self, k: Stored, v: Stored, row: int) -> None:
-        for tier in TIERS:
+    def _write_rows(self, k: Stored, v: Stored, row: int, tiers: tuple[str, ...]) -> None:
+        for tier in tiers:
             a, b = self.ranges[tier]
             if a == b:
                 continue
@@ -123,6 +135,28 @@ class KVCacheSlot:
                 for dst, src in ((self.k[tier], kt), (self.v[tier], vt)):
                     for d, s in zip(_parts(dst), _parts(src)):
                         d[row:row + s.shape[0]].copy_(s, non_blocking=True)
+
+    def _all_units(self, x: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
+        full = x.new_zeros(x.shape[0], sum(self.units.values()), x.shape[2])
+        full[:, units.to(x.device)] = x
+        return full
+
+    def append_in_place(self, tier: str, k: torch.Tensor, v: torch.Tensor, position: int,
+                        local: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step on a tier that is in_place: write its new k, v ((n, 1, d), of the
+        tier's units `local`, None: all of them) at `position` and return the keys and values
+        of positions [0, position] of those units, (n, t, d): views of the cache when all
+        its units compute, else copies of theirs."""
+        kt, vt = self.k[tier], self.v[tier]
+        if local is None:
+            kt[position].copy_(k[:, 0])
+            vt[position].copy_(v[:, 0])
+            return kt[:position + 1].transpose(0, 1), vt[:position + 1].transpose(0, 1)
+        local = local.to(kt.device)
+        kt[position].index_copy_(0, local, k[:, 0])
+        vt[position].index_copy_(0, local, v[:, 0])
+        return (kt[:position + 1].index_select(1, local).transpose(0, 1),
+                vt[:position + 1].index_select(1, local).transpose(0, 1))
 
     # ---- reads -------------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from flexgen_helm.compression.stored import dense, encode
 from flexgen_helm.executor.activations import ActivationHome
 from flexgen_helm.executor.attention import attend, attend_as_decode, from_units, to_units
 from flexgen_helm.executor.kv_cache import KVCacheSlot
+from flexgen_helm.executor.step_rows import StepRows, units_of
 from flexgen_helm.memory.copy_engine import CopyEngine, consume
 from flexgen_helm.memory.placement import slot_tier_counts
 from flexgen_helm.policy.policy import TIERS, Policy
@@ -73,8 +74,15 @@ class BlockSchedule:
                                     workdir / f"act-{k}.bin") for k in range(len(batches))]
         # per-run constants (the rotary tables), for every position this run will reach
         self.constants = self.family.run_constants(self.cfg, max_len, self.devices.compute, self.devices.dtype)
-        self.key_valid = [b.valid.clone() for b in batches]
+        # keys each row may see, for every position of the run: the prompt's real tokens,
+        # then every generated one (a step takes a view, instead of growing it by a cat)
+        self.key_valid = [torch.ones(b.size, max_len, dtype=torch.bool) for b in batches]
+        for valid, b in zip(self.key_valid, batches):
+            valid[:, :b.ids.shape[1]] = b.valid
         self.real_len = [b.valid.sum(1) for b in batches]
+        # rows each GPU batch computes from the next decode step on (None: all); see compute_only
+        self.active: list[list[int] | None] = [None] * len(batches)
+        self.step_rows: list[StepRows | None] = [None] * len(batches)
         self._weights_ahead = None
         self.prefill_as_decode = False
 
@@ -98,26 +106,41 @@ class BlockSchedule:
         to score what the cache's compression and sparsity cost at every position."""
         # without cache compression or sparsity a decode step attends exactly as the prefill does
         self.prefill_as_decode = as_decode and (self.policy.compress_cache is not None or self.policy.attn_sparsity < 1)
-        inputs = []
+        length = self.batches[0].ids.shape[1]
         for k, b in enumerate(self.batches):
-            positions = (b.valid.long().cumsum(1) - 1).clamp(min=0)
-            inputs.append((b.ids if hidden is None else hidden[k], positions))
-        out = self._step(inputs, head, prefill=True)
-        self.length = self.batches[0].ids.shape[1]
+            self.step_rows[k] = self._step_rows(k, None, (b.valid.long().cumsum(1) - 1).clamp(min=0), length)
+        out = self._step([b.ids for b in self.batches] if hidden is None else hidden, head, prefill=True)
+        self.length = length
         return out
+
+    def compute_only(self, k: int, rows: list[int]) -> None:
+        """From the next decode step on, GPU batch k computes only these rows (its sequences
+        not finished): the others leave the layers' matmuls, the attention and the head, and
+        the head's output at a step has one row per computed row, in order."""
+        self.active[k] = None if len(rows) == self.batches[k].size else sorted(rows)
 
     def decode(self, tokens: list[torch.Tensor], head: HeadFn | None) -> list:
         """Feed one new token per sequence (tokens[k]: (b,) int64, or the (b, 1, hidden)
-        states of the stage before) and run the block."""
+        states of the stage before; rows not computed are ignored) and run the block. A
+        GPU batch computing no row gives None."""
         step = self.length - self.batches[0].ids.shape[1]
-        inputs = []
-        for k, t in enumerate(tokens):
-            positions = (self.real_len[k] + step)[:, None]
-            self.key_valid[k] = torch.cat([self.key_valid[k], torch.ones(len(t), 1, dtype=torch.bool)], 1)
-            inputs.append((t[:, None] if t.dim() == 1 else t, positions))
-        out = self._step(inputs, head, prefill=False)
+        for k in range(len(tokens)):
+            self.step_rows[k] = self._step_rows(k, self.active[k], (self.real_len[k] + step)[:, None], self.length + 1)
+        out = self._step([t[:, None] if t.dim() == 1 else t for t in tokens], head, prefill=False)
         self.length += 1
         return out
+
+    def _step_rows(self, k: int, rows: list[int] | None, positions: torch.Tensor, t: int) -> StepRows:
+        """What the layers of a step over t positions share for batch k; positions: (b, s)."""
+        kvh, compute = self.cfg.num_kv_heads, self.devices.compute
+        valid = self.key_valid[k][:, :t]
+        picked = None if rows is None else torch.tensor(rows, dtype=torch.long)
+        if picked is not None:
+            valid, positions = valid[picked], positions[picked]
+        positions = positions.to(compute)
+        return StepRows(picked, None if rows is None else units_of(rows, kvh),
+                        valid.repeat_interleave(kvh, dim=0).to(compute), positions,
+                        self.family.step_constants(self.constants, positions))
 
     def _step(self, inputs, head: HeadFn, prefill: bool) -> list:
         """One token step: every layer for every GPU batch, each batch's inputs (weights of the
@@ -126,25 +149,29 @@ class BlockSchedule:
         stage = "prefill" if prefill else "decode"
         results = [None] * nb
         if layers[0].kind != "embed":
-            for k, (hidden_in, _) in enumerate(inputs):
+            for k, hidden_in in enumerate(inputs):
                 io.submit(self.acts[k].store, hidden_in, kind=f"{stage}_store_hidden")
+        live = [k for k in range(nb) if not self.step_rows[k].empty]  # batches with rows to compute
         weights = self._weights_ahead or io.submit(self.rt.load_layer, layers[0], kind=f"{stage}_load_weight")
-        cache_ahead = None  # batch 0's cache of the next layer
+        cache_ahead = None  # the first live batch's cache of the next layer
         for j, layer in enumerate(layers):
             w = self._wait(weights, "load_weight")
             # prefetch the next layer (after the last, the first layer of the next step)
             weights = io.submit(self.rt.load_layer, layers[(j + 1) % len(layers)], kind=f"{stage}_load_weight")
-            cache = cache_ahead or self._submit_cache_load(layer, 0, prefill)
-            hidden = self._submit_hidden_load(layer, 0, stage)
-            for k in range(nb):
+            if not live:
+                continue
+            cache = cache_ahead or self._submit_cache_load(layer, live[0], prefill)
+            hidden = self._submit_hidden_load(layer, live[0], stage)
+            for i, k in enumerate(live):
                 h = self._wait(hidden, "load_hidden") if hidden is not None else None
                 kv = self._wait(cache, "load_cache") if cache is not None else None
-                if k + 1 < nb:  # batch k+1's inputs travel while batch k computes
-                    cache = self._submit_cache_load(layer, k + 1, prefill)
-                    hidden = self._submit_hidden_load(layer, k + 1, stage)
+                if i + 1 < len(live):  # the next batch's inputs travel while batch k computes
+                    cache = self._submit_cache_load(layer, live[i + 1], prefill)
+                    hidden = self._submit_hidden_load(layer, live[i + 1], stage)
                 else:  # the next layer's first cache travels while the last batch computes (its
                     # hidden state cannot: this layer's compute makes it)
-                    cache_ahead = self._submit_cache_load(layers[j + 1], 0, prefill) if j + 1 < len(layers) else None
+                    cache_ahead = self._submit_cache_load(layers[j + 1], live[0], prefill) \
+                        if j + 1 < len(layers) else None
                 out, new_kv = self._run_layer(layer, k, w, h, kv, inputs[k], head, prefill)
                 if layer.kind == "head":
                     results[k] = out
@@ -163,17 +190,20 @@ class BlockSchedule:
         return self.io.submit(self.acts[k].load, kind=f"{stage}_load_hidden")
 
     def _run_layer(self, layer, k: int, w: dict, h, kv, batch_input, head: HeadFn, prefill: bool):
-        """One layer for GPU batch k, timed as compute: its output (the hidden state, or what
-        the head makes of it) and, for a block, the new positions' keys and values."""
-        ids, positions = batch_input
+        """One layer for GPU batch k, timed as compute, on the rows it computes at this step:
+        its output (the whole batch's hidden state, or what the head makes of the computed
+        rows) and, for a block, the new positions' keys and values."""
+        rows = self.step_rows[k]
         new_kv = None
         t0 = time.perf_counter()
         if layer.kind == "embed":
-            out = self.family.embed(self.cfg, w, ids.to(self.devices.compute), positions.to(self.devices.compute))
+            part = self.family.embed(self.cfg, w, rows.take(batch_input).to(self.devices.compute), rows.positions)
+            out = rows.put(part.new_zeros(self.batches[k].size, *part.shape[1:]), part)
         elif layer.kind == "block":
-            out, new_kv = self._block(layer.index, k, w, h, kv, positions, prefill)
+            part, new_kv = self._block(layer.index, k, w, rows.take(h), kv, prefill)
+            out = rows.put(h, part)
         else:
-            out = head(k, w, h)
+            out = head(k, w, rows.take(h))
         if self.devices.is_cuda:
             torch.cuda.current_stream().synchronize()
         elapsed = time.perf_counter() - t0
@@ -204,11 +234,13 @@ class BlockSchedule:
 
     def _load_cache(self, layer, k: int):
         """Batch k's cache of this layer (the positions its slot holds), each tier's part
-        where its attention will run."""
+        where its attention will run (none for a tier that attention reads in place, or where
+        no unit computes)."""
         slot = self.slots[layer.index, k]
         parts = {}
         for tier in TIERS:
-            if slot.units[tier]:
+            computed, _ = self.step_rows[k].tier_part(*slot.ranges[tier])
+            if computed.start < computed.stop and not slot.in_place(tier, self._attention_device(tier)):
                 # Sparse attention reads V from disk after scoring, and only the rows it keeps.
                 sparse_disk = tier == "disk" and self.policy.attn_sparsity < 1.0
                 stored = slot.read(tier, self.length, values=not sparse_disk)
@@ -222,25 +254,25 @@ class BlockSchedule:
         delegate = self.policy.cpu_cache_compute and tier != "gpu"
         return self.devices.cpu if delegate else self.devices.compute
 
-    def _block(self, index: int, k: int, w: dict, h, cache, positions, prefill: bool):
-        cfg = self.cfg
-        compute = self.devices.compute
-        positions = positions.to(compute)
-        q, key, value = self.family.qkv(cfg, w, h, positions, self.constants, index)
+    def _block(self, index: int, k: int, w: dict, h, cache, prefill: bool):
+        """h: the computed rows' hidden states. Returns theirs after the block, and the
+        arguments of KVCacheSlot.write that store what is not stored yet."""
+        cfg, rows, slot = self.cfg, self.step_rows[k], self.slots[index, k]
+        q, key, value = self.family.qkv(cfg, w, h, rows.at, index)
         b, kvh, s, d = key.shape
         qu = to_units(q, kvh)
         ku, vu = key.reshape(b * kvh, s, d), value.reshape(b * kvh, s, d)
-        valid = self.key_valid[k].repeat_interleave(kvh, dim=0)  # (units, t)
+        unwritten = TIERS
         window, softcap = cfg.window(index), cfg.attn_softcap
         if prefill and self.prefill_as_decode:
-            out = attend_as_decode(qu, ku, vu, valid.to(compute), self._as_stored, self.policy.attn_sparsity,
+            out = attend_as_decode(qu, ku, vu, rows.valid, self._as_stored, self.policy.attn_sparsity,
                                    window=window, softcap=softcap)
         elif prefill:
-            out = attend(qu, ku, vu, valid.to(compute), causal=True, window=window, softcap=softcap)
+            out = attend(qu, ku, vu, rows.valid, causal=True, window=window, softcap=softcap)
         else:
-            out = self._decode_attention(self.slots[index, k], cache, qu, ku, vu, valid, window)
+            out, unwritten = self._decode_attention(slot, cache, qu, ku, vu, rows, window)
         h = self.family.finish_block(cfg, w, h, from_units(out, b))
-        return h, (ku.transpose(0, 1), vu.transpose(0, 1), self.length)
+        return h, (ku.transpose(0, 1), vu.transpose(0, 1), self.length, rows.unit_tensor(ku.device), unwritten)
 
     def _as_stored(self, x: torch.Tensor) -> torch.Tensor:
         """(units, t, d) keys or values -> what the cache returns for them (KVCacheSlot.write
@@ -249,42 +281,55 @@ class BlockSchedule:
         stored = encode(x.transpose(0, 1).to(self.devices.dtype), cfg, None if cfg is None else CACHE_GROUP_DIM)
         return dense(stored, self.devices.dtype).transpose(0, 1)
 
-    def _decode_attention(self, slot: KVCacheSlot, cache: dict, qu, ku, vu, valid, window: int):
-        """The new token attends to the positions the slot holds and to itself; a
-        sliding-window block to its last `window` positions only (the slot may hold one
-        more: the oldest is dropped here)."""
+    def _decode_attention(self, slot: KVCacheSlot, cache: dict, qu, ku, vu, rows: StepRows, window: int):
+        """Attention of one new position per computed unit, tier by tier, to the positions
+        the slot holds and to itself; a sliding-window block's to its last `window` positions
+        only (its ring may hold one more: the oldest is dropped here). Where attention reads
+        a tier in place (never a ring) the new keys and values are written first and the
+        cache is read as a view; elsewhere they join the loaded cache. Returns the output and
+        the tiers still to write."""
         first = slot.first_held(self.length)  # position of the first key read
         drop = max(0, self.length - first + 1 - window) if window else 0
-        valid = valid[:, first + drop:]
-        outs = []
+        valid = rows.valid[:, first + drop:]
+        outs, unwritten = [], []
         for tier in TIERS:
-            a, b = slot.ranges[tier]
-            if a == b:
+            part, local = rows.tier_part(*slot.ranges[tier])
+            if part.start == part.stop:
                 continue
-            kc, vc = cache[tier]
             where = self._attention_device(tier)
-            keys = torch.cat([kc.transpose(0, 1), ku[a:b].to(where)], dim=1)[:, drop:]
-            new_v = vu[a:b].to(where)
-            if vc is None:  # V left on disk: attend() asks for the rows it keeps
-                values = functools.partial(self._disk_values, slot, new_v, first + drop)
+            new_k, new_v = ku[part].to(where), vu[part].to(where)
+            if slot.in_place(tier, where):
+                keys, values = slot.append_in_place(tier, new_k, new_v, self.length, local)
             else:
-                values = torch.cat([vc.transpose(0, 1), new_v], dim=1)[:, drop:]
-            out = attend(qu[a:b].to(where), keys, values, valid[a:b].to(where), causal=False,
+                unwritten.append(tier)
+                kc, vc = cache[tier]
+                if local is not None:
+                    kc = kc.index_select(1, local.to(kc.device))
+                keys = torch.cat([kc.transpose(0, 1), new_k], dim=1)[:, drop:]
+                if vc is None:  # V left on disk: attend() asks for the rows it keeps
+                    values = functools.partial(self._disk_values, slot, new_v, local, first + drop)
+                else:
+                    vc = vc if local is None else vc.index_select(1, local.to(vc.device))
+                    values = torch.cat([vc.transpose(0, 1), new_v], dim=1)[:, drop:]
+            out = attend(qu[part].to(where), keys, values, valid[part].to(where), causal=False,
                          keep_fraction=self.policy.attn_sparsity, softcap=self.cfg.attn_softcap)
             outs.append(out.to(self.devices.compute, non_blocking=True))
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        return (outs[0] if len(outs) == 1 else torch.cat(outs)), tuple(unwritten)
 
-    def _disk_values(self, slot: KVCacheSlot, new_v: torch.Tensor, first: int, keys: list[int]) -> torch.Tensor:
-        """V of the disk units at sorted key indices `keys` (key i at position first + i),
-        (units, n, d) on new_v's device; the last may be this step's token, whose V is not
-        written yet."""
+    def _disk_values(self, slot: KVCacheSlot, new_v: torch.Tensor, local: torch.Tensor | None, first: int,
+                     keys: list[int]) -> torch.Tensor:
+        """V of the computed disk units (`local`, None: all) at sorted key indices `keys` (key
+        i at position first + i), (units, n, d) on new_v's device; the last may be this
+        step's token, whose V is not written yet."""
         t0 = time.perf_counter()
         positions = [first + i for i in keys]
         cached = [p for p in positions if p < self.length]
         pieces = []
         if cached:
-            rows = slot.read_disk_values(cached).to(new_v.device)
-            pieces.append(dense(rows, self.devices.dtype).transpose(0, 1))
+            stored = dense(slot.read_disk_values(cached).to(new_v.device), self.devices.dtype)
+            if local is not None:
+                stored = stored.index_select(1, local.to(stored.device))
+            pieces.append(stored.transpose(0, 1))
         if len(cached) < len(positions):
             pieces.append(new_v)
         self.timers["decode_read_sparse_values"] += time.perf_counter() - t0

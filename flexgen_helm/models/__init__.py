@@ -1,8 +1,10 @@
 """Architectures. Each family module provides `layer_specs(cfg)`, `run_constants(cfg,
-max_len, device, dtype)` (what a run computes once for every step: the rotary tables)
-and the per-layer math: `embed`, `qkv` (given the run constants and the block's index),
-`finish_block`, `head` (attention itself lives in the executor, which knows where the KV
-cache is, and reads each block's sliding window and soft-cap from the ModelConfig)."""
+max_len, device, dtype)` (what a run computes once for every step: the rotary tables),
+`step_constants(constants, positions)` (what every layer of one step shares: the rotary
+cos/sin at the step's positions), and the per-layer math: `embed`, `qkv` (given the step
+constants and the block's index), `finish_block`, `head` (attention itself lives in the
+executor, which knows where the KV cache is, and reads each block's sliding window and
+soft-cap from the ModelConfig)."""
 
 from __future__ import annotations
 

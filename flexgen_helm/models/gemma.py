@@ -21,7 +21,7 @@ from flexgen_helm.models.hf_config import as_pairs, first, rope_from_hf, sliding
 from flexgen_helm.models.linear import embedding, linear
 from flexgen_helm.models.llama import attention_tensors, embed_layer, head_layer, mlp_tensors, project_heads
 from flexgen_helm.models.norms import rms_norm_plus_one
-from flexgen_helm.models.rotary import Rotary, rope_type, rotary_for
+from flexgen_helm.models.rotary import Rotary, RotaryAt, rope_type, rotary_for
 from flexgen_helm.models.spec import LayerSpec, tensor
 
 GEMMA3_TYPES = ("gemma3_text", "gemma3")
@@ -98,8 +98,20 @@ class GemmaRotaries:
     full: Rotary
     local: Rotary
 
-    def of(self, cfg: ModelConfig, block: int) -> Rotary:
-        return self.local if cfg.window(block) else self.full
+    def at(self, positions: torch.Tensor) -> "GemmaRotariesAt":
+        local = self.local.at(positions) if self.local is not self.full else None
+        return GemmaRotariesAt(self.full.at(positions), local)
+
+
+@dataclass(frozen=True)
+class GemmaRotariesAt:
+    """Both rotations at one step's positions (local None: the global one serves both)."""
+
+    full: RotaryAt
+    local: RotaryAt | None
+
+    def of(self, cfg: ModelConfig, block: int) -> RotaryAt:
+        return self.local if cfg.window(block) and self.local is not None else self.full
 
 
 def run_constants(cfg: ModelConfig, max_len: int, device: torch.device, dtype: torch.dtype) -> GemmaRotaries:
@@ -109,11 +121,15 @@ def run_constants(cfg: ModelConfig, max_len: int, device: torch.device, dtype: t
     return GemmaRotaries(full, local)
 
 
-def qkv(cfg: ModelConfig, w: dict, h: torch.Tensor, positions: torch.Tensor, rotaries: GemmaRotaries, block: int):
+def step_constants(rotaries: GemmaRotaries, positions: torch.Tensor) -> GemmaRotariesAt:
+    return rotaries.at(positions)
+
+
+def qkv(cfg: ModelConfig, w: dict, h: torch.Tensor, at: GemmaRotariesAt, block: int):
     x = rms_norm_plus_one(h, w["attn_norm.weight"], cfg.rms_norm_eps)
     q, k, v = project_heads(cfg, w, x, rms_norm_plus_one)
-    rotary = rotaries.of(cfg, block)
-    q, k = rotary.apply(q, positions), rotary.apply(k, positions)
+    rotary = at.of(cfg, block)
+    q, k = rotary.apply(q), rotary.apply(k)
     # attention scales scores by 1 / sqrt(head_dim): the query carries the rest of Gemma's scale
     rescale = cfg.query_scale * math.sqrt(cfg.head_dim)
     return (q if rescale == 1.0 else q * rescale), k, v

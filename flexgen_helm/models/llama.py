@@ -16,7 +16,7 @@ from flexgen_helm.models.heads import split_heads
 from flexgen_helm.models.hf_config import as_pairs, first, rope_from_hf, sliding_windows
 from flexgen_helm.models.linear import embedding, linear
 from flexgen_helm.models.norms import rms_norm
-from flexgen_helm.models.rotary import Rotary, rope_type, rotary_for
+from flexgen_helm.models.rotary import Rotary, RotaryAt, rope_type, rotary_for
 from flexgen_helm.models.spec import LayerSpec, tensor
 
 
@@ -124,9 +124,15 @@ def project_heads(cfg: ModelConfig, w: dict, x: torch.Tensor, norm) -> tuple[tor
     return q, k, v
 
 
-def qkv(cfg: ModelConfig, w: dict, h: torch.Tensor, positions: torch.Tensor, rotary: Rotary, block: int):
+def step_constants(rotary: Rotary, positions: torch.Tensor) -> RotaryAt:
+    """What qkv needs at (b, s) positions, shared by every layer of the step."""
+    return rotary.at(positions)
+
+
+def qkv(cfg: ModelConfig, w: dict, h: torch.Tensor, at: RotaryAt, block: int):
+    """at: step_constants of the positions of h."""
     q, k, v = project_heads(cfg, w, rms_norm(h, w["attn_norm.weight"], cfg.rms_norm_eps), rms_norm)
-    return rotary.apply(q, positions), rotary.apply(k, positions), v
+    return at.apply(q), at.apply(k), v
 
 
 def finish_block(cfg: ModelConfig, w: dict, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:

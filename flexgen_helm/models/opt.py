@@ -126,7 +126,12 @@ def run_constants(cfg: ModelConfig, max_len: int, device: torch.device, dtype: t
     return None
 
 
-def qkv(cfg: ModelConfig, w: dict, h: torch.Tensor, positions: torch.Tensor, constants: None, block: int):
+def step_constants(constants: None, positions: torch.Tensor) -> None:
+    """None: positions enter at the embedding."""
+    return None
+
+
+def qkv(cfg: ModelConfig, w: dict, h: torch.Tensor, at: None, block: int):
     x = _norm(cfg, w, "attn_norm", h) if cfg.do_layer_norm_before else h
     q = linear(x, w["q_proj.weight"], w["q_proj.bias"])
     k = linear(x, w["k_proj.weight"], w["k_proj.bias"])

@@ -16,9 +16,9 @@ from flexgen_helm.models.gated_mlp import fused_gated_mlp
 from flexgen_helm.models.heads import split_heads
 from flexgen_helm.models.hf_config import as_pairs, first, partial_rotary_factor, rope_from_hf, sliding_windows
 from flexgen_helm.models.linear import linear
-from flexgen_helm.models.llama import embed, embed_layer, head, head_layer, run_constants  # noqa: F401 (shared)
+from flexgen_helm.models.llama import embed, embed_layer, head, head_layer, run_constants, step_constants  # noqa: F401 (shared)
 from flexgen_helm.models.norms import rms_norm
-from flexgen_helm.models.rotary import Rotary, rope_type
+from flexgen_helm.models.rotary import RotaryAt, rope_type
 from flexgen_helm.models.spec import LayerSpec, tensor
 
 
@@ -72,12 +72,12 @@ def layer_specs(cfg: ModelConfig) -> list[LayerSpec]:
     return layers + [head_layer(cfg)]
 
 
-def qkv(cfg: ModelConfig, w: dict, h: torch.Tensor, positions: torch.Tensor, rotary: Rotary, block: int):
+def qkv(cfg: ModelConfig, w: dict, h: torch.Tensor, at: RotaryAt, block: int):
     x = rms_norm(h, w["attn_norm.weight"], cfg.rms_norm_eps)
     q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     q, k, v = linear(x, w["qkv_proj.weight"]).split([q_out, kv_out, kv_out], dim=-1)
     q, k, v = split_heads(q, cfg.num_heads), split_heads(k, cfg.num_kv_heads), split_heads(v, cfg.num_kv_heads)
-    return rotary.apply(q, positions), rotary.apply(k, positions), v
+    return at.apply(q), at.apply(k), v
 
 
 def finish_block(cfg: ModelConfig, w: dict, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:

@@ -86,10 +86,23 @@ class Rotary:
         angles = torch.cat((angles, angles), dim=-1)
         return cls((angles.cos() * factor).to(dtype), (angles.sin() * factor).to(dtype))
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Heads x (b, n, s, head_dim) at (b, s) positions, rotated; dimensions past the
-        table's width (partial rotary) pass unchanged."""
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (b, 1, s, dims)
+    def at(self, positions: torch.Tensor) -> "RotaryAt":
+        """The rotation at (b, s) positions: looked up once per step and shared by every
+        layer (a lookup per layer was a gather per layer and step)."""
+        return RotaryAt(self.cos[positions][:, None], self.sin[positions][:, None])  # (b, 1, s, dims)
+
+
+@dataclass(frozen=True)
+class RotaryAt:
+    """cos and sin at one step's positions, (b, 1, s, rotary_dims)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """Heads x (b, n, s, head_dim) rotated; dimensions past the table's width (partial
+        rotary) pass unchanged."""
+        cos, sin = self.cos, self.sin
         dims = cos.shape[-1]
         xr, rest = x[..., :dims], x[..., dims:]
         half = dims // 2

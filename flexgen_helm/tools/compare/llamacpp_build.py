@@ -1,0 +1,61 @@
+"""llama.cpp's `llama-batched-bench`, built offline from the llama-cpp-python source archive
+on PyPI (it vendors llama.cpp): the side-by-side baseline of `flexgen-helm compare-llamacpp`.
+
+The build takes minutes of CPU, so it is done once into a folder outside the repository
+and reused; it is never part of the tests or CI."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from flexgen_helm.errors import FlexGenError
+
+TARGET = "llama-batched-bench"
+
+
+def _run(cmd: list[str], cwd: Path) -> None:
+    print("+", " ".join(cmd), flush=True)
+    done = subprocess.run(cmd, cwd=cwd)
+    if done.returncode != 0:
+        raise FlexGenError(f"building llama.cpp failed at `{' '.join(cmd)}` (exit {done.returncode}; "
+                           "see the log above)")
+
+
+def _source_archive(root: Path) -> Path:
+    archives = sorted(root.glob("llama_cpp_python-*.tar.gz"))
+    if not archives:
+        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+              "llama-cpp-python", "-d", str(root)], root)
+        archives = sorted(root.glob("llama_cpp_python-*.tar.gz"))
+    if not archives:
+        raise FlexGenError(f"pip download left no llama_cpp_python-*.tar.gz in {root}")
+    return archives[-1]
+
+
+def batched_bench_binary(root: Path, jobs: int = 2) -> Path:
+    """The built llama-batched-bench under `root` (building it first if it is not there)."""
+    for tool in ("cmake", "c++"):
+        if shutil.which(tool) is None:
+            raise FlexGenError(f"building llama.cpp needs `{tool}` on PATH")
+    root.mkdir(parents=True, exist_ok=True)
+    archive = _source_archive(root)
+    source = root / archive.name.removesuffix(".tar.gz")
+    if not source.exists():
+        _run(["tar", "xzf", archive.name], root)
+    llama = source / "vendor" / "llama.cpp"
+    build = root / "build"
+    binary = build / "bin" / TARGET
+    if binary.exists():
+        return binary
+    if not (llama / "CMakeLists.txt").exists():
+        raise FlexGenError(f"{archive.name} holds no vendored llama.cpp at {llama}")
+    # native CPU code (as a user building it here would get), no network features, static
+    _run(["cmake", "-S", str(llama), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+          "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"], root)
+    _run(["cmake", "--build", str(build), "--target", TARGET, "-j", str(jobs)], root)
+    if not binary.exists():
+        raise FlexGenError(f"the build finished but {binary} is not there")
+    return binary
