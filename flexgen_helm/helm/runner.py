@@ -1,15 +1,11 @@
-"""A HELM Runner that hands all the requests of a run to the engine at once.
+"""A HELM Runner for flexgen deployments.
 
     helm-run --runner-class-name flexgen_helm.helm.runner.BatchingRunner ...
 
-HELM's executor sends one request per thread; FlexGen wants every request of a run up
-front, to fill big batches of similar-length prompts (the paper ran HELM this way).
-`BatchingExecutor.execute` first gives each flexgen deployment's client the whole list
-(`FlexGenClient.prefetch`: uncached requests only, in length-bucketed batches), then
-lets HELM's own executor run as usual: each request then finds its result ready, goes
-through HELM's cache and error handling, and non-flexgen deployments are untouched.
-After a run, the padding summary is written next to HELM's outputs as
-`flexgen_padding.json` (see accounting.py).
+It runs each scenario through the BatchingExecutor (scenario_executor.py; plain helm-run
+does too, see plugin.py), writes the padding summary next to HELM's outputs as
+`flexgen_padding.json` (see accounting.py), and turns a scenario download that fails on
+an offline machine into one clear error.
 """
 
 from __future__ import annotations
@@ -21,47 +17,13 @@ import socket
 import subprocess
 from urllib.error import URLError
 
-from helm.benchmark.adaptation.scenario_state import ScenarioState
-from helm.benchmark.executor import Executor
 from helm.benchmark.metrics.metric_service import MetricService
 from helm.benchmark.runner import Runner
 from helm.benchmark.window_services.tokenizer_service import TokenizerService
-from helm.common.hierarchical_logger import hlog, htrack_block
 
 from flexgen_helm.errors import DataUnreachableError
 from flexgen_helm.helm import accounting
-
-
-class BatchingExecutor(Executor):
-    def execute(self, scenario_state: ScenarioState) -> ScenarioState:
-        if not self.execution_spec.dry_run:
-            self.prefetch(scenario_state)
-        return super().execute(scenario_state)
-
-    def prefetch(self, scenario_state: ScenarioState) -> None:
-        from flexgen_helm.helm.client import FlexGenClient
-
-        auto_client = getattr(self.context, "client", None)  # LocalContext's AutoClient
-        # AutoClient has no public way to reach the client it routes a deployment's requests
-        # to, and the prefetched results must land in that very client: its private
-        # _get_client (crfm-helm 0.5.12-0.5.16) is the only way in. Checked, so that a HELM
-        # without it runs the requests one by one instead of failing.
-        if auto_client is None or not hasattr(auto_client, "_get_client"):
-            hlog("flexgen: no local AutoClient (remote server?); requests go one by one")
-            return
-        by_deployment: dict[str, list] = {}
-        for rs in scenario_state.request_states:
-            by_deployment.setdefault(rs.request.model_deployment, []).append(rs.request)
-        for deployment, requests in by_deployment.items():
-            client = auto_client._get_client(deployment)
-            if isinstance(client, FlexGenClient):
-                with htrack_block(f"flexgen: batching {len(requests)} requests of {deployment}"):
-                    n = self.prefetch_client(client, requests)
-                    hlog(f"flexgen: computed {n} uncached requests")
-
-    def prefetch_client(self, client, requests) -> int:
-        return client.prefetch(requests)
-
+from flexgen_helm.helm.scenario_executor import BatchingExecutor
 
 _NETWORK_ERRORS = (URLError, socket.gaierror, ConnectionError, TimeoutError)
 _DOWNLOADERS = ("wget", "gdown", "curl")
