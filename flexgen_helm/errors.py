@@ -27,3 +27,8 @@ class OffloadDirError(FlexGenError, IOError):
 
 class DataUnreachableError(FlexGenError, ConnectionError):
     """A scenario's data must be downloaded and its source cannot be reached."""
+
+
+class DiskFullError(OffloadDirError):
+    """Not enough free space for what must be written (offload files, a weight store, HELM's
+    outputs); the message names the path, the bytes needed and the bytes free."""

@@ -64,6 +64,7 @@ class FakeEngine:
         block = int(os.environ.get("FLEXGEN_FAKE_BLOCK", "0"))
         self.policy = SimpleNamespace(block_size=block) if block else None  # the client's batch size
         self.crash_after: int | None = None  # raise KeyboardInterrupt (a kill) at this many calls
+        self.on_call = None  # called with the number of calls so far, before each (may raise)
 
     def _logprobs(self, prev: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(self.emb[prev] @ self.out.T, dim=-1)
@@ -72,6 +73,8 @@ class FakeEngine:
         return 1e-3 * len(prompts) + 1e-5 * max(map(len, prompts)) if self.batch_shift else 0.0
 
     def _check(self, prompts):
+        if self.on_call is not None:
+            self.on_call(len(self.batches))
         if self.crash_after is not None and len(self.batches) >= self.crash_after:
             raise KeyboardInterrupt("fake kill")
         self.batches.append([list(p) for p in prompts])

@@ -15,8 +15,9 @@ independent of who shared the batch), and prompts of similar length: the engine 
 every prompt to the longest one, so jobs are sorted by length and cut into buckets
 whose padding stays within `pad_tolerance` of the real tokens.
 
-A batch that fails (out of memory, or one bad request) is split in halves and retried,
-down to single requests; a single request that still fails gets its own error.
+A batch that fails (out of memory, a full offload disk, or one bad request) is split in
+halves and retried, down to single requests; a single request that still fails gets its
+own error, except on a full disk, which stops the run (no request could run).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from flexgen_helm.errors import DiskFullError
 from flexgen_helm.executor.sampling import GenerationResult, RunStats, SamplingParams, ScoreResult
 from flexgen_helm.helm.accounting import BatchRecord
 from flexgen_helm.helm.engines import EngineHandle
@@ -127,14 +129,18 @@ def run_batches(handle: EngineHandle, batches: list[list[Job]], progress: str | 
     """Run each batch (split on failure, see _run_splitting); `on_batch(batch)` is called once
     its futures are all set, before the next batch starts (the client makes them durable)."""
     bar = _Progress(sum(map(len, batches)), progress) if progress else None
-    for batch in batches:
-        _run_splitting(handle, batch)
-        if on_batch:
-            on_batch(batch)
+    try:
+        for batch in batches:
+            try:
+                _run_splitting(handle, batch)
+            finally:  # a fatal error (a full disk) keeps the part of the batch that finished
+                if on_batch:
+                    on_batch([job for job in batch if job.future.done()])
+            if bar:
+                bar.done(batch)
+    finally:
         if bar:
-            bar.done(batch)
-    if bar:
-        bar.close()
+            bar.close()
 
 
 class _Progress:
@@ -168,13 +174,15 @@ class _Progress:
 def _run_splitting(handle: EngineHandle, batch: list[Job]) -> None:
     try:
         outputs = _run_batch(handle, batch)
-    except Exception as exc:  # noqa: BLE001 - every failure is reported per request below
+    except Exception as exc:
         if len(batch) > 1:
             # Out of memory: half the batch may fit. Any other error: isolate the culprit.
             mid = len(batch) // 2
             _run_splitting(handle, batch[:mid])
             _run_splitting(handle, batch[mid:])
             return
+        if isinstance(exc, DiskFullError):
+            raise  # no request can run until space is freed: the run stops, with this error
         reason = "out of memory even for a batch of one" if is_out_of_memory(exc) else "engine error"
         error = RuntimeError(f"{reason}: {type(exc).__name__}: {exc}")
         error.__cause__ = exc  # what `raise error from exc` records: the request's error keeps its cause

@@ -50,6 +50,7 @@ from flexgen_helm.helm.batching import (
 )
 from flexgen_helm.helm.engines import EngineHandle, LoadArgs, get_engine, resolve_load_args
 from flexgen_helm.helm.tokens import helm_texts
+from flexgen_helm.memory.disk_space import disk_full, is_disk_full
 from flexgen_helm.text import StopStrings, TokenText, token_text_for
 
 DEFAULT_MAX_BATCH = 16
@@ -288,7 +289,7 @@ class FlexGenClient(CachingClient):
             tt = token_text_for(handle.tokenizer)
 
             def publish(batch: List[Job]) -> None:
-                durable = []
+                durable: List[tuple[Dict[str, Any], Dict[str, Any]]] = []
                 for job in batch:
                     key = key_of[id(job)]
                     if key in cached:  # ran again only to keep its batch as it was
@@ -298,13 +299,25 @@ class FlexGenClient(CachingClient):
                     if "error" not in response:  # HELM caches no failures: they are retried
                         durable.append((unique[key][1], response))
                     self.keep(key, response)
-                store.multi_put(durable)
+                self.store_durably(store, durable)
 
             n = sum(map(len, todo))
             hlog(f"flexgen: running {n} requests in {len(todo)} batches of up to {self.max_batch(handle)} "
                  f"({len(cached)} of {len(unique)} cached)")
             run_batches(handle, todo, progress=f"flexgen {self.deployment}", on_batch=publish)
         return n
+
+    def store_durably(self, store, pairs: List[tuple[Dict[str, Any], Dict[str, Any]]]) -> None:
+        """Put (raw request, response) pairs in HELM's cache; a full disk is a DiskFullError."""
+        try:
+            store.multi_put(pairs)
+        except Exception as exc:
+            if not is_disk_full(exc):
+                raise
+            where = getattr(self.cache.config, "path", self.cache.config.cache_stats_key)
+            raise disk_full(where, len(json.dumps([r for _, r in pairs])), "HELM's request cache",
+                            "free space and run the same command again: the batches already cached are "
+                            "not computed again") from exc
 
     def cache_key(self, request: Request) -> str:
         return _key_str(self.raw_request(request))

@@ -5,11 +5,13 @@
 It runs each scenario through the BatchingExecutor (scenario_executor.py; plain helm-run
 does too, see plugin.py), writes the padding summary next to HELM's outputs as
 `flexgen_padding.json` (see accounting.py), and turns a scenario download that fails on
-an offline machine into one clear error.
+an offline machine, and a disk that fills while HELM writes its outputs, into one clear
+error each.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -24,6 +26,10 @@ from helm.benchmark.window_services.tokenizer_service import TokenizerService
 from flexgen_helm.errors import DataUnreachableError
 from flexgen_helm.helm import accounting
 from flexgen_helm.helm.scenario_executor import BatchingExecutor
+from flexgen_helm.memory.disk_space import disk_full, is_disk_full
+
+# what HELM's Runner.run_one writes into a run's folder, in order
+HELM_RUN_OUTPUTS = ("run_spec.json", "scenario.json", "scenario_state.json", "stats.json", "per_instance_stats.json")
 
 _NETWORK_ERRORS = (URLError, socket.gaierror, ConnectionError, TimeoutError)
 _DOWNLOADERS = ("wget", "gdown", "curl")
@@ -68,6 +74,17 @@ class BatchingRunner(Runner):
     def run_one(self, run_spec):
         try:
             super().run_one(run_spec)
+        except OSError as e:
+            if not is_disk_full(e):
+                raise
+            run_path = os.path.join(self.runs_path, run_spec.name)
+            # HELM's outputs of this run, cut short, would pass for a finished run next time
+            for name in HELM_RUN_OUTPUTS:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(run_path, name))
+            error = disk_full(run_path, None, f"HELM's outputs of {run_spec.name}",
+                              "free space and run the same command again: its requests are in HELM's cache")
+            raise SystemExit(f"flexgen-helm: error: {error}") from e
         except Exception as e:
             cause = download_failure(e)
             if cause is None:

@@ -17,11 +17,19 @@ from helm.benchmark.adaptation.scenario_state import ScenarioState
 from helm.benchmark.executor import Executor
 from helm.common.hierarchical_logger import hlog, htrack_block
 
+from flexgen_helm.errors import DiskFullError
+
 
 class BatchingExecutor(Executor):
     def execute(self, scenario_state: ScenarioState) -> ScenarioState:
         if not self.execution_spec.dry_run:
-            self.prefetch(scenario_state)
+            try:
+                self.prefetch(scenario_state)
+            except DiskFullError as e:
+                # Nothing more can be computed or kept until space is freed, in this run or the
+                # next: end helm-run with the one line that says so (every finished batch is in
+                # HELM's cache, so the same command resumes there).
+                raise SystemExit(f"flexgen-helm: error: {e}") from e
         return super().execute(scenario_state)
 
     def prefetch(self, scenario_state: ScenarioState) -> None:
