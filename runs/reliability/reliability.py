@@ -53,8 +53,8 @@ def finish(proc: subprocess.Popen, timeout: float) -> int | None:
         return None
 
 
-def helm_cmd(local: Path, out: Path, n: int, instances: int, *extra: str) -> list[str]:
-    return [str(BIN / "helm-run"), "-r", *ENTRIES, "-m", str(instances), "--suite", "rel", "-o", str(out),
+def helm_cmd(local: Path, out: Path, n: int, instances: int, *extra: str, entries=tuple(ENTRIES)) -> list[str]:
+    return [str(BIN / "helm-run"), "-r", *entries, "-m", str(instances), "--suite", "rel", "-o", str(out),
             "--local-path", str(local), "-n", str(n), *extra]
 
 
@@ -197,6 +197,20 @@ def outcome(rc, text: str) -> dict:
     return {"rc": rc, "error": errors[-1] if errors else None, "tracebacks": text.count(TRACEBACK)}
 
 
+KV_ON_DISK_DEPLOYMENT = """model_deployments:
+  - name: flexgen/smollm2-135m
+    model_name: flexgen/smollm2-135m
+    tokenizer_name: flexgen/smollm2-135m
+    max_sequence_length: 8192
+    client_spec:
+      class_name: flexgen_helm.helm.client.FlexGenClient
+      args:
+        model: smollm2-135m
+        deployment: flexgen/smollm2-135m
+        policy: {percent: [100, 0, 0, 0, 100, 0], gpu_batch_size: 64, num_gpu_batches: 1}
+"""
+
+
 def full_disk(work: Path, instances: int = 10) -> dict:
     work = work / "full_disk"
     shutil.rmtree(work, ignore_errors=True)
@@ -207,26 +221,30 @@ def full_disk(work: Path, instances: int = 10) -> dict:
         rc, text = run(convert_cmd(fs / "store"))
         left = [p.name for p in (fs / "store").iterdir()] if (fs / "store").exists() else []
         results["conversion"] = {**outcome(rc, text), "partial_files_left": [n for n in left if n.endswith(".tmp")]}
-    # 2. the offloaded KV cache: HELM with the whole cache on disk, offload dir on 1 MiB
-    policy = json.dumps({"percent": [100, 0, 0, 0, 100, 0]})
+    # 2. the offloaded KV cache: HELM with the whole KV cache on disk (a prod_env deployment of
+    #    the same name wins over the plugin's), the offload directory on 1 MiB
+    env_dir = work / "kv-env"
+    env_dir.mkdir()
+    (env_dir / "model_deployments.yaml").write_text(KV_ON_DISK_DEPLOYMENT)
     with SmallFs(work / "fs-offload", 1 << 20) as fs:
         log = work / "kv.log"
-        rc = finish(start(helm_cmd(work / "kv-env", work / "kv-out", 4, instances, *RUNNER), log,
-                          env={"FLEXGEN_HELM_POLICY": policy, "FLEXGEN_HELM_OFFLOAD_DIR": str(fs)}), 1800)
-        results["offloaded_kv_cache"] = {**outcome(rc, log.read_text()), "files_left_in_offload_dir":
-                                         sum(1 for _ in fs.rglob("*") if _.is_file())}
-    rerun = work / "kv-rerun.log"
-    finish(start(helm_cmd(work / "kv-env", work / "kv-out", 4, instances, *RUNNER), rerun,
-                 env={"FLEXGEN_HELM_POLICY": policy, "FLEXGEN_HELM_OFFLOAD_DIR": str(work / "offload")}), 1800)
-    results["offloaded_kv_cache"]["cached_before_rerun_with_space"] = 0  # nothing could run: the first batch failed
-    results["offloaded_kv_cache"]["rerun_with_space_rc_ok"] = "flexgen: running" in rerun.read_text()
+        rc = finish(start(helm_cmd(env_dir, work / "kv-out", 4, instances, *RUNNER, entries=ENTRIES[:1]), log,
+                          env={"FLEXGEN_HELM_OFFLOAD_DIR": str(fs)}), 1800)
+        results["offloaded_kv_cache"] = {**outcome(rc, log.read_text()), "cached_requests": cached_requests(env_dir),
+                                         "files_left_in_offload_dir": sum(1 for p in fs.rglob("*") if p.is_file())}
+    log = work / "kv-rerun.log"
+    rc = finish(start(helm_cmd(env_dir, work / "kv-out", 4, instances, *RUNNER, entries=ENTRIES[:1]), log,
+                      env={"FLEXGEN_HELM_OFFLOAD_DIR": str(work / "offload")}), 1800)
+    results["offloaded_kv_cache"].update(rerun_with_space_rc=rc, rerun_with_space_computed=computed(log))
     # 3. HELM's outputs: -o on a file system too small for them; the request cache elsewhere
-    with SmallFs(work / "fs-out", 256 << 10) as fs:
+    #    (LAMBADA alone in this part: one scenario shows each moment)
+    with SmallFs(work / "fs-out", 64 << 10) as fs:
         log = work / "out.log"
-        rc = finish(start(helm_cmd(work / "out-env", fs, 4, instances, *RUNNER), log), 1800)
+        rc = finish(start(helm_cmd(work / "out-env", fs, 4, instances, *RUNNER, entries=ENTRIES[:1]), log), 1800)
         results["helm_outputs"] = {**outcome(rc, log.read_text()), "cached_requests": cached_requests(work / "out-env")}
     log = work / "out-rerun.log"
-    rc = finish(start(helm_cmd(work / "out-env", work / "out-with-space", 4, instances, *RUNNER), log), 1800)
+    rc = finish(start(helm_cmd(work / "out-env", work / "out-with-space", 4, instances, *RUNNER,
+                               entries=ENTRIES[:1]), log), 1800)
     results["helm_outputs"]["rerun_with_space_rc"] = rc
     results["helm_outputs"]["rerun_with_space_computed"] = computed(log)
     return results
