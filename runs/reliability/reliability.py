@@ -86,8 +86,8 @@ def cached_requests(local: Path) -> int:
     db = local / "cache" / "flexgen.sqlite"
     if not db.exists():
         return 0
-    with sqlite3.connect(db) as con:
-        return con.execute("SELECT COUNT(*) FROM unnamed").fetchone()[0]
+    with sqlite3.connect(db) as con:  # the tokenizer's cache shares the file: count requests only
+        return con.execute("SELECT COUNT(*) FROM unnamed WHERE key LIKE '%\"response_format\"%'").fetchone()[0]
 
 
 # ----- resume after kill -9 -----------------------------------------------------------------
