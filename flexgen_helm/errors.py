@@ -31,3 +31,8 @@ class DataUnreachableError(FlexGenError, ConnectionError):
 
 class BrowserError(FlexGenError, RuntimeError):
     """No headless browser to take a screenshot with, or the page did not render in it."""
+
+
+class DiskFullError(OffloadDirError):
+    """Not enough free space for what must be written (offload files, a weight store, HELM's
+    outputs); the message names the path, the bytes needed and the bytes free."""

@@ -121,3 +121,27 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     cache = tmp_path_factory.getbasetemp() / "flexgen-cache"
     monkeypatch.setenv("FLEXGEN_HELM_CACHE", str(cache))
     monkeypatch.setenv("FLEXGEN_HELM_OFFLOAD", str(tmp_path_factory.getbasetemp() / "offload"))
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """make(nbytes) -> a folder on a new file system of that size (a tmpfs), for full-disk
+    tests; they are skipped, with the reason, where this machine cannot mount one."""
+    import subprocess
+
+    mounted = []
+
+    def make(nbytes: int) -> Path:
+        where = tmp_path / f"small-fs-{len(mounted)}"
+        where.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={nbytes}", "tmpfs", str(where)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a size-limited tmpfs here (needs root or CAP_SYS_ADMIN): "
+                        f"{proc.stderr.strip() or proc.returncode}")
+        mounted.append(where)
+        return where
+
+    yield make
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)

@@ -10,6 +10,7 @@ Selected with FLEXGEN_HELM_ENGINE_FACTORY=helm_fake_engine:load.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from types import SimpleNamespace
 
@@ -56,11 +57,27 @@ class FakeEngine:
         self.fail_token: int | None = None  # raise for any prompt containing this token id
         self.active = 0
         self.max_active = 0
+        self.batches: list[list[list[int]]] = []  # the prompts of every engine call, in order
+        # FLEXGEN_FAKE_BATCH_SHIFT=1: logprobs move with the batch's size and padded length, as a
+        # real engine's bf16 results do; a test comparing runs then sees any change of batches
+        self.batch_shift = os.environ.get("FLEXGEN_FAKE_BATCH_SHIFT") == "1"
+        block = int(os.environ.get("FLEXGEN_FAKE_BLOCK", "0"))
+        self.policy = SimpleNamespace(block_size=block) if block else None  # the client's batch size
+        self.crash_after: int | None = None  # raise KeyboardInterrupt (a kill) at this many calls
+        self.on_call = None  # called with the number of calls so far, before each (may raise)
 
     def _logprobs(self, prev: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(self.emb[prev] @ self.out.T, dim=-1)
 
+    def _shift(self, prompts) -> float:
+        return 1e-3 * len(prompts) + 1e-5 * max(map(len, prompts)) if self.batch_shift else 0.0
+
     def _check(self, prompts):
+        if self.on_call is not None:
+            self.on_call(len(self.batches))
+        if self.crash_after is not None and len(self.batches) >= self.crash_after:
+            raise KeyboardInterrupt("fake kill")
+        self.batches.append([list(p) for p in prompts])
         self.active += 1
         self.max_active = max(self.max_active, self.active)
         try:
@@ -96,7 +113,7 @@ class FakeEngine:
                 dist = self._logprobs(t[:-1])
                 picked = dist.gather(1, t[1:, None])[:, 0].tolist()
                 for i in range(first, len(ids)):
-                    lps[i] = picked[i - 1]
+                    lps[i] = picked[i - 1] + self._shift(prompts)
                     if tops is not None:
                         top = dist[i - 1].topk(top_logprobs)
                         tops[i] = {int(k): float(v) for v, k in zip(top.values, top.indices)}
@@ -113,7 +130,9 @@ class FakeEngine:
         for ids, p in zip(prompts, params):
             res = GenerationResult(prompt_token_ids=list(ids))
             for c in range(p.num_completions):
-                res.completions.append(self._complete(ids, p, torch.Generator().manual_seed((p.seed or 0) + c)))
+                done = self._complete(ids, p, torch.Generator().manual_seed((p.seed or 0) + c))
+                done.logprobs = [lp + self._shift(prompts) for lp in done.logprobs]
+                res.completions.append(done)
                 gen_total += len(res.completions[-1].token_ids)
             padded_gen += p.max_new_tokens * p.num_completions
             results.append(res)

@@ -283,7 +283,8 @@ def test_batching_runner_runs_everything_on_its_executors_context(tmp_path):
     from helm.benchmark.executor import ExecutionSpec
     from helm.common.context import Context
 
-    from flexgen_helm.helm.runner import BatchingExecutor, BatchingRunner
+    from flexgen_helm.helm.runner import BatchingRunner
+    from flexgen_helm.helm.scenario_executor import BatchingExecutor
 
     spec = ExecutionSpec(url=None, auth=None, local_path=str(tmp_path / "prod_env"), parallelism=1, dry_run=True)
     runner = BatchingRunner(spec, str(tmp_path / "out"), "suite", skip_instances=False, cache_instances=False,

@@ -16,6 +16,7 @@ from conftest import hf_model, save_tiny
 from safetensors.torch import load_file, save_file
 
 from flexgen_helm.errors import FlexGenError, ModelNotFoundError, OffloadDirError, WeightStoreError
+from flexgen_helm.memory import disk_space
 from flexgen_helm.models import opt
 from flexgen_helm.models.config import ModelConfig
 from flexgen_helm.models.tokenizer import byte_standin_tokenizer, import_transformers
@@ -366,8 +367,8 @@ def test_convert_into_unwritable_dir(tmp_path):
 
 
 def test_convert_needs_free_space(tmp_path, monkeypatch):
-    monkeypatch.setattr(convert_mod.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10, 10, 10))
-    with pytest.raises(OffloadDirError, match="GiB needed"):
+    monkeypatch.setattr(disk_space.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10, 10, 10))
+    with pytest.raises(OffloadDirError, match=r"the weight store at .* needs .* bytes\), 10 bytes free"):
         convert(DummyWeights(TINY), tmp_path / "store", progress=False)
 
 

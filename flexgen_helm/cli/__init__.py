@@ -8,11 +8,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from flexgen_helm.cli import bench, compare, compare_llamacpp, convert, deploy, eval, generate, planning, report
+from flexgen_helm.cli import bench, compare, compare_llamacpp, convert, deploy, eval, generate, planning, report, verify
 from flexgen_helm.errors import FlexGenError
 
 # the order `flexgen-helm --help` lists them in
-SUBCOMMANDS = (generate, bench, convert, report, planning, eval, compare, compare_llamacpp, deploy)
+SUBCOMMANDS = (generate, bench, convert, verify, report, planning, eval, compare, compare_llamacpp, deploy)
 
 
 def build_parser() -> argparse.ArgumentParser:

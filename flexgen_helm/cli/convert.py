@@ -9,7 +9,8 @@ def add_command(sub) -> None:
     c = sub.add_parser("convert", help="convert a model into the engine's per-tensor store")
     add_model_args(c)
     c.add_argument("--out", help="store directory (default: the cache)")
-    c.add_argument("--verify", action="store_true", help="re-read every tensor and check its checksum")
+    c.add_argument("--verify", action="store_true",
+                   help="re-read every tensor, check its checksum, and rewrite those that do not match")
     c.set_defaults(func=run)
 
 

@@ -20,8 +20,12 @@ class ActivationHome:
         self.shape = None
         self.disk = None
         if rows["disk"]:
-            elt = torch.empty((), dtype=devices.dtype).element_size()
-            self.disk = DiskBuffer(disk_path, rows["disk"] * max_len * hidden * elt)
+            self.disk = DiskBuffer(disk_path, self.disk_nbytes(rows["disk"], max_len, hidden, devices.dtype))
+
+    @staticmethod
+    def disk_nbytes(disk_rows: int, max_len: int, hidden: int, dtype: torch.dtype) -> int:
+        """The size of the disk file, known before it is made."""
+        return disk_rows * max_len * hidden * torch.empty((), dtype=dtype).element_size()
 
     def store(self, h: torch.Tensor) -> None:
         self._release()

@@ -31,6 +31,8 @@ from flexgen_helm.executor.attention import attend, attend_as_decode, from_units
 from flexgen_helm.executor.kv_cache import KVCacheSlot
 from flexgen_helm.executor.step_rows import StepRows, units_of
 from flexgen_helm.memory.copy_engine import CopyEngine, consume
+from flexgen_helm.memory.disk_buffer import OFFLOAD_ADVICE
+from flexgen_helm.memory.disk_space import check_free_space
 from flexgen_helm.memory.placement import slot_tier_counts
 from flexgen_helm.policy.policy import TIERS, Policy
 
@@ -64,12 +66,21 @@ class BlockSchedule:
         self.length = 0  # positions in the cache so far
         blocks = [layer.index for layer in runtime.layers if layer.kind == "block"]
         cache_units = slot_tier_counts(policy.cache, [b.size * self.cfg.num_kv_heads for b in batches], blocks)
+        act_rows = slot_tier_counts(policy.activations, [b.size for b in batches])
+        # every disk file of the run at once, before any is made: one clear error, not the Nth file's
+        planned = sum(KVCacheSlot.disk_nbytes(u["disk"], max_len, self.cfg.head_dim, self.devices.dtype,
+                                              policy.compress_cache, self.cfg.window(index))
+                      for (index, _), u in cache_units.items() if u["disk"])
+        planned += sum(ActivationHome.disk_nbytes(r["disk"], max_len, self.cfg.hidden_size, self.devices.dtype)
+                       for r in act_rows.values())
+        if planned:
+            check_free_space(workdir, planned, "this block's offloaded KV cache and activations",
+                             OFFLOAD_ADVICE)
         self.slots: dict[tuple[int, int], KVCacheSlot] = {
             (index, k): KVCacheSlot(units, max_len, self.cfg.head_dim, self.devices, runtime.usage,
                                     workdir / f"kv-{index}-{k}.bin", pin=True, compression=policy.compress_cache,
                                     window=self.cfg.window(index))
             for (index, k), units in cache_units.items()}
-        act_rows = slot_tier_counts(policy.activations, [b.size for b in batches])
         self.acts = [ActivationHome(act_rows[0, k], max_len, self.cfg.hidden_size, self.devices, runtime.usage,
                                     workdir / f"act-{k}.bin") for k in range(len(batches))]
         # per-run constants (the rotary tables), for every position this run will reach

@@ -5,7 +5,9 @@ Two ways in, one batching core:
   * `BatchQueue` (plain `helm-run -n N`): the N request threads submit jobs; one worker
     thread per engine waits a few milliseconds for the others to arrive and runs what
     it has collected as batches.
-  * `run_jobs` called directly with every request of a run (the BatchingRunner).
+  * `plan_batches` + `run_batches` with every request of a scenario (the BatchingExecutor,
+    which plain `helm-run` uses too, see plugin.py): the batches then follow from the
+    request list alone, not from thread timing.
 
 A batch only mixes requests with the same generation parameters (the engine decodes a
 whole batch for max_tokens steps, and one sampling setting per batch keeps results
@@ -13,8 +15,9 @@ independent of who shared the batch), and prompts of similar length: the engine 
 every prompt to the longest one, so jobs are sorted by length and cut into buckets
 whose padding stays within `pad_tolerance` of the real tokens.
 
-A batch that fails (out of memory, or one bad request) is split in halves and retried,
-down to single requests; a single request that still fails gets its own error.
+A batch that fails (out of memory, a full offload disk, or one bad request) is split in
+halves and retried, down to single requests; a single request that still fails gets its
+own error, except on a full disk, which stops the run (no request could run).
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ import itertools
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from flexgen_helm.errors import DiskFullError
 from flexgen_helm.executor.sampling import GenerationResult, RunStats, SamplingParams, ScoreResult
 from flexgen_helm.helm.accounting import BatchRecord
 from flexgen_helm.helm.engines import EngineHandle
@@ -100,21 +105,42 @@ def buckets(jobs: list[Job], max_batch: int, pad_tolerance: float = 0.25, pad_sl
     return out
 
 
+def plan_batches(jobs: list[Job], max_batch: int, pad_tolerance: float = 0.25) -> list[list[Job]]:
+    """The batches `run_jobs` runs: by group (in order of first appearance), then length buckets.
+
+    A function of the job list alone, so the same requests always meet the same batchmates
+    (bf16 results follow the batch: its padding and matmul shapes) whatever the thread
+    timing, and a resumed run can re-form the batches of the run it resumes."""
+    groups: dict[tuple, list[Job]] = {}
+    for job in jobs:
+        groups.setdefault(job.group, []).append(job)
+    return [batch for group_jobs in groups.values() for batch in buckets(group_jobs, max_batch, pad_tolerance)]
+
+
 def run_jobs(handle: EngineHandle, jobs: list[Job], max_batch: int, pad_tolerance: float = 0.25,
              progress: str | None = None) -> None:
     """Run `jobs` in batches; every job's future gets a JobOutput or an exception.
     `progress`: a tqdm bar with this description (requests done, real tokens/s)."""
-    groups: dict[tuple, list[Job]] = {}
-    for job in jobs:
-        groups.setdefault(job.group, []).append(job)
-    bar = _Progress(len(jobs), progress) if progress else None
-    for group_jobs in groups.values():
-        for batch in buckets(group_jobs, max_batch, pad_tolerance):
-            _run_splitting(handle, batch)
+    run_batches(handle, plan_batches(jobs, max_batch, pad_tolerance), progress)
+
+
+def run_batches(handle: EngineHandle, batches: list[list[Job]], progress: str | None = None,
+                on_batch: Callable[[list[Job]], None] | None = None) -> None:
+    """Run each batch (split on failure, see _run_splitting); `on_batch(batch)` is called once
+    its futures are all set, before the next batch starts (the client makes them durable)."""
+    bar = _Progress(sum(map(len, batches)), progress) if progress else None
+    try:
+        for batch in batches:
+            try:
+                _run_splitting(handle, batch)
+            finally:  # a fatal error (a full disk) keeps the part of the batch that finished
+                if on_batch:
+                    on_batch([job for job in batch if job.future.done()])
             if bar:
                 bar.done(batch)
-    if bar:
-        bar.close()
+    finally:
+        if bar:
+            bar.close()
 
 
 class _Progress:
@@ -148,13 +174,15 @@ class _Progress:
 def _run_splitting(handle: EngineHandle, batch: list[Job]) -> None:
     try:
         outputs = _run_batch(handle, batch)
-    except Exception as exc:  # noqa: BLE001 - every failure is reported per request below
+    except Exception as exc:
         if len(batch) > 1:
             # Out of memory: half the batch may fit. Any other error: isolate the culprit.
             mid = len(batch) // 2
             _run_splitting(handle, batch[:mid])
             _run_splitting(handle, batch[mid:])
             return
+        if isinstance(exc, DiskFullError):
+            raise  # no request can run until space is freed: the run stops, with this error
         reason = "out of memory even for a batch of one" if is_out_of_memory(exc) else "engine error"
         error = RuntimeError(f"{reason}: {type(exc).__name__}: {exc}")
         error.__cause__ = exc  # what `raise error from exc` records: the request's error keeps its cause

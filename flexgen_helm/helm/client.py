@@ -2,10 +2,13 @@
 
 One client object per deployment (HELM may build several; they all share the engine
 and its request queue through `engines.get_engine`). The work per request:
-  1. HELM's cache (key: prompt, generation parameters, and what can change the numbers:
-     checkpoint and compression, not placement) -- a finished run re-runs for free;
-  2. otherwise a result prepared by the BatchingRunner, or a trip through the engine's
-     `BatchQueue`, which merges it with the requests of the other HELM threads;
+  1. a result computed ahead for the whole scenario by `prefetch` (the BatchingExecutor,
+     which plain helm-run uses too, see plugin.py; it is in HELM's cache already);
+  2. else HELM's cache (key: prompt, generation parameters, and what can change the
+     numbers: checkpoint and compression, not placement) -- a finished run re-runs for
+     free; else a trip through the engine's `BatchQueue`, which merges it with the
+     requests of the other HELM threads (the path of clients called one by one, e.g. by
+     a HELM proxy server);
   3. conversion to HELM tokens (`tokens.helm_texts`) with per-token logprobs, the text cut
      at the request's stop sequences (`flexgen_helm.text.StopStrings`, which also ends the
      engine's generation there), and the batch's accounting (`accounting.py`).
@@ -21,7 +24,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from helm.clients.client import CachingClient
-from helm.common.cache import CacheConfig
+from helm.common.cache import CacheConfig, cache_stats, create_key_value_store
 from helm.common.hierarchical_logger import hlog
 from helm.common.request import (
     EMBEDDING_UNAVAILABLE_REQUEST_RESULT,
@@ -34,9 +37,20 @@ from helm.common.request import (
 
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.helm import accounting
-from flexgen_helm.helm.batching import GENERATE, SCORE, SCORE_AND_GENERATE, Job, JobOutput, get_batcher, run_jobs
+from flexgen_helm.helm.batching import (
+    GENERATE,
+    SCORE,
+    SCORE_AND_GENERATE,
+    Job,
+    JobOutput,
+    get_batcher,
+    plan_batches,
+    run_batches,
+    run_jobs,
+)
 from flexgen_helm.helm.engines import EngineHandle, LoadArgs, get_engine, resolve_load_args
 from flexgen_helm.helm.tokens import helm_texts
+from flexgen_helm.memory.disk_space import disk_full, is_disk_full
 from flexgen_helm.text import StopStrings, TokenText, token_text_for
 
 DEFAULT_MAX_BATCH = 16
@@ -121,6 +135,10 @@ class FlexGenClient(CachingClient):
         if request.max_tokens < 0 or request.num_completions < 1:
             raise RequestFailed(f"invalid request: max_tokens={request.max_tokens}, "
                                 f"num_completions={request.num_completions}")
+        # HELM's semantics for the rest: an empty stop sequence stops nothing (StopStrings skips
+        # it); num_completions > 1 at temperature 0 gives that many (identical) greedy
+        # completions; top_k_per_token changes nothing, as HELM's Token carries no
+        # alternatives (any value, even beyond the vocabulary, is accepted).
         if not request.echo_prompt and request.max_tokens == 0:
             raise RequestFailed("max_tokens=0 without echo_prompt asks for nothing")
         tt = token_text_for(handle.tokenizer)
@@ -205,14 +223,18 @@ class FlexGenClient(CachingClient):
             return EMBEDDING_UNAVAILABLE_REQUEST_RESULT
         raw = self.raw_request(request)
         key = _key_str(raw)
+        with self._prefetched_lock:
+            ready = self._prefetched.pop(key, None)
+        if ready is not None:
+            # computed by `prefetch` in this run (and already in HELM's cache): counted as
+            # HELM's Cache.get counts a computed request, reported as not cached
+            cache_stats.increment_query(self.cache.config.cache_stats_key)
+            cache_stats.increment_compute(self.cache.config.cache_stats_key)
+            if "error" in ready:
+                return failed_result(ready["error"])
+            return self.to_result(ready, cached=False)
 
         def compute() -> Dict[str, Any]:
-            with self._prefetched_lock:
-                ready = self._prefetched.pop(key, None)
-            if ready is not None:
-                if "error" in ready:
-                    raise RequestFailed(ready["error"])
-                return ready
             handle = self.handle
             job, n_prefix = self.make_job(request, raw, handle)
             queue = get_batcher(handle, self.max_batch(handle), **self.queue_kwargs)
@@ -229,25 +251,79 @@ class FlexGenClient(CachingClient):
         return self.to_result(response, cached)
 
     def prefetch(self, requests: List[Request]) -> int:
-        """Compute every uncached request at once, in batches (the BatchingRunner's path).
+        """Compute every uncached request of a scenario at once, in batches (the BatchingExecutor's path).
 
-        Results wait in memory until `make_request` asks for them, so HELM's own executor,
-        cache and error handling stay in charge. Returns the number of requests computed.
+        The batches are planned over the whole list, cached requests included: they are the
+        batches of an uninterrupted run whatever was cached, so a resumed run gives the same
+        results. A batch whose requests are all in HELM's cache is skipped; any other runs
+        whole. Each batch's responses reach HELM's cache as soon as the batch ends (a killed
+        run loses at most the batch in progress), and wait in memory until `make_request`
+        asks for them, so HELM's own executor stays in charge. Returns the number of
+        requests computed.
         """
-        todo_keys, _ = self.split_cached(requests)
-        by_key = {self.cache_key(r): r for r in requests if not r.embedding}
-        computed = self.compute_now([by_key[k] for k in todo_keys])
-        for key, response in computed.items():
-            self.keep(key, response)
-        return len(computed)
+        unique: Dict[str, tuple[Request, Dict[str, Any]]] = {}
+        for request in requests:
+            if request.embedding:
+                continue
+            raw = self.raw_request(request)
+            key = _key_str(raw)
+            if key not in unique and key not in self._prefetched:
+                unique[key] = (request, raw)
+        with create_key_value_store(self.cache.config) as store:
+            cached = {key for key, (_, raw) in unique.items() if store.contains(raw)}
+            if len(cached) == len(unique):
+                return 0  # everything cached: no need to load the engine
+            handle = self.handle
+            jobs: Dict[str, tuple[Request, Job, int]] = {}
+            for key, (request, raw) in unique.items():
+                try:
+                    job, n_prefix = self.make_job(request, raw, handle)
+                except RequestFailed as exc:
+                    if key not in cached:
+                        self.keep(key, {"error": str(exc)})
+                    continue
+                jobs[key] = (request, job, n_prefix)
+            key_of = {id(job): key for key, (_, job, _) in jobs.items()}
+            batches = plan_batches([job for _, job, _ in jobs.values()], self.max_batch(handle), self.pad_tolerance)
+            todo = [b for b in batches if any(key_of[id(j)] not in cached for j in b)]
+            tt = token_text_for(handle.tokenizer)
+
+            def publish(batch: List[Job]) -> None:
+                durable: List[tuple[Dict[str, Any], Dict[str, Any]]] = []
+                for job in batch:
+                    key = key_of[id(job)]
+                    if key in cached:  # ran again only to keep its batch as it was
+                        continue
+                    request, _, n_prefix = jobs[key]
+                    response = self.response_of(request, job, n_prefix, tt)
+                    if "error" not in response:  # HELM caches no failures: they are retried
+                        durable.append((unique[key][1], response))
+                    self.keep(key, response)
+                self.store_durably(store, durable)
+
+            n = sum(map(len, todo))
+            hlog(f"flexgen: running {n} requests in {len(todo)} batches of up to {self.max_batch(handle)} "
+                 f"({len(cached)} of {len(unique)} cached)")
+            run_batches(handle, todo, progress=f"flexgen {self.deployment}", on_batch=publish)
+        return n
+
+    def store_durably(self, store, pairs: List[tuple[Dict[str, Any], Dict[str, Any]]]) -> None:
+        """Put (raw request, response) pairs in HELM's cache; a full disk is a DiskFullError."""
+        try:
+            store.multi_put(pairs)
+        except Exception as exc:
+            if not is_disk_full(exc):
+                raise
+            where = getattr(self.cache.config, "path", self.cache.config.cache_stats_key)
+            raise disk_full(where, len(json.dumps([r for _, r in pairs])), "HELM's request cache",
+                            "free space and run the same command again: the batches already cached are "
+                            "not computed again") from exc
 
     def cache_key(self, request: Request) -> str:
         return _key_str(self.raw_request(request))
 
     def split_cached(self, requests: List[Request]) -> tuple[List[str], Dict[str, Dict[str, Any]]]:
         """(keys still to compute, in order and once each; {key: response} from HELM's cache)."""
-        from helm.common.cache import create_key_value_store
-
         todo: List[str] = []
         seen = set(self._prefetched)
         cached: Dict[str, Dict[str, Any]] = {}
@@ -288,16 +364,20 @@ class FlexGenClient(CachingClient):
         run_jobs(handle, [j for _, _, j, _ in jobs], self.max_batch(handle), self.pad_tolerance,
                  progress=f"flexgen {self.deployment}")
         for request, key, job, n_prefix in jobs:
-            exc = job.future.exception()
-            if exc is not None:
-                out[key] = {"error": str(exc)}
-                continue
-            result = job.future.result()
-            out[key] = self.to_response(request, job, n_prefix, result, tt)
-            # computed in its batch, not when make_request picks it up
-            out[key]["request_time"] = result.batch.time_s
-            out[key]["request_datetime"] = int(result.batch_started)
+            out[key] = self.response_of(request, job, n_prefix, tt)
         return out
+
+    def response_of(self, request: Request, job: Job, n_prefix: int, tt: TokenText) -> Dict[str, Any]:
+        """The response of a job run in a batch (its future set), or {"error": ...}."""
+        exc = job.future.exception()
+        if exc is not None:
+            return {"error": str(exc)}
+        result = job.future.result()
+        response = self.to_response(request, job, n_prefix, result, tt)
+        # computed in its batch, not when make_request picks it up
+        response["request_time"] = result.batch.time_s
+        response["request_datetime"] = int(result.batch_started)
+        return response
 
     def keep(self, key: str, response: Dict[str, Any]) -> None:
         """Hold a response computed ahead until `make_request` asks for it."""

@@ -20,7 +20,8 @@ import tempfile
 import torch.distributed as dist
 from helm.common.hierarchical_logger import hlog
 
-from flexgen_helm.helm.runner import BatchingExecutor, BatchingRunner
+from flexgen_helm.helm.runner import BatchingRunner
+from flexgen_helm.helm.scenario_executor import BatchingExecutor
 
 
 class DataParallelExecutor(BatchingExecutor):
@@ -35,7 +36,8 @@ class DataParallelExecutor(BatchingExecutor):
         computed = client.compute_now(mine)
         gathered = [None] * world
         dist.all_gather_object(gathered, computed)
-        for part in [cached, *gathered]:
+        # rank 0 finds its cached answers in its own cache (reported as cached there)
+        for part in [*([cached] if rank else []), *gathered]:
             for key, response in part.items():
                 client.keep(key, response)
         hlog(f"flexgen data-parallel: rank {rank} computed {len(mine)} of {len(todo_keys)} requests")

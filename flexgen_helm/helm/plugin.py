@@ -7,7 +7,9 @@ configs and the local `prod_env/` ones. Registered here:
     this module -- skipping names already registered, so that a user's
     prod_env/model_deployments.yaml entry of the same name (e.g. flexgen/opt-30b with a
     checkpoint path and a policy) wins;
-  * the run spec functions `lambada` and `wikitext` (flexgen_helm.helm.run_specs).
+  * the run spec functions `lambada` and `wikitext` (flexgen_helm.helm.run_specs);
+  * the BatchingExecutor as HELM Runner's executor (scenario_executor.py): each scenario's
+    flexgen requests run as one planned set of batches, whatever `-n`.
 Import cost is kept to YAML parsing: torch and the engine load on the first request.
 """
 
@@ -71,6 +73,9 @@ def register() -> None:
         _register_tokenizers()
         _register_deployments()
         import flexgen_helm.helm.run_specs  # noqa: F401  (registers run spec functions)
+        from flexgen_helm.helm.scenario_executor import use_for_plain_helm_run
+
+        use_for_plain_helm_run()
 
         _DONE = True
 

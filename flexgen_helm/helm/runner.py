@@ -1,19 +1,17 @@
-"""A HELM Runner that hands all the requests of a run to the engine at once.
+"""A HELM Runner for flexgen deployments.
 
     helm-run --runner-class-name flexgen_helm.helm.runner.BatchingRunner ...
 
-HELM's executor sends one request per thread; FlexGen wants every request of a run up
-front, to fill big batches of similar-length prompts (the paper ran HELM this way).
-`BatchingExecutor.execute` first gives each flexgen deployment's client the whole list
-(`FlexGenClient.prefetch`: uncached requests only, in length-bucketed batches), then
-lets HELM's own executor run as usual: each request then finds its result ready, goes
-through HELM's cache and error handling, and non-flexgen deployments are untouched.
-After a run, the padding summary is written next to HELM's outputs as
-`flexgen_padding.json` (see accounting.py).
+It runs each scenario through the BatchingExecutor (scenario_executor.py; plain helm-run
+does too, see plugin.py), writes the padding summary next to HELM's outputs as
+`flexgen_padding.json` (see accounting.py), and turns a scenario download that fails on
+an offline machine, and a disk that fills while HELM writes its outputs, into one clear
+error each.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -21,47 +19,17 @@ import socket
 import subprocess
 from urllib.error import URLError
 
-from helm.benchmark.adaptation.scenario_state import ScenarioState
-from helm.benchmark.executor import Executor
 from helm.benchmark.metrics.metric_service import MetricService
 from helm.benchmark.runner import Runner
 from helm.benchmark.window_services.tokenizer_service import TokenizerService
-from helm.common.hierarchical_logger import hlog, htrack_block
 
 from flexgen_helm.errors import DataUnreachableError
 from flexgen_helm.helm import accounting
+from flexgen_helm.helm.scenario_executor import BatchingExecutor
+from flexgen_helm.memory.disk_space import disk_full, is_disk_full
 
-
-class BatchingExecutor(Executor):
-    def execute(self, scenario_state: ScenarioState) -> ScenarioState:
-        if not self.execution_spec.dry_run:
-            self.prefetch(scenario_state)
-        return super().execute(scenario_state)
-
-    def prefetch(self, scenario_state: ScenarioState) -> None:
-        from flexgen_helm.helm.client import FlexGenClient
-
-        auto_client = getattr(self.context, "client", None)  # LocalContext's AutoClient
-        # AutoClient has no public way to reach the client it routes a deployment's requests
-        # to, and the prefetched results must land in that very client: its private
-        # _get_client (crfm-helm 0.5.12-0.5.16) is the only way in. Checked, so that a HELM
-        # without it runs the requests one by one instead of failing.
-        if auto_client is None or not hasattr(auto_client, "_get_client"):
-            hlog("flexgen: no local AutoClient (remote server?); requests go one by one")
-            return
-        by_deployment: dict[str, list] = {}
-        for rs in scenario_state.request_states:
-            by_deployment.setdefault(rs.request.model_deployment, []).append(rs.request)
-        for deployment, requests in by_deployment.items():
-            client = auto_client._get_client(deployment)
-            if isinstance(client, FlexGenClient):
-                with htrack_block(f"flexgen: batching {len(requests)} requests of {deployment}"):
-                    n = self.prefetch_client(client, requests)
-                    hlog(f"flexgen: computed {n} uncached requests")
-
-    def prefetch_client(self, client, requests) -> int:
-        return client.prefetch(requests)
-
+# what HELM's Runner.run_one writes into a run's folder, in order
+HELM_RUN_OUTPUTS = ("run_spec.json", "scenario.json", "scenario_state.json", "stats.json", "per_instance_stats.json")
 
 _NETWORK_ERRORS = (URLError, socket.gaierror, ConnectionError, TimeoutError)
 _DOWNLOADERS = ("wget", "gdown", "curl")
@@ -106,6 +74,17 @@ class BatchingRunner(Runner):
     def run_one(self, run_spec):
         try:
             super().run_one(run_spec)
+        except OSError as e:
+            if not is_disk_full(e):
+                raise
+            run_path = os.path.join(self.runs_path, run_spec.name)
+            # HELM's outputs of this run, cut short, would pass for a finished run next time
+            for name in HELM_RUN_OUTPUTS:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(run_path, name))
+            error = disk_full(run_path, None, f"HELM's outputs of {run_spec.name}",
+                              "free space and run the same command again: its requests are in HELM's cache")
+            raise SystemExit(f"flexgen-helm: error: {error}") from e
         except Exception as e:
             cause = download_failure(e)
             if cause is None:

@@ -3,15 +3,16 @@ activations) on the disk tier."""
 
 from __future__ import annotations
 
-import errno
 import os
-import shutil
 from pathlib import Path
 
 import torch
 
 from flexgen_helm.errors import OffloadDirError
 from flexgen_helm.memory.direct_io import read_bytes, write_bytes
+from flexgen_helm.memory.disk_space import FULL_ERRNOS, disk_full
+
+OFFLOAD_ADVICE = "free space, choose another --offload-dir, or keep less on disk (the policy's disk percents)"
 
 
 class DiskBuffer:
@@ -29,13 +30,8 @@ class DiskBuffer:
         except OSError as e:
             os.close(self.fd)
             self.path.unlink(missing_ok=True)
-            if e.errno == errno.ENOSPC:
-                free = shutil.disk_usage(self.path.parent).free
-                raise OffloadDirError(
-                    f"offload directory {self.path.parent}: disk full: needed {nbytes / 2**20:.1f} MiB for "
-                    f"{self.path.name}, {free / 2**20:.1f} MiB free; free space, choose another --offload-dir, "
-                    f"or keep less on disk"
-                ) from e
+            if e.errno in FULL_ERRNOS:
+                raise disk_full(self.path, nbytes, "an offload file", OFFLOAD_ADVICE) from e
             raise OffloadDirError(f"offload directory {self.path.parent}: cannot allocate {self.path.name}: {e}") from e
 
     def write(self, offset: int, t: torch.Tensor) -> None:

@@ -29,12 +29,19 @@ from tqdm import tqdm
 
 from flexgen_helm.compression.int4 import PackedInt4, device_refusal, packed_rows
 from flexgen_helm.compression.quantize import QuantizedTensor
-from flexgen_helm.compression.stored import Stored, encode, weight_groups, weight_layout
+from flexgen_helm.compression.stored import Stored, encode, stored_nbytes, weight_groups, weight_layout
 from flexgen_helm.memory.devices import DTYPE_NAMES
+from flexgen_helm.memory.disk_space import check_free_space
 from flexgen_helm.models.spec import TensorSpec
 from flexgen_helm.policy.policy import Compression
-from flexgen_helm.weights.convert import atomic_write, disk_errors, write_tensor_file
-from flexgen_helm.weights.store import ELEMENT_DTYPE_NAMES, FORMAT, MANIFEST, TensorStore
+from flexgen_helm.weights.convert import (
+    STORE_ADVICE,
+    atomic_write,
+    disk_errors,
+    notice,
+    write_tensor_file,
+)
+from flexgen_helm.weights.store import ELEMENT_DTYPE_NAMES, FORMAT, MANIFEST, TensorStore, tensor_file_problem
 
 # 2: weights group along dim 1 by default, and 4-bit ones may be stored in a kernel layout.
 FORMAT_VERSION = 2
@@ -92,7 +99,16 @@ def open_compressed_store(root: Path, specs: list[TensorSpec], cfg: Compression,
     except (OSError, ValueError):
         manifest = None
     if manifest is None or not manifest.get("complete") or any(manifest.get(k) != v for k, v in header.items()):
+        if manifest is None and root.is_dir() and any(root.iterdir()):
+            notice(f"{root}: no complete manifest (a compression run was interrupted); writing it again")
         _write(root, header, specs, cfg, dtype, device, read_full, progress)
+    else:
+        damaged = [f"tensor {name}: {problem}" for name, entry in manifest["tensors"].items()
+                   if (problem := tensor_file_problem(root, entry, None, None, checksum=False))]
+        if damaged:
+            notice(f"{root}: {damaged[0]}{f' (and {len(damaged) - 1} more)' if len(damaged) > 1 else ''}; "
+                   "writing the compressed store again")
+            _write(root, header, specs, cfg, dtype, device, read_full, progress)
     return CompressedStore(root, cfg)
 
 
@@ -101,18 +117,26 @@ def _write(root: Path, header: dict, specs: list[TensorSpec], cfg: Compression, 
     with disk_errors(root):
         root.mkdir(parents=True, exist_ok=True)
         (root / MANIFEST).unlink(missing_ok=True)  # incomplete from here until the new one lands
+        for stale in root.glob("*.tmp"):  # left by a killed run
+            stale.unlink()
+    sizes = {s.store_name: stored_nbytes(s.shape, dtype, cfg, weight_groups(cfg, s.shape)) for s in specs}
+    # what is there now will be replaced file by file: count it as free
+    reusable = sum(p.stat().st_size for p in root.iterdir() if p.is_file() and p.suffix == ".bin")
+    remaining = sum(sizes.values())
+    check_free_space(root, remaining - reusable, "the compressed weight store", STORE_ADVICE)
     tensors, compressed = {}, {}
     for spec in tqdm(specs, desc=f"compress weights ({cfg.bits}-bit)", unit="tensor", disable=not progress):
         gd = weight_groups(cfg, spec.shape)
         layout = weight_layout(cfg, spec.shape, dtype, device)
         stored = encode(read_full(spec.store_name).to(dtype), cfg, gd, layout)
         if gd is None:
-            tensors[spec.store_name] = write_tensor_file(root, spec.store_name, stored, header["dtype"], 0)
-            continue
-        compressed[spec.store_name] = {"shape": list(spec.shape), "group_dim": gd, "layout": layout}
-        for part_name, part in _parts(stored):
-            name = f"{spec.store_name}.{part_name}"
-            tensors[name] = write_tensor_file(root, name, part, ELEMENT_DTYPE_NAMES[part.dtype], 0)
+            tensors[spec.store_name] = write_tensor_file(root, spec.store_name, stored, header["dtype"], remaining)
+        else:
+            compressed[spec.store_name] = {"shape": list(spec.shape), "group_dim": gd, "layout": layout}
+            for part_name, part in _parts(stored):
+                name = f"{spec.store_name}.{part_name}"
+                tensors[name] = write_tensor_file(root, name, part, ELEMENT_DTYPE_NAMES[part.dtype], remaining)
+        remaining -= sizes[spec.store_name]
     manifest = {**header, "complete": True, "tensors": tensors, "compressed": compressed}
     with disk_errors(root):
         atomic_write(root / MANIFEST, json.dumps(manifest, indent=1))

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import fcntl
 import hashlib
 import json
 import os
-import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -24,9 +23,10 @@ from tqdm import tqdm
 
 from flexgen_helm.errors import FlexGenError, OffloadDirError
 from flexgen_helm.memory.devices import DTYPES
+from flexgen_helm.memory.disk_space import FULL_ERRNOS, check_free_space, disk_full
 from flexgen_helm.models.config import ModelConfig
 from flexgen_helm.weights.source import WeightSource
-from flexgen_helm.weights.store import FORMAT, MANIFEST, tensor_file_name
+from flexgen_helm.weights.store import FORMAT, MANIFEST, tensor_file_name, tensor_file_problem
 
 JOURNAL = ".convert-journal.jsonl"
 _CHUNK = 64 << 20
@@ -46,15 +46,16 @@ def config_from_json(d: dict) -> ModelConfig:
 
 
 def convert(source: WeightSource, out_dir: str | os.PathLike, dtype: str = "float16",
-            progress: bool = True) -> Path:
+            progress: bool = True, verify: bool = False) -> Path:
     """Write `source` as a tensor store in `out_dir` and return the directory.
 
-    A complete store of the same config and dtype is reused as is; after an interruption,
-    tensors already written (and intact) are kept. Processes that share a cache (pipeline
+    A complete store of the same config and dtype whose files have their manifest's sizes
+    (and, with `verify`, checksums) is reused as is; otherwise, and after an interruption,
+    the tensors whose checksums match are kept and the others written again. Processes that share a cache (pipeline
     stages, HELM workers) convert one at a time; the others then find the store done.
     """
     with _exclusive(Path(out_dir)):
-        return _convert(source, out_dir, dtype, progress)
+        return _convert(source, out_dir, dtype, progress, verify)
 
 
 @contextlib.contextmanager
@@ -69,7 +70,7 @@ def _exclusive(out: Path):
         yield
 
 
-def _convert(source: WeightSource, out_dir: str | os.PathLike, dtype: str, progress: bool) -> Path:
+def _convert(source: WeightSource, out_dir: str | os.PathLike, dtype: str, progress: bool, verify: bool) -> Path:
     if dtype not in DTYPES:
         raise FlexGenError(f"unsupported store dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     out = Path(out_dir)
@@ -78,9 +79,12 @@ def _convert(source: WeightSource, out_dir: str | os.PathLike, dtype: str, progr
     nbytes = {s.store_name: s.numel * DTYPES[dtype].itemsize for s in specs}
 
     previous = _load_json(out / MANIFEST)
-    if previous is not None and _same_model(previous, header):
-        if previous.get("complete") and _sizes_ok(out, previous.get("tensors", {})):
+    if previous is not None and _same_model(previous, header) and previous.get("complete"):
+        damaged = _damaged(out, previous.get("tensors", {}), nbytes, dtype, checksums=verify)
+        if not damaged and set(previous.get("tensors", {})) == set(nbytes):
             return out
+        notice(f"{out}: {damaged[0] if damaged else 'tensors missing from the manifest'}"
+               f"{f' (and {len(damaged) - 1} more)' if len(damaged) > 1 else ''}; rebuilding what is damaged")
     elif previous is not None and previous.get("complete"):
         raise OffloadDirError(
             f"{out} already holds a converted store of another model or dtype "
@@ -88,6 +92,9 @@ def _convert(source: WeightSource, out_dir: str | os.PathLike, dtype: str, progr
             "choose another directory or delete it"
         )
     candidates = {**(previous or {}).get("tensors", {}), **_journal_entries(out / JOURNAL, header)}
+    if previous is None and out.is_dir() and any(out.iterdir()):
+        notice(f"{out}: no complete manifest (a conversion was interrupted); finishing it, keeping the tensors "
+               "whose checksums match")
 
     with disk_errors(out):
         out.mkdir(parents=True, exist_ok=True)
@@ -148,35 +155,30 @@ def _journal_entries(path: Path, header: dict) -> dict:
     return {k: v for r in records[1:] for k, v in r.items()}
 
 
-def _sizes_ok(out: Path, tensors: dict) -> bool:
-    return all((out / e["file"]).is_file() and (out / e["file"]).stat().st_size == e["nbytes"]
-               for e in tensors.values())
+def notice(message: str) -> None:
+    """What a user should know about a store (found damaged, being rebuilt): on stderr."""
+    print(f"flexgen-helm: {message}", file=sys.stderr, flush=True)
+
+
+def _damaged(out: Path, tensors: dict, nbytes: dict, dtype: str, checksums: bool) -> list[str]:
+    """What is wrong with each listed tensor's file, in words (sizes, and checksums if asked)."""
+    problems = []
+    for name, entry in tensors.items():
+        problem = tensor_file_problem(out, entry, nbytes.get(name), dtype, checksums)
+        if problem:
+            problems.append(f"tensor {name}: {problem}")
+    return problems
 
 
 def _intact(out: Path, entry: dict, nbytes: int, dtype: str) -> bool:
-    path = out / entry["file"]
-    if entry.get("dtype") != dtype or entry.get("nbytes") != nbytes:
-        return False
-    if not path.is_file() or path.stat().st_size != nbytes:
-        return False
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest() == entry.get("sha256")
+    return tensor_file_problem(out, entry, nbytes, dtype, checksum=True) is None
+
+
+STORE_ADVICE = "free some space or convert into another directory"
 
 
 def _check_free_space(out: Path, need: int) -> None:
-    free = shutil.disk_usage(out).free
-    if need > free:
-        raise OffloadDirError(
-            f"{out}: not enough disk space for the weight store: {_gib(need)} needed, {_gib(free)} free; "
-            f"free some space or convert into another directory"
-        )
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    check_free_space(out, need, "the weight store", STORE_ADVICE)
 
 
 @contextlib.contextmanager
@@ -185,12 +187,8 @@ def disk_errors(out: Path, need: int = 0):
     try:
         yield
     except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            free = shutil.disk_usage(out).free if out.is_dir() else 0
-            raise OffloadDirError(
-                f"{out}: disk full while writing the weight store: {_gib(need)} still needed, {_gib(free)} free; "
-                f"free some space or convert into another directory"
-            ) from e
+        if e.errno in FULL_ERRNOS:
+            raise disk_full(out, need, "the weight store (still to write)", STORE_ADVICE) from e
         raise OffloadDirError(f"{out}: cannot write the weight store there ({e}); choose a writable directory") from e
 
 
@@ -217,9 +215,14 @@ def write_tensor_file(out: Path, name: str, t: torch.Tensor, dtype: str, remaini
 
 
 def atomic_write(path: Path, text: str) -> None:
+    """`path` holds the old text or the new one, never a part: even after a crash of the
+    machine (the new text reaches the disk before the rename)."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text(text)
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -52,6 +52,6 @@ def open_weights(resolved: ResolvedModel, dtype: torch.dtype, offload_dir: Path,
 def convert_named(model: str, path: str | None, dummy: bool, dtype: str, out_dir: str | None,
                   verify: bool) -> Path:
     resolved = resolve(model, path=path, dummy=dummy)
-    root = convert(resolved.source, out_dir or store_dir_for(resolved, dtype), dtype)
+    root = convert(resolved.source, out_dir or store_dir_for(resolved, dtype), dtype, verify=verify)
     TensorStore(root, verify="full" if verify else "size")
     return root

@@ -53,6 +53,27 @@ def sha256_of(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def tensor_file_problem(out: Path, entry: dict, nbytes: int | None, dtype: str | None, checksum: bool) -> str | None:
+    """None if the tensor's file matches its manifest entry (size; and sha256 if `checksum`),
+    else what is wrong with it."""
+    path = out / entry["file"]
+    if (dtype is not None and entry.get("dtype") != dtype) or (nbytes is not None and entry.get("nbytes") != nbytes):
+        return "recorded with another dtype or size than the model has"
+    if not path.is_file():
+        return f"{path.name} is missing"
+    size = path.stat().st_size
+    if size != entry["nbytes"]:
+        return f"{path.name} is {size} bytes, the manifest says {entry['nbytes']} (truncated or overwritten)"
+    if checksum:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(64 << 20):
+                h.update(chunk)
+        if h.hexdigest() != entry.get("sha256"):
+            return f"{path.name} does not match its sha256 (corrupt)"
+    return None
+
+
 class TensorStore:
     """Read access to a complete store directory."""
 

@@ -1,0 +1,32 @@
+"""`flexgen-helm verify`: check converted weight stores against their manifests' checksums."""
+
+from __future__ import annotations
+
+from flexgen_helm.errors import WeightStoreError
+
+
+def add_command(sub) -> None:
+    c = sub.add_parser("verify", help="check weight stores byte for byte (sizes and sha256 of every tensor)")
+    c.add_argument("stores", nargs="*", help="store directories (default: every store in the cache, "
+                                             "$FLEXGEN_HELM_CACHE/stores)")
+    c.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from flexgen_helm.weights.verify import cached_stores, store_problems
+
+    stores = args.stores or cached_stores()
+    if not stores:
+        raise WeightStoreError("no stores given and none in the cache: nothing to verify")
+    bad = 0
+    for store in stores:
+        problems = store_problems(store)
+        for line in problems:
+            print(f"BAD  {line}")
+        if not problems:
+            print(f"ok   {store}")
+        bad += bool(problems)
+    if bad:
+        print(f"{bad} of {len(stores)} stores damaged: the next run that loads one rewrites what is damaged "
+              "(or run `flexgen-helm convert --verify` for it)")
+    return 1 if bad else 0

@@ -1,0 +1,45 @@
+"""Check a tensor store (plain or compressed) byte for byte against its manifest.
+
+The engine checks sizes when it opens a store and checksums where it reads a tensor whole
+(loading into memory); disk-tier weights are read in row ranges every step, where a pass
+over the file would cost a full read. This is the full pass, on demand
+(`flexgen-helm verify`)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from flexgen_helm.weights.registry import default_cache_dir
+from flexgen_helm.weights.store import FORMAT, MANIFEST, tensor_file_problem
+
+
+def store_problems(root: str | os.PathLike) -> list[str]:
+    """What is wrong with the store in `root`, in words; [] when every tensor file has its
+    manifest's size and sha256."""
+    root = Path(root)
+    manifest_path = root / MANIFEST
+    if not root.is_dir():
+        return [f"{root}: no such directory"]
+    if not manifest_path.is_file():
+        return [f"{root}: no {MANIFEST}: a conversion that did not finish, or not a weight store"]
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except ValueError as e:
+        return [f"{manifest_path}: not valid JSON ({e})"]
+    if manifest.get("format") != FORMAT or not manifest.get("complete"):
+        return [f"{root}: format {manifest.get('format')!r}, complete={manifest.get('complete')!r}: "
+                f"not a finished {FORMAT} store"]
+    problems = []
+    for name, entry in manifest.get("tensors", {}).items():
+        problem = tensor_file_problem(root, entry, None, None, checksum=True)
+        if problem:
+            problems.append(f"{root}: tensor {name}: {problem}")
+    return problems
+
+
+def cached_stores() -> list[Path]:
+    """Every store in the default cache (plain stores and their compressed companions)."""
+    stores = default_cache_dir() / "stores"
+    return sorted(p for p in stores.iterdir() if p.is_dir()) if stores.is_dir() else []
