@@ -8,8 +8,8 @@ is split into a dense part that the grid must fit and a sparse part e (outliers)
 may give up, and the two are optimized in turn:
 
 1. codes q = clamp(round((x - min) / scale), 0, levels) for the current grid;
-2. e = the lp shrinkage (p < 1) of the residual, in units of the grid's step: residuals
-   near a step's half (rounding) shrink to 0, large ones (clipped outliers) are kept;
+2. e = the shrinkage of the residual, in units of the grid's step: residuals below the
+   threshold (rounding) shrink to 0, large ones (clipped outliers) are mostly kept;
 3. (scale, min) = the least-squares fit of x - e by min + scale * q: a 2x2 linear regression
    per group, in closed form. HQQ itself fits only the zero point and keeps the min/max
    scale; fitting the scale too is what lets a group shrink its range around an outlier.
@@ -25,16 +25,16 @@ from __future__ import annotations
 import torch
 
 ROUNDS = 8
-P_NORM = 0.7  # the lp norm of the sparse part; p < 1 keeps large residuals, drops small ones
-BETA = 2.0  # initial weight of the split (in grid steps); larger = fewer outliers
-KAPPA = 1.5  # growth of beta per round
+# The sparse part's norm is l1 (HQQ's lp with p = 1): its proximal step is a soft threshold,
+# two cheap passes. p = 0.7 (HQQ's default) measured the same error (within 0.5%, SmolLM2
+# and random weights, 4-bit g64) at twice the time (a pow per element per round).
+BETA = 2.0  # initial weight of the split: the threshold is 1 / beta grid steps
+KAPPA = 1.2  # growth of beta per round (measured: 1.2 fits better than 1.5, and 1.0 worse)
 
 
 def _shrink(r: torch.Tensor, beta: float) -> torch.Tensor:
-    """Proximal step of |e|^p: sign(r) * max(|r| - |r|^(p - 1) / beta, 0), in place on r."""
-    a = r.abs()
-    thresh = a.pow(P_NORM - 1).div_(beta)  # |r| = 0 gives inf, hence 0 after the clamp below
-    return r.sign_().mul_(a.sub_(thresh).clamp_min_(0))
+    """Proximal step of |e|: sign(r) * max(|r| - 1 / beta, 0), i.e. r minus r clamped."""
+    return r - r.clamp(-1 / beta, 1 / beta)
 
 
 def fit_scale_min(xg: torch.Tensor, axis: int, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,8 +53,8 @@ def fit_scale_min(xg: torch.Tensor, axis: int, levels: int) -> tuple[torch.Tenso
         beta *= KAPPA
         q_mean = q.mean(axis, keepdim=True)
         t_mean = t.mean(axis, keepdim=True)
-        cov = (q * t).sum(axis, keepdim=True).div_(n).sub_(q_mean * t_mean)
-        var = (q * q).sum(axis, keepdim=True).div_(n).sub_(q_mean * q_mean)
+        cov = torch.linalg.vecdot(q, t, dim=axis).unsqueeze(axis).div_(n).sub_(q_mean * t_mean)
+        var = torch.linalg.vecdot(q, q, dim=axis).unsqueeze(axis).div_(n).sub_(q_mean * q_mean)
         fitted = (var > 0) & (cov > 0)  # else (one code used, or a degenerate fit) keep the scale
         s = torch.where(fitted, cov / torch.where(fitted, var, torch.ones_like(var)), s)
         mn = t_mean.sub_(s * q_mean)
