@@ -134,3 +134,17 @@ def test_cli_flag_sets_the_method_and_needs_compression():
     assert policy.compress_weight.method == "hqq" and policy.compress_cache is None
     with pytest.raises(FlexGenError, match="--quant-method hqq .* add --compress-weight"):
         policy_from_args(_args(["--quant-method", "hqq"]))
+
+
+def test_helm_deployment_names_the_method():
+    import yaml
+
+    from flexgen_helm.helm import engines
+
+    path = engines.__file__.replace("engines.py", "model_deployments.yaml")
+    deployments = {d["name"]: d for d in yaml.safe_load(open(path))["model_deployments"]}
+    args = deployments["flexgen/smollm2-135m-4bit-hqq"]["client_spec"]["args"]
+    load = engines.resolve_load_args(args["model"], args["deployment"], policy=args["policy"])
+    assert load.numerics_key()["compress_weight"]["method"] == "hqq"
+    assert Policy.from_dict(json.loads(load.policy_json)).compress_weight == Compression(4, 64, method="hqq")
+    assert deployments["flexgen/smollm2-135m-4bit-hqq"]["model_name"] == "flexgen/smollm2-135m-4bit-hqq"
