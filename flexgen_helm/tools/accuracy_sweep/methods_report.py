@@ -98,7 +98,8 @@ def opt_line(opt) -> str:
     lb = ", ".join(f"{v:.2f}" for v in opt["load_average_after"])
     ok = "met" if opt["convert_s"] <= 180 else "NOT met"
     return (f"Conversion of {opt['model']} with method {opt['compression']['method']} (4-bit g64, {opt['dtype']}, "
-            f"layout {opt['layout']}, written to disk): {opt['convert_s']:.0f} s (goal <= 180 s: {ok}) on "
+            f"layout {opt['layout']}, written to disk): {opt['convert_s']:.0f} s (goal <= 180 s: {ok}), "
+            f"{opt['cpu_s']:.0f} CPU s over {opt['torch_threads']} threads, on "
             f"{opt['cpus']} shared cores, load average (1/5/15 min) {la} before and {lb} after "
             f"(`{opt['command']}`).")
 
