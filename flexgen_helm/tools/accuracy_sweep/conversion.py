@@ -42,12 +42,13 @@ def _errors_of(model: str, dummy: bool) -> list[dict]:
     for bits, group in SETTINGS:
         for method in METHODS:
             cfg = Compression(bits, group, 1, method)
-            err, t0 = 0.0, time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             quantized = [quantize(w, cfg, 1) for w in weights]
-            seconds = time.perf_counter() - t0
+            seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
             err = sum((dequantize(q) - w).double().pow(2).sum().item() for q, w in zip(quantized, weights))
             out.append({"model": model, "dummy": dummy, "bits": bits, "group_size": group, "method": method,
-                        "quantize_s": seconds, "relative_error": err / total, "load_average": os.getloadavg()})
+                        "quantize_s": seconds, "cpu_s": cpu, "relative_error": err / total,
+                        "load_average": os.getloadavg()})
             print(out[-1], flush=True)
     return out
 

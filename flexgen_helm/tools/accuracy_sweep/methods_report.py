@@ -69,7 +69,8 @@ def comparison_table(runs, conv, scope: str) -> str:
             e0, e1 = _errors(conv, *setting, "rtn"), _errors(conv, *setting, "hqq")
             if e0 and e1:
                 err = "; ".join(f"{e0[m]['relative_error']:.2e} / {e1[m]['relative_error']:.2e}" for m in e0 if m in e1)
-                secs = f"{e0['smollm2-135m']['quantize_s']:.1f} / {e1['smollm2-135m']['quantize_s']:.1f}"
+                secs = (f"{e0['smollm2-135m']['quantize_s']:.1f} / {e1['smollm2-135m']['quantize_s']:.1f} "
+                        f"({e0['smollm2-135m']['cpu_s']:.1f} / {e1['smollm2-135m']['cpu_s']:.1f} CPU s)")
         lines.append(f"| {ROW_BY_NAME[rtn].label} | {_fmt(a0, '+.2f')} | {_fmt(a1, '+.2f')} | {_ratio(a1, a0)} | "
                      f"{_fmt(p0, '+.1f')}% | {_fmt(p1, '+.1f')}% | {_ratio(p1, p0)} | {err} | {secs} |")
     return "\n".join(lines) if len(lines) > 2 else ""
