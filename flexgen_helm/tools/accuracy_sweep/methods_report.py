@@ -105,11 +105,30 @@ def opt_line(opt) -> str:
             f"(`{opt['command']}`).")
 
 
+def kv_grouping_text(out: Path) -> str:
+    """kv_grouping.py's records: per-token vs KIVI grouping of the 4-bit cache, outside the engine."""
+    parts = []
+    for p in sorted((out / "json").glob("kv_grouping*.json")):
+        rec = json.loads(p.read_text())
+        base = next((r["token_perplexity"] for r in rec["results"] if r["variant"] == "none"), None)
+        rows = "\n".join(f"| {r['variant']} | {r['token_perplexity']:.3f} | "
+                         f"{'—' if base is None else format(100 * (r['token_perplexity'] / base - 1), '+.2f')}% |"
+                         for r in rec["results"])
+        parts.append(f"`{rec['command']}`: {rec['bits']}-bit cache, KIVI blocks of {rec['block']} tokens, WikiText "
+                     f"token perplexity of the first {rec['tokens']} tokens (windows of {rec['window']}).\n\n"
+                     f"| cache | token perplexity | Δ |\n|---|---|---|\n{rows}")
+    if not parts:
+        return ""
+    return ("### 4-bit KV cache grouping, outside the engine (flexgen_helm/tools/accuracy_sweep/kv_grouping.py)\n\n"
+            + "\n\n".join(parts))
+
+
 def methods_section(runs, out: Path) -> str:
     conv, opt = _load(out, "conversion_errors.json"), _load(out, "conversion_opt-1.3b_hqq.json")
     tables = [(scope, comparison_table(runs, conv, scope)) for scope in ("quick", "full")]
     tables = [(s, t) for s, t in tables if t]
-    if not tables:
+    kv = kv_grouping_text(out)
+    if not tables and not kv:
         return ""
     scope_names = {"quick": "quick slice (first 500 LAMBADA passages, first 8192 WikiText tokens)",
                    "full": "full sets"}
@@ -132,4 +151,4 @@ def methods_section(runs, out: Path) -> str:
     extra = [opt_line(opt)] if opt else []
     if goals or extra:
         text.append("\n".join(f"- {g}" for g in goals + extra))
-    return "\n\n".join(text)
+    return "\n\n".join(text + ([kv] if kv else []))
