@@ -64,7 +64,8 @@ def comparison_table(runs, conv, scope: str) -> str:
         (a0, p0), (a1, p1) = _deltas(runs, rtn, scope), _deltas(runs, hqq, scope)
         if None in (a0, a1) and None in (p0, p1):
             continue
-        setting, err, secs = _setting(rtn), "— (cache: quantized per token at run time)", "—"
+        setting, secs = _setting(rtn), "—"
+        err = "— (cache: quantized per token at run time)" if setting is None else "—"
         if setting is not None:
             e0, e1 = _errors(conv, *setting, "rtn"), _errors(conv, *setting, "hqq")
             if e0 and e1:
