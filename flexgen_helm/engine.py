@@ -44,6 +44,7 @@ from flexgen_helm.memory.weight_homes import build_homes
 from flexgen_helm.models import family_of
 from flexgen_helm.models.spec import all_store_tensors
 from flexgen_helm.policy.policy import Policy
+from flexgen_helm.weights.compressed_store import CompressedStore
 from flexgen_helm.weights.loading import open_weights
 from flexgen_helm.weights.registry import ResolvedModel, resolve
 
@@ -244,5 +245,5 @@ def build_runtime(resolved: ResolvedModel, policy: Policy, devices: Devices, off
                                    devices.compute)
     usage = TierUsage()
     homes = build_homes(layers, placement, devices, read_full, usage, policy.pin_weight, policy.compress_weight,
-                        progress)
+                        progress, store if isinstance(store, CompressedStore) else None)
     return ModelRuntime(cfg, family, layers, placement, homes, store, devices, usage)

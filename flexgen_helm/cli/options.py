@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from flexgen_helm.errors import FlexGenError
-from flexgen_helm.policy.policy import Compression, Policy
+from flexgen_helm.policy.policy import QUANT_METHODS, Compression, Policy
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -43,6 +43,10 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compress-group-dim", type=int, default=None,
                    help="dimension along which groups run (default: weights 1, the input dim the int4 "
                         "kernels take; cache the head dim)")
+    g.add_argument("--quant-method", choices=QUANT_METHODS, default="rtn",
+                   help="how each group's scale and minimum are chosen: rtn = min/max round-to-nearest "
+                        "(FlexGen); hqq = fitted to the group's values to lower the reconstruction error, "
+                        "computed once at conversion into the compressed store")
     g.add_argument("--attn-sparsity", type=float, default=1.0, help="fraction of keys kept in decode attention")
 
 
@@ -62,7 +66,10 @@ def policy_from_args(args) -> Policy:
     changes["overlap"] = base.overlap and not args.no_overlap
     changes["cpu_cache_compute"] = base.cpu_cache_compute or args.cpu_cache_compute
     changes["pin_weight"] = args.pin_weight
-    comp = Compression(args.compress_bits, args.compress_group_size, args.compress_group_dim)
+    if args.quant_method != "rtn" and not (args.compress_weight or args.compress_cache):
+        raise FlexGenError(f"--quant-method {args.quant_method} chooses how compressed tensors are quantized: "
+                           "add --compress-weight and/or --compress-cache")
+    comp = Compression(args.compress_bits, args.compress_group_size, args.compress_group_dim, args.quant_method)
     if args.compress_weight:
         changes["compress_weight"] = comp.__dict__
     if args.compress_cache:

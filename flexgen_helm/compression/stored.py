@@ -27,6 +27,13 @@ from flexgen_helm.policy.policy import Compression
 Stored = torch.Tensor | QuantizedTensor | PackedInt4
 
 
+def quantized_once(cfg: Compression) -> bool:
+    """Whether a method costs enough to quantize once, at conversion, into the compressed
+    store that every tier then loads (anything but RTN, which is cheaper to redo at load
+    than to read back)."""
+    return cfg.method != "rtn"
+
+
 def weight_groups(cfg: Compression | None, shape) -> int | None:
     """The (non-negative) dimension a weight's groups run along, or None when the weight
     stays plain (no weight compression, or a 1-D bias / norm)."""

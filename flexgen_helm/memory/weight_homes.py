@@ -47,15 +47,21 @@ def segment_nbytes(spec: TensorSpec, segment: Segment, compression: Compression 
 
 def build_homes(layers: list[LayerSpec], placement: dict[str, list[Segment]], devices: Devices,
                 read_full: Callable[[str], torch.Tensor], usage: TierUsage, pin: bool,
-                compression: Compression | None = None, progress: bool = False) -> dict[str, WeightHome]:
-    """Fill the gpu and cpu tiers from `read_full(store_name)`; disk segments stay in the store."""
+                compression: Compression | None = None, progress: bool = False,
+                compressed_store=None) -> dict[str, WeightHome]:
+    """Fill the gpu and cpu tiers from `read_full(store_name)` - quantized here, or, when a
+    compressed store is given, its compressed weights as the conversion wrote them; disk
+    segments stay in the store."""
     homes: dict[str, WeightHome] = {}
     specs = all_store_tensors(layers)
     for spec in tqdm(specs, desc="placing weights", unit="tensor", disable=not progress):
         home = WeightHome(spec, placement[spec.store_name], compression=compression,
                           layout=weight_layout(compression, spec.shape, devices.dtype, devices.compute))
         full = None
-        if any(s.tier != "disk" for s in home.segments):
+        in_memory = any(s.tier != "disk" for s in home.segments)
+        if in_memory and compressed_store is not None and home.group_dim is not None:
+            full = compressed_store.read(spec.store_name, rows=(0, spec.shape[0]))
+        elif in_memory:
             full = encode(read_full(spec.store_name).to(devices.dtype), compression, home.group_dim, home.layout)
         for s in home.segments:
             if s.tier == "disk":

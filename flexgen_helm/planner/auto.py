@@ -25,7 +25,7 @@ def options_from_args(args) -> SearchOptions:
     """Search options from the policy flags of a command (compression is the user's choice;
     CPU delegation is searched unless asked for)."""
     comp = Compression(getattr(args, "compress_bits", 4), getattr(args, "compress_group_size", 64),
-                       getattr(args, "compress_group_dim", None))
+                       getattr(args, "compress_group_dim", None), getattr(args, "quant_method", "rtn"))
     return SearchOptions(
         compress_weight=comp if getattr(args, "compress_weight", False) else None,
         compress_cache=comp if getattr(args, "compress_cache", False) else None,

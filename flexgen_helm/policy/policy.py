@@ -36,19 +36,29 @@ class Split:
             )
 
 
+# How a group's scale and minimum are chosen (compression/quantize.py, compression/hqq.py):
+# "rtn" = FlexGen's min/max round-to-nearest; "hqq" = fitted to minimize the group's
+# reconstruction error (half-quadratic), computed once at conversion.
+QUANT_METHODS = ("rtn", "hqq")
+
+
 @dataclass(frozen=True)
 class Compression:
-    """Group-wise asymmetric min/max quantization (FlexGen Section 5)."""
+    """Group-wise asymmetric quantization (FlexGen Section 5): min/max by default."""
 
     bits: int = 4
     group_size: int = 64
     group_dim: int | None = None  # None: the default for the tensor kind (weights dim 1, cache head dim)
+    method: str = "rtn"  # one of QUANT_METHODS
 
     def validate(self, what: str) -> None:
         if not 2 <= self.bits <= 8:
             raise PolicyError(f"{what}: {self.bits} bits is outside the supported 2..8")
         if self.group_size < 1:
             raise PolicyError(f"{what}: group size must be positive, got {self.group_size}")
+        if self.method not in QUANT_METHODS:
+            raise PolicyError(f"{what}: unknown quantization method {self.method!r} "
+                              f"(choose from {', '.join(QUANT_METHODS)})")
 
 
 @dataclass(frozen=True)

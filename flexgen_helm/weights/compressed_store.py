@@ -12,15 +12,18 @@ groups run along another dimension, in row r // group_size when they run along t
 (placement cuts those on group boundaries), and in packed row r // 8 of CUDA's tiles.
 
 Packed layouts belong to a device type (and the CPU's to the machine), so the directory
-name carries the bits, group size, group dim and the layout, the manifest records the
+name carries the bits, group size, group dim, the quantization method (when not RTN) and
+the layout, the manifest records the whole compression setting (method included) and the
 layout of each weight, and FORMAT_VERSION changes whenever what a directory name means
 does: a store written under other rules is rebuilt, not misread.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -57,7 +60,8 @@ def store_layout(dtype: torch.dtype, device: torch.device) -> str:
 def compressed_store_dir(store_root: Path, cfg: Compression, layout: str) -> Path:
     """Next to the model's plain store (which names the weights and the dtype)."""
     dim = "auto" if cfg.group_dim is None else cfg.group_dim
-    return store_root.with_name(f"{store_root.name}-q{cfg.bits}g{cfg.group_size}d{dim}-{layout}")
+    method = "" if cfg.method == "rtn" else f"-{cfg.method}"  # RTN keeps the names its stores had
+    return store_root.with_name(f"{store_root.name}-q{cfg.bits}g{cfg.group_size}d{dim}{method}-{layout}")
 
 
 class CompressedStore:
@@ -93,7 +97,7 @@ def open_compressed_store(root: Path, specs: list[TensorSpec], cfg: Compression,
     incomplete, or of another model, dtype, compression, layout or format version."""
     header = {"format": FORMAT, "compressed_format": FORMAT_VERSION, "config": model_config,
               "dtype": DTYPE_NAMES[dtype], "layout": store_layout(dtype, device),
-              "compression": {"bits": cfg.bits, "group_size": cfg.group_size, "group_dim": cfg.group_dim}}
+              "compression": dataclasses.asdict(cfg)}  # the quantization method too
     try:
         manifest = json.loads((root / MANIFEST).read_text())
     except (OSError, ValueError):
@@ -125,7 +129,9 @@ def _write(root: Path, header: dict, specs: list[TensorSpec], cfg: Compression, 
     remaining = sum(sizes.values())
     check_free_space(root, remaining - reusable, "the compressed weight store", STORE_ADVICE)
     tensors, compressed = {}, {}
-    for spec in tqdm(specs, desc=f"compress weights ({cfg.bits}-bit)", unit="tensor", disable=not progress):
+    started = time.perf_counter()
+    for spec in tqdm(specs, desc=f"compress weights ({cfg.bits}-bit {cfg.method})", unit="tensor",
+                     disable=not progress):
         gd = weight_groups(cfg, spec.shape)
         layout = weight_layout(cfg, spec.shape, dtype, device)
         stored = encode(read_full(spec.store_name).to(dtype), cfg, gd, layout)
@@ -137,7 +143,9 @@ def _write(root: Path, header: dict, specs: list[TensorSpec], cfg: Compression, 
                 name = f"{spec.store_name}.{part_name}"
                 tensors[name] = write_tensor_file(root, name, part, ELEMENT_DTYPE_NAMES[part.dtype], remaining)
         remaining -= sizes[spec.store_name]
-    manifest = {**header, "complete": True, "tensors": tensors, "compressed": compressed}
+    # the conversion's wall time (reading the source included), for reports
+    manifest = {**header, "complete": True, "convert_s": time.perf_counter() - started, "tensors": tensors,
+                "compressed": compressed}
     with disk_errors(root):
         atomic_write(root / MANIFEST, json.dumps(manifest, indent=1))
 

