@@ -95,6 +95,9 @@ def test_web_ui_opens_on_the_leaderboard_and_knows_our_models(suite):
     assert models == {d: display_names()[d] for d in DEPLOYMENTS}
 
 
+METHOD_LABELS = {"rtn": "", "hqq": " HQQ-style"}
+
+
 def compression_label(policy) -> str:
     """What a deployment's display name must say about how it stores weights and cache."""
     policy = policy if isinstance(policy, dict) else {}
@@ -102,7 +105,8 @@ def compression_label(policy) -> str:
     if not weight and not cache:
         return "uncompressed"
     if weight and cache and weight["bits"] == cache["bits"]:
-        return f"{weight['bits']}-bit"
+        # a fitted quantizer is named (the cache stays round-to-nearest)
+        return f"{weight['bits']}-bit" + METHOD_LABELS[weight.get("method", "rtn")]
     return ", ".join(f"{c['bits']}-bit {what}" for what, c in (("weights", weight), ("KV cache", cache)) if c)
 
 
