@@ -20,7 +20,6 @@ import hashlib
 import json
 import math
 import threading
-import time
 from typing import Any, Dict, List, Optional
 
 from helm.clients.client import CachingClient
@@ -33,6 +32,7 @@ from helm.common.request import (
     Request,
     RequestResult,
     Token,
+    wrap_request_time,
 )
 
 from flexgen_helm.executor.sampling import SamplingParams
@@ -94,7 +94,7 @@ class FlexGenClient(CachingClient):
         self.queue_kwargs = {"linger_s": batch_linger_s, "max_wait_s": batch_max_wait_s,
                              "pad_tolerance": pad_tolerance}
         self.pad_tolerance = pad_tolerance
-        # Responses computed ahead by the BatchingRunner, by cache key (consumed once).
+        # Responses computed ahead by `prefetch` (the BatchingExecutor), by cache key (consumed once).
         self._prefetched: Dict[str, Dict[str, Any]] = {}
         self._prefetched_lock = threading.Lock()
 
@@ -245,7 +245,7 @@ class FlexGenClient(CachingClient):
             return self.to_response(request, job, n_prefix, out, token_text_for(handle.tokenizer))
 
         try:
-            response, cached = self.cache.get(raw, _timed(compute))
+            response, cached = self.cache.get(raw, wrap_request_time(compute))
         except RequestFailed as exc:
             return failed_result(str(exc))
         return self.to_result(response, cached)
@@ -404,21 +404,6 @@ class FlexGenClient(CachingClient):
             batch_size=response["batch_size"],
             batch_request_time=response["batch_request_time"],
         )
-
-
-def _timed(compute):
-    """HELM's wrap_request_time, except that a response computed ahead in a batch keeps that
-    batch's time (picking it up takes microseconds, which HELM would report as its runtime)."""
-
-    def run() -> Dict[str, Any]:
-        start = time.time()
-        response = compute()
-        if "request_time" not in response:
-            response["request_time"] = time.time() - start
-            response["request_datetime"] = int(start)
-        return response
-
-    return run
 
 
 def failed_result(error: str) -> RequestResult:
