@@ -63,13 +63,15 @@ class BatchingRunner(Runner):
 
     def __init__(self, execution_spec, *args, **kwargs):
         super().__init__(execution_spec, *args, **kwargs)
-        # HELM's Runner builds a plain Executor, with no hook to choose its class: build ours,
-        # and on its context again the two services HELM built on the first one (tokenizer,
-        # metrics), so that one context serves the whole run (the clients, with their
-        # prefetched results, live in it).
-        self.executor = self.executor_class(execution_spec)
-        self.tokenizer_service = TokenizerService(self.executor.context)
-        self.metric_service = MetricService(self.executor.context)
+        # HELM's Runner builds the `Executor` its module names, with no hook to choose the
+        # class; the plugin makes that the BatchingExecutor (scenario_executor.py). Any other
+        # (a subclass's executor_class, or no plugin): build ours, and on its context again the
+        # two services HELM built on the first one (tokenizer, metrics), so that one context
+        # serves the whole run (the clients, with their prefetched results, live in it).
+        if type(self.executor) is not self.executor_class:
+            self.executor = self.executor_class(execution_spec)
+            self.tokenizer_service = TokenizerService(self.executor.context)
+            self.metric_service = MetricService(self.executor.context)
 
     def run_one(self, run_spec):
         try:
