@@ -18,6 +18,7 @@ import yaml
 from flexgen_helm.errors import FlexGenError
 from flexgen_helm.models import family_of
 from flexgen_helm.models.spec import all_store_tensors
+from flexgen_helm.weights.convert import atomic_write
 from flexgen_helm.weights.registry import resolve
 
 FILES = {"model_deployments": "model_deployments.yaml", "tokenizer_configs": "tokenizer_configs.yaml",
@@ -71,8 +72,6 @@ def write_deployment(name: str, path: str | Path, local_path: str | Path = "prod
         doc = doc or {}
         kept = [e for e in doc.get(key) or [] if e.get("name") != entries[key]["name"]]
         doc[key] = kept + [entries[key]]
-        tmp = target.with_name(target.name + ".tmp")
-        tmp.write_text(yaml.safe_dump(doc, sort_keys=False))
-        tmp.replace(target)
+        atomic_write(target, yaml.safe_dump(doc, sort_keys=False))
         written.append(target)
     return written
