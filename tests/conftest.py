@@ -124,6 +124,24 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 
 
 @pytest.fixture
+def fake_helm_engine(monkeypatch):
+    """The HELM plugin's engines are tests/helm_fake_engine.py's, with no policy, weights,
+    device or offload directory from the environment; yields that module (LOADS emptied)."""
+    pytest.importorskip("helm")
+    import helm_fake_engine
+
+    from flexgen_helm.helm import engines
+
+    monkeypatch.setenv("FLEXGEN_HELM_ENGINE_FACTORY", "helm_fake_engine:load")
+    for var in ("FLEXGEN_HELM_POLICY", "FLEXGEN_HELM_WEIGHTS_DIR", "FLEXGEN_HELM_DEVICE", "FLEXGEN_HELM_OFFLOAD_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    engines.clear()
+    helm_fake_engine.LOADS.clear()
+    yield helm_fake_engine
+    engines.clear()
+
+
+@pytest.fixture
 def small_fs(tmp_path):
     """make(nbytes) -> a folder on a new file system of that size (a tmpfs), for full-disk
     tests; they are skipped, with the reason, where this machine cannot mount one."""

@@ -23,15 +23,7 @@ from flexgen_helm.text import token_text_for
 DEPLOYMENT = "flexgen/smollm2-135m"
 
 
-@pytest.fixture(autouse=True)
-def fake_engine(monkeypatch):
-    monkeypatch.setenv("FLEXGEN_HELM_ENGINE_FACTORY", "helm_fake_engine:load")
-    for var in ("FLEXGEN_HELM_POLICY", "FLEXGEN_HELM_WEIGHTS_DIR", "FLEXGEN_HELM_DEVICE", "FLEXGEN_HELM_OFFLOAD_DIR"):
-        monkeypatch.delenv(var, raising=False)
-    engines.clear()
-    helm_fake_engine.LOADS.clear()
-    yield
-    engines.clear()
+pytestmark = pytest.mark.usefixtures("fake_helm_engine")  # conftest.py
 
 
 def client(cache_config=None, **kwargs):

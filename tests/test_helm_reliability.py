@@ -23,15 +23,8 @@ DEPLOYMENT = "flexgen/smollm2-135m"
 
 
 @pytest.fixture(autouse=True)
-def fake_engine(monkeypatch):
-    monkeypatch.setenv("FLEXGEN_HELM_ENGINE_FACTORY", "helm_fake_engine:load")
+def fake_engine(fake_helm_engine, monkeypatch):  # conftest.py
     monkeypatch.setenv("FLEXGEN_FAKE_BATCH_SHIFT", "1")
-    for var in ("FLEXGEN_HELM_POLICY", "FLEXGEN_HELM_WEIGHTS_DIR", "FLEXGEN_HELM_DEVICE", "FLEXGEN_HELM_OFFLOAD_DIR"):
-        monkeypatch.delenv(var, raising=False)
-    engines.clear()
-    helm_fake_engine.LOADS.clear()
-    yield
-    engines.clear()
 
 
 def fresh_client(cache_config, **kwargs):
