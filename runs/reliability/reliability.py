@@ -78,7 +78,8 @@ def differing(a: dict, b: dict) -> tuple[int, int]:
 
 
 def computed(log: Path) -> int:
-    """Requests the engine ran, from the client's log lines ("flexgen: running N requests")."""
+    """Requests given to the engine, from the client's log lines ("flexgen: running N requests"):
+    the planned batches of every scenario the run started (a killed run's unfinished ones too)."""
     return sum(int(m) for m in re.findall(r"flexgen: running (\d+) requests", log.read_text()))
 
 
@@ -170,7 +171,7 @@ def kill_conversion(work: Path, fractions=(0.3, 0.6, 0.9)) -> dict:
                         "next_convert_rc": again_rc,
                         "next_convert_said": [ln for ln in again_out.splitlines() if ln.startswith("flexgen-helm:")],
                         "rebuilt_equals_clean": final == clean, "verify_after_rebuild_rc": final_verify_rc})
-    return {"clean_rc": rc, "clean_s": round(clean_s, 1), "moments": moments}
+    return {"clean_rc": rc, "clean_s": round(clean_s, 1), "clean_tensors": len(clean), "moments": moments}
 
 
 # ----- full disk ----------------------------------------------------------------------------
