@@ -115,6 +115,12 @@ def tiny_llama(tmp_path_factory) -> Path:
     return save_tiny("llama", tmp_path_factory.mktemp("tiny-llama"))
 
 
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory) -> Path:
+    """Three of four blocks slide (window 4, shorter than most test prompts): ring caches."""
+    return save_tiny("gemma3", tmp_path_factory.mktemp("tiny-gemma3"))
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Stores converted by tests live in a per-session cache, not the user's."""

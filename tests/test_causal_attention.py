@@ -13,12 +13,18 @@ from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.policy import Policy, Split
 
 
-def _alone(q, k, v, unit, n):
-    """Causal attention of one unit's last n positions on their own, in float64."""
+def _alone(q, k, v, unit, n, window=0):
+    """Causal attention of one unit's last n positions on their own, in float64 (within a
+    sliding window of `window` positions, itself included, where window > 0)."""
     t, r, d = k.shape[1], q.shape[1], q.shape[3]
     kk = k[unit, None, None, t - n:].double().expand(1, r, n, d)
     vv = v[unit, None, None, t - n:].double().expand(1, r, n, d)
-    return F.scaled_dot_product_attention(q[unit:unit + 1, :, t - n:].double(), kk, vv, is_causal=True)[0]
+    qq = q[unit:unit + 1, :, t - n:].double()
+    if not window:
+        return F.scaled_dot_product_attention(qq, kk, vv, is_causal=True)[0]
+    pos = torch.arange(n)
+    near = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+    return F.scaled_dot_product_attention(qq, kk, vv, attn_mask=near)[0]
 
 
 # lengths around SDPA's CPU block sizes (32..512 queries, 512 keys)
@@ -38,6 +44,25 @@ def test_left_padded_causal_attention_equals_each_sequence_alone(t, dtype, tol):
         n = int(lengths[unit])
         torch.testing.assert_close(out[unit, :, t - n:].double(), _alone(q, k, v, unit, n), atol=tol, rtol=0)
 
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("t,window", [(9, 4), (40, 40), (300, 128)])
+def test_sliding_window_prompt_attention_equals_each_sequence_alone(t, window, padded):
+    """With and without padding (one fused call either way): each query sees its last
+    `window` positions only."""
+    g = torch.Generator().manual_seed(t + window)
+    u, r, d = 4, 3, 16
+    lengths = torch.randint(1, t + 1, (u,), generator=g) if padded else torch.full((u,), t)
+    lengths[0] = t
+    q = torch.randn(u, r, t, d, generator=g)
+    k, v = torch.randn(u, t, d, generator=g), torch.randn(u, t, d, generator=g)
+    valid = torch.arange(t)[None, :] >= (t - lengths)[:, None]
+    out = attend(q, k, v, valid, causal=True, window=window)
+    assert torch.isfinite(out).all()
+    for unit in range(u):
+        n = int(lengths[unit])
+        torch.testing.assert_close(out[unit, :, t - n:].double(), _alone(q, k, v, unit, n, window), atol=2e-6, rtol=0)
 
 POLICIES = [
     Policy(gpu_batch_size=6, num_gpu_batches=1),

@@ -33,6 +33,12 @@ def model_path(request):
     return request.getfixturevalue(request.param)
 
 
+@pytest.fixture(scope="module", params=["tiny_opt", "tiny_llama", "tiny_gemma3"])
+def cache_model_path(request):
+    """The cache tests' models: also one whose sliding-window blocks keep rings."""
+    return request.getfixturevalue(request.param)
+
+
 def _generate(path, policy, offload_dir):
     engine = Engine.load(str(path), policy, offload_dir=offload_dir, **CPU32)
     run = engine.generate(PROMPTS, SamplingParams(max_new_tokens=N_NEW, ignore_eos=True))
@@ -62,7 +68,7 @@ WEIGHT_CASES = {
 
 
 @pytest.mark.parametrize("case", list(WEIGHT_CASES))
-def test_compressed_weights_equalfake_quantized_checkpoint(model_path, case, tmp_path):
+def test_compressed_weights_equal_fake_quantized_checkpoint(model_path, case, tmp_path):
     cfg, base = WEIGHT_CASES[case]
     policy = Policy.from_dict({**base.to_dict(), "compress_weight": cfg.__dict__})
     reference = Engine.load(str(fake_quantized_checkpoint(model_path, tmp_path / "fq", cfg)), base,
@@ -125,13 +131,13 @@ def _with(policy: Policy, **changes) -> Policy:
     return Policy.from_dict(d)
 
 
-def test_compressed_cache_is_policy_invariant(model_path, tmp_path):
-    outs = {name: _generate(model_path, _with(p, compress_cache=CACHE_CFG), tmp_path)[1]
+def test_compressed_cache_is_policy_invariant(cache_model_path, tmp_path):
+    outs = {name: _generate(cache_model_path, _with(p, compress_cache=CACHE_CFG), tmp_path)[1]
             for name, p in CACHE_POLICIES.items()}
     ref = outs.pop("gpu-1x1")
     for got in outs.values():
         _assert_same(got, ref, 1e-5)
-    dense = _generate(model_path, Policy(), tmp_path)[1]
+    dense = _generate(cache_model_path, Policy(), tmp_path)[1]
     assert _max_logprob_gap(ref, dense) > 1e-4  # the cache really is quantized
 
 
@@ -194,17 +200,18 @@ def test_sparsity_one_is_dense(tiny_llama, tmp_path):
 
 
 @pytest.mark.parametrize("compress_cache", [None, CACHE_CFG], ids=["dense-cache", "compressed-cache"])
-def test_sparse_attention_is_policy_invariant(model_path, compress_cache, tmp_path):
+def test_sparse_attention_is_policy_invariant(cache_model_path, compress_cache, tmp_path):
     outs = {}
     for name in ("gpu-1x1", "cpu-2x2-delegated", "disk-4x2-no-overlap", "disk-delegated", "everything-split"):
         p = CACHE_POLICIES[name]
-        stats, outs[name] = _generate(model_path, _with(p, attn_sparsity=0.3, compress_cache=compress_cache), tmp_path)
+        stats, outs[name] = _generate(cache_model_path, _with(p, attn_sparsity=0.3, compress_cache=compress_cache),
+                                      tmp_path)
         if p.cache.disk == 1.0:  # V came off disk row by row, after scoring
             assert stats.timers["decode_read_sparse_values"] > 0
     ref = outs.pop("gpu-1x1")
     for got in outs.values():
         _assert_same(got, ref, 1e-5)
-    dense = _generate(model_path, _with(Policy(), compress_cache=compress_cache), tmp_path)[1]
+    dense = _generate(cache_model_path, _with(Policy(), compress_cache=compress_cache), tmp_path)[1]
     assert _max_logprob_gap(ref, dense) > 1e-4  # sparsity really drops keys
 
 
@@ -226,12 +233,12 @@ def test_sparse_disk_reads_only_kept_rows(tmp_path):
 
 @pytest.mark.parametrize("compress_cache, sparsity", [(CACHE_CFG, 1.0), (None, 0.3), (CACHE_CFG, 0.3)],
                          ids=["compressed", "sparse", "compressed-sparse"])
-def test_score_as_decode_equals_generation(model_path, compress_cache, sparsity, tmp_path):
+def test_score_as_decode_equals_generation(cache_model_path, compress_cache, sparsity, tmp_path):
     """Scoring a greedy continuation of one-token prompts with as_decode gives back the
     logprobs generation recorded for it: every token after the first came from a decode
     step, through the compressed (and sparse) cache; a plain score does not."""
     policy = _with(CACHE_POLICIES["cpu-2x2-delegated"], compress_cache=compress_cache, attn_sparsity=sparsity)
-    engine = Engine.load(str(model_path), policy, offload_dir=tmp_path, **CPU32)
+    engine = Engine.load(str(cache_model_path), policy, offload_dir=tmp_path, **CPU32)
     prompts = [[5], [12], [30], [40]]
     gen = engine.generate(prompts, SamplingParams(max_new_tokens=14, ignore_eos=True)).results
     texts = [p + r.completions[0].token_ids for p, r in zip(prompts, gen)]

@@ -122,9 +122,9 @@ def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_vali
     t = k.shape[1]
     dtype = _attention_dtype(q)
     q_, k_, v_ = q.to(dtype), k.to(dtype)[:, None], v.to(dtype)[:, None]
-    if bool(key_valid.all()) and (not causal or q_len == t) and (not causal or not window or t <= window):
+    if bool(key_valid.all()) and (not causal or q_len == t):
         # no padding: the plain (top-left aligned) causal flag is exact when q_len == t
-        return _sdpa(q_, k_, v_, causal and q_len > 1).to(q.dtype)
+        return _sdpa(q_, k_, v_, causal and q_len > 1, window).to(q.dtype)
     kpos = torch.arange(t, device=q.device)[None, :]
     if causal and q_len == t:
         lengths = key_valid.sum(-1)

@@ -54,14 +54,6 @@ def _parts(x: Stored) -> tuple[torch.Tensor, ...]:
     return x.parts if isinstance(x, QuantizedTensor) else (x,)
 
 
-def _empty_cache(rows: int, units: int, head_dim: int, dtype: torch.dtype, compression: Compression | None,
-                 device, pin: bool) -> Stored:
-    shape = (rows, units, head_dim)
-    if compression is None:
-        return torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
-    return QuantizedTensor.empty(shape, dtype, compression, CACHE_GROUP_DIM, device, pin)
-
-
 class KVCacheSlot:
     def __init__(self, units: dict[str, int], max_len: int, head_dim: int, devices: Devices,
                  usage: TierUsage, disk_path: Path | None, pin: bool, compression: Compression | None = None,
@@ -96,15 +88,17 @@ class KVCacheSlot:
             usage.add("disk", 2 * self._disk_half)
 
     def _empty(self, rows: int, units: int, device, pin: bool) -> Stored:
-        return _empty_cache(rows, units, self.head_dim, self.devices.dtype, self.compression, device, pin)
+        shape, dtype = (rows, units, self.head_dim), self.devices.dtype
+        if self.compression is None:
+            return torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
+        return QuantizedTensor.empty(shape, dtype, self.compression, CACHE_GROUP_DIM, device, pin)
 
     @staticmethod
     def disk_nbytes(disk_units: int, max_len: int, head_dim: int, dtype: torch.dtype,
                     compression: Compression | None, window: int = 0) -> int:
         """The size of a slot's disk file (K and V of every position it holds), known before
         it is made."""
-        row = _empty_cache(1, disk_units, head_dim, dtype, compression, "meta", False)
-        return 2 * cache_rows(max_len, window) * sum(p.nbytes for p in _parts(row))
+        return 2 * cache_nbytes(cache_rows(max_len, window), disk_units, head_dim, dtype, compression)
 
     # ---- writes ----------------------------------------------------------------------------
 

@@ -149,9 +149,10 @@ class BlockSchedule:
         if picked is not None:
             valid, positions = valid[picked], positions[picked]
         positions = positions.to(compute)
-        return StepRows(picked, None if rows is None else units_of(rows, kvh),
-                        valid.repeat_interleave(kvh, dim=0).to(compute), positions,
-                        self.family.step_constants(self.constants, positions))
+        units = None if rows is None else units_of(rows, kvh)
+        return StepRows(picked, units, valid.repeat_interleave(kvh, dim=0).to(compute), positions,
+                        self.family.step_constants(self.constants, positions),
+                        None if units is None else torch.tensor(units, device=compute))
 
     def _step(self, inputs, head: HeadFn, prefill: bool) -> list:
         """One token step: every layer for every GPU batch, each batch's inputs (weights of the
@@ -224,7 +225,7 @@ class BlockSchedule:
 
     def _submit_stores(self, layer, k: int, hidden: torch.Tensor, new_kv, stage: str) -> None:
         """Batch k's new cache positions (of a block) and hidden state go to their tiers."""
-        if layer.kind == "block":
+        if new_kv is not None:
             self.io.submit(self.slots[layer.index, k].write, *new_kv, kind=f"{stage}_store_cache")
         self.io.submit(self.acts[k].store, hidden, kind=f"{stage}_store_hidden")
 
@@ -267,7 +268,8 @@ class BlockSchedule:
 
     def _block(self, index: int, k: int, w: dict, h, cache, prefill: bool):
         """h: the computed rows' hidden states. Returns theirs after the block, and the
-        arguments of KVCacheSlot.write that store what is not stored yet."""
+        arguments of KVCacheSlot.write that store what is not stored yet (None: a decode
+        step wrote every tier in place)."""
         cfg, rows, slot = self.cfg, self.step_rows[k], self.slots[index, k]
         q, key, value = self.family.qkv(cfg, w, h, rows.at, index)
         b, kvh, s, d = key.shape
@@ -283,7 +285,9 @@ class BlockSchedule:
         else:
             out, unwritten = self._decode_attention(slot, cache, qu, ku, vu, rows, window)
         h = self.family.finish_block(cfg, w, h, from_units(out, b))
-        return h, (ku.transpose(0, 1), vu.transpose(0, 1), self.length, rows.unit_tensor(ku.device), unwritten)
+        if not unwritten:
+            return h, None
+        return h, (ku.transpose(0, 1), vu.transpose(0, 1), self.length, rows.unit_index, unwritten)
 
     def _as_stored(self, x: torch.Tensor) -> torch.Tensor:
         """(units, t, d) keys or values -> what the cache returns for them (KVCacheSlot.write

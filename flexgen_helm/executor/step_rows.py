@@ -17,6 +17,7 @@ class StepRows:
     valid: torch.Tensor  # (units computed, t) bool on the compute device: the keys each unit may see
     positions: torch.Tensor  # (rows computed, s) on the compute device: their tokens' positions
     at: object  # family.step_constants at the rows' positions
+    unit_index: torch.Tensor | None  # units as a tensor on the compute device (KVCacheSlot.write's)
     _parts: dict = field(default_factory=dict)
 
     @property
@@ -30,9 +31,6 @@ class StepRows:
     def put(self, full: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
         """`full` with the computed rows replaced by `part` (rows not computed keep theirs)."""
         return part if self.rows is None else full.index_copy(0, self.rows.to(full.device), part)
-
-    def unit_tensor(self, device) -> torch.Tensor | None:
-        return None if self.units is None else torch.tensor(self.units, device=device)
 
     def tier_part(self, a: int, b: int) -> tuple[slice, torch.Tensor | None]:
         """For a tier holding cache units [a, b): which of the computed units live there (a

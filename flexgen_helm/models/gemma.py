@@ -19,7 +19,7 @@ from flexgen_helm.models.config import ModelConfig
 from flexgen_helm.models.gated_mlp import gated_mlp
 from flexgen_helm.models.hf_config import as_pairs, first, rope_from_hf, sliding_windows
 from flexgen_helm.models.linear import embedding, linear
-from flexgen_helm.models.llama import attention_tensors, embed_layer, head_layer, mlp_tensors, project_heads
+from flexgen_helm.models.llama import attention_tensors, mlp_tensors, project_heads, stacked_layers
 from flexgen_helm.models.norms import rms_norm_plus_one
 from flexgen_helm.models.rotary import Rotary, RotaryAt, rope_type, rotary_for
 from flexgen_helm.models.spec import LayerSpec, tensor
@@ -77,13 +77,9 @@ def config_from_hf(hf: dict, name: str) -> ModelConfig:
 
 def layer_specs(cfg: ModelConfig) -> list[LayerSpec]:
     h = cfg.hidden_size
-    layers = [embed_layer(cfg)]
-    for i in range(cfg.num_layers):
-        n = f"layers.{i}"
-        ts = [tensor(n, "attn_norm.weight", h), *attention_tensors(cfg, n), tensor(n, "post_attn_norm.weight", h),
-              tensor(n, "mlp_norm.weight", h), *mlp_tensors(cfg, n), tensor(n, "post_mlp_norm.weight", h)]
-        layers.append(LayerSpec(n, "block", i, tuple(ts)))
-    return layers + [head_layer(cfg)]
+    return stacked_layers(cfg, lambda n: [
+        tensor(n, "attn_norm.weight", h), *attention_tensors(cfg, n), tensor(n, "post_attn_norm.weight", h),
+        tensor(n, "mlp_norm.weight", h), *mlp_tensors(cfg, n), tensor(n, "post_mlp_norm.weight", h)])
 
 
 def embed(cfg: ModelConfig, w: dict, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

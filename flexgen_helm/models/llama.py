@@ -8,6 +8,8 @@ Qwen with use_sliding_window).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from flexgen_helm.models.config import ModelConfig
@@ -82,27 +84,21 @@ def mlp_tensors(cfg: ModelConfig, n: str) -> list:
     return [tensor(n, "gate_proj.weight", f, h), tensor(n, "up_proj.weight", f, h), tensor(n, "down_proj.weight", h, f)]
 
 
-def embed_layer(cfg: ModelConfig) -> LayerSpec:
-    return LayerSpec("embed", "embed", -1, (tensor("embed", "tokens.weight", cfg.vocab_size, cfg.hidden_size),))
-
-
-def head_layer(cfg: ModelConfig) -> LayerSpec:
-    tied = "embed.tokens.weight" if cfg.tie_word_embeddings else None
-    return LayerSpec("head", "head", -1, (
-        tensor("head", "norm.weight", cfg.hidden_size),
-        tensor("head", "lm_head.weight", cfg.vocab_size, cfg.hidden_size, tied_to=tied),
-    ))
+def stacked_layers(cfg: ModelConfig, block_tensors: Callable[[str], list]) -> list[LayerSpec]:
+    """The embedding, cfg.num_layers blocks (`block_tensors(prefix)` each: "layers.{i}"),
+    the final norm and lm_head (tied to the embedding where the checkpoint ties them): the
+    layers of the Llama, Gemma and Phi-3 families."""
+    h, tied = cfg.hidden_size, "embed.tokens.weight" if cfg.tie_word_embeddings else None
+    blocks = [LayerSpec(f"layers.{i}", "block", i, tuple(block_tensors(f"layers.{i}"))) for i in range(cfg.num_layers)]
+    return [LayerSpec("embed", "embed", -1, (tensor("embed", "tokens.weight", cfg.vocab_size, h),)), *blocks,
+            LayerSpec("head", "head", -1, (tensor("head", "norm.weight", h),
+                                           tensor("head", "lm_head.weight", cfg.vocab_size, h, tied_to=tied)))]
 
 
 def layer_specs(cfg: ModelConfig) -> list[LayerSpec]:
     h = cfg.hidden_size
-    layers = [embed_layer(cfg)]
-    for i in range(cfg.num_layers):
-        n = f"layers.{i}"
-        ts = [tensor(n, "attn_norm.weight", h), *attention_tensors(cfg, n), tensor(n, "mlp_norm.weight", h),
-              *mlp_tensors(cfg, n)]
-        layers.append(LayerSpec(n, "block", i, tuple(ts)))
-    return layers + [head_layer(cfg)]
+    return stacked_layers(cfg, lambda n: [tensor(n, "attn_norm.weight", h), *attention_tensors(cfg, n),
+                                          tensor(n, "mlp_norm.weight", h), *mlp_tensors(cfg, n)])
 
 
 def embed(cfg: ModelConfig, w: dict, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

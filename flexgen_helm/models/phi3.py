@@ -16,7 +16,7 @@ from flexgen_helm.models.gated_mlp import fused_gated_mlp
 from flexgen_helm.models.heads import split_heads
 from flexgen_helm.models.hf_config import as_pairs, first, partial_rotary_factor, rope_from_hf, sliding_windows
 from flexgen_helm.models.linear import linear
-from flexgen_helm.models.llama import embed, embed_layer, head, head_layer, run_constants, step_constants  # noqa: F401 (shared)
+from flexgen_helm.models.llama import embed, head, run_constants, stacked_layers, step_constants  # noqa: F401 (shared)
 from flexgen_helm.models.norms import rms_norm
 from flexgen_helm.models.rotary import RotaryAt, rope_type
 from flexgen_helm.models.spec import LayerSpec, tensor
@@ -58,18 +58,14 @@ def config_from_hf(hf: dict, name: str) -> ModelConfig:
 def layer_specs(cfg: ModelConfig) -> list[LayerSpec]:
     h, f, d = cfg.hidden_size, cfg.ffn_size, cfg.head_dim
     qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
-    layers = [embed_layer(cfg)]
-    for i in range(cfg.num_layers):
-        n = f"layers.{i}"
-        layers.append(LayerSpec(n, "block", i, (
-            tensor(n, "attn_norm.weight", h),
-            tensor(n, "qkv_proj.weight", qkv_out, h),
-            tensor(n, "o_proj.weight", h, cfg.num_heads * d),
-            tensor(n, "mlp_norm.weight", h),
-            tensor(n, "gate_up_proj.weight", 2 * f, h),
-            tensor(n, "down_proj.weight", h, f),
-        )))
-    return layers + [head_layer(cfg)]
+    return stacked_layers(cfg, lambda n: [
+        tensor(n, "attn_norm.weight", h),
+        tensor(n, "qkv_proj.weight", qkv_out, h),
+        tensor(n, "o_proj.weight", h, cfg.num_heads * d),
+        tensor(n, "mlp_norm.weight", h),
+        tensor(n, "gate_up_proj.weight", 2 * f, h),
+        tensor(n, "down_proj.weight", h, f),
+    ])
 
 
 def qkv(cfg: ModelConfig, w: dict, h: torch.Tensor, at: RotaryAt, block: int):
