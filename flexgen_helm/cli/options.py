@@ -51,6 +51,10 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
 
 
 def policy_from_args(args) -> Policy:
+    """The policy a command's engine runs under; the disk tier's reader is set here too (the
+    faster way of reading this machine's saved profile measured)."""
+    from flexgen_helm.planner.hardware_profile import use_profiled_disk_reader
+
     if args.policy == "auto":
         from flexgen_helm.planner.auto import policy_for_command
 
@@ -76,6 +80,7 @@ def policy_from_args(args) -> Policy:
         changes["compress_cache"] = comp.__dict__
     if args.attn_sparsity != 1.0:
         changes["attn_sparsity"] = args.attn_sparsity
+    use_profiled_disk_reader()  # after an auto policy's search, which saves a profile where none was
     return Policy.from_dict(changes)
 
 
