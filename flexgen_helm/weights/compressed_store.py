@@ -45,7 +45,14 @@ from flexgen_helm.weights.convert import (
     notice,
     write_tensor_file,
 )
-from flexgen_helm.weights.store import ELEMENT_DTYPE_NAMES, FORMAT, MANIFEST, TensorStore, tensor_file_problem
+from flexgen_helm.weights.store import (
+    ELEMENT_DTYPE_NAMES,
+    FORMAT,
+    MANIFEST,
+    TensorStore,
+    damaged_tensors,
+    first_problem,
+)
 
 # 2: weights group along dim 1 by default, and 4-bit ones may be stored in a kernel layout.
 FORMAT_VERSION = 2
@@ -119,11 +126,9 @@ def open_compressed_store(root: Path, specs: list[TensorSpec], cfg: Compression,
             notice(f"{root}: no complete manifest (a compression run was interrupted); writing it again")
         _write(root, header, specs, cfg, dtype, device, read_full, progress)
     else:
-        damaged = [f"tensor {name}: {problem}" for name, entry in manifest["tensors"].items()
-                   if (problem := tensor_file_problem(root, entry, None, None, checksum=False))]
+        damaged = damaged_tensors(root, manifest["tensors"], checksum=False)
         if damaged:
-            notice(f"{root}: {damaged[0]}{f' (and {len(damaged) - 1} more)' if len(damaged) > 1 else ''}; "
-                   "writing the compressed store again")
+            notice(f"{root}: {first_problem(damaged)}; writing the compressed store again")
             _write(root, header, specs, cfg, dtype, device, read_full, progress)
     return CompressedStore(root, cfg)
 
