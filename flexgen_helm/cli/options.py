@@ -50,6 +50,17 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attn-sparsity", type=float, default=1.0, help="fraction of keys kept in decode attention")
 
 
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload and the memory budgets of `bench` and `search` (`--policy auto` searches
+    under these budgets; bench also checks a given policy against them)."""
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--gen-len", type=int, default=32)
+    p.add_argument("--gpu-mem", help="GPU budget, e.g. 16GiB (CPU-only: a pool of host RAM; the search's default: "
+                                     "shares --cpu-mem)")
+    p.add_argument("--cpu-mem", help="CPU RAM budget, e.g. 4GiB (the search's default: 80%% of the available RAM)")
+    p.add_argument("--disk-mem", help="disk budget (the search's default: 90%% of the offload dir's free space)")
+
+
 def policy_from_args(args) -> Policy:
     """The policy a command's engine runs under; the disk tier's reader is set here too (the
     faster way of reading this machine's saved profile measured)."""
