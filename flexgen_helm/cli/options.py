@@ -45,8 +45,9 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                         "kernels take; cache the head dim)")
     g.add_argument("--quant-method", choices=QUANT_METHODS, default="rtn",
                    help="how each group's scale and minimum are chosen: rtn = min/max round-to-nearest "
-                        "(FlexGen); hqq = fitted to the group's values to lower the reconstruction error, "
-                        "computed once at conversion into the compressed store")
+                        "(FlexGen); hqq = fitted to the group's values to lower the reconstruction error "
+                        "(weights: once, at conversion into the compressed store; a KV cache: at every "
+                        "write, several passes per group)")
     g.add_argument("--attn-sparsity", type=float, default=1.0, help="fraction of keys kept in decode attention")
 
 
