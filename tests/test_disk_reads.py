@@ -1,6 +1,6 @@
 """The disk tier's reader (memory/direct_io.py): several aligned O_DIRECT reads in flight
 must return exactly the bytes asked for, at any offset and length, and say so when the
-file is shorter than the read."""
+file is shorter than the read; it reads the way this machine's profile measured faster."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import os
 
 import pytest
 
+from flexgen_helm.memory import direct_io
 from flexgen_helm.memory.direct_io import ALIGN, MIN_PIECE, read_bytes
+from flexgen_helm.memory.disk_speed import fastest_direct
 
 
 @pytest.fixture(scope="module")
@@ -37,3 +39,45 @@ def test_a_read_past_the_end_says_it_was_short(data_file, in_flight):
     path, data = data_file
     with pytest.raises(EOFError, match="short read"):
         read_bytes(path, len(data) - 100, 2 * MIN_PIECE, in_flight=in_flight)
+
+
+@pytest.fixture
+def reader_reset():
+    yield
+    direct_io.set_reads_in_flight(direct_io.READS_IN_FLIGHT)
+
+
+def test_the_faster_direct_way_is_the_engines():
+    assert fastest_direct({"direct_1": 1.61e9, "direct_in_flight": 1.49e9, "mmap": 2e9}) == (1, 1.61e9)
+    assert fastest_direct({"direct_1": 0.7e9, "direct_in_flight": 1.0e9}) == (direct_io.READS_IN_FLIGHT, 1.0e9)
+    assert fastest_direct({}) == (direct_io.READS_IN_FLIGHT, 0.0)
+
+
+@pytest.mark.parametrize("one,many,want", [(1.61e9, 1.49e9, 1), (0.7e9, 1.0e9, 4)])
+def test_the_saved_profile_sets_the_reader(tmp_path, reader_reset, data_file, one, many, want):
+    """The way this machine's profile measured faster is the one the disk tier reads with
+    (and the one the run's report names); the bytes read are the same either way."""
+    from flexgen_helm.memory.machine import machine_info
+    from flexgen_helm.planner.hardware_profile import HardwareProfile, use_profiled_disk_reader
+
+    path = tmp_path / "hardware.json"
+    assert use_profiled_disk_reader(path) is None  # no profile: the default stays
+    assert direct_io.reads_in_flight() == direct_io.READS_IN_FLIGHT
+    HardwareProfile(machine=machine_info(), disk_read_modes={"direct_1": one, "direct_in_flight": many}).save(path)
+    assert use_profiled_disk_reader(path) == want
+    assert direct_io.reads_in_flight() == want
+    assert ("one read at a time" in direct_io.bypass_mode()) == (want == 1)
+    file, data = data_file
+    assert bytes(read_bytes(file, 777, 4 * MIN_PIECE)) == data[777:777 + 4 * MIN_PIECE]
+
+
+def test_a_profile_of_another_machine_leaves_the_reader_alone(tmp_path, reader_reset):
+    from flexgen_helm.planner.hardware_profile import HardwareProfile, use_profiled_disk_reader
+
+    path = tmp_path / "hardware.json"
+    HardwareProfile(machine={"cpu": "elsewhere", "cpu_cores": 1, "ram_bytes": 1},
+                    disk_read_modes={"direct_1": 2e9, "direct_in_flight": 1e9}).save(path)
+    assert use_profiled_disk_reader(path) is None
+    assert direct_io.reads_in_flight() == direct_io.READS_IN_FLIGHT
+    with pytest.raises(ValueError):
+        direct_io.set_reads_in_flight(0)

@@ -258,3 +258,11 @@ def test_among_near_equal_predictions_the_smallest_block_wins():
     near = [c for c in result.candidates if c.estimate.throughput >= 0.98 * best]
     assert result.policy.block_size == min(c.policy.block_size for c in near)
     assert result.estimate.throughput >= 0.98 * best
+
+
+def test_bench_checks_a_given_policy_against_its_disk_budget(tiny_opt, tmp_path, capsys):
+    """bench and search share their workload and budget flags; bench checks a given
+    policy against all three budgets before loading anything."""
+    rc = main(["bench", "--model", str(tiny_opt), "--device", "cpu", "--prompt-len", "8", "--gen-len", "2",
+               "--percent", "0", "0", "100", "0", "100", "0", "--disk-mem", "1KiB", "--offload-dir", str(tmp_path)])
+    assert rc == 2 and "on the disk tier" in capsys.readouterr().err

@@ -14,7 +14,7 @@ from flexgen_helm.cli.options import add_policy_args, policy_from_args
 from flexgen_helm.compression.int4 import PackedInt4, pack_int4
 from flexgen_helm.compression.quantize import QuantizedTensor, dequantize, quantize, should_compress
 from flexgen_helm.engine import Engine
-from flexgen_helm.errors import FlexGenError, PolicyError
+from flexgen_helm.errors import FlexGenError, PolicyError, WeightStoreError
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.policy import Policy, Split
 from flexgen_helm.policy.policy import Compression
@@ -148,3 +148,25 @@ def test_helm_deployment_names_the_method():
     assert load.numerics_key()["compress_weight"]["method"] == "hqq"
     assert Policy.from_dict(json.loads(load.policy_json)).compress_weight == Compression(4, 64, method="hqq")
     assert deployments["flexgen/smollm2-135m-4bit-hqq"]["model_name"] == "flexgen/smollm2-135m-4bit-hqq"
+
+
+def test_a_second_load_reads_the_fit_and_never_fits_again(tiny_opt, tmp_path, monkeypatch):
+    """The fit runs once, at conversion: a later load reads the compressed store (its
+    checksums checked, as it is read whole into memory) and computes the same tokens."""
+    first = _greedy(_engine(tiny_opt, tmp_path, "float32"))
+
+    def no_fit(*args, **kwargs):
+        raise AssertionError("hqq fitted again at load")
+
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("flexgen_helm.compression.quantize"), "fit_scale_min", no_fit)
+    engine = _engine(tiny_opt, tmp_path, "float32")
+    assert _greedy(engine) == first
+    root = engine.runtime.store.store.root
+    victim = root / engine.runtime.store.store.tensors["layers.0.fc1.weight.data"].file
+    data = bytearray(victim.read_bytes())
+    data[3] ^= 0x10  # same size: only the checksum can tell
+    victim.write_bytes(bytes(data))
+    with pytest.raises(WeightStoreError, match="checksum .*delete .*the next load writes it again"):
+        _engine(tiny_opt, tmp_path, "float32")

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-from flexgen_helm.cli.options import add_model_args, add_policy_args, checked_output_file, policy_from_args
+from flexgen_helm.cli.options import (
+    add_model_args,
+    add_policy_args,
+    add_workload_args,
+    checked_output_file,
+    policy_from_args,
+)
 
 
 def add_command(sub) -> None:
     b = sub.add_parser("bench", help="measure generation throughput (FlexGen's flags)")
     add_model_args(b)
     add_policy_args(b)
-    b.add_argument("--prompt-len", type=int, default=512)
-    b.add_argument("--gen-len", type=int, default=32)
-    b.add_argument("--gpu-mem", help="GPU budget, e.g. 16GiB")
-    b.add_argument("--cpu-mem", help="CPU RAM budget, e.g. 4GiB")
+    add_workload_args(b)
     b.add_argument("--warmup", type=int, default=1, help="untimed runs before the timed one")
     b.add_argument("--json", help="write the measurements here")
     b.add_argument("--label", help="name of this setting in reports (e.g. 'no overlap'; see flexgen_helm/tools/report)")

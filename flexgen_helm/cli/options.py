@@ -45,12 +45,28 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                         "kernels take; cache the head dim)")
     g.add_argument("--quant-method", choices=QUANT_METHODS, default="rtn",
                    help="how each group's scale and minimum are chosen: rtn = min/max round-to-nearest "
-                        "(FlexGen); hqq = fitted to the group's values to lower the reconstruction error, "
-                        "computed once at conversion into the compressed store")
+                        "(FlexGen); hqq = fitted to the group's values to lower the reconstruction error "
+                        "(weights: once, at conversion into the compressed store; a KV cache: at every "
+                        "write, several passes per group)")
     g.add_argument("--attn-sparsity", type=float, default=1.0, help="fraction of keys kept in decode attention")
 
 
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload and the memory budgets of `bench` and `search` (`--policy auto` searches
+    under these budgets; bench also checks a given policy against them)."""
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--gen-len", type=int, default=32)
+    p.add_argument("--gpu-mem", help="GPU budget, e.g. 16GiB (CPU-only: a pool of host RAM; the search's default: "
+                                     "shares --cpu-mem)")
+    p.add_argument("--cpu-mem", help="CPU RAM budget, e.g. 4GiB (the search's default: 80%% of the available RAM)")
+    p.add_argument("--disk-mem", help="disk budget (the search's default: 90%% of the offload dir's free space)")
+
+
 def policy_from_args(args) -> Policy:
+    """The policy a command's engine runs under; the disk tier's reader is set here too (the
+    faster way of reading this machine's saved profile measured)."""
+    from flexgen_helm.planner.hardware_profile import use_profiled_disk_reader
+
     if args.policy == "auto":
         from flexgen_helm.planner.auto import policy_for_command
 
@@ -76,6 +92,7 @@ def policy_from_args(args) -> Policy:
         changes["compress_cache"] = comp.__dict__
     if args.attn_sparsity != 1.0:
         changes["attn_sparsity"] = args.attn_sparsity
+    use_profiled_disk_reader()  # after an auto policy's search, which saves a profile where none was
     return Policy.from_dict(changes)
 
 

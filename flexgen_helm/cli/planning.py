@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from flexgen_helm.cli.options import add_model_args, add_policy_args, checked_output_file
+from flexgen_helm.cli.options import add_model_args, add_policy_args, add_workload_args, checked_output_file
 from flexgen_helm.planner.hardware_profile import HardwareProfile, default_profile_path, describe, measure
 
 
@@ -75,11 +75,7 @@ def add_command(sub) -> None:
     s = sub.add_parser("search", help="the fastest policy for a workload under memory budgets (cost model + LP)")
     add_model_args(s)
     add_policy_args(s)
-    s.add_argument("--prompt-len", type=int, default=512)
-    s.add_argument("--gen-len", type=int, default=32)
-    s.add_argument("--gpu-mem", help="GPU budget, e.g. 16GiB (CPU-only: a pool of host RAM; default: shares --cpu-mem)")
-    s.add_argument("--cpu-mem", help="CPU RAM budget (default: 80%% of the available RAM)")
-    s.add_argument("--disk-mem", help="disk budget (default: 90%% of the offload dir's free space)")
+    add_workload_args(s)
     s.add_argument("--max-latency", type=float, help="seconds for one block (prefill + decode): the latency bound")
     s.add_argument("--max-gpu-batch-size", type=int, default=64)
     s.add_argument("--max-num-gpu-batches", type=int, default=16)

@@ -1,11 +1,15 @@
 """File reads and writes that do not leave their data in the OS page cache, so that
 disk-tier timings measure the disk (the paper's honesty requirement).
 
-A large read is split into READS_IN_FLIGHT aligned O_DIRECT reads issued at once by reader
-threads: one synchronous read at a time leaves the device idle between requests, and a
-virtual disk or an SSD only reaches its bandwidth with several requests queued (measured on
-the 2-core EPYC host's virtio disk, 1 GiB read, quiet-ish: 0.6-0.78 GB/s with one 16 MiB
-read at a time, 0.8-1.1 GB/s with 4 in flight; `flexgen-helm profile` records both).
+A large read can be split into up to READS_IN_FLIGHT aligned O_DIRECT reads issued at once
+by reader threads: a virtual disk or an SSD may only reach its bandwidth with several
+requests queued (the 2-core EPYC host's virtio disk, 1 GiB read: 0.6-0.78 GB/s one 16 MiB
+read at a time, 0.8-1.1 GB/s with 4 in flight), while another disk reads faster one at a
+time (a later profile of the same kind of host: 1.61 GB/s one at a time, 1.49 GB/s with 4 in
+flight). So the way is not fixed: `flexgen-helm profile` measures both
+(memory/disk_speed.py) and the commands that load an engine set the faster one with
+`set_reads_in_flight` (planner/hardware_profile.use_profiled_disk_reader); without a
+profile, READS_IN_FLIGHT.
 
 Reads land in memory from torch's allocator (a page-aligned view of a uint8 tensor): with
 the engine's allocator setting (host_allocator.py) freed buffers are reused already
@@ -24,8 +28,10 @@ from pathlib import Path
 import torch
 
 ALIGN = 4096
-READS_IN_FLIGHT = 4
+READS_IN_FLIGHT = 4  # the most reads a large read is split into
 MIN_PIECE = 1 << 20  # smaller reads go whole: splitting them only adds thread hand-offs
+
+_in_flight = READS_IN_FLIGHT  # what read_bytes splits a large read into by default
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -51,24 +57,37 @@ def _evict(fd: int, offset: int, length: int) -> None:
         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
 
+def set_reads_in_flight(n: int) -> None:
+    """How many O_DIRECT reads read_bytes splits a large read into from now on (1: one
+    read at a time), for the whole process: the way this machine's profile measured faster."""
+    global _in_flight
+    if not 1 <= n <= READS_IN_FLIGHT:
+        raise ValueError(f"reads in flight must be 1..{READS_IN_FLIGHT}, got {n}")
+    _in_flight = n
+
+
+def reads_in_flight() -> int:
+    return _in_flight
+
+
 def bypass_mode() -> str:
     """How the disk tier avoids the page cache on this platform."""
     if hasattr(os, "O_DIRECT"):
-        return f"O_DIRECT, {READS_IN_FLIGHT} reads in flight"
+        return "O_DIRECT, one read at a time" if _in_flight == 1 else f"O_DIRECT, {_in_flight} reads in flight"
     if hasattr(os, "posix_fadvise"):
         return "posix_fadvise(DONTNEED)"
     return "none (page cache in use)"
 
 
 def read_bytes(path: Path, offset: int, length: int, bypass_page_cache: bool = True,
-               in_flight: int = READS_IN_FLIGHT) -> memoryview:
+               in_flight: int | None = None) -> memoryview:
     """Bytes [offset, offset + length) of a file, read around the page cache if asked (with up
-    to `in_flight` reads at once)."""
+    to `in_flight` reads at once; default: set_reads_in_flight's)."""
     if length == 0:
         return memoryview(b"")
     if bypass_page_cache and hasattr(os, "O_DIRECT"):
         try:
-            return _read_direct(path, offset, length, in_flight)
+            return _read_direct(path, offset, length, _in_flight if in_flight is None else in_flight)
         except OSError as e:
             if e.errno != errno.EINVAL:  # EINVAL: the file system refuses O_DIRECT
                 raise

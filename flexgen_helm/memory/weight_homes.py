@@ -2,8 +2,9 @@
 compute device for one use.
 
 Under weight compression a home's parts on the gpu and cpu tiers are row ranges of the
-tensor quantized once at load - packed for the compute device's int4 kernel where the
-settings allow (compression/int4.py), else QuantizedTensors - and its disk parts are read
+tensor quantized once at load, or read whole (checksums checked) from the compressed store
+when one is open - packed for the compute device's int4 kernel where the settings allow
+(compression/int4.py), else QuantizedTensors - and its disk parts are read
 from the compressed store (weights/compressed_store.py) in the same form: every tier holds
 compressed bytes, and a loaded layer hands the models a CompressedWeight, which multiplies
 on the packed bytes or dequantizes on the compute device as the row count says."""
@@ -60,7 +61,7 @@ def build_homes(layers: list[LayerSpec], placement: dict[str, list[Segment]], de
         full = None
         in_memory = any(s.tier != "disk" for s in home.segments)
         if in_memory and compressed_store is not None and home.group_dim is not None:
-            full = compressed_store.read(spec.store_name, rows=(0, spec.shape[0]))
+            full = compressed_store.read(spec.store_name, rows=(0, spec.shape[0]), verify=True)
         elif in_memory:
             full = encode(read_full(spec.store_name).to(devices.dtype), compression, home.group_dim, home.layout)
         for s in home.segments:

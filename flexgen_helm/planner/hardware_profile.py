@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from flexgen_helm.memory.devices import DTYPE_NAMES
+from flexgen_helm.memory.direct_io import set_reads_in_flight
+from flexgen_helm.memory.disk_speed import fastest_direct
 from flexgen_helm.memory.machine import machine_info, machine_label, same_machine
 from flexgen_helm.weights.registry import default_cache_dir
 
@@ -73,7 +75,8 @@ class HardwareProfile:
     h2d_pageable_bytes_per_s: float = 0.0
     d2h_pinned_bytes_per_s: float = 0.0
     d2h_pageable_bytes_per_s: float = 0.0
-    disk_read_bytes_per_s: float = 1e9  # the engine's reader: O_DIRECT, reads in flight, page cache bypassed
+    # the engine's reader: the faster O_DIRECT way (disk_reads_in_flight), page cache bypassed
+    disk_read_bytes_per_s: float = 1e9
     # the device's read bandwidth: the best way of reading it (memory/disk_speed.py), and each way's
     disk_device_read_bytes_per_s: float = 0.0
     disk_read_modes: dict[str, float] = field(default_factory=dict)
@@ -108,6 +111,12 @@ class HardwareProfile:
     @property
     def is_cuda(self) -> bool:
         return self.compute_device == "cuda"
+
+    @property
+    def disk_reads_in_flight(self) -> int:
+        """The O_DIRECT reads at once the engine's disk reader uses on this machine: the
+        faster way measured (memory/disk_speed.py)."""
+        return fastest_direct(self.disk_read_modes)[0]
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -144,20 +153,38 @@ def load_or_profile(path: str | os.PathLike | None = None, offload_dir: str | No
     """The saved profile, or a fresh one (saved) when there is none or the saved one was
     measured on other hardware (a home directory, and its cache, can move between hosts)."""
     p = Path(path) if path else default_profile_path()
-    reason = f"no hardware profile at {p}"
-    if p.exists():
-        saved = HardwareProfile.load(p)
-        if saved.format != FORMAT:
-            reason = f"the profile at {p} is of format {saved.format}, without what {FORMAT} measures"
-        elif not saved.machine or same_machine(saved.machine, machine_info()):
-            return saved
-        else:
-            reason = f"the profile at {p} was measured on {machine_label(saved.machine)}"
+    saved, reason = _saved_profile(p)
+    if saved is not None:
+        return saved
     if verbose:
         print(f"{reason}: profiling this machine, {machine_label()} (under a minute)...", flush=True)
     prof = measure(offload_dir=offload_dir)
     prof.save(p)
     return prof
+
+
+def _saved_profile(p: Path) -> tuple[HardwareProfile | None, str]:
+    """The profile saved at `p` if it is of this format and this machine, else None and why not."""
+    if not p.exists():
+        return None, f"no hardware profile at {p}"
+    saved = HardwareProfile.load(p)
+    if saved.format != FORMAT:
+        return None, f"the profile at {p} is of format {saved.format}, without what {FORMAT} measures"
+    if saved.machine and not same_machine(saved.machine, machine_info()):
+        return None, f"the profile at {p} was measured on {machine_label(saved.machine)}"
+    return saved, ""
+
+
+def use_profiled_disk_reader(path: str | os.PathLike | None = None) -> int | None:
+    """Set the disk tier's reader (memory/direct_io.py) to the way of reading that this
+    machine's saved profile measured faster, for the engines this process loads; returns its
+    reads in flight, or None (the reader's default stays) without a saved profile of this
+    machine. Measures nothing: `flexgen-helm profile` (or --policy auto) does."""
+    saved, _ = _saved_profile(Path(path) if path else default_profile_path())
+    if saved is None or not saved.disk_read_modes:
+        return None
+    set_reads_in_flight(saved.disk_reads_in_flight)
+    return saved.disk_reads_in_flight
 
 
 def _interpolate_log(table: dict[int, float], x: float) -> float:
@@ -285,8 +312,9 @@ def _bandwidth(src: torch.Tensor, dst: torch.Tensor, sync=None) -> float:
 
 
 def measure_disk(offload_dir: Path, nbytes: int = 256 << 20, chunk: int = 16 << 20) -> dict:
-    """Read bandwidth of each way of reading (memory/disk_speed.py), write bandwidth and the
-    latency of a small read, with the page cache bypassed."""
+    """Read bandwidth of each way of reading (memory/disk_speed.py; "read": the engine's, the
+    faster O_DIRECT way), write bandwidth and the latency of a small read, with the page
+    cache bypassed."""
     from flexgen_helm.memory.direct_io import read_bytes, write_bytes
     from flexgen_helm.memory.disk_speed import measure_read_modes
 
@@ -306,7 +334,7 @@ def measure_disk(offload_dir: Path, nbytes: int = 256 << 20, chunk: int = 16 << 
             read_bytes(path, (i * 7919 * 4096) % (nbytes - 4096), 4096, bypass_page_cache=True)
             lat.append(time.perf_counter() - t0)
     return {"read_modes": reads["read_bytes_per_s"], "device_read": reads["device_read_bytes_per_s"],
-            "read": reads["read_bytes_per_s"]["direct_in_flight"], "write": write_bw, "latency": min(lat)}
+            "read": reads["engine_read_bytes_per_s"], "write": write_bw, "latency": min(lat)}
 
 
 # activation rows of the linear that runs beside the disk reads, per phase
@@ -452,7 +480,9 @@ def describe(p: HardwareProfile) -> str:
                      f"pageable {p.h2d_pageable_bytes_per_s / gb:.2f}; "
                      f"gpu->host pinned {p.d2h_pinned_bytes_per_s / gb:.2f}, "
                      f"pageable {p.d2h_pageable_bytes_per_s / gb:.2f} GB/s")
-    lines.append(f"disk ({p.offload_dir}, page cache bypassed): read {p.disk_read_bytes_per_s / gb:.2f} GB/s, "
+    reader = "one read at a time" if p.disk_reads_in_flight == 1 else f"{p.disk_reads_in_flight} reads in flight"
+    lines.append(f"disk ({p.offload_dir}, page cache bypassed, {reader}): "
+                 f"read {p.disk_read_bytes_per_s / gb:.2f} GB/s, "
                  f"write {p.disk_write_bytes_per_s / gb:.2f} GB/s, 4 KiB read {p.disk_read_latency_s * 1e3:.2f} ms")
     if p.disk_read_modes:
         lines.append(f"disk device bandwidth {p.disk_device_read_bytes_per_s / gb:.2f} GB/s (the best way of reading); "

@@ -51,7 +51,7 @@ def run_bench(args, policy: Policy) -> dict:
     cfg = resolved.config
     max_len = args.prompt_len + args.gen_len
     planned = planned_bytes(cfg, policy, max_len, devices.dtype)
-    check_budgets(planned, {"gpu": parse_size(args.gpu_mem), "cpu": parse_size(args.cpu_mem), "disk": None})
+    check_budgets(planned, {t: parse_size(getattr(args, f"{t}_mem", None)) for t in ("gpu", "cpu", "disk")})
 
     engine = engine_class(args.pipeline).load(args.model, policy, path=args.path, dummy=args.dummy,
                                               offload_dir=args.offload_dir, device=args.device, dtype=args.dtype)

@@ -33,6 +33,7 @@ from tqdm import tqdm
 from flexgen_helm.compression.int4 import PackedInt4, device_refusal, packed_rows
 from flexgen_helm.compression.quantize import QuantizedTensor
 from flexgen_helm.compression.stored import Stored, encode, stored_nbytes, weight_groups, weight_layout
+from flexgen_helm.errors import WeightStoreError
 from flexgen_helm.memory.devices import DTYPE_NAMES
 from flexgen_helm.memory.disk_space import check_free_space
 from flexgen_helm.models.spec import TensorSpec
@@ -44,7 +45,14 @@ from flexgen_helm.weights.convert import (
     notice,
     write_tensor_file,
 )
-from flexgen_helm.weights.store import ELEMENT_DTYPE_NAMES, FORMAT, MANIFEST, TensorStore, tensor_file_problem
+from flexgen_helm.weights.store import (
+    ELEMENT_DTYPE_NAMES,
+    FORMAT,
+    MANIFEST,
+    TensorStore,
+    damaged_tensors,
+    first_problem,
+)
 
 # 2: weights group along dim 1 by default, and 4-bit ones may be stored in a kernel layout.
 FORMAT_VERSION = 2
@@ -73,19 +81,30 @@ class CompressedStore:
         self.compressed = {name: (tuple(m["shape"]), m["group_dim"], m.get("layout"))
                            for name, m in self.store.manifest["compressed"].items()}
 
-    def read(self, name: str, rows: tuple[int, int]) -> Stored:
-        """Rows [start, end) of a weight: packed or quantized if compressed, else a tensor."""
+    def read(self, name: str, rows: tuple[int, int], verify: bool = False) -> Stored:
+        """Rows [start, end) of a weight: packed or quantized if compressed, else a tensor.
+        `verify`: check the checksum of each part read whole (loading into memory; the disk
+        tier's reads of every step are not checked, `flexgen-helm verify` checks all)."""
+        try:
+            return self._read(name, rows, verify)
+        except WeightStoreError as e:
+            if not verify:
+                raise
+            raise WeightStoreError(f"{e} (this is the compressed store: delete {self.store.root}, the next load "
+                                   "writes it again)") from e
+
+    def _read(self, name: str, rows: tuple[int, int], verify: bool) -> Stored:
         if name not in self.compressed:
-            return self.store.read(name, rows=rows)
+            return self.store.read(name, rows=rows, verify=verify)
         shape, gd, layout = self.compressed[name]
         start, end = rows
         if layout is not None:
-            packed = self.store.read(f"{name}.packed", rows=packed_rows(layout, rows))
-            sz = self.store.read(f"{name}.scales_zeros", rows=rows).transpose(0, 1).contiguous()
+            packed = self.store.read(f"{name}.packed", rows=packed_rows(layout, rows), verify=verify)
+            sz = self.store.read(f"{name}.scales_zeros", rows=rows, verify=verify).transpose(0, 1).contiguous()
             return PackedInt4(packed, sz, (end - start, shape[1]), self.cfg.group_size, layout)
         g = self.cfg.group_size if gd == 0 else 1
         span = (start // g, math.ceil(end / g))
-        data, scale, mn = (self.store.read(f"{name}.{p}", rows=span) for p in GROUP_PARTS)
+        data, scale, mn = (self.store.read(f"{name}.{p}", rows=span, verify=verify) for p in GROUP_PARTS)
         return QuantizedTensor(data=data, scale=scale, min=mn, shape=(end - start, *shape[1:]), dtype=scale.dtype,
                                bits=self.cfg.bits, group_size=self.cfg.group_size, group_dim=gd)
 
@@ -107,11 +126,9 @@ def open_compressed_store(root: Path, specs: list[TensorSpec], cfg: Compression,
             notice(f"{root}: no complete manifest (a compression run was interrupted); writing it again")
         _write(root, header, specs, cfg, dtype, device, read_full, progress)
     else:
-        damaged = [f"tensor {name}: {problem}" for name, entry in manifest["tensors"].items()
-                   if (problem := tensor_file_problem(root, entry, None, None, checksum=False))]
+        damaged = damaged_tensors(root, manifest["tensors"], checksum=False)
         if damaged:
-            notice(f"{root}: {damaged[0]}{f' (and {len(damaged) - 1} more)' if len(damaged) > 1 else ''}; "
-                   "writing the compressed store again")
+            notice(f"{root}: {first_problem(damaged)}; writing the compressed store again")
             _write(root, header, specs, cfg, dtype, device, read_full, progress)
     return CompressedStore(root, cfg)
 

@@ -26,7 +26,14 @@ from flexgen_helm.memory.devices import DTYPES
 from flexgen_helm.memory.disk_space import FULL_ERRNOS, check_free_space, disk_full
 from flexgen_helm.models.config import ModelConfig
 from flexgen_helm.weights.source import WeightSource
-from flexgen_helm.weights.store import FORMAT, MANIFEST, tensor_file_name, tensor_file_problem
+from flexgen_helm.weights.store import (
+    FORMAT,
+    MANIFEST,
+    damaged_tensors,
+    first_problem,
+    tensor_file_name,
+    tensor_file_problem,
+)
 
 JOURNAL = ".convert-journal.jsonl"
 _CHUNK = 64 << 20
@@ -80,11 +87,11 @@ def _convert(source: WeightSource, out_dir: str | os.PathLike, dtype: str, progr
 
     previous = _load_json(out / MANIFEST)
     if previous is not None and _same_model(previous, header) and previous.get("complete"):
-        damaged = _damaged(out, previous.get("tensors", {}), nbytes, dtype, checksums=verify)
+        damaged = damaged_tensors(out, previous.get("tensors", {}), verify, nbytes, dtype)
         if not damaged and set(previous.get("tensors", {})) == set(nbytes):
             return out
-        notice(f"{out}: {damaged[0] if damaged else 'tensors missing from the manifest'}"
-               f"{f' (and {len(damaged) - 1} more)' if len(damaged) > 1 else ''}; rebuilding what is damaged")
+        notice(f"{out}: {first_problem(damaged) if damaged else 'tensors missing from the manifest'}; "
+               "rebuilding what is damaged")
     elif previous is not None and previous.get("complete"):
         raise OffloadDirError(
             f"{out} already holds a converted store of another model or dtype "
@@ -101,9 +108,10 @@ def _convert(source: WeightSource, out_dir: str | os.PathLike, dtype: str, progr
         for stale in out.glob("*.tmp"):  # left by a killed run
             stale.unlink()
         (out / MANIFEST).unlink(missing_ok=True)  # incomplete from here until the new one lands
-    entries = {name: e for name, e in candidates.items() if name in nbytes and _intact(out, e, nbytes[name], dtype)}
+    entries = {name: e for name, e in candidates.items()
+               if name in nbytes and tensor_file_problem(out, e, nbytes[name], dtype, checksum=True) is None}
     todo = [s.store_name for s in specs if s.store_name not in entries]
-    _check_free_space(out, sum(nbytes[n] for n in todo))
+    check_free_space(out, sum(nbytes[n] for n in todo), "the weight store", STORE_ADVICE)
 
     with disk_errors(out):
         lines = [header, *({n: e} for n, e in entries.items())]
@@ -160,25 +168,7 @@ def notice(message: str) -> None:
     print(f"flexgen-helm: {message}", file=sys.stderr, flush=True)
 
 
-def _damaged(out: Path, tensors: dict, nbytes: dict, dtype: str, checksums: bool) -> list[str]:
-    """What is wrong with each listed tensor's file, in words (sizes, and checksums if asked)."""
-    problems = []
-    for name, entry in tensors.items():
-        problem = tensor_file_problem(out, entry, nbytes.get(name), dtype, checksums)
-        if problem:
-            problems.append(f"tensor {name}: {problem}")
-    return problems
-
-
-def _intact(out: Path, entry: dict, nbytes: int, dtype: str) -> bool:
-    return tensor_file_problem(out, entry, nbytes, dtype, checksum=True) is None
-
-
 STORE_ADVICE = "free some space or convert into another directory"
-
-
-def _check_free_space(out: Path, need: int) -> None:
-    check_free_space(out, need, "the weight store", STORE_ADVICE)
 
 
 @contextlib.contextmanager

@@ -74,6 +74,23 @@ def tensor_file_problem(out: Path, entry: dict, nbytes: int | None, dtype: str |
     return None
 
 
+def damaged_tensors(root: Path, tensors: dict, checksum: bool, nbytes: dict | None = None,
+                    dtype: str | None = None) -> list[str]:
+    """What is wrong with each of a manifest's `tensors` in `root`, in words ("tensor NAME:
+    ..."); `nbytes` and `dtype`: what the model says each should be, where known."""
+    problems = []
+    for name, entry in tensors.items():
+        problem = tensor_file_problem(root, entry, None if nbytes is None else nbytes.get(name), dtype, checksum)
+        if problem:
+            problems.append(f"tensor {name}: {problem}")
+    return problems
+
+
+def first_problem(problems: list[str]) -> str:
+    """The first of `problems`, and how many more there are."""
+    return problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+
+
 class TensorStore:
     """Read access to a complete store directory."""
 
@@ -116,16 +133,9 @@ class TensorStore:
             raise WeightStoreError(f"{self.root}: tensor {name!r} is missing from the store") from None
 
     def check_sizes(self) -> None:
-        for t in self.tensors.values():
-            p = self.root / t.file
-            if not p.exists():
-                raise WeightStoreError(f"{p}: weight file missing (tensor {t.name}); convert the model again")
-            size = p.stat().st_size
-            if size != t.nbytes:
-                raise WeightStoreError(
-                    f"{p}: weight file is {size} bytes, expected {t.nbytes} for tensor {t.name} "
-                    f"{list(t.shape)} {t.dtype}: truncated or corrupt; convert the model again"
-                )
+        damaged = damaged_tensors(self.root, self.manifest["tensors"], checksum=False)
+        if damaged:
+            raise WeightStoreError(f"{self.root}: {first_problem(damaged)}; convert the model again")
 
     def read(self, name: str, rows: tuple[int, int] | None = None, verify: bool = False,
              bypass_page_cache: bool = True) -> torch.Tensor:

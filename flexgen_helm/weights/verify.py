@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from flexgen_helm.weights.registry import default_cache_dir
-from flexgen_helm.weights.store import FORMAT, MANIFEST, tensor_file_problem
+from flexgen_helm.weights.store import FORMAT, MANIFEST, damaged_tensors
 
 
 def store_problems(root: str | os.PathLike) -> list[str]:
@@ -31,12 +31,7 @@ def store_problems(root: str | os.PathLike) -> list[str]:
     if manifest.get("format") != FORMAT or not manifest.get("complete"):
         return [f"{root}: format {manifest.get('format')!r}, complete={manifest.get('complete')!r}: "
                 f"not a finished {FORMAT} store"]
-    problems = []
-    for name, entry in manifest.get("tensors", {}).items():
-        problem = tensor_file_problem(root, entry, None, None, checksum=True)
-        if problem:
-            problems.append(f"{root}: tensor {name}: {problem}")
-    return problems
+    return [f"{root}: {problem}" for problem in damaged_tensors(root, manifest.get("tensors", {}), checksum=True)]
 
 
 def cached_stores() -> list[Path]:

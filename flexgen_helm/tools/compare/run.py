@@ -175,12 +175,12 @@ def add_ratio_to(rows: list[dict], base: dict, column: str) -> None:
 def bandwidth_note(bandwidth: dict) -> str:
     ways = ", ".join(f"{m} {v / 1e9:.3f}" for m, v in bandwidth["read_bytes_per_s"].items())
     device = bandwidth["device_read_bytes_per_s"] / 1e9
-    ours = bandwidth["read_bytes_per_s"].get("direct_in_flight", 0.0) / 1e9
+    ours = bandwidth["engine_read_bytes_per_s"] / 1e9
     return (f"Disk read bandwidth of the device (the roofline's): {device:.3f} GB/s, "
             f"the best of these ways of reading {bandwidth['chunk_bytes'] >> 20} MiB pieces of a fresh "
             f"{bandwidth['file_bytes'] / 2**30:g} GiB file in {bandwidth['directory']} with its pages evicted, "
-            f"measured at the start of the run (GB/s): {ways}. Ours is direct_in_flight "
-            f"({bandwidth['reads_in_flight']} O_DIRECT reads in flight, page cache bypassed): "
+            f"measured at the start of the run (GB/s): {ways}. Ours is the faster O_DIRECT way "
+            f"(page cache bypassed; which one the saved profile picked: each row's disk column): "
             f"{ours:.3f} GB/s, {100 * ours / device:.0f}% of the device.")
 
 
