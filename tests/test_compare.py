@@ -60,7 +60,7 @@ def test_harness_rows(tmp_path, bandwidth, profile_path):
     for r in rows:
         assert r["throughput_tok_s"] > 0 and r["effective_batch"] >= 1, r
         assert r["disk_weight_gib"] > 0 and r["disk_read_gib"] > 0 and r["roofline_tok_s"] > 0, r
-        assert "disk" in r["weights_read_from"] and r["loadavg_1m"] is not None
+        assert "disk" in r["weights_read_from"] and r["loadavg_1m"] is not None and "cores" in r["host"]
         assert r["peak_rss_gib"] > 0 and r["rss_limit_gib"] == round((256 + 160 + 512) / 1024, 2), r
         assert r["disk_device_gb_s"] > 0
     ours, acc = rows

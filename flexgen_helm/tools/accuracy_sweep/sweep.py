@@ -20,8 +20,10 @@ from flexgen_helm.tools.accuracy_sweep.plan import OUT, PLAN, ROW_BY_NAME, SCOPE
 from flexgen_helm.tools.accuracy_sweep.report import write_report
 
 
-def run(rows: list[str] | None, scopes: list[str] | None, tasks: list[str] | None, dry_run: bool) -> None:
-    """The plan's missing runs, in the order of `rows` when given (to run first what matters)."""
+def run(rows: list[str] | None, scopes: list[str] | None, tasks: list[str] | None, dry_run: bool) -> list[str]:
+    """The plan's missing runs, in the order of `rows` when given (to run first what matters);
+    a run that fails does not stop the others. Returns the commands that failed."""
+    failed = []
     plan = sorted((rs for rs in PLAN if rs[0] in rows), key=lambda rs: rows.index(rs[0])) if rows else PLAN
     for name, scope in plan:
         if (rows and name not in rows) or (scopes and scope not in scopes):
@@ -31,8 +33,9 @@ def run(rows: list[str] | None, scopes: list[str] | None, tasks: list[str] | Non
                 continue
             argv = command(ROW_BY_NAME[name], scope, task)
             print("flexgen-helm " + " ".join(argv), flush=True)
-            if not dry_run:
-                subprocess.run([sys.executable, "-m", "flexgen_helm", *argv], check=False)
+            if not dry_run and subprocess.run([sys.executable, "-m", "flexgen_helm", *argv]).returncode != 0:
+                failed.append("flexgen-helm " + " ".join(argv))
+    return failed
 
 
 def main(argv=None) -> int:
@@ -46,7 +49,10 @@ def main(argv=None) -> int:
     sub.add_parser("report", help="write runs/accuracy/results.csv and README.md from the JSON records")
     args = p.parse_args(argv)
     if args.what == "run":
-        run(args.rows, args.scopes, args.tasks, args.dry_run)
+        failed = run(args.rows, args.scopes, args.tasks, args.dry_run)
+        if failed:
+            print(f"{len(failed)} run(s) failed (their output is above):\n" + "\n".join(failed), file=sys.stderr)
+            return 1
     else:
         write_report(OUT)
     return 0

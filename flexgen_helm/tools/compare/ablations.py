@@ -12,7 +12,8 @@ from flexgen_helm.tools.compare.workloads import Setup
 
 
 def ablation_policies(setup: Setup, best: Policy) -> list[tuple[str, Policy | None, str]]:
-    """(label, policy or None when it would be the same run as all optimizations, note)."""
+    """(label, policy or None when it would be the same run as all optimizations or does not
+    fit the budgets, note: why)."""
     out = [("no overlap", replace(best, overlap=False), "the searched policy, I/O and compute taking turns")]
     if best.cpu_cache_compute:
         out.append(("no CPU compute", replace(best, cpu_cache_compute=False), "the searched policy, attention "
@@ -21,11 +22,13 @@ def ablation_policies(setup: Setup, best: Policy) -> list[tuple[str, Policy | No
         out.append(("no CPU compute", None, "same as all optimizations: the searched policy does not delegate "
                                             "attention to the CPU"))
     if best.num_gpu_batches > 1:
-        out.append(("row-by-row schedule", replace(best, gpu_batch_size=best.gpu_batch_size, num_gpu_batches=1),
+        out.append(("row-by-row schedule", replace(best, num_gpu_batches=1),
                     "the searched policy with one GPU batch per block: each weight read serves one GPU batch"))
     else:
         out.append(("row-by-row schedule", None, "same as all optimizations: the searched block is one GPU batch"))
     # no search: what one would type without it, one sequence with its cache on the device
     fixed = most_weights_in_ram(setup, Policy(cache=Split(1, 0, 0), activations=Split(1, 0, 0)), use_gpu=True)
-    out.append(("no policy search", fixed, "fixed: 1 sequence, cache on the device, weights in RAM as budgets allow"))
+    out.append(("no policy search", fixed, "fixed: 1 sequence, cache on the device, weights in RAM as budgets allow"
+                if fixed is not None else "does not fit: one sequence's cache and activations on the device exceed "
+                f"the budgets ({setup.gpu_mem} device, {setup.cpu_mem} cpu) with every weight on disk"))
     return out

@@ -37,6 +37,11 @@ def sdpa_gqa(q, k, v, valid):
     return F.scaled_dot_product_attention(q, k[:, None], v[:, None], is_causal=True, enable_gqa=True)
 
 
+def _allowed(valid, i0: int, i1: int, j0: int, j1: int):
+    """(u, 1, i1 - i0, j1 - j0): which of keys j0..j1 queries i0..i1 may see (valid, causal)."""
+    return valid[:, None, None, j0:j1] & (torch.arange(j0, j1) <= torch.arange(i0, i1)[:, None])
+
+
 def blocked(q, k, v, valid, block: int = 256):
     """Per query block, one bf16 matmul against the keys up to its end, softmax in float32."""
     u, r, t, d = q.shape
@@ -44,12 +49,9 @@ def blocked(q, k, v, valid, block: int = 256):
     qs = q * (1 / math.sqrt(d))
     for i0 in range(0, t, block):
         i1 = min(i0 + block, t)
-        n = i1 - i0
-        s = torch.matmul(qs[:, :, i0:i1], k[:, None, :i1].transpose(-1, -2)).float()  # (u, r, n, i1)
-        allowed = valid[:, None, None, :i1] & (torch.arange(i1) <= torch.arange(i0, i1)[:, None])
-        p = s.masked_fill_(~allowed, -math.inf).softmax(-1).nan_to_num_(0.0).to(q.dtype)
+        s = torch.matmul(qs[:, :, i0:i1], k[:, None, :i1].transpose(-1, -2)).float()  # (u, r, i1 - i0, i1)
+        p = s.masked_fill_(~_allowed(valid, i0, i1, 0, i1), -math.inf).softmax(-1).nan_to_num_(0.0).to(q.dtype)
         out[:, :, i0:i1] = torch.matmul(p, v[:, None, :i1])
-        del n
     return out
 
 
@@ -67,8 +69,7 @@ def blocked_online(q, k, v, valid, block: int = 256):
         for j0 in range(0, i1, block):
             j1 = min(j0 + block, i1)
             s = torch.matmul(qb, k[:, None, j0:j1].transpose(-1, -2)).float()
-            allowed = valid[:, None, None, j0:j1] & (torch.arange(j0, j1) <= torch.arange(i0, i1)[:, None])
-            s.masked_fill_(~allowed, -math.inf)
+            s.masked_fill_(~_allowed(valid, i0, i1, j0, j1), -math.inf)
             new_m = torch.maximum(m, s.amax(-1, keepdim=True))
             safe = new_m.nan_to_num(neginf=0.0)
             p = torch.exp(s - safe)

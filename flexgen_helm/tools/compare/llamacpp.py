@@ -115,7 +115,19 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def readme(rows: list[dict], gguf_name: str, binary: Path, host: str, threads: int, prompt_len: int, gen_len: int,
+           dtype: str) -> str:
+    return (f"# llama.cpp vs ours, same file ({gguf_name}), {threads} threads\n\n"
+            f"Host: {host}. Prompt {prompt_len}, generate {gen_len}; weights in RAM; ours {dtype} "
+            "(`--percent 100 0 100 0 100 0`, one GPU batch of the batch size); llama.cpp "
+            f"`llama-batched-bench` ({binary}, built from the llama-cpp-python source archive on PyPI). "
+            "Tokens/s count generated tokens: total over prompt processing + generation, decode over "
+            "generation. Each row's two runs ran back to back; read the ratios.\n\n"
+            f"{table(rows)}\n\nCommands: commands.txt (in the order they ran).\n")
+
+
 def main(args) -> int:
+    from flexgen_helm.memory.machine import machine_label
     from flexgen_helm.tools.compare.llamacpp_build import batched_bench_binary
     from flexgen_helm.weights.registry import resolve
 
@@ -128,14 +140,9 @@ def main(args) -> int:
     rows, commands = run_pairs(binary, gguf, pairs, args.prompt_len, args.gen_len, args.threads, args.dtype, out,
                                args.timeout)
     (out / "results.json").write_text(json.dumps(rows, indent=1))
-    (out / "commands.txt").write_text("\n".join(commands) + "\n")
-    text = (f"# llama.cpp vs ours, same file ({gguf.name}), {args.threads} threads\n\n"
-            f"Prompt {args.prompt_len}, generate {args.gen_len}; weights in RAM; ours {args.dtype} "
-            "(`--percent 100 0 100 0 100 0`, one GPU batch of the batch size); llama.cpp "
-            f"`llama-batched-bench` ({binary}, built from the llama-cpp-python source archive on PyPI). "
-            "Tokens/s count generated tokens: total over prompt processing + generation, decode over "
-            "generation. Each row's two runs ran back to back; read the ratios.\n\n"
-            f"{table(rows)}\n\nCommands: commands.txt (in the order they ran).\n")
+    top = ["# " + shlex.join(["flexgen-helm", *args.argv]) + "  (ran what follows)"] if hasattr(args, "argv") else []
+    (out / "commands.txt").write_text("\n".join(top + commands) + "\n")
+    text = readme(rows, gguf.name, binary, machine_label(), args.threads, args.prompt_len, args.gen_len, args.dtype)
     (out / "README.md").write_text(text)
     print(text)
     return 0

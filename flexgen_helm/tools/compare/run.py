@@ -205,7 +205,8 @@ def notes(setup_names: list[str], bandwidth: dict | None, extra: list[str]) -> l
 
 
 ABLATION_COLUMNS = ["setup", "system", "label", "policy", "effective_batch", "total_s", "throughput_tok_s",
-                    "vs_all_optimizations", "pct_of_roofline", "peak_rss_gib", "weights_read_from", "loadavg_1m"]
+                    "vs_all_optimizations", "pct_of_roofline", "peak_rss_gib", "weights_read_from", "loadavg_1m",
+                    "host"]
 
 
 def main(args) -> int:
@@ -231,12 +232,15 @@ def main(args) -> int:
                         notes([s.name], bandwidth, []), [commands[0], *cmds], columns=ABLATION_COLUMNS)
         failed += sum(1 for r in rows + ablation_rows if str(r.get("weights_read_from", "")).startswith("failed"))
     # the top-level table: every setup's rows found under out/ (each from its own run)
-    folders = [f.parent for f in sorted(out.glob("*/results.csv")) if f.parent.name != "ablations"]
+    folders = [f.parent for f in sorted(out.glob("*/results.csv"))]
     all_rows = [r for f in folders for r in table.from_csv((f / "results.csv").read_text())]
+    archived = (["Runs of older code: archive/ (labelled with their date, host and commit; not in this table)."]
+                if (out / "archive").is_dir() else [])
     table.write(out, all_rows, "Throughput: ours vs Hugging Face accelerate (same machine)",
                 notes([f.name for f in folders], None,
                       ["Each setup's folder has its JSON records, its commands, the load average before each "
-                       "run, the disk bandwidth its roofline used (bandwidth.json) and its ablations."]),
+                       "run, the disk bandwidth its roofline used (bandwidth.json) and its ablations.",
+                       *archived]),
                 [f"cat {f / 'README.md'}  # the commands of {f.name}" for f in folders])
     if failed:
         print(f"compare: {failed} run(s) failed; their rows say so (see the log above)", file=sys.stderr)

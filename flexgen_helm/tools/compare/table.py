@@ -10,13 +10,15 @@ import csv
 import io
 from pathlib import Path
 
+from flexgen_helm.memory.machine import machine_label
+
 GIB = 2**30
 RSS_SLACK = 0.5 * GIB  # the bound: process RSS peak <= gpu + cpu budgets + this
 COLUMNS = ["setup", "system", "label", "policy", "effective_batch", "prefill_s", "decode_s", "total_s",
            "throughput_tok_s", "vs_accelerate", "predicted_tok_s", "predicted_over_measured", "roofline_tok_s",
            "pct_of_roofline", "roofline_bound", "disk_device_gb_s", "disk_weight_gib", "disk_read_gib",
            "disk_reads_per_token", "weights_read_from", "peak_rss_gib", "rss_limit_gib", "rss_within_limit",
-           "loadavg_1m"]
+           "loadavg_1m", "host"]
 
 
 def disk_weight_bytes(record: dict) -> int:
@@ -69,6 +71,7 @@ def row(setup: str, system: str, record: dict, context: dict) -> dict:
         "rss_limit_gib": None if limit is None else round(limit / GIB, 2),
         "rss_within_limit": None if limit is None else rss <= limit,
         "loadavg_1m": context.get("loadavg"),
+        "host": machine_label(record["hardware"]) if record.get("hardware") else None,
     }
 
 
