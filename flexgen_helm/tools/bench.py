@@ -4,6 +4,9 @@ definitions), with the placement achieved and the peak memory of each tier."""
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import sys
 from pathlib import Path
 
 import torch
@@ -62,6 +65,7 @@ def run_bench(args, policy: Policy) -> dict:
     for _ in range(args.warmup):
         engine.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))
     engine.runtime.usage.reset_peak()
+    load_before = os.getloadavg()  # others may share this machine: say how busy it was
     reads_before = process_disk_read_bytes()
     stats = engine.generate(prompts, params).stats
     disk_read_bytes = process_disk_read_bytes() - reads_before
@@ -84,6 +88,9 @@ def run_bench(args, policy: Policy) -> dict:
         "timers": stats.timers,
         "breakdown": breakdown(stats.timers),
         "hardware": machine_info(),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "command": shlex.join(["flexgen-helm", *sys.argv[1:]]),
     }
     if getattr(engine, "world", 1) > 1:
         result["pipeline"] = {"stages": engine.world, "layer_bounds": engine.bounds,
