@@ -34,7 +34,7 @@ from flexgen_helm.executor.sampling import (
     ScoreResult,
     ScoreRun,
 )
-from flexgen_helm.memory.devices import Devices, pick_devices
+from flexgen_helm.memory.devices import DTYPE_NAMES, Devices, pick_devices
 from flexgen_helm.memory.direct_io import bypass_mode
 from flexgen_helm.memory.host_allocator import keep_freed_host_memory
 from flexgen_helm.memory.offload_dir import default_offload_dir
@@ -44,6 +44,7 @@ from flexgen_helm.memory.weight_homes import build_homes
 from flexgen_helm.models import family_of
 from flexgen_helm.models.spec import all_store_tensors
 from flexgen_helm.policy.policy import Policy
+from flexgen_helm.policy.precision import setting_name
 from flexgen_helm.weights.compressed_store import CompressedStore
 from flexgen_helm.weights.loading import open_weights
 from flexgen_helm.weights.registry import ResolvedModel, resolve
@@ -58,6 +59,9 @@ class EngineCore(Protocol):
     config: Any
     # the model's tokenizer (a transformers tokenizer), for the frontends: the engine never uses it
     tokenizer: Any
+    # the numbers it computes with, in the paper's words ("BF16", "8-bit", "4-bit"; policy/precision.py),
+    # for the frontends to record beside every result
+    precision: str
 
     def generate(self, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> GenerationRun:
@@ -89,6 +93,10 @@ class Engine:
     @property
     def config(self):
         return self.runtime.config
+
+    @property
+    def precision(self) -> str:
+        return setting_name(self.policy, DTYPE_NAMES[self.runtime.devices.dtype])
 
     @classmethod
     def load(cls, model: str, policy: Policy | None = None, path: str | None = None, dummy: bool = False,

@@ -26,6 +26,7 @@ from flexgen_helm.executor.sampling import (
     ScoreRun,
     select_tokens,
 )
+from flexgen_helm.policy.precision import setting_name
 
 LOADS: list = []  # every engine created, for tests to count
 _TOKENIZER = None
@@ -63,6 +64,7 @@ class FakeEngine:
         self.batch_shift = os.environ.get("FLEXGEN_FAKE_BATCH_SHIFT") == "1"
         block = int(os.environ.get("FLEXGEN_FAKE_BLOCK", "0"))
         self.policy = SimpleNamespace(block_size=block) if block else None  # the client's batch size
+        self.precision = setting_name({}, "float32")  # its bigram model computes in float32
         self.crash_after: int | None = None  # raise KeyboardInterrupt (a kill) at this many calls
         self.on_call = None  # called with the number of calls so far, before each (may raise)
 
@@ -159,6 +161,8 @@ class FakeEngine:
 
 def load(model, policy=None, path=None, dummy=False, offload_dir=None, device=None, dtype=None):
     engine = FakeEngine(model)
+    if policy is not None:  # named as the real engine would name it: a deployment's compression shows
+        engine.precision = setting_name(policy, "float32")
     engine.load_kwargs = dict(model=model, policy=policy, path=path, dummy=dummy, offload_dir=offload_dir,
                               device=device)
     LOADS.append(engine)

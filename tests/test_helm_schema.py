@@ -1,9 +1,11 @@
 """HELM's summarizer and web UI on a flexgen suite: helm-summarize with the plugin's schema
 and summarizer makes one leaderboard table (LAMBADA accuracy, WikiText perplexity and
-bits/byte, throughput; one row per deployment, named with its compression), and the
-screenshot tool photographs helm-server's page of it (where Chromium is installed).
+bits/byte, throughput; one row per deployment, named with its compression, its Precision
+column what the runs recorded), and the screenshot tool photographs helm-server's page of
+it (where Chromium is installed).
 
-The suite: the fake engine, two deployments x three scenarios, two instances each.
+The suite: the fake engine, three deployments (uncompressed, 8-bit, 4-bit) x three
+scenarios, two instances each.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from flexgen_helm.helm.schema import SCHEMA_PATH, summarize_command
 from flexgen_helm.tools.report import leaderboard, screenshot
 
 HELM_DIR = Path(SCHEMA_PATH).parent
-DEPLOYMENTS = ("flexgen/smollm2-135m", "flexgen/smollm2-135m-4bit")
-COLUMNS = ["Model", "LAMBADA - Accuracy (PEM)", "Pattern match - EM", "WikiText - Perplexity", "WikiText - Bits/byte",
+DEPLOYMENTS = ("flexgen/smollm2-135m", "flexgen/smollm2-135m-8bit", "flexgen/smollm2-135m-4bit")
+# what each deployment's runs record (the fake engine computes in float32, under the deployment's policy)
+PRECISIONS = ("FP32", "8-bit", "4-bit")
+COLUMNS = ["Model", "Precision", "LAMBADA - Accuracy (PEM)", "Pattern match - EM", "WikiText - Perplexity", "WikiText - Bits/byte",
            "LAMBADA - tok/s", "WikiText - tok/s", "Pattern match - tok/s"]
 
 
@@ -67,6 +71,7 @@ def test_leaderboard_table_has_our_columns_and_one_row_per_deployment(suite):
     assert [h["value"] for h in table["header"]] == COLUMNS
     names = display_names()
     assert [row[0]["value"] for row in table["rows"]] == [names[d] for d in DEPLOYMENTS]
+    assert [row[1]["value"] for row in table["rows"]] == list(PRECISIONS)
 
     runs = {}  # (scenario, deployment) -> run folder
     for p in suite_dir.iterdir():

@@ -9,6 +9,8 @@ Every successful request ran in one engine batch (helm/batching.py). What it rep
     `to_finish_reason` and read back, with the two HELM fields, by `from_request_result`:
 
     {
+      "precision": "4-bit",       # what the engine computed with (EngineCore.precision: the
+                                  # paper's FP16 / BF16 / 8-bit / 4-bit), for the leaderboard
       "prompt_tokens": 37,        # this request's real prompt tokens (as the engine saw them)
       "generated_tokens": 5,      # this request's real generated tokens, all completions
       "batch": {                  # the whole batch, summed over its engine calls (the score and
@@ -72,22 +74,36 @@ class RequestRecord:
     batch: BatchRecord
 
 
-def to_finish_reason(record: RequestRecord) -> dict[str, Any]:
-    """The JSON for finish_reason["flexgen"]: the record less what HELM's fields carry."""
+def to_finish_reason(record: RequestRecord, precision: str) -> dict[str, Any]:
+    """The JSON for finish_reason["flexgen"]: the record less what HELM's fields carry, and
+    the precision of the engine that computed it."""
     batch = {k: v for k, v in dataclasses.asdict(record.batch).items() if k not in _IN_HELM_FIELDS}
-    return {"prompt_tokens": record.prompt_tokens, "generated_tokens": record.generated_tokens, "batch": batch}
+    return {"precision": precision, "prompt_tokens": record.prompt_tokens,
+            "generated_tokens": record.generated_tokens, "batch": batch}
+
+
+def _flexgen_entry(result: dict[str, Any]) -> dict[str, Any] | None:
+    """finish_reason["flexgen"] of a RequestResult as JSON; None where it has none (a failed request)."""
+    completions = result.get("completions") or []
+    return (completions[0].get("finish_reason") or {}).get("flexgen") if completions else None
 
 
 def from_request_result(result: dict[str, Any]) -> RequestRecord | None:
     """The record of a RequestResult as JSON (scenario_state.json); None where it has none
     (a failed request)."""
-    completions = result.get("completions") or []
-    flexgen = (completions[0].get("finish_reason") or {}).get("flexgen") if completions else None
+    flexgen = _flexgen_entry(result)
     if flexgen is None:
         return None
     batch = BatchRecord(**flexgen["batch"], **{k: result[helm] for k, helm in _IN_HELM_FIELDS.items()})
     return RequestRecord(prompt_tokens=flexgen["prompt_tokens"], generated_tokens=flexgen["generated_tokens"],
                          batch=batch)
+
+
+def precisions_from_scenario_state(state: dict) -> set[str]:
+    """The precisions the run's requests were computed at: one, or more where HELM's cache
+    held results computed at another dtype (the cache key has the dtype only when set)."""
+    entries = (_flexgen_entry(rs.get("result") or {}) for rs in state.get("request_states", []))
+    return {e["precision"] for e in entries if e is not None and "precision" in e}
 
 
 def records_from_scenario_state(state: dict) -> list[RequestRecord]:

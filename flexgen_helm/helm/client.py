@@ -59,7 +59,7 @@ DEFAULT_MAX_BATCH = 16
 _FINISH = {"length": "length", "stop": "endoftext"}
 # The form of the responses kept in HELM's cache (part of the cache key): responses of an
 # older form are computed again instead of being read as this one.
-RESPONSE_FORMAT = 2
+RESPONSE_FORMAT = 3  # 3: finish_reason["flexgen"] names the precision
 
 
 class RequestFailed(Exception):
@@ -211,7 +211,7 @@ class FlexGenClient(CachingClient):
         # RequestResult's own fields where HELM has them, the rest in finish_reason (to_result)
         return {
             "completions": completions,
-            "flexgen": accounting.to_finish_reason(record),
+            "flexgen": accounting.to_finish_reason(record, self.handle.engine.precision),
             "batch_size": out.batch.size,
             "batch_request_time": out.batch.time_s,
         }

@@ -7,7 +7,7 @@ one leaderboard table.
     helm-server --suite demo                  # Leaderboard: one row per deployment
 
 HELM's summarizer is told what to show by a schema (schema_flexgen.yaml, beside this
-module); three things a schema cannot say are done here:
+module); four things a schema cannot say are done here:
   * register the flexgen model metadata: helm-summarize, unlike helm-run, loads no
     plugins, so our deployments would have no display names (uncompressed / 8-bit / 4-bit)
     and no entry on the Models page;
@@ -16,23 +16,40 @@ module); three things a schema cannot say are done here:
     padded tokens (flexgen_helm.helm.accounting, in scenario_state.json);
   * draw the LEADERBOARD_GROUP as one table of all its metric groups (accuracy, language
     modeling, throughput), where HELM would draw one table per metric group, of which the
-    web page shows the first only.
+    web page shows the first only;
+  * give that table a Precision column (FP16 / BF16 / 8-bit / 4-bit): what the engine ran
+    each deployment's runs with, as every response recorded it (accounting.py), so the
+    column says what was measured whatever a deployment's name promises.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections import defaultdict
+from dataclasses import replace
 
 from helm.benchmark.metrics.metric_name import MetricName
 from helm.benchmark.metrics.statistic import Stat
 from helm.benchmark.presentation.schema import RunGroup
-from helm.benchmark.presentation.summarize import Run, Summarizer, get_coarse_adapter_spec
-from helm.benchmark.presentation.table import Table
+from helm.benchmark.presentation.summarize import (
+    Run,
+    Summarizer,
+    get_coarse_adapter_spec,
+    get_model_metadata_for_adapter_spec,
+)
+from helm.benchmark.presentation.table import Cell, HeaderCell, Table
 
 import flexgen_helm.helm.plugin  # noqa: F401  (registers the flexgen model metadata)
 from flexgen_helm.helm import accounting
 from flexgen_helm.helm.schema import LEADERBOARD_GROUP
+
+PRECISION_HEADER = "Precision"
+PRECISION_DESCRIPTION = ("What the engine computed each deployment's runs with, as every response recorded it: "
+                         "FP16 / BF16 / FP32 = uncompressed weights and KV cache in that type (the device's own: "
+                         "FP16 on a GPU, BF16 or FP32 on a CPU); 8-bit / 4-bit = weights and KV cache quantized "
+                         "group-wise (groups of 64, min/max; a fitted quantizer is named, e.g. 4-bit hqq).")
+PRECISION_UNKNOWN = "not recorded"
 
 # flexgen_* metric -> accounting.summarize's key
 THROUGHPUT_METRICS = {
@@ -57,6 +74,24 @@ def throughput_stats(run_path: str, splits: set[str]) -> list[Stat]:
         return []
     return [Stat(MetricName(metric, split=split)).add(summary[key])
             for metric, key in THROUGHPUT_METRICS.items() if summary[key] is not None for split in sorted(splits)]
+
+
+def run_precision(run_path: str) -> str:
+    """What the engine computed the run with ("BF16", "8-bit", "4-bit", ...), as its
+    responses recorded it; several are joined (results of another dtype from HELM's cache)."""
+    state_path = os.path.join(run_path, "scenario_state.json")
+    if not os.path.isfile(state_path):
+        return PRECISION_UNKNOWN
+    with open(state_path) as f:
+        found = accounting.precisions_from_scenario_state(json.load(f))
+    return " + ".join(sorted(found)) or PRECISION_UNKNOWN
+
+
+def with_precision_column(table: Table, precision_of_row: dict[str, str]) -> Table:
+    """`table` with a Precision column after the model's: the setting each row's runs recorded."""
+    header = [table.header[0], HeaderCell(PRECISION_HEADER, description=PRECISION_DESCRIPTION), *table.header[1:]]
+    rows = [[row[0], Cell(precision_of_row.get(row[0].value, PRECISION_UNKNOWN)), *row[1:]] for row in table.rows]
+    return replace(table, header=header, rows=rows)
 
 
 class FlexGenSummarizer(Summarizer):
@@ -86,5 +121,11 @@ class FlexGenSummarizer(Summarizer):
         columns = [(subgroup, metric_group) for metric_group in group.metric_groups for subgroup in subgroups]
         table = self.create_group_table(name=group.name, title=group.display_name or group.name,
                                         adapter_to_runs=adapter_to_runs, columns=columns, is_scenario_table=False)
-        return [table] if len(table.header) > 1 else []
+        if len(table.header) <= 1:
+            return []
+        # rows are named by their model's display name (adapter_keys_shown leaves nothing else to name)
+        precision_of_row = {get_model_metadata_for_adapter_spec(spec).display_name:
+                            " + ".join(sorted({run_precision(run.run_path) for run in runs}))
+                            for spec, runs in adapter_to_runs.items()}
+        return [with_precision_column(table, precision_of_row)]
 

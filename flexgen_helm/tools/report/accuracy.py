@@ -11,28 +11,11 @@ from __future__ import annotations
 import pandas as pd
 
 from flexgen_helm.evaluation.run import approximations
+from flexgen_helm.policy.precision import setting_name
 
 # Which HELM metrics answer "how accurate" for a scenario (run name before ":").
 PRIMARY = {"lambada": ("prefix_exact_match",), "wikitext": ("perplexity", "bits_per_byte")}
 DEFAULT_PRIMARY = ("exact_match",)
-_DTYPE = {"float16": "FP16", "bfloat16": "BF16", "float32": "FP32"}
-
-
-def setting_name(policy: dict, dtype: str) -> str:
-    """The paper's names where they apply: FP16 (here: the dtype), 8-bit, 4-bit, 4-bit-S
-    (weights and cache both compressed alike, -S: with sparse attention)."""
-    w, c = policy.get("compress_weight"), policy.get("compress_cache")
-    sparse = policy.get("attn_sparsity", 1.0) < 1.0
-    if not w and not c and not sparse:
-        return _DTYPE.get(dtype, dtype)
-    suffix = "-S" if sparse else ""
-    if w and c and w["bits"] == c["bits"]:
-        return f"{w['bits']}-bit{suffix}"
-    if w and not c:
-        return f"{w['bits']}-bit weights{suffix}"
-    if c and not w:
-        return f"{c['bits']}-bit cache{suffix}"
-    return approximations(policy)
 
 
 def eval_table(records: list[dict]) -> pd.DataFrame:

@@ -1,7 +1,7 @@
 """`flexgen-helm demo`: the whole product in one command on a small machine.
 
-helm-run (with our BatchingRunner) evaluates the bundled SmolLM2-135M uncompressed and
-4-bit on a small offline suite (LAMBADA, WikiText, synthetic reasoning); helm-summarize
+helm-run (with our BatchingRunner) evaluates the bundled SmolLM2-135M uncompressed, 8-bit
+and 4-bit on a small offline suite (LAMBADA, WikiText, synthetic reasoning); helm-summarize
 with the plugin's schema makes HELM's leaderboard of it (`helm-server --suite <suite>`),
 photographed in headless Chromium where installed; optionally a short bench sweep
 measures the latency-throughput points and the runtime breakdown; and the report is
@@ -10,8 +10,6 @@ built from all of it: runs/<suite>/report.md.
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import subprocess
 import sys
@@ -23,11 +21,10 @@ from flexgen_helm.errors import BrowserError
 from flexgen_helm.tools.report.build import build_report, records_dir_of, suite_path, write_run_info
 from flexgen_helm.tools.report.leaderboard import make_leaderboard
 
-DEPLOYMENTS = ("flexgen/smollm2-135m", "flexgen/smollm2-135m-4bit")
+# uncompressed, 8-bit, 4-bit: the paper's Table 5 settings (each deployment runs the policy
+# of its entry in flexgen_helm/helm/model_deployments.yaml)
+DEPLOYMENTS = ("flexgen/smollm2-135m", "flexgen/smollm2-135m-8bit", "flexgen/smollm2-135m-4bit")
 SCENARIOS = ("lambada", "wikitext:unit=paragraph", "synthetic_reasoning:mode=pattern_match")
-# The uncompressed deployment has no policy in its YAML: give it the 4-bit one's block
-# (8 x 2 sequences), so that the two differ by compression only.
-FP16_POLICY = {"gpu_batch_size": 8, "num_gpu_batches": 2}
 # bench sweep: (label, policy fields, effective batch sizes); short sequences keep it minutes
 BENCH = [
     ("uncompressed", {}, (1, 4, 16)),
@@ -92,11 +89,9 @@ def run_demo(args) -> Path:
     out = Path(args.out) if args.out else Path(args.archives) / args.suite
     records_dir = Path(args.runs_dir) if args.runs_dir else records_dir_of(out)
     write_run_info(records_dir, ["flexgen-helm", *args.argv])
-    env = dict(os.environ)
-    env.setdefault("FLEXGEN_HELM_POLICY", json.dumps(FP16_POLICY))
     cmd = helm_command(run_entries(), args.max_instances, args.suite, args.output_path, args.threads)
     print("+ " + " ".join(cmd), flush=True)
-    subprocess.run(cmd, env=env, check=True)
+    subprocess.run(cmd, check=True)
     helm_s = time.perf_counter() - t0
     try:
         make_leaderboard(args.output_path, args.suite, out)

@@ -1,0 +1,28 @@
+"""A policy's numerics in the paper's words (Table 5: FP16, 8-bit, 4-bit, 4-bit-S): what
+leaderboards and accuracy tables call a setting. Placement and batching never change the
+numbers, so they are not part of the name; the compute dtype, compression and sparse
+attention are."""
+
+from __future__ import annotations
+
+from flexgen_helm.policy.policy import Policy
+
+DTYPE_LABELS = {"float16": "FP16", "bfloat16": "BF16", "float32": "FP32"}
+
+
+def setting_name(policy: Policy | dict, dtype: str) -> str:
+    """"BF16" (uncompressed: the compute dtype), "8-bit", "4-bit", "4-bit-S" (weights and KV
+    cache compressed alike; -S: sparse attention), "4-bit weights", "8-bit cache", ...; a
+    quantizer other than FlexGen's min/max round-to-nearest is named ("4-bit hqq")."""
+    p = policy.to_dict() if isinstance(policy, Policy) else policy
+    w, c = p.get("compress_weight"), p.get("compress_cache")
+    sparse = p.get("attn_sparsity", 1.0) < 1.0
+    if not w and not c:
+        return DTYPE_LABELS.get(dtype, dtype) + (f", sparse {p['attn_sparsity']:g}" if sparse else "")
+    suffix = "-S" if sparse else ""
+    fitted = sorted({x.get("method", "rtn") for x in (w, c) if x} - {"rtn"})
+    method = "".join(f" {m}" for m in fitted)
+    if w and c and w["bits"] == c["bits"]:
+        return f"{w['bits']}-bit{suffix}{method}"
+    parts = [f"{x['bits']}-bit {what}" for what, x in (("weights", w), ("cache", c)) if x]
+    return ", ".join(parts) + suffix + method
