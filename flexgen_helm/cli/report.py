@@ -61,8 +61,8 @@ def add_command(sub) -> None:
     lb.add_argument("--out", help="the screenshot's folder (default: <archives>/<suite>, beside the report)")
     lb.set_defaults(func=cmd_leaderboard)
 
-    d = sub.add_parser("demo", help="helm-run the bundled model uncompressed, 8-bit and 4-bit, then the leaderboard and "
-                                    "the report")
+    d = sub.add_parser("demo", help="helm-run the bundled model uncompressed, 8-bit and 4-bit, then the leaderboard "
+                                    "and the report")
     _common(d, suite_default="demo")
     d.add_argument("--max-instances", "-m", type=int, default=10, help="instances per HELM scenario")
     d.add_argument("--threads", "-n", type=int, default=2, help="helm-run threads")
