@@ -100,6 +100,43 @@ def test_web_ui_opens_on_the_leaderboard_and_knows_our_models(suite):
     assert models == {d: display_names()[d] for d in DEPLOYMENTS}
 
 
+PAPER_CONF = Path(__file__).resolve().parents[1] / "scenarios" / "paper_table22.conf"
+# the paper's table: each sub-scenario's main metric, then each one's throughput
+PAPER_COLUMNS = ["Model", "Precision", "MMLU - EM", "Pattern match - EM", "Synthetic reasoning (natural) - F1",
+                 "WikiFact - EM (quasi)", "XSUM - ROUGE-2", "MMLU - tok/s", "Pattern match - tok/s",
+                 "Synthetic reasoning (natural) - tok/s", "WikiFact - tok/s", "XSUM - tok/s"]
+
+
+def test_the_papers_sub_scenarios_have_groups_with_their_main_metrics(suite):
+    """Every group a run of scenarios/paper_table22.conf lands in is in the schema, and the
+    paper's group draws them side by side (here with the pattern-match runs of the suite;
+    mmlu, wikifact and xsum need downloads, so they have no runs offline)."""
+    from helm.benchmark.presentation.run_entry import read_run_entries
+    from helm.benchmark.run import run_entries_to_run_specs
+
+    import flexgen_helm.helm.plugin  # noqa: F401  (registers our deployments, which the run specs name)
+
+    _, suite_dir = suite
+    specs = run_entries_to_run_specs(read_run_entries([str(PAPER_CONF)]).entries, models_to_run=[DEPLOYMENTS[0]])
+    assert {s.name.split(":")[0] for s in specs} == {"mmlu", "synthetic_reasoning", "synthetic_reasoning_natural",
+                                                     "wikifact", "summarization_xsum"}
+    schema = json.loads((suite_dir / "schema.json").read_text())
+    groups = {g["name"]: g for g in schema["run_groups"]}
+    metrics = {m["name"] for m in schema["metrics"]}
+    for group in {g for s in specs for g in s.groups}:
+        assert group in groups, group
+        assert groups[group]["environment"]["main_name"] in metrics, group
+    paper = groups["flexgen_paper"]
+    assert set(paper["subgroups"]) == {g for s in specs for g in s.groups} - {"synthetic_reasoning"}
+    tables = json.loads((suite_dir / "groups" / "flexgen_paper.json").read_text())
+    assert [h["value"] for h in tables[0]["header"]] == PAPER_COLUMNS
+    rows = tables[0]["rows"]
+    assert [(row[0]["value"], row[1]["value"]) for row in rows] == [(display_names()[d], p)
+                                                                    for d, p in zip(DEPLOYMENTS, PRECISIONS)]
+    pattern_match = PAPER_COLUMNS.index("Pattern match - EM")
+    assert all(0.0 <= row[pattern_match]["value"] <= 1.0 for row in rows)
+
+
 METHOD_LABELS = {"rtn": "", "hqq": " HQQ-style"}
 
 

@@ -12,6 +12,7 @@ import sys
 
 SCHEMA_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "schema_flexgen.yaml")
 LEADERBOARD_GROUP = "flexgen"  # the schema's first run group: helm-server's Leaderboard page opens on it
+ONE_TABLE_CATEGORY = "Leaderboard"  # run groups of this category are drawn as one table (summarizer.py)
 SUMMARIZER_CLASS = "flexgen_helm.helm.summarizer.FlexGenSummarizer"
 
 

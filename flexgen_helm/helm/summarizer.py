@@ -14,9 +14,10 @@ module); four things a schema cannot say are done here:
   * give each run the throughput the engine measured (the flexgen_* metrics of the schema):
     HELM's metrics know per-request runtimes only, while our batches record real and
     padded tokens (flexgen_helm.helm.accounting, in scenario_state.json);
-  * draw the LEADERBOARD_GROUP as one table of all its metric groups (accuracy, language
-    modeling, throughput), where HELM would draw one table per metric group, of which the
-    web page shows the first only;
+  * draw each group of category ONE_TABLE_CATEGORY (the LEADERBOARD_GROUP, the paper's
+    sub-scenarios) as one table of all its metric groups (accuracy, language modeling,
+    throughput), where HELM would draw one table per metric group, of which the web page
+    shows the first only;
   * give that table a Precision column (FP16 / BF16 / 8-bit / 4-bit): what the engine ran
     each deployment's runs with, as every response recorded it (accounting.py), so the
     column says what was measured whatever a deployment's name promises.
@@ -42,7 +43,7 @@ from helm.benchmark.presentation.table import Cell, HeaderCell, Table
 
 import flexgen_helm.helm.plugin  # noqa: F401  (registers the flexgen model metadata)
 from flexgen_helm.helm import accounting
-from flexgen_helm.helm.schema import LEADERBOARD_GROUP
+from flexgen_helm.helm.schema import ONE_TABLE_CATEGORY
 
 PRECISION_HEADER = "Precision"
 PRECISION_DESCRIPTION = ("What the engine computed each deployment's runs with, as every response recorded it: "
@@ -102,7 +103,7 @@ class FlexGenSummarizer(Summarizer):
         return run
 
     def create_group_tables_by_metric_group(self, group: RunGroup) -> list[Table]:
-        if group.name != LEADERBOARD_GROUP:
+        if group.category != ONE_TABLE_CATEGORY:
             return super().create_group_tables_by_metric_group(group)
         # the scenario groups under it (expand_subgroups lists the group itself first)
         subgroups = [g for g in self.expand_subgroups(group) if not g.subgroups]
