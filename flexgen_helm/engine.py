@@ -23,7 +23,7 @@ import torch
 
 from flexgen_helm.compression.stored import check_weight_compression
 from flexgen_helm.errors import FlexGenError, PromptTooLongError
-from flexgen_helm.executor.generation import BlockDriver, LocalStage, Sequence, StageLink
+from flexgen_helm.executor.generation import BlockDriver, LocalStage, Sequence, StageLink, StepCallback
 from flexgen_helm.executor.kv_cache import check_cache_compression
 from flexgen_helm.executor.runtime import ModelRuntime
 from flexgen_helm.executor.sampling import (
@@ -37,7 +37,7 @@ from flexgen_helm.executor.sampling import (
 from flexgen_helm.memory.devices import DTYPE_NAMES, Devices, pick_devices
 from flexgen_helm.memory.direct_io import bypass_mode
 from flexgen_helm.memory.host_allocator import keep_freed_host_memory
-from flexgen_helm.memory.offload_dir import default_offload_dir
+from flexgen_helm.memory.offload_dir import usable_offload_dir
 from flexgen_helm.memory.placement import place_weights
 from flexgen_helm.memory.usage import TierUsage, process_peak_rss_bytes
 from flexgen_helm.memory.weight_homes import build_homes
@@ -64,8 +64,10 @@ class EngineCore(Protocol):
     precision: str
 
     def generate(self, prompts: list[list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None) -> GenerationRun:
-        """Completions of token-id prompts (params: one for all, or one per prompt)."""
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 on_step: StepCallback | None = None) -> GenerationRun:
+        """Completions of token-id prompts (params: one for all, or one per prompt); on_step(done,
+        total) after each token step, for a progress bar (executor/generation.py)."""
 
     def score(self, prompts: list[list[int]], top_logprobs: int = 0, as_decode: bool = False,
               first_scored: list[int] | None = None) -> ScoreRun:
@@ -106,7 +108,7 @@ class Engine:
         keep_freed_host_memory()  # fresh pages for every big activation cost a third of a CPU prefill
         resolved = resolve(model, path=path, dummy=dummy)
         devices = pick_devices(device, dtype)
-        offload = Path(offload_dir) if offload_dir else default_offload_dir()
+        offload = usable_offload_dir(offload_dir)  # before anything is loaded
         runtime = build_runtime(resolved, policy, devices, offload, progress)
         return cls(resolved, runtime, policy, offload)
 
@@ -159,7 +161,8 @@ class Engine:
     # ---- generation -----------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None) -> GenerationRun:
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 on_step: StepCallback | None = None) -> GenerationRun:
         ids = self.check_prompts(prompts)
         params = params or SamplingParams()
         per_prompt = params if isinstance(params, list) else [params] * len(ids)
@@ -169,7 +172,7 @@ class Engine:
         with self._lock:
             stats = RunStats(sequences=len(seqs))
             with self._workdir() as workdir:
-                BlockDriver(self.runtime, self.policy, Path(workdir), stats, self.stage_link()).generate(seqs)
+                BlockDriver(self.runtime, self.policy, Path(workdir), stats, self.stage_link(), on_step).generate(seqs)
             completions, stats = self.gather([s.completion() for s in seqs], stats)
             self._finish_stats(stats)
         results = [GenerationResult(prompt_token_ids=p) for p in ids]

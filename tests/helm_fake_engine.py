@@ -122,7 +122,8 @@ class FakeEngine:
             results.append(ScoreResult(token_ids=list(ids), logprobs=lps, top_logprobs=tops))
         return ScoreRun(results=results, stats=self._stats(prompts, 0, 0))
 
-    def generate(self, prompts, params=None) -> GenerationRun:
+    def generate(self, prompts, params=None, on_step=None) -> GenerationRun:
+        """on_step: called after each prompt's completions (the fake has no token steps)."""
         self._check(prompts)
         params = params or SamplingParams()
         if isinstance(params, SamplingParams):
@@ -138,6 +139,8 @@ class FakeEngine:
                 gen_total += len(res.completions[-1].token_ids)
             padded_gen += p.max_new_tokens * p.num_completions
             results.append(res)
+            if on_step is not None:
+                on_step(len(results), len(prompts))
         return GenerationRun(results=results, stats=self._stats(prompts, gen_total, padded_gen))
 
     def _complete(self, ids, p: SamplingParams, gen: torch.Generator) -> Completion:

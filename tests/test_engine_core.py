@@ -52,6 +52,18 @@ def test_results_come_with_their_run_stats(engine):
     assert not hasattr(engine, "last_stats")
 
 
+def test_generate_reports_its_token_steps_for_progress_bars(engine):
+    """on_step(done, total) after every token step: blocks of 4 sequences, so 6 prompts make two
+    blocks of 3 steps; steps an early stop skips are counted when the block ends."""
+    calls = []
+    engine.generate(PROMPTS * 2, SamplingParams(max_new_tokens=3, ignore_eos=True), on_step=lambda *a: calls.append(a))
+    assert calls == [(i, 6) for i in range(1, 7)]
+    calls.clear()
+    stop_at_once = SamplingParams(max_new_tokens=5, stop_token_ids=tuple(range(300)))  # every token stops
+    engine.generate(PROMPTS, stop_at_once, on_step=lambda *a: calls.append(a))
+    assert calls == [(1, 5), (5, 5)]
+
+
 def test_engine_takes_token_ids_only(engine):
     with pytest.raises(FlexGenError, match="prompt 0 is text.*TextEngine"):
         engine.generate(["Once upon a time"])

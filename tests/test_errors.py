@@ -87,10 +87,12 @@ def test_corrupt_store_is_detected(tiny_opt, tmp_path, monkeypatch):
 
 
 def test_unwritable_offload_dir(tiny_llama, tmp_path):
-    not_a_dir = tmp_path / "file"
-    not_a_dir.write_text("x")
+    """Found when the engine loads (tests/test_cli.py), and again if it goes away after."""
+    offload = tmp_path / "offload"
     engine = Engine.load(str(tiny_llama), Policy(cache=Split(0, 0, 1)), dtype="float32", device="cpu",
-                         offload_dir=not_a_dir / "offload", progress=False)
+                         offload_dir=offload, progress=False)
+    offload.rmdir()
+    offload.write_text("x")  # a file where the folder was
     with pytest.raises(FlexGenError, match="offload directory .* not usable"):
         engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
 

@@ -18,6 +18,7 @@ def add_command(sub) -> None:
     add_workload_args(b)
     b.add_argument("--warmup", type=int, default=1, help="untimed runs before the timed one")
     b.add_argument("--json", help="write the measurements here")
+    b.add_argument("--quiet", action="store_true", help="no progress bars")
     b.add_argument("--label", help="name of this setting in reports (e.g. 'no overlap'; see flexgen_helm/tools/report)")
     b.set_defaults(func=run)
 

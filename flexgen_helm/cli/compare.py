@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from flexgen_helm.cli.options import checked_output_dir
+
 
 def add_command(sub) -> None:
     from flexgen_helm.tools.compare.workloads import DEFAULT_SYSTEMS, SETUPS, SYSTEMS
@@ -23,4 +25,5 @@ def add_command(sub) -> None:
 def run(args) -> int:
     from flexgen_helm.tools.compare.run import main as compare_main
 
+    checked_output_dir(args.out)  # before the store, the bandwidth and the runs
     return compare_main(args)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from flexgen_helm.cli.options import checked_output_dir
+
 
 def add_command(sub) -> None:
     k = sub.add_parser("compare-llamacpp",
@@ -26,4 +28,5 @@ def add_command(sub) -> None:
 def run(args) -> int:
     from flexgen_helm.tools.compare.llamacpp import main
 
+    checked_output_dir(args.out)  # before llama.cpp is built and the runs
     return main(args)

@@ -105,10 +105,22 @@ def checked_output_file(path: str | os.PathLike | None) -> Path | None:
     out = Path(path)
     if out.is_dir():
         raise FlexGenError(f"output path {out} is a directory; give a file name")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise FlexGenError(f"cannot create the folder of the output file {out}: {e}") from e
-    if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+    checked_output_dir(out.parent)
+    if out.exists() and not os.access(out, os.W_OK):
         raise FlexGenError(f"output file {out} cannot be written (no write permission)")
+    return out
+
+
+def checked_output_dir(path: str | os.PathLike | None) -> Path | None:
+    """A folder the command will write into, made ready before any work starts: created, and
+    one that cannot be created or written is an error now."""
+    if path is None:
+        return None
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise FlexGenError(f"cannot create the output folder {out}: {e}") from e
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise FlexGenError(f"output folder {out} cannot be written (no write permission)")
     return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from flexgen_helm.cli.options import checked_output_dir
 from flexgen_helm.errors import FlexGenError
 
 
@@ -25,7 +26,7 @@ def cmd_report(args) -> int:
         raise FlexGenError(f"no HELM suite at {suite_dir.resolve()} (looked there for --suite "
                            f"{args.suite or suite_dir.name} under --output-path {args.output_path}); "
                            "run helm-run with --suite NAME first, or pass the suite's folder")
-    out = Path(args.out) if args.out else Path(args.archives) / suite_dir.name
+    out = checked_output_dir(Path(args.out) if args.out else Path(args.archives) / suite_dir.name)
     report = build_report(suite_dir, args.runs_dir, out, archive_root=args.archives)
     print(f"report: {report}")
     return 0
@@ -34,15 +35,20 @@ def cmd_report(args) -> int:
 def cmd_leaderboard(args) -> int:
     from flexgen_helm.tools.report.leaderboard import make_leaderboard
 
-    out = Path(args.out) if args.out else Path(args.archives) / args.suite
+    out = checked_output_dir(Path(args.out) if args.out else Path(args.archives) / args.suite)  # before summarizing
     make_leaderboard(args.output_path, args.suite, out)
     print(f"serve it: helm-server --suite {args.suite} -o {args.output_path}")
     return 0
 
 
 def cmd_demo(args) -> int:
+    from flexgen_helm.tools.report.build import records_dir_of
     from flexgen_helm.tools.report.demo import run_demo
 
+    # every folder the main job writes, ready before helm-run starts
+    out = checked_output_dir(Path(args.out) if args.out else Path(args.archives) / args.suite)
+    checked_output_dir(args.runs_dir or records_dir_of(out))
+    checked_output_dir(args.output_path)
     run_demo(args)
     return 0
 

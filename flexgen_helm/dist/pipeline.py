@@ -28,7 +28,7 @@ from flexgen_helm.executor.generation import Block, StageLink
 from flexgen_helm.executor.sampling import Completion, RunStats, ScoreRun
 from flexgen_helm.executor.schedule import BlockSchedule
 from flexgen_helm.memory.devices import pick_devices
-from flexgen_helm.memory.offload_dir import default_offload_dir
+from flexgen_helm.memory.offload_dir import default_offload_dir, usable_offload_dir
 from flexgen_helm.models import family_of
 from flexgen_helm.policy.policy import Policy
 from flexgen_helm.weights.registry import resolve
@@ -115,7 +115,7 @@ class PipelineEngine(Engine):
         if device is None and torch.cuda.is_available():
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
         devices = pick_devices(device, dtype)
-        offload = Path(offload_dir or default_offload_dir()) / f"stage-{rank}"
+        offload = usable_offload_dir(Path(offload_dir or default_offload_dir()) / f"stage-{rank}")  # before loading
         runtime = build_runtime(resolved, policy, devices, offload, progress and rank == 0,
                                 layers=layers[bounds[rank]:bounds[rank + 1]])
         engine = cls(resolved, runtime, policy, offload)

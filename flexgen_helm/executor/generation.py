@@ -9,7 +9,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +18,8 @@ from flexgen_helm.executor.sampling import Completion, RunStats, SamplingParams,
 from flexgen_helm.executor.schedule import BlockSchedule, GpuBatch
 from flexgen_helm.policy.policy import Policy
 
-__all__ = ["BlockDriver", "LocalStage", "RunStats", "Sequence", "StageLink", "left_pad", "plan_blocks"]
+__all__ = ["BlockDriver", "LocalStage", "RunStats", "Sequence", "StageLink", "StepCallback", "left_pad",
+           "plan_blocks"]
 
 
 @dataclass
@@ -53,6 +54,16 @@ def plan_blocks(lengths: list[int], policy: Policy) -> list[list[list[int]]]:
         chunk = order[start:start + policy.block_size]
         blocks.append([chunk[i:i + policy.gpu_batch_size] for i in range(0, len(chunk), policy.gpu_batch_size)])
     return blocks
+
+
+# on_step(done, total): token steps done and planned over all of a generate call's blocks
+# (step 1 of a block is its prefill); called after each step, from the generating thread
+StepCallback = Callable[[int, int], None]
+
+
+def block_steps(block: list[list[Sequence]]) -> int:
+    """Token steps of a block: its longest max_new_tokens (the prefill makes the first token)."""
+    return max(s.params.max_new_tokens for g in block for s in g)
 
 
 def left_pad(prompts: list[list[int]], length: int, pad_id: int) -> GpuBatch:
@@ -123,9 +134,12 @@ class LocalStage:
 class BlockDriver:
     """Runs sequences through a ModelRuntime under a policy, block after block."""
 
-    def __init__(self, runtime, policy: Policy, workdir: Path, stats: RunStats, link: StageLink | None = None):
+    def __init__(self, runtime, policy: Policy, workdir: Path, stats: RunStats, link: StageLink | None = None,
+                 on_step: StepCallback | None = None):
         self.rt, self.policy, self.workdir, self.stats = runtime, policy, workdir, stats
         self.link = link if link is not None else LocalStage()
+        self.on_step = on_step
+        self._steps_done = self._steps_total = 0
         self.pad_id = runtime.config.pad_token_id if runtime.config.pad_token_id is not None else 0
 
     def schedule(self, groups: list[list[list[int]]], max_len: int, name: str = "") -> BlockSchedule:
@@ -145,20 +159,24 @@ class BlockDriver:
 
     def generate(self, seqs: list[Sequence]) -> None:
         """Generate every sequence, in blocks of similar prompt length."""
-        for block in plan_blocks([len(s.prompt) for s in seqs], self.policy):
-            self.generate_block([[seqs[i] for i in group] for group in block])
+        blocks = [[[seqs[i] for i in group] for group in block]
+                  for block in plan_blocks([len(s.prompt) for s in seqs], self.policy)]
+        self._steps_total = sum(block_steps(block) for block in blocks)
+        for block in blocks:
+            self.generate_block(block)
 
     def generate_block(self, block: Block) -> None:
         for s in (s for g in block for s in g):
             if s.params.max_new_tokens == 0:
                 s.finish_reason = "length"
-        steps = max(s.params.max_new_tokens for g in block for s in g)
+        steps = block_steps(block)
         if steps == 0:
             return
         longest = max(len(s.prompt) for g in block for s in g)
         groups = self.link.micro_batches(block)
         scheds = [self.schedule([[s.prompt for s in batch] for batch in group], longest + steps, name=f"group-{g}")
                   for g, group in enumerate(groups)]
+        done_before = self._steps_done
         try:
             self._run_steps(block, groups, scheds, steps)
         finally:
@@ -169,6 +187,13 @@ class BlockDriver:
         for s in (s for g in block for s in g):
             if not s.done:
                 s.finish_reason = "length"
+        self._step_done(done_before + steps)  # the steps an early stop skipped count as done
+
+    def _step_done(self, done: int) -> None:
+        if done != self._steps_done:
+            self._steps_done = done
+            if self.on_step is not None:
+                self.on_step(done, max(self._steps_total, done))
 
     def _run_steps(self, block: Block, groups: list[Block], scheds: list[BlockSchedule], steps: int) -> None:
         """Step 0 is the prefill, every later step one decode; within a step the groups take
@@ -198,6 +223,8 @@ class BlockDriver:
                         sched.compute_only(k, computing[g][k])
             if step == 0:
                 self.stats.prefill_s += time.perf_counter() - t0
+            self._step_done(self._steps_done + 1)
+            if step == 0:
                 t0 = time.perf_counter()
         self.stats.decode_s += time.perf_counter() - t0
 

@@ -399,7 +399,7 @@ def measure(offload_dir: str | os.PathLike | None = None, device: str | None = N
             dtype: str | None = None) -> HardwareProfile:
     from flexgen_helm.memory.devices import pick_devices
     from flexgen_helm.memory.host_allocator import keep_freed_host_memory
-    from flexgen_helm.memory.offload_dir import default_offload_dir
+    from flexgen_helm.memory.offload_dir import usable_offload_dir
     from flexgen_helm.memory.usage import current_rss_bytes
     from flexgen_helm.planner.overhead_profile import measure_fixed_costs, measure_handoff_s
 
@@ -408,7 +408,7 @@ def measure(offload_dir: str | os.PathLike | None = None, device: str | None = N
     # measure with the engine's allocator setting: without it every big output is fresh pages
     # (a 4-bit (4096, 2048) weight dequantized at 0.4-0.5 G elements/s instead of 0.9)
     keep_freed_host_memory()
-    offload = Path(offload_dir) if offload_dir else default_offload_dir()
+    offload = usable_offload_dir(offload_dir)  # before minutes of measuring
     prof = HardwareProfile(compute_device=devs.compute.type, dtype=DTYPE_NAMES[devs.dtype])
     prof.devices = {"cpu": measure_device(torch.device("cpu"), devs.dtype)}
     if devs.is_cuda:

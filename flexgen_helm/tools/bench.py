@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from flexgen_helm.dist.launch import engine_class, is_reporting_rank
 from flexgen_helm.executor.sampling import SamplingParams
@@ -48,6 +49,35 @@ def breakdown(timers: dict) -> dict:
     return {stage: {e: timers.get(f"{stage}_{e}", 0.0) for e in EVENTS} for stage in STAGES}
 
 
+class TokenSteps:
+    """The progress of one block's generation on stderr: the prefill, then a bar over the
+    decode steps whose clock starts after the prefill, so that its estimate of the time left
+    is the remaining steps at the decode steps' own pace (a prefill can take many of them)."""
+
+    def __init__(self, desc: str, sequences: int, prompt_len: int, enabled: bool):
+        self.desc, self.sequences, self.prompt_len, self.enabled = desc, sequences, prompt_len, enabled
+        self.bar = None
+
+    def __enter__(self) -> "TokenSteps":
+        if self.enabled:
+            self.bar = tqdm(desc=f"{self.desc}: prefill of {self.sequences} x {self.prompt_len} tokens",
+                            unit="step", file=sys.stderr)
+        return self
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            return
+        if done == 1:  # the prefill made the first token: from here on, the decode steps
+            self.bar.set_description(f"{self.desc}: decode")
+            self.bar.reset(total=total - 1)
+        else:
+            self.bar.update(done - 1 - self.bar.n)
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def run_bench(args, policy: Policy) -> dict:
     devices = pick_devices(args.device, args.dtype)
     resolved = resolve(args.model, path=args.path, dummy=args.dummy)
@@ -57,17 +87,21 @@ def run_bench(args, policy: Policy) -> dict:
     check_budgets(planned, {t: parse_size(getattr(args, f"{t}_mem", None)) for t in ("gpu", "cpu", "disk")})
 
     engine = engine_class(args.pipeline).load(args.model, policy, path=args.path, dummy=args.dummy,
-                                              offload_dir=args.offload_dir, device=args.device, dtype=args.dtype)
+                                              offload_dir=args.offload_dir, device=args.device, dtype=args.dtype,
+                                              progress=not args.quiet)
     g = torch.Generator().manual_seed(0)
     batch = policy.block_size
     prompts = torch.randint(10, cfg.vocab_size, (batch, args.prompt_len), generator=g).tolist()
     params = SamplingParams(max_new_tokens=args.gen_len, ignore_eos=True)
-    for _ in range(args.warmup):
-        engine.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))
+    progress = not args.quiet
+    for i in range(args.warmup):
+        with TokenSteps(f"bench warmup {i + 1}/{args.warmup}", batch, args.prompt_len, progress) as steps:
+            engine.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True), on_step=steps)
     engine.runtime.usage.reset_peak()
     load_before = os.getloadavg()  # others may share this machine: say how busy it was
     reads_before = process_disk_read_bytes()
-    stats = engine.generate(prompts, params).stats
+    with TokenSteps("bench", batch, args.prompt_len, progress) as steps:
+        stats = engine.generate(prompts, params, on_step=steps).stats
     disk_read_bytes = process_disk_read_bytes() - reads_before
     result = {
         "label": getattr(args, "label", None),

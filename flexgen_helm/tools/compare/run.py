@@ -146,21 +146,31 @@ def run_compare(setup: Setup, out: Path, warmup: int, timeout_s: int, systems: t
         record.setdefault("label", label)
         return table.row(setup.name, system, record, row_context(setup, record, policy, profile, bandwidth, load))
 
-    rows = []
-    # one system after another: tqdm's estimate of the time left is each run's mean so far
-    for system in tqdm(systems, desc=f"compare {setup.name}", unit="system"):
-        p = planned.get(system)
-        rows.append(one(system, p.label if p else system, p.policy if p else None))
-    table.add_ratios(rows)
-    ablation_rows = []
-    if ablations:
-        auto = next((r for r in rows if r["system"] == "ours-auto"), None)
-        if auto is None:  # the searched policy's own row, when the main table did not run it
-            auto = one("ours-auto", LABELS["ours-auto"], best)
-        ablation_rows.append({**auto, "label": "all optimizations (the ours-auto row)"})
-        for p in tqdm(extra, desc=f"ablations {setup.name}", unit="setting"):
-            ablation_rows.append(one(p.system, p.label, p.policy, p.note))
-        add_ratio_to(ablation_rows, ablation_rows[0], "vs_all_optimizations")
+    # every row of both tables, one bar: row i of N, and the time left at the rows' mean so far
+    # (each row's bench shows its own decode steps and their time left below it)
+    auto_row_apart = ablations and "ours-auto" not in systems  # the ablations' baseline, run on its own
+    bar = tqdm(total=len(systems) + auto_row_apart + len(extra), desc=f"compare {setup.name}", unit="row")
+
+    def counted(*row_args) -> dict:
+        row = one(*row_args)
+        bar.update(1)
+        return row
+
+    with bar:
+        rows = []
+        for system in systems:
+            p = planned.get(system)
+            rows.append(counted(system, p.label if p else system, p.policy if p else None))
+        table.add_ratios(rows)
+        ablation_rows = []
+        if ablations:
+            auto = next((r for r in rows if r["system"] == "ours-auto"), None)
+            if auto is None:  # the searched policy's own row, when the main table did not run it
+                auto = counted("ours-auto", LABELS["ours-auto"], best)
+            ablation_rows.append({**auto, "label": "all optimizations (the ours-auto row)"})
+            for p in extra:
+                ablation_rows.append(counted(p.system, p.label, p.policy, p.note))
+            add_ratio_to(ablation_rows, ablation_rows[0], "vs_all_optimizations")
     (folder / "bandwidth.json").write_text(json.dumps(bandwidth, indent=1))
     return rows, ablation_rows, run.commands
 
