@@ -12,6 +12,7 @@ import pytest
 from flexgen_helm.cli import main
 from flexgen_helm.helm import accounting
 from flexgen_helm.helm.accounting import BatchRecord
+from flexgen_helm.policy.precision import setting_name
 from flexgen_helm.tools.bench import breakdown
 from flexgen_helm.tools.report import accuracy, frontier, helm_runs, placement
 from flexgen_helm.tools.report import breakdown as breakdown_report
@@ -35,9 +36,9 @@ def _batch(id: str, size: int, time_s: float, padded_prompt: int, padded_gen: in
                        prefill_s=0.0, decode_s=0.0)
 
 
-def _request(instance: str, prompt: int, gen: int, batch: BatchRecord) -> dict:
+def _request(instance: str, prompt: int, gen: int, batch: BatchRecord, precision: str = "BF16") -> dict:
     """A request state as HELM writes it, with the accounting the HELM client reports."""
-    rec = accounting.to_finish_reason(accounting.RequestRecord(prompt, gen, batch))
+    rec = accounting.to_finish_reason(accounting.RequestRecord(prompt, gen, batch), precision)
     return {"instance": {"id": instance, "input": {"text": "x"}, "references": [], "split": "test"},
             "train_trial_index": 0,
             "result": {"success": True, "batch_size": batch.size, "batch_request_time": batch.time_s,
@@ -69,7 +70,7 @@ def fixture_dirs(tmp_path) -> tuple[Path, Path]:
                 _stat("prefix_exact_match", 0.1, perturbation={"name": "typos"}), _stat("perplexity", 3.0)])
     b3 = _batch("b3", 2, 4.0, padded_prompt=40, padded_gen=0)
     _write_run(suite, "wikitext:unit=paragraph,model=flexgen_m-4bit", "flexgen/m-4bit",
-               [_request("w1", 20, 0, b3), _request("w2", 20, 0, b3)],
+               [_request("w1", 20, 0, b3, "4-bit"), _request("w2", 20, 0, b3, "4-bit")],
                [_stat("perplexity", 12.5), _stat("bits_per_byte", 1.25)])
     (suite / "eval_cache").mkdir()  # HELM's own folders without a run_spec are not runs
 
@@ -105,6 +106,7 @@ def test_helm_table_padded_and_actual_throughput(fixture_dirs):
     assert list(df["scenario"]) == ["lambada", "wikitext:unit=paragraph"]
     lam = df.iloc[0]
     assert lam["instances"] == 3 and lam["batches"] == 2
+    assert (lam["precision"], df.iloc[1]["precision"]) == ("BF16", "4-bit")  # as the responses recorded it
     assert (lam["prompt tok"], lam["prompt tok (padded)"]) == (24, 28)
     assert (lam["output tok"], lam["output tok (padded)"]) == (12, 12)
     assert lam["engine time (s)"] == pytest.approx(3.0)
@@ -130,7 +132,17 @@ def test_accuracy_tables(fixture_dirs):
     helm = accuracy.helm_accuracy_table(helm_runs.helm_table(suite)).set_index("deployment")
     assert helm.loc["flexgen/m", "lambada prefix_exact_match"] == 0.5
     assert helm.loc["flexgen/m-4bit", "wikitext:unit=paragraph perplexity"] == 12.5
-    assert accuracy.setting_name({**Q4, "attn_sparsity": 0.1}, "float16") == "4-bit-S"
+    assert helm.loc["flexgen/m-4bit", "precision"] == "4-bit"
+
+
+def test_settings_are_named_as_in_the_paper():
+    assert setting_name(FP, "bfloat16") == "BF16" and setting_name(Q4, "float16") == "4-bit"
+    assert setting_name({**Q4, "attn_sparsity": 0.1}, "float16") == "4-bit-S"
+    eight = {"bits": 8, "group_size": 64}
+    assert setting_name({**FP, "compress_weight": eight, "compress_cache": eight}, "float32") == "8-bit"
+    assert setting_name({**FP, "compress_weight": eight}, "float32") == "8-bit weights"
+    hqq = {**Q4, "compress_weight": {**Q4["compress_weight"], "method": "hqq"}}
+    assert setting_name(hqq, "bfloat16") == "4-bit hqq"  # not the same row as min/max 4-bit
 
 
 def test_frontier_ablation_breakdown(fixture_dirs):
@@ -167,7 +179,7 @@ def test_report_files(fixture_dirs, tmp_path):
     text = (out / "report.md").read_text()
     for heading in ("Table 25", "Table 5", "Figure 1", "Table 23", "per tier", "Table 6"):
         assert heading in text
-    assert "| lambada | flexgen/m | 3 | 24 | 28 | 12 | 12 | 3 | 13.33 | 12 | 0.9 |" in text
+    assert "| lambada | flexgen/m | BF16 | 3 | 24 | 28 | 12 | 12 | 3 | 13.33 | 12 | 0.9 |" in text
     for name in ("helm_runs.csv", "accuracy_eval.csv", "accuracy_helm.csv", "frontier.csv", "breakdown.csv",
                  "placement.csv", "ablation.csv", "helm_throughput.png", "accuracy_eval.png", "accuracy_helm.png",
                  "frontier-1.png",

@@ -99,11 +99,17 @@ def from_request_result(result: dict[str, Any]) -> RequestRecord | None:
                          batch=batch)
 
 
-def precisions_from_scenario_state(state: dict) -> set[str]:
-    """The precisions the run's requests were computed at: one, or more where HELM's cache
-    held results computed at another dtype (the cache key has the dtype only when set)."""
+PRECISION_NOT_RECORDED = "not recorded"
+
+
+def precision_from_scenario_state(state: dict) -> str:
+    """The precision the run's requests were computed at ("BF16", "4-bit", ...); several are
+    joined with " + " (HELM's cache held results computed at another dtype: the cache key has
+    the dtype only when it is set), none is PRECISION_NOT_RECORDED (no successful request,
+    or responses of an older plugin)."""
     entries = (_flexgen_entry(rs.get("result") or {}) for rs in state.get("request_states", []))
-    return {e["precision"] for e in entries if e is not None and "precision" in e}
+    found = {e["precision"] for e in entries if e is not None and "precision" in e}
+    return " + ".join(sorted(found)) or PRECISION_NOT_RECORDED
 
 
 def records_from_scenario_state(state: dict) -> list[RequestRecord]:

@@ -50,7 +50,6 @@ PRECISION_DESCRIPTION = ("What the engine computed each deployment's runs with, 
                          "FP16 / BF16 / FP32 = uncompressed weights and KV cache in that type (the device's own: "
                          "FP16 on a GPU, BF16 or FP32 on a CPU); 8-bit / 4-bit = weights and KV cache quantized "
                          "group-wise (groups of 64, min/max; a fitted quantizer is named, e.g. 4-bit hqq).")
-PRECISION_UNKNOWN = "not recorded"
 
 # flexgen_* metric -> accounting.summarize's key
 THROUGHPUT_METRICS = {
@@ -79,19 +78,19 @@ def throughput_stats(run_path: str, splits: set[str]) -> list[Stat]:
 
 def run_precision(run_path: str) -> str:
     """What the engine computed the run with ("BF16", "8-bit", "4-bit", ...), as its
-    responses recorded it; several are joined (results of another dtype from HELM's cache)."""
+    responses recorded it (accounting.precision_from_scenario_state)."""
     state_path = os.path.join(run_path, "scenario_state.json")
     if not os.path.isfile(state_path):
-        return PRECISION_UNKNOWN
+        return accounting.PRECISION_NOT_RECORDED
     with open(state_path) as f:
-        found = accounting.precisions_from_scenario_state(json.load(f))
-    return " + ".join(sorted(found)) or PRECISION_UNKNOWN
+        return accounting.precision_from_scenario_state(json.load(f))
 
 
 def with_precision_column(table: Table, precision_of_row: dict[str, str]) -> Table:
     """`table` with a Precision column after the model's: the setting each row's runs recorded."""
     header = [table.header[0], HeaderCell(PRECISION_HEADER, description=PRECISION_DESCRIPTION), *table.header[1:]]
-    rows = [[row[0], Cell(precision_of_row.get(row[0].value, PRECISION_UNKNOWN)), *row[1:]] for row in table.rows]
+    rows = [[row[0], Cell(precision_of_row.get(row[0].value, accounting.PRECISION_NOT_RECORDED)), *row[1:]]
+            for row in table.rows]
     return replace(table, header=header, rows=rows)
 
 

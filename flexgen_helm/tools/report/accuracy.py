@@ -58,7 +58,8 @@ def primary_metrics(scenario: str) -> tuple[str, ...]:
 
 
 def helm_accuracy_table(helm: pd.DataFrame) -> pd.DataFrame:
-    """Rows: deployments; columns: "<scenario> <metric>" for each scenario's primary metrics."""
+    """Rows: deployments, with the precision their runs recorded; columns: "<scenario>
+    <metric>" for each scenario's primary metrics."""
     if helm.empty:
         return pd.DataFrame()
     cells: dict[str, dict[str, float]] = {}
@@ -70,5 +71,9 @@ def helm_accuracy_table(helm: pd.DataFrame) -> pd.DataFrame:
     if not cells:
         return pd.DataFrame()
     df = pd.DataFrame.from_dict(cells, orient="index")
+    df = df[sorted(df.columns)]
+    if "precision" in helm:
+        precision = helm.groupby("deployment")["precision"].agg(lambda p: " + ".join(sorted(set(p))))
+        df.insert(0, "precision", precision.reindex(df.index))
     df.index.name = "deployment"
-    return df[sorted(df.columns)].reset_index()
+    return df.reset_index()

@@ -35,7 +35,7 @@ from flexgen_helm.tools.report.markdown import fmt, table
 
 RUN_INFO = "run_info.json"  # written beside the records by the command that made the run
 
-HELM_SHOWN = ["scenario", "deployment", "instances", "prompt tok", "prompt tok (padded)", "output tok",
+HELM_SHOWN = ["scenario", "deployment", "precision", "instances", "prompt tok", "prompt tok (padded)", "output tok",
               "output tok (padded)", "engine time (s)", "padded tok/s", "actual tok/s", "efficiency"]
 
 
@@ -152,8 +152,10 @@ def _accuracy_section(evals: list[dict], helm_df: pd.DataFrame, out: Path) -> li
         md.append("No HELM metrics for this suite.\n")
     else:
         md += [table(helm), _csv(helm, out, "accuracy_helm.csv")]
-        md.append(_img(plots.bar_panels(helm, "deployment", [c for c in helm.columns if c != "deployment"],
-                                        "HELM metrics by deployment", out / "accuracy_helm.png"), "HELM metrics"))
+        named = helm.assign(label=helm["deployment"] + (" (" + helm["precision"] + ")" if "precision" in helm else ""))
+        metrics = [c for c in helm.columns if c not in ("deployment", "precision")]
+        md.append(_img(plots.bar_panels(named, "label", metrics, "HELM metrics by deployment",
+                                        out / "accuracy_helm.png"), "HELM metrics"))
     return md
 
 

@@ -1,5 +1,6 @@
-"""One row per HELM run of a suite: tokens real and padded, engine time, padded and actual
-throughput, efficiency (the paper's Table 25), next to the run's main metrics.
+"""One row per HELM run of a suite: the precision it ran at, tokens real and padded, engine
+time, padded and actual throughput, efficiency (the paper's Table 25), next to the run's
+main metrics.
 
 Reads what helm-run writes under <output_path>/runs/<suite>/<run>/: run_spec.json (name,
 deployment), scenario_state.json (our per-request `finish_reason["flexgen"]` records, see
@@ -54,6 +55,7 @@ def read_run(run_dir: Path) -> dict:
         state = json.loads(state_path.read_text())
         ids = {rs["instance"].get("id") for rs in state.get("request_states", [])}
         row["instances"] = len(ids)
+        row["precision"] = accounting.precision_from_scenario_state(state)
         row.update(accounting.summarize(accounting.records_from_scenario_state(state)))
     stats_path = run_dir / "stats.json"
     if stats_path.is_file():
@@ -64,7 +66,7 @@ def read_run(run_dir: Path) -> dict:
 
 # accounting.summarize's keys -> the report's column names (units in the names)
 COLUMNS = {
-    "scenario": "scenario", "deployment": "deployment", "instances": "instances",
+    "scenario": "scenario", "deployment": "deployment", "precision": "precision", "instances": "instances",
     "requests": "requests", "batches": "batches",
     "prompt_tokens": "prompt tok", "padded_prompt_tokens": "prompt tok (padded)",
     "generated_tokens": "output tok", "padded_generated_tokens": "output tok (padded)",
