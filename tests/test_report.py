@@ -4,6 +4,7 @@ numbers checked through the tables (padded vs actual arithmetic, efficiency, rat
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -252,11 +253,13 @@ def test_suite_report_is_about_its_own_run_and_links_archives(fixture_dirs, tmp_
     suite, runs = fixture_dirs
     (runs / "accuracy" / "README.md").write_text("# archived accuracy\n")
     out = runs / "mini"
-    from flexgen_helm.tools.report.build import records_dir_of, write_run_info
+    from flexgen_helm.tools.report.build import end_run_info, records_dir_of, write_run_info
 
     write_run_info(records_dir_of(out), ["flexgen-helm", "demo"])
+    end_run_info(records_dir_of(out))
     assert main(["report", str(suite), "--archives", str(runs)]) == 0
     text = (out / "report.md").read_text()
+    assert re.search(r"Load average \(1 min\) [0-9.]+ at its start, [0-9.]+ at its end", text)  # timings' context
     # the bench and eval records archived under runs/ are not this run's: no table of theirs
     assert "0 bench / 0 eval records" in text and "No bench records in this run" in text
     assert "Measured on **" in text and "`flexgen-helm demo`" in text  # the host and command of the run

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 from pathlib import Path
 
 import pandas as pd
@@ -49,12 +50,22 @@ def records_dir_of(out: Path) -> Path:
 
 
 def write_run_info(folder: Path, command: list[str]) -> Path:
-    """The host, date and command of a run, beside its records, for its report (written
-    when the run starts)."""
+    """The host, date, command and load average of a run, beside its records, for its report
+    (written when the run starts; `end_run_info` adds the load at its end)."""
     folder.mkdir(parents=True, exist_ok=True)
     info = {"hardware": machine_info(), "started": datetime.datetime.now().isoformat(timespec="seconds"),
-            "command": command}
+            "command": command, "load_average_start": os.getloadavg()}
     path = folder / RUN_INFO
+    path.write_text(json.dumps(info, indent=1))
+    return path
+
+
+def end_run_info(folder: Path) -> Path:
+    """The run's end and the load average then (others may share the machine: its timings
+    are only as good as the machine was idle)."""
+    path = folder / RUN_INFO
+    info = json.loads(path.read_text())
+    info.update(ended=datetime.datetime.now().isoformat(timespec="seconds"), load_average_end=os.getloadavg())
     path.write_text(json.dumps(info, indent=1))
     return path
 
@@ -90,13 +101,22 @@ def _provenance(suite_dir: Path, records_dir: Path, benches: list[dict], evals: 
     if info_path.exists():
         info = json.loads(info_path.read_text())
         ran = (f"Measured on **{machine_label(info['hardware'])}**, started {info['started']} by "
-               f"`{' '.join(info['command'])}`.")
+               f"`{' '.join(info['command'])}`. {_load_note(info)}")
     else:
         ran = (f"The run recorded no host; this report was built on {machine_label()} "
                f"on {datetime.datetime.now():%Y-%m-%d %H:%M}.")
     return (f"{ran} Sources: HELM's output `{suite_dir}` and {len(benches)} bench / {len(evals)} eval records "
             f"in `{records_dir}`; every table is also a CSV beside this file, every figure is drawn from the "
             "table above it.\n")
+
+
+def _load_note(info: dict) -> str:
+    """The machine's 1-minute load average over the run: every timing of the report was taken under it."""
+    if "load_average_start" not in info:
+        return "The run recorded no load average: its timings may have shared the machine with other work."
+    end = f", {info['load_average_end'][0]:.2f} at its end" if "load_average_end" in info else ""
+    return (f"Load average (1 min) {info['load_average_start'][0]:.2f} at its start{end}, on "
+            f"{info['hardware'].get('cpu_cores', '?')} cores: every timing below was taken under that load.")
 
 
 def _csv(df: pd.DataFrame, out: Path, name: str) -> str:
@@ -151,6 +171,10 @@ def _accuracy_section(evals: list[dict], helm_df: pd.DataFrame, out: Path) -> li
     if helm.empty:
         md.append("No HELM metrics for this suite.\n")
     else:
+        sizes = sorted({int(n) for n in helm_df["instances"].dropna()}) if "instances" in helm_df else []
+        if sizes:
+            md.append(f"Each value is a mean over its run's instances ({' / '.join(map(str, sizes))} here; one "
+                      "instance moves an accuracy by 1 / that many): HELM's own sample, not the full test set.\n")
         md += [table(helm), _csv(helm, out, "accuracy_helm.csv")]
         named = helm.assign(label=helm["deployment"] + (" (" + helm["precision"] + ")" if "precision" in helm else ""))
         metrics = [c for c in helm.columns if c not in ("deployment", "precision")]

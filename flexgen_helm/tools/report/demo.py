@@ -18,7 +18,13 @@ from argparse import Namespace
 from pathlib import Path
 
 from flexgen_helm.errors import BrowserError
-from flexgen_helm.tools.report.build import build_report, records_dir_of, suite_path, write_run_info
+from flexgen_helm.tools.report.build import (
+    build_report,
+    end_run_info,
+    records_dir_of,
+    suite_path,
+    write_run_info,
+)
 from flexgen_helm.tools.report.leaderboard import make_leaderboard
 
 # uncompressed, 8-bit, 4-bit: the paper's Table 5 settings (each deployment runs the policy
@@ -100,6 +106,7 @@ def run_demo(args) -> Path:
         browser_error = e
     if args.bench:
         bench_sweep(records_dir)
+    end_run_info(records_dir)
     report = build_report(suite_path(args.output_path, args.suite), records_dir, out, archive_root=args.archives)
     total = time.perf_counter() - t0
     print(f"report: {report}  (helm-run {helm_s / 60:.1f} min, total {total / 60:.1f} min)")
