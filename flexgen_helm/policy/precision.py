@@ -26,3 +26,12 @@ def setting_name(policy: Policy | dict, dtype: str) -> str:
         return f"{w['bits']}-bit{suffix}{method}"
     parts = [f"{x['bits']}-bit {what}" for what, x in (("weights", w), ("cache", c)) if x]
     return ", ".join(parts) + suffix + method
+
+
+def setting_rank(name: str) -> tuple:
+    """Sort key of setting names, in the paper's order: uncompressed first, then by bits from
+    most to fewest (8-bit, 4-bit, ...), each setting before its -S variant."""
+    if name.split(",")[0] in DTYPE_LABELS.values():
+        return (0, 0, name)
+    bits = name.split("-bit")[0]
+    return (1, -int(bits), name) if bits.isdigit() else (2, 0, name)

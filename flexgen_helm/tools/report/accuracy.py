@@ -11,7 +11,7 @@ from __future__ import annotations
 import pandas as pd
 
 from flexgen_helm.evaluation.run import approximations
-from flexgen_helm.policy.precision import setting_name
+from flexgen_helm.policy.precision import setting_name, setting_rank
 
 # Which HELM metrics answer "how accurate" for a scenario (run name before ":").
 PRIMARY = {"lambada": ("prefix_exact_match",), "wikitext": ("perplexity", "bits_per_byte")}
@@ -42,9 +42,8 @@ def eval_table(records: list[dict]) -> pd.DataFrame:
     if not rows:
         return pd.DataFrame()
     df = pd.DataFrame(list(rows.values()))
-    order = {"FP16": 0, "BF16": 0, "FP32": 0, "8-bit": 1, "4-bit": 2, "4-bit-S": 3}
-    df["_o"] = df["setting"].map(order).fillna(9)
-    df = df.sort_values(["scope", "_o", "setting"], kind="stable").drop(columns="_o")
+    df = df.sort_values(["scope", "setting"], key=lambda c: c.map(setting_rank) if c.name == "setting" else c,
+                        kind="stable")
     return df.reset_index(drop=True)
 
 
@@ -72,8 +71,10 @@ def helm_accuracy_table(helm: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame()
     df = pd.DataFrame.from_dict(cells, orient="index")
     df = df[sorted(df.columns)]
-    if "precision" in helm:
-        precision = helm.groupby("deployment")["precision"].agg(lambda p: " + ".join(sorted(set(p))))
-        df.insert(0, "precision", precision.reindex(df.index))
     df.index.name = "deployment"
-    return df.reset_index()
+    if "precision" not in helm:
+        return df.reset_index()
+    precision = helm.groupby("deployment")["precision"].agg(lambda p: " + ".join(sorted(set(p))))
+    df.insert(0, "precision", precision.reindex(df.index))
+    return df.reset_index().sort_values("precision", key=lambda c: c.map(setting_rank), kind="stable",
+                                        ignore_index=True)

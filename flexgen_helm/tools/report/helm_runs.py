@@ -15,6 +15,7 @@ from pathlib import Path
 import pandas as pd
 
 from flexgen_helm.helm import accounting
+from flexgen_helm.policy.precision import setting_rank
 
 # The metrics that say how good a run was, in the order shown; a run shows those it has
 # (generation scenarios: exact-match family; language modeling: perplexity family).
@@ -85,7 +86,12 @@ def helm_table(suite_dir: Path) -> pd.DataFrame:
     metric_cols = [c for c in df.columns if c.startswith("metric:")]
     keep = [c for c in COLUMNS if c in df.columns]
     df = df[keep + metric_cols].rename(columns=COLUMNS)
-    return df.sort_values(["scenario", "deployment"], kind="stable").reset_index(drop=True)
+    if "precision" in df:
+        df["precision"] = df["precision"].fillna(accounting.PRECISION_NOT_RECORDED)  # a run without its state
+    # within a scenario: uncompressed, 8-bit, 4-bit (the paper's order), then by name
+    rank = df["precision"].map(setting_rank) if "precision" in df else 0
+    keys = df.assign(rank=rank).sort_values(["scenario", "rank", "deployment"], kind="stable")
+    return df.loc[keys.index].reset_index(drop=True)
 
 
 def suite_total(df: pd.DataFrame) -> dict:

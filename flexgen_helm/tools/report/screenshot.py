@@ -28,13 +28,13 @@ BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stab
 INSTALL_HINT = "install one (Debian: apt-get install -y chromium)"
 SERVER_START_S = 120  # helm-server imports HELM before it listens: tens of seconds on a busy machine
 RENDER_BUDGET_MS = 15_000  # Chromium's virtual time for the page to fetch and draw its tables
-WIDTH = 1920  # wide enough for the leaderboard's eight columns
+WIDTH = 2400  # wide enough for the leaderboard's nine columns (model, precision, 7 metrics)
 
 
 def window_height(rows: int) -> int:
-    """The page's header and the table's, then one line per row (HELM pages do not scroll
-    in a screenshot: the picture is the window)."""
-    return 360 + 80 * rows
+    """The page's header and the table's, then one line per row (at WIDTH no model name
+    wraps; HELM pages do not scroll in a screenshot: the picture is the window)."""
+    return 320 + 60 * rows
 
 
 def find_browser() -> str | None:
