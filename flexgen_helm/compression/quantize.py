@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -305,6 +306,45 @@ def _dequantize_block(q: QuantizedTensor) -> torch.Tensor:
     x = codes.to(work)
     x.mul_(q.scale.unsqueeze(gd + 1).to(work)).add_(q.min.unsqueeze(gd + 1).to(work))  # plain, unfused
     return x.flatten(gd, gd + 1).narrow(gd, 0, q.shape[gd])
+
+
+# scratch(shape, dtype) -> a tensor to write into: where dequantize_into's working copies come
+# from (a caller that dequantizes every step hands out the same ones again; default: new ones)
+Scratch = Callable[[tuple, torch.dtype], torch.Tensor]
+
+
+def dequantize_into(q: QuantizedTensor, out: torch.Tensor, scratch: Scratch | None = None) -> torch.Tensor:
+    """dequantize(q, out.dtype) written into `out` (q's shape, any strides, e.g. a transposed
+    view of a buffer reused from step to step), equal to it bit for bit: min + code * scale in
+    float32 (float64 for float64 tensors), in `out` itself when it has that dtype, else in a
+    working copy then rounded into out once. Its working copies (the codes, and that float
+    one) come from `scratch`, so a caller that keeps them allocates nothing per call."""
+    if tuple(out.shape) != tuple(q.shape):
+        raise ValueError(f"dequantize_into: out has shape {tuple(out.shape)}, the tensor {tuple(q.shape)}")
+    scratch = scratch or (lambda shape, dtype: torch.empty(shape, dtype=dtype, device=q.device))
+    gd, G = q.group_dim, q.group_size
+    work_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    ng = q.data.shape[gd]
+    padded = list(q.shape)
+    padded[gd] = ng * G
+    direct = out.dtype == work_dtype and ng * G == q.shape[gd]
+    work = out if direct else scratch(tuple(padded), work_dtype)
+    target = work.unflatten(gd, (ng, G))  # (..., ng, G, ...): each group's values next to its index
+    # the codes, unpacked into scratch: (..., nbytes, per_byte) uint8 in the data's layout
+    mask = (1 << q.bits) - 1
+    if 8 % q.bits == 0:
+        per_byte = 8 // q.bits
+        shifts = torch.arange(0, 8, q.bits, dtype=torch.uint8, device=q.device)
+        codes = scratch((*q.data.shape, per_byte), torch.uint8)
+        torch.bitwise_right_shift(q.data.unsqueeze(-1), shifts, out=codes)
+        codes = codes.bitwise_and_(mask).flatten(-2)[..., :G]
+    else:
+        codes = unpack(q.data, q.bits, G)
+    target.copy_(codes.movedim(-1, gd + 1))
+    target.mul_(q.scale.unsqueeze(gd + 1)).add_(q.min.unsqueeze(gd + 1))  # promoted to the working dtype
+    if not direct:
+        out.copy_(work.narrow(gd, 0, q.shape[gd]))
+    return out
 
 
 def fake_quantize(x: torch.Tensor, cfg: Compression, group_dim: int) -> torch.Tensor:
