@@ -100,7 +100,8 @@ class KiviGroups(TensorBundle):
             parts.append(chunk.reshape(n, *p.shape[1:]))
         G = self.group_size
         return KiviGroups(
-            dataclasses.replace(self.key, data=parts[0], scale=parts[1], min=parts[2], shape=(n * G, *self.key.shape[1:])),
+            dataclasses.replace(self.key, data=parts[0], scale=parts[1], min=parts[2],
+                                shape=(n * G, *self.key.shape[1:])),
             dataclasses.replace(self.value, data=parts[3], scale=parts[4], min=parts[5],
                                 shape=(n, *self.value.shape[1:])))
 

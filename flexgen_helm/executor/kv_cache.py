@@ -27,8 +27,8 @@ import torch
 from flexgen_helm.compression.kivi import kivi_nbytes
 from flexgen_helm.compression.quantize import CACHE_GROUP_DIM, QuantizedTensor, cache_group_dim
 from flexgen_helm.compression.stored import Stored, dense_into, encode, stored_nbytes
-from flexgen_helm.executor.cache_buffers import CacheBuffers
 from flexgen_helm.errors import PolicyError
+from flexgen_helm.executor.cache_buffers import CacheBuffers
 from flexgen_helm.memory.devices import Devices
 from flexgen_helm.memory.direct_io import ALIGN
 from flexgen_helm.memory.disk_buffer import DiskBuffer
@@ -104,6 +104,8 @@ class KVCacheSlot:
     def __init__(self, units: dict[str, int], max_len: int, head_dim: int, devices: Devices,
                  usage: TierUsage, disk_path: Path | None, pin: bool, compression: Compression | None = None,
                  window: int = 0):
+        if compression is not None and compression.kivi:
+            raise ValueError("a KIVI-grouped cache is a KiviCacheSlot")
         self.units = units
         self.ranges = unit_ranges(units)
         self.max_len, self.head_dim, self.devices, self.usage = max_len, head_dim, devices, usage

@@ -289,8 +289,8 @@ class BlockSchedule:
         unwritten = TIERS
         window, softcap = cfg.window(index), cfg.attn_softcap
         if prefill and self.prefill_as_decode:
-            cfg = self.policy.compress_cache
-            fresh = cfg.group_size if cfg is not None and cfg.kivi else 1  # positions a decode step sees unquantized
+            cc = self.policy.compress_cache
+            fresh = cc.group_size if cc is not None and cc.kivi else 1  # positions a decode step sees unquantized
             out = attend_as_decode(qu, ku, vu, rows.valid, functools.partial(self._as_stored, self.unit_starts[k]),
                                    self.policy.attn_sparsity, window=window, softcap=softcap, fresh_group=fresh,
                                    starts=self.unit_starts[k])
