@@ -17,7 +17,7 @@ position (`starts`, its left padding), so no number depends on the batch it shar
 On disk: `held` rows of (units, block) bytes, one block per (group, unit) (a unit's new
 group is one write, the groups [0, n) of all units one read), then the residual's G rows.
 
-Reads return the groups held and the residual, as stored; `load` dequantizes them where
+Reads return the groups held and the residual, as stored; `unpack` dequantizes them where
 attention runs, and `decode_valid` says which of those positions a decode step may attend
 to. They are not put back in sequence order: a decode step's attention does not depend on
 the order of its keys."""
@@ -159,9 +159,10 @@ class KiviCacheSlot:
         done = int(((length - self.starts[a:b]).clamp(min=0) // self.G).max())
         return min(self.held, done)
 
-    def read(self, tier: str, length: int) -> KiviStored:
+    def read(self, tier: str, length: int, values: bool = True) -> KiviStored:
         """The groups held by the tier's units and the residual, as stored, where they live
-        (disk: into CPU memory)."""
+        (disk: into CPU memory). Values come with the keys whatever `values` says: they share
+        blocks."""
         n = self._groups_read(tier, length)
         if tier != "disk":
             return KiviStored(self.groups[tier].first(n), self.residual[tier])
@@ -169,21 +170,20 @@ class KiviCacheSlot:
         self.disk_bytes_read += raw.numel()
         return KiviStored(self._disk_row.from_blocks(raw), self._residual("disk"))
 
-    def load(self, tier: str, length: int, device: torch.device, buffers: CacheBuffers,
-             values: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """read(), made ready for attention on `device`: keys and values (units, n + 1, d) in
-        `buffers`, the n positions of the groups and the residual, then a column left for the
-        new token. (Values come with the keys whatever `values` says: they share blocks.)"""
-        stored = self.read(tier, length)
+    def unpack(self, tier: str, stored: KiviStored, device: torch.device,
+               buffers: CacheBuffers) -> tuple[torch.Tensor, torch.Tensor]:
+        """What read(tier) returned, made ready for attention on `device`: keys and values
+        (units, n + 1, d) in `buffers`, the n positions of the groups and the residual, then a
+        column left for the new token."""
         n, u = stored.positions, stored.residual.shape[2]
         keys = buffers.take(f"keys-{tier}", (u, n + 1, self.head_dim), self.devices.dtype, device)
-        vals = buffers.take(f"values-{tier}", (u, n + 1, self.head_dim), self.devices.dtype, device)
-        stored.to(device, non_blocking=True).dequantize_into(keys[:, :n], vals[:, :n], buffers.scratch(device))
-        return keys, vals
+        values = buffers.take(f"values-{tier}", (u, n + 1, self.head_dim), self.devices.dtype, device)
+        stored.to(device, non_blocking=True).dequantize_into(keys[:, :n], values[:, :n], buffers.scratch(device))
+        return keys, values
 
     def decode_valid(self, tier: str, length: int, window: int, key_valid: torch.Tensor,
                      local: torch.Tensor | None) -> tuple[int, torch.Tensor]:
-        """Which of load()'s n + 1 columns a decode step at `length` may attend to, for the
+        """Which of unpack()'s n + 1 columns a decode step at `length` may attend to, for the
         computed units of the tier (`local`, None: all): a unit's own complete groups and its
         unfinished positions in the residual, within a sliding window's last `window`
         positions, and the new token. (No column is dropped; key_valid is not needed: a unit's

@@ -9,7 +9,7 @@ groups along head_dim (cache_group_dim): a position's row of one unit is quantiz
 own, so each new token is quantized once as it is written and never touches earlier groups.
 (KIVI grouping, keys per channel over blocks of tokens, is kivi_cache.KiviCacheSlot.) On
 disk a position's row is the bytes of its packed codes, then scales, then mins (of all the
-tier's units), so [0, t) stays one read. Reads return what is stored; `load` moves it to
+tier's units), so [0, t) stays one read. Reads return what is stored; `unpack` moves it to
 where attention runs and dequantizes it there, into buffers reused from step to step.
 
 A sliding-window block (window w) keeps only its last w positions: its slot has w rows
@@ -224,12 +224,13 @@ class KVCacheSlot:
     # keys, only the rows it keeps (read_disk_values)
     values_apart = True
 
-    def load(self, tier: str, length: int, device: torch.device, buffers: CacheBuffers,
-             values: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """read(), made ready for attention on `device`: keys and values (units, n + 1, d) in
-        `buffers`, the n positions held oldest first, then a column left for the new token."""
+    def unpack(self, tier: str, stored: tuple[Stored, Stored | None], device: torch.device,
+               buffers: CacheBuffers) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What read(tier) returned, made ready for attention on `device`: keys and values
+        (units, n + 1, d) in `buffers`, the n positions held oldest first, then a column left
+        for the new token (None for values not read)."""
         out = []
-        for name, x in zip(("keys", "values"), self.read(tier, length, values)):
+        for name, x in zip(("keys", "values"), stored):
             if x is None:
                 out.append(None)
                 continue
@@ -243,7 +244,7 @@ class KVCacheSlot:
     def decode_valid(self, tier: str, length: int, window: int, key_valid: torch.Tensor,
                      local: torch.Tensor | None) -> tuple[int, torch.Tensor]:
         """For a decode step at `length` whose computed units of `tier` may see the keys
-        key_valid ((units, length + 1): padding False): the columns of load()'s keys to drop
+        key_valid ((units, length + 1): padding False): the columns of unpack()'s keys to drop
         (a sliding window's ring may hold one position more than the window takes), and which
         of the rest each unit may see."""
         first = self.first_held(length)

@@ -10,7 +10,10 @@ cache of layer j+1), and stores batch k's.
 over the whole run, plus per stage "{prefill,decode}_{compute,load_weight,load_cache,
 load_hidden,store_cache,store_hidden}": the run time of each kind of event. With overlap
 off these add up to the stage's time (the paper's Table 23 breakdown); with overlap on
-the transfers run beside compute, so their times overlap it.
+the transfers run beside compute, so their times overlap it. Two parts of those:
+"decode_attention" (of decode_compute: attention over the cache, its new column and mask
+included) and "decode_unpack_cache" (of decode_load_cache: copying, or dequantizing, the
+cache read into the buffers attention reads).
 """
 
 from __future__ import annotations
@@ -269,8 +272,11 @@ class BlockSchedule:
             if computed.start < computed.stop and not slot.in_place(tier, where):
                 # Sparse attention reads V from disk after scoring, and only the rows it keeps.
                 sparse_disk = tier == "disk" and self.policy.attn_sparsity < 1.0 and slot.values_apart
+                stored = slot.read(tier, self.length, values=not sparse_disk)
                 # compressed parts travel compressed and are dequantized where attention runs
-                parts[tier] = slot.load(tier, self.length, where, self.buffers, values=not sparse_disk)
+                t0 = time.perf_counter()
+                parts[tier] = slot.unpack(tier, stored, where, self.buffers)
+                self.timers["decode_unpack_cache"] += time.perf_counter() - t0
         return parts
 
     def _attention_device(self, tier: str) -> torch.device:
@@ -297,7 +303,11 @@ class BlockSchedule:
         elif prefill:
             out = attend(qu, ku, vu, rows.valid, causal=True, window=window, softcap=softcap)
         else:
+            t0 = time.perf_counter()
             out, unwritten = self._decode_attention(slot, cache, qu, ku, vu, rows, window)
+            if self.devices.is_cuda:
+                torch.cuda.current_stream().synchronize()
+            self.timers["decode_attention"] += time.perf_counter() - t0  # part of decode_compute
         h = self.family.finish_block(cfg, w, h, from_units(out, b))
         if not unwritten:
             return h, None
