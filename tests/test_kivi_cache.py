@@ -15,6 +15,7 @@ import torch
 from flexgen_helm import engine as engine_module
 from flexgen_helm.cli.options import add_policy_args, policy_from_args
 from flexgen_helm.compression import fake_quantize
+from flexgen_helm.compression.quantize import dequantize, dequantize_into, quantize
 from flexgen_helm.engine import Engine
 from flexgen_helm.errors import FlexGenError, PolicyError
 from flexgen_helm.executor import schedule
@@ -110,6 +111,17 @@ def test_finished_units_leave_the_others_alone(tmp_path):
         got = _attention(q, keys[0][valid[0]][:-1], values[0][valid[0]][:-1])
         torch.testing.assert_close(got, _attention(q, ref_k, ref_v), rtol=1e-5, atol=1e-5)
     slot.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits, group, group_dim, shape", [(4, 64, 2, (37, 6, 64)), (3, 5, 2, (11, 3, 8)),
+                                                           (4, 4, 0, (16, 5, 8)), (2, 8, 3, (3, 4, 8, 16))])
+def test_dequantize_into_a_strided_buffer_equals_dequantize(dtype, bits, group, group_dim, shape):
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(2)) * 3).to(dtype)
+    q = quantize(x, Compression(bits, group), group_dim)
+    out = torch.empty(tuple(reversed(shape)), dtype=dtype).permute(*reversed(range(len(shape))))  # every stride odd
+    assert torch.equal(dequantize_into(q, out), dequantize(q, dtype))
+    assert torch.equal(dequantize_into(q, torch.empty(shape)), dequantize(q, torch.float32))
 
 
 class _Recorded(CacheBuffers):

@@ -315,34 +315,41 @@ Scratch = Callable[[tuple, torch.dtype], torch.Tensor]
 
 def dequantize_into(q: QuantizedTensor, out: torch.Tensor, scratch: Scratch | None = None) -> torch.Tensor:
     """dequantize(q, out.dtype) written into `out` (q's shape, any strides, e.g. a transposed
-    view of a buffer reused from step to step), equal to it bit for bit: min + code * scale in
-    float32 (float64 for float64 tensors), in `out` itself when it has that dtype, else in a
-    working copy then rounded into out once. Its working copies (the codes, and that float
-    one) come from `scratch`, so a caller that keeps them allocates nothing per call."""
+    view of a buffer reused from step to step), without a float tensor of q's size besides
+    it: code * scale + min computed in float32 (float64 for float64 tensors) as dequantize
+    does, straight into a float32 out; a half-precision out takes it rounded once, by one
+    fused addcmul (equal to dequantize bit for bit on the CPU: tests/test_kivi_cache.py).
+    The unpacked codes (and, where groups are padded, a float copy) come from `scratch`, so
+    a caller that keeps them allocates nothing per call."""
     if tuple(out.shape) != tuple(q.shape):
         raise ValueError(f"dequantize_into: out has shape {tuple(out.shape)}, the tensor {tuple(q.shape)}")
     scratch = scratch or (lambda shape, dtype: torch.empty(shape, dtype=dtype, device=q.device))
     gd, G = q.group_dim, q.group_size
     work_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     ng = q.data.shape[gd]
-    padded = list(q.shape)
-    padded[gd] = ng * G
-    direct = out.dtype == work_dtype and ng * G == q.shape[gd]
-    work = out if direct else scratch(tuple(padded), work_dtype)
+    padded = ng * G != q.shape[gd]
+    if padded:  # the last group's padding needs somewhere to go: a float copy, cut into out
+        shape = list(q.shape)
+        shape[gd] = ng * G
+        work = scratch(tuple(shape), work_dtype)
+    else:
+        work = out
     target = work.unflatten(gd, (ng, G))  # (..., ng, G, ...): each group's values next to its index
     # the codes, unpacked into scratch: (..., nbytes, per_byte) uint8 in the data's layout
-    mask = (1 << q.bits) - 1
     if 8 % q.bits == 0:
-        per_byte = 8 // q.bits
         shifts = torch.arange(0, 8, q.bits, dtype=torch.uint8, device=q.device)
-        codes = scratch((*q.data.shape, per_byte), torch.uint8)
+        codes = scratch((*q.data.shape, len(shifts)), torch.uint8)
         torch.bitwise_right_shift(q.data.unsqueeze(-1), shifts, out=codes)
-        codes = codes.bitwise_and_(mask).flatten(-2)[..., :G]
+        codes = codes.bitwise_and_((1 << q.bits) - 1).flatten(-2)[..., :G]
     else:
         codes = unpack(q.data, q.bits, G)
-    target.copy_(codes.movedim(-1, gd + 1))
-    target.mul_(q.scale.unsqueeze(gd + 1)).add_(q.min.unsqueeze(gd + 1))  # promoted to the working dtype
-    if not direct:
+    codes = codes.movedim(-1, gd + 1)
+    scale, mn = q.scale.unsqueeze(gd + 1), q.min.unsqueeze(gd + 1)
+    if target.dtype == work_dtype:
+        torch.mul(codes, scale.to(work_dtype), out=target).add_(mn)  # in the working dtype, as dequantize
+    else:
+        torch.addcmul(mn, codes, scale, out=target)  # in float, rounded once
+    if padded:
         out.copy_(work.narrow(gd, 0, q.shape[gd]))
     return out
 
