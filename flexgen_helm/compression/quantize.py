@@ -34,7 +34,8 @@ Conventions for which dimension forms the groups (FlexGen's reference code):
   along dim 0 (output channels), which `group_dim=0` still gives.
 - KV cache, our layout (max_len, batch * kv_heads, head_dim): groups run along head_dim
   (dim 2). Every token's row is quantized on its own, so the cache can be appended to one
-  token at a time without touching earlier groups.
+  token at a time without touching earlier groups. (KIVI's grouping, keys along the tokens
+  of each channel: compression/kivi.py.)
 - Only tensors with >= 2 dimensions are compressed; biases and norm weights stay as they are.
 """
 
