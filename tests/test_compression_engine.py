@@ -14,7 +14,7 @@ from flexgen_helm.compression import fake_quantize
 from flexgen_helm.compression.stored import dense
 from flexgen_helm.engine import Engine
 from flexgen_helm.executor.attention import attend
-from flexgen_helm.executor.kv_cache import KVCacheSlot, cache_nbytes
+from flexgen_helm.executor.kv_cache import KVCacheSlot, kv_nbytes
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.memory.devices import Devices
 from flexgen_helm.memory.usage import TierUsage
@@ -111,7 +111,9 @@ def test_compressed_weights_placement_and_bytes(tiny_opt, tmp_path):
 
 # ---- (b) KV cache ------------------------------------------------------------------------
 
-CACHE_CFG = Compression(4, 4)  # head_dim 8 in the tiny models: two groups per row
+CACHE_CFG = Compression(4, 4, cache_grouping="per-token")  # head_dim 8 in the tiny models: two groups per row
+KIVI_CFG = Compression(4, 4, cache_grouping="kivi")  # keys in groups of 4 tokens: several complete in 5 steps
+GROUPINGS = pytest.mark.parametrize("cache_cfg", [CACHE_CFG, KIVI_CFG], ids=["per-token", "kivi"])
 CACHE_POLICIES = {
     "gpu-1x1": Policy(),
     "cpu-2x2-delegated": Policy(gpu_batch_size=2, num_gpu_batches=2, cache=Split(0, 1, 0), cpu_cache_compute=True),
@@ -131,8 +133,9 @@ def _with(policy: Policy, **changes) -> Policy:
     return Policy.from_dict(d)
 
 
-def test_compressed_cache_is_policy_invariant(cache_model_path, tmp_path):
-    outs = {name: _generate(cache_model_path, _with(p, compress_cache=CACHE_CFG), tmp_path)[1]
+@GROUPINGS
+def test_compressed_cache_is_policy_invariant(cache_model_path, cache_cfg, tmp_path):
+    outs = {name: _generate(cache_model_path, _with(p, compress_cache=cache_cfg), tmp_path)[1]
             for name, p in CACHE_POLICIES.items()}
     ref = outs.pop("gpu-1x1")
     for got in outs.values():
@@ -141,14 +144,15 @@ def test_compressed_cache_is_policy_invariant(cache_model_path, tmp_path):
     assert _max_logprob_gap(ref, dense) > 1e-4  # the cache really is quantized
 
 
-@pytest.mark.parametrize("cfg", [Compression(4, 4), Compression(3, 64), Compression(8, 8)])
+@pytest.mark.parametrize("cfg", [Compression(bits, group, cache_grouping="per-token")
+                                 for bits, group in ((4, 4), (3, 64), (8, 8))])
 def test_cache_reads_back_fake_quantized(cfg, tmp_path):
     units = {"gpu": 2, "cpu": 3, "disk": 2}
     usage = TierUsage()
     slot = KVCacheSlot(units, 12, 8, Devices(torch.device("cpu"), torch.float32), usage, tmp_path / "kv.bin",
                        pin=False, compression=cfg)
-    assert usage.current["disk"] == 2 * cache_nbytes(12, 2, 8, torch.float32, cfg)
-    assert usage.current["cpu"] == 2 * cache_nbytes(12, 3, 8, torch.float32, cfg)
+    assert usage.current["disk"] == kv_nbytes(12, 2, 8, torch.float32, cfg)
+    assert usage.current["cpu"] == kv_nbytes(12, 3, 8, torch.float32, cfg)
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(10, 7, 8, generator=g), torch.randn(10, 7, 8, generator=g) * 3 + 1
     slot.write(k[:6], v[:6], 0)  # a prefill, then one token at a time
@@ -199,14 +203,15 @@ def test_sparsity_one_is_dense(tiny_llama, tmp_path):
                  _generate(tiny_llama, disk, tmp_path)[1], 0.0)
 
 
-@pytest.mark.parametrize("compress_cache", [None, CACHE_CFG], ids=["dense-cache", "compressed-cache"])
+@pytest.mark.parametrize("compress_cache", [None, CACHE_CFG, KIVI_CFG], ids=["dense-cache", "per-token", "kivi"])
 def test_sparse_attention_is_policy_invariant(cache_model_path, compress_cache, tmp_path):
     outs = {}
     for name in ("gpu-1x1", "cpu-2x2-delegated", "disk-4x2-no-overlap", "disk-delegated", "everything-split"):
         p = CACHE_POLICIES[name]
         stats, outs[name] = _generate(cache_model_path, _with(p, attn_sparsity=0.3, compress_cache=compress_cache),
                                       tmp_path)
-        if p.cache.disk == 1.0:  # V came off disk row by row, after scoring
+        if p.cache.disk == 1.0 and not (compress_cache and compress_cache.kivi):  # V off disk row by row, after scoring
+            # (a KIVI group's values lie beside its keys: they come with them)
             assert stats.timers["decode_read_sparse_values"] > 0
     ref = outs.pop("gpu-1x1")
     for got in outs.values():
@@ -231,8 +236,9 @@ def test_sparse_disk_reads_only_kept_rows(tmp_path):
 
 # ---- (d) scoring as decode: the accuracy evaluation's view of the cache --------------------
 
-@pytest.mark.parametrize("compress_cache, sparsity", [(CACHE_CFG, 1.0), (None, 0.3), (CACHE_CFG, 0.3)],
-                         ids=["compressed", "sparse", "compressed-sparse"])
+@pytest.mark.parametrize("compress_cache, sparsity",
+                         [(CACHE_CFG, 1.0), (None, 0.3), (CACHE_CFG, 0.3), (KIVI_CFG, 1.0), (KIVI_CFG, 0.3)],
+                         ids=["compressed", "sparse", "compressed-sparse", "kivi", "kivi-sparse"])
 def test_score_as_decode_equals_generation(cache_model_path, compress_cache, sparsity, tmp_path):
     """Scoring a greedy continuation of one-token prompts with as_decode gives back the
     logprobs generation recorded for it: every token after the first came from a decode
@@ -250,15 +256,17 @@ def test_score_as_decode_equals_generation(cache_model_path, compress_cache, spa
     assert max(abs(a - b) for x, y in zip(plain, want) for a, b in zip(x, y)) > 1e-3
 
 
-def test_score_as_decode_is_policy_invariant_with_padding(model_path, tmp_path):
-    """Prompts of different lengths share left-padded batches: padding changes nothing."""
+@GROUPINGS
+def test_score_as_decode_is_policy_invariant_with_padding(model_path, cache_cfg, tmp_path):
+    """Prompts of different lengths share left-padded batches: padding changes nothing (a
+    KIVI cache's groups count from each prompt's first token)."""
     texts = PROMPTS + [[7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
     scores = {}
     for name in ("gpu-1x1", "cpu-2x2-delegated", "disk-4x2-no-overlap"):
-        policy = _with(CACHE_POLICIES[name], compress_cache=CACHE_CFG, attn_sparsity=0.3)
+        policy = _with(CACHE_POLICIES[name], compress_cache=cache_cfg, attn_sparsity=0.3)
         engine = Engine.load(str(model_path), policy, offload_dir=tmp_path, **CPU32)
         scores[name] = [r.logprobs[1:] for r in engine.score(texts, as_decode=True).results]
-    alone_policy = _with(Policy(), compress_cache=CACHE_CFG, attn_sparsity=0.3)
+    alone_policy = _with(Policy(), compress_cache=cache_cfg, attn_sparsity=0.3)
     alone = [Engine.load(str(model_path), alone_policy, offload_dir=tmp_path, **CPU32).score([t], as_decode=True)
              .results[0].logprobs[1:] for t in texts[:2]]
     for got in list(scores.values()) + [alone + scores["gpu-1x1"][2:]]:

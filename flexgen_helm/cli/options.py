@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from flexgen_helm.errors import FlexGenError
-from flexgen_helm.policy.policy import QUANT_METHODS, Compression, Policy
+from flexgen_helm.policy.policy import CACHE_GROUPINGS, DEFAULT_CACHE_GROUPING, QUANT_METHODS, Compression, Policy
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -48,6 +48,11 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                         "(FlexGen); hqq = fitted to the group's values to lower the reconstruction error "
                         "(weights: once, at conversion into the compressed store; a KV cache: at every "
                         "write, several passes per group)")
+    g.add_argument("--cache-grouping", choices=CACHE_GROUPINGS, default=None,
+                   help="which values of a compressed KV cache share a group: per-token = each position's "
+                        "head-dim row (FlexGen); kivi = keys per channel over groups of --compress-group-size "
+                        "tokens, values per token, a sequence's newest tokens of an unfinished group kept in full "
+                        f"precision (default: {DEFAULT_CACHE_GROUPING}, the better measured, runs/accuracy)")
     g.add_argument("--attn-sparsity", type=float, default=1.0, help="fraction of keys kept in decode attention")
 
 
@@ -85,15 +90,25 @@ def policy_from_args(args) -> Policy:
     if args.quant_method != "rtn" and not (args.compress_weight or args.compress_cache):
         raise FlexGenError(f"--quant-method {args.quant_method} chooses how compressed tensors are quantized: "
                            "add --compress-weight and/or --compress-cache")
+    if args.cache_grouping is not None and not args.compress_cache:
+        raise FlexGenError(f"--cache-grouping {args.cache_grouping} chooses how a compressed KV cache is grouped: "
+                           "add --compress-cache")
     comp = Compression(args.compress_bits, args.compress_group_size, args.compress_group_dim, args.quant_method)
     if args.compress_weight:
         changes["compress_weight"] = comp.__dict__
     if args.compress_cache:
-        changes["compress_cache"] = comp.__dict__
+        changes["compress_cache"] = cache_compression(args).__dict__
     if args.attn_sparsity != 1.0:
         changes["attn_sparsity"] = args.attn_sparsity
     use_profiled_disk_reader()  # after an auto policy's search, which saves a profile where none was
     return Policy.from_dict(changes)
+
+
+def cache_compression(args) -> Compression:
+    """The KV cache's compression the flags ask for, its grouping named (the default's
+    name, so that a record says which it ran)."""
+    return Compression(args.compress_bits, args.compress_group_size, args.compress_group_dim, args.quant_method,
+                       args.cache_grouping or DEFAULT_CACHE_GROUPING)
 
 
 def checked_output_file(path: str | os.PathLike | None) -> Path | None:

@@ -9,14 +9,19 @@ import torch
 
 class TensorBundle:
     """Mixin for a dataclass whose tensor fields are the stored parts of one tensor (codes,
-    scales, ...): every tensor field travels together, the other fields (shape, group
-    size, ...) stay as they are."""
+    scales, ...): every tensor field (and every part of a bundle field) travels together,
+    the other fields (shape, group size, ...) stay as they are."""
 
     @property
     def parts(self) -> tuple[torch.Tensor, ...]:
-        """The stored tensors, in field order."""
-        return tuple(v for v in (getattr(self, f.name) for f in dataclasses.fields(self))
-                     if isinstance(v, torch.Tensor))
+        """The stored tensors, in field order (a bundle field's parts in its place)."""
+        out = []
+        for v in (getattr(self, f.name) for f in dataclasses.fields(self)):
+            if isinstance(v, torch.Tensor):
+                out.append(v)
+            elif isinstance(v, TensorBundle):
+                out.extend(v.parts)
+        return tuple(out)
 
     @property
     def device(self) -> torch.device:
@@ -36,5 +41,11 @@ class TensorBundle:
         return self._map(lambda t: t.clone())
 
     def _map(self, fn):
-        return dataclasses.replace(self, **{f.name: fn(getattr(self, f.name)) for f in dataclasses.fields(self)
-                                            if isinstance(getattr(self, f.name), torch.Tensor)})
+        changes = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                changes[f.name] = fn(v)
+            elif isinstance(v, TensorBundle):
+                changes[f.name] = v._map(fn)
+        return dataclasses.replace(self, **changes)

@@ -34,7 +34,8 @@ Conventions for which dimension forms the groups (FlexGen's reference code):
   along dim 0 (output channels), which `group_dim=0` still gives.
 - KV cache, our layout (max_len, batch * kv_heads, head_dim): groups run along head_dim
   (dim 2). Every token's row is quantized on its own, so the cache can be appended to one
-  token at a time without touching earlier groups.
+  token at a time without touching earlier groups. (KIVI's grouping, keys along the tokens
+  of each channel: compression/kivi.py.)
 - Only tensors with >= 2 dimensions are compressed; biases and norm weights stay as they are.
 """
 
@@ -43,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -305,6 +307,52 @@ def _dequantize_block(q: QuantizedTensor) -> torch.Tensor:
     x = codes.to(work)
     x.mul_(q.scale.unsqueeze(gd + 1).to(work)).add_(q.min.unsqueeze(gd + 1).to(work))  # plain, unfused
     return x.flatten(gd, gd + 1).narrow(gd, 0, q.shape[gd])
+
+
+# scratch(shape, dtype) -> a tensor to write into: where dequantize_into's working copies come
+# from (a caller that dequantizes every step hands out the same ones again; default: new ones)
+Scratch = Callable[[tuple, torch.dtype], torch.Tensor]
+
+
+def dequantize_into(q: QuantizedTensor, out: torch.Tensor, scratch: Scratch | None = None) -> torch.Tensor:
+    """dequantize(q, out.dtype) written into `out` (q's shape, any strides, e.g. a transposed
+    view of a buffer reused from step to step), without a float tensor of q's size besides
+    it: code * scale + min computed in float32 (float64 for float64 tensors) as dequantize
+    does, straight into a float32 out; a half-precision out takes it rounded once, by one
+    fused addcmul (equal to dequantize bit for bit on the CPU: tests/test_kivi_cache.py).
+    The unpacked codes (and, where groups are padded, a float copy) come from `scratch`, so
+    a caller that keeps them allocates nothing per call."""
+    if tuple(out.shape) != tuple(q.shape):
+        raise ValueError(f"dequantize_into: out has shape {tuple(out.shape)}, the tensor {tuple(q.shape)}")
+    scratch = scratch or (lambda shape, dtype: torch.empty(shape, dtype=dtype, device=q.device))
+    gd, G = q.group_dim, q.group_size
+    work_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    ng = q.data.shape[gd]
+    padded = ng * G != q.shape[gd]
+    if padded:  # the last group's padding needs somewhere to go: a float copy, cut into out
+        shape = list(q.shape)
+        shape[gd] = ng * G
+        work = scratch(tuple(shape), work_dtype)
+    else:
+        work = out
+    target = work.unflatten(gd, (ng, G))  # (..., ng, G, ...): each group's values next to its index
+    # the codes, unpacked into scratch: (..., nbytes, per_byte) uint8 in the data's layout
+    if 8 % q.bits == 0:
+        shifts = torch.arange(0, 8, q.bits, dtype=torch.uint8, device=q.device)
+        codes = scratch((*q.data.shape, len(shifts)), torch.uint8)
+        torch.bitwise_right_shift(q.data.unsqueeze(-1), shifts, out=codes)
+        codes = codes.bitwise_and_((1 << q.bits) - 1).flatten(-2)[..., :G]
+    else:
+        codes = unpack(q.data, q.bits, G)
+    codes = codes.movedim(-1, gd + 1)
+    scale, mn = q.scale.unsqueeze(gd + 1), q.min.unsqueeze(gd + 1)
+    if target.dtype == work_dtype:
+        torch.mul(codes, scale.to(work_dtype), out=target).add_(mn)  # in the working dtype, as dequantize
+    else:
+        torch.addcmul(mn, codes, scale, out=target)  # in float, rounded once
+    if padded:
+        out.copy_(work.narrow(gd, 0, q.shape[gd]))
+    return out
 
 
 def fake_quantize(x: torch.Tensor, cfg: Compression, group_dim: int) -> torch.Tensor:

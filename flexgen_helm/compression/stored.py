@@ -20,7 +20,15 @@ from flexgen_helm.compression.int4 import (
     log_slow_path_once,
     pack_int4,
 )
-from flexgen_helm.compression.quantize import QuantizedTensor, dequantize, quantize, should_compress, weight_group_dim
+from flexgen_helm.compression.quantize import (
+    QuantizedTensor,
+    Scratch,
+    dequantize,
+    dequantize_into,
+    quantize,
+    should_compress,
+    weight_group_dim,
+)
 from flexgen_helm.errors import PolicyError
 from flexgen_helm.policy.policy import Compression
 
@@ -100,3 +108,11 @@ def dense(x: Stored, dtype: torch.dtype | None = None) -> torch.Tensor:
     if isinstance(x, PackedInt4):
         return dequantize_packed(x, dtype or torch.bfloat16)
     return dequantize(x, dtype) if isinstance(x, QuantizedTensor) else x
+
+
+def dense_into(x: torch.Tensor | QuantizedTensor, out: torch.Tensor, scratch: Scratch | None = None) -> torch.Tensor:
+    """dense(x, out.dtype) written into `out` (x's shape, any strides): a plain tensor copied
+    (from any device), a quantized one dequantized where it lives (see dequantize_into)."""
+    if isinstance(x, QuantizedTensor):
+        return dequantize_into(x, out, scratch)
+    return out.copy_(x, non_blocking=True)

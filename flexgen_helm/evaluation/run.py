@@ -94,7 +94,8 @@ def approximations(policy: dict) -> str:
         c = policy.get(key)
         if c:
             dim = "" if c["group_dim"] is None else f" dim{c['group_dim']}"
-            parts.append(f"{name}{c['bits']} g{c['group_size']}{dim}")
+            grouping = f" {c['cache_grouping']}" if c.get("cache_grouping") else ""
+            parts.append(f"{name}{c['bits']} g{c['group_size']}{dim}{grouping}")
     if policy.get("attn_sparsity", 1.0) < 1.0:
         parts.append(f"sparse {policy['attn_sparsity']:g}")
     return " + ".join(parts) or "none"

@@ -212,38 +212,48 @@ def _top_k_attention(scores: torch.Tensor, v: torch.Tensor | ValueRows, key_vali
 
 
 def attend_as_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor,
-                     as_stored: Callable[[torch.Tensor], torch.Tensor], keep_fraction: float = 1.0,
-                     chunk: int = 128, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                     as_stored: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                     keep_fraction: float = 1.0, chunk: int = 128, window: int = 0, softcap: float = 0.0,
+                     fresh_group: int = 1, starts: torch.Tensor | None = None) -> torch.Tensor:
     """Prompt attention in which every position attends as a decode step of the engine
     would if it had generated that token: to the keys and values of the positions before
-    it as the KV cache returns them (`as_stored`: quantized, then dequantized, under cache
-    compression), to its own fresh key and value, and, with keep_fraction < 1, only to its
-    top ceil(keep_fraction * n) of the n keys it may see, renormalised (as _top_k_attention).
+    it as the KV cache returns them (`as_stored(k, v)`: quantized, then dequantized, under
+    cache compression), to those the cache still holds fresh, and, with keep_fraction < 1,
+    only to its top ceil(keep_fraction * n) of the n keys it may see, renormalised (as
+    _top_k_attention).
+
+    Fresh: a query's own key and value (fresh_group 1, a per-token cache), or those of every
+    position of its group of `fresh_group` (a KIVI cache's residual: the groups of unit u
+    count from its first real position, starts[u]; default 0).
 
     Scoring with it measures what a compressed or sparse cache costs at every position (a
     plain prefill attends to fresh keys and values, so neither can change a score there).
     window and softcap as in attend().
     q: (u, r, t, d); k, v: (u, t, d); key_valid: (u, t). Returns (u, r, t, d) in q's dtype."""
     u, r, t, d = q.shape
-    k_c, v_c = as_stored(k).float(), as_stored(v).float()
+    k_c, v_c = (x.float() for x in as_stored(k, v))
     pos = torch.arange(t, device=q.device)
+    offset = torch.zeros(u, 1, 1, dtype=torch.long, device=q.device) if starts is None else \
+        starts.to(q.device).view(u, 1, 1)
     out = torch.empty(u, r, t, d, dtype=torch.float32, device=q.device)
     for c0 in range(0, t, chunk):
         c1 = min(c0 + chunk, t)
+        b0 = max(0, c0 - fresh_group + 1)  # keys [b0, c1): all that may be fresh to the chunk's queries
         qc = q[:, :, c0:c1].float()
         scores = _capped(torch.matmul(qc, k_c.transpose(1, 2)[:, None]) / math.sqrt(d), softcap)  # (u, r, c, t)
-        own, rows = pos[c0:c1], pos[:c1 - c0]
-        own_scores = _capped((qc * k[:, None, c0:c1].float()).sum(-1) / math.sqrt(d), softcap)  # (u, r, c): fresh
-        scores[..., rows, own] = own_scores  # query c of the chunk, key c0 + c
-        allowed = _allowed(key_valid, own, causal=True, window=window)  # (u, c, t)
+        fresh = ((pos[c0:c1, None] - offset).div(fresh_group, rounding_mode="floor")
+                 == (pos[None, b0:c1] - offset).div(fresh_group, rounding_mode="floor"))  # (u, c, c1 - b0)
+        fresh_scores = _capped(torch.matmul(qc, k[:, None, b0:c1].float().transpose(2, 3)) / math.sqrt(d), softcap)
+        scores[..., b0:c1] = torch.where(fresh[:, None], fresh_scores, scores[..., b0:c1])
+        allowed = _allowed(key_valid, pos[c0:c1], causal=True, window=window)  # (u, c, t)
         scores = scores.masked_fill(~allowed[:, None], -math.inf)
         if keep_fraction < 1.0:
             scores = _keep_top(scores, allowed.sum(-1), keep_fraction)
         weights = scores.softmax(-1)
-        own_weight = weights[..., rows, own]  # (u, r, c)
-        # every key's value as stored, but a query's own value fresh
-        fresh_minus_stored = (v[:, c0:c1].float() - v_c[:, c0:c1])[:, None]  # (u, 1, c, d)
-        out[:, :, c0:c1] = torch.matmul(weights, v_c[:, None]) + own_weight[..., None] * fresh_minus_stored
+        # every key's value as stored, but the fresh ones' as they are
+        fresh_minus_stored = (v[:, b0:c1].float() - v_c[:, b0:c1])[:, None]  # (u, 1, c1 - b0, d)
+        fresh_weights = weights[..., b0:c1] * fresh[:, None]
+        out[:, :, c0:c1] = torch.matmul(weights, v_c[:, None]) + torch.matmul(fresh_weights, fresh_minus_stored)
     return out.to(q.dtype)
 
 

@@ -4,12 +4,13 @@ Every tier keeps the sequence-major layout (max_len, units, head_dim), so the ca
 positions [0, t) is one contiguous range (one disk read) and a decode step appends one
 contiguous row (one disk write).
 
-Under cache compression each tier holds the QuantizedTensor form of that layout, groups
-along head_dim (cache_group_dim): a position's row of one unit is quantized on its own, so
-each new token is quantized once as it is written and never touches earlier groups. On
+Under per-token cache compression each tier holds the QuantizedTensor form of that layout,
+groups along head_dim (cache_group_dim): a position's row of one unit is quantized on its
+own, so each new token is quantized once as it is written and never touches earlier groups.
+(KIVI grouping, keys per channel over blocks of tokens, is kivi_cache.KiviCacheSlot.) On
 disk a position's row is the bytes of its packed codes, then scales, then mins (of all the
-tier's units), so [0, t) stays one read. Reads return what is stored; the reader moves it
-to where attention runs and dequantizes there (compression.stored.dense).
+tier's units), so [0, t) stays one read. Reads return what is stored; `unpack` moves it to
+where attention runs and dequantizes it there, into buffers reused from step to step.
 
 A sliding-window block (window w) keeps only its last w positions: its slot has w rows
 (cache_rows) used as a ring, position p in row p % w, and reads return the positions
@@ -23,9 +24,11 @@ from pathlib import Path
 
 import torch
 
+from flexgen_helm.compression.kivi import kivi_nbytes
 from flexgen_helm.compression.quantize import CACHE_GROUP_DIM, QuantizedTensor, cache_group_dim
-from flexgen_helm.compression.stored import Stored, encode, stored_nbytes
+from flexgen_helm.compression.stored import Stored, dense_into, encode, stored_nbytes
 from flexgen_helm.errors import PolicyError
+from flexgen_helm.executor.cache_buffers import CacheBuffers
 from flexgen_helm.memory.devices import Devices
 from flexgen_helm.memory.direct_io import ALIGN
 from flexgen_helm.memory.disk_buffer import DiskBuffer
@@ -34,8 +37,15 @@ from flexgen_helm.policy.policy import TIERS, Compression
 
 
 def check_cache_compression(cfg: Compression | None) -> None:
-    """Appending a token at a time needs groups within a position's row, along head_dim."""
-    if cfg is not None and cache_group_dim(cfg) not in (CACHE_GROUP_DIM, CACHE_GROUP_DIM - 3):
+    """Per-token groups lie within a position's row, along head_dim, so that a token can be
+    appended at a time; KIVI's keys run along the tokens and its values along head_dim,
+    whatever a group dim says."""
+    if cfg is None:
+        return
+    if cfg.kivi and cfg.group_dim is not None:
+        raise PolicyError(f"the KIVI cache groups keys along the tokens and values along the head dim, not along "
+                          f"dim {cfg.group_dim}: leave the cache's group dim unset (or use per-token grouping)")
+    if cache_group_dim(cfg) not in (CACHE_GROUP_DIM, CACHE_GROUP_DIM - 3):
         raise PolicyError(f"the KV cache is quantized along the head dim (group dim {CACHE_GROUP_DIM}), "
                           f"not dim {cfg.group_dim}: leave the cache's group dim unset")
 
@@ -45,9 +55,45 @@ def cache_rows(max_len: int, window: int) -> int:
     return min(max_len, window) if window else max_len
 
 
-def cache_nbytes(positions: int, units: int, head_dim: int, dtype: torch.dtype, cfg: Compression | None) -> int:
-    """Bytes of K (or of V) for `positions` x `units`, as the cache stores them."""
-    return stored_nbytes((positions, units, head_dim), dtype, cfg, None if cfg is None else CACHE_GROUP_DIM)
+def kv_nbytes(positions: int, units: int, head_dim: int, dtype: torch.dtype, cfg: Compression | None) -> int:
+    """Bytes of K and V for `positions` x `units`, as a slot stores them (KIVI: the groups
+    that hold them and the full-precision residual)."""
+    if cfg is not None and cfg.kivi:
+        return kivi_nbytes(positions, units, head_dim, dtype, cfg)
+    return 2 * stored_nbytes((positions, units, head_dim), dtype, cfg, None if cfg is None else CACHE_GROUP_DIM)
+
+
+def kv_nbytes_per_position(units: int, head_dim: int, dtype: torch.dtype, cfg: Compression | None) -> float:
+    """Bytes of K and V that one more position adds (KIVI: a group's share; the residual is a
+    fixed G positions per slot)."""
+    if cfg is not None and cfg.kivi:
+        G = cfg.group_size
+        return (kv_nbytes(G, units, head_dim, dtype, cfg) - kv_nbytes(0, units, head_dim, dtype, cfg)) / G
+    return kv_nbytes(1, units, head_dim, dtype, cfg)
+
+
+def ring_runs(start: int, n: int, rows: int) -> list[tuple[int, int, int]]:
+    """(first row, first of the n positions, count) of each run of the rows of a ring of
+    `rows` that positions [start, start + n) fill (n <= rows): one, or two where it wraps."""
+    row = start % rows
+    first = min(n, rows - row)
+    return [(row, 0, first)] + ([(0, first, n - first)] if n > first else [])
+
+
+def unit_ranges(units: dict[str, int]) -> dict[str, tuple[int, int]]:
+    """The cache units [a, b) each tier holds: the tiers' counts, in tier order."""
+    ranges, start = {}, 0
+    for tier in TIERS:
+        ranges[tier] = (start, start + units[tier])
+        start += units[tier]
+    return ranges
+
+
+def all_units(x: torch.Tensor, units: torch.Tensor, total: int) -> torch.Tensor:
+    """x (s, len(units), d) of the (sorted) `units` as (s, total, d): the others' rows zero."""
+    full = x.new_zeros(x.shape[0], total, x.shape[2])
+    full[:, units.to(x.device)] = x
+    return full
 
 
 def _parts(x: Stored) -> tuple[torch.Tensor, ...]:
@@ -58,12 +104,10 @@ class KVCacheSlot:
     def __init__(self, units: dict[str, int], max_len: int, head_dim: int, devices: Devices,
                  usage: TierUsage, disk_path: Path | None, pin: bool, compression: Compression | None = None,
                  window: int = 0):
+        if compression is not None and compression.kivi:
+            raise ValueError("a KIVI-grouped cache is a KiviCacheSlot")
         self.units = units
-        self.ranges = {}
-        start = 0
-        for tier in TIERS:
-            self.ranges[tier] = (start, start + units[tier])
-            start += units[tier]
+        self.ranges = unit_ranges(units)
         self.max_len, self.head_dim, self.devices, self.usage = max_len, head_dim, devices, usage
         self.rows = cache_rows(max_len, window)
         self.compression = compression
@@ -98,7 +142,7 @@ class KVCacheSlot:
                     compression: Compression | None, window: int = 0) -> int:
         """The size of a slot's disk file (K and V of every position it holds), known before
         it is made."""
-        return 2 * cache_nbytes(cache_rows(max_len, window), disk_units, head_dim, dtype, compression)
+        return kv_nbytes(cache_rows(max_len, window), disk_units, head_dim, dtype, compression)
 
     # ---- writes ----------------------------------------------------------------------------
 
@@ -116,7 +160,8 @@ class KVCacheSlot:
         not all (finished sequences left the batch): the others' rows at these positions are
         written as zeros, never read."""
         if units is not None:
-            k, v = self._all_units(k, units), self._all_units(v, units)
+            total = sum(self.units.values())
+            k, v = all_units(k, units, total), all_units(v, units, total)
         if k.shape[0] > self.rows:
             start, k, v = start + k.shape[0] - self.rows, k[-self.rows:], v[-self.rows:]
         gd = None if self.compression is None else CACHE_GROUP_DIM
@@ -125,11 +170,7 @@ class KVCacheSlot:
             self._write_rows(k.narrow(0, a, n), v.narrow(0, a, n), row, tiers)
 
     def _row_runs(self, start: int, n: int) -> list[tuple[int, int, int]]:
-        """(first row, first of the n positions, count) of each run of rows that positions
-        [start, start + n) fill: one run, or two where the ring wraps."""
-        row = start % self.rows
-        first = min(n, self.rows - row)
-        return [(row, 0, first)] + ([(0, first, n - first)] if n > first else [])
+        return ring_runs(start, n, self.rows)
 
     def _write_rows(self, k: Stored, v: Stored, row: int, tiers: tuple[str, ...]) -> None:
         for tier in tiers:
@@ -144,11 +185,6 @@ class KVCacheSlot:
                 for dst, src in ((self.k[tier], kt), (self.v[tier], vt)):
                     for d, s in zip(_parts(dst), _parts(src)):
                         d[row:row + s.shape[0]].copy_(s, non_blocking=True)
-
-    def _all_units(self, x: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
-        full = x.new_zeros(x.shape[0], sum(self.units.values()), x.shape[2])
-        full[:, units.to(x.device)] = x
-        return full
 
     def append_in_place(self, tier: str, k: torch.Tensor, v: torch.Tensor, position: int,
                         local: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,6 +219,37 @@ class KVCacheSlot:
             return _runs_of(self.k[tier], runs), _runs_of(self.v[tier], runs) if values else None
         k = self._read_rows(0, runs)
         return k, self._read_rows(self._disk_half, runs) if values else None
+
+    # a decode step's sparse attention may read the values of the disk tier apart from the
+    # keys, only the rows it keeps (read_disk_values)
+    values_apart = True
+
+    def unpack(self, tier: str, stored: tuple[Stored, Stored | None], device: torch.device,
+               buffers: CacheBuffers) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What read(tier) returned, made ready for attention on `device`: keys and values
+        (units, n + 1, d) in `buffers`, the n positions held oldest first, then a column left
+        for the new token (None for values not read)."""
+        out = []
+        for name, x in zip(("keys", "values"), stored):
+            if x is None:
+                out.append(None)
+                continue
+            n, u = x.shape[0], x.shape[1]
+            buf = buffers.take(f"{name}-{tier}", (u, n + 1, self.head_dim), self.devices.dtype, device)
+            dense_into(x if isinstance(x, torch.Tensor) else x.to(device, non_blocking=True),
+                       buf[:, :n].transpose(0, 1), buffers.scratch(device))
+            out.append(buf)
+        return out[0], out[1]
+
+    def decode_valid(self, tier: str, length: int, window: int, key_valid: torch.Tensor,
+                     local: torch.Tensor | None) -> tuple[int, torch.Tensor]:
+        """For a decode step at `length` whose computed units of `tier` may see the keys
+        key_valid ((units, length + 1): padding False): the columns of unpack()'s keys to drop
+        (a sliding window's ring may hold one position more than the window takes), and which
+        of the rest each unit may see."""
+        first = self.first_held(length)
+        drop = max(0, length - first + 1 - window) if window else 0
+        return drop, key_valid[:, first + drop:]
 
     def read_disk_values(self, positions: list[int]) -> Stored:
         """V of the disk units at the given distinct positions (still held), in that order,

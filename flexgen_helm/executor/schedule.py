@@ -10,7 +10,10 @@ cache of layer j+1), and stores batch k's.
 over the whole run, plus per stage "{prefill,decode}_{compute,load_weight,load_cache,
 load_hidden,store_cache,store_hidden}": the run time of each kind of event. With overlap
 off these add up to the stage's time (the paper's Table 23 breakdown); with overlap on
-the transfers run beside compute, so their times overlap it.
+the transfers run beside compute, so their times overlap it. Two parts of those:
+"decode_attention" (of decode_compute: attention over the cache, its new column and mask
+included) and "decode_unpack_cache" (of decode_load_cache: copying, or dequantizing, the
+cache read into the buffers attention reads).
 """
 
 from __future__ import annotations
@@ -24,10 +27,13 @@ from typing import Callable
 
 import torch
 
+from flexgen_helm.compression import kivi
 from flexgen_helm.compression.quantize import CACHE_GROUP_DIM
 from flexgen_helm.compression.stored import dense, encode
 from flexgen_helm.executor.activations import ActivationHome
 from flexgen_helm.executor.attention import attend, attend_as_decode, from_units, to_units
+from flexgen_helm.executor.cache_buffers import CacheBuffers
+from flexgen_helm.executor.kivi_cache import KiviCacheSlot
 from flexgen_helm.executor.kv_cache import KVCacheSlot
 from flexgen_helm.executor.step_rows import StepRows, units_of
 from flexgen_helm.memory.copy_engine import CopyEngine, consume
@@ -76,11 +82,12 @@ class BlockSchedule:
         if planned:
             check_free_space(workdir, planned, "this block's offloaded KV cache and activations",
                              OFFLOAD_ADVICE)
-        self.slots: dict[tuple[int, int], KVCacheSlot] = {
-            (index, k): KVCacheSlot(units, max_len, self.cfg.head_dim, self.devices, runtime.usage,
-                                    workdir / f"kv-{index}-{k}.bin", pin=True, compression=policy.compress_cache,
-                                    window=self.cfg.window(index))
+        # each cache unit's first real position (its left padding): where a KIVI cache's groups start
+        self.unit_starts = [(~b.valid).sum(1).repeat_interleave(self.cfg.num_kv_heads) for b in batches]
+        self.slots: dict[tuple[int, int], KVCacheSlot | KiviCacheSlot] = {
+            (index, k): self._slot(units, max_len, workdir / f"kv-{index}-{k}.bin", self.cfg.window(index), k)
             for (index, k), units in cache_units.items()}
+        self.buffers = CacheBuffers()  # what decode steps unpack the cache into, reused
         self.acts = [ActivationHome(act_rows[0, k], max_len, self.cfg.hidden_size, self.devices, runtime.usage,
                                     workdir / f"act-{k}.bin") for k in range(len(batches))]
         # per-run constants (the rotary tables), for every position this run will reach
@@ -96,6 +103,14 @@ class BlockSchedule:
         self.step_rows: list[StepRows | None] = [None] * len(batches)
         self._weights_ahead = None
         self.prefill_as_decode = False
+
+    def _slot(self, units: dict[str, int], max_len: int, disk_path: Path, window: int, k: int):
+        cfg = self.policy.compress_cache
+        if cfg is not None and cfg.kivi:
+            return KiviCacheSlot(units, max_len, self.cfg.head_dim, self.devices, self.rt.usage, disk_path, pin=True,
+                                 compression=cfg, window=window, starts=self.unit_starts[k])
+        return KVCacheSlot(units, max_len, self.cfg.head_dim, self.devices, self.rt.usage, disk_path, pin=True,
+                           compression=cfg, window=window)
 
     def _anything_to_overlap(self) -> bool:
         """Transfers overlap compute only where another engine does them: a GPU's copy engine,
@@ -250,16 +265,18 @@ class BlockSchedule:
         no unit computes)."""
         slot = self.slots[layer.index, k]
         parts = {}
+        self.buffers.next_set()
         for tier in TIERS:
             computed, _ = self.step_rows[k].tier_part(*slot.ranges[tier])
-            if computed.start < computed.stop and not slot.in_place(tier, self._attention_device(tier)):
+            where = self._attention_device(tier)
+            if computed.start < computed.stop and not slot.in_place(tier, where):
                 # Sparse attention reads V from disk after scoring, and only the rows it keeps.
-                sparse_disk = tier == "disk" and self.policy.attn_sparsity < 1.0
+                sparse_disk = tier == "disk" and self.policy.attn_sparsity < 1.0 and slot.values_apart
                 stored = slot.read(tier, self.length, values=not sparse_disk)
-                where = self._attention_device(tier)
                 # compressed parts travel compressed and are dequantized where attention runs
-                parts[tier] = tuple(None if x is None else dense(x.to(where, non_blocking=True), self.devices.dtype)
-                                    for x in stored)
+                t0 = time.perf_counter()
+                parts[tier] = slot.unpack(tier, stored, where, self.buffers)
+                self.timers["decode_unpack_cache"] += time.perf_counter() - t0
         return parts
 
     def _attention_device(self, tier: str) -> torch.device:
@@ -278,34 +295,41 @@ class BlockSchedule:
         unwritten = TIERS
         window, softcap = cfg.window(index), cfg.attn_softcap
         if prefill and self.prefill_as_decode:
-            out = attend_as_decode(qu, ku, vu, rows.valid, self._as_stored, self.policy.attn_sparsity,
-                                   window=window, softcap=softcap)
+            cc = self.policy.compress_cache
+            fresh = cc.group_size if cc is not None and cc.kivi else 1  # positions a decode step sees unquantized
+            out = attend_as_decode(qu, ku, vu, rows.valid, functools.partial(self._as_stored, self.unit_starts[k]),
+                                   self.policy.attn_sparsity, window=window, softcap=softcap, fresh_group=fresh,
+                                   starts=self.unit_starts[k])
         elif prefill:
             out = attend(qu, ku, vu, rows.valid, causal=True, window=window, softcap=softcap)
         else:
+            t0 = time.perf_counter()
             out, unwritten = self._decode_attention(slot, cache, qu, ku, vu, rows, window)
+            if self.devices.is_cuda:
+                torch.cuda.current_stream().synchronize()
+            self.timers["decode_attention"] += time.perf_counter() - t0  # part of decode_compute
         h = self.family.finish_block(cfg, w, h, from_units(out, b))
         if not unwritten:
             return h, None
         return h, (ku.transpose(0, 1), vu.transpose(0, 1), self.length, rows.unit_index, unwritten)
 
-    def _as_stored(self, x: torch.Tensor) -> torch.Tensor:
-        """(units, t, d) keys or values -> what the cache returns for them (KVCacheSlot.write
-        then read: the same encoding, in the cache's layout)."""
-        cfg = self.policy.compress_cache
-        stored = encode(x.transpose(0, 1).to(self.devices.dtype), cfg, None if cfg is None else CACHE_GROUP_DIM)
-        return dense(stored, self.devices.dtype).transpose(0, 1)
+    def _as_stored(self, starts: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(units, t, d) keys and values (units starting at `starts`) -> what the cache returns
+        for them (a slot's write then read: the same encoding, in the cache's layout)."""
+        cfg, dtype = self.policy.compress_cache, self.devices.dtype
+        if cfg is not None and cfg.kivi:
+            return kivi.as_stored(k.to(dtype), v.to(dtype), cfg, starts, dtype)
+        gd = None if cfg is None else CACHE_GROUP_DIM
+        return tuple(dense(encode(x.transpose(0, 1).to(dtype), cfg, gd), dtype).transpose(0, 1) for x in (k, v))
 
-    def _decode_attention(self, slot: KVCacheSlot, cache: dict, qu, ku, vu, rows: StepRows, window: int):
+    def _decode_attention(self, slot: KVCacheSlot | KiviCacheSlot, cache: dict, qu, ku, vu, rows: StepRows,
+                          window: int):
         """Attention of one new position per computed unit, tier by tier, to the positions
         the slot holds and to itself; a sliding-window block's to its last `window` positions
-        only (its ring may hold one more: the oldest is dropped here). Where attention reads
-        a tier in place (never a ring) the new keys and values are written first and the
-        cache is read as a view; elsewhere they join the loaded cache. Returns the output and
-        the tiers still to write."""
-        first = slot.first_held(self.length)  # position of the first key read
-        drop = max(0, self.length - first + 1 - window) if window else 0
-        valid = rows.valid[:, first + drop:]
+        only (slot.decode_valid). Where attention reads a tier in place (never a ring, never
+        compressed) the new keys and values are written first and the cache is read as a
+        view; elsewhere they fill the column the loaded cache leaves for them. Returns the
+        output and the tiers still to write."""
         outs, unwritten = [], []
         for tier in TIERS:
             part, local = rows.tier_part(*slot.ranges[tier])
@@ -313,20 +337,19 @@ class BlockSchedule:
                 continue
             where = self._attention_device(tier)
             new_k, new_v = ku[part].to(where), vu[part].to(where)
+            drop, valid = slot.decode_valid(tier, self.length, window, rows.valid[part], local)
             if slot.in_place(tier, where):
                 keys, values = slot.append_in_place(tier, new_k, new_v, self.length, local)
             else:
                 unwritten.append(tier)
                 kc, vc = cache[tier]
-                if local is not None:
-                    kc = kc.index_select(1, local.to(kc.device))
-                keys = torch.cat([kc.transpose(0, 1), new_k], dim=1)[:, drop:]
+                keys = _with_new(kc, new_k, local)[:, drop:]
                 if vc is None:  # V left on disk: attend() asks for the rows it keeps
-                    values = functools.partial(self._disk_values, slot, new_v, local, first + drop)
+                    values = functools.partial(self._disk_values, slot, new_v, local,
+                                               slot.first_held(self.length) + drop)
                 else:
-                    vc = vc if local is None else vc.index_select(1, local.to(vc.device))
-                    values = torch.cat([vc.transpose(0, 1), new_v], dim=1)[:, drop:]
-            out = attend(qu[part].to(where), keys, values, valid[part].to(where), causal=False,
+                    values = _with_new(vc, new_v, local)[:, drop:]
+            out = attend(qu[part].to(where), keys, values, valid.to(where), causal=False,
                          keep_fraction=self.policy.attn_sparsity, softcap=self.cfg.attn_softcap)
             outs.append(out.to(self.devices.compute, non_blocking=True))
         return (outs[0] if len(outs) == 1 else torch.cat(outs)), tuple(unwritten)
@@ -356,3 +379,12 @@ class BlockSchedule:
             slot.close()
         for a in self.acts:
             a.close()
+
+
+def _with_new(loaded: torch.Tensor, new: torch.Tensor, local: torch.Tensor | None) -> torch.Tensor:
+    """A loaded cache (tier units, n + 1, d) with the new token (computed units, 1, d) in its
+    last column, for the computed units (`local`, None: all; a copy of theirs)."""
+    if local is not None:
+        loaded = loaded.index_select(0, local.to(loaded.device))
+    loaded[:, -1] = new[:, 0]
+    return loaded

@@ -3,6 +3,8 @@ command that takes a policy (generate, bench, eval, the HELM plugin)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from flexgen_helm.models.config import ModelConfig
 from flexgen_helm.planner.budget import parse_size
 from flexgen_helm.planner.hardware_profile import load_or_profile
@@ -28,7 +30,8 @@ def options_from_args(args) -> SearchOptions:
                        getattr(args, "compress_group_dim", None), getattr(args, "quant_method", "rtn"))
     return SearchOptions(
         compress_weight=comp if getattr(args, "compress_weight", False) else None,
-        compress_cache=comp if getattr(args, "compress_cache", False) else None,
+        compress_cache=dataclasses.replace(comp, cache_grouping=getattr(args, "cache_grouping", None))
+        if getattr(args, "compress_cache", False) else None,
         cpu_cache_compute=True if getattr(args, "cpu_cache_compute", False) else None,
         max_latency_s=getattr(args, "max_latency", None),
         overlap=not getattr(args, "no_overlap", False),

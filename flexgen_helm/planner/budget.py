@@ -8,7 +8,7 @@ import functools
 import torch
 
 from flexgen_helm.errors import PolicyError
-from flexgen_helm.executor.kv_cache import cache_nbytes, cache_rows
+from flexgen_helm.executor.kv_cache import cache_rows, kv_nbytes
 from flexgen_helm.memory.placement import place_weights, slot_tier_counts, tier_totals
 from flexgen_helm.memory.weight_homes import segment_nbytes
 from flexgen_helm.models import family_of
@@ -35,7 +35,7 @@ def planned_components(cfg: ModelConfig, policy: Policy, max_len: int, dtype: to
         total = units_by_rows.setdefault(cache_rows(max_len, cfg.window(layer)), dict.fromkeys(TIERS, 0))
         for t in TIERS:
             total[t] += units[t]
-    cache = {t: sum(2 * cache_nbytes(n, units[t], cfg.head_dim, dtype, policy.compress_cache)
+    cache = {t: sum(kv_nbytes(n, units[t], cfg.head_dim, dtype, policy.compress_cache)
                     for n, units in units_by_rows.items()) for t in TIERS}
     row_bytes = (act_len or max_len) * cfg.hidden_size * elt
     return {"weights": weights, "cache": cache, "activations": {t: rows[t] * row_bytes for t in TIERS}}

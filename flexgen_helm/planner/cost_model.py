@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flexgen_helm.executor.kv_cache import cache_nbytes, cache_rows
+from flexgen_helm.executor.kv_cache import cache_rows, kv_nbytes, kv_nbytes_per_position
 from flexgen_helm.memory.devices import DTYPES
 from flexgen_helm.memory.placement import place_weights
 from flexgen_helm.memory.weight_homes import segment_nbytes
@@ -326,7 +326,7 @@ class CostModel:
         cuda, dev, cpu = hw.is_cuda, hw.compute, hw.cpu
         units = gbs * cfg.num_kv_heads
         # K and V of one position of one GPU batch: as stored (maybe compressed), and as attended
-        stored = 2 * cache_nbytes(1, units, cfg.head_dim, self.dtype, policy.compress_cache)
+        stored = kv_nbytes_per_position(units, cfg.head_dim, self.dtype, policy.compress_cache)
         dense = 2 * units * cfg.head_dim * self.elt
         delegated = policy.cpu_cache_compute
 
@@ -405,8 +405,8 @@ class CostModel:
         # a GPU batch's cache of one layer read off its tier (in use, and the next one prefetched;
         # the longest a slot holds: a global block's)
         held = max(cache_rows(work.max_len, self._window(layer)) for layer, _ in self.groups)
-        loaded_cache = 2 * 2 * cache_nbytes(held, gbs * cfg.num_kv_heads, cfg.head_dim, self.dtype,
-                                            policy.compress_cache) * moved
+        loaded_cache = 2 * kv_nbytes(held, gbs * cfg.num_kv_heads, cfg.head_dim, self.dtype,
+                                     policy.compress_cache) * moved
         out = {}
         for phase in PHASES:
             tokens = work.prompt_len if phase == "prefill" else 1

@@ -40,6 +40,13 @@ class Split:
 # "rtn" = FlexGen's min/max round-to-nearest; "hqq" = fitted to minimize the group's
 # reconstruction error (half-quadratic), computed once at conversion.
 QUANT_METHODS = ("rtn", "hqq")
+# Which values of a quantized KV cache share a group (executor/kv_cache.py, kivi_cache.py):
+# "per-token" = each position's head_dim row on its own (FlexGen); "kivi" = keys per channel
+# over blocks of group_size tokens and values per token, the newest tokens of an unfinished
+# block kept in full precision (KIVI, Liu et al. 2024). The default is the one that measured
+# better (runs/accuracy/README.md, "4-bit KV cache grouping").
+CACHE_GROUPINGS = ("per-token", "kivi")
+DEFAULT_CACHE_GROUPING = "kivi"
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,12 @@ class Compression:
     group_size: int = 64
     group_dim: int | None = None  # None: the default for the tensor kind (weights dim 1, cache head dim)
     method: str = "rtn"  # one of QUANT_METHODS
+    cache_grouping: str | None = None  # a KV cache's: one of CACHE_GROUPINGS; None: DEFAULT_CACHE_GROUPING
+
+    @property
+    def kivi(self) -> bool:
+        """Whether a KV cache under this setting groups its keys per channel (KIVI)."""
+        return (self.cache_grouping or DEFAULT_CACHE_GROUPING) == "kivi"
 
     def validate(self, what: str) -> None:
         if not 2 <= self.bits <= 8:
@@ -59,6 +72,9 @@ class Compression:
         if self.method not in QUANT_METHODS:
             raise PolicyError(f"{what}: unknown quantization method {self.method!r} "
                               f"(choose from {', '.join(QUANT_METHODS)})")
+        if self.cache_grouping is not None and self.cache_grouping not in CACHE_GROUPINGS:
+            raise PolicyError(f"{what}: unknown cache grouping {self.cache_grouping!r} "
+                              f"(choose from {', '.join(CACHE_GROUPINGS)})")
 
 
 @dataclass(frozen=True)
@@ -95,6 +111,9 @@ class Policy:
             c = getattr(self, name)
             if c is not None:
                 c.validate(name)
+        if self.compress_weight is not None and self.compress_weight.cache_grouping is not None:
+            raise PolicyError(f"compress_weight: cache_grouping {self.compress_weight.cache_grouping!r} is a KV "
+                              "cache setting; weights are grouped along group_dim")
         if not 0.0 < self.attn_sparsity <= 1.0:
             raise PolicyError(f"attn_sparsity must be in (0, 1], got {self.attn_sparsity}")
 

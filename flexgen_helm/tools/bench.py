@@ -38,6 +38,9 @@ def throughput(prefill: float, decode: float, batch: int, prompt_len: int, gen_l
 
 STAGES = ("prefill", "decode")
 EVENTS = ("compute", "load_weight", "load_cache", "store_cache", "load_hidden", "store_hidden")
+# parts of a decode step's events (executor/schedule.py): attention of compute, the
+# dequantization (or copy) into reused buffers of load_cache
+DECODE_PARTS = ("attention", "unpack_cache")
 
 
 def breakdown(timers: dict) -> dict:
@@ -46,7 +49,9 @@ def breakdown(timers: dict) -> dict:
     With overlap off these are the paper's Table 23 columns (compute, weight read, cache
     read, cache write; activations are the rest); with overlap on they overlap compute.
     """
-    return {stage: {e: timers.get(f"{stage}_{e}", 0.0) for e in EVENTS} for stage in STAGES}
+    out = {stage: {e: timers.get(f"{stage}_{e}", 0.0) for e in EVENTS} for stage in STAGES}
+    out["decode"].update({e: timers.get(f"decode_{e}", 0.0) for e in DECODE_PARTS})
+    return out
 
 
 class TokenSteps:
@@ -150,6 +155,13 @@ def _print(r: dict) -> None:
     print(f"prefill: {r['prefill_latency_s']:.3f} s, {r['prefill_throughput']:.1f} token/s")
     print(f"decode:  {r['decode_latency_s']:.3f} s, {r['decode_throughput']:.2f} token/s")
     print(f"total:   {r['total_latency_s']:.3f} s, {r['total_throughput']:.2f} token/s")
+    steps = r["gen_len"] - 1
+    if steps > 0:
+        d = {k: 1000 * v / steps for k, v in r["breakdown"]["decode"].items()}
+        print(f"a decode step (ms, mean of {steps}; with overlap on, loads and stores run beside compute): "
+              f"compute {d['compute']:.1f} (attention {d['attention']:.1f}), load cache {d['load_cache']:.1f} "
+              f"(unpack/dequantize {d['unpack_cache']:.1f}), store cache {d['store_cache']:.1f}, load weights "
+              f"{d['load_weight']:.1f}, load/store hidden {d['load_hidden']:.1f}/{d['store_hidden']:.1f}")
     tiers = mem["tiers"]
     peaks = ", ".join(f"{t} {tiers[t]['peak_bytes'] / gib:.2f} GiB" for t in tiers)
     print(f"peak memory (weight homes in RAM, KV cache, activations): {peaks}; "

@@ -7,6 +7,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
+from flexgen_helm.executor.kv_cache import kv_nbytes_per_position
+from flexgen_helm.policy.policy import Compression
 from flexgen_helm.tools.accuracy_sweep.plan import METHOD_PAIRS, ROW_BY_NAME
 
 DEFAULT_PAIR = ("w4-g64-d1", "w4h-g64-d1")  # the CLI's default grouping: g64 along the input dim
@@ -106,6 +110,60 @@ def opt_line(opt) -> str:
             f"(`{opt['command']}`).")
 
 
+# the 4-bit cache's groupings in the engine: per token (FlexGen's RTN: the baseline of the goal), KIVI
+CACHE_ROWS = (("kv4-g64", "per token, g64 (FlexGen)"), ("kv4k-g64", "KIVI, g64"), ("kv4k-g32", "KIVI, g32"))
+SMOLLM2_KV = (3, 64)  # SmolLM2-135M: key-value heads, head_dim (what a cache position holds)
+
+
+def _cache_bits(row: str) -> float:
+    """Bits per cached value of a row's grouping (bf16 scales and minimums, the residual aside)."""
+    flags = ROW_BY_NAME[row].flags
+
+    def flag(name: str) -> str:
+        return flags[flags.index(name) + 1]
+
+    cfg = Compression(int(flag("--compress-bits")), int(flag("--compress-group-size")),
+                      cache_grouping=flag("--cache-grouping"))
+    heads, d = SMOLLM2_KV
+    return 8 * kv_nbytes_per_position(heads, d, torch.bfloat16, cfg) / (2 * heads * d)
+
+
+def cache_grouping_text(runs) -> str:
+    """The 4-bit KV cache per token against KIVI in the engine, per scope, with issue 22's goal
+    (at most half of RTN's loss) and what it says about the default grouping."""
+    parts = []
+    for scope in ("quick", "full"):
+        base_acc, base_ppl = _deltas(runs, CACHE_ROWS[0][0], scope)
+        if base_acc is None and base_ppl is None:
+            continue
+        lines = ["| cache | Δ acc | share of per-token's | Δ ppl | share of per-token's | bits per value |",
+                 "|---|---|---|---|---|---|"]
+        goals = []
+        for row, name in CACHE_ROWS:
+            acc, ppl = _deltas(runs, row, scope)
+            if acc is None and ppl is None:
+                continue
+            lines.append(f"| {name} | {_fmt(acc, '+.2f')} | {_ratio(acc, base_acc)} | {_fmt(ppl, '+.2f')}% | "
+                         f"{_ratio(ppl, base_ppl)} | {_cache_bits(row):.2f} |")
+            if row != CACHE_ROWS[0][0] and None not in (acc, ppl, base_acc, base_ppl):
+                met = (acc >= base_acc / 2, ppl <= base_ppl / 2)
+                goals.append(f"Goal (4-bit KV cache: at most half of RTN's loss), {name}, scope \"{scope}\": LAMBADA "
+                             f"{acc:+.2f} vs per token {base_acc:+.2f} points ({'met' if met[0] else 'NOT met'}), "
+                             f"WikiText perplexity {ppl:+.2f}% vs {base_ppl:+.2f}% ({'met' if met[1] else 'NOT met'}).")
+        label = {"quick": "quick slice (first 500 LAMBADA passages, first 8192 WikiText tokens)", "full": "full sets"}
+        parts.append(f"{label[scope]}:\n\n" + "\n".join(lines) + "".join(f"\n\n- {g}" for g in goals))
+    if not parts:
+        return ""
+    return ("### 4-bit KV cache grouping in the engine: per token vs KIVI (`--cache-grouping`)\n\n"
+            "Scored as decode (every position attends to the cache as a decode step would). Per token: each "
+            "position's head-dim row is a group (FlexGen, RTN). KIVI (executor/kivi_cache.py): keys grouped per "
+            "channel over G consecutive tokens of a sequence, values per token, and a sequence's newest positions "
+            "of an unfinished group (fewer than G) kept in full precision until the group is complete. Bits per "
+            "value count codes, scales and minimums (bf16); KIVI also holds that residual, up to G - 1 positions "
+            "at 16 bits per sequence and layer. Δ columns: change from the baseline of the same scope; \"share\": "
+            "the part of the per-token loss a KIVI row keeps (the goal is at most 0.5).\n\n" + "\n\n".join(parts))
+
+
 def kv_grouping_text(out: Path) -> str:
     """kv_grouping.py's records: per-token vs KIVI grouping of the 4-bit cache, outside the engine."""
     parts = []
@@ -128,7 +186,7 @@ def methods_section(runs, out: Path) -> str:
     conv, opt = _load(out, "conversion_errors.json"), _load(out, "conversion_opt-1.3b_hqq.json")
     tables = [(scope, comparison_table(runs, conv, scope)) for scope in ("quick", "full")]
     tables = [(s, t) for s, t in tables if t]
-    kv = kv_grouping_text(out)
+    kv = "\n\n".join(t for t in (cache_grouping_text(runs), kv_grouping_text(out)) if t)
     if not tables and not kv:
         return ""
     scope_names = {"quick": "quick slice (first 500 LAMBADA passages, first 8192 WikiText tokens)",

@@ -19,11 +19,14 @@ SCOPES = {"full": {"lambada": [], "wikitext": []},
           "quick": {"lambada": ["--limit", "500"], "wikitext": ["--limit", "8192"]}}
 
 
-def _compress(what: str, bits: int, group: int, dim: int | None = None, method: str = "rtn") -> list[str]:
+def _compress(what: str, bits: int, group: int, dim: int | None = None, method: str = "rtn",
+              cache: str = "per-token") -> list[str]:
+    """cache: the cache's grouping, named (the rows measured before KIVI ran per-token)."""
     flags = {"w": ["--compress-weight"], "kv": ["--compress-cache"],
              "both": ["--compress-weight", "--compress-cache"]}[what]
     flags += ["--compress-bits", str(bits), "--compress-group-size", str(group)]
     flags += ["--quant-method", method] if method != "rtn" else []
+    flags += ["--cache-grouping", cache] if what != "w" else []
     # one --compress-group-dim serves weights and cache alike: name it only for weights alone
     return flags + (["--compress-group-dim", str(dim)] if dim is not None else [])
 
@@ -52,7 +55,7 @@ ROWS = [
     Row("baseline", "baseline (no compression)", generate=True, scopes=ALL),
     Row("int8-g64", "8-bit weights + cache, g64", _compress("both", 8, 64), generate=True),
     Row("w4-g64", "4-bit weights, g64 dim 0", _compress("w", 4, 64)),
-    Row("kv4-g64", "4-bit cache, g64", _compress("kv", 4, 64), generate=True, scopes=ALL),
+    Row("kv4-g64", "4-bit cache, g64 (per token)", _compress("kv", 4, 64), generate=True, scopes=ALL),
     Row("w4kv4-g64", "4-bit weights + cache, g64", _compress("both", 4, 64), generate=True),
     Row("w4kv4s-g64", "4-bit-S: 4-bit both + sparsity 0.1, g64", _compress("both", 4, 64) + ["--attn-sparsity", "0.1"],
         generate=True),
@@ -66,6 +69,9 @@ ROWS = [
     Row("w4h-g128-d1", "4-bit weights, g128 dim 1, hqq", _compress("w", 4, 128, 1, "hqq"), scopes=NEW),
     Row("w4h-g32-d1", "4-bit weights, g32 dim 1, hqq", _compress("w", 4, 32, 1, "hqq"), scopes=NEW),
     Row("w3h-g64-d1", "3-bit weights, g64 dim 1, hqq", _compress("w", 3, 64, 1, "hqq"), scopes=NEW),
+    # the KIVI grouping of the cache (keys per channel over 64 or 32 tokens), against kv4-g64 (per token)
+    Row("kv4k-g64", "4-bit cache, g64, KIVI", _compress("kv", 4, 64, cache="kivi"), scopes=NEW),
+    Row("kv4k-g32", "4-bit cache, g32, KIVI", _compress("kv", 4, 32, cache="kivi"), scopes=("quick",)),
 ]
 ROW_BY_NAME = {r.name: r for r in ROWS}
 # each row on its scopes: "lim" (the reference's protocol), "quick" (issue 22's slice), "full"

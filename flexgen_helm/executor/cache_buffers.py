@@ -1,0 +1,50 @@
+"""Buffers that a decode step's cache is unpacked into, reused from step to step.
+
+Every (layer, GPU batch) of a decode step loads its cache off the tier it lives on and
+unpacks it where attention runs (dequantized under cache compression). Each load writes
+into buffers taken here, so that the dequantized cache and the working copies of the
+dequantization are allocated once per run instead of once per layer per step.
+
+Two sets of buffers take turns (`next_set`, once per load): the schedule has at most two
+cache loads alive, the one a GPU batch computes with and the one the copy engine prepares
+for the next; a load is taken only after the load before it was consumed, so the set it
+overwrites belongs to a batch whose compute has finished. A buffer that is too small is
+replaced by one twice the size asked for, so a cache that grows a position per step
+reallocates a handful of times per run, not at every step."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flexgen_helm.compression.quantize import Scratch
+
+SETS = 2
+
+
+class CacheBuffers:
+    def __init__(self):
+        self._sets: list[dict] = [{} for _ in range(SETS)]
+        self._turn = 0
+        self.allocations = 0  # buffers allocated so far (a test checks that steps stop adding any)
+
+    def next_set(self) -> None:
+        """The other set, for the next load."""
+        self._turn = (self._turn + 1) % SETS
+
+    def take(self, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A tensor of `shape` from this set's buffer `name` (contents left from earlier use)."""
+        numel = math.prod(shape)
+        key = (name, dtype, torch.device(device))
+        buf = self._sets[self._turn].get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(2 * numel, dtype=dtype, device=device)
+            self._sets[self._turn][key] = buf
+            self.allocations += 1
+        return buf[:numel].view(shape)
+
+    def scratch(self, device: torch.device) -> Scratch:
+        """Working copies of a dequantization on `device`, one buffer per dtype: a
+        dequantization asks for each dtype at most once, and is done before the next asks."""
+        return lambda shape, dtype: self.take("scratch", shape, dtype, device)

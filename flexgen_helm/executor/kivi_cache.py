@@ -1,0 +1,221 @@
+"""The KV cache of one (layer, GPU batch) under KIVI grouping (compression/kivi.py): keys
+quantized per channel over groups of G tokens of a sequence, values per token, and each
+unit's unfinished group kept in full precision. Split by units over the tiers, with the
+writes and reads of KVCacheSlot.
+
+Each tier holds, for its units:
+- `groups`: the last `held` complete groups of each unit (KiviGroups), group g in slot
+  g % held: every group of a run, or for a sliding-window block a ring of the groups its
+  window reaches (ceil(window / G) slots).
+- `residual`: (G, 2, units, d), K and V in full precision of the last G positions written,
+  position p in row p % G. A unit's unfinished group (fewer than G positions) is always
+  among them, so a decode step writes one row for all units, whatever their padding.
+When a unit's count of real positions reaches a multiple of G, its last G positions are
+quantized as one group and written to their slot. Groups count from each unit's first real
+position (`starts`, its left padding), so no number depends on the batch it shares.
+
+On disk: `held` rows of (units, block) bytes, one block per (group, unit) (a unit's new
+group is one write, the groups [0, n) of all units one read), then the residual's G rows.
+
+Reads return the groups held and the residual, as stored; `unpack` dequantizes them where
+attention runs, and `decode_valid` says which of those positions a decode step may attend
+to. They are not put back in sequence order: a decode step's attention does not depend on
+the order of its keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from flexgen_helm.compression.kivi import KiviGroups, KiviStored, kivi_nbytes, quantize_groups
+from flexgen_helm.executor.cache_buffers import CacheBuffers
+from flexgen_helm.executor.kv_cache import all_units, cache_rows, ring_runs, unit_ranges
+from flexgen_helm.memory.devices import Devices
+from flexgen_helm.memory.disk_buffer import DiskBuffer
+from flexgen_helm.memory.usage import TierUsage
+from flexgen_helm.policy.policy import TIERS, Compression
+
+
+class KiviCacheSlot:
+    # the values of a group lie beside its keys, in one block: sparse attention reads them too
+    values_apart = False
+
+    def __init__(self, units: dict[str, int], max_len: int, head_dim: int, devices: Devices, usage: TierUsage,
+                 disk_path: Path | None, pin: bool, compression: Compression, window: int, starts: torch.Tensor):
+        if len(starts) != sum(units.values()):
+            raise ValueError(f"{len(starts)} unit starts for {sum(units.values())} units")
+        self.units, self.ranges = units, unit_ranges(units)
+        self.head_dim, self.devices, self.usage, self.cfg = head_dim, devices, usage, compression
+        self.G = compression.group_size
+        self.held = -(-cache_rows(max_len, window) // self.G)  # group slots per unit
+        self.starts = starts.to("cpu", torch.long)
+        self.groups: dict[str, KiviGroups] = {}
+        self.residual: dict[str, torch.Tensor] = {}
+        self.disk: DiskBuffer | None = None
+        self.disk_bytes_read = 0
+        dtype = devices.dtype
+        for tier in ("gpu", "cpu"):
+            if units[tier]:
+                device, pinned = devices.tier_device(tier), tier == "cpu" and pin and devices.is_cuda
+                self.groups[tier] = KiviGroups.zeros(self.held, units[tier], head_dim, dtype, compression, device,
+                                                     pinned)
+                self.residual[tier] = torch.zeros(self.G, 2, units[tier], head_dim, dtype=dtype, device=device,
+                                                  pin_memory=pinned)
+                usage.add(tier, self.groups[tier].nbytes + self.residual[tier].nbytes)
+        # the layout of one group slot of the disk units, on the meta device
+        self._disk_row = KiviGroups.zeros(1, units["disk"], head_dim, dtype, compression, "meta")
+        self._block = self._disk_row.nbytes // max(1, units["disk"])
+        self._residual_row = 2 * units["disk"] * head_dim * torch.empty((), dtype=dtype).element_size()
+        self._residual_at = self.held * self._disk_row.nbytes
+        if units["disk"]:
+            nbytes = self._residual_at + self.G * self._residual_row
+            assert nbytes == kivi_nbytes(cache_rows(max_len, window), units["disk"], head_dim, dtype, compression)
+            self.disk = DiskBuffer(disk_path, nbytes)
+            usage.add("disk", nbytes)
+
+    def in_place(self, tier: str, device: torch.device) -> bool:
+        """Never: attention reads a dequantized copy."""
+        return False
+
+    # ---- writes ----------------------------------------------------------------------------
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int, units: torch.Tensor | None = None,
+              tiers: tuple[str, ...] = TIERS) -> None:
+        """Store k, v of shape (s, units, d) at positions [start, start + s) of `tiers`: the
+        groups they complete, and the last G of them in the residual. units: as KVCacheSlot."""
+        if units is not None:
+            total = sum(self.units.values())
+            k, v = all_units(k, units, total), all_units(v, units, total)
+        for tier in tiers:
+            a, b = self.ranges[tier]
+            if a < b:
+                self._write_groups(tier, k[:, a:b], v[:, a:b], start, self.starts[a:b])
+                self._write_residual(tier, k[:, a:b], v[:, a:b], start)
+
+    def _write_groups(self, tier: str, k: torch.Tensor, v: torch.Tensor, start: int, starts: torch.Tensor) -> None:
+        """Quantize and store the groups that positions [start, start + s) complete (a unit's
+        last `held` of them), taking their earlier positions from the residual."""
+        G, s, d = self.G, k.shape[0], self.head_dim
+        done = (start + s - starts).clamp(min=0) // G  # complete groups of each unit after the write
+        first = torch.maximum((start - starts).clamp(min=0) // G, done - self.held)  # the first one it completes
+        count = (done - first).clamp(min=0)
+        if not bool(count.any()):
+            return
+        # positions [start - G + 1, start + s) hold every completed group (at most G - 1 came before)
+        since = max(0, start - G + 1)
+        earlier = self._residual_rows(tier, since, start).to(k.device)
+        recent_k, recent_v = torch.cat([earlier[:, 0], k]), torch.cat([earlier[:, 1], v])
+        m = int(count.max())
+        row = torch.arange(m * G)
+        group = first[None, :] + (row // G)[:, None]  # (m * G, units): the group of each row of each unit
+        index = (starts[None, :] + group * G + (row % G)[:, None] - since).clamp_(0, recent_k.shape[0] - 1)
+        index = index[..., None].expand(-1, -1, d).to(k.device)
+        new = quantize_groups(recent_k.gather(0, index), recent_v.gather(0, index), self.cfg)
+        i = torch.arange(m)[:, None].expand(m, len(starts))
+        keep = i < count[None, :]
+        picked, unit = i[keep], torch.arange(len(starts))[None, :].expand(m, -1)[keep]
+        slot = (first[unit] + picked) % self.held
+        if tier != "disk":
+            self.groups[tier].put(slot, unit, new, picked)
+            return
+        blocks = new.to("cpu").to_blocks()[picked, unit]  # (pairs, block)
+        order = torch.argsort(slot * len(starts) + unit)
+        slot, unit, blocks = slot[order].tolist(), unit[order].tolist(), blocks[order]
+        a = 0
+        for b in range(1, len(slot) + 1):  # runs of neighbouring units in one slot: one write each
+            if b == len(slot) or slot[b] != slot[a] or unit[b] != unit[b - 1] + 1:
+                self.disk.write(slot[a] * self._disk_row.nbytes + unit[a] * self._block, blocks[a:b])
+                a = b
+
+    def _write_residual(self, tier: str, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        G = self.G
+        n = min(k.shape[0], G)
+        kv = torch.stack([k[-n:], v[-n:]], dim=1)  # (n, 2, units, d)
+        first = start + k.shape[0] - n
+        for row, a, count in ring_runs(first, n, G):
+            if tier == "disk":
+                self.disk.write(self._residual_at + row * self._residual_row, kv[a:a + count])
+            else:
+                self.residual[tier][row:row + count].copy_(kv[a:a + count], non_blocking=True)
+
+    def _residual_rows(self, tier: str, first: int, end: int) -> torch.Tensor:
+        """The residual's rows of positions [first, end) (at most G, still held), in order."""
+        rows = torch.arange(first, end) % self.G
+        return self._residual(tier)[rows]
+
+    def _residual(self, tier: str) -> torch.Tensor:
+        if tier != "disk":
+            return self.residual[tier]
+        raw = self.disk.read(self._residual_at, (self.G * self._residual_row,), torch.uint8)
+        self.disk_bytes_read += raw.numel()
+        return raw.view(self.devices.dtype).view(self.G, 2, self.units["disk"], self.head_dim)
+
+    # ---- reads -------------------------------------------------------------------------------
+
+    def _groups_read(self, tier: str, length: int) -> int:
+        """Group slots a read at `length` returns: those some unit of the tier has filled."""
+        a, b = self.ranges[tier]
+        done = int(((length - self.starts[a:b]).clamp(min=0) // self.G).max())
+        return min(self.held, done)
+
+    def read(self, tier: str, length: int, values: bool = True) -> KiviStored:
+        """The groups held by the tier's units and the residual, as stored, where they live
+        (disk: into CPU memory). Values come with the keys whatever `values` says: they share
+        blocks."""
+        n = self._groups_read(tier, length)
+        if tier != "disk":
+            return KiviStored(self.groups[tier].first(n), self.residual[tier])
+        raw = self.disk.read(0, (n, self.units["disk"], self._block), torch.uint8)
+        self.disk_bytes_read += raw.numel()
+        return KiviStored(self._disk_row.from_blocks(raw), self._residual("disk"))
+
+    def unpack(self, tier: str, stored: KiviStored, device: torch.device,
+               buffers: CacheBuffers) -> tuple[torch.Tensor, torch.Tensor]:
+        """What read(tier) returned, made ready for attention on `device`: keys and values
+        (units, n + 1, d) in `buffers`, the n positions of the groups and the residual, then a
+        column left for the new token."""
+        n, u = stored.positions, stored.residual.shape[2]
+        keys = buffers.take(f"keys-{tier}", (u, n + 1, self.head_dim), self.devices.dtype, device)
+        values = buffers.take(f"values-{tier}", (u, n + 1, self.head_dim), self.devices.dtype, device)
+        stored.to(device, non_blocking=True).dequantize_into(keys[:, :n], values[:, :n], buffers.scratch(device))
+        return keys, values
+
+    def decode_valid(self, tier: str, length: int, window: int, key_valid: torch.Tensor,
+                     local: torch.Tensor | None) -> tuple[int, torch.Tensor]:
+        """Which of unpack()'s n + 1 columns a decode step at `length` may attend to, for the
+        computed units of the tier (`local`, None: all): a unit's own complete groups and its
+        unfinished positions in the residual, within a sliding window's last `window`
+        positions, and the new token. (No column is dropped; key_valid is not needed: a unit's
+        padding is never stored.)"""
+        G, held = self.G, self.held
+        a, b = self.ranges[tier]
+        n_groups = self._groups_read(tier, length)
+        starts = self.starts[a:b] if local is None else self.starts[a:b][local.cpu()]
+        have = length - starts  # real positions held; the new token is real position `have`
+        done = have.clamp(min=0) // G
+        # group slot j holds the unit's latest complete group g with g % held == j
+        slot = torch.arange(n_groups)
+        filled = done[:, None] > slot[None, :]
+        group = slot[None, :] + held * ((done[:, None] - 1 - slot[None, :]).div(held, rounding_mode="floor"))
+        pos = group[..., None] * G + torch.arange(G)  # (units, slots, G) real positions
+        in_groups = filled[..., None].expand_as(pos)
+        # residual row r holds the latest position q < length with q % G == r
+        q = length - 1 - (length - 1 - torch.arange(G)) % G
+        res_pos = q[None, :] - starts[:, None]
+        in_residual = res_pos >= done[:, None] * G  # not in a complete group yet (so >= 0, real)
+        if window:
+            in_groups = in_groups & (pos > have[:, None, None] - window)
+            in_residual = in_residual & (res_pos > have[:, None] - window)
+        new = torch.ones(len(starts), 1, dtype=torch.bool)
+        return 0, torch.cat([in_groups.flatten(1), in_residual, new], dim=1).to(key_valid.device)
+
+    def close(self) -> None:
+        for tier in self.groups:
+            self.usage.remove(tier, self.groups[tier].nbytes + self.residual[tier].nbytes)
+        self.groups.clear()
+        self.residual.clear()
+        if self.disk is not None:
+            self.usage.remove("disk", self.disk.nbytes)
+            self.disk.close()
+

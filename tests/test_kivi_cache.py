@@ -1,0 +1,180 @@
+"""The KIVI-grouped KV cache (keys per channel over groups of tokens, values per token, an
+unfinished group in full precision): what a slot returns is the simulated quantization of
+each sequence's own keys and values, on every tier and through a sliding window's ring; a
+decode step's buffers are reused; settings it cannot take are refused before loading.
+(Policy invariance and scoring-as-decode = generation: tests/test_compression_engine.py.)"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+import torch
+
+from flexgen_helm import engine as engine_module
+from flexgen_helm.cli.options import add_policy_args, policy_from_args
+from flexgen_helm.compression import fake_quantize
+from flexgen_helm.compression.quantize import dequantize, dequantize_into, quantize
+from flexgen_helm.engine import Engine
+from flexgen_helm.errors import FlexGenError, PolicyError
+from flexgen_helm.executor import schedule
+from flexgen_helm.executor.cache_buffers import CacheBuffers
+from flexgen_helm.executor.kivi_cache import KiviCacheSlot
+from flexgen_helm.executor.kv_cache import kv_nbytes
+from flexgen_helm.executor.sampling import SamplingParams
+from flexgen_helm.memory.devices import Devices
+from flexgen_helm.memory.usage import TierUsage
+from flexgen_helm.policy import Policy, Split
+from flexgen_helm.policy.policy import DEFAULT_CACHE_GROUPING, Compression
+
+CPU32 = dict(dtype="float32", device="cpu", progress=False)
+D = 8
+
+
+def _reference(k, v, start, have, cfg, window):
+    """A unit's keys and values as a decode step at real position `have` sees them: its
+    complete groups quantized (keys along the tokens, values along head_dim), the rest exact,
+    the oldest dropped beyond a window."""
+    G = cfg.group_size
+    keys, values = k[start:start + have].clone(), v[start:start + have].clone()
+    done = have // G * G
+    if done:
+        keys[:done] = fake_quantize(keys[:done], Compression(cfg.bits, G), 0)
+        values[:done] = fake_quantize(values[:done], Compression(cfg.bits, min(G, D)), 1)
+    first = max(0, have + 1 - window) if window else 0
+    return keys[first:], values[first:]
+
+
+def _attention(q, keys, values):
+    w = (q @ keys.T / math.sqrt(q.shape[-1])).softmax(-1)
+    return w @ values
+
+
+@pytest.mark.parametrize("window", [0, 6], ids=["all", "ring"])
+@pytest.mark.parametrize("bits, group", [(4, 4), (3, 3)])
+def test_slot_returns_each_sequence_quantized_in_its_own_groups(window, bits, group, tmp_path):
+    cfg = Compression(bits, group, cache_grouping="kivi")
+    units, max_len = {"gpu": 3, "cpu": 2, "disk": 3}, 20
+    starts = torch.tensor([0, 2, 5, 5, 1, 0, 7, 3])  # left padding of each unit's sequence
+    usage = TierUsage()
+    slot = KiviCacheSlot(units, max_len, D, Devices(torch.device("cpu"), torch.float32), usage, tmp_path / "kv.bin",
+                         pin=False, compression=cfg, window=window, starts=starts)
+    rows = min(max_len, window) if window else max_len
+    for tier, n in units.items():
+        assert usage.current[tier] == kv_nbytes(rows, n, D, torch.float32, cfg)
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(max_len, 8, D, generator=g), torch.randn(max_len, 8, D, generator=g) * 3 + 1
+    k[:, :, 2] *= 20  # an outlier channel, as keys have
+    slot.write(k[:9], v[:9], 0)  # a prefill, then one token at a time
+    buffers = CacheBuffers()
+    for length in range(9, max_len):
+        for tier, (a, b) in slot.ranges.items():
+            keys, values = slot.unpack(tier, slot.read(tier, length), torch.device("cpu"), buffers)
+            keys[:, -1], values[:, -1] = k[length, a:b], v[length, a:b]
+            drop, valid = slot.decode_valid(tier, length, window, torch.ones(b - a, length + 1, dtype=torch.bool),
+                                            None)
+            assert drop == 0
+            q = torch.randn(b - a, 2, D, generator=g)
+            for i, u in enumerate(range(a, b)):
+                have = length - int(starts[u])
+                ref_k, ref_v = _reference(k[:, u], v[:, u], int(starts[u]), have, cfg, window)
+                assert int(valid[i].sum()) == len(ref_k) + 1
+                got = _attention(q[i], keys[i][valid[i]], values[i][valid[i]])
+                want = _attention(q[i], torch.cat([ref_k, k[length, u][None]]), torch.cat([ref_v, v[length, u][None]]))
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        slot.write(k[length:length + 1], v[length:length + 1], length)
+    slot.close()
+    assert all(n == 0 for n in usage.current.values())
+
+
+def test_finished_units_leave_the_others_alone(tmp_path):
+    """A write of some units (finished sequences left the batch) zeroes the others' rows,
+    which nobody reads again; the computed units' caches stay exact."""
+    cfg = Compression(4, 4, cache_grouping="kivi")
+    starts = torch.tensor([0, 1, 2, 3])
+    slot = KiviCacheSlot({"gpu": 2, "cpu": 0, "disk": 2}, 16, D, Devices(torch.device("cpu"), torch.float32),
+                         TierUsage(), tmp_path / "kv.bin", pin=False, compression=cfg, window=0, starts=starts)
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(16, 4, D, generator=g), torch.randn(16, 4, D, generator=g)
+    slot.write(k[:6], v[:6], 0)
+    kept = torch.tensor([0, 3])
+    for length in range(6, 12):
+        slot.write(k[length:length + 1, kept], v[length:length + 1, kept], length, units=kept)
+    buffers = CacheBuffers()
+    for tier, unit, local in (("gpu", 0, torch.tensor([0])), ("disk", 3, torch.tensor([1]))):
+        keys, values = slot.unpack(tier, slot.read(tier, 12), torch.device("cpu"), buffers)
+        keys, values = keys[local], values[local]
+        _, valid = slot.decode_valid(tier, 12, 0, torch.ones(1, 13, dtype=torch.bool), local)
+        ref_k, ref_v = _reference(k[:, unit], v[:, unit], int(starts[unit]), 12 - int(starts[unit]), cfg, 0)
+        q = torch.randn(2, D, generator=g)
+        got = _attention(q, keys[0][valid[0]][:-1], values[0][valid[0]][:-1])
+        torch.testing.assert_close(got, _attention(q, ref_k, ref_v), rtol=1e-5, atol=1e-5)
+    slot.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits, group, group_dim, shape", [(4, 64, 2, (37, 6, 64)), (3, 5, 2, (11, 3, 8)),
+                                                           (4, 4, 0, (16, 5, 8)), (2, 8, 3, (3, 4, 8, 16))])
+def test_dequantize_into_a_strided_buffer_equals_dequantize(dtype, bits, group, group_dim, shape):
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(2)) * 3).to(dtype)
+    q = quantize(x, Compression(bits, group), group_dim)
+    out = torch.empty(tuple(reversed(shape)), dtype=dtype).permute(*reversed(range(len(shape))))  # every stride odd
+    assert torch.equal(dequantize_into(q, out), dequantize(q, dtype))
+    assert torch.equal(dequantize_into(q, torch.empty(shape)), dequantize(q, torch.float32))
+
+
+class _Recorded(CacheBuffers):
+    made: list = []
+
+    def __init__(self):
+        super().__init__()
+        _Recorded.made.append(self)
+
+
+@pytest.mark.parametrize("grouping", ["per-token", "kivi"])
+def test_decode_steps_reuse_their_buffers(tiny_llama, grouping, tmp_path, monkeypatch):
+    """The dequantized cache goes into buffers allocated in the first decode steps, not at
+    every layer of every step: 3 steps and 12 steps allocate alike."""
+    monkeypatch.setattr(schedule, "CacheBuffers", _Recorded)
+    policy = Policy(gpu_batch_size=2, cache=Split(0.5, 0.25, 0.25), compress_cache=Compression(4, 4,
+                                                                                               cache_grouping=grouping))
+    engine = Engine.load(str(tiny_llama), policy, offload_dir=tmp_path, **CPU32)
+    prompts = [list(range(5, 25)), list(range(30, 48))]
+    made = []
+    for steps in (3, 12):
+        _Recorded.made = []
+        engine.generate(prompts, SamplingParams(max_new_tokens=steps, ignore_eos=True))
+        made.append(sum(b.allocations for b in _Recorded.made))
+    assert made[0] > 0 and made[0] == made[1]
+
+
+def test_kivi_with_a_group_dim_is_refused_before_loading(tiny_llama, tmp_path, monkeypatch):
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights were opened before the cache's settings were checked")
+
+    monkeypatch.setattr(engine_module, "open_weights", no_weights)
+    policy = Policy(compress_cache=Compression(4, 4, group_dim=2, cache_grouping="kivi"))
+    with pytest.raises(PolicyError, match="KIVI cache groups keys along the tokens .* leave the cache's group dim"):
+        Engine.load(str(tiny_llama), policy, offload_dir=tmp_path, **CPU32)
+
+
+def test_bad_groupings_are_refused():
+    with pytest.raises(PolicyError, match="unknown cache grouping 'rows'"):
+        Policy(compress_cache=Compression(4, 64, cache_grouping="rows"))
+    with pytest.raises(PolicyError, match="compress_weight: cache_grouping 'kivi' is a KV cache setting"):
+        Policy(compress_weight=Compression(4, 64, cache_grouping="kivi"))
+
+
+def _args(argv):
+    p = argparse.ArgumentParser()
+    add_policy_args(p)
+    return p.parse_args(argv)
+
+
+def test_cli_flag_names_the_grouping_and_needs_a_compressed_cache():
+    assert policy_from_args(_args(["--compress-cache"])).compress_cache.cache_grouping == DEFAULT_CACHE_GROUPING
+    policy = policy_from_args(_args(["--compress-weight", "--compress-cache", "--cache-grouping", "per-token"]))
+    assert policy.compress_cache.cache_grouping == "per-token" and policy.compress_weight.cache_grouping is None
+    with pytest.raises(FlexGenError, match="--cache-grouping kivi .* add --compress-cache"):
+        policy_from_args(_args(["--compress-weight", "--cache-grouping", "kivi"]))
