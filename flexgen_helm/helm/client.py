@@ -39,12 +39,12 @@ from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.helm import accounting
 from flexgen_helm.helm.batching import (
     GENERATE,
+    MAX_BATCH_SHARE,
+    PAD_TOLERANCE,
     SCORE,
     SCORE_AND_GENERATE,
-    PAD_TOLERANCE,
     Job,
     JobOutput,
-    MAX_BATCH_SHARE,
     get_batcher,
     run_batches,
 )

@@ -57,13 +57,13 @@ def prefetch_data_parallel(client, requests) -> int:
     with create_key_value_store(client.cache.config) as store:
         for first in range(0, len(plan.batches), world):
             mine = plan.batches[first + rank] if first + rank < len(plan.batches) else []
-            error = _disk_full_message(lambda: run_batches(client.handle, [mine] if mine else []))
+            error = _disk_full_message(run_batches, client.handle, [mine] if mine else [])
             computed += len(mine)
             gathered = [None] * world  # (responses, a full disk's message) of every rank
             dist.all_gather_object(gathered, (client.new_responses(plan, mine), error))
             responses = {key: r for part, _ in gathered for key, r in part.items()}
             if rank == 0:  # what finished is kept, whatever failed
-                error = _disk_full_message(lambda: client.publish(store, plan, responses)) or error
+                error = _disk_full_message(client.publish, store, plan, responses) or error
             else:
                 for key, response in responses.items():
                     client.keep(key, response)
@@ -76,10 +76,10 @@ def prefetch_data_parallel(client, requests) -> int:
     return computed
 
 
-def _disk_full_message(step) -> str | None:
-    """Run `step`; the message of the DiskFullError it raised, else None."""
+def _disk_full_message(step, *args) -> str | None:
+    """Run `step(*args)`; the message of the DiskFullError it raised, else None."""
     try:
-        step()
+        step(*args)
     except DiskFullError as e:
         return str(e)
     return None
