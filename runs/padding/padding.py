@@ -16,7 +16,7 @@ added (a prod_env model_deployments.yaml beside the run), to compare settings.
 Writes results.json beside this file under --label, with the command, the flexgen_helm code
 it ran (its folder and git commit: run it with PYTHONPATH=<another checkout> for a before/after)
 and the load average before and after. Engine times measured on a shared machine are
-indicative only.
+indicative only. `--table` prints every measurement of results.json as markdown (README.md).
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ def measure(work: Path, scenarios: list[str], deployments: list[str], instances:
                        local_path=str(local))
     env = {**os.environ, **OFFLINE}
     env.setdefault("FLEXGEN_HELM_POLICY", json.dumps(FP16_POLICY))
+    code = code_version()  # before the run: what it ran
     load_before = os.getloadavg()
     t0 = time.perf_counter()
     with open(work / "helm-run.log", "w") as log:
@@ -79,16 +80,37 @@ def measure(work: Path, scenarios: list[str], deployments: list[str], instances:
     if rc:
         raise SystemExit(f"helm-run failed (rc {rc}); see {work / 'helm-run.log'}")
     df = helm_table(work / "out" / "runs" / "padding")
-    return {"helm_run": cmd, "client_args": client_args, "code": code_version(),
+    return {"helm_run": cmd, "client_args": client_args, "code": code,
             "load_average_before": load_before, "load_average_after": os.getloadavg(), "wall_s": round(wall, 1),
             "runs": df[[c for c in SHOWN if c in df]].to_dict(orient="records"),
             "whole_job": suite_total(df), "lowest_efficiency": float(df["efficiency"].min())}
 
 
+def markdown(results: dict) -> str:
+    """One table per measurement of results.json."""
+    out = []
+    for label, r in results.items():
+        load = "/".join(f"{r[k][0]:.1f}" for k in ("load_average_before", "load_average_after"))
+        out += [f"### {label}", "",
+                f"flexgen_helm at {r['code']['commit']}, client args {r['client_args'] or 'as shipped'}, "
+                f"load average (1 min) {load} before/after, helm-run wall time {r['wall_s']} s", "",
+                "| " + " | ".join(SHOWN) + " |", "|" + "---|" * len(SHOWN)]
+        for row in r["runs"]:
+            out.append("| " + " | ".join(_cell(row.get(c)) for c in SHOWN) + " |")
+        whole = r["whole_job"]
+        out += ["", f"Whole job: efficiency {whole['efficiency']:.4f}, engine time {whole['engine time (s)']:.1f} s; "
+                    f"lowest efficiency {r['lowest_efficiency']:.4f}", ""]
+    return "\n".join(out)
+
+
+def _cell(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=Path("/tmp/flexgen-padding"))
-    ap.add_argument("--label", required=True, help="the key of this measurement in results.json")
+    ap.add_argument("--label", help="the key of this measurement in results.json")
     ap.add_argument("--results", type=Path, default=HERE / "results.json")
     ap.add_argument("-m", "--max-instances", type=int, default=10, help="instances per scenario")
     ap.add_argument("-n", "--threads", type=int, default=2, help="helm-run threads (the demo's default)")
@@ -96,7 +118,13 @@ def main() -> None:
                     default=list(dict.fromkeys([*SCENARIOS, *OFFLINE_PAPER_SCENARIOS])))
     ap.add_argument("--deployments", nargs="+", default=list(DEPLOYMENTS))
     ap.add_argument("--client-args", type=json.loads, default={}, help="JSON: client args added to the deployments")
+    ap.add_argument("--table", action="store_true", help="print results.json as markdown tables, measure nothing")
     args = ap.parse_args()
+    if args.table:
+        print(markdown(json.loads(args.results.read_text())))
+        return
+    if not args.label:
+        ap.error("--label is required to measure")
     result = measure(args.work, args.scenarios, args.deployments, args.max_instances, args.threads, args.client_args)
     result["command"] = [Path(sys.executable).name, *sys.argv]
     print(json.dumps(result, indent=1))
