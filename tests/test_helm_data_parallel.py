@@ -4,8 +4,10 @@ the run they produce is the one a single process produces."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
+from pathlib import Path
 
 import pytest
 from test_helm_e2e import helm_run, run_dirs
@@ -38,3 +40,46 @@ def test_two_replicas_give_the_single_process_run(tmp_path):
     for name in dp:
         assert _completions(dp[name]) == _completions(single[name])
         assert (dp[name] / "stats.json").exists()
+
+
+def _prefetch_on_rank(rank, world, tmp):
+    """One rank of test_each_round_of_batches_is_in_rank_0s_cache_before_the_next_starts."""
+    os.environ["FLEXGEN_HELM_ENGINE_FACTORY"] = "helm_fake_engine:load"
+    import torch.distributed as dist
+    from helm.common.cache import SqliteCacheConfig
+    from helm.common.key_value_store import SqliteKeyValueStore
+    from helm.common.request import Request
+
+    from flexgen_helm.helm.client import FlexGenClient
+    from flexgen_helm.helm.data_parallel import prefetch_data_parallel
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
+    cache = tmp / ("cache.sqlite" if rank == 0 else f"rank-{rank}.sqlite")  # rank 0's is the user's
+    client = FlexGenClient(SqliteCacheConfig(str(cache)), model="smollm2-135m", deployment="flexgen/smollm2-135m",
+                           max_batch_size=2)
+
+    def cached_so_far():
+        with SqliteKeyValueStore(str(tmp / "cache.sqlite")) as store:
+            return len(list(store.get_all()))
+
+    seen = []  # rank 0's cache when each of its batches starts
+    client.handle.engine.on_call = lambda calls: seen.append(cached_so_far())
+    requests = [Request(model="flexgen/smollm2-135m", model_deployment="flexgen/smollm2-135m",
+                        prompt=f"say {c}", temperature=0.0, max_tokens=2) for c in "abcdefghijkl"]
+    computed = prefetch_data_parallel(client, requests)
+    (tmp / f"rank-{rank}.json").write_text(json.dumps({"computed": computed, "seen": seen,
+                                                      "cached_at_end": cached_so_far()}))
+    dist.destroy_process_group()
+
+
+def test_each_round_of_batches_is_in_rank_0s_cache_before_the_next_starts(tmp_path, monkeypatch):
+    """12 requests in 6 batches of 2, two ranks: three rounds, and each round's 4 results
+    (both ranks') are in rank 0's cache before its next batch starts, as a single process
+    caches each batch as it ends: a killed run loses at most the round in progress."""
+    import torch.multiprocessing as mp
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    mp.spawn(_prefetch_on_rank, args=(2, tmp_path), nprocs=2)
+    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["seen"] == [0, 4, 8] and ranks[0]["cached_at_end"] == 12
+    assert [r["computed"] for r in ranks] == [6, 6]

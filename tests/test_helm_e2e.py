@@ -25,7 +25,9 @@ ENTRIES = [
 ]
 
 
-def helm_run(tmp: Path, entries, *extra, fake=False, suite="t", max_instances=3, launcher=None):
+def helm_run_process(tmp: Path, entries, *extra, fake=False, suite="t", max_instances=3, launcher=None,
+                     output_path=None) -> subprocess.CompletedProcess:
+    """helm-run with its outputs in tmp/out (or `output_path`) and its prod_env in tmp/prod_env."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.pop("FLEXGEN_HELM_ENGINE_FACTORY", None)
     if fake:
@@ -33,8 +35,14 @@ def helm_run(tmp: Path, entries, *extra, fake=False, suite="t", max_instances=3,
         env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
     helm_run_bin = Path(sys.executable).parent / "helm-run"
     cmd = [*(launcher or [str(helm_run_bin)]), "-r", *entries, "-m", str(max_instances), "--suite", suite,
-           "-o", str(tmp / "out"), "--local-path", str(tmp / "prod_env"), "-n", "4", "--exit-on-error", *extra]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+           "-o", str(output_path or tmp / "out"), "--local-path", str(tmp / "prod_env"), "-n", "4",
+           "--exit-on-error", *extra]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def helm_run(tmp: Path, entries, *extra, **kwargs) -> str:
+    """helm-run_process that must succeed; its output."""
+    proc = helm_run_process(tmp, entries, *extra, **kwargs)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout + proc.stderr
 

@@ -218,12 +218,68 @@ def test_queue_merges_concurrent_requests_and_groups_by_params():
     assert len(helm_fake_engine.LOADS) == 1
 
 
-def test_length_buckets_keep_padding_small():
-    from flexgen_helm.helm.batching import Job, buckets
+def _jobs(*lengths):
+    from flexgen_helm.helm.batching import Job
 
-    jobs = [Job(prompt_ids=[0] * n, params=None, mode="generate", group=()) for n in (5, 300, 6, 280, 7, 310)]
-    out = buckets(jobs, max_batch=8)
-    assert sorted(sorted(len(j.prompt_ids) for j in b) for b in out) == [[5, 6, 7], [280, 300, 310]]
+    return [Job(prompt_ids=[0] * n, params=None, mode="generate", group=()) for n in lengths]
+
+
+def _lengths(batches):
+    return [[len(j.prompt_ids) for j in b] for b in batches]
+
+
+def test_length_buckets_keep_padding_within_the_tolerance():
+    from flexgen_helm.helm.batching import buckets
+
+    out = buckets(_jobs(103, 5, 300, 100, 6, 280, 102, 7, 101, 310), max_batch=8, pad_tolerance=0.04)
+    assert _lengths(out) == [[5], [6], [7], [100, 101, 102, 103], [280], [300, 310]]
+    # equal lengths pad nothing: as few batches as max_batch allows
+    assert _lengths(buckets(_jobs(*[50] * 20), max_batch=8)) == [[50] * 8, [50] * 8, [50] * 4]
+
+
+def test_length_buckets_are_the_fewest_batches_within_the_tolerance():
+    """Against every cut of the sorted lengths into consecutive runs: the fewest batches whose
+    padding stays within the tolerance, then the least padding."""
+    import itertools
+    import random
+
+    from flexgen_helm.helm.batching import buckets
+
+    def padding(batch):
+        return len(batch) * max(batch) - sum(batch)
+
+    rng = random.Random(0)
+    for _ in range(200):
+        lengths = sorted(rng.randint(20, 40) for _ in range(rng.randint(1, 9)))
+        max_batch, tol = rng.randint(1, 5), rng.choice([0.02, 0.05, 0.1])
+        best = None
+        for cuts in itertools.product([False, True], repeat=len(lengths) - 1):
+            batches, cur = [], [lengths[0]]
+            for cut, n in zip(cuts, lengths[1:]):
+                if cut:
+                    batches.append(cur)
+                    cur = []
+                cur.append(n)
+            batches.append(cur)
+            if all(len(b) <= max_batch and (len(b) == 1 or padding(b) <= tol * sum(b)) for b in batches):
+                score = (len(batches), sum(map(padding, batches)))
+                best = score if best is None or score < best else best
+        got = _lengths(buckets(_jobs(*lengths), max_batch=max_batch, pad_tolerance=tol))
+        assert all(len(b) <= max_batch and padding(b) <= tol * sum(b) for b in got)
+        assert (len(got), sum(map(padding, got))) == best, (lengths, max_batch, tol)
+
+
+def test_a_scenarios_batches_hold_at_most_a_sixteenth_of_it():
+    """A killed run loses its batch in progress: planned batches are capped at 1/16 of the
+    scenario's requests, never below 8, never above the engine's block."""
+    from flexgen_helm.helm.batching import batch_cap
+
+    assert [batch_cap(n, 64) for n in (10, 150, 300, 1024, 5000)] == [8, 10, 19, 64, 64]
+    assert batch_cap(150, 4) == 4
+    c = client(max_batch_size=64)
+    requests = [req(f"Prompt {i} is here", max_tokens=3) for i in range(40)]  # all of one length
+    assert c.prefetch(requests) == 40
+    assert [n for kind, n in engine().calls] == [8] * 5
 
 
 def test_cache_makes_reruns_free(tmp_path):

@@ -12,8 +12,10 @@ Two ways in, one batching core:
 A batch only mixes requests with the same generation parameters (the engine decodes a
 whole batch for max_tokens steps, and one sampling setting per batch keeps results
 independent of who shared the batch), and prompts of similar length: the engine pads
-every prompt to the longest one, so jobs are sorted by length and cut into buckets
-whose padding stays within `pad_tolerance` of the real tokens.
+every prompt to the longest one, so jobs are sorted by length and cut into the fewest
+batches whose padding stays within `pad_tolerance` of their real tokens. A scenario planned
+whole also caps its batches at a share of its requests (`batch_cap`): a killed run loses
+the batch in progress, and a smaller batch is less to compute again.
 
 A batch that fails (out of memory, a full offload disk, or one bad request) is split in
 halves and retried, down to single requests; a single request that still fails gets its
@@ -23,6 +25,7 @@ own error, except on a full disk, which stops the run (no request could run).
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import threading
 import time
@@ -80,32 +83,63 @@ def is_out_of_memory(exc: BaseException) -> bool:
 # padding and larger intermediates: SmolLM2 scoring prompts of 2500-4000 tokens on 2 CPU
 # cores took 21.3 s batched by 4 and 16.2 s one by one (bfloat16).
 MAX_BATCH_TOKENS = 8192
+# A batch's padding may add at most this fraction to its real prompt tokens: >= 1 / 1.04 = 96%
+# of the prompt tokens computed are real, which leaves room for the output tokens computed
+# past a stop sequence (counted as padding too) within the 95% of issue 24's goal.
+PAD_TOLERANCE = 0.04
+# A killed run loses the batch it was in (every finished batch is in HELM's cache): a planned
+# batch holds at most this share of its scenario's requests, so that a rerun recomputes little,
+# but never fewer than MIN_CAPPED_BATCH requests (smaller blocks make more decode steps, each
+# bound by reading the weights; runs/padding measures what the cap costs).
+MAX_BATCH_SHARE = 1 / 16
+MIN_CAPPED_BATCH = 8
 
 
-def buckets(jobs: list[Job], max_batch: int, pad_tolerance: float = 0.25, pad_slack: int = 8,
+def batch_cap(requests: int, max_batch: int, share: float = MAX_BATCH_SHARE) -> int:
+    """The largest batch planned for a scenario of `requests` requests: the engine's block
+    (`max_batch`), at most `share` of the scenario but not below MIN_CAPPED_BATCH."""
+    return min(max_batch, max(MIN_CAPPED_BATCH, math.ceil(requests * share)))
+
+
+def buckets(jobs: list[Job], max_batch: int, pad_tolerance: float = PAD_TOLERANCE,
             max_tokens: int = MAX_BATCH_TOKENS) -> list[list[Job]]:
-    """Split same-group jobs into batches of similar prompt length.
+    """Split same-group jobs into the fewest batches of similar prompt length.
 
-    Sorted by length, a bucket closes when it is full, when the next prompt is longer than
-    (1 + pad_tolerance) x the bucket's shortest + pad_slack tokens, or when adding it
-    would pad the batch past max_tokens (a prompt longer than that runs alone).
+    Sorted by length (ties in list order), the jobs are cut into runs of consecutive jobs,
+    each a batch of at most `max_batch` jobs whose padding to its longest prompt adds at most
+    `pad_tolerance` x its real prompt tokens and whose padded tokens stay within `max_tokens`
+    (a longer prompt runs alone). Of the cuts with the fewest batches, the one with the least
+    padding: a shortest-path over the cut points (`max_batch` candidate starts per end).
     """
+    ordered = sorted(jobs, key=lambda j: len(j.prompt_ids))
+    lengths = [len(j.prompt_ids) for j in ordered]
+    real_before = list(itertools.accumulate(lengths, initial=0))  # real tokens of ordered[:i]
+    best: list[tuple[int, int]] = [(0, 0)]  # best[i]: (batches, padding) of the best cut of ordered[:i]
+    start_of: list[int] = [0]  # start_of[i]: where the last batch of that cut starts
+    for end in range(1, len(ordered) + 1):
+        longest = lengths[end - 1]
+        best.append((len(ordered) + 1, 0))
+        start_of.append(end - 1)
+        for start in range(end - 1, max(0, end - max_batch) - 1, -1):
+            size = end - start
+            real = real_before[end] - real_before[start]
+            padding = size * longest - real
+            # a shorter job added in front only raises the padding and its ratio to the real
+            # tokens (the mean length falls), so the first start that fails ends the search
+            if size > 1 and (padding > pad_tolerance * real or size * longest > max_tokens):
+                break
+            candidate = (best[start][0] + 1, best[start][1] + padding)
+            if candidate < best[end]:
+                best[end], start_of[end] = candidate, start
     out: list[list[Job]] = []
-    for job in sorted(jobs, key=lambda j: len(j.prompt_ids)):
-        cur = out[-1] if out else None
-        if (
-            cur is None
-            or len(cur) >= max_batch
-            or len(job.prompt_ids) > (1 + pad_tolerance) * len(cur[0].prompt_ids) + pad_slack
-            or (len(cur) + 1) * len(job.prompt_ids) > max_tokens
-        ):
-            out.append([job])
-        else:
-            cur.append(job)
-    return out
+    end = len(ordered)
+    while end:
+        out.append(ordered[start_of[end]:end])
+        end = start_of[end]
+    return out[::-1]
 
 
-def plan_batches(jobs: list[Job], max_batch: int, pad_tolerance: float = 0.25) -> list[list[Job]]:
+def plan_batches(jobs: list[Job], max_batch: int, pad_tolerance: float = PAD_TOLERANCE) -> list[list[Job]]:
     """The batches `run_jobs` runs: by group (in order of first appearance), then length buckets.
 
     A function of the job list alone, so the same requests always meet the same batchmates
@@ -117,7 +151,7 @@ def plan_batches(jobs: list[Job], max_batch: int, pad_tolerance: float = 0.25) -
     return [batch for group_jobs in groups.values() for batch in buckets(group_jobs, max_batch, pad_tolerance)]
 
 
-def run_jobs(handle: EngineHandle, jobs: list[Job], max_batch: int, pad_tolerance: float = 0.25,
+def run_jobs(handle: EngineHandle, jobs: list[Job], max_batch: int, pad_tolerance: float = PAD_TOLERANCE,
              progress: str | None = None) -> None:
     """Run `jobs` in batches; every job's future gets a JobOutput or an exception.
     `progress`: a tqdm bar with this description (requests done, real tokens/s)."""
@@ -221,7 +255,7 @@ class BatchQueue:
     """
 
     def __init__(self, handle: EngineHandle, max_batch: int, linger_s: float = 0.02, max_wait_s: float = 0.5,
-                 pad_tolerance: float = 0.25):
+                 pad_tolerance: float = PAD_TOLERANCE):
         self.handle = handle
         self.max_batch = max_batch
         self.linger_s = linger_s

@@ -39,16 +39,17 @@ from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.helm import accounting
 from flexgen_helm.helm.batching import (
     GENERATE,
+    MAX_BATCH_SHARE,
+    PAD_TOLERANCE,
     SCORE,
     SCORE_AND_GENERATE,
     Job,
     JobOutput,
     get_batcher,
-    plan_batches,
     run_batches,
-    run_jobs,
 )
 from flexgen_helm.helm.engines import EngineHandle, LoadArgs, get_engine, resolve_load_args
+from flexgen_helm.helm.scenario_plan import PlannedRequest, ScenarioPlan, plan_scenario
 from flexgen_helm.helm.tokens import helm_texts
 from flexgen_helm.memory.disk_space import disk_full, is_disk_full
 from flexgen_helm.text import StopStrings, TokenText, token_text_for
@@ -81,7 +82,8 @@ class FlexGenClient(CachingClient):
         max_batch_size: Optional[int] = None,
         batch_linger_s: float = 0.02,
         batch_max_wait_s: float = 0.5,
-        pad_tolerance: float = 0.25,
+        pad_tolerance: float = PAD_TOLERANCE,
+        max_batch_share: float = MAX_BATCH_SHARE,
         deployment: Optional[str] = None,
     ):
         super().__init__(cache_config=cache_config)
@@ -94,6 +96,7 @@ class FlexGenClient(CachingClient):
         self.queue_kwargs = {"linger_s": batch_linger_s, "max_wait_s": batch_max_wait_s,
                              "pad_tolerance": pad_tolerance}
         self.pad_tolerance = pad_tolerance
+        self.max_batch_share = max_batch_share  # a planned batch's largest share of its scenario
         # Responses computed ahead by `prefetch` (the BatchingExecutor), by cache key (consumed once).
         self._prefetched: Dict[str, Dict[str, Any]] = {}
         self._prefetched_lock = threading.Lock()
@@ -253,14 +256,25 @@ class FlexGenClient(CachingClient):
     def prefetch(self, requests: List[Request]) -> int:
         """Compute every uncached request of a scenario at once, in batches (the BatchingExecutor's path).
 
-        The batches are planned over the whole list, cached requests included: they are the
-        batches of an uninterrupted run whatever was cached, so a resumed run gives the same
-        results. A batch whose requests are all in HELM's cache is skipped; any other runs
-        whole. Each batch's responses reach HELM's cache as soon as the batch ends (a killed
-        run loses at most the batch in progress), and wait in memory until `make_request`
-        asks for them, so HELM's own executor stays in charge. Returns the number of
-        requests computed.
+        The batches are those of an uninterrupted run whatever was cached (scenario_plan.py),
+        so a resumed run gives the same results. Each batch's responses reach HELM's cache as
+        soon as the batch ends (a killed run loses at most the batch in progress), and wait in
+        memory until `make_request` asks for them, so HELM's own executor stays in charge.
+        Returns the number of requests computed.
         """
+        unique = self.unique_requests(requests)
+        with create_key_value_store(self.cache.config) as store:
+            cached = {key for key, (_, raw) in unique.items() if store.contains(raw)}
+            if len(cached) == len(unique):
+                return 0  # everything cached: no need to load the engine
+            plan = self.plan(unique, cached)
+            self.log_plan(plan)
+            run_batches(self.handle, plan.batches, progress=f"flexgen {self.deployment}",
+                        on_batch=lambda batch: self.publish(store, plan, self.new_responses(plan, batch)))
+        return plan.requests_to_run
+
+    def unique_requests(self, requests: List[Request]) -> Dict[str, tuple[Request, Dict[str, Any]]]:
+        """{cache key: (request, raw cache key)} of the requests not yet computed ahead, once each."""
         unique: Dict[str, tuple[Request, Dict[str, Any]]] = {}
         for request in requests:
             if request.embedding:
@@ -269,43 +283,39 @@ class FlexGenClient(CachingClient):
             key = _key_str(raw)
             if key not in unique and key not in self._prefetched:
                 unique[key] = (request, raw)
-        with create_key_value_store(self.cache.config) as store:
-            cached = {key for key, (_, raw) in unique.items() if store.contains(raw)}
-            if len(cached) == len(unique):
-                return 0  # everything cached: no need to load the engine
-            handle = self.handle
-            jobs: Dict[str, tuple[Request, Job, int]] = {}
-            for key, (request, raw) in unique.items():
-                try:
-                    job, n_prefix = self.make_job(request, raw, handle)
-                except RequestFailed as exc:
-                    if key not in cached:
-                        self.keep(key, {"error": str(exc)})
-                    continue
-                jobs[key] = (request, job, n_prefix)
-            key_of = {id(job): key for key, (_, job, _) in jobs.items()}
-            batches = plan_batches([job for _, job, _ in jobs.values()], self.max_batch(handle), self.pad_tolerance)
-            todo = [b for b in batches if any(key_of[id(j)] not in cached for j in b)]
-            tt = token_text_for(handle.tokenizer)
+        return unique
 
-            def publish(batch: List[Job]) -> None:
-                durable: List[tuple[Dict[str, Any], Dict[str, Any]]] = []
-                for job in batch:
-                    key = key_of[id(job)]
-                    if key in cached:  # ran again only to keep its batch as it was
-                        continue
-                    request, _, n_prefix = jobs[key]
-                    response = self.response_of(request, job, n_prefix, tt)
-                    if "error" not in response:  # HELM caches no failures: they are retried
-                        durable.append((unique[key][1], response))
-                    self.keep(key, response)
-                self.store_durably(store, durable)
+    def plan(self, unique: Dict[str, tuple[Request, Dict[str, Any]]], cached: set[str]) -> ScenarioPlan:
+        """The planned batches of `unique` (see unique_requests), `cached` being the keys in
+        HELM's cache; a request that cannot run gets its error now (held for make_request)."""
+        handle = self.handle
+        planned: Dict[str, PlannedRequest] = {}
+        for key, (request, raw) in unique.items():
+            try:
+                job, n_prefix = self.make_job(request, raw, handle)
+            except RequestFailed as exc:
+                if key not in cached:
+                    self.keep(key, {"error": str(exc)})
+                continue
+            planned[key] = PlannedRequest(request, raw, job, n_prefix)
+        return plan_scenario(planned, cached, self.max_batch(handle), self.pad_tolerance, self.max_batch_share)
 
-            n = sum(map(len, todo))
-            hlog(f"flexgen: running {n} requests in {len(todo)} batches of up to {self.max_batch(handle)} "
-                 f"({len(cached)} of {len(unique)} cached)")
-            run_batches(handle, todo, progress=f"flexgen {self.deployment}", on_batch=publish)
-        return n
+    def log_plan(self, plan: ScenarioPlan) -> None:
+        largest = max(map(len, plan.batches), default=0)
+        hlog(f"flexgen: running {plan.requests_to_run} requests in {len(plan.batches)} batches of up to {largest} "
+             f"({len(plan.cached)} of {len(plan.planned)} cached)")
+
+    def new_responses(self, plan: ScenarioPlan, batch: List[Job]) -> Dict[str, Dict[str, Any]]:
+        """{cache key: response (or {"error": ...})} of a finished batch's uncached requests."""
+        tt = token_text_for(self.handle.tokenizer)
+        return {key: self.response_of(p.request, p.job, p.n_prefix, tt) for key, p in plan.new_results(batch)}
+
+    def publish(self, store, plan: ScenarioPlan, responses: Dict[str, Dict[str, Any]]) -> None:
+        """Make responses durable in HELM's cache (`store`), then hold them for make_request."""
+        # HELM caches no failures: they are retried
+        self.store_durably(store, [(plan.planned[key].raw, r) for key, r in responses.items() if "error" not in r])
+        for key, response in responses.items():
+            self.keep(key, response)
 
     def store_durably(self, store, pairs: List[tuple[Dict[str, Any], Dict[str, Any]]]) -> None:
         """Put (raw request, response) pairs in HELM's cache; a full disk is a DiskFullError."""
@@ -319,53 +329,11 @@ class FlexGenClient(CachingClient):
                             "free space and run the same command again: the batches already cached are "
                             "not computed again") from exc
 
-    def cache_key(self, request: Request) -> str:
-        return _key_str(self.raw_request(request))
-
-    def split_cached(self, requests: List[Request]) -> tuple[List[str], Dict[str, Dict[str, Any]]]:
-        """(keys still to compute, in order and once each; {key: response} from HELM's cache)."""
-        todo: List[str] = []
-        seen = set(self._prefetched)
-        cached: Dict[str, Dict[str, Any]] = {}
+    def cached_responses(self, keys: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+        """{cache key: response} of those of `keys` ({cache key: raw cache key}) in HELM's cache."""
         with create_key_value_store(self.cache.config) as store:
-            for request in requests:
-                if request.embedding:
-                    continue
-                raw = self.raw_request(request)
-                key = _key_str(raw)
-                if key in seen:
-                    continue
-                seen.add(key)
-                hit = store.get(raw)
-                if hit is not None:
-                    cached[key] = hit
-                else:
-                    todo.append(key)
-        return todo, cached
-
-    def compute_now(self, requests: List[Request]) -> Dict[str, Dict[str, Any]]:
-        """{cache key: response (or {"error": ...})} for requests, run in length-bucketed batches."""
-        if not requests:
-            return {}
-        handle = self.handle
-        tt = token_text_for(handle.tokenizer)
-        out: Dict[str, Dict[str, Any]] = {}
-        jobs = []
-        for request in requests:
-            raw = self.raw_request(request)
-            key = _key_str(raw)
-            try:
-                job, n_prefix = self.make_job(request, raw, handle)
-            except RequestFailed as exc:
-                out[key] = {"error": str(exc)}
-                continue
-            jobs.append((request, key, job, n_prefix))
-        hlog(f"flexgen: running {len(jobs)} requests in batches of up to {self.max_batch(handle)}")
-        run_jobs(handle, [j for _, _, j, _ in jobs], self.max_batch(handle), self.pad_tolerance,
-                 progress=f"flexgen {self.deployment}")
-        for request, key, job, n_prefix in jobs:
-            out[key] = self.response_of(request, job, n_prefix, tt)
-        return out
+            hits = {key: store.get(raw) for key, raw in keys.items()}
+        return {key: hit for key, hit in hits.items() if hit is not None}
 
     def response_of(self, request: Request, job: Job, n_prefix: int, tt: TokenText) -> Dict[str, Any]:
         """The response of a job run in a batch (its future set), or {"error": ...}."""

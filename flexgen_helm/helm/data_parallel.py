@@ -4,10 +4,14 @@ torchrun) share the requests of each run, and the results are gathered into one 
     torchrun --nproc-per-node 2 -m flexgen_helm.helm.data_parallel <helm-run arguments>
 
 Rank 0 is the real helm-run: its output path, prod_env and cache are the user's. It
-decides which requests still need computing, each rank computes its share, and every
-rank receives every result. The other ranks run the same helm-run in throwaway folders
-(and an empty cache), so that they build the same requests from the same scenarios;
-they find all results ready and their outputs are discarded.
+decides which requests still need computing; every rank plans the same batches as a
+single process would (scenario_plan.py), so the results are a single process's, and the
+ranks take turns: round r runs batch r*K + k on rank k. At the end of each round every rank
+receives the round's results, and rank 0 puts them in its cache before the next round
+starts, so a killed run loses at most the round in progress, as a single process loses its
+batch in progress. The other ranks run the same helm-run in throwaway folders (and an empty
+cache), so that they build the same requests from the same scenarios; they find all
+results ready and their outputs are discarded.
 """
 
 from __future__ import annotations
@@ -18,30 +22,67 @@ import sys
 import tempfile
 
 import torch.distributed as dist
+from helm.common.cache import create_key_value_store
 from helm.common.hierarchical_logger import hlog
 
+from flexgen_helm.errors import DiskFullError
+from flexgen_helm.helm.batching import run_batches
 from flexgen_helm.helm.runner import BatchingRunner
 from flexgen_helm.helm.scenario_executor import BatchingExecutor
 
 
 class DataParallelExecutor(BatchingExecutor):
     def prefetch_client(self, client, requests) -> int:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        by_key = {client.cache_key(r): r for r in requests if not r.embedding}
-        # rank 0's cache decides what is left to compute; its cached answers travel too
-        plan = [client.split_cached(list(by_key.values())) if rank == 0 else None]
-        dist.broadcast_object_list(plan, src=0)
-        todo_keys, cached = plan[0]
-        mine = [by_key[k] for k in todo_keys[rank::world] if k in by_key]
-        computed = client.compute_now(mine)
-        gathered = [None] * world
-        dist.all_gather_object(gathered, computed)
-        # rank 0 finds its cached answers in its own cache (reported as cached there)
-        for part in [*([cached] if rank else []), *gathered]:
-            for key, response in part.items():
-                client.keep(key, response)
-        hlog(f"flexgen data-parallel: rank {rank} computed {len(mine)} of {len(todo_keys)} requests")
-        return len(mine)
+        return prefetch_data_parallel(client, requests)
+
+
+def prefetch_data_parallel(client, requests) -> int:
+    """`client.prefetch` shared among the ranks of the process group; returns the number of
+    requests this rank computed."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    unique = client.unique_requests(requests)
+    # rank 0's cache decides what is left to compute; its cached answers travel too
+    found = [client.cached_responses({key: raw for key, (_, raw) in unique.items()}) if rank == 0 else None]
+    dist.broadcast_object_list(found, src=0)
+    cached = found[0]
+    if rank:  # rank 0 finds its cached answers in its own cache (reported as cached there)
+        for key, response in cached.items():
+            client.keep(key, response)
+    if len(cached) == len(unique):
+        return 0
+    plan = client.plan(unique, set(cached))
+    if rank == 0:
+        client.log_plan(plan)
+    computed = 0
+    with create_key_value_store(client.cache.config) as store:
+        for first in range(0, len(plan.batches), world):
+            mine = plan.batches[first + rank] if first + rank < len(plan.batches) else []
+            error = _disk_full_message(run_batches, client.handle, [mine] if mine else [])
+            computed += len(mine)
+            gathered = [None] * world  # (responses, a full disk's message) of every rank
+            dist.all_gather_object(gathered, (client.new_responses(plan, mine), error))
+            responses = {key: r for part, _ in gathered for key, r in part.items()}
+            if rank == 0:  # what finished is kept, whatever failed
+                error = _disk_full_message(client.publish, store, plan, responses) or error
+            else:
+                for key, response in responses.items():
+                    client.keep(key, response)
+            # the round ends together; a full disk on any rank (or rank 0's cache) stops them all
+            errors = [next((e for _, e in gathered if e), None) or (error if rank == 0 else None)]
+            dist.broadcast_object_list(errors, src=0)
+            if errors[0]:
+                raise DiskFullError(errors[0])
+    hlog(f"flexgen data-parallel: rank {rank} computed {computed} of {plan.requests_to_run} requests")
+    return computed
+
+
+def _disk_full_message(step, *args) -> str | None:
+    """Run `step(*args)`; the message of the DiskFullError it raised, else None."""
+    try:
+        step(*args)
+    except DiskFullError as e:
+        return str(e)
+    return None
 
 
 class DataParallelRunner(BatchingRunner):

@@ -9,7 +9,9 @@ configs and the local `prod_env/` ones. Registered here:
     checkpoint path and a policy) wins;
   * the run spec functions `lambada` and `wikitext` (flexgen_helm.helm.run_specs);
   * the BatchingExecutor as HELM Runner's executor (scenario_executor.py): each scenario's
-    flexgen requests run as one planned set of batches, whatever `-n`.
+    flexgen requests run as one planned set of batches, whatever `-n`;
+  * the GuardedOutputsRunner as plain helm-run's Runner (outputs_guard.py): a disk that
+    fills while HELM writes a run's outputs ends helm-run with one line, no partial outputs.
 Import cost is kept to YAML parsing: torch and the engine load on the first request.
 """
 
@@ -73,9 +75,10 @@ def register() -> None:
         _register_tokenizers()
         _register_deployments()
         import flexgen_helm.helm.run_specs  # noqa: F401  (registers run spec functions)
-        from flexgen_helm.helm.scenario_executor import use_for_plain_helm_run
+        from flexgen_helm.helm import outputs_guard, scenario_executor
 
-        use_for_plain_helm_run()
+        scenario_executor.use_for_plain_helm_run()
+        outputs_guard.use_for_plain_helm_run()
 
         _DONE = True
 

@@ -5,13 +5,12 @@
 It runs each scenario through the BatchingExecutor (scenario_executor.py; plain helm-run
 does too, see plugin.py), writes the padding summary next to HELM's outputs as
 `flexgen_padding.json` (see accounting.py), and turns a scenario download that fails on
-an offline machine, and a disk that fills while HELM writes its outputs, into one clear
-error each.
+an offline machine into one clear error; a disk that fills while HELM writes its outputs
+gives one too (outputs_guard.py, which plain helm-run uses as well).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -20,17 +19,14 @@ import subprocess
 from urllib.error import URLError
 
 from helm.benchmark.metrics.metric_service import MetricService
-from helm.benchmark.runner import Runner
 from helm.benchmark.window_services.tokenizer_service import TokenizerService
 
 from flexgen_helm.errors import DataUnreachableError
 from flexgen_helm.helm import accounting
+from flexgen_helm.helm.outputs_guard import GuardedOutputsRunner
 from flexgen_helm.helm.scenario_executor import BatchingExecutor
-from flexgen_helm.memory.disk_space import disk_full, is_disk_full
 
-# what HELM's Runner.run_one writes into a run's folder, in order
-HELM_RUN_OUTPUTS = ("run_spec.json", "scenario.json", "scenario_state.json", "stats.json", "per_instance_stats.json")
-
+PADDING_SUMMARY = "flexgen_padding.json"  # beside HELM's outputs of a run
 _NETWORK_ERRORS = (URLError, socket.gaierror, ConnectionError, TimeoutError)
 _DOWNLOADERS = ("wget", "gdown", "curl")
 _SHELL_FAILURE = re.compile(r"Failed with exit code (\d+): (\S+)")
@@ -58,7 +54,7 @@ def download_failure(error: BaseException) -> str | None:
     return None
 
 
-class BatchingRunner(Runner):
+class BatchingRunner(GuardedOutputsRunner):
     executor_class = BatchingExecutor
 
     def __init__(self, execution_spec, *args, **kwargs):
@@ -76,17 +72,6 @@ class BatchingRunner(Runner):
     def run_one(self, run_spec):
         try:
             super().run_one(run_spec)
-        except OSError as e:
-            if not is_disk_full(e):
-                raise
-            run_path = os.path.join(self.runs_path, run_spec.name)
-            # HELM's outputs of this run, cut short, would pass for a finished run next time
-            for name in HELM_RUN_OUTPUTS:
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(run_path, name))
-            error = disk_full(run_path, None, f"HELM's outputs of {run_spec.name}",
-                              "free space and run the same command again: its requests are in HELM's cache")
-            raise SystemExit(f"flexgen-helm: error: {error}") from e
         except Exception as e:
             cause = download_failure(e)
             if cause is None:
@@ -99,5 +84,5 @@ class BatchingRunner(Runner):
         run_path = os.path.join(self.runs_path, run_spec.name)  # where HELM's Runner writes the run
         if os.path.exists(os.path.join(run_path, "scenario_state.json")):
             summary = accounting.summarize_run(run_path)
-            with open(os.path.join(run_path, "flexgen_padding.json"), "w") as f:
+            with self.whole_outputs(run_spec, PADDING_SUMMARY), open(os.path.join(run_path, PADDING_SUMMARY), "w") as f:
                 json.dump(summary, f, indent=2)

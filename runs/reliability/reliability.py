@@ -8,11 +8,12 @@
   convert     `flexgen-helm convert` killed at 3 moments; what the next `verify` and
               `convert` say, and whether the finished store equals a clean conversion.
   full_disk   a small tmpfs (needs root) under the store, the offload directory (KV cache on
-              disk) and HELM's outputs; the error each gives, tracebacks, and what a rerun
-              with space had to recompute.
+              disk) and HELM's outputs (with the BatchingRunner and plain helm-run); the
+              error each gives, tracebacks, and what a rerun with space had to recompute.
   threads     plain helm-run -n 1 and -n 16 (fresh caches), `--pairs` times: differing
               completions and hangs.
-Writes results.json next to this file (or --results). Correctness numbers, not timings.
+Writes results.json next to this file (or --results), each step with the script's command
+line and the load average before and after. Correctness numbers, not timings.
 """
 
 from __future__ import annotations
@@ -83,6 +84,11 @@ def computed(log: Path) -> int:
     return sum(int(m) for m in re.findall(r"flexgen: running (\d+) requests", log.read_text()))
 
 
+def largest_batch(log: Path) -> int:
+    """The largest batch the client planned, from its log lines ("... batches of up to N")."""
+    return max(map(int, re.findall(r"batches of up to (\d+)", log.read_text())), default=0)
+
+
 def cached_requests(local: Path) -> int:
     db = local / "cache" / "flexgen.sqlite"
     if not db.exists():
@@ -112,7 +118,8 @@ def resume(work: Path, instances: int) -> dict:
     rerun_rc = finish(start(cmd, work / "rerun.log"), 3600)
     rerun_computed = computed(work / "rerun.log")
     diff, compared = differing(whole, completions(work / "out"))
-    return {"requests": total, "whole_rc": rc, "whole_s": round(whole_s, 1), "killed_at_s": round(0.6 * whole_s, 1),
+    return {"helm_run": cmd, "requests": total, "whole_rc": rc, "whole_s": round(whole_s, 1),
+            "killed_at_s": round(0.6 * whole_s, 1), "largest_batch": largest_batch(work / "whole.log"),
             "cached_at_kill": cached_at_kill, "killed_run_computed": computed(work / "killed.log"),
             "rerun_rc": rerun_rc, "rerun_computed": rerun_computed,
             "rerun_computed_fraction": round(rerun_computed / total, 3) if total else None,
@@ -238,16 +245,19 @@ def full_disk(work: Path, instances: int = 10) -> dict:
                       env={"FLEXGEN_HELM_OFFLOAD_DIR": str(work / "offload")}), 1800)
     results["offloaded_kv_cache"].update(rerun_with_space_rc=rc, rerun_with_space_computed=computed(log))
     # 3. HELM's outputs: -o on a file system too small for them; the request cache elsewhere
-    #    (LAMBADA alone in this part: one scenario shows each moment)
-    with SmallFs(work / "fs-out", 64 << 10) as fs:
-        log = work / "out.log"
-        rc = finish(start(helm_cmd(work / "out-env", fs, 4, instances, *RUNNER, entries=ENTRIES[:1]), log), 1800)
-        results["helm_outputs"] = {**outcome(rc, log.read_text()), "cached_requests": cached_requests(work / "out-env")}
-    log = work / "out-rerun.log"
-    rc = finish(start(helm_cmd(work / "out-env", work / "out-with-space", 4, instances, *RUNNER,
-                               entries=ENTRIES[:1]), log), 1800)
-    results["helm_outputs"]["rerun_with_space_rc"] = rc
-    results["helm_outputs"]["rerun_with_space_computed"] = computed(log)
+    #    (LAMBADA alone in this part: one scenario shows each moment), with the BatchingRunner
+    #    and with plain helm-run
+    for name, runner in (("helm_outputs", RUNNER), ("helm_outputs_plain_helm_run", ())):
+        with SmallFs(work / f"fs-{name}", 64 << 10) as fs:
+            log = work / f"{name}.log"
+            rc = finish(start(helm_cmd(work / f"{name}-env", fs, 4, instances, *runner, entries=ENTRIES[:1]), log),
+                        1800)
+            results[name] = {**outcome(rc, log.read_text()), "cached_requests": cached_requests(work / f"{name}-env"),
+                             "helm_outputs_left": sorted(p.name for p in fs.glob("runs/rel/*/*.json"))}
+        log = work / f"{name}-rerun.log"
+        rc = finish(start(helm_cmd(work / f"{name}-env", work / f"{name}-with-space", 4, instances, *runner,
+                                   entries=ENTRIES[:1]), log), 1800)
+        results[name].update(rerun_with_space_rc=rc, rerun_with_space_computed=computed(log))
     return results
 
 
@@ -286,7 +296,10 @@ def main() -> None:
              "resume": lambda: resume(args.work, args.instances)}
     for name in args.only:
         print(f"== {name}", flush=True)
+        load_before = os.getloadavg()
         results[name] = steps[name]()
+        results[name].update(command=[Path(sys.executable).name, *sys.argv], load_average_before=load_before,
+                             load_average_after=os.getloadavg())
         print(json.dumps(results[name], indent=1), flush=True)
         args.results.write_text(json.dumps(results, indent=1) + "\n")
 

@@ -1,0 +1,52 @@
+"""The planned batches of a scenario's requests, run ahead of HELM's executor.
+
+Planned over the whole request list, cached requests included (`batching.plan_batches`, the
+batch size capped by `batching.batch_cap` of the list's length): the batches of an
+uninterrupted run whatever was cached, so that a resumed run gives the same results and
+`-n` changes nothing. Only the batches that hold an uncached request run; a cached request
+in one of them runs again to keep its batch as it was, and its new result is dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from flexgen_helm.helm.batching import Job, batch_cap, plan_batches
+
+
+@dataclass
+class PlannedRequest:
+    request: Any  # the HELM Request
+    raw: dict[str, Any]  # its key in HELM's cache
+    job: Job
+    n_prefix: int  # tokens put in front of the prompt (a BOS), not returned
+
+
+@dataclass
+class ScenarioPlan:
+    planned: dict[str, PlannedRequest]  # by cache key (as a string), in the scenario's order
+    cached: set[str]  # the keys already in HELM's cache
+    batches: list[list[Job]]  # the batches to run, in order
+    key_of_job: dict[int, str]  # id(job) -> its cache key
+
+    @property
+    def requests_to_run(self) -> int:
+        return sum(map(len, self.batches))
+
+    def new_results(self, batch: list[Job]) -> list[tuple[str, PlannedRequest]]:
+        """The batch's requests that were not cached and whose job has finished (a batch cut
+        short by a full disk has some that have not)."""
+        keys = (self.key_of_job[id(job)] for job in batch if job.future.done())
+        return [(key, self.planned[key]) for key in keys if key not in self.cached]
+
+
+def plan_scenario(planned: dict[str, PlannedRequest], cached: set[str], max_batch: int, pad_tolerance: float,
+                  max_batch_share: float) -> ScenarioPlan:
+    """The batches of `planned` (every request of the scenario that can run) that hold an
+    uncached request; `max_batch`: the engine's block."""
+    key_of_job = {id(p.job): key for key, p in planned.items()}
+    jobs = [p.job for p in planned.values()]
+    batches = plan_batches(jobs, batch_cap(len(jobs), max_batch, max_batch_share), pad_tolerance)
+    to_run = [b for b in batches if any(key_of_job[id(j)] not in cached for j in b)]
+    return ScenarioPlan(planned, cached, to_run, key_of_job)
