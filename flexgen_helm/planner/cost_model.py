@@ -174,7 +174,7 @@ class LayerWeights:
 
 
 def layer_weights(layer: LayerSpec, placement: dict, compression: Compression | None, dtype: torch.dtype,
-                  device: torch.device = torch.device("cpu")) -> LayerWeights:
+                  device: torch.device) -> LayerWeights:
     """From the engine's own placement (rounded to rows, or to quantization groups) and its
     choice of layout for `device` computing in `dtype` (compression.stored.weight_layout)."""
     lw = LayerWeights({t: 0.0 for t in TIERS}, 0.0, 0.0)

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from flexgen_helm.errors import ProfileFormatError
 from flexgen_helm.compression.int4 import set_max_kernel_rows
+from flexgen_helm.errors import ProfileFormatError
 from flexgen_helm.memory.devices import DTYPE_NAMES
 from flexgen_helm.memory.direct_io import set_reads_in_flight
 from flexgen_helm.memory.disk_speed import fastest_direct
