@@ -95,7 +95,7 @@ def test_a_profile_of_the_old_format_is_refused_with_what_to_do(tmp_path, monkey
     for speeds in old["devices"].values():
         del speeds["int4_matmul_flops"], speeds["int4_dequant_elems_per_s"]
     path.write_text(json.dumps(old))
-    with pytest.raises(ProfileFormatError, match=r"format flexgen-helm-hardware/2, without.*flexgen-helm profile --json"):
+    with pytest.raises(ProfileFormatError, match=r"hardware/2, without.*flexgen-helm profile --json"):
         HardwareProfile.load(path)
     assert use_profile(path) is None  # the engine keeps its defaults
     # where a profile is taken when needed (--policy auto), an old one is measured again, saying why
