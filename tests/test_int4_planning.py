@@ -112,8 +112,7 @@ def test_a_profile_without_kernel_speeds_cannot_plan_packed_weights():
         model.estimate(Policy(4, 1, compress_weight=W4))
 
 
-def test_the_engine_multiplies_on_the_kernel_up_to_the_profiled_crossover(tiny_opt, tmp_path, monkeypatch):
-    monkeypatch.setitem(int4.MAX_KERNEL_ROWS, "cpu", int4.MAX_KERNEL_ROWS["cpu"])  # restored afterwards
+def test_the_engine_multiplies_on_the_kernel_up_to_the_profiled_crossover(tiny_opt, tmp_path):
     path = profile(FAST_KERNEL, machine=machine_info()).save(tmp_path / "hardware.json")
     assert use_profile(path) is not None and int4.MAX_KERNEL_ROWS["cpu"] == 8
     policy = Policy(2, 1, compress_weight=Compression(4, 32))
