@@ -36,3 +36,8 @@ class BrowserError(FlexGenError, RuntimeError):
 class DiskFullError(OffloadDirError):
     """Not enough free space for what must be written (offload files, a weight store, HELM's
     outputs); the message names the path, the bytes needed and the bytes free."""
+
+
+class ProfileFormatError(FlexGenError, ValueError):
+    """A saved hardware profile of another format than this engine's: it lacks what the cost
+    model now needs, so it must be measured again."""

@@ -129,6 +129,17 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("FLEXGEN_HELM_OFFLOAD", str(tmp_path_factory.getbasetemp() / "offload"))
 
 
+@pytest.fixture(autouse=True)
+def _profiled_kernel_crossover_restored(monkeypatch):
+    """A test whose saved profile is applied (use_profile, which every command that loads an
+    engine calls) sets the int4 kernel's crossover for the process: the next test starts
+    from the defaults again."""
+    from flexgen_helm.compression import int4
+
+    for device_type, rows in int4.MAX_KERNEL_ROWS.items():
+        monkeypatch.setitem(int4.MAX_KERNEL_ROWS, device_type, rows)
+
+
 @pytest.fixture
 def fake_helm_engine(monkeypatch):
     """The HELM plugin's engines are tests/helm_fake_engine.py's, with no policy, weights,

@@ -58,13 +58,13 @@ def test_the_saved_profile_sets_the_reader(tmp_path, reader_reset, data_file, on
     """The way this machine's profile measured faster is the one the disk tier reads with
     (and the one the run's report names); the bytes read are the same either way."""
     from flexgen_helm.memory.machine import machine_info
-    from flexgen_helm.planner.hardware_profile import HardwareProfile, use_profiled_disk_reader
+    from flexgen_helm.planner.hardware_profile import HardwareProfile, use_profile
 
     path = tmp_path / "hardware.json"
-    assert use_profiled_disk_reader(path) is None  # no profile: the default stays
+    assert use_profile(path) is None  # no profile: the default stays
     assert direct_io.reads_in_flight() == direct_io.READS_IN_FLIGHT
     HardwareProfile(machine=machine_info(), disk_read_modes={"direct_1": one, "direct_in_flight": many}).save(path)
-    assert use_profiled_disk_reader(path) == want
+    assert use_profile(path).disk_reads_in_flight == want
     assert direct_io.reads_in_flight() == want
     assert ("one read at a time" in direct_io.bypass_mode()) == (want == 1)
     file, data = data_file
@@ -72,12 +72,12 @@ def test_the_saved_profile_sets_the_reader(tmp_path, reader_reset, data_file, on
 
 
 def test_a_profile_of_another_machine_leaves_the_reader_alone(tmp_path, reader_reset):
-    from flexgen_helm.planner.hardware_profile import HardwareProfile, use_profiled_disk_reader
+    from flexgen_helm.planner.hardware_profile import HardwareProfile, use_profile
 
     path = tmp_path / "hardware.json"
     HardwareProfile(machine={"cpu": "elsewhere", "cpu_cores": 1, "ram_bytes": 1},
                     disk_read_modes={"direct_1": 2e9, "direct_in_flight": 1e9}).save(path)
-    assert use_profiled_disk_reader(path) is None
+    assert use_profile(path) is None
     assert direct_io.reads_in_flight() == direct_io.READS_IN_FLIGHT
     with pytest.raises(ValueError):
         direct_io.set_reads_in_flight(0)

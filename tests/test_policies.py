@@ -70,6 +70,24 @@ def test_sampling_with_seed_is_policy_independent(tiny_llama, tmp_path):
     assert outs[0] == outs[1]
 
 
+def test_a_tied_weight_is_loaded_once_for_the_head_and_the_next_embedding(tiny_opt, tmp_path, monkeypatch):
+    """The head and the next step's embedding share OPT's token embedding: split over tiers it
+    is assembled once for both (the head's copy serves the embedding that follows), so a run
+    of n tokens loads it 1 + n times (the first embedding, then each step's head), not 2n."""
+    from flexgen_helm.memory import weight_homes
+
+    loads = []
+    real = weight_homes.load_home
+    monkeypatch.setattr(weight_homes, "load_home",
+                        lambda home, *a: loads.append(home.spec.store_name) or real(home, *a))
+    policy = Policy(gpu_batch_size=2, num_gpu_batches=2, weights=Split(0.2, 0.5, 0.3))
+    engine = Engine.load(str(tiny_opt), policy, dtype="float32", device="cpu", offload_dir=tmp_path, progress=False)
+    assert len(engine.runtime.placement["embed.tokens.weight"]) > 1  # split: every load is a copy
+    engine.generate(PROMPTS[:4], SamplingParams(max_new_tokens=N_NEW, ignore_eos=True))
+    assert loads.count("embed.tokens.weight") == 1 + N_NEW
+    assert loads.count("layers.0.fc1.weight") == N_NEW
+
+
 def test_placement_is_honest(tiny_opt, tmp_path):
     policy = Policy(weights=Split(0.2, 0.5, 0.3))
     engine = Engine.load(str(tiny_opt), policy, dtype="float32", device="cpu", offload_dir=tmp_path, progress=False)

@@ -37,7 +37,9 @@ OPT13 = config_for_size("1.3b")
 
 
 def speeds(**kw) -> DeviceSpeeds:
-    return DeviceSpeeds(**{"matmul_flops": {"bfloat16": {1: 2e9, 16: 30e9, 256: 200e9, 4096: 300e9}}, **kw})
+    return DeviceSpeeds(**{"matmul_flops": {"bfloat16": {1: 2e9, 16: 30e9, 256: 200e9, 4096: 300e9}},
+                           "int4_matmul_flops": {1: 2e9, 128: 100e9, 512: 120e9}, "int4_dequant_elems_per_s": 1e9,
+                           **kw})
 
 
 def cpu_profile(**kw) -> HardwareProfile:

@@ -68,9 +68,10 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 
 
 def policy_from_args(args) -> Policy:
-    """The policy a command's engine runs under; the disk tier's reader is set here too (the
-    faster way of reading this machine's saved profile measured)."""
-    from flexgen_helm.planner.hardware_profile import use_profiled_disk_reader
+    """The policy a command's engine runs under; what the engine chooses by this machine's
+    saved profile is set here too (the faster way of reading the disk, the int4 kernel's
+    crossover)."""
+    from flexgen_helm.planner.hardware_profile import use_profile
 
     if args.policy == "auto":
         from flexgen_helm.planner.auto import policy_for_command
@@ -100,7 +101,7 @@ def policy_from_args(args) -> Policy:
         changes["compress_cache"] = cache_compression(args).__dict__
     if args.attn_sparsity != 1.0:
         changes["attn_sparsity"] = args.attn_sparsity
-    use_profiled_disk_reader()  # after an auto policy's search, which saves a profile where none was
+    use_profile()  # after an auto policy's search, which saves a profile where none was
     return Policy.from_dict(changes)
 
 

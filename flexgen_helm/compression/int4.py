@@ -35,7 +35,8 @@ holds those bytes: a read is usable as it lands. Row ranges cut on ROW_BLOCK row
 packed matrices of their own in both layouts, so placement cuts packed weights there.
 
 The kernel is chosen per call by the number of activation rows: up to `max_kernel_rows`
-(measured: runs/bench/compression/kernel_crossover.py) it runs on the packed bytes; above,
+(measured by `flexgen-helm profile` on each machine, or runs/bench/compression/kernel_crossover.py
+for the defaults) it runs on the packed bytes; above,
 a dequantized copy (made once per use of the loaded layer, i.e. once per block) meets the
 rows in a plain matmul, which the kernel loses to at prefill sizes.
 """
@@ -63,11 +64,23 @@ ROW_MULTIPLE = 16  # the CPU converter's rule for the output dim
 ROW_BLOCK = 64  # CPU: rows per packed block; a multiple of CUDA's 8-row tiles
 _CPU_BLOCK = 64
 _CUDA_TILE_ROWS = 8
-# Activation rows up to which the kernel beats dequantize-then-matmul, per device type;
-# measured alone with runs/bench/compression/kernel_crossover.py (CPU, AVX512-BF16 EPYC: 128
-# for OPT-1.3B and SmolLM2-135M alike; kernel_crossover.json). CUDA: not measured yet
-# (no GPU in the session that wrote this), so the kernel takes every row count there.
+# Activation rows up to which the kernel beats dequantize-then-matmul, per device type (None:
+# every row count), for the engines this process loads. The defaults were measured alone with
+# runs/bench/compression/kernel_crossover.py (CPU, AVX512-BF16 EPYC: 128 for OPT-1.3B and
+# SmolLM2-135M alike; kernel_crossover.json; CUDA: not measured, so the kernel takes every row
+# count there); the commands that load an engine replace them with this machine's profiled
+# crossover (set_max_kernel_rows, from planner/hardware_profile.use_profile).
 MAX_KERNEL_ROWS = {"cpu": 128, "cuda": None}
+
+
+def set_max_kernel_rows(device_type: str, rows: int | None) -> None:
+    """The crossover CompressedWeights loaded from now on use on `device_type` (None: the
+    kernel takes every row count, 0: none)."""
+    if device_type not in MAX_KERNEL_ROWS:
+        raise ValueError(f"the int4 kernels run on {', '.join(MAX_KERNEL_ROWS)}, not {device_type!r}")
+    if rows is not None and rows < 0:
+        raise ValueError(f"a kernel crossover is a row count >= 0 or None, got {rows}")
+    MAX_KERNEL_ROWS[device_type] = rows
 
 
 def layout_refusal(cfg: Compression, shape, group_dim: int | None) -> str | None:

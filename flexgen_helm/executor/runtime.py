@@ -28,8 +28,9 @@ class ModelRuntime:
     devices: Devices
     usage: TierUsage
 
-    def load_layer(self, layer: LayerSpec) -> dict[str, torch.Tensor]:
-        return load_layer(layer, self.homes, self.devices, self.store)
+    def load_layer(self, layer: LayerSpec, loaded: dict | None = None) -> dict[str, torch.Tensor]:
+        """`loaded`: weights already on the compute device, by store name, to use as they are."""
+        return load_layer(layer, self.homes, self.devices, self.store, loaded)
 
     def placement_report(self) -> dict:
         return {

@@ -59,6 +59,13 @@ class GpuBatch:
 HeadFn = Callable[[int, dict, torch.Tensor], object]
 
 
+def shared_weights(layer, loaded: dict, following) -> dict:
+    """What `layer` loaded (`loaded`, by key) of the weights `following` uses too, by store
+    name: a tied weight assembled once for both layers instead of once each, both resident."""
+    wanted = {t.store_name for t in following.tensors}
+    return {t.store_name: loaded[t.key] for t in layer.tensors if t.store_name in wanted}
+
+
 class BlockSchedule:
     def __init__(self, runtime, policy: Policy, batches: list[GpuBatch], max_len: int, workdir: Path):
         self.rt = runtime
@@ -179,12 +186,17 @@ class BlockSchedule:
             for k, hidden_in in enumerate(inputs):
                 io.submit(self.acts[k].store, hidden_in, kind=f"{stage}_store_hidden")
         live = [k for k in range(nb) if not self.step_rows[k].empty]  # batches with rows to compute
+        # taken, not kept: held past its layer, a prefetched layer's weights stayed resident all step
         weights = self._weights_ahead or io.submit(self.rt.load_layer, layers[0], kind=f"{stage}_load_weight")
+        self._weights_ahead = None
         cache_ahead = None  # the first live batch's cache of the next layer
         for j, layer in enumerate(layers):
             w = self._wait(weights, "load_weight")
-            # prefetch the next layer (after the last, the first layer of the next step)
-            weights = io.submit(self.rt.load_layer, layers[(j + 1) % len(layers)], kind=f"{stage}_load_weight")
+            # prefetch the next layer (after the last, the first layer of the next step), reusing
+            # what this one loaded of a weight they share (the tied head and embedding)
+            following = layers[(j + 1) % len(layers)]
+            weights = io.submit(self.rt.load_layer, following, shared_weights(layer, w, following),
+                                kind=f"{stage}_load_weight")
             if not live:
                 continue
             cache = cache_ahead or self._submit_cache_load(layer, live[0], prefill)

@@ -8,7 +8,7 @@ read at a time, 0.8-1.1 GB/s with 4 in flight), while another disk reads faster 
 time (a later profile of the same kind of host: 1.61 GB/s one at a time, 1.49 GB/s with 4 in
 flight). So the way is not fixed: `flexgen-helm profile` measures both
 (memory/disk_speed.py) and the commands that load an engine set the faster one with
-`set_reads_in_flight` (planner/hardware_profile.use_profiled_disk_reader); without a
+`set_reads_in_flight` (planner/hardware_profile.use_profile); without a
 profile, READS_IN_FLIGHT.
 
 Reads land in memory from torch's allocator (a page-aligned view of a uint8 tensor): with

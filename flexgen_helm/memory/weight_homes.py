@@ -100,9 +100,13 @@ def load_home(home: WeightHome, devices: Devices, store) -> torch.Tensor | Compr
     return out
 
 
-def load_layer(layer: LayerSpec, homes: dict[str, WeightHome], devices: Devices,
-               store) -> dict[str, torch.Tensor | CompressedWeight]:
-    return {t.key: load_home(homes[t.store_name], devices, store) for t in layer.tensors}
+def load_layer(layer: LayerSpec, homes: dict[str, WeightHome], devices: Devices, store,
+               loaded: dict | None = None) -> dict[str, torch.Tensor | CompressedWeight]:
+    """The layer's weights by key; those in `loaded` (by store name: a tied weight another
+    layer has just loaded) are used as they are instead of loaded again."""
+    loaded = loaded or {}
+    return {t.key: loaded[t.store_name] if t.store_name in loaded else load_home(homes[t.store_name], devices, store)
+            for t in layer.tensors}
 
 
 def home_bytes(homes: dict[str, WeightHome], dtype: torch.dtype) -> dict[str, int]:

@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flexgen_helm.compression.stored import weight_groups, weight_layout
+from flexgen_helm.errors import ProfileFormatError
 from flexgen_helm.executor.kv_cache import cache_rows, kv_nbytes, kv_nbytes_per_position
 from flexgen_helm.memory.devices import DTYPES
 from flexgen_helm.memory.placement import place_weights
@@ -158,35 +160,50 @@ def _is_lookup(layer: LayerSpec, t: TensorSpec) -> bool:
 
 @dataclass
 class LayerWeights:
-    """Bytes of one layer's weights by tier as the layer loads them (tied tensors included)."""
+    """Bytes of one layer's weights by tier as the layer loads them (tied tensors included),
+    and the elements its math uses them by."""
 
     stored: dict[str, float]  # tier -> bytes stored there (compressed if compressed)
     disk_reads: float  # separate reads (each pays the disk latency)
     assembled: float  # bytes copied to assemble tensors split over tiers
-    matmul_numel: int  # elements of the weights used in matmuls
-    dense_numel: int  # elements dequantized per load when compressed
+    matmul_numel: int = 0  # elements of the weights used in matmuls
+    # under weight compression (else 0): elements of the layer's compressed matrices
+    packed_matmul_numel: int = 0  # multiplied, in the int4 kernel's layout: the kernel may take them
+    packed_numel: int = 0  # in the kernel's layout, lookups too: dequantized where the kernel is not used
+    grouped_numel: int = 0  # in the group layout (QuantizedTensor): dequantized at every load
 
 
-def layer_weights(layer: LayerSpec, placement: dict, compression: Compression | None, dtype: torch.dtype
-                  ) -> LayerWeights:
-    """From the engine's own placement (rounded to rows, or to quantization groups)."""
-    stored = {t: 0.0 for t in TIERS}
-    reads = assembled = 0.0
+def layer_weights(layer: LayerSpec, placement: dict, compression: Compression | None, dtype: torch.dtype,
+                  device: torch.device) -> LayerWeights:
+    """From the engine's own placement (rounded to rows, or to quantization groups) and its
+    choice of layout for `device` computing in `dtype` (compression.stored.weight_layout)."""
+    lw = LayerWeights({t: 0.0 for t in TIERS}, 0.0, 0.0)
     for t in layer.tensors:
         segments = placement[t.store_name]
         for s in segments:
             nbytes = segment_nbytes(t, s, compression, dtype)
-            stored[s.tier] += nbytes
-            reads += s.tier == "disk"
+            lw.stored[s.tier] += nbytes
+            lw.disk_reads += s.tier == "disk"
             if len(segments) > 1:
-                assembled += nbytes
-    return _with_numels(layer, LayerWeights(stored, reads, assembled, 0, 0), compression is not None)
-
-
-def _with_numels(layer: LayerSpec, lw: LayerWeights, compressed: bool) -> LayerWeights:
-    lw.matmul_numel = sum(t.numel for t in layer.tensors if _is_matrix(t) and not _is_lookup(layer, t))
-    lw.dense_numel = sum(t.numel for t in layer.tensors if _is_matrix(t)) if compressed else 0
+                lw.assembled += nbytes
+        if not _is_matrix(t):
+            continue
+        multiplied = not _is_lookup(layer, t)
+        lw.matmul_numel += t.numel * multiplied
+        if weight_groups(compression, t.shape) is None:
+            continue
+        if weight_layout(compression, t.shape, dtype, device) is not None:
+            lw.packed_numel += t.numel
+            lw.packed_matmul_numel += t.numel * multiplied
+        else:
+            lw.grouped_numel += t.numel
     return lw
+
+
+def _matmul_rows(layer: LayerSpec, gbs: int, tokens: int) -> int:
+    """Activation rows a layer's linears multiply per GPU batch (the head projects only the
+    last position)."""
+    return gbs * (tokens if layer.kind != "head" else 1)
 
 
 # ---- the model ----------------------------------------------------------------------------
@@ -239,11 +256,9 @@ class CostModel:
             b["cpu_gpu"] += lw.stored["cpu"] + lw.stored["disk"]
         else:
             b["cpu_gpu"] += lw.assembled
-        b["compute"] += lw.dense_numel / dev.dequant_elems_per_s
 
-        # linear layers, per GPU batch (the head projects only the last position)
-        rows = gbs * (tokens if layer.kind != "head" else 1)
-        b["compute"] += nb * 2 * rows * lw.matmul_numel / dev.linear_flops(hw.dtype, rows)
+        rows = _matmul_rows(layer, gbs, tokens)
+        b["compute"] += self._weights_compute(lw, rows, nb)
         b["compute"] += nb * self._fixed_per_layer_batch(layer, policy, phase)
         if layer.kind == "block":
             per_hidden, per_mlp = ELEMENTWISE_PASSES.get(cfg.family, ELEMENTWISE_PASSES["llama"])
@@ -264,6 +279,34 @@ class CostModel:
         # linear in the fractions, as the LP needs
         reads = lw.disk_reads + loads * h["disk"] + (nb * 2 * c["disk"] if layer.kind == "block" and not prefill else 0)
         return b, reads
+
+    def kernel_takes(self, rows: int) -> bool:
+        """Whether a packed 4-bit weight multiplies `rows` activation rows on the int4 kernel
+        (CompressedWeight.linear, at the crossover this profile measured) rather than
+        dequantized."""
+        most = self.hw.compute.int4_kernel_max_rows(self.hw.dtype)
+        return most is None or rows <= most
+
+    def _weights_compute(self, lw: LayerWeights, rows: int, nb: int) -> float:
+        """Seconds of one layer's matmuls for nb GPU batches of `rows` activation rows, with
+        compressed weights dequantized once per load (the copy the layer's GPU batches share)
+        where the int4 kernel does not take them, and on the kernel, at its profiled speed for
+        that row count, where it does."""
+        dev, dtype = self.hw.compute, self.hw.dtype
+        dense = lw.matmul_numel - lw.packed_matmul_numel
+        seconds = lw.grouped_numel / dev.dequant_elems_per_s
+        if lw.packed_numel and self.kernel_takes(rows):
+            seconds += nb * 2 * rows * lw.packed_matmul_numel / dev.int4_flops(rows)
+            seconds += (lw.packed_numel - lw.packed_matmul_numel) / dev.int4_dequant_elems_per_s  # lookups
+        elif lw.packed_numel:
+            seconds += lw.packed_numel / dev.int4_dequant_elems_per_s
+            dense += lw.packed_matmul_numel
+        return seconds + nb * 2 * rows * dense / dev.linear_flops(dtype, rows)
+
+    def dequantized_numel(self, lw: LayerWeights, rows: int) -> int:
+        """Elements of the dense copy a loaded layer makes of its compressed weights for
+        `rows` activation rows (held while the layer computes)."""
+        return lw.grouped_numel + lw.packed_numel - (lw.packed_matmul_numel if self.kernel_takes(rows) else 0)
 
     def _fixed_per_layer_batch(self, layer: LayerSpec, policy: Policy, phase: str) -> float:
         """What one layer costs one GPU batch besides its arithmetic and data: the profiled fixed
@@ -367,8 +410,16 @@ class CostModel:
         key = (policy.weights, policy.compress_weight)
         if key not in self._weights_cache:  # the search asks for the same weight placement many times
             placement = place_weights(self.layers, policy.weights, policy.compress_weight)
-            self._weights_cache[key] = [layer_weights(layer, placement, policy.compress_weight, self.dtype)
-                                        for layer, _ in self.groups]
+            device = torch.device(self.hw.compute_device)
+            lws = [layer_weights(layer, placement, policy.compress_weight, self.dtype, device)
+                   for layer, _ in self.groups]
+            if any(lw.packed_numel for lw in lws) and not (self.hw.compute.int4_matmul_flops
+                                                          and self.hw.compute.int4_dequant_elems_per_s):
+                raise ProfileFormatError(
+                    f"4-bit weights would compute on the int4 kernel of {device.type}, but the hardware profile has "
+                    "no speeds of it (int4_matmul_flops, int4_dequant_elems_per_s): measure this machine with "
+                    "`flexgen-helm profile`")
+            self._weights_cache[key] = lws
         return self._weights_cache[key]
 
     def phase_terms(self, policy: Policy, phase: str) -> list[dict[str, float]]:
@@ -398,8 +449,7 @@ class CostModel:
         lws = self.weights_per_layer(policy)
         not_in_place = [lw.stored["disk"] + lw.assembled + (lw.stored["cpu"] if self.hw.is_cuda else 0.0)
                         for lw in lws]
-        dense_layer = max(lw.dense_numel for lw in lws) * elt  # a compressed layer, dequantized for use
-        working_weights = 2 * (max(not_in_place) + dense_layer)  # the layer in use and the one prefetched
+        loaded_weights = 2 * max(not_in_place)  # the layer in use and the one prefetched
         _, c, _ = Fractions.of(policy).splits()
         moved = c["disk"] + (c["cpu"] if self.hw.is_cuda and not policy.cpu_cache_compute else 0.0)
         # a GPU batch's cache of one layer read off its tier (in use, and the next one prefetched;
@@ -416,7 +466,11 @@ class CostModel:
             scores = gbs * cfg.num_heads * tokens * keys * ATTENTION_MASK_BYTES
             logits = gbs * nb * cfg.vocab_size * 4  # fp32, the last position of every sequence
             tiers = {t: float(sum(part[t] for part in placed.values())) for t in TIERS}
-            tiers["gpu"] += working_weights + inner + scores + logits + (loaded_cache if phase == "decode" else 0.0)
+            # the dense copy of a compressed layer's weights, made where it computes (only the one in use)
+            dequantized = max(self.dequantized_numel(lw, _matmul_rows(layer, gbs, tokens))
+                              for (layer, _), lw in zip(self.groups, lws)) * elt
+            tiers["gpu"] += (loaded_weights + dequantized + inner + scores + logits
+                             + (loaded_cache if phase == "decode" else 0.0))
             out[phase] = tiers
         return out
 

@@ -4,7 +4,8 @@ measured once by `flexgen-helm profile`, saved as JSON, refittable from bench ru
 
 Every speed is measured with the operations the engine itself runs: weight reads go
 through memory/direct_io.py with the page cache bypassed, attention through the
-executor's `attend`, dequantization through compression.dequantize."""
+executor's `attend`, dequantization through compression.dequantize, 4-bit weights through
+the int4 kernel the engine multiplies them with (compression/int4.py's CompressedWeight)."""
 
 from __future__ import annotations
 
@@ -21,13 +22,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from flexgen_helm.compression.int4 import set_max_kernel_rows
+from flexgen_helm.errors import ProfileFormatError
 from flexgen_helm.memory.devices import DTYPE_NAMES
 from flexgen_helm.memory.direct_io import set_reads_in_flight
 from flexgen_helm.memory.disk_speed import fastest_direct
 from flexgen_helm.memory.machine import machine_info, machine_label, same_machine
 from flexgen_helm.weights.registry import default_cache_dir
 
-FORMAT = "flexgen-helm-hardware/2"  # /2: fixed costs and the disk's ways of reading
+# /2: fixed costs and the disk's ways of reading; /3: the int4 kernel's speed by row count
+FORMAT = "flexgen-helm-hardware/3"
 
 # Activation rows of the profiled Linear: 1-64 are decode (one token per sequence of a GPU
 # batch), 256-4096 prefill (a GPU batch times the prompt). The weight is (4096, 2048): big
@@ -39,6 +43,11 @@ MATMUL_SHAPE = (4096, 2048)  # (out, in)
 # reaches ~100 MiB: 8 weights were partly served from it and made decode look 2x faster)
 STREAMED_WEIGHTS = 32
 MAX_STREAMED_ROWS = 64  # above this the product is compute-bound: one (cached) weight will do
+# Activation rows of the profiled int4 kernel (4-bit weights, groups of 64 along the input dim):
+# decode-sized up to prefill-sized, past where the kernel loses to dequantize-then-matmul on a CPU
+# (runs/bench/compression/kernel_crossover.py: between 128 and 256 rows on an AVX512-BF16 EPYC)
+KERNEL_ROWS = (1, 8, 32, 128, 512)
+KERNEL_GROUP_SIZE = 64
 
 
 @dataclass
@@ -49,7 +58,13 @@ class DeviceSpeeds:
     matmul_flops: dict[str, dict[int, float]] = field(default_factory=dict)
     attn_prefill_flops: float = 1e11  # causal attention over a prompt, counted as the full s x s
     attn_decode_bytes_per_s: float = 5e9  # bytes of K and V cache one decode attention step gets through
-    dequant_elems_per_s: float = 1e9  # 4-bit weights turned back into the compute dtype
+    dequant_elems_per_s: float = 1e9  # 4-bit groups (QuantizedTensor) turned back into the compute dtype
+    # 4-bit weights in the int4 kernel's packed layout (compression/int4.py), in the profile's
+    # dtype: rows -> FLOP/s of the kernel's matmul (interpolated in log(rows)), and elements/s of
+    # dequantizing them (the dense copy above the crossover); empty / 0 where the kernel does not
+    # run (another dtype than bfloat16, a CPU whose packed layout the engine does not decode)
+    int4_matmul_flops: dict[int, float] = field(default_factory=dict)
+    int4_dequant_elems_per_s: float = 0.0
     # one elementwise pass (an activation function, a residual add, a copy) over activations in
     # the compute dtype, elements/s: the block's work besides its matmuls and attention
     elementwise_elems_per_s: float = 1e9
@@ -62,6 +77,27 @@ class DeviceSpeeds:
     def linear_flops(self, dtype: str, rows: int) -> float:
         table = self.matmul_flops.get(dtype) or next(iter(self.matmul_flops.values()), {1: 1e10})
         return _interpolate_log(table, rows)
+
+    def int4_flops(self, rows: int) -> float:
+        """FLOP/s of the int4 kernel multiplying `rows` activation rows (int4_matmul_flops)."""
+        return _interpolate_log(self.int4_matmul_flops, rows)
+
+    def int4_kernel_max_rows(self, dtype: str) -> int | None:
+        """The most activation rows at which the int4 kernel was measured faster than
+        dequantizing the weight and multiplying in `dtype` (per call, as
+        CompressedWeight.linear chooses): 0 where it never is or was not measured, None where
+        it won at every row count measured (the kernel then takes them all)."""
+        if not self.int4_matmul_flops or not self.int4_dequant_elems_per_s:
+            return 0
+        best = 0
+        for rows in sorted(self.int4_matmul_flops):
+            flop = 2 * rows  # per weight element
+            kernel = flop / self.int4_matmul_flops[rows]
+            dequantize_then_matmul = 1 / self.int4_dequant_elems_per_s + flop / self.linear_flops(dtype, rows)
+            if kernel > dequantize_then_matmul:
+                return best
+            best = rows
+        return None
 
 
 @dataclass
@@ -129,6 +165,7 @@ class HardwareProfile:
             s = dict(s)
             s["matmul_flops"] = {dt: {int(m): float(f) for m, f in t.items()}
                                  for dt, t in s.get("matmul_flops", {}).items()}
+            s["int4_matmul_flops"] = {int(m): float(f) for m, f in s.get("int4_matmul_flops", {}).items()}
             devices[name] = DeviceSpeeds(**s)
         known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
         return cls(devices=devices or {"cpu": DeviceSpeeds()}, **known)
@@ -141,7 +178,14 @@ class HardwareProfile:
 
     @classmethod
     def load(cls, path: str | os.PathLike | None = None) -> "HardwareProfile":
-        return cls.from_dict(json.loads(Path(path or default_profile_path()).read_text()))
+        """The profile saved at `path`; one of another format is an error that says so (it
+        lacks what this one measures: the cost model would plan with made-up speeds)."""
+        path = Path(path or default_profile_path())
+        d = json.loads(path.read_text())
+        if d.get("format") != FORMAT:
+            raise ProfileFormatError(f"{_other_format(path, d)}: measure this machine again with "
+                                     f"`flexgen-helm profile --json {path}`")
+        return cls.from_dict(d)
 
 
 def default_profile_path() -> Path:
@@ -167,24 +211,34 @@ def _saved_profile(p: Path) -> tuple[HardwareProfile | None, str]:
     """The profile saved at `p` if it is of this format and this machine, else None and why not."""
     if not p.exists():
         return None, f"no hardware profile at {p}"
-    saved = HardwareProfile.load(p)
-    if saved.format != FORMAT:
-        return None, f"the profile at {p} is of format {saved.format}, without what {FORMAT} measures"
+    d = json.loads(p.read_text())
+    if d.get("format") != FORMAT:
+        return None, _other_format(p, d)
+    saved = HardwareProfile.from_dict(d)
     if saved.machine and not same_machine(saved.machine, machine_info()):
         return None, f"the profile at {p} was measured on {machine_label(saved.machine)}"
     return saved, ""
 
 
-def use_profiled_disk_reader(path: str | os.PathLike | None = None) -> int | None:
-    """Set the disk tier's reader (memory/direct_io.py) to the way of reading that this
-    machine's saved profile measured faster, for the engines this process loads; returns its
-    reads in flight, or None (the reader's default stays) without a saved profile of this
-    machine. Measures nothing: `flexgen-helm profile` (or --policy auto) does."""
+def _other_format(path: Path, d: dict) -> str:
+    return (f"the hardware profile at {path} is of format {d.get('format')}, without what {FORMAT} measures "
+            "(the int4 kernel's speed by row count)")
+
+
+def use_profile(path: str | os.PathLike | None = None) -> HardwareProfile | None:
+    """Set what the engines this process loads choose by this machine's saved profile: the
+    disk tier's reader (memory/direct_io.py) reads the way measured faster, and 4-bit weights
+    take the int4 kernel up to the crossover measured on the compute device
+    (compression/int4.py). Returns that profile, or None (the defaults stay) without a saved
+    profile of this machine. Measures nothing: `flexgen-helm profile` (or --policy auto) does."""
     saved, _ = _saved_profile(Path(path) if path else default_profile_path())
-    if saved is None or not saved.disk_read_modes:
+    if saved is None:
         return None
-    set_reads_in_flight(saved.disk_reads_in_flight)
-    return saved.disk_reads_in_flight
+    if saved.disk_read_modes:
+        set_reads_in_flight(saved.disk_reads_in_flight)
+    if saved.compute.int4_matmul_flops:
+        set_max_kernel_rows(saved.compute_device, saved.compute.int4_kernel_max_rows(saved.dtype))
+    return saved
 
 
 def _interpolate_log(table: dict[int, float], x: float) -> float:
@@ -236,6 +290,7 @@ def measure_device(device: torch.device, dtype: torch.dtype) -> DeviceSpeeds:
     out_f, in_f = MATMUL_SHAPE
     wq = quantize(torch.randn(out_f, in_f, device=device).to(dtype), Compression(4, 64), 0)
     speeds.dequant_elems_per_s = out_f * in_f / _timed(lambda: dequantize(wq, dtype), sync=sync)
+    speeds.int4_matmul_flops, speeds.int4_dequant_elems_per_s = _int4_speeds(device, dtype, sync)
     speeds.elementwise_elems_per_s = _elementwise_elems_per_s(device, dtype, sync)
     tiny_x, tiny_w = torch.randn(1, 64, device=device).to(dtype), torch.randn(64, 64, device=device).to(dtype)
     speeds.op_latency_s = _timed(lambda: F.linear(tiny_x, tiny_w), min_reps=200, sync=sync)
@@ -262,9 +317,35 @@ def _matmul_flops(device: torch.device, dtype: torch.dtype, rows_list, sync) -> 
     return table
 
 
-def _linears(x: torch.Tensor, weights: list[torch.Tensor]) -> None:
+def _linears(x: torch.Tensor, weights: list) -> None:
     for w in weights:
-        F.linear(x, w)
+        F.linear(x, w) if isinstance(w, torch.Tensor) else w.linear(x)
+
+
+def _int4_speeds(device: torch.device, dtype: torch.dtype, sync) -> tuple[dict[int, float], float]:
+    """FLOP/s of the int4 kernel by activation rows (KERNEL_ROWS) on MATMUL_SHAPE weights packed
+    as the engine packs them, and elements/s of dequantizing one (the dense copy the engine
+    makes above the crossover); ({}, 0.0) where the kernel does not run on this device in
+    `dtype`. Decode-sized products stream their weights, as _matmul_flops' do."""
+    from flexgen_helm.compression.int4 import CompressedWeight, dequantize_packed, device_refusal, pack_int4
+    from flexgen_helm.compression.quantize import quantize
+    from flexgen_helm.policy.policy import Compression
+
+    if device_refusal(dtype, device) is not None:
+        return {}, 0.0
+    out_f, in_f = MATMUL_SHAPE
+    packed = pack_int4(quantize(torch.randn(out_f, in_f, device=device).to(dtype),
+                                Compression(4, KERNEL_GROUP_SIZE, 1), 1), device)
+    # copies of one packed weight: the bytes' values do not change the kernel's speed, only
+    # that together they are larger than any CPU cache
+    ws = [CompressedWeight([(0, packed.clone())], MATMUL_SHAPE, dtype, max_kernel_rows=None)
+          for _ in range(STREAMED_WEIGHTS)]
+    table = {}
+    for rows in KERNEL_ROWS:
+        x = torch.randn(rows, in_f, device=device).to(dtype)
+        group = ws if rows <= MAX_STREAMED_ROWS else ws[:1]
+        table[rows] = 2 * rows * in_f * out_f * len(group) / _timed(functools.partial(_linears, x, group), sync=sync)
+    return table, out_f * in_f / _timed(lambda: dequantize_packed(packed, dtype), sync=sync)
 
 
 def _attention_speeds(device: torch.device, dtype: torch.dtype, sync) -> tuple[float, float]:
@@ -471,6 +552,12 @@ def describe(p: HardwareProfile) -> str:
                 for ph, c in phases.items()))
         if s.copy_handoff_s:
             lines.append(f"  {name} copy-thread hand-off {s.copy_handoff_s * 1e6:.1f} us per transfer")
+        if s.int4_matmul_flops:
+            most = s.int4_kernel_max_rows(p.dtype)
+            lines.append(f"  {name} int4 kernel ({p.dtype}, groups of {KERNEL_GROUP_SIZE}): " + ", ".join(
+                f"{m} rows {f / 1e9:.1f}" for m, f in s.int4_matmul_flops.items()) + " GFLOP/s; dequantize packed "
+                f"{s.int4_dequant_elems_per_s / 1e9:.2f} G elements/s; the kernel wins "
+                + ("at every row count measured" if most is None else f"up to {most} rows"))
         lines.append(f"  {name} attention: prefill {s.attn_prefill_flops / 1e9:.1f} GFLOP/s, decode "
                      f"{s.attn_decode_bytes_per_s / gb:.2f} GB/s of cache; dequantize "
                      f"{s.dequant_elems_per_s / 1e9:.2f} G elements/s; op latency {s.op_latency_s * 1e6:.1f} us")

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from flexgen_helm.compression.int4 import MAX_KERNEL_ROWS
 from flexgen_helm.dist.launch import engine_class, is_reporting_rank
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.memory.devices import DTYPE_NAMES, pick_devices
@@ -121,6 +122,8 @@ def run_bench(args, policy: Policy) -> dict:
         "effective_batch_size": batch,
         **throughput(stats.prefill_s, stats.decode_s, batch, args.prompt_len, args.gen_len),
         "planned_bytes": planned,
+        # 4-bit weights: activation rows up to which they multiplied on the int4 kernel (None: all)
+        "int4_kernel_max_rows": MAX_KERNEL_ROWS.get(devices.compute.type) if policy.compress_weight else None,
         # what came from storage, not the page cache, during the timed generation
         "disk_read_bytes": disk_read_bytes,
         "memory": stats.memory,
