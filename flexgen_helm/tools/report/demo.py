@@ -10,8 +10,6 @@ built from all of it: runs/<suite>/report.md.
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import subprocess
 import sys
@@ -20,14 +18,12 @@ from argparse import Namespace
 from pathlib import Path
 
 from flexgen_helm.errors import BrowserError
+from flexgen_helm.planner.hardware_profile import load_or_profile
 from flexgen_helm.tools.report.build import build_report, records_dir_of, suite_path, write_run_info
 from flexgen_helm.tools.report.leaderboard import make_leaderboard
 
 DEPLOYMENTS = ("flexgen/smollm2-135m", "flexgen/smollm2-135m-4bit")
 SCENARIOS = ("lambada", "wikitext:unit=paragraph", "synthetic_reasoning:mode=pattern_match")
-# The uncompressed deployment has no policy in its YAML: give it the 4-bit one's block
-# (8 x 2 sequences), so that the two differ by compression only.
-FP16_POLICY = {"gpu_batch_size": 8, "num_gpu_batches": 2}
 # bench sweep: (label, policy fields, effective batch sizes); short sequences keep it minutes
 BENCH = [
     ("uncompressed", {}, (1, 4, 16)),
@@ -92,11 +88,12 @@ def run_demo(args) -> Path:
     out = Path(args.out) if args.out else Path(args.archives) / args.suite
     records_dir = Path(args.runs_dir) if args.runs_dir else records_dir_of(out)
     write_run_info(records_dir, ["flexgen-helm", *args.argv])
-    env = dict(os.environ)
-    env.setdefault("FLEXGEN_HELM_POLICY", json.dumps(FP16_POLICY))
+    # both deployments run the planner's block for this machine (helm/model_deployments.yaml), as a
+    # user's helm-run would: profile the machine first where no profile is saved (once, under a minute)
+    load_or_profile()
     cmd = helm_command(run_entries(), args.max_instances, args.suite, args.output_path, args.threads)
     print("+ " + " ".join(cmd), flush=True)
-    subprocess.run(cmd, env=env, check=True)
+    subprocess.run(cmd, check=True)
     helm_s = time.perf_counter() - t0
     try:
         make_leaderboard(args.output_path, args.suite, out)
