@@ -25,6 +25,7 @@ import numpy as np
 from scipy.optimize import linprog
 
 from flexgen_helm.errors import PolicyError
+from flexgen_helm.memory.disk_space import size_text
 from flexgen_helm.models.config import ModelConfig
 from flexgen_helm.planner.budget import planned_components
 from flexgen_helm.planner.cost_model import PHASES, TERMS, CostModel, Estimate, Fractions, Workload
@@ -368,7 +369,9 @@ def _pinned_message(model: CostModel, budgets: Budgets, options: SearchOptions) 
     if not short:
         limit = f" within the latency limit of {options.max_latency_s:g} s" if options.max_latency_s else ""
         return f"no policy with {what} (as you set them) fits the memory budgets{limit} once rounded to the engine's"
-    parts = [f"the {budgets.label(n)} tier is short by {b / GIB:.2f} GiB" for n, b in short.items()]
+    limits = {name: limit for name, _, limit in budgets.constraints()}
+    parts = [f"it needs {size_text(limits[n] + b)} on the {budgets.label(n)} tier, {size_text(limits[n])} allowed"
+             for n, b in short.items()]
     return (f"{model.cfg.name} does not fit the memory budgets with {what} (as you set them): " + "; ".join(parts)
             + " (set a smaller block, move more to a lower tier, or raise that budget)")
 
