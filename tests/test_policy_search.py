@@ -197,7 +197,7 @@ def test_policy_auto_is_accepted_by_the_engine(tmp_path, capsys):
     args = build_parser().parse_args(["generate", "--model", str(path), "--policy", "auto", "--prompt", "hello",
                                       "world!", "--max-new-tokens", "4", "--dtype", "float32"])
     policy = policy_from_args(args)
-    assert isinstance(policy, Policy) and "auto policy" in capsys.readouterr().out
+    assert isinstance(policy, Policy) and "planned policy" in capsys.readouterr().err
     assert policy.block_size <= 2  # two prompts: a bigger block would only pad
     engine = Engine.load(str(path), policy, dtype="float32", device="cpu", offload_dir=tmp_path, progress=False)
     out = engine.generate([[5, 6, 7, 8, 9, 10, 11, 12]], SamplingParams(max_new_tokens=4, ignore_eos=True)).results
@@ -218,10 +218,12 @@ def test_search_command_prints_breakdown(tmp_path, capsys):
 
 def test_helm_plugin_accepts_policy_auto():
     from flexgen_helm.helm.engines import resolve_load_args
+    from flexgen_helm.planner.auto import policy_for_model
 
     cpu_profile().save(default_profile_path())
     args = resolve_load_args("facebook/opt-125m", deployment="flexgen/opt-125m", dummy=True, policy="auto")
-    assert Policy.from_dict(json.loads(args.policy_json)).block_size >= 1
+    assert args.auto and args.policy_json is None  # planned when the engine loads
+    assert policy_for_model(args.model, dummy=True, auto=True).block_size >= 1
 
 
 def test_saved_profile_of_other_hardware_is_remeasured(tmp_path, monkeypatch, capsys):

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from flexgen_helm.cli.options import add_policy_args, policy_from_args
+from flexgen_helm.cli.options import add_policy_args, pinned_fields
 from flexgen_helm.compression.int4 import PackedInt4, pack_int4
 from flexgen_helm.compression.quantize import QuantizedTensor, dequantize, quantize, should_compress
 from flexgen_helm.engine import Engine
@@ -130,10 +130,10 @@ def _args(argv):
 
 
 def test_cli_flag_sets_the_method_and_needs_compression():
-    policy = policy_from_args(_args(["--compress-weight", "--quant-method", "hqq"]))
+    policy = Policy.from_dict(pinned_fields(_args(["--compress-weight", "--quant-method", "hqq"])))
     assert policy.compress_weight.method == "hqq" and policy.compress_cache is None
     with pytest.raises(FlexGenError, match="--quant-method hqq .* add --compress-weight"):
-        policy_from_args(_args(["--quant-method", "hqq"]))
+        pinned_fields(_args(["--quant-method", "hqq"]))
 
 
 def test_helm_deployment_names_the_method():

@@ -10,7 +10,8 @@ def add_command(sub) -> None:
     c.add_argument("name", help="the deployment is flexgen/NAME")
     c.add_argument("path", help="a Hugging Face checkpoint folder or a .gguf file")
     c.add_argument("--local-path", default="prod_env", help="helm-run's --local-path (default: prod_env)")
-    c.add_argument("--policy", help="a Policy as JSON (default: the engine's choice)")
+    c.add_argument("--policy", help="Policy fields as JSON, e.g. '{\"gpu_batch_size\": 16}' (the planner chooses "
+                                    "the fields left out for this machine when the engine loads)")
     c.set_defaults(func=run)
 
 
@@ -22,7 +23,8 @@ def run(args) -> int:
     policy = None
     if args.policy:
         try:
-            policy = Policy.from_dict(json.loads(args.policy)).to_dict()  # checked before anything is written
+            policy = json.loads(args.policy)
+            Policy.from_dict(policy)  # checked before anything is written; the fields left out stay open
         except json.JSONDecodeError as e:
             raise PolicyError(f"--policy is not JSON ({e}): {args.policy!r}") from e
     for f in write_deployment(args.name, args.path, args.local_path, policy):

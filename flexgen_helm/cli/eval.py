@@ -32,7 +32,7 @@ def run(args) -> int:
 
     checked_output_file(args.json)
     try:
-        run_eval(args, policy_from_args(args), args.argv)
+        run_eval(args, lambda workload: policy_from_args(args, workload), args.argv)
     except FileNotFoundError as e:  # missing evaluation data: say which file and how to point at it
         raise FlexGenError(str(e)) from e
     return 0

@@ -6,9 +6,13 @@ import argparse
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from flexgen_helm.errors import FlexGenError
 from flexgen_helm.policy.policy import CACHE_GROUPINGS, DEFAULT_CACHE_GROUPING, QUANT_METHODS, Compression, Policy
+
+if TYPE_CHECKING:  # the planner imports torch and scipy: only the commands that plan load it
+    from flexgen_helm.planner.auto import CommandWorkload
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -67,27 +71,21 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-mem", help="disk budget (the search's default: 90%% of the offload dir's free space)")
 
 
-def policy_from_args(args) -> Policy:
-    """The policy a command's engine runs under; what the engine chooses by this machine's
-    saved profile is set here too (the faster way of reading the disk, the int4 kernel's
-    crossover)."""
-    from flexgen_helm.planner.hardware_profile import use_profile
-
-    if args.policy == "auto":
-        from flexgen_helm.planner.auto import policy_for_command
-
-        base = policy_for_command(args)
-    else:
-        base = Policy.from_dict(json.loads(Path(args.policy).read_text())) if args.policy else Policy()
-    changes = base.to_dict()
+def pinned_fields(args) -> dict:
+    """The Policy fields a command's policy flags set (as Policy.to_dict writes them): with
+    --policy FILE, the file's fields, then the flags over them."""
+    pinned = json.loads(Path(args.policy).read_text()) if args.policy not in (None, "auto") else {}
     if args.percent is not None:
-        changes.update(Policy.from_percent(args.percent).to_dict())
+        placed = Policy.from_percent(args.percent).to_dict()
+        pinned.update({k: placed[k] for k in ("weights", "cache", "activations")})
     for name in ("gpu_batch_size", "num_gpu_batches"):
         if getattr(args, name) is not None:
-            changes[name] = getattr(args, name)
-    changes["overlap"] = base.overlap and not args.no_overlap
-    changes["cpu_cache_compute"] = base.cpu_cache_compute or args.cpu_cache_compute
-    changes["pin_weight"] = args.pin_weight
+            pinned[name] = getattr(args, name)
+    if args.no_overlap:
+        pinned["overlap"] = False
+    if args.cpu_cache_compute:
+        pinned["cpu_cache_compute"] = True
+    pinned["pin_weight"] = args.pin_weight
     if args.quant_method != "rtn" and not (args.compress_weight or args.compress_cache):
         raise FlexGenError(f"--quant-method {args.quant_method} chooses how compressed tensors are quantized: "
                            "add --compress-weight and/or --compress-cache")
@@ -96,13 +94,49 @@ def policy_from_args(args) -> Policy:
                            "add --compress-cache")
     comp = Compression(args.compress_bits, args.compress_group_size, args.compress_group_dim, args.quant_method)
     if args.compress_weight:
-        changes["compress_weight"] = comp.__dict__
+        pinned["compress_weight"] = comp.__dict__
     if args.compress_cache:
-        changes["compress_cache"] = cache_compression(args).__dict__
+        pinned["compress_cache"] = cache_compression(args).__dict__
     if args.attn_sparsity != 1.0:
-        changes["attn_sparsity"] = args.attn_sparsity
+        pinned["attn_sparsity"] = args.attn_sparsity
+    Policy.from_dict(pinned)  # a bad field or value fails here, before any work
+    return pinned
+
+
+def workload_from_args(args) -> CommandWorkload:
+    """The workload of bench (--prompt-len / --gen-len) or generate (its prompts, whose
+    characters bound their tokens, and --max-new-tokens; a block bigger than its sequences
+    would be padding)."""
+    from flexgen_helm.planner.auto import CommandWorkload
+
+    prompts = getattr(args, "prompt", None)
+    if prompts:
+        return CommandWorkload(max(map(len, prompts)), args.max_new_tokens,
+                               len(prompts) * getattr(args, "num_completions", 1))
+    return CommandWorkload(args.prompt_len, args.gen_len)
+
+
+def policy_from_args(args, workload: CommandWorkload | None = None) -> Policy:
+    """The policy a command's engine runs under (planner/auto.py: the flags and --policy
+    FILE as given, the planner's choice for `workload` for the rest); the disk tier's reader
+    and the int4 kernel's crossover are set here too, from this machine's saved profile."""
+    from flexgen_helm.memory.devices import pick_devices
+    from flexgen_helm.planner.auto import CommandWorkload, budgets_from_args, leaves_open, planned_policy
+    from flexgen_helm.planner.hardware_profile import use_profile
+    from flexgen_helm.weights.registry import resolve
+
+    pinned = pinned_fields(args)
+    if leaves_open(pinned):
+        workload = workload or workload_from_args(args)
+        cfg = resolve(args.model, path=args.path, dummy=args.dummy).config
+        prompt_len = max(1, min(workload.prompt_len, cfg.max_seq_len - workload.gen_len))
+        policy = planned_policy(cfg, CommandWorkload(prompt_len, workload.gen_len, workload.sequences), pinned,
+                                budgets_from_args(args), profile_when_missing=args.policy == "auto",
+                                offload_dir=args.offload_dir, dtype=pick_devices(args.device, args.dtype).dtype)
+    else:
+        policy = Policy.from_dict(pinned)
     use_profile()  # after an auto policy's search, which saves a profile where none was
-    return Policy.from_dict(changes)
+    return policy
 
 
 def cache_compression(args) -> Compression:

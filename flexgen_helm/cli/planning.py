@@ -6,7 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from flexgen_helm.cli.options import add_model_args, add_policy_args, add_workload_args, checked_output_file
+from flexgen_helm.cli.options import (
+    add_model_args,
+    add_policy_args,
+    add_workload_args,
+    checked_output_file,
+    pinned_fields,
+)
 from flexgen_helm.planner.hardware_profile import HardwareProfile, default_profile_path, describe, measure
 
 
@@ -27,14 +33,14 @@ def cmd_profile(args) -> int:
 
 def cmd_search(args) -> int:
     from flexgen_helm.memory.devices import pick_devices
-    from flexgen_helm.planner.auto import budgets_from_args, options_from_args, search_for
+    from flexgen_helm.planner.auto import budgets_from_args, options_for, search_for
     from flexgen_helm.weights.registry import resolve
 
     checked_output_file(args.json)
     checked_output_file(args.policy_out)
     # a search plans from the config alone: no weights are read, so none are required
     cfg = resolve(args.model, path=args.path, dummy=True).config
-    options = options_from_args(args)
+    options = options_for(pinned_fields(args), args.max_latency)  # the flags given fix what they set
     options.max_gpu_batch_size, options.max_num_gpu_batches = args.max_gpu_batch_size, args.max_num_gpu_batches
     dtype = pick_devices(args.device, args.dtype).dtype
     result = search_for(cfg, args.prompt_len, args.gen_len, budgets_from_args(args), options,

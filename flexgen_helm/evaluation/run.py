@@ -7,6 +7,7 @@ import json
 import math
 import shlex
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from flexgen_helm.data.sources import read_lambada, read_wikitext
@@ -14,12 +15,17 @@ from flexgen_helm.errors import FlexGenError
 from flexgen_helm.evaluation import lambada, wikitext
 from flexgen_helm.evaluation.resume import ResumeLog
 from flexgen_helm.memory.devices import DTYPE_NAMES
+from flexgen_helm.planner.auto import CommandWorkload
+from flexgen_helm.policy.policy import Policy
 
 TASKS = ("lambada", "wikitext")
 
 
-def run_eval(args, policy, argv: list[str]) -> dict:
+def run_eval(args, policy_for: Callable[[CommandWorkload], Policy], argv: list[str]) -> dict:
+    """`policy_for(workload)`: the policy to run, given what the evaluation will score (the
+    planner's choice where the user left it open)."""
     from flexgen_helm.engine import Engine
+    from flexgen_helm.weights.registry import resolve
 
     if args.limit is not None and args.limit < 1:
         raise FlexGenError(f"--limit must be at least 1, got {args.limit}")
@@ -30,11 +36,22 @@ def run_eval(args, policy, argv: list[str]) -> dict:
         texts = texts[:args.limit]  # None: all
     else:
         lines, source = read_wikitext(args.data)
+    resolved = resolve(args.model, path=args.path, dummy=args.dummy)
+    # tokenized before the engine loads: the planner chooses the block for these lengths
+    tokenizer = resolved.load_tokenizer()
+    window = min(args.window, resolved.config.max_seq_len)
+    if args.task == "lambada":
+        items, merged = lambada.prepare(tokenizer, texts)
+        workload = CommandWorkload(max(len(it.full) for it in items), 1, len(items))
+    else:
+        ids, text = wikitext.tokenize(tokenizer, lines, args.limit)
+        workload = CommandWorkload(min(window, len(ids)), 1, math.ceil(len(ids) / window))
+    policy = policy_for(workload)
     engine = Engine.load(args.model, policy, path=args.path, dummy=args.dummy, offload_dir=args.offload_dir,
                          device=args.device, dtype=args.dtype, progress=not args.quiet)
     load_s = time.perf_counter() - t0
     progress = not args.quiet
-    record = _setup_record(args, engine, source)
+    record = _setup_record(args, engine, source, window)
     # what decides the numbers; a rerun of the same evaluation resumes from its progress file
     fingerprint = {k: record[k] for k in ("task", "model", "model_name", "policy", "dtype", "limit", "data",
                                           "score_as_decode", "window")}
@@ -44,11 +61,10 @@ def run_eval(args, policy, argv: list[str]) -> dict:
         print(f"resuming: {resumed} results from {resume.path}")
     t1 = time.perf_counter()
     if args.task == "lambada":
-        out = _evaluate_lambada(args, engine, policy, texts, progress, resume)
+        out = _evaluate_lambada(args, engine, policy, items, progress, resume)
+        out["counts"]["boundary_merges"] = merged
     else:
-        ids, text = wikitext.tokenize(engine.tokenizer, lines, args.limit)
-        out = wikitext.evaluate(engine, ids, text, record["window"], policy.block_size, progress,
-                                args.score_as_decode, resume)
+        out = wikitext.evaluate(engine, ids, text, window, policy.block_size, progress, args.score_as_decode, resume)
     eval_s = time.perf_counter() - t1
     tokens = out["counts"]["tokens_scored"] if args.task == "lambada" else out["counts"]["tokens"]
     record.update(metrics=out["metrics"], counts=out["counts"], load_s=load_s, eval_s=eval_s,
@@ -65,26 +81,29 @@ def run_eval(args, policy, argv: list[str]) -> dict:
     return record
 
 
-def _setup_record(args, engine, source: dict) -> dict:
+def _setup_record(args, engine, source: dict, window: int) -> dict:
     """What was evaluated, on what, with which data: the record's head."""
     return {"task": args.task, "model": args.model, "model_name": engine.config.name,
             "policy": engine.policy.to_dict(), "policy_summary": engine.policy.describe(),
             "dtype": DTYPE_NAMES[engine.runtime.devices.dtype],
             "device": str(engine.runtime.devices.compute), "limit": args.limit, "data": source,
             "score_as_decode": args.score_as_decode,
-            "window": min(args.window, engine.config.max_seq_len) if args.task == "wikitext" else None}
+            "window": window if args.task == "wikitext" else None}
 
 
-def _evaluate_lambada(args, engine, policy, texts: list[str], progress: bool, resume: ResumeLog) -> dict:
+def _evaluate_lambada(args, engine, policy, items: list[lambada.Item], progress: bool, resume: ResumeLog) -> dict:
     """Scoring accuracy and last-word perplexity, and with --generate the accuracy by generation."""
-    items, merged = lambada.prepare(engine.tokenizer, texts)
-    chunk = policy.block_size * max(1, math.ceil(128 / policy.block_size))
+    chunk = lambada_chunk(policy)
     out = lambada.evaluate(engine, items, chunk, progress, args.score_as_decode, resume)
-    out["counts"]["boundary_merges"] = merged
     if args.generate:
         acc, _ = lambada.generation_accuracy(engine, items, chunk, progress, resume)
         out["metrics"]["generation_accuracy"] = acc
     return out
+
+
+def lambada_chunk(policy) -> int:
+    """Passages per engine call (one progress and resume step): whole blocks, at least 128."""
+    return policy.block_size * max(1, math.ceil(128 / policy.block_size))
 
 
 def approximations(policy: dict) -> str:

@@ -12,13 +12,16 @@ How a deployment finds its weights and policy (first match wins):
        FLEXGEN_HELM_WEIGHTS_DIR   a folder with one sub-folder per model, named like the
                                   deployment without its "flexgen/" (e.g. .../opt-30b);
                                   a dummy deployment whose folder exists there loads it
-       FLEXGEN_HELM_POLICY        a Policy as JSON, the path of a JSON file, or "auto" (searched by
+       FLEXGEN_HELM_POLICY        Policy fields as JSON, the path of a JSON file, or "auto" (searched by
                                   the cost model for the model's full context and this machine)
        FLEXGEN_HELM_DEVICE        "cuda", "cuda:1", "cpu"
        FLEXGEN_HELM_DTYPE         "float32", "bfloat16", "float16" (default: the device's, see
                                   memory/devices.py)
        FLEXGEN_HELM_OFFLOAD_DIR   where the disk tier lives
-  3. defaults: the engine's own policy choice, random ("dummy") weights for OPT.
+  3. defaults: random ("dummy") weights for OPT; for the policy fields left open, the planner's
+     choice for this machine when the engine loads (planner/auto.py: the fastest block it
+     predicts for HELM's short prompts; without a saved profile, the engine's fixed default,
+     said in one line).
 FLEXGEN_HELM_ENGINE_FACTORY="module:function" swaps Engine.load for another loader
 (tests use it to run HELM end to end against a small fake engine).
 """
@@ -42,7 +45,10 @@ class LoadArgs:
     model: str
     path: str | None = None
     dummy: bool = False
-    policy_json: str | None = None  # canonical JSON of the Policy, or None for the engine's default
+    # canonical JSON of the Policy fields the deployment sets (None: none); the planner chooses
+    # the rest when the engine loads (planner/auto.py), for the model's full context if `auto`
+    policy_json: str | None = None
+    auto: bool = False
     offload_dir: str | None = None
     device: str | None = None
     dtype: str | None = None
@@ -65,12 +71,15 @@ class LoadArgs:
         }
 
 
-def _policy_from_any(value: Any):
-    """A Policy from a dict (YAML), a JSON string, a path to a JSON file, or a Policy."""
+def _policy_fields(value: Any) -> dict:
+    """The Policy fields a deployment sets, from a dict (YAML), a JSON string, a path to a JSON
+    file, or a Policy (all of its fields); None: none."""
     from flexgen_helm.policy import Policy
 
-    if value is None or isinstance(value, Policy):
-        return value
+    if value is None:
+        return {}
+    if isinstance(value, Policy):
+        return value.to_dict()
     if isinstance(value, str):
         if os.path.isfile(value):
             with open(value) as f:
@@ -80,9 +89,11 @@ def _policy_from_any(value: Any):
     if not isinstance(value, dict):
         raise FlexGenError(f"a policy must be a mapping, JSON text or a JSON file, got {value!r}")
     value = dict(value)
-    if "percent" in value:  # FlexGen's --percent: six numbers, plus the other fields
-        return Policy.from_percent(value.pop("percent"), **value)
-    return Policy.from_dict(value)
+    if "percent" in value:  # FlexGen's --percent: six numbers, for weights, cache and activations
+        placed = Policy.from_percent(value.pop("percent")).to_dict()
+        value.update({k: placed[k] for k in ("weights", "cache", "activations")})
+    Policy.from_dict(value)  # a bad field or value fails here, before any work
+    return value
 
 
 def resolve_load_args(
@@ -106,32 +117,41 @@ def resolve_load_args(
         dummy = False
     if policy is None and env.get("FLEXGEN_HELM_POLICY"):
         policy = env["FLEXGEN_HELM_POLICY"]
-    if policy == "auto":  # the cost model's choice for this model and machine (policy/auto.py)
-        from flexgen_helm.planner.auto import policy_for_model
-
-        policy = policy_for_model(model, path=path, dummy=bool(dummy))
-    policy_obj = _policy_from_any(policy)
+    auto = policy == "auto"
+    fields = {} if auto else _policy_fields(policy)
     return LoadArgs(
         model=model,
         path=path,
         dummy=bool(dummy),
-        policy_json=json.dumps(policy_obj.to_dict(), sort_keys=True) if policy_obj is not None else None,
+        policy_json=json.dumps(fields, sort_keys=True) if fields else None,
+        auto=auto,
         offload_dir=offload_dir or env.get("FLEXGEN_HELM_OFFLOAD_DIR"),
         device=device or env.get("FLEXGEN_HELM_DEVICE"),
         dtype=dtype or env.get("FLEXGEN_HELM_DTYPE"),
     )
 
 
-def _loader():
+def _load(args: LoadArgs):
+    """The engine of `args`: under the deployment's policy fields and the planner's choice for
+    the rest; a FLEXGEN_HELM_ENGINE_FACTORY loader gets the deployment's fields alone."""
+    from flexgen_helm.policy import Policy
+
+    fields = json.loads(args.policy_json) if args.policy_json else {}
+    kwargs = dict(path=args.path, dummy=args.dummy, offload_dir=args.offload_dir, device=args.device,
+                  dtype=args.dtype)
     spec = os.environ.get("FLEXGEN_HELM_ENGINE_FACTORY")
     if spec:
         module, _, func = spec.partition(":")
-        return getattr(importlib.import_module(module), func)
+        return getattr(importlib.import_module(module), func)(
+            args.model, policy=Policy.from_dict(fields) if fields else None, **kwargs)
     from flexgen_helm.engine import Engine
+    from flexgen_helm.planner.auto import policy_for_model
     from flexgen_helm.planner.hardware_profile import use_profile
 
+    policy = policy_for_model(args.model, path=args.path, dummy=args.dummy, pinned=fields, auto=args.auto,
+                              device=args.device, dtype=args.dtype)
     use_profile()  # the disk reader and the int4 kernel's crossover this machine's profile measured
-    return Engine.load
+    return Engine.load(args.model, policy=policy, **kwargs)
 
 
 class EngineHandle:
@@ -167,12 +187,7 @@ def get_engine(args: LoadArgs) -> EngineHandle:
     with _REGISTRY_LOCK:
         handle = _REGISTRY.get(args)
         if handle is None:
-            policy = _policy_from_any(json.loads(args.policy_json)) if args.policy_json else None
-            engine = _loader()(
-                args.model, policy=policy, path=args.path, dummy=args.dummy,
-                offload_dir=args.offload_dir, device=args.device, dtype=args.dtype,
-            )
-            handle = _REGISTRY[args] = EngineHandle(args, engine)
+            handle = _REGISTRY[args] = EngineHandle(args, _load(args))
     return handle
 
 

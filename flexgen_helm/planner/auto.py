@@ -1,41 +1,102 @@
-"""`--policy auto`: the searched policy for a model, workload and memory budgets, for every
-command that takes a policy (generate, bench, eval, the HELM plugin)."""
+"""The policy a command runs under: what the user set, and the planner's choice (the cost
+model and the LP search, with this machine's profile and memory budgets) for the rest, for
+the command's own workload. One rule for generate, bench, eval and the HELM plugin, by
+default and with `--policy auto`:
+
+- every Policy field the user gave (a flag, a field of a policy file or of a deployment's
+  mapping) is kept as given; the search chooses the block (GPU batch size, number of GPU
+  batches) and the placement where they are left open, the fastest it predicts, the
+  smallest block among predictions within 2% of the fastest (planner/search.py);
+- the choice is a function of the workload, the budgets and the saved profile alone (no
+  timing enters it): the same command gives the same block, run after run;
+- without a saved profile of this machine, the default runs the engine's fixed default
+  for what was left open (one sequence per block, all on the compute device's tier) and
+  says so in one line; `--policy auto` (or `policy: auto`) profiles the machine first.
+"""
 
 from __future__ import annotations
 
-import dataclasses
+import sys
+from dataclasses import dataclass
 
 from flexgen_helm.models.config import ModelConfig
 from flexgen_helm.planner.budget import parse_size
-from flexgen_helm.planner.hardware_profile import load_or_profile
+from flexgen_helm.planner.hardware_profile import HardwareProfile, load_or_profile, saved_profile
 from flexgen_helm.planner.search import SearchOptions, SearchResult, default_budgets, search
-from flexgen_helm.policy.policy import Compression, Policy
+from flexgen_helm.policy.policy import Policy
+
+BLOCK_FIELDS = ("gpu_batch_size", "num_gpu_batches")
+PLACEMENT_FIELDS = ("weights", "cache", "activations")
+
+
+@dataclass(frozen=True)
+class CommandWorkload:
+    """What a command will run, as the search sees it."""
+
+    prompt_len: int  # the longest prompt, in tokens (the budgets must hold it)
+    gen_len: int  # new tokens per sequence; 1 for scoring (a prefill, and the head on the last position)
+    sequences: int | None = None  # how many the command runs (a bigger block would be padding); None: many
 
 
 def search_for(cfg: ModelConfig, prompt_len: int, gen_len: int, budgets: dict | None = None,
                options: SearchOptions | None = None, offload_dir: str | None = None,
-               profile_path: str | None = None, dtype=None) -> SearchResult:
-    """`budgets`: tier -> bytes or text ("4GiB") or None. Profiles the machine first when no
-    profile is saved."""
-    profile = load_or_profile(profile_path, offload_dir=offload_dir)
+               profile_path: str | None = None, dtype=None, profile: HardwareProfile | None = None) -> SearchResult:
+    """`budgets`: tier -> bytes or text ("4GiB") or None. Without `profile`, the saved one,
+    or the machine profiled first when none is saved."""
+    profile = profile or load_or_profile(profile_path, offload_dir=offload_dir)
     b = {k: parse_size(v) if isinstance(v, str) else v for k, v in (budgets or {}).items()}
     budget = default_budgets(profile, b.get("gpu"), b.get("cpu"), b.get("disk"))
     return search(cfg, profile, prompt_len, gen_len, budget, options, dtype=dtype)
 
 
-def options_from_args(args) -> SearchOptions:
-    """Search options from the policy flags of a command (compression is the user's choice;
-    CPU delegation is searched unless asked for)."""
-    comp = Compression(getattr(args, "compress_bits", 4), getattr(args, "compress_group_size", 64),
-                       getattr(args, "compress_group_dim", None), getattr(args, "quant_method", "rtn"))
+def options_for(pinned: dict, max_latency_s: float | None = None) -> SearchOptions:
+    """Search options that keep every field of `pinned` (Policy fields, as Policy.to_dict
+    writes them) as given: compression is always the user's choice; CPU delegation is
+    searched unless set."""
+    given = Policy.from_dict(pinned)  # a bad value fails here, before any work
+    placed = any(k in pinned for k in PLACEMENT_FIELDS)
     return SearchOptions(
-        compress_weight=comp if getattr(args, "compress_weight", False) else None,
-        compress_cache=dataclasses.replace(comp, cache_grouping=getattr(args, "cache_grouping", None))
-        if getattr(args, "compress_cache", False) else None,
-        cpu_cache_compute=True if getattr(args, "cpu_cache_compute", False) else None,
-        max_latency_s=getattr(args, "max_latency", None),
-        overlap=not getattr(args, "no_overlap", False),
+        compress_weight=given.compress_weight, compress_cache=given.compress_cache,
+        cpu_cache_compute=pinned.get("cpu_cache_compute"), max_latency_s=max_latency_s, overlap=given.overlap,
+        gpu_batch_size=pinned.get("gpu_batch_size"), num_gpu_batches=pinned.get("num_gpu_batches"),
+        placement=tuple(getattr(given, k) for k in PLACEMENT_FIELDS) if placed else None,
     )
+
+
+def leaves_open(pinned: dict) -> bool:
+    """Whether the search has anything to choose: a block dimension or the placement."""
+    return not all(k in pinned for k in BLOCK_FIELDS) or not any(k in pinned for k in PLACEMENT_FIELDS)
+
+
+def planned_policy(cfg: ModelConfig, workload: CommandWorkload, pinned: dict | None = None,
+                   budgets: dict | None = None, profile_when_missing: bool = False, max_latency_s: float | None = None,
+                   offload_dir: str | None = None, dtype=None) -> Policy:
+    """The policy for `workload`: `pinned` as given, the planner's choice for the rest (see
+    the module doc; `profile_when_missing`: `--policy auto`, which profiles a machine
+    without a saved profile instead of running the fixed default)."""
+    pinned = dict(pinned or {})
+    if not leaves_open(pinned):
+        return Policy.from_dict(pinned)
+    profile, missing = saved_profile()
+    if profile is None and not profile_when_missing:
+        policy = Policy.from_dict(pinned)
+        print(f"flexgen-helm: {missing}, so the planner cannot choose: running the engine's default for what was "
+              f"not set ({policy.describe()}); `flexgen-helm profile` (under a minute) lets it pick the fastest "
+              "block for this machine", file=sys.stderr, flush=True)
+        return policy
+    options = options_for(pinned, max_latency_s)
+    if workload.sequences is not None:
+        cap = 1 << max(0, workload.sequences - 1).bit_length()
+        options.max_block_size = cap
+        options.max_gpu_batch_size = min(options.max_gpu_batch_size, cap)
+    result = search_for(cfg, workload.prompt_len, workload.gen_len, budgets, options, offload_dir=offload_dir,
+                        dtype=dtype, profile=profile)
+    policy = Policy.from_dict({**result.policy.to_dict(), **pinned})
+    work = "scoring" if workload.gen_len <= 1 else f"{workload.gen_len} new tokens"
+    print(f"planned policy for {cfg.name} (prompts up to {workload.prompt_len} tokens, {work}): "
+          f"{policy.describe()}; predicted {result.estimate.throughput:.2f} "
+          f"{'sequences' if workload.gen_len <= 1 else 'token'}/s", file=sys.stderr, flush=True)
+    return policy
 
 
 def budgets_from_args(args) -> dict:
@@ -43,51 +104,25 @@ def budgets_from_args(args) -> dict:
             "disk": getattr(args, "disk_mem", None)}
 
 
-def resolve_policy(value, cfg: ModelConfig, prompt_len: int, gen_len: int, budgets: dict | None = None,
-                   options: SearchOptions | None = None, offload_dir: str | None = None, verbose: bool = True
-                   ) -> Policy | None:
-    """A Policy from `value`: "auto" (searched), or an argparse namespace whose `.policy` is
-    "auto" (budgets and options then come from its flags); anything else is returned as is."""
-    if value is not None and not isinstance(value, (str, Policy)) and hasattr(value, "policy"):
-        args = value
-        if args.policy != "auto":
-            return args.policy
-        budgets = budgets if budgets is not None else budgets_from_args(args)
-        options = options or options_from_args(args)
-        offload_dir = offload_dir or getattr(args, "offload_dir", None)
-        value = "auto"
-    if value != "auto":
-        return value
-    result = search_for(cfg, prompt_len, gen_len, budgets, options, offload_dir)
-    if verbose:
-        print(f"auto policy for {cfg.name} (prompt {prompt_len}, {gen_len} new tokens): {result.policy.describe()}; "
-              f"predicted {result.estimate.throughput:.2f} token/s", flush=True)
-    return result.policy
+# HELM deployments: a deployment's requests are not known when its engine loads, so the block
+# is planned for the requests where it matters. helm/batching.py caps a batch at 8192 padded
+# prompt tokens, so long prompts run in smaller batches whatever the block; short ones fill
+# it: 64 prompts of 128 tokens reach that cap (a bigger block would never fill). 32 new tokens:
+# HELM's generation scenarios (a word, a short answer) besides its scoring ones.
+HELM_PROMPT_TOKENS, HELM_NEW_TOKENS, HELM_BATCH = 128, 32, 64
 
 
-def policy_for_command(args) -> Policy:
-    """`--policy auto` on generate, bench or eval: the workload from the command's own flags
-    (bench: --prompt-len/--gen-len; eval: --window; generate: the prompts' characters, which
-    bound their tokens, and --max-new-tokens)."""
-    from flexgen_helm.weights.registry import resolve
-
-    cfg = resolve(args.model, path=args.path, dummy=args.dummy).config
-    gen_len = getattr(args, "gen_len", None) or getattr(args, "max_new_tokens", None) or 32
-    prompt_len = (getattr(args, "prompt_len", None) or getattr(args, "window", None)
-                  or max(map(len, getattr(args, "prompt", None) or []), default=0) or 512)
-    options = options_from_args(args)
-    prompts = getattr(args, "prompt", None)
-    if prompts:  # generate: a block bigger than the prompts given would be padding
-        sequences = len(prompts) * getattr(args, "num_completions", 1)
-        options.max_gpu_batch_size = 1 << max(0, sequences - 1).bit_length()
-        options.max_num_gpu_batches = 1
-    return resolve_policy(args, cfg, max(1, min(prompt_len, cfg.max_seq_len - gen_len)), gen_len, options=options)
-
-
-def policy_for_model(model: str, path: str | None = None, dummy: bool = False, gen_len: int = 32) -> Policy:
-    """`policy: auto` in the HELM plugin, where prompts vary: searched for the longest prompt
-    the context allows, so that the KV cache of any request fits, with the machine's budgets."""
+def policy_for_model(model: str, path: str | None = None, dummy: bool = False, pinned: dict | None = None,
+                     auto: bool = False, device: str | None = None, dtype: str | None = None) -> Policy:
+    """A HELM deployment's policy: `pinned` (its config's policy fields) and the planner's
+    choice for the rest. `auto` (`policy: auto`): planned for the longest prompt the context
+    allows, so that the KV cache of any request fits the machine's budgets (the machine is
+    profiled first where no profile is saved); else for HELM's short prompts (above)."""
+    from flexgen_helm.memory.devices import pick_devices
     from flexgen_helm.weights.registry import resolve
 
     cfg = resolve(model, path=path, dummy=dummy).config
-    return resolve_policy("auto", cfg, max(1, cfg.max_seq_len - gen_len), gen_len)
+    longest = max(1, cfg.max_seq_len - HELM_NEW_TOKENS)
+    workload = (CommandWorkload(longest, HELM_NEW_TOKENS) if auto
+                else CommandWorkload(min(HELM_PROMPT_TOKENS, longest), HELM_NEW_TOKENS, HELM_BATCH))
+    return planned_policy(cfg, workload, pinned, profile_when_missing=auto, dtype=pick_devices(device, dtype).dtype)

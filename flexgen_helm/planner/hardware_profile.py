@@ -207,6 +207,12 @@ def load_or_profile(path: str | os.PathLike | None = None, offload_dir: str | No
     return prof
 
 
+def saved_profile(path: str | os.PathLike | None = None) -> tuple[HardwareProfile | None, str]:
+    """The profile saved for this machine (at `path`, default the user's), measuring nothing:
+    else None and why there is none."""
+    return _saved_profile(Path(path) if path else default_profile_path())
+
+
 def _saved_profile(p: Path) -> tuple[HardwareProfile | None, str]:
     """The profile saved at `p` if it is of this format and this machine, else None and why not."""
     if not p.exists():

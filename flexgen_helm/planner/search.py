@@ -25,6 +25,7 @@ import numpy as np
 from scipy.optimize import linprog
 
 from flexgen_helm.errors import PolicyError
+from flexgen_helm.memory.disk_space import size_text
 from flexgen_helm.models.config import ModelConfig
 from flexgen_helm.planner.budget import planned_components
 from flexgen_helm.planner.cost_model import PHASES, TERMS, CostModel, Estimate, Fractions, Workload
@@ -106,6 +107,10 @@ class SearchOptions:
     max_num_gpu_batches: int = 16
     max_block_size: int | None = None  # sequences per block (latency and padding grow with it)
     overlap: bool = True
+    # what the user fixed (explicit choices win): the search chooses only what is left open
+    gpu_batch_size: int | None = None
+    num_gpu_batches: int | None = None
+    placement: tuple[Split, Split, Split] | None = None  # weights, KV cache, activations
 
 
 @dataclass
@@ -267,8 +272,10 @@ def search(cfg: ModelConfig, profile: HardwareProfile, prompt_len: int, gen_len:
     model = CostModel(cfg, profile, Workload(prompt_len, gen_len), dtype)
     delegation = (False, True) if options.cpu_cache_compute is None else (options.cpu_cache_compute,)
     candidates: list[Candidate] = []
-    gbs_list = [2**i for i in range(int(math.log2(options.max_gpu_batch_size)) + 1)]
-    nb_list = [2**i for i in range(int(math.log2(options.max_num_gpu_batches)) + 1)]
+    gbs_list = ([options.gpu_batch_size] if options.gpu_batch_size is not None
+                else [2**i for i in range(int(math.log2(options.max_gpu_batch_size)) + 1)])
+    nb_list = ([options.num_gpu_batches] if options.num_gpu_batches is not None
+               else [2**i for i in range(int(math.log2(options.max_num_gpu_batches)) + 1)])
     for gbs in gbs_list:
         for nb in nb_list:
             if options.max_block_size is not None and gbs * nb > options.max_block_size:
@@ -277,13 +284,19 @@ def search(cfg: ModelConfig, profile: HardwareProfile, prompt_len: int, gen_len:
             for deleg in delegation:
                 shape = Policy(gbs, nb, overlap=options.overlap, cpu_cache_compute=deleg,
                                compress_weight=options.compress_weight, compress_cache=options.compress_cache)
-                found = _best_rounded(model, shape, budgets, options.max_latency_s)
+                if options.placement is not None:
+                    found = _placed(model, shape, options.placement, budgets, options.max_latency_s)
+                else:  # everything on the top tier is the fastest placement, where it fits (no LP needed)
+                    found = (_placed(model, shape, (_ONE_TIER["gpu"],) * 3, budgets, options.max_latency_s)
+                             or _best_rounded(model, shape, budgets, options.max_latency_s))
                 if found is not None and (best is None or found.estimate.throughput > best.estimate.throughput):
                     best = found
             if best is not None:
                 candidates.append(best)
     if not candidates:
-        raise PolicyError(_infeasible_message(model, budgets, options))
+        pinned = options.placement is not None or options.gpu_batch_size or options.num_gpu_batches
+        raise PolicyError(_pinned_message(model, budgets, options) if pinned
+                          else _infeasible_message(model, budgets, options))
     candidates.sort(key=lambda c: -c.estimate.throughput)
     best = _smallest_near_best(candidates)
     return SearchResult(best.policy, best.estimate, candidates)
@@ -296,6 +309,17 @@ def _smallest_near_best(candidates: list[Candidate]) -> Candidate:
     top = candidates[0].estimate.throughput
     near = [c for c in candidates if c.estimate.throughput >= (1 - NEAR_BEST) * top]
     return min(near, key=lambda c: (c.policy.block_size, -c.estimate.throughput))
+
+
+def _placed(model: CostModel, shape: Policy, placement: tuple[Split, Split, Split], budgets: Budgets,
+            max_latency_s: float | None) -> Candidate | None:
+    """The block shape with the user's placement: a candidate if it fits the budgets (and the
+    latency bound), else None."""
+    policy = replace(shape, **dict(zip(_KINDS, placement)))
+    est = model.estimate(policy)
+    if not fits(est, budgets) or (max_latency_s is not None and est.total_s > max_latency_s):
+        return None
+    return Candidate(policy, est, est.total_s)
 
 
 def _best_rounded(model: CostModel, shape: Policy, budgets: Budgets, max_latency_s: float | None,
@@ -328,6 +352,28 @@ def _best_rounded(model: CostModel, shape: Policy, budgets: Budgets, max_latency
         for b, need in least_short.items():
             tight = tight.tightened(b, int(need + step))
     return None
+
+
+def _pinned_message(model: CostModel, budgets: Budgets, options: SearchOptions) -> str:
+    """What falls short with the block and placement the user fixed (for a placement left
+    open: all on disk, the least memory there is; for a block dimension left open: 1)."""
+    shape = Policy(options.gpu_batch_size or 1, options.num_gpu_batches or 1, overlap=options.overlap,
+                   compress_weight=options.compress_weight, compress_cache=options.compress_cache)
+    placement = options.placement or (_ONE_TIER["disk"],) * 3
+    short = shortfalls(model.estimate(replace(shape, **dict(zip(_KINDS, placement)))), budgets)
+    what = f"{options.gpu_batch_size or 1} x {options.num_gpu_batches or 1} GPU batches"
+    if options.placement is not None:
+        pct = ", ".join(f"{kind} " + "/".join(f"{100 * f:g}" for f in split.as_tuple())
+                        for kind, split in zip(_KINDS, options.placement))
+        what += f", {pct} (gpu/cpu/disk %)"
+    if not short:
+        limit = f" within the latency limit of {options.max_latency_s:g} s" if options.max_latency_s else ""
+        return f"no policy with {what} (as you set them) fits the memory budgets{limit} once rounded to the engine's"
+    limits = {name: limit for name, _, limit in budgets.constraints()}
+    parts = [f"it needs {size_text(limits[n] + b)} on the {budgets.label(n)} tier, {size_text(limits[n])} allowed"
+             for n, b in short.items()]
+    return (f"{model.cfg.name} does not fit the memory budgets with {what} (as you set them): " + "; ".join(parts)
+            + " (set a smaller block, move more to a lower tier, or raise that budget)")
 
 
 def _infeasible_message(model: CostModel, budgets: Budgets, options: SearchOptions) -> str:

@@ -99,8 +99,8 @@ def prod_env_yaml(checkpoint: Path) -> dict[str, str]:
             f"    tokenizer_name: flexgen/smollm2-135m\n{limits}"
             "    client_spec:\n      class_name: flexgen_helm.helm.client.FlexGenClient\n"
             f"      args:\n        model: {MODEL}\n"
-            "        deployment: flexgen/smollm2-135m-fp32\n        dtype: float32\n"
-            "        policy: {gpu_batch_size: 64, num_gpu_batches: 1}\n")  # as flexgen/smollm2-135m
+            # no policy, as flexgen/smollm2-135m: the planner's choice
+            "        deployment: flexgen/smollm2-135m-fp32\n        dtype: float32\n")
     return {"model_metadata.yaml": metadata, "tokenizer_configs.yaml": tokenizers,
             "model_deployments.yaml": "model_deployments:\n" + hf + ours}
 

@@ -18,6 +18,7 @@ from argparse import Namespace
 from pathlib import Path
 
 from flexgen_helm.errors import BrowserError
+from flexgen_helm.planner.hardware_profile import load_or_profile
 from flexgen_helm.tools.report.build import (
     build_report,
     end_run_info,
@@ -95,6 +96,9 @@ def run_demo(args) -> Path:
     out = Path(args.out) if args.out else Path(args.archives) / args.suite
     records_dir = Path(args.runs_dir) if args.runs_dir else records_dir_of(out)
     write_run_info(records_dir, ["flexgen-helm", *args.argv])
+    # every deployment run the planner's block for this machine (helm/model_deployments.yaml), as a
+    # user's helm-run would: profile the machine first where no profile is saved (once, under a minute)
+    load_or_profile()
     cmd = helm_command(run_entries(), args.max_instances, args.suite, args.output_path, args.threads)
     print("+ " + " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
