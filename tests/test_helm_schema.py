@@ -95,7 +95,7 @@ def test_web_ui_opens_on_the_leaderboard_and_knows_our_models(suite):
     assert models == {d: display_names()[d] for d in DEPLOYMENTS}
 
 
-METHOD_LABELS = {"rtn": "", "hqq": " HQQ-style"}
+METHOD_LABELS = {"rtn": "", "hqq": " HQQ-style", "gptq": " GPTQ"}
 
 
 def compression_label(policy) -> str:

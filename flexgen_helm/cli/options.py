@@ -47,7 +47,8 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                    help="how each group's scale and minimum are chosen: rtn = min/max round-to-nearest "
                         "(FlexGen); hqq = fitted to the group's values to lower the reconstruction error "
                         "(weights: once, at conversion into the compressed store; a KV cache: at every "
-                        "write, several passes per group)")
+                        "write, several passes per group); gptq = weights only, codes chosen against "
+                        "calibration text the model samples itself, once, at conversion")
     g.add_argument("--attn-sparsity", type=float, default=1.0, help="fraction of keys kept in decode attention")
 
 
