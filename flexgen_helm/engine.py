@@ -23,8 +23,10 @@ import torch
 
 from flexgen_helm.compression.stored import check_weight_compression
 from flexgen_helm.errors import FlexGenError, PromptTooLongError
+from flexgen_helm.executor.calibration_text import CalibrationText
 from flexgen_helm.executor.generation import BlockDriver, LocalStage, Sequence, StageLink, StepCallback
 from flexgen_helm.executor.kv_cache import check_cache_compression
+from flexgen_helm.executor.layerwise_gptq import LayerwiseGPTQ
 from flexgen_helm.executor.runtime import ModelRuntime
 from flexgen_helm.executor.sampling import (
     GenerationResult,
@@ -43,7 +45,7 @@ from flexgen_helm.memory.usage import TierUsage, process_peak_rss_bytes
 from flexgen_helm.memory.weight_homes import build_homes
 from flexgen_helm.models import family_of
 from flexgen_helm.models.spec import all_store_tensors
-from flexgen_helm.policy.policy import Policy
+from flexgen_helm.policy.policy import CALIBRATED_METHODS, Compression, Policy
 from flexgen_helm.policy.precision import setting_name
 from flexgen_helm.weights.compressed_store import CompressedStore
 from flexgen_helm.weights.loading import open_weights
@@ -253,8 +255,30 @@ def build_runtime(resolved: ResolvedModel, policy: Policy, devices: Devices, off
     placement = place_weights(layers, policy.weights, policy.compress_weight)
     needs_disk = any(s.tier == "disk" for segs in placement.values() for s in segs)
     store, read_full = open_weights(resolved, devices.dtype, offload_dir, needs_disk, progress, policy.compress_weight,
-                                   devices.compute)
+                                   devices.compute, weight_calibration(resolved, policy.compress_weight, offload_dir,
+                                                                       progress))
     usage = TierUsage()
     homes = build_homes(layers, placement, devices, read_full, usage, policy.pin_weight, policy.compress_weight,
                         progress, store if isinstance(store, CompressedStore) else None)
     return ModelRuntime(cfg, family, layers, placement, homes, store, devices, usage)
+
+
+def weight_calibration(resolved: ResolvedModel, compression: Compression | None, offload_dir: Path,
+                       progress: bool) -> LayerwiseGPTQ | None:
+    """How a calibrated method (gptq) quantizes the weights, should its store be written;
+    None for the others. Its calibration text is sampled from the model itself by an
+    unquantized engine in float32 on the CPU (executor/calibration_text.py)."""
+    if compression is None or compression.method not in CALIBRATED_METHODS:
+        return None
+
+    def sample(text: CalibrationText) -> list[list[int]]:
+        policy = Policy(gpu_batch_size=text.sequences)
+        runtime = build_runtime(resolved, policy, pick_devices("cpu", "float32"), offload_dir, progress)
+        engine = Engine(resolved, runtime, policy, offload_dir)
+        try:
+            run = engine.generate(*text.requests(resolved.config))
+        finally:
+            engine.close()
+        return [r.prompt_token_ids + r.completions[0].token_ids for r in run.results]
+
+    return LayerwiseGPTQ(resolved.config, family_of(resolved.config), compression, sample, progress=progress)

@@ -137,7 +137,7 @@ def test_the_papers_sub_scenarios_have_groups_with_their_main_metrics(suite):
     assert all(0.0 <= row[pattern_match]["value"] <= 1.0 for row in rows)
 
 
-METHOD_LABELS = {"rtn": "", "hqq": " HQQ-style"}
+METHOD_LABELS = {"rtn": "", "hqq": " HQQ-style", "gptq": " GPTQ"}
 
 
 def compression_label(policy) -> str:

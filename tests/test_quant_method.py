@@ -117,8 +117,8 @@ def test_rtn_in_memory_still_quantizes_at_load(tiny_opt, tmp_path):
 
 
 def test_unknown_method_is_refused():
-    with pytest.raises(PolicyError, match="unknown quantization method 'gptq'"):
-        Policy(compress_weight=Compression(4, 64, method="gptq"))
+    with pytest.raises(PolicyError, match="unknown quantization method 'awq'"):
+        Policy(compress_weight=Compression(4, 64, method="awq"))
 
 
 def _args(argv):

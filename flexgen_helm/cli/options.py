@@ -51,7 +51,8 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                    help="how each group's scale and minimum are chosen: rtn = min/max round-to-nearest "
                         "(FlexGen); hqq = fitted to the group's values to lower the reconstruction error "
                         "(weights: once, at conversion into the compressed store; a KV cache: at every "
-                        "write, several passes per group)")
+                        "write, several passes per group); gptq = weights only, codes chosen against "
+                        "calibration text the model samples itself, once, at conversion")
     g.add_argument("--cache-grouping", choices=CACHE_GROUPINGS, default=None,
                    help="which values of a compressed KV cache share a group: per-token = each position's "
                         "head-dim row (FlexGen); kivi = keys per channel over groups of --compress-group-size "

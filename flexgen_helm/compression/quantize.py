@@ -50,7 +50,7 @@ import torch
 
 from flexgen_helm.compression.bundle import TensorBundle
 from flexgen_helm.compression.hqq import fit_scale_min
-from flexgen_helm.policy.policy import Compression
+from flexgen_helm.policy.policy import CALIBRATED_METHODS, Compression
 
 WEIGHT_GROUP_DIM = 1  # torch Linear (out, in): consecutive input channels, as the int4 kernels take
 CACHE_GROUP_DIM = 2  # KV cache (max_len, batch * kv_heads, head_dim): the head dim
@@ -214,6 +214,9 @@ def quantize(x: torch.Tensor, cfg: Compression, group_dim: int,
     Works on blocks of rows, so the float32 working copies stay small whatever the
     tensor's size (a 175B model's embedding would otherwise need ~10 GB of them)."""
     cfg.validate("compression")
+    if cfg.method in CALIBRATED_METHODS:
+        raise ValueError(f"{cfg.method} quantizes a weight against its calibration inputs (compression/gptq.py, "
+                         "run at conversion into the compressed store); quantize() has none")
     if not x.is_floating_point():
         raise TypeError(f"quantize takes a floating-point tensor, got {x.dtype}")
     if x.dim() == 0:

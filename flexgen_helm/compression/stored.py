@@ -92,7 +92,11 @@ def encode(t: torch.Tensor, cfg: Compression | None, group_dim: int | None, layo
     the CPU, whatever device packed it)."""
     if group_dim is None:
         return t
-    q = quantize(t, cfg, group_dim)
+    return in_layout(quantize(t, cfg, group_dim), layout)
+
+
+def in_layout(q: QuantizedTensor, layout: str | None) -> QuantizedTensor | PackedInt4:
+    """A quantized weight as stored: as is, or packed for `layout`'s kernel (on the CPU)."""
     return q if layout is None else pack_int4(q, torch.device(layout)).to("cpu")
 
 

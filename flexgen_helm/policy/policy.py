@@ -38,8 +38,12 @@ class Split:
 
 # How a group's scale and minimum are chosen (compression/quantize.py, compression/hqq.py):
 # "rtn" = FlexGen's min/max round-to-nearest; "hqq" = fitted to minimize the group's
-# reconstruction error (half-quadratic), computed once at conversion.
-QUANT_METHODS = ("rtn", "hqq")
+# reconstruction error (half-quadratic), computed once at conversion; "gptq" = the codes
+# chosen against calibration inputs with error feedback (compression/gptq.py), weights
+# only, computed once at conversion.
+QUANT_METHODS = ("rtn", "hqq", "gptq")
+# methods that need the inputs a weight will see: a KV cache, quantized as it is written, has none
+CALIBRATED_METHODS = ("gptq",)
 # Which values of a quantized KV cache share a group (executor/kv_cache.py, kivi_cache.py):
 # "per-token" = each position's head_dim row on its own (FlexGen); "kivi" = keys per channel
 # over blocks of group_size tokens and values per token, the newest tokens of an unfinished
@@ -114,6 +118,10 @@ class Policy:
         if self.compress_weight is not None and self.compress_weight.cache_grouping is not None:
             raise PolicyError(f"compress_weight: cache_grouping {self.compress_weight.cache_grouping!r} is a KV "
                               "cache setting; weights are grouped along group_dim")
+        if self.compress_cache is not None and self.compress_cache.method in CALIBRATED_METHODS:
+            raise PolicyError(f"compress_cache: {self.compress_cache.method} quantizes weights against calibration "
+                              "inputs; a KV cache is quantized as it is written: give it rtn or hqq (a policy "
+                              "file sets the weights' and the cache's methods apart)")
         if not 0.0 < self.attn_sparsity <= 1.0:
             raise PolicyError(f"attn_sparsity must be in (0, 1], got {self.attn_sparsity}")
 

@@ -25,19 +25,19 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from tqdm import tqdm
 
 from flexgen_helm.compression.int4 import PackedInt4, device_refusal, packed_rows
 from flexgen_helm.compression.quantize import QuantizedTensor
-from flexgen_helm.compression.stored import Stored, encode, stored_nbytes, weight_groups, weight_layout
+from flexgen_helm.compression.stored import Stored, encode, in_layout, stored_nbytes, weight_groups, weight_layout
 from flexgen_helm.errors import WeightStoreError
 from flexgen_helm.memory.devices import DTYPE_NAMES
 from flexgen_helm.memory.disk_space import check_free_space
 from flexgen_helm.models.spec import TensorSpec
-from flexgen_helm.policy.policy import Compression
+from flexgen_helm.policy.policy import CALIBRATED_METHODS, Compression
 from flexgen_helm.weights.convert import (
     STORE_ADVICE,
     atomic_write,
@@ -58,6 +58,18 @@ from flexgen_helm.weights.store import (
 FORMAT_VERSION = 2
 GROUP_PARTS = ("data", "scale", "min")
 PACKED_PARTS = ("packed", "scales_zeros")
+
+
+class WeightCalibration(Protocol):
+    """How a calibrated method (policy.CALIBRATED_METHODS) quantizes a model's weights:
+    given the reader of whole tensors and the stored dtype, every compressed weight's codes.
+    `settings` (plain data: calibration text, sizes) go into the manifest, so a store made
+    under other settings is rebuilt."""
+
+    settings: dict
+
+    def __call__(self, read_full: Callable[[str], torch.Tensor], dtype: torch.dtype
+                 ) -> dict[str, QuantizedTensor]: ...
 
 
 def store_layout(dtype: torch.dtype, device: torch.device) -> str:
@@ -111,12 +123,17 @@ class CompressedStore:
 
 def open_compressed_store(root: Path, specs: list[TensorSpec], cfg: Compression, dtype: torch.dtype,
                           device: torch.device, model_config: dict, read_full: Callable[[str], torch.Tensor],
-                          progress: bool = True) -> CompressedStore:
-    """The compressed store in `root`, written first (from `read_full`) if it is missing,
-    incomplete, or of another model, dtype, compression, layout or format version."""
+                          progress: bool = True, calibration: WeightCalibration | None = None) -> CompressedStore:
+    """The compressed store in `root`, written first (from `read_full`, through `calibration`
+    for a calibrated method) if it is missing, incomplete, or of another model, dtype,
+    compression, calibration, layout or format version."""
+    if (cfg.method in CALIBRATED_METHODS) != (calibration is not None):
+        raise ValueError(f"quantization method {cfg.method} "
+                         + ("needs a calibration" if calibration is None else "takes no calibration"))
     header = {"format": FORMAT, "compressed_format": FORMAT_VERSION, "config": model_config,
               "dtype": DTYPE_NAMES[dtype], "layout": store_layout(dtype, device),
-              "compression": dataclasses.asdict(cfg)}  # the quantization method too
+              "compression": dataclasses.asdict(cfg),  # the quantization method too
+              "calibration": None if calibration is None else calibration.settings}
     try:
         manifest = json.loads((root / MANIFEST).read_text())
     except (OSError, ValueError):
@@ -124,17 +141,18 @@ def open_compressed_store(root: Path, specs: list[TensorSpec], cfg: Compression,
     if manifest is None or not manifest.get("complete") or any(manifest.get(k) != v for k, v in header.items()):
         if manifest is None and root.is_dir() and any(root.iterdir()):
             notice(f"{root}: no complete manifest (a compression run was interrupted); writing it again")
-        _write(root, header, specs, cfg, dtype, device, read_full, progress)
+        _write(root, header, specs, cfg, dtype, device, read_full, progress, calibration)
     else:
         damaged = damaged_tensors(root, manifest["tensors"], checksum=False)
         if damaged:
             notice(f"{root}: {first_problem(damaged)}; writing the compressed store again")
-            _write(root, header, specs, cfg, dtype, device, read_full, progress)
+            _write(root, header, specs, cfg, dtype, device, read_full, progress, calibration)
     return CompressedStore(root, cfg)
 
 
 def _write(root: Path, header: dict, specs: list[TensorSpec], cfg: Compression, dtype: torch.dtype,
-           device: torch.device, read_full: Callable[[str], torch.Tensor], progress: bool) -> None:
+           device: torch.device, read_full: Callable[[str], torch.Tensor], progress: bool,
+           calibration: WeightCalibration | None) -> None:
     with disk_errors(root):
         root.mkdir(parents=True, exist_ok=True)
         (root / MANIFEST).unlink(missing_ok=True)  # incomplete from here until the new one lands
@@ -147,11 +165,15 @@ def _write(root: Path, header: dict, specs: list[TensorSpec], cfg: Compression, 
     check_free_space(root, remaining - reusable, "the compressed weight store", STORE_ADVICE)
     tensors, compressed = {}, {}
     started = time.perf_counter()
+    calibrated = calibration(read_full, dtype) if calibration is not None else None
     for spec in tqdm(specs, desc=f"compress weights ({cfg.bits}-bit {cfg.method})", unit="tensor",
                      disable=not progress):
         gd = weight_groups(cfg, spec.shape)
         layout = weight_layout(cfg, spec.shape, dtype, device)
-        stored = encode(read_full(spec.store_name).to(dtype), cfg, gd, layout)
+        if gd is not None and calibrated is not None:
+            stored = in_layout(_calibrated(calibrated, spec, gd, dtype), layout)
+        else:
+            stored = encode(read_full(spec.store_name).to(dtype), cfg, gd, layout)
         if gd is None:
             tensors[spec.store_name] = write_tensor_file(root, spec.store_name, stored, header["dtype"], remaining)
         else:
@@ -165,6 +187,18 @@ def _write(root: Path, header: dict, specs: list[TensorSpec], cfg: Compression, 
                 "compressed": compressed}
     with disk_errors(root):
         atomic_write(root / MANIFEST, json.dumps(manifest, indent=1))
+
+
+def _calibrated(calibrated: dict[str, QuantizedTensor], spec: TensorSpec, group_dim: int,
+                dtype: torch.dtype) -> QuantizedTensor:
+    """The calibration's codes of a compressed weight, checked against what the store expects."""
+    q = calibrated.get(spec.store_name)
+    if q is None:
+        raise ValueError(f"the calibration quantized no {spec.store_name} (a compressed weight)")
+    if (tuple(q.shape), q.group_dim, q.dtype) != (tuple(spec.shape), group_dim, dtype):
+        raise ValueError(f"the calibration's {spec.store_name} is {tuple(q.shape)}, groups along dim {q.group_dim}, "
+                         f"{q.dtype}; the store takes {tuple(spec.shape)}, dim {group_dim}, {dtype}")
+    return q
 
 
 def _parts(stored: QuantizedTensor | PackedInt4) -> list[tuple[str, torch.Tensor]]:

@@ -19,6 +19,7 @@ from flexgen_helm.models.spec import all_store_tensors
 from flexgen_helm.policy.policy import Compression
 from flexgen_helm.weights.compressed_store import (
     CompressedStore,
+    WeightCalibration,
     compressed_store_dir,
     open_compressed_store,
     store_layout,
@@ -30,12 +31,14 @@ from flexgen_helm.weights.store import TensorStore
 
 
 def open_weights(resolved: ResolvedModel, dtype: torch.dtype, offload_dir: Path, needs_disk: bool,
-                 progress: bool, compression: Compression | None, device: torch.device
+                 progress: bool, compression: Compression | None, device: torch.device,
+                 calibration: WeightCalibration | None = None
                  ) -> tuple[TensorStore | CompressedStore | None, Callable[[str], torch.Tensor]]:
     """The store the disk tier reads (None when nothing is on disk and no store is needed)
     and a reader of whole tensors in `dtype` for the memory tiers. `device` computes: the
     compressed store packs weights for its int4 kernel. When a compressed store is open,
-    the memory tiers take their compressed weights from it too (memory.weight_homes)."""
+    the memory tiers take their compressed weights from it too (memory.weight_homes).
+    `calibration`: how a calibrated method (gptq) quantizes, should its store be written."""
     dtype_name = DTYPE_NAMES[dtype]
     dummy = isinstance(resolved.source, DummyWeights)
     # Dummy weights for the disk tier are written next to the other offloaded tensors.
@@ -50,7 +53,7 @@ def open_weights(resolved: ResolvedModel, dtype: torch.dtype, offload_dir: Path,
         specs = all_store_tensors(family_of(resolved.config).layer_specs(resolved.config))
         store = open_compressed_store(compressed_store_dir(root, compression, store_layout(dtype, device)), specs,
                                       compression, dtype, device,
-                                      config_to_json(resolved.config), read_full, progress)
+                                      config_to_json(resolved.config), read_full, progress, calibration)
     return store, read_full
 
 

@@ -1,0 +1,178 @@
+"""GPTQ (Frantar et al., 2022): quantize a Linear weight against the inputs it will see,
+in the same group-wise codes, scales and minimums that min/max RTN writes (quantize.py),
+so the stored format and the int4 kernels take its output unchanged.
+
+Given the Hessian H = X^T X / T of the layer's calibration inputs X (T tokens, one row
+each), the output error ||(W - Q) X^T|| is lowered by quantizing the input columns of W in
+order and pushing each column's rounding error onto the columns not yet quantized,
+weighted by the Cholesky factor U of H^-1 (upper: H^-1 = U^T U):
+
+    err = (w_i - q_i) / U[i, i];   w_j -= err * U[i, j]   for every j > i
+
+A group's scale and minimum are its min/max, taken when its first column is reached, i.e.
+from the values the error feedback has made of it by then. The updates are applied lazily:
+inside a block of LAZY_COLUMNS columns at once, to the columns after it by one matmul.
+
+Inputs wider than MAX_COLUMN_BLOCK are quantized in independent column blocks of that
+width (a block-diagonal H): the error of a column then flows only within its block. On
+this 2-core CPU the Cholesky and inverse of one 8192 x 8192 H (OPT-1.3B's fc2) take ~40 s
+and computing H itself T * 8192^2 multiply-adds; 24 of them alone would miss the 3-minute
+conversion goal. Blocks of 2048 keep every input of SmolLM2 (576, 1536) and all of
+OPT-1.3B's but fc2 whole; what the blocking costs in error on wide inputs is measured
+in tests/test_gptq.py and runs/accuracy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from flexgen_helm.compression.quantize import QuantizedTensor, pack
+from flexgen_helm.policy.policy import Compression
+
+DAMP = 0.01  # added to H's diagonal, relative to its mean: keeps H invertible (GPTQ's default)
+LAZY_COLUMNS = 128  # columns whose updates are applied one by one; later ones get one matmul per block
+MAX_COLUMN_BLOCK = 2048  # widest input quantized with a full H (module doc)
+
+
+def column_blocks(columns: int, group_size: int, group_dim: int,
+                  max_block: int = MAX_COLUMN_BLOCK) -> list[tuple[int, int]]:
+    """The input-column ranges quantized each with its own H: whole groups when the groups
+    run along the columns (dim 1), so a group is never split between two blocks."""
+    step = max(group_size, max_block // group_size * group_size) if group_dim == 1 else max_block
+    return [(start, min(start + step, columns)) for start in range(0, columns, step)]
+
+
+def input_hessians(x: torch.Tensor, blocks: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """X^T X / T of each column block, for inputs x (..., columns) in float32."""
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    return [torch.mm(x2[:, a:b].t(), x2[:, a:b]).div_(x2.shape[0]) for a, b in blocks]
+
+
+def input_factors(x: torch.Tensor, blocks: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """The inverse Cholesky factor of each column block's H, for inputs x (..., columns)."""
+    return [inverse_cholesky(h) for h in input_hessians(x, blocks)]
+
+
+def gptq_quantize(w: torch.Tensor, factors: list[torch.Tensor], blocks: list[tuple[int, int]],
+                  cfg: Compression, group_dim: int, dtype: torch.dtype) -> QuantizedTensor:
+    """GPTQ's codes for an (out, in) weight `w`, given each column block's inverse Cholesky
+    factor (input_factors); the scales and minimums are stored in `dtype` (the codes are
+    chosen against the stored values, so dequantizing reproduces what the error feedback
+    assumed)."""
+    out_dim, in_dim = w.shape
+    group = cfg.group_size
+    if w.dim() != 2 or group_dim not in (0, 1):
+        raise ValueError(f"GPTQ quantizes 2-D (out, in) weights with groups along dim 0 or 1, got shape "
+                         f"{tuple(w.shape)} and group dim {group_dim}")
+    if w.shape[group_dim] % group:
+        raise ValueError(f"group size {group} does not divide dim {group_dim} of a {tuple(w.shape)} weight")
+    edges = [a for a, _ in blocks] + [blocks[-1][1]] if blocks else []
+    tiled = edges[:1] == [0] and edges[-1:] == [in_dim] and all(a < b for a, b in blocks) \
+        and all(b == a2 for (_, b), (a2, _) in zip(blocks, blocks[1:]))
+    if not tiled or len(factors) != len(blocks) or (group_dim == 1 and any(a % group for a, _ in blocks)):
+        raise ValueError(f"column blocks {blocks} (with {len(factors)} factors) do not tile the {in_dim} "
+                         f"input columns in whole groups")
+    # the columns as rows: each step reads and updates contiguous memory
+    wt = w.t().to(torch.float32, copy=True)
+    grid = (out_dim // group, in_dim) if group_dim == 0 else (out_dim, in_dim // group)
+    out = _Codes(torch.empty(in_dim, out_dim, dtype=torch.uint8), torch.empty(grid, dtype=dtype),
+                 torch.empty(grid, dtype=dtype))
+    for (a, b), u in zip(blocks, factors):
+        _quantize_block(wt[a:b], u, out, a, cfg, group_dim)
+    if group_dim == 1:  # (in, out) -> (out, ng, group): each group's codes last, for packing
+        grouped = out.codes.t().unflatten(1, (grid[1], group))
+    else:  # (in, out) -> (ng, in, group)
+        grouped = out.codes.unflatten(1, (grid[0], group)).transpose(0, 1)
+    return QuantizedTensor(data=pack(grouped, cfg.bits).contiguous(), scale=out.scale, min=out.min,
+                           shape=(out_dim, in_dim), dtype=dtype, bits=cfg.bits, group_size=group,
+                           group_dim=group_dim)
+
+
+@dataclass(frozen=True)
+class _Codes:
+    """What GPTQ writes: codes (in, out), a column per row; scales and minimums in their
+    QuantizedTensor shape."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    min: torch.Tensor
+
+
+def inverse_cholesky(h: torch.Tensor) -> torch.Tensor:
+    """Upper U with U^T U = (H + damping)^-1. With J the reversal of the order, the lower
+    Cholesky factor L of J H J gives U = J L^-1 J: one factorization and one triangular
+    solve, where cholesky -> cholesky_inverse -> cholesky costs ~4x more here."""
+    h = h.clone()
+    diag = h.diagonal()
+    dead = diag == 0  # an input that was always zero: its column just rounds
+    diag[dead] = 1
+    diag.add_(DAMP * diag.mean())
+    flipped = h.flip(0, 1)
+    chol, info = torch.linalg.cholesky_ex(flipped)
+    if info.item():
+        raise ValueError(f"the calibration inputs' Hessian ({h.shape[0]} x {h.shape[0]}) is not positive "
+                         f"definite even with {DAMP:g} x its mean diagonal added")
+    eye = torch.eye(h.shape[0], dtype=h.dtype)
+    return torch.linalg.solve_triangular(chol, eye, upper=False).flip(0, 1)
+
+
+def _quantize_block(wt: torch.Tensor, u: torch.Tensor, out: _Codes, first: int, cfg: Compression,
+                    group_dim: int) -> None:
+    """GPTQ over the columns `wt` (in place: (block columns, out), a column per row; the
+    first is input column `first`), with U of this block."""
+    group = cfg.group_size
+    lazy = max(group, LAZY_COLUMNS // group * group) if group_dim == 1 else LAZY_COLUMNS
+    n = wt.shape[0]
+    for a in range(0, n, lazy):
+        b = min(a + lazy, n)
+        with _one_thread():
+            errors = _quantize_columns(wt[a:b], u[a:b, a:b], out, first + a, cfg, group_dim)
+        if b < n:
+            wt[b:].addmm_(u[a:b, b:].t(), errors, alpha=-1)
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """The column steps are small ops (a few vectors and one (128, out) update each): a second
+    thread only adds a barrier per op, and on a shared machine, where it is often descheduled,
+    a wait. Measured (2048 x 1024, 2 cores at load ~11): 13-15 s with 2 threads, 1.9 s with 1."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _quantize_columns(wt: torch.Tensor, u: torch.Tensor, out: _Codes, first: int, cfg: Compression,
+                      group_dim: int) -> torch.Tensor:
+    """Columns `wt` (a lazy batch, starting at input column `first`, in whole groups when
+    groups run along the columns) one by one, each one's update applied at once to the
+    rest of the batch; returns their scaled errors (columns, out) for the columns after."""
+    levels, group = (1 << cfg.bits) - 1, cfg.group_size
+    errors = torch.empty_like(wt)
+    for i in range(wt.shape[0]):
+        col = first + i
+        if group_dim == 1 and i % group == 0:  # a new group of columns: its (out,) scales and minimums
+            s, mn = _stored_grid(wt[i:i + group].amin(0), wt[i:i + group].amax(0), levels, out.scale.dtype)
+            out.scale[:, col // group], out.min[:, col // group] = s, mn
+        elif group_dim == 0:  # the column's own groups of rows: (out / group,) each
+            rows = wt[i].view(-1, group)
+            s, mn = _stored_grid(rows.amin(1), rows.amax(1), levels, out.scale.dtype)
+            out.scale[:, col], out.min[:, col] = s, mn
+            s, mn = s.repeat_interleave(group), mn.repeat_interleave(group)
+        q = torch.round((wt[i] - mn) / torch.where(s > 0, s, torch.ones_like(s))).clamp_(0, levels)
+        out.codes[col] = q.to(torch.uint8)
+        # wt[i] is done with: it becomes the column's error, scaled by U's diagonal
+        errors[i] = wt[i].sub_(q.mul_(s).add_(mn)).div_(u[i, i])
+        wt[i + 1:].addr_(u[i, i + 1:], errors[i], alpha=-1)
+    return errors
+
+
+def _stored_grid(lo: torch.Tensor, hi: torch.Tensor, levels: int, dtype: torch.dtype):
+    """(scale, minimum) of groups spanning [lo, hi], as stored in `dtype`, in float32."""
+    s = (hi - lo).div_(levels).to(dtype).float()
+    return s, lo.to(dtype).float()
