@@ -91,6 +91,21 @@ def test_dequantized_packed_weight_is_the_quantized_one():
         assert ((got - want).abs() <= zero.abs() * 2 ** -8 + want.abs() * 2 ** -8).all()
 
 
+@pytest.mark.parametrize("n", [256, 256 + 48], ids=["blocks", "tail"])
+def test_embedding_lookup_dequantizes_only_its_rows(n, monkeypatch):
+    """A vocabulary-sized table is looked up a few rows at a time (every decode step): the
+    rows come straight from the packed bytes, equal to the dense weight's rows."""
+    cw = _weight((n, 128))
+    want = dequantize_packed(cw.parts[0][1])
+    ids = torch.tensor([[0, 5, n - 1], [31, 32, 64], [200, 255, 2]])
+    whole = CompressedWeight([(0, cw.parts[0][1].narrow(0, 0, 64)), (64, cw.parts[0][1].narrow(0, 64, n - 64))],
+                             (n, 128), torch.bfloat16, None)
+    monkeypatch.setattr(int4, "dequantize_packed", lambda *a: pytest.fail("the whole table was dequantized"))
+    for w in (cw, whole):
+        got = w.embedding(ids)
+        assert got.shape == (3, 3, 128) and torch.equal(got, want[ids])
+
+
 def test_segments_cut_on_blocks_are_packed_matrices_of_their_own():
     q = quantize(torch.randn(160, 128).to(torch.bfloat16), Compression(4, 64, 1), 1)
     whole = pack_int4(q, CPU)
