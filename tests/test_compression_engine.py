@@ -256,6 +256,24 @@ def test_score_as_decode_equals_generation(cache_model_path, compress_cache, spa
     assert max(abs(a - b) for x, y in zip(plain, want) for a, b in zip(x, y)) > 1e-3
 
 
+def test_a_prefill_no_decode_follows_stores_no_cache(tiny_llama, tmp_path, monkeypatch):
+    """A score, or a generation of one token, never reads the prompts' keys and values
+    back: it does not store them (a 4-bit cache paid a quantization per layer for them);
+    a generation of two tokens does."""
+    policy = _with(CACHE_POLICIES["cpu-2x2-delegated"], compress_cache=CACHE_CFG)
+    engine = Engine.load(str(tiny_llama), policy, offload_dir=tmp_path, **CPU32)
+    writes = []
+    real = KVCacheSlot.write
+    monkeypatch.setattr(KVCacheSlot, "write", lambda self, *a, **k: writes.append(1) or real(self, *a, **k))
+    one = engine.generate(PROMPTS, SamplingParams(max_new_tokens=1, ignore_eos=True)).results
+    scored = engine.score([p + r.completions[0].token_ids for p, r in zip(PROMPTS, one)]).results
+    assert not writes
+    for r, s in zip(one, scored):
+        assert r.completions[0].logprobs == pytest.approx(s.logprobs[-1:], abs=1e-4)
+    engine.generate(PROMPTS, SamplingParams(max_new_tokens=2, ignore_eos=True))
+    assert writes
+
+
 @GROUPINGS
 def test_score_as_decode_is_policy_invariant_with_padding(model_path, cache_cfg, tmp_path):
     """Prompts of different lengths share left-padded batches: padding changes nothing (a

@@ -10,6 +10,7 @@ import logging
 
 import pytest
 import torch
+from conftest import save_tiny
 
 from flexgen_helm.compression import int4
 from flexgen_helm.compression.int4 import (
@@ -27,7 +28,8 @@ from flexgen_helm.errors import PolicyError
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.policy import Policy, Split
 from flexgen_helm.policy.policy import Compression
-from flexgen_helm.weights.compressed_store import CompressedStore
+from flexgen_helm.weights import store as store_module
+from flexgen_helm.weights.compressed_store import FORMAT_VERSION, CompressedStore
 from flexgen_helm.weights.registry import resolve
 
 CPU = torch.device("cpu")
@@ -89,6 +91,21 @@ def test_dequantized_packed_weight_is_the_quantized_one():
         got = dequantize_packed(p, torch.float32)
         zero = (q.min.float() + 8 * q.scale.float()).repeat_interleave(32, 1)
         assert ((got - want).abs() <= zero.abs() * 2 ** -8 + want.abs() * 2 ** -8).all()
+
+
+@pytest.mark.parametrize("n", [256, 256 + 48], ids=["blocks", "tail"])
+def test_embedding_lookup_dequantizes_only_its_rows(n, monkeypatch):
+    """A vocabulary-sized table is looked up a few rows at a time (every decode step): the
+    rows come straight from the packed bytes, equal to the dense weight's rows."""
+    cw = _weight((n, 128))
+    want = dequantize_packed(cw.parts[0][1])
+    ids = torch.tensor([[0, 5, n - 1], [31, 32, 64], [200, 255, 2]])
+    whole = CompressedWeight([(0, cw.parts[0][1].narrow(0, 0, 64)), (64, cw.parts[0][1].narrow(0, 64, n - 64))],
+                             (n, 128), torch.bfloat16, None)
+    monkeypatch.setattr(int4, "dequantize_packed", lambda *a: pytest.fail("the whole table was dequantized"))
+    for w in (cw, whole):
+        got = w.embedding(ids)
+        assert got.shape == (3, 3, 128) and torch.equal(got, want[ids])
 
 
 def test_segments_cut_on_blocks_are_packed_matrices_of_their_own():
@@ -176,8 +193,41 @@ def test_disk_store_holds_packed_bytes_and_rebuilds_an_old_format(tiny_opt, tmp_
     m["compressed_format"] = 1
     manifest.write_text(json.dumps(m))
     again = _engine(tiny_opt, tmp_path, weights=Split(0, 0, 1))
-    assert json.loads(manifest.read_text())["compressed_format"] == 2  # rebuilt, not misread
+    assert json.loads(manifest.read_text())["compressed_format"] == FORMAT_VERSION  # rebuilt, not misread
     assert torch.equal(again.runtime.store.read("layers.0.fc1.weight", (0, 64)).packed, read.packed)
+
+
+def test_a_packed_weight_read_from_disk_is_used_as_it_lands(tmp_path, monkeypatch):
+    """The store holds the kernel's layout: a weight read whole is two reads whose buffers
+    the kernel takes as they are (no transpose or copy after the read), and the rows of a
+    cut weight read (one read per part) equal the same rows of the whole."""
+    # fc1: 192 rows (cut at 64 or 128) of 64 inputs: two groups of 32, so the layouts differ
+    path = save_tiny("opt", tmp_path / "opt-wider", hidden_size=64, word_embed_proj_dim=64, ffn_dim=192)
+    store = _engine(path, tmp_path, weights=Split(0, 0, 1)).runtime.store
+    landed = []
+    real = store_module.read_bytes
+
+    def spy(*args, **kwargs):
+        data = real(*args, **kwargs)
+        landed.append(torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0))
+        return data
+
+    monkeypatch.setattr(store_module, "read_bytes", spy)
+    name = "layers.0.fc1.weight"
+    n = store.compressed[name][0][0]
+    whole = store.read(name, (0, n))
+    assert len(landed) == 2
+    for part in (whole.packed, whole.scales_zeros):
+        assert any(b.data_ptr() <= part.data_ptr() and part.data_ptr() + part.nbytes <= b.data_ptr() + b.numel()
+                   for b in landed), "a read was copied before the kernel could use it"
+    assert whole.scales_zeros.is_contiguous() and whole.scales_zeros.shape == (whole.shape[1] // 32, n, 2)
+    landed.clear()
+    cut = store.read(name, (64, n))
+    assert len(landed) == 2
+    want = whole.narrow(0, 64, n - 64)
+    assert torch.equal(cut.packed, want.packed) and torch.equal(cut.scales_zeros, want.scales_zeros)
+    x = torch.randn(3, whole.shape[1], dtype=torch.bfloat16)
+    assert torch.equal(int4._kernel_mm(x, cut), int4._kernel_mm(x, whole)[:, 64:])
 
 
 def _full(path, name):

@@ -23,7 +23,7 @@ Layouts, and why a stored weight is in its compute device's layout:
   out [in][32] with row i in the low nibble and row i + 32 in the high one; a tail of
   fewer rows is [in][rows / 2] with rows 2i (low) and 2i + 1 (high). The block size follows
   the CPU's vector width, so the layout is a property of the machine: `_cpu_layout_ok`
-  checks once that the converter produces exactly what `_cpu_codes` decodes, and the
+  checks once that the converter produces exactly what `_cpu_codes_by_column` decodes, and the
   kernel path is refused (with a log line) where it does not.
 - CUDA: int32 tiles (out / 8, in / (16 * inner_k_tiles), 32, inner_k_tiles / 2) from a
   uint8 (out, in / 2) whose even input index sits in the high nibble (as torchao's tinygemm
@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from flexgen_helm.compression.bundle import TensorBundle
-from flexgen_helm.compression.quantize import CHUNK_ELEMENTS, QuantizedTensor, codes_of, dequantize
+from flexgen_helm.compression.quantize import QuantizedTensor, codes_of, dequantize
 from flexgen_helm.policy.policy import Compression
 
 logger = logging.getLogger(__name__)
@@ -71,6 +71,11 @@ _CUDA_TILE_ROWS = 8
 # count there); the commands that load an engine replace them with this machine's profiled
 # crossover (set_max_kernel_rows, from planner/hardware_profile.use_profile).
 MAX_KERNEL_ROWS = {"cpu": 128, "cuda": None}
+# Elements per piece of a CPU dequantization: its float32 working copies (4 MiB each) stay in
+# the core's cache. One thread, freed memory kept (host_allocator.py), SmolLM2's 49152 x 576
+# head: pieces of 16 M elements 42 ms, 1 M 32 ms, 256 K 35 ms, 64 K 72 ms (Python per piece);
+# OPT's 8192 x 2048: 26, 17, 20, 23 ms (indicative: thread CPU time, shared 2-core EPYC, load ~12).
+DEQUANTIZE_CHUNK_ELEMENTS = 1 << 20
 
 
 def set_max_kernel_rows(device_type: str, rows: int | None) -> None:
@@ -174,33 +179,71 @@ def packed_rows(layout: str, rows: tuple[int, int]) -> tuple[int, int]:
 
 
 def dequantize_packed(p: PackedInt4, dtype: torch.dtype = KERNEL_DTYPE) -> torch.Tensor:
-    """The (out, in) weight the kernel computes with, where it lives."""
+    """The (out, in) weight the kernel computes with, where it lives. On the CPU it is the
+    transpose of a contiguous (in, out) matrix: each 64-row block's bytes hold 32-byte runs
+    of consecutive output rows per input column, so decoding them in that order copies runs
+    instead of transposing bytes one by one, and the kernel's (groups, out) scales apply
+    as they are; a matmul takes either orientation at the same speed (SmolLM2's 1536 x 576
+    weight, one thread: 0.53 ms instead of 1.00 ms; indicative, load ~14)."""
     if p.layout == "cuda":
         return _cuda_dequantize(p).to(dtype)
-    out = torch.empty(p.shape, dtype=dtype, device=p.device)
     n, k = p.shape
-    step = max(ROW_BLOCK, CHUNK_ELEMENTS // k // ROW_BLOCK * ROW_BLOCK)
+    out = torch.empty(k, n, dtype=dtype, device=p.device)
+    step = max(ROW_BLOCK, DEQUANTIZE_CHUNK_ELEMENTS // k // ROW_BLOCK * ROW_BLOCK)
     for start in range(0, n, step):
-        rows = min(step, n - start)
-        part = p.narrow(0, start, rows)
-        codes = _cpu_codes(part.packed, rows, k).view(rows, k // p.group_size, p.group_size).float()
-        sz = part.scales_zeros.float().transpose(0, 1)  # (rows, groups, 2)
-        w = codes.sub_(8).mul_(sz[..., 0:1]).add_(sz[..., 1:2])
-        out[start:start + rows].copy_(w.view(rows, k))
-    return out
+        rows = min(step, n - start)  # whole 64-row blocks (or the tail): a packed matrix of its own
+        codes = _cpu_codes_by_column(p.packed[start:start + rows], rows, k).float()
+        # scale and zero each contiguous: broadcasting a strided one is ~8x slower
+        scale, zero = p.scales_zeros[:, start:start + rows].float().permute(2, 0, 1).contiguous()[:, :, None]
+        out[:, start:start + rows].copy_(_affine_(codes.view(k // p.group_size, p.group_size, rows), scale, zero)
+                                         .view(k, rows))
+    return out.t()
 
 
-def _cpu_codes(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """Decode the CPU layout (module doc) back to uint8 codes (n, k)."""
+def packed_rows_of(p: PackedInt4, ids: torch.Tensor, dtype: torch.dtype = KERNEL_DTYPE) -> torch.Tensor:
+    """Rows `ids` (any shape) of the weight the kernel computes with, shape (*ids.shape, in):
+    what an embedding lookup needs, without dequantizing the rest (a vocabulary-sized table
+    costs ~30 M elements per lookup otherwise). Equal to dequantize_packed(p, dtype)[ids]."""
+    if p.layout == "cuda":  # its tiles decode through the kernel, a whole weight at once
+        return F.embedding(ids, dequantize_packed(p, dtype))
+    n, k = p.shape
+    flat = ids.reshape(-1).to(p.device)
+    codes = torch.empty(len(flat), k, dtype=torch.uint8, device=p.device)
+    full = n // _CPU_BLOCK * _CPU_BLOCK
+    in_blocks = flat < full
+    if bool(in_blocks.any()):  # row b * 64 + 32 h + j: nibble h of byte column j, block b
+        r = flat[in_blocks]
+        blocks = p.packed[:full].view(full // _CPU_BLOCK, k, _CPU_BLOCK // 2)
+        shift = (r % _CPU_BLOCK // (_CPU_BLOCK // 2) * 4).to(torch.uint8)
+        codes[in_blocks] = blocks[r // _CPU_BLOCK, :, r % (_CPU_BLOCK // 2)] >> shift[:, None] & 15
+    if not bool(in_blocks.all()):  # tail row full + t: nibble t % 2 of byte column t // 2
+        t = flat[~in_blocks] - full
+        tail = p.packed[full:].view(k, (n - full) // 2)
+        codes[~in_blocks] = tail[:, t // 2].t() >> ((t % 2) * 4).to(torch.uint8)[:, None] & 15
+    sz = p.scales_zeros[:, flat].float().transpose(0, 1)  # (ids, groups, 2)
+    rows = _affine_(codes.view(len(flat), k // p.group_size, p.group_size).float(), sz[..., 0:1], sz[..., 1:2])
+    return rows.to(dtype).view(*ids.shape, k)
+
+
+def _affine_(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """float32 codes -> weights in place: w = (q - 8) * scale + zero, the kernel's formula
+    (scale and zero broadcast over the codes of their group); every way of dequantizing a
+    packed weight goes through it, so all round alike."""
+    return codes.sub_(8).mul_(scale).add_(zero)
+
+
+def _cpu_codes_by_column(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Decode the CPU layout (module doc) back to uint8 codes, as the contiguous transpose
+    (k, n) of the (n, k) weight's codes."""
     full = n // _CPU_BLOCK * _CPU_BLOCK
     parts = []
     if full:
-        b = packed[:full].reshape(full // _CPU_BLOCK, k, _CPU_BLOCK // 2)
-        parts.append(torch.stack((b & 15, b >> 4), 1).transpose(2, 3).reshape(full, k))
+        b = packed[:full].view(full // _CPU_BLOCK, k, 1, _CPU_BLOCK // 2).transpose(0, 1)
+        parts.append(torch.cat((b & 15, b >> 4), 2).view(k, full))
     if full < n:
-        b = packed[full:].reshape(k, (n - full) // 2)
-        parts.append(torch.stack((b & 15, b >> 4), -1).reshape(k, n - full).t())
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+        b = packed[full:].view(k, (n - full) // 2, 1)
+        parts.append(torch.cat((b & 15, b >> 4), 2).view(k, n - full))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
 
 
 def _cuda_dequantize(p: PackedInt4) -> torch.Tensor:
@@ -211,13 +254,13 @@ def _cuda_dequantize(p: PackedInt4) -> torch.Tensor:
 
 @lru_cache(maxsize=1)
 def _cpu_layout_ok() -> bool:
-    """Whether this machine's CPU converter writes the layout `_cpu_codes` decodes: probed
+    """Whether this machine's CPU converter writes the layout `_cpu_codes_by_column` decodes: probed
     on shapes with whole blocks, tails of 16 and 48 rows, and every code value."""
     g = torch.Generator().manual_seed(0)
     for n in (_CPU_BLOCK, 2 * _CPU_BLOCK + 16, _CPU_BLOCK + 48, 16):
         codes = torch.randint(0, 16, (n, 64), generator=g, dtype=torch.int32)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
-        if packed.shape != (n, 32) or not torch.equal(_cpu_codes(packed, n, 64).to(torch.int32), codes):
+        if packed.shape != (n, 32) or not torch.equal(_cpu_codes_by_column(packed, n, 64).t().to(torch.int32), codes):
             return False
     return True
 
@@ -246,17 +289,37 @@ class CompressedWeight:
         if self._dense is None:
             if len(self.parts) == 1:
                 self._dense = _dequantize_stored(self.parts[0][1], self.dtype)
-            else:
-                self._dense = torch.empty(self.shape, dtype=self.dtype, device=self.parts[0][1].device)
+            else:  # in the orientation its parts dequantize to, so that each copy is a plain one
+                device = self.parts[0][1].device
+                by_column = self.packed and self.parts[0][1].layout == "cpu"
+                self._dense = torch.empty(self.shape[::-1] if by_column else self.shape, dtype=self.dtype,
+                                          device=device)
+                if by_column:
+                    self._dense = self._dense.t()
                 for start, p in self.parts:
                     self._dense[start:start + p.shape[0]].copy_(_dequantize_stored(p, self.dtype))
         return self._dense
 
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """F.embedding(ids, weight): only the rows looked up are dequantized where the weight
+        is packed for the CPU (the dense copy, where this use already made one, or where the
+        layout decodes whole: CUDA's tiles, the group layout)."""
+        if self._dense is not None or not self.packed or self.parts[0][1].layout != "cpu":
+            return F.embedding(ids, self.dense())
+        if len(self.parts) == 1:
+            return packed_rows_of(self.parts[0][1], ids, self.dtype)
+        out = torch.empty(*ids.shape, self.shape[1], dtype=self.dtype, device=self.parts[0][1].device)
+        for start, p in self.parts:
+            mine = (ids >= start) & (ids < start + p.shape[0])
+            out[mine] = packed_rows_of(p, ids[mine] - start, self.dtype)
+        return out
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """F.linear(x, weight, bias): on the packed bytes when the row count is at most the
-        crossover, else on the dense copy."""
+        crossover, else on the dense copy (and on it whenever this use already made it: a
+        scored prompt's head, a chunk of positions at a time, takes it for every chunk)."""
         rows = x.numel() // self.shape[1]
-        if not self.uses_kernel(rows):
+        if self._dense is not None or not self.uses_kernel(rows):
             return F.linear(x, self.dense(), bias)
         x2 = x.reshape(rows, self.shape[1]).contiguous()
         if len(self.parts) == 1:

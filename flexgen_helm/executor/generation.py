@@ -211,7 +211,8 @@ class BlockDriver:
                 break
             for g, (group, sched) in enumerate(zip(groups, scheds)):
                 inputs = self.link.step_input(group, sched, step, chosen[g])
-                outputs = sched.prefill(head, hidden=inputs) if step == 0 else sched.decode(inputs, head)
+                outputs = sched.prefill(head, hidden=inputs, decode_follows=steps > 1) if step == 0 \
+                    else sched.decode(inputs, head)
                 if self.link.samples:
                     outputs = chosen[g] = [self.choose(batch, lp, rows)
                                            for batch, lp, rows in zip(group, outputs, computing[g])]
@@ -289,7 +290,7 @@ class BlockDriver:
             t0 = time.perf_counter()
             per_batch = sched.prefill(
                 lambda k, w, h: self._scored_positions_head(sched.batches[k], w, h, top_k, wanted[k]),
-                as_decode=as_decode)
+                as_decode=as_decode, decode_follows=False)
             self.stats.prefill_s += time.perf_counter() - t0
             self.stats.add_timers(sched.timers)
         finally:

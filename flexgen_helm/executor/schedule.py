@@ -110,6 +110,7 @@ class BlockSchedule:
         self.step_rows: list[StepRows | None] = [None] * len(batches)
         self._weights_ahead = None
         self.prefill_as_decode = False
+        self.stores_prefill_cache = True
 
     def _slot(self, units: dict[str, int], max_len: int, disk_path: Path, window: int, k: int):
         cfg = self.policy.compress_cache
@@ -134,11 +135,15 @@ class BlockSchedule:
     # embedding, the inputs are hidden states instead of token ids, and when it ends
     # before the head (head=None), the outputs are the hidden states it computed.
 
-    def prefill(self, head: HeadFn | None, hidden: list[torch.Tensor] | None = None, as_decode: bool = False) -> list:
+    def prefill(self, head: HeadFn | None, hidden: list[torch.Tensor] | None = None, as_decode: bool = False,
+                decode_follows: bool = True) -> list:
         """as_decode: every prompt position attends as a decode step would (attend_as_decode),
-        to score what the cache's compression and sparsity cost at every position."""
+        to score what the cache's compression and sparsity cost at every position.
+        decode_follows: False where no decode step will read the cache (a score, a single
+        generated token): the prompts' keys and values are then not stored (nor quantized)."""
         # without cache compression or sparsity a decode step attends exactly as the prefill does
         self.prefill_as_decode = as_decode and (self.policy.compress_cache is not None or self.policy.attn_sparsity < 1)
+        self.stores_prefill_cache = decode_follows
         length = self.batches[0].ids.shape[1]
         for k, b in enumerate(self.batches):
             self.step_rows[k] = self._step_rows(k, None, (b.valid.long().cumsum(1) - 1).clamp(min=0), length)
@@ -304,7 +309,7 @@ class BlockSchedule:
         b, kvh, s, d = key.shape
         qu = to_units(q, kvh)
         ku, vu = key.reshape(b * kvh, s, d), value.reshape(b * kvh, s, d)
-        unwritten = TIERS
+        unwritten = TIERS if self.stores_prefill_cache else ()  # (a decode step sets its own below)
         window, softcap = cfg.window(index), cfg.attn_softcap
         if prefill and self.prefill_as_decode:
             cc = self.policy.compress_cache

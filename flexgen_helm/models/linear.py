@@ -2,7 +2,7 @@
 
 A compressed weight (compression/int4.py's CompressedWeight, which the weight homes hand
 out) is not a tensor: it multiplies itself, on packed bytes or dequantized as its row
-count says, and gives its dense form for table lookups. It is recognised by not being a
+count says, and looks up table rows itself (dequantizing only those rows where it can). It is recognised by not being a
 tensor, so the models stay below compression in the import layers."""
 
 from __future__ import annotations
@@ -16,4 +16,4 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
 
 
 def embedding(ids: torch.Tensor, w) -> torch.Tensor:
-    return F.embedding(ids, w if isinstance(w, torch.Tensor) else w.dense())
+    return F.embedding(ids, w) if isinstance(w, torch.Tensor) else w.embedding(ids)

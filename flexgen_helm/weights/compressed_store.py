@@ -3,13 +3,19 @@ every weight as the engine keeps it, so offloaded weight I/O moves compressed by
 
 It is an ordinary tensor store (weights/store.py: one raw file per tensor, a manifest
 written last, reads of row ranges around the page cache). A weight N that takes an int4
-kernel's layout (compression/int4.py) has the parts N.packed (the kernel's packed codes,
-usable as they land) and N.scales_zeros (stored (out, in / group, 2) so a row range is
-one read; turned into the kernel's (in / group, rows, 2) on arrival, 1/9 of the bytes);
-another compressed weight has N.data (uint8 packed codes), N.scale and N.min; a plain
+kernel's layout (compression/int4.py) has the parts N.packed (the kernel's packed codes)
+and N.scales_zeros (the kernel's (in / group, out, 2)): a weight read whole - every weight
+placement does not cut, i.e. all of them but at most the two per layer whose rows straddle
+a tier edge - lands exactly as the kernel takes it, two reads and no copy. The disk rows
+[start, out) of a cut weight read their scales as one read of the span those rows cover in
+every group, compacted by one copy (1/9 of that segment's bytes): the kernel's layout
+keeps a row range of one group apart from the next group's, and a layout that kept it
+together would need that copy (a transpose) on every read instead, as format 2 did.
+Another compressed weight has N.data (uint8 packed codes), N.scale and N.min; a plain
 one (biases, norms) is N itself. Row r of a weight lives in row r of each part when its
 groups run along another dimension, in row r // group_size when they run along the rows
-(placement cuts those on group boundaries), and in packed row r // 8 of CUDA's tiles.
+(placement cuts those on group boundaries), in packed row r // 8 of CUDA's tiles, and in
+column r of scales_zeros.
 
 Packed layouts belong to a device type (and the CPU's to the machine), so the directory
 name carries the bits, group size, group dim, the quantization method (when not RTN) and
@@ -55,7 +61,9 @@ from flexgen_helm.weights.store import (
 )
 
 # 2: weights group along dim 1 by default, and 4-bit ones may be stored in a kernel layout.
-FORMAT_VERSION = 2
+# 3: a packed weight's scales_zeros in the kernel's (in / group, out, 2), as it computes
+#    (format 2 stored (out, in / group, 2) and transposed it after every read).
+FORMAT_VERSION = 3
 GROUP_PARTS = ("data", "scale", "min")
 PACKED_PARTS = ("packed", "scales_zeros")
 
@@ -112,7 +120,9 @@ class CompressedStore:
         start, end = rows
         if layout is not None:
             packed = self.store.read(f"{name}.packed", rows=packed_rows(layout, rows), verify=verify)
-            sz = self.store.read(f"{name}.scales_zeros", rows=rows, verify=verify).transpose(0, 1).contiguous()
+            sz_name = f"{name}.scales_zeros"
+            sz = self.store.read(sz_name, verify=verify) if rows == (0, shape[0]) else \
+                self.store.read_columns(sz_name, rows)  # a cut weight's rows (module doc)
             return PackedInt4(packed, sz, (end - start, shape[1]), self.cfg.group_size, layout)
         g = self.cfg.group_size if gd == 0 else 1
         span = (start // g, math.ceil(end / g))
@@ -203,5 +213,5 @@ def _calibrated(calibrated: dict[str, QuantizedTensor], spec: TensorSpec, group_
 
 def _parts(stored: QuantizedTensor | PackedInt4) -> list[tuple[str, torch.Tensor]]:
     if isinstance(stored, PackedInt4):
-        return [("packed", stored.packed), ("scales_zeros", stored.scales_zeros.transpose(0, 1))]
+        return [("packed", stored.packed), ("scales_zeros", stored.scales_zeros)]
     return list(zip(GROUP_PARTS, stored.parts))

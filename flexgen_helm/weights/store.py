@@ -151,5 +151,22 @@ class TensorStore:
         out = torch.frombuffer(data, dtype=t.torch_dtype) if len(data) else torch.empty(0, dtype=t.torch_dtype)
         return out.view(end - start, *t.shape[1:])
 
+    def read_columns(self, name: str, columns: tuple[int, int]) -> torch.Tensor:
+        """Entries [start, end) of dim 1 in every row of a tensor, contiguous: one read of the
+        bytes they span (the rows' other entries in between too), then one copy that drops
+        those. For a weight's part stored with its output rows along dim 1 (weights/
+        compressed_store.py), when only some of the rows are wanted."""
+        t = self.info(name)
+        start, end = columns
+        if (start, end) == (0, t.shape[1]):
+            return self.read(name)
+        inner = t.row_bytes // t.shape[1]  # bytes of one entry of dim 1
+        span = (t.shape[0] - 1) * t.row_bytes + (end - start) * inner
+        data = read_bytes(self.root / t.file, start * inner, span)
+        strides = torch.empty(t.shape, device="meta").stride()  # the whole tensor's, contiguous
+        wanted = torch.frombuffer(data, dtype=t.torch_dtype).as_strided((t.shape[0], end - start, *t.shape[2:]),
+                                                                        strides)
+        return wanted.contiguous()
+
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
