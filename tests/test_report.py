@@ -14,7 +14,7 @@ from flexgen_helm.cli import main
 from flexgen_helm.helm import accounting
 from flexgen_helm.helm.accounting import BatchRecord
 from flexgen_helm.policy.precision import setting_name
-from flexgen_helm.tools.bench import breakdown
+from flexgen_helm.tools.bench import EVENTS, breakdown
 from flexgen_helm.tools.report import accuracy, frontier, helm_runs, placement
 from flexgen_helm.tools.report import breakdown as breakdown_report
 from flexgen_helm.tools.report.demo import helm_command, run_entries
@@ -225,7 +225,8 @@ def test_engine_times_each_event_without_overlap(tiny_llama, tmp_path):
     parts = breakdown(run.stats.timers)
     for stage, stage_s in (("prefill", run.stats.prefill_s), ("decode", run.stats.decode_s)):
         assert parts[stage]["compute"] > 0 and parts[stage]["load_weight"] > 0 and parts[stage]["store_cache"] > 0
-        assert sum(parts[stage].values()) <= stage_s * 1.05
+        # the events, not their parts (decode's attention is of compute, unpack_cache of load_cache)
+        assert sum(parts[stage][e] for e in EVENTS) <= stage_s * 1.05
     assert parts["decode"]["load_cache"] > 0
 
 

@@ -49,7 +49,8 @@ PRECISION_HEADER = "Precision"
 PRECISION_DESCRIPTION = ("What the engine computed each deployment's runs with, as every response recorded it: "
                          "FP16 / BF16 / FP32 = uncompressed weights and KV cache in that type (the device's own: "
                          "FP16 on a GPU, BF16 or FP32 on a CPU); 8-bit / 4-bit = weights and KV cache quantized "
-                         "group-wise (groups of 64, min/max; a fitted quantizer is named, e.g. 4-bit hqq).")
+                         "group-wise (the shipped deployments: groups of 64, min/max; a fitted quantizer is named, "
+                         "e.g. 4-bit hqq).")
 
 # flexgen_* metric -> accounting.summarize's key
 THROUGHPUT_METRICS = {
