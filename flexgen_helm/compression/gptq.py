@@ -157,11 +157,10 @@ def _quantize_columns(wt: torch.Tensor, u: torch.Tensor, out: _Codes, first: int
     for i in range(wt.shape[0]):
         col = first + i
         if group_dim == 1 and i % group == 0:  # a new group of columns: its (out,) scales and minimums
-            s, mn = _stored_grid(wt[i:i + group].amin(0), wt[i:i + group].amax(0), levels, out.scale.dtype)
+            s, mn = _group_grid(wt[i:i + group], 0, levels, out.scale.dtype)
             out.scale[:, col // group], out.min[:, col // group] = s, mn
         elif group_dim == 0:  # the column's own groups of rows: (out / group,) each
-            rows = wt[i].view(-1, group)
-            s, mn = _stored_grid(rows.amin(1), rows.amax(1), levels, out.scale.dtype)
+            s, mn = _group_grid(wt[i].view(-1, group), 1, levels, out.scale.dtype)
             out.scale[:, col], out.min[:, col] = s, mn
             s, mn = s.repeat_interleave(group), mn.repeat_interleave(group)
         q = torch.round((wt[i] - mn) / torch.where(s > 0, s, torch.ones_like(s))).clamp_(0, levels)
@@ -172,7 +171,9 @@ def _quantize_columns(wt: torch.Tensor, u: torch.Tensor, out: _Codes, first: int
     return errors
 
 
-def _stored_grid(lo: torch.Tensor, hi: torch.Tensor, levels: int, dtype: torch.dtype):
-    """(scale, minimum) of groups spanning [lo, hi], as stored in `dtype`, in float32."""
-    s = (hi - lo).div_(levels).to(dtype).float()
+def _group_grid(values: torch.Tensor, axis: int, levels: int, dtype: torch.dtype):
+    """(scale, minimum) of groups running along `axis` of `values`: their min/max, as stored
+    in `dtype`, in float32."""
+    lo = values.amin(axis)
+    s = (values.amax(axis) - lo).div_(levels).to(dtype).float()
     return s, lo.to(dtype).float()

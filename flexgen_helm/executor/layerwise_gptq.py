@@ -16,6 +16,7 @@ tied): they take the data-free fit (method DATA_FREE_METHOD), in the same codes.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Callable
@@ -55,6 +56,7 @@ class LayerwiseGPTQ:
     sample: Callable[[CalibrationText], list[list[int]]]
     text: CalibrationText = field(default_factory=CalibrationText)
     progress: bool = True
+    timings: dict = field(default_factory=dict)  # of the last call: its steps' wall and CPU seconds
 
     @property
     def settings(self) -> dict:
@@ -62,9 +64,17 @@ class LayerwiseGPTQ:
                 "max_column_block": MAX_COLUMN_BLOCK, "embedding_and_head": DATA_FREE_METHOD}
 
     def __call__(self, read_full: Callable[[str], torch.Tensor], dtype: torch.dtype) -> dict[str, QuantizedTensor]:
+        t0, cpu0 = time.perf_counter(), time.process_time()
         ids = torch.tensor(self.sample(self.text), dtype=torch.long)
-        return quantize_layer_by_layer(self.config, self.family, self.compression, read_full, ids, dtype,
-                                       self.progress)
+        t1, cpu1 = time.perf_counter(), time.process_time()
+        out = quantize_layer_by_layer(self.config, self.family, self.compression, read_full, ids, dtype,
+                                      self.progress)
+        self.timings = {"calibration_tokens": ids.numel(), "sample_s": t1 - t0, "sample_cpu_s": cpu1 - cpu0,
+                        "quantize_s": time.perf_counter() - t1, "quantize_cpu_s": time.process_time() - cpu1}
+        return out
+
+
+HEAD_BY_GPTQ = True  # experiment switch
 
 
 def quantize_layer_by_layer(cfg: ModelConfig, family: ModuleType, compression: Compression,
@@ -77,31 +87,34 @@ def quantize_layer_by_layer(cfg: ModelConfig, family: ModuleType, compression: C
     at = family.step_constants(family.run_constants(cfg, length, CPU, torch.float32), positions)
     valid = torch.ones(n * cfg.num_kv_heads, length, dtype=torch.bool)
     data_free = dataclasses.replace(compression, method=DATA_FREE_METHOD)
+    layers = family.layer_specs(cfg)
+    in_head = {t.store_name for layer in layers if layer.kind == "head" for t in layer.tensors} \
+        if HEAD_BY_GPTQ else set()
     out: dict[str, QuantizedTensor] = {}
     h = None
-    for layer in tqdm(family.layer_specs(cfg), desc=f"GPTQ ({n} x {length} calibration tokens)", unit="layer",
-                      disable=not progress):
-        if layer.kind == "block":
-            h = _quantize_block(cfg, family, layer, compression, read_full, h, at, valid, dtype, out)
+    for layer in tqdm(layers, desc=f"GPTQ ({n} x {length} calibration tokens)", unit="layer", disable=not progress):
+        if layer.kind == "block" or (layer.kind == "head" and HEAD_BY_GPTQ):
+            h = _quantize_layer(cfg, family, layer, compression, read_full, h, at, valid, dtype, out)
             continue
         w = {}
         for t in layer.tensors:
             gd = weight_groups(compression, t.shape)
-            if gd is None:
+            if gd is None or t.store_name in in_head:  # plain, or quantized by the head it is tied to
                 w[t.key] = read_full(t.store_name).float()
                 continue
-            if t.store_name not in out:  # a head tied to the embedding is quantized there
+            if t.store_name not in out:
                 out[t.store_name] = quantize(read_full(t.store_name).to(dtype), data_free, gd)
             w[t.key] = dequantize(out[t.store_name], torch.float32)
-        if layer.kind == "embed":  # the blocks calibrate on what the quantized embedding gives
+        if layer.kind == "embed":
             h = family.embed(cfg, w, ids, positions)
     return out
 
 
-def _quantize_block(cfg: ModelConfig, family: ModuleType, layer: LayerSpec, compression: Compression,
+def _quantize_layer(cfg: ModelConfig, family: ModuleType, layer: LayerSpec, compression: Compression,
                     read_full, h: torch.Tensor, at, valid: torch.Tensor, dtype: torch.dtype,
-                    out: dict[str, QuantizedTensor]) -> torch.Tensor:
-    """Quantize a block's weights into `out`; returns its output on `h`, as quantized."""
+                    out: dict[str, QuantizedTensor]) -> torch.Tensor | None:
+    """Quantize a block's (or the head's) weights into `out`; returns the block's output on
+    `h`, as quantized (the head's: None)."""
     shared = _SharedInputs()
     w, calibrated = {}, {}
     for t in layer.tensors:
@@ -110,15 +123,19 @@ def _quantize_block(cfg: ModelConfig, family: ModuleType, layer: LayerSpec, comp
         w[t.key] = full if gd is None else _CalibratedLinear(full, shared, compression, gd, dtype)
         if gd is not None:
             calibrated[t.store_name] = w[t.key]
-    q, key, value = family.qkv(cfg, w, h, at, layer.index)
-    b, kvh, s, d = key.shape
-    attn = attend(to_units(q, kvh), key.reshape(b * kvh, s, d), value.reshape(b * kvh, s, d), valid,
-                  causal=True, window=cfg.window(layer.index), softcap=cfg.attn_softcap)
-    h = family.finish_block(cfg, w, h, from_units(attn, b))
+    if layer.kind == "head":
+        family.head(cfg, w, h)
+        h = None
+    else:
+        q, key, value = family.qkv(cfg, w, h, at, layer.index)
+        b, kvh, s, d = key.shape
+        attn = attend(to_units(q, kvh), key.reshape(b * kvh, s, d), value.reshape(b * kvh, s, d), valid,
+                      causal=True, window=cfg.window(layer.index), softcap=cfg.attn_softcap)
+        h = family.finish_block(cfg, w, h, from_units(attn, b))
     for name, linear in calibrated.items():
         if linear.quantized is None:
-            raise ValueError(f"{name} is compressed but the block's math never multiplied it: GPTQ has no inputs "
-                             "to quantize it against")
+            raise ValueError(f"{name} is compressed but the {layer.kind}'s math never multiplied it: GPTQ has no "
+                             "inputs to quantize it against")
         out[name] = linear.quantized
     return h
 

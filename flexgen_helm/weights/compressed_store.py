@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Callable, Protocol
@@ -75,6 +76,7 @@ class WeightCalibration(Protocol):
     under other settings is rebuilt."""
 
     settings: dict
+    timings: dict  # filled by the call (plain data: seconds of its steps), kept in the manifest for reports
 
     def __call__(self, read_full: Callable[[str], torch.Tensor], dtype: torch.dtype
                  ) -> dict[str, QuantizedTensor]: ...
@@ -174,7 +176,7 @@ def _write(root: Path, header: dict, specs: list[TensorSpec], cfg: Compression, 
     remaining = sum(sizes.values())
     check_free_space(root, remaining - reusable, "the compressed weight store", STORE_ADVICE)
     tensors, compressed = {}, {}
-    started = time.perf_counter()
+    started, load_before = time.perf_counter(), os.getloadavg()
     calibrated = calibration(read_full, dtype) if calibration is not None else None
     for spec in tqdm(specs, desc=f"compress weights ({cfg.bits}-bit {cfg.method})", unit="tensor",
                      disable=not progress):
@@ -192,9 +194,11 @@ def _write(root: Path, header: dict, specs: list[TensorSpec], cfg: Compression, 
                 name = f"{spec.store_name}.{part_name}"
                 tensors[name] = write_tensor_file(root, name, part, ELEMENT_DTYPE_NAMES[part.dtype], remaining)
         remaining -= sizes[spec.store_name]
-    # the conversion's wall time (reading the source included), for reports
-    manifest = {**header, "complete": True, "convert_s": time.perf_counter() - started, "tensors": tensors,
-                "compressed": compressed}
+    # the conversion's wall time (reading the source included) and how busy the machine was, for reports
+    manifest = {**header, "complete": True, "convert_s": time.perf_counter() - started,
+                "convert_load_average": {"before": load_before, "after": os.getloadavg()},
+                "calibration_timings": None if calibration is None else calibration.timings,
+                "tensors": tensors, "compressed": compressed}
     with disk_errors(root):
         atomic_write(root / MANIFEST, json.dumps(manifest, indent=1))
 

@@ -1,6 +1,6 @@
-"""The report's section on quantization methods (issue 22): RTN and the fitted method (hqq)
-side by side per setting and scope, with reconstruction errors, quantize times and the
-OPT-1.3B conversion time from `conversion.py`'s records. Every number comes from a record."""
+"""The report's section on quantization methods (issue 22): RTN, the fitted method (hqq) and
+GPTQ side by side per setting and scope, with reconstruction errors, quantize times and the
+conversion times from `conversion.py`'s records. Every number comes from a record."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import torch
 
 from flexgen_helm.executor.kv_cache import kv_nbytes_per_position
 from flexgen_helm.policy.policy import Compression
-from flexgen_helm.tools.accuracy_sweep.plan import METHOD_PAIRS, ROW_BY_NAME
+from flexgen_helm.tools.accuracy_sweep.plan import METHOD_ROWS, ROW_BY_NAME
 
-DEFAULT_PAIR = ("w4-g64-d1", "w4h-g64-d1")  # the CLI's default grouping: g64 along the input dim
-KV_PAIR = ("kv4-g64", "kv4h-g64")
+DEFAULT_SETTING = "w4-g64-d1"  # the CLI's default grouping: g64 along the input dim
+KV_SETTING = "kv4-g64"
 
 
 def _load(out: Path, name: str):
@@ -61,53 +61,68 @@ def _ratio(new, old) -> str:
 
 
 def comparison_table(runs, conv, scope: str) -> str:
-    head = ("| setting | Δ acc RTN | Δ acc hqq | kept | Δ ppl RTN | Δ ppl hqq | kept | rel. error RTN / hqq "
-            "(SmolLM2; dummy OPT-125M) | quantize s RTN / hqq (SmolLM2) |")
+    head = ("| setting | method | Δ acc (points) | share of RTN's | Δ ppl | share of RTN's | rel. error "
+            "(SmolLM2; dummy OPT-125M) | quantize s (SmolLM2) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for rtn, hqq in METHOD_PAIRS:
-        (a0, p0), (a1, p1) = _deltas(runs, rtn, scope), _deltas(runs, hqq, scope)
-        if None in (a0, a1) and None in (p0, p1):
+    for rtn, others in METHOD_ROWS:
+        a0, p0 = _deltas(runs, rtn, scope)
+        present = [(m, row) for m, row in others.items() if _deltas(runs, row, scope) != (None, None)]
+        if (a0, p0) == (None, None) or not present:
             continue
-        setting, secs = _setting(rtn), "—"
-        err = "— (cache: quantized per token at run time)" if setting is None else "—"
-        if setting is not None:
-            e0, e1 = _errors(conv, *setting, "rtn"), _errors(conv, *setting, "hqq")
-            if e0 and e1:
-                err = "; ".join(f"{e0[m]['relative_error']:.2e} / {e1[m]['relative_error']:.2e}" for m in e0 if m in e1)
-                secs = (f"{e0['smollm2-135m']['quantize_s']:.1f} / {e1['smollm2-135m']['quantize_s']:.1f} "
-                        f"({e0['smollm2-135m']['cpu_s']:.1f} / {e1['smollm2-135m']['cpu_s']:.1f} CPU s)")
-        lines.append(f"| {ROW_BY_NAME[rtn].label} | {_fmt(a0, '+.2f')} | {_fmt(a1, '+.2f')} | {_ratio(a1, a0)} | "
-                     f"{_fmt(p0, '+.1f')}% | {_fmt(p1, '+.1f')}% | {_ratio(p1, p0)} | {err} | {secs} |")
+        setting = _setting(rtn)
+        for method, row in [("rtn", rtn), *present]:
+            a1, p1 = _deltas(runs, row, scope)
+            err, secs = "—", "—"
+            if setting is None:
+                err = "— (cache: quantized per token at run time)"
+            elif method == "gptq":
+                err = "— (weighs the error by the layer's inputs: see below)"
+            else:
+                e = _errors(conv, *setting, method)
+                if e:
+                    err = "; ".join(f"{r['relative_error']:.2e}" for r in e.values())
+                    smol = e.get("smollm2-135m")
+                    secs = "—" if smol is None else f"{smol['quantize_s']:.1f} ({smol['cpu_s']:.1f} CPU s)"
+            share = (lambda new, old: "—") if method == "rtn" else _ratio
+            lines.append(f"| {ROW_BY_NAME[rtn].label} | {method} | {_fmt(a1, '+.2f')} | {share(a1, a0)} | "
+                         f"{_fmt(p1, '+.1f')}% | {share(p1, p0)} | {err} | {secs} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def goal_lines(runs) -> list[str]:
     out = []
     for scope in ("quick", "full"):
-        for (rtn, hqq), what in ((DEFAULT_PAIR, "4-bit weights, g64 dim 1 (the default grouping)"),
-                                 (KV_PAIR, "4-bit KV cache, g64")):
-            (a0, p0), (a1, p1) = _deltas(runs, rtn, scope), _deltas(runs, hqq, scope)
-            if None in (a0, a1, p0, p1):
-                continue
-            acc_ok, ppl_ok = a1 >= a0 / 2, p1 <= p0 / 2
-            out.append(f"Goal, {what}, scope \"{scope}\": LAMBADA {a1:+.2f} vs RTN {a0:+.2f} points "
-                       f"({'met' if acc_ok else 'NOT met'}: at most half of RTN's loss is {a0 / 2:+.2f}); WikiText "
-                       f"perplexity {p1:+.1f}% vs RTN {p0:+.1f}% ({'met' if ppl_ok else 'NOT met'}: half is "
-                       f"{p0 / 2:+.1f}%).")
+        for rtn, what in ((DEFAULT_SETTING, "4-bit weights, g64 dim 1 (the default grouping)"),
+                          (KV_SETTING, "4-bit KV cache, g64")):
+            others = dict(next(o for r, o in METHOD_ROWS if r == rtn))
+            for method, row in others.items():
+                (a0, p0), (a1, p1) = _deltas(runs, rtn, scope), _deltas(runs, row, scope)
+                if None in (a0, a1, p0, p1):
+                    continue
+                acc_ok, ppl_ok = a1 >= a0 / 2, p1 <= p0 / 2
+                out.append(f"Goal, {what}, {method}, scope \"{scope}\": LAMBADA {a1:+.2f} vs RTN {a0:+.2f} points "
+                           f"({'met' if acc_ok else 'NOT met'}: at most half of RTN's loss is {a0 / 2:+.2f}); "
+                           f"WikiText perplexity {p1:+.1f}% vs RTN {p0:+.1f}% ({'met' if ppl_ok else 'NOT met'}: "
+                           f"half is {p0 / 2:+.1f}%).")
     return out
 
 
-def opt_line(opt) -> str:
-    if not opt:
-        return ""
-    la = ", ".join(f"{v:.2f}" for v in opt["load_average_before"])
-    lb = ", ".join(f"{v:.2f}" for v in opt["load_average_after"])
-    ok = "met" if opt["convert_s"] <= 180 else "NOT met"
-    return (f"Conversion of {opt['model']} with method {opt['compression']['method']} (4-bit g64, {opt['dtype']}, "
-            f"layout {opt['layout']}, written to disk): {opt['convert_s']:.0f} s (goal <= 180 s: {ok}), "
-            f"{opt['cpu_s']:.0f} CPU s over {opt['torch_threads']} threads, on "
-            f"{opt['cpus']} shared cores, load average (1/5/15 min) {la} before and {lb} after "
-            f"(`{opt['command']}`).")
+def _load_average(la) -> str:
+    return ", ".join(f"{v:.2f}" for v in la)
+
+
+def conversion_line(rec) -> str:
+    """A store conversion's record (conversion.py opt / stored): its time, the machine's load."""
+    c = rec["compression"]
+    ok = f" (goal <= 180 s: {'met' if rec['convert_s'] <= 180 else 'NOT met'})" if "opt-1.3b" in rec["model"] else ""
+    cal = rec.get("calibration_timings")
+    parts = "" if not cal else (f"; of which sampling {cal['calibration_tokens']} calibration tokens "
+                                f"{cal['sample_s']:.0f} s and the layer-by-layer pass {cal['quantize_s']:.0f} s")
+    cpu = f", {rec['cpu_s']:.0f} CPU s over {rec['torch_threads']} threads" if "cpu_s" in rec else ""
+    return (f"Conversion of {rec['model']} with method {c['method']} ({c['bits']}-bit g{c['group_size']}, "
+            f"{rec['dtype']}, layout {rec['layout']}, written to disk): {rec['convert_s']:.0f} s{ok}{parts}{cpu}, "
+            f"on {rec['cpus']} shared cores, load average (1/5/15 min) {_load_average(rec['load_average_before'])} "
+            f"before and {_load_average(rec['load_average_after'])} after (`{rec['command']}`): indicative.")
 
 
 # the 4-bit cache's groupings in the engine: per token (FlexGen's RTN: the baseline of the goal), KIVI
@@ -183,7 +198,8 @@ def kv_grouping_text(out: Path) -> str:
 
 
 def methods_section(runs, out: Path) -> str:
-    conv, opt = _load(out, "conversion_errors.json"), _load(out, "conversion_opt-1.3b_hqq.json")
+    conv = _load(out, "conversion_errors.json")
+    stores = [json.loads(p.read_text()) for p in sorted((out / "json").glob("conversion_*_*.json"))]
     tables = [(scope, comparison_table(runs, conv, scope)) for scope in ("quick", "full")]
     tables = [(s, t) for s, t in tables if t]
     kv = "\n\n".join(t for t in (cache_grouping_text(runs), kv_grouping_text(out)) if t)
@@ -207,7 +223,7 @@ def methods_section(runs, out: Path) -> str:
     for scope, table in tables:
         text.append(f"### {scope_names[scope]}\n\n{table}")
     goals = goal_lines(runs)
-    extra = [opt_line(opt)] if opt else []
+    extra = [conversion_line(rec) for rec in stores]
     if goals or extra:
         text.append("\n".join(f"- {g}" for g in goals + extra))
     return "\n\n".join(text + ([kv] if kv else []))

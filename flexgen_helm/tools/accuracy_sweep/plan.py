@@ -72,13 +72,16 @@ ROWS = [
     # the KIVI grouping of the cache (keys per channel over 64 or 32 tokens), against kv4-g64 (per token)
     Row("kv4k-g64", "4-bit cache, g64, KIVI", _compress("kv", 4, 64, cache="kivi"), scopes=NEW),
     Row("kv4k-g32", "4-bit cache, g32, KIVI", _compress("kv", 4, 32, cache="kivi"), scopes=("quick",)),
+    Row("w4g-g64-d1", "4-bit weights, g64 dim 1, gptq", _compress("w", 4, 64, 1, "gptq"), scopes=NEW),
+    Row("w4g-g128-d1", "4-bit weights, g128 dim 1, gptq", _compress("w", 4, 128, 1, "gptq"), scopes=NEW),
 ]
 ROW_BY_NAME = {r.name: r for r in ROWS}
 # each row on its scopes: "lim" (the reference's protocol), "quick" (issue 22's slice), "full"
 PLAN = [(r.name, scope) for scope in SCOPES_ORDER for r in ROWS if scope in r.scopes]
-# RTN and its fitted counterpart, side by side in the report (issue 22)
-METHOD_PAIRS = [("w4-g32-d1", "w4h-g32-d1"), ("w4-g64-d1", "w4h-g64-d1"), ("w4-g128-d1", "w4h-g128-d1"),
-                ("kv4-g64", "kv4h-g64"), ("w3-g64-d1", "w3h-g64-d1")]
+# RTN's row of a setting and the rows of the other methods on it, side by side in the report (issue 22)
+METHOD_ROWS = [("w4-g32-d1", {"hqq": "w4h-g32-d1"}), ("w4-g64-d1", {"hqq": "w4h-g64-d1", "gptq": "w4g-g64-d1"}),
+               ("w4-g128-d1", {"hqq": "w4h-g128-d1", "gptq": "w4g-g128-d1"}), ("kv4-g64", {"hqq": "kv4h-g64"}),
+               ("w3-g64-d1", {"hqq": "w3h-g64-d1"})]
 
 
 def json_path(row: str, scope: str, task: str) -> Path:
