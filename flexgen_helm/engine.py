@@ -38,7 +38,7 @@ from flexgen_helm.executor.sampling import (
 )
 from flexgen_helm.memory.devices import DTYPE_NAMES, Devices, pick_devices
 from flexgen_helm.memory.direct_io import bypass_mode
-from flexgen_helm.memory.host_allocator import keep_freed_host_memory
+from flexgen_helm.memory.host_allocator import keep_freed_host_memory, release_freed_host_memory
 from flexgen_helm.memory.offload_dir import usable_offload_dir
 from flexgen_helm.memory.placement import place_weights
 from flexgen_helm.memory.usage import TierUsage, process_peak_rss_bytes
@@ -260,6 +260,7 @@ def build_runtime(resolved: ResolvedModel, policy: Policy, devices: Devices, off
     usage = TierUsage()
     homes = build_homes(layers, placement, devices, read_full, usage, policy.pin_weight, policy.compress_weight,
                         progress, store if isinstance(store, CompressedStore) else None)
+    release_freed_host_memory(0)  # what reading whole tensors to keep parts of them left behind
     return ModelRuntime(cfg, family, layers, placement, homes, store, devices, usage)
 
 

@@ -27,3 +27,25 @@ def test_applied_on_glibc():
 
 def test_off_when_asked():
     assert _run("0") == "False"
+
+
+RELEASE = """
+import torch
+from flexgen_helm.memory.host_allocator import freed_resident_bytes, keep_freed_host_memory, release_freed_host_memory
+from flexgen_helm.memory.usage import current_rss_bytes
+keep_freed_host_memory()
+big = [torch.ones(4 << 20) for _ in range(32)]  # 512 MiB, interleaved with small blocks that stay
+small = [torch.ones(1024) for _ in range(32)]
+del big
+kept, rss = freed_resident_bytes(), current_rss_bytes()
+print(kept > 400 << 20, release_freed_host_memory(1 << 30), release_freed_host_memory(64 << 20),
+      freed_resident_bytes() < 64 << 20, rss - current_rss_bytes() > 400 << 20, release_freed_host_memory(64 << 20))
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="a glibc setting")
+def test_freed_memory_beyond_what_is_kept_goes_back_to_the_os():
+    """Freed blocks stay resident for reuse, up to the amount asked: beyond it they are
+    handed back (RSS falls by them), and with nothing more to hand back nothing happens."""
+    done = subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["True", "False", "True", "True", "True", "False"]

@@ -61,6 +61,12 @@ def process_peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def resident_anonymous_bytes() -> int:
+    """Anonymous resident memory of this process (RssAnon: the heap, mmapped blocks, stacks;
+    not the mapped files of its libraries); 0 where /proc is missing."""
+    return _proc_status_bytes("RssAnon:") or 0
+
+
 def current_rss_bytes() -> int:
     """Resident set size of this process now (VmRSS); 0 where /proc is missing."""
     return _proc_status_bytes("VmRSS:") or 0

@@ -46,6 +46,7 @@ import torch
 from flexgen_helm.compression.stored import weight_groups, weight_layout
 from flexgen_helm.errors import ProfileFormatError
 from flexgen_helm.executor.kv_cache import cache_rows, kv_nbytes, kv_nbytes_per_position
+from flexgen_helm.executor.working_set import batch_working_bytes, kept_freed_bytes
 from flexgen_helm.memory.devices import DTYPES
 from flexgen_helm.memory.placement import place_weights
 from flexgen_helm.memory.weight_homes import segment_nbytes
@@ -166,6 +167,9 @@ class LayerWeights:
     stored: dict[str, float]  # tier -> bytes stored there (compressed if compressed)
     disk_reads: float  # separate reads (each pays the disk latency)
     assembled: float  # bytes copied to assemble tensors split over tiers
+    # key -> bytes a load of the tensor makes besides its homes: what it reads off disk, the copy
+    # that assembles it when split over tiers, and on a GPU what it copies from host memory
+    loaded: dict[str, float] = field(default_factory=dict)
     matmul_numel: int = 0  # elements of the weights used in matmuls
     # under weight compression (else 0): elements of the layer's compressed matrices
     packed_matmul_numel: int = 0  # multiplied, in the int4 kernel's layout: the kernel may take them
@@ -180,12 +184,15 @@ def layer_weights(layer: LayerSpec, placement: dict, compression: Compression | 
     lw = LayerWeights({t: 0.0 for t in TIERS}, 0.0, 0.0)
     for t in layer.tensors:
         segments = placement[t.store_name]
+        lw.loaded[t.key] = 0.0
         for s in segments:
             nbytes = segment_nbytes(t, s, compression, dtype)
             lw.stored[s.tier] += nbytes
             lw.disk_reads += s.tier == "disk"
             if len(segments) > 1:
                 lw.assembled += nbytes
+            lw.loaded[t.key] += nbytes * ((len(segments) > 1) + (s.tier == "disk" or
+                                                                 (s.tier == "cpu" and device.type == "cuda")))
         if not _is_matrix(t):
             continue
         multiplied = not _is_lookup(layer, t)
@@ -224,6 +231,9 @@ class CostModel:
             shapes = tuple((t.key, t.shape, t.store_name.split(".")[0]) for t in layer.tensors)
             groups.setdefault((layer.kind, self._window(layer), shapes), []).append(layer)
         self.groups = [(members[0], len(members)) for members in groups.values()]
+        # each layer's group, in schedule order
+        self._group_of = [next(g for g, members in enumerate(groups.values()) if layer in members)
+                          for layer in self.layers]
         self.counts = [n for _, n in self.groups]
         self._weights_cache: dict = {}
         self._memo: dict = {}
@@ -441,38 +451,60 @@ class CostModel:
     def _peak_bytes(self, policy: Policy) -> dict[str, dict[str, float]]:
         """phase -> tier -> bytes: weight homes + KV cache + activations (as the engine accounts
         them, memory/budget.planned_components) + the compute side's working set: two layers of
-        loaded weights (the one in use and the one prefetched), the K and V of a GPU batch read
-        off the cpu/disk tiers for two layers (decode), one GPU batch's intermediate
-        activations and attention mask, the head's logits."""
+        loaded weights (the one in use and the one prefetched), the dense copy of a compressed
+        layer where the int4 kernel does not take its rows, the K and V of two GPU batches read
+        off the cpu/disk tiers (decode) and of one on its way to disk, one GPU batch's
+        intermediate activations and attention mask, the head's logits, and the freed memory
+        the schedule keeps resident for reuse. Measured against process RSS with
+        runs/bench/memory/rss_phases.py."""
         cfg, elt, work = self.cfg, self.elt, self.work
         gbs, nb = policy.gpu_batch_size, policy.num_gpu_batches
         lws = self.weights_per_layer(policy)
-        not_in_place = [lw.stored["disk"] + lw.assembled + (lw.stored["cpu"] if self.hw.is_cuda else 0.0)
-                        for lw in lws]
-        loaded_weights = 2 * max(not_in_place)  # the layer in use and the one prefetched
+        loaded_weights = self._most_loaded_at_once(lws)
         _, c, _ = Fractions.of(policy).splits()
         moved = c["disk"] + (c["cpu"] if self.hw.is_cuda and not policy.cpu_cache_compute else 0.0)
-        # a GPU batch's cache of one layer read off its tier (in use, and the next one prefetched;
-        # the longest a slot holds: a global block's)
+        # a GPU batch's K (or V) of one layer read off its tier (the longest a slot holds: a global
+        # block's): the batch in use has its K and V as read and joined with the new position
+        # (attention's keys and values), the next batch's are being read (its K, V and a copy
+        # of the one being converted from the disk's row bytes)
         held = max(cache_rows(work.max_len, self._window(layer)) for layer, _ in self.groups)
-        loaded_cache = 2 * kv_nbytes(held, gbs * cfg.num_kv_heads, cfg.head_dim, self.dtype,
-                                     policy.compress_cache) * moved
+        # (kv_nbytes counts K and V together: half of it is one of them)
+        loaded_cache = (2 + 2 + 3) * kv_nbytes(held, gbs * cfg.num_kv_heads, cfg.head_dim, self.dtype,
+                                               policy.compress_cache) / 2 * moved
+        # freed memory the schedule keeps resident for reuse (executor/working_set.py)
+        kept = kept_freed_bytes(cfg, gbs, work.prompt_len, self.dtype)
         out = {}
         for phase in PHASES:
             tokens = work.prompt_len if phase == "prefill" else 1
             keys = work.prompt_len if phase == "prefill" else work.max_len
             placed = planned_components(cfg, policy, work.max_len, self.dtype, act_len=tokens)
-            inner = gbs * tokens * (4 * cfg.hidden_size + 2 * cfg.ffn_size) * elt  # hidden, q/k/v, MLP
+            inner = batch_working_bytes(cfg, gbs * tokens, self.dtype)
             scores = gbs * cfg.num_heads * tokens * keys * ATTENTION_MASK_BYTES
             logits = gbs * nb * cfg.vocab_size * 4  # fp32, the last position of every sequence
+            # a GPU batch's new K and V on their way to the disk tier: two copies each (its
+            # positions made contiguous, then its rows' bytes)
+            storing = 2 * 2 * gbs * tokens * cfg.num_kv_heads * cfg.head_dim * elt * c["disk"]
             tiers = {t: float(sum(part[t] for part in placed.values())) for t in TIERS}
             # the dense copy of a compressed layer's weights, made where it computes (only the one in use)
             dequantized = max(self.dequantized_numel(lw, _matmul_rows(layer, gbs, tokens))
                               for (layer, _), lw in zip(self.groups, lws)) * elt
-            tiers["gpu"] += (loaded_weights + dequantized + inner + scores + logits
+            tiers["gpu"] += (loaded_weights + dequantized + inner + kept + scores + logits + storing
                              + (loaded_cache if phase == "decode" else 0.0))
             out[phase] = tiers
         return out
+
+    def _most_loaded_at_once(self, lws: list[LayerWeights]) -> float:
+        """Weight bytes loaded off their homes at once: a layer in use and the next one
+        prefetched (after the head, the next step's first layer), a weight they share (the tied
+        head and embedding) loaded once for both (executor/schedule.py)."""
+        most = 0.0
+        for i, layer in enumerate(self.layers):
+            j = (i + 1) % len(self.layers)
+            here, ahead = lws[self._group_of[i]], lws[self._group_of[j]]
+            mine = {t.store_name for t in layer.tensors}
+            shared = sum(ahead.loaded[t.key] for t in self.layers[j].tensors if t.store_name in mine)
+            most = max(most, sum(here.loaded.values()) + sum(ahead.loaded.values()) - shared)
+        return most
 
     def accounted_bytes(self, policy: Policy) -> dict[str, int]:
         """Peak of what the engine's TierUsage records: weight homes on the gpu and cpu tiers (disk

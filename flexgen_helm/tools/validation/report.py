@@ -47,10 +47,12 @@ NOTES = """## How to read this
   model charges only as op latencies.
 - Memory: the gpu/cpu/disk columns are the engine's own accounting (TierUsage: weight homes
   on gpu and cpu, KV cache, activations; disk-tier weights stay in the weight store, the
-  whole model, not counted there). "pred host" adds the compute side's working set (two
-  layers of loaded weights, one GPU batch's activations and attention scores, the logits)
-  and the profiled baseline RSS of a Python process with torch; on this CPU-only machine
-  the gpu tier is host RAM, so it is compared with the process's peak RSS.
+  whole model, not counted there). "pred host" adds the compute side's working set (the
+  loaded weights of a layer and of the next one, a compressed layer's dense copy, the K and V
+  read off or going to disk, one GPU batch's activations and attention scores, the logits,
+  the freed memory the schedule keeps for reuse: planner/cost_model.py `_peak_bytes`) and the
+  profiled baseline RSS of a Python process with torch; on this CPU-only machine the gpu tier
+  is host RAM, so it is compared with the process's peak RSS.
 """
 
 
