@@ -32,7 +32,8 @@ def synthetic_profile() -> HardwareProfile:
     GPU batch: small blocks are slow, as on a real one."""
     fixed = {"per_layer_batch": 5e-4, "per_step": 1e-3}
     cpu = DeviceSpeeds(matmul_flops={"bfloat16": {1: 2e9, 16: 30e9, 256: 200e9, 4096: 300e9}},
-                       fixed_costs={"opt": {"prefill": fixed, "decode": fixed}})
+                       fixed_costs={"opt": {"prefill": fixed, "decode": fixed}},
+                       int4_matmul_flops={1: 2e9, 128: 100e9, 512: 120e9}, int4_dequant_elems_per_s=1e9)
     return HardwareProfile(devices={"cpu": cpu}, memcpy_bytes_per_s=5e9, disk_read_bytes_per_s=1e9,
                            disk_write_bytes_per_s=5e8, cpu_mem_bytes=24 * GIB, cpu_available_bytes=20 * GIB,
                            disk_free_bytes=100 * GIB)
