@@ -100,7 +100,10 @@ def test_batching_runner_hands_the_whole_run_to_the_engine(tmp_path):
              fake=True, max_instances=5)
     runs = run_dirs(tmp_path)
     padding = json.loads((runs["lambada"] / "flexgen_padding.json").read_text())
-    assert padding["requests"] == 5 and padding["batches"] == 1 and 0 < padding["efficiency"] <= 1
+    # the five requests share batches cut by length (helm/batching.py: at most 4% padding of the
+    # prompts), not one engine call each
+    assert padding["requests"] == 5 and padding["batches"] < 5
+    assert padding["padded_prompt_tokens"] <= 1.04 * padding["prompt_tokens"]
     lam = stats(runs["lambada"])
-    assert lam["batch_size"] == 5
+    assert lam["batch_size"] > 1  # the mean over requests of the batch each ran in
     assert stats(runs["wikitext"])["num_perplexity_tokens"] > 0
