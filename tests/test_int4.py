@@ -108,6 +108,19 @@ def test_embedding_lookup_dequantizes_only_its_rows(n, monkeypatch):
         assert got.shape == (3, 3, 128) and torch.equal(got, want[ids])
 
 
+def test_a_dense_copy_is_oriented_by_the_calls_rows_with_the_same_values():
+    """Made for a call over few rows, the dense copy is the transpose of an (in, out) matrix
+    (quickest to decode); for many rows, a plain (out, in) one (quickest to multiply)."""
+    p = _weight((256 + 48, 128)).parts[0][1]  # whole blocks and a tail
+    by_column, by_row = dequantize_packed(p, by_column=True), dequantize_packed(p, by_column=False)
+    assert by_column.t().is_contiguous() and by_row.is_contiguous() and torch.equal(by_column, by_row)
+    cut = [(0, p.narrow(0, 0, 64)), (64, p.narrow(0, 64, 240))]
+    for parts in ([(0, p)], cut):
+        few = CompressedWeight(parts, p.shape, torch.bfloat16, 0).dense(int4.DENSE_BY_COLUMN_MAX_ROWS)
+        many = CompressedWeight(parts, p.shape, torch.bfloat16, 0).dense(int4.DENSE_BY_COLUMN_MAX_ROWS + 1)
+        assert few.t().is_contiguous() and many.is_contiguous() and torch.equal(few, by_row) and torch.equal(many, by_row)
+
+
 def test_segments_cut_on_blocks_are_packed_matrices_of_their_own():
     q = quantize(torch.randn(160, 128).to(torch.bfloat16), Compression(4, 64, 1), 1)
     whole = pack_int4(q, CPU)

@@ -76,6 +76,10 @@ MAX_KERNEL_ROWS = {"cpu": 128, "cuda": None}
 # head: pieces of 16 M elements 42 ms, 1 M 32 ms, 256 K 35 ms, 64 K 72 ms (Python per piece);
 # OPT's 8192 x 2048: 26, 17, 20, 23 ms (indicative: thread CPU time, shared 2-core EPYC, load ~12).
 DEQUANTIZE_CHUNK_ELEMENTS = 1 << 20
+# Activation rows up to which a dense copy is made by column (dequantize_packed): its faster
+# decode (~0.5 ns per weight, one thread) outweighs a matmul penalty of 0-20% there, while a
+# call over more rows spends most of its time in the matmul.
+DENSE_BY_COLUMN_MAX_ROWS = 512
 
 
 def set_max_kernel_rows(device_type: str, rows: int | None) -> None:
@@ -178,26 +182,32 @@ def packed_rows(layout: str, rows: tuple[int, int]) -> tuple[int, int]:
     return rows[0] // per, -(-rows[1] // per)
 
 
-def dequantize_packed(p: PackedInt4, dtype: torch.dtype = KERNEL_DTYPE) -> torch.Tensor:
-    """The (out, in) weight the kernel computes with, where it lives. On the CPU it is the
-    transpose of a contiguous (in, out) matrix: each 64-row block's bytes hold 32-byte runs
-    of consecutive output rows per input column, so decoding them in that order copies runs
-    instead of transposing bytes one by one, and the kernel's (groups, out) scales apply
-    as they are; a matmul takes either orientation at the same speed (SmolLM2's 1536 x 576
-    weight, one thread: 0.53 ms instead of 1.00 ms; indicative, load ~14)."""
+def dequantize_packed(p: PackedInt4, dtype: torch.dtype = KERNEL_DTYPE, by_column: bool = True) -> torch.Tensor:
+    """The (out, in) weight the kernel computes with, where it lives.
+
+    On the CPU, by_column: the transpose of a contiguous (in, out) matrix. Each 64-row block's
+    bytes hold 32-byte runs of consecutive output rows per input column, so decoding them in
+    that order copies runs instead of transposing bytes one by one, and the kernel's
+    (groups, out) scales apply as they are (SmolLM2's 1536 x 576 weight, one thread: 0.53 ms
+    instead of 1.00 ms). Else contiguous (out, in): one transposing copy more, which a matmul
+    over many rows repays (one thread, 1024 rows: OPT-1.3B's 8192 x 2048 weight 1.21x slower
+    by column, 2048 x 2048 1.08x; SmolLM2's ~1.0x). Indicative: thread CPU time, load ~14-22."""
     if p.layout == "cuda":
         return _cuda_dequantize(p).to(dtype)
     n, k = p.shape
-    out = torch.empty(k, n, dtype=dtype, device=p.device)
+    out = torch.empty((k, n) if by_column else (n, k), dtype=dtype, device=p.device)
     step = max(ROW_BLOCK, DEQUANTIZE_CHUNK_ELEMENTS // k // ROW_BLOCK * ROW_BLOCK)
     for start in range(0, n, step):
         rows = min(step, n - start)  # whole 64-row blocks (or the tail): a packed matrix of its own
         codes = _cpu_codes_by_column(p.packed[start:start + rows], rows, k).float()
         # scale and zero each contiguous: broadcasting a strided one is ~8x slower
         scale, zero = p.scales_zeros[:, start:start + rows].float().permute(2, 0, 1).contiguous()[:, :, None]
-        out[:, start:start + rows].copy_(_affine_(codes.view(k // p.group_size, p.group_size, rows), scale, zero)
-                                         .view(k, rows))
-    return out.t()
+        w = _affine_(codes.view(k // p.group_size, p.group_size, rows), scale, zero).view(k, rows)
+        if by_column:
+            out[:, start:start + rows].copy_(w)
+        else:  # convert, then transpose in the compute dtype (the two in one copy measured slower)
+            out[start:start + rows].copy_(w.to(dtype).t())
+    return out.t() if by_column else out
 
 
 def packed_rows_of(p: PackedInt4, ids: torch.Tensor, dtype: torch.dtype = KERNEL_DTYPE) -> torch.Tensor:
@@ -284,20 +294,24 @@ class CompressedWeight:
     def uses_kernel(self, rows: int) -> bool:
         return self.packed and (self.max_kernel_rows is None or rows <= self.max_kernel_rows)
 
-    def dense(self) -> torch.Tensor:
-        """The weight dequantized in the compute dtype; made once per use of the layer."""
+    def dense(self, rows: int | None = None) -> torch.Tensor:
+        """The weight dequantized in the compute dtype; made once per use of the layer. rows:
+        the activation rows of the call that needs it, which pick its orientation on the CPU
+        (dequantize_packed): by column up to DENSE_BY_COLUMN_MAX_ROWS, where making it is a
+        large part of the call, else by row, where the matmul is."""
         if self._dense is None:
+            by_column = rows is None or rows <= DENSE_BY_COLUMN_MAX_ROWS
             if len(self.parts) == 1:
-                self._dense = _dequantize_stored(self.parts[0][1], self.dtype)
+                self._dense = _dequantize_stored(self.parts[0][1], self.dtype, by_column)
             else:  # in the orientation its parts dequantize to, so that each copy is a plain one
+                by_column = by_column and self.packed and self.parts[0][1].layout == "cpu"
                 device = self.parts[0][1].device
-                by_column = self.packed and self.parts[0][1].layout == "cpu"
                 self._dense = torch.empty(self.shape[::-1] if by_column else self.shape, dtype=self.dtype,
                                           device=device)
                 if by_column:
                     self._dense = self._dense.t()
                 for start, p in self.parts:
-                    self._dense[start:start + p.shape[0]].copy_(_dequantize_stored(p, self.dtype))
+                    self._dense[start:start + p.shape[0]].copy_(_dequantize_stored(p, self.dtype, by_column))
         return self._dense
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
@@ -320,7 +334,7 @@ class CompressedWeight:
         scored prompt's head, a chunk of positions at a time, takes it for every chunk)."""
         rows = x.numel() // self.shape[1]
         if self._dense is not None or not self.uses_kernel(rows):
-            return F.linear(x, self.dense(), bias)
+            return F.linear(x, self.dense(rows), bias)
         x2 = x.reshape(rows, self.shape[1]).contiguous()
         if len(self.parts) == 1:
             y = _kernel_mm(x2, self.parts[0][1])
@@ -337,5 +351,5 @@ def _kernel_mm(x: torch.Tensor, p: PackedInt4) -> torch.Tensor:
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, p.packed, p.group_size, p.scales_zeros)
 
 
-def _dequantize_stored(p: "PackedInt4 | QuantizedTensor", dtype: torch.dtype) -> torch.Tensor:
-    return dequantize_packed(p, dtype) if isinstance(p, PackedInt4) else dequantize(p, dtype)
+def _dequantize_stored(p: "PackedInt4 | QuantizedTensor", dtype: torch.dtype, by_column: bool) -> torch.Tensor:
+    return dequantize_packed(p, dtype, by_column) if isinstance(p, PackedInt4) else dequantize(p, dtype)

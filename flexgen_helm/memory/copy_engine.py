@@ -1,9 +1,15 @@
 """Asynchronous loads and stores, so that I/O overlaps compute (Algorithm 1 of the paper).
 
-One worker thread runs the transfers in submission order, which keeps a store ahead of
-any later load of the same data. Disk reads and torch copies release the GIL, so the
-worker really runs beside the compute thread. On CUDA the worker issues its copies on
-its own stream. With overlap off, every transfer runs inline, as the paper's ablation.
+Two lanes, one worker thread each. The "batches" lane runs a GPU batch's cache and
+hidden-state transfers in submission order, which keeps a store ahead of any later load
+of the same data. The "weights" lane runs weight loads: weights are only read, so their
+order against the rest does not matter, and on a lane of their own the next layer's
+weight read no longer holds up the small loads a batch needs now (on one lane every
+batch's hidden-state load queued behind it, so the reads and the compute took turns:
+OPT-1.3B, weights on disk, decode time = weight read + compute). Disk reads and torch
+copies release the GIL, so the workers really run beside the compute thread. On CUDA each
+lane issues its copies on its own stream. With overlap off, every transfer runs inline,
+as the paper's ablation.
 
 Each transfer may name its `kind` (e.g. "decode_load_cache"): its run time is added to
 `timers[kind]`, which with overlap off gives the paper's runtime breakdown (Table 23).
@@ -29,22 +35,27 @@ class _Done:
         return self._value
 
 
+LANES = ("batches", "weights")
+
+
 class CopyEngine:
     def __init__(self, overlap: bool, device: torch.device, timers: dict | None = None):
         self.overlap = overlap
         self.timers = timers if timers is not None else defaultdict(float)
         self.cuda = device.type == "cuda"
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flexgen-io") if overlap else None
-        self._stream = torch.cuda.Stream(device) if (overlap and self.cuda) else None
+        self._pools = {lane: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"flexgen-io-{lane}")
+                       for lane in LANES} if overlap else None
+        self._streams = {lane: torch.cuda.Stream(device) for lane in LANES} if (overlap and self.cuda) else None
 
-    def submit(self, fn, *args, kind: str | None = None) -> Future | _Done:
-        if self._pool is None:
+    def submit(self, fn, *args, kind: str | None = None, lane: str = "batches") -> Future | _Done:
+        """Run fn(*args) on `lane` (module doc); its run time goes to timers[kind]."""
+        if self._pools is None:
             return _Done(self._timed(kind, self._inline, fn, args))
         ready = None
         if self.cuda:
             ready = torch.cuda.Event()
             ready.record()  # the transfer may read tensors that compute just produced
-        return self._pool.submit(self._timed, kind, self._run, fn, args, ready)
+        return self._pools[lane].submit(self._timed, kind, self._run, fn, args, ready, lane)
 
     def _timed(self, kind, run, *args):
         if kind is None:
@@ -60,18 +71,19 @@ class CopyEngine:
             torch.cuda.current_stream().synchronize()
         return out
 
-    def _run(self, fn, args, ready):
+    def _run(self, fn, args, ready, lane: str):
         if not self.cuda:
             return fn(*args)
-        with torch.cuda.stream(self._stream):
-            self._stream.wait_event(ready)
+        stream = self._streams[lane]
+        with torch.cuda.stream(stream):
+            stream.wait_event(ready)
             out = fn(*args)
-        self._stream.synchronize()
+        stream.synchronize()
         return out
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        for pool in (self._pools or {}).values():
+            pool.shutdown(wait=True)
 
 
 def consume(value, device: torch.device):

@@ -1,0 +1,53 @@
+"""The copy engine overlaps transfers with compute: the next layer's weight load runs on a
+lane of its own, so it never holds up the transfers the layer computing now waits for."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from flexgen_helm.engine import Engine
+from flexgen_helm.executor.sampling import SamplingParams
+from flexgen_helm.executor.schedule import BlockSchedule
+from flexgen_helm.memory.copy_engine import CopyEngine
+from flexgen_helm.policy import Policy, Split
+
+CPU32 = dict(dtype="float32", device="cpu", progress=False)
+
+
+def test_a_weight_load_does_not_hold_up_a_batch_transfer():
+    io = CopyEngine(True, torch.device("cpu"))
+    release = threading.Event()
+    try:
+        slow = io.submit(release.wait, 10, lane="weights")
+        assert io.submit(lambda: "hidden state").result(timeout=5) == "hidden state"
+        assert not slow.done()
+    finally:
+        release.set()
+        io.close()
+
+
+def test_a_layer_computes_while_the_next_layers_weights_load(tiny_llama, tmp_path, monkeypatch):
+    """Weights on disk (the copy engine on): the first block computes while the second
+    block's weights are still loading, i.e. its hidden state did not queue behind them."""
+    engine = Engine.load(str(tiny_llama), Policy(gpu_batch_size=2, weights=Split(0, 0, 1)),
+                         offload_dir=tmp_path, **CPU32)
+    computed = threading.Event()
+    real_run, real_load = BlockSchedule._run_layer, engine.runtime.load_layer
+
+    def run_layer(self, layer, *args):
+        out = real_run(self, layer, *args)
+        if layer.kind == "block":
+            computed.set()
+        return out
+
+    def load_layer(layer, *args):
+        if layer.kind == "block" and layer.index == 1:
+            assert computed.wait(10), "block 0 could not compute before block 1's weights were loaded"
+        return real_load(layer, *args)
+
+    monkeypatch.setattr(BlockSchedule, "_run_layer", run_layer)
+    monkeypatch.setattr(engine.runtime, "load_layer", load_layer)
+    run = engine.generate([[5, 17, 3], [12, 7]], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    assert all(len(r.completions[0].token_ids) == 2 for r in run.results)
