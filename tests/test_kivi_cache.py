@@ -70,7 +70,7 @@ def test_slot_returns_each_sequence_quantized_in_its_own_groups(window, bits, gr
     buffers = CacheBuffers()
     for length in range(9, max_len):
         for tier, (a, b) in slot.ranges.items():
-            keys, values = slot.unpack(tier, slot.read(tier, length), torch.device("cpu"), buffers)
+            keys, values = slot.unpack(tier, slot.read(tier, length), torch.device("cpu"), torch.float32, buffers)
             keys[:, -1], values[:, -1] = k[length, a:b], v[length, a:b]
             drop, valid = slot.decode_valid(tier, length, window, torch.ones(b - a, length + 1, dtype=torch.bool),
                                             None)
@@ -103,7 +103,7 @@ def test_finished_units_leave_the_others_alone(tmp_path):
         slot.write(k[length:length + 1, kept], v[length:length + 1, kept], length, units=kept)
     buffers = CacheBuffers()
     for tier, unit, local in (("gpu", 0, torch.tensor([0])), ("disk", 3, torch.tensor([1]))):
-        keys, values = slot.unpack(tier, slot.read(tier, 12), torch.device("cpu"), buffers)
+        keys, values = slot.unpack(tier, slot.read(tier, 12), torch.device("cpu"), torch.float32, buffers)
         keys, values = keys[local], values[local]
         _, valid = slot.decode_valid(tier, 12, 0, torch.ones(1, 13, dtype=torch.bool), local)
         ref_k, ref_v = _reference(k[:, unit], v[:, unit], int(starts[unit]), 12 - int(starts[unit]), cfg, 0)

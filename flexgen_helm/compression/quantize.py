@@ -349,7 +349,11 @@ def dequantize_into(q: QuantizedTensor, out: torch.Tensor, scratch: Scratch | No
     if out.dtype != work_dtype:
         rounded = scratch(tuple(work.shape), out.dtype)
         work = rounded.copy_(work)
-    out.copy_(work.movedim(-1, gd + 1).flatten(gd, gd + 1).narrow(gd, 0, q.shape[gd]))
+    grouped = work.movedim(-1, gd + 1)  # (..., ng, G, ...): a view, in q's order of dims
+    if grouped.shape[gd] * G == q.shape[gd]:  # out split the same way: a view too, no copy in between
+        out.unflatten(gd, (grouped.shape[gd], G)).copy_(grouped)
+    else:  # the last group's padding is cut off
+        out.copy_(grouped.flatten(gd, gd + 1).narrow(gd, 0, q.shape[gd]))
     return out
 
 

@@ -30,6 +30,14 @@ def from_units(x: torch.Tensor, batch: int) -> torch.Tensor:
 ValueRows = Callable[[list[int]], torch.Tensor]
 
 
+def decode_cache_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a decode step's attention on `device` reads a loaded cache in: float32 on
+    the CPU, whose decode attention computes in float32 (attend()), so a cache dequantized
+    or copied for it is never rounded to the compute dtype and converted back; else the
+    compute dtype."""
+    return torch.float32 if torch.device(device).type == "cpu" else dtype
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | ValueRows, key_valid: torch.Tensor,
            causal: bool, keep_fraction: float = 1.0, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q: (u, r, q_len, d); k: (u, t, d); v: (u, t, d) or a ValueRows; key_valid: (u, t)

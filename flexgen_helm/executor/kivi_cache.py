@@ -170,14 +170,16 @@ class KiviCacheSlot:
         self.disk_bytes_read += raw.numel()
         return KiviStored(self._disk_row.from_blocks(raw), self._residual("disk"))
 
-    def unpack(self, tier: str, stored: KiviStored, device: torch.device,
+    def unpack(self, tier: str, stored: KiviStored, device: torch.device, dtype: torch.dtype,
                buffers: CacheBuffers) -> tuple[torch.Tensor, torch.Tensor]:
         """What read(tier) returned, made ready for attention on `device`: keys and values
-        (units, n + 1, d) in `buffers`, the n positions of the groups and the residual, then a
-        column left for the new token."""
+        (units, n + 1, d) of `dtype` in `buffers`, the n positions of the groups and the
+        residual, then a column left for the new token."""
         n, u = stored.positions, stored.residual.shape[2]
-        keys = buffers.take(f"keys-{tier}", (u, n + 1, self.head_dim), self.devices.dtype, device)
-        values = buffers.take(f"values-{tier}", (u, n + 1, self.head_dim), self.devices.dtype, device)
+        # keys stored as (units, d, positions), as a group's keys dequantize (each channel's G
+        # tokens in a row) and as attention multiplies them (q @ k^T): no transposing copy
+        keys = buffers.take(f"keys-{tier}", (u, self.head_dim, n + 1), dtype, device).transpose(1, 2)
+        values = buffers.take(f"values-{tier}", (u, n + 1, self.head_dim), dtype, device)
         stored.to(device, non_blocking=True).dequantize_into(keys[:, :n], values[:, :n], buffers.scratch(device))
         return keys, values
 

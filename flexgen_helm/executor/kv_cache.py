@@ -224,18 +224,18 @@ class KVCacheSlot:
     # keys, only the rows it keeps (read_disk_values)
     values_apart = True
 
-    def unpack(self, tier: str, stored: tuple[Stored, Stored | None], device: torch.device,
+    def unpack(self, tier: str, stored: tuple[Stored, Stored | None], device: torch.device, dtype: torch.dtype,
                buffers: CacheBuffers) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What read(tier) returned, made ready for attention on `device`: keys and values
-        (units, n + 1, d) in `buffers`, the n positions held oldest first, then a column left
-        for the new token (None for values not read)."""
+        (units, n + 1, d) of `dtype` in `buffers`, the n positions held oldest first, then a
+        column left for the new token (None for values not read)."""
         out = []
         for name, x in zip(("keys", "values"), stored):
             if x is None:
                 out.append(None)
                 continue
             n, u = x.shape[0], x.shape[1]
-            buf = buffers.take(f"{name}-{tier}", (u, n + 1, self.head_dim), self.devices.dtype, device)
+            buf = buffers.take(f"{name}-{tier}", (u, n + 1, self.head_dim), dtype, device)
             dense_into(x if isinstance(x, torch.Tensor) else x.to(device, non_blocking=True),
                        buf[:, :n].transpose(0, 1), buffers.scratch(device))
             out.append(buf)

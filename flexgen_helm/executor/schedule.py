@@ -31,7 +31,7 @@ from flexgen_helm.compression import kivi
 from flexgen_helm.compression.quantize import CACHE_GROUP_DIM
 from flexgen_helm.compression.stored import dense, encode
 from flexgen_helm.executor.activations import ActivationHome
-from flexgen_helm.executor.attention import attend, attend_as_decode, from_units, to_units
+from flexgen_helm.executor.attention import attend, attend_as_decode, decode_cache_dtype, from_units, to_units
 from flexgen_helm.executor.cache_buffers import CacheBuffers
 from flexgen_helm.executor.kivi_cache import KiviCacheSlot
 from flexgen_helm.executor.kv_cache import KVCacheSlot
@@ -313,7 +313,8 @@ class BlockSchedule:
                 stored = slot.read(tier, self.length, values=not sparse_disk)
                 # compressed parts travel compressed and are dequantized where attention runs
                 t0 = time.perf_counter()
-                parts[tier] = slot.unpack(tier, stored, where, self.buffers)
+                parts[tier] = slot.unpack(tier, stored, where, decode_cache_dtype(where, self.devices.dtype),
+                                          self.buffers)
                 self.timers["decode_unpack_cache"] += time.perf_counter() - t0
         return parts
 
@@ -355,10 +356,11 @@ class BlockSchedule:
         """(units, t, d) keys and values (units starting at `starts`) -> what the cache returns
         for them (a slot's write then read: the same encoding, in the cache's layout)."""
         cfg, dtype = self.policy.compress_cache, self.devices.dtype
+        read_as = decode_cache_dtype(self.devices.compute, dtype)  # as a decode step's attention reads it
         if cfg is not None and cfg.kivi:
-            return kivi.as_stored(k.to(dtype), v.to(dtype), cfg, starts, dtype)
+            return kivi.as_stored(k.to(dtype), v.to(dtype), cfg, starts, read_as)
         gd = None if cfg is None else CACHE_GROUP_DIM
-        return tuple(dense(encode(x.transpose(0, 1).to(dtype), cfg, gd), dtype).transpose(0, 1) for x in (k, v))
+        return tuple(dense(encode(x.transpose(0, 1).to(dtype), cfg, gd), read_as).transpose(0, 1) for x in (k, v))
 
     def _decode_attention(self, slot: KVCacheSlot | KiviCacheSlot, cache: dict, qu, ku, vu, rows: StepRows,
                           window: int):
