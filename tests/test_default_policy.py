@@ -81,6 +81,10 @@ def test_flags_the_user_gives_win_and_the_planner_fills_the_rest(profiled, tmp_p
     compressed = policy_from_args(bench_args("--compress-weight", "--percent", "0", "100", "100", "0", "100", "0"))
     assert compressed.compress_weight == Compression(4, 64) and compressed.weights == Split(0, 1, 0)
 
+    one_prompt = build_parser().parse_args(["generate", "--model", "facebook/opt-1.3b", "--dummy", "--prompt", "hi",
+                                            "--gpu-batch-size", "4"])
+    assert policy_from_args(one_prompt).block_size == 4  # more than the one sequence, as the user asked
+
     file = tmp_path / "policy.json"
     file.write_text(placed.to_json())
     from_file = policy_from_args(bench_args("--policy", str(file), "--num-gpu-batches", "5"))

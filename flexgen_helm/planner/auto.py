@@ -85,9 +85,9 @@ def planned_policy(cfg: ModelConfig, workload: CommandWorkload, pinned: dict | N
               "block for this machine", file=sys.stderr, flush=True)
         return policy
     options = options_for(pinned, max_latency_s)
-    if workload.sequences is not None:
+    if workload.sequences is not None:  # a bigger block than the sequences is padding, unless the user set it
         cap = 1 << max(0, workload.sequences - 1).bit_length()
-        options.max_block_size = cap
+        options.max_block_size = max(cap, (options.gpu_batch_size or 1) * (options.num_gpu_batches or 1))
         options.max_gpu_batch_size = min(options.max_gpu_batch_size, cap)
     result = search_for(cfg, workload.prompt_len, workload.gen_len, budgets, options, offload_dir=offload_dir,
                         dtype=dtype, profile=profile)
