@@ -175,6 +175,9 @@ class LayerWeights:
     packed_matmul_numel: int = 0  # multiplied, in the int4 kernel's layout: the kernel may take them
     packed_numel: int = 0  # in the kernel's layout, lookups too: dequantized where the kernel is not used
     grouped_numel: int = 0  # in the group layout (QuantizedTensor): dequantized at every load
+    # elements of a row of the tables in the CPU's packed layout, of which a lookup dequantizes
+    # only the rows it looks up (CompressedWeight.embedding); not in packed_numel
+    row_lookup_width: int = 0
 
 
 def layer_weights(layer: LayerSpec, placement: dict, compression: Compression | None, dtype: torch.dtype,
@@ -199,7 +202,10 @@ def layer_weights(layer: LayerSpec, placement: dict, compression: Compression | 
         lw.matmul_numel += t.numel * multiplied
         if weight_groups(compression, t.shape) is None:
             continue
-        if weight_layout(compression, t.shape, dtype, device) is not None:
+        layout = weight_layout(compression, t.shape, dtype, device)
+        if layout == "cpu" and not multiplied:
+            lw.row_lookup_width += t.row_numel
+        elif layout is not None:
             lw.packed_numel += t.numel
             lw.packed_matmul_numel += t.numel * multiplied
         else:
@@ -305,6 +311,8 @@ class CostModel:
         dev, dtype = self.hw.compute, self.hw.dtype
         dense = lw.matmul_numel - lw.packed_matmul_numel
         seconds = lw.grouped_numel / dev.dequant_elems_per_s
+        if lw.row_lookup_width:  # one table row per looked-up position
+            seconds += nb * rows * lw.row_lookup_width / dev.int4_dequant_elems_per_s
         if lw.packed_numel and self.kernel_takes(rows):
             seconds += nb * 2 * rows * lw.packed_matmul_numel / dev.int4_flops(rows)
             seconds += (lw.packed_numel - lw.packed_matmul_numel) / dev.int4_dequant_elems_per_s  # lookups
@@ -423,7 +431,7 @@ class CostModel:
             device = torch.device(self.hw.compute_device)
             lws = [layer_weights(layer, placement, policy.compress_weight, self.dtype, device)
                    for layer, _ in self.groups]
-            if any(lw.packed_numel for lw in lws) and not (self.hw.compute.int4_matmul_flops
+            if any(lw.packed_numel or lw.row_lookup_width for lw in lws) and not (self.hw.compute.int4_matmul_flops
                                                           and self.hw.compute.int4_dequant_elems_per_s):
                 raise ProfileFormatError(
                     f"4-bit weights would compute on the int4 kernel of {device.type}, but the hardware profile has "
