@@ -118,7 +118,8 @@ def test_a_dense_copy_is_oriented_by_the_calls_rows_with_the_same_values():
     for parts in ([(0, p)], cut):
         few = CompressedWeight(parts, p.shape, torch.bfloat16, 0).dense(int4.DENSE_BY_COLUMN_MAX_ROWS)
         many = CompressedWeight(parts, p.shape, torch.bfloat16, 0).dense(int4.DENSE_BY_COLUMN_MAX_ROWS + 1)
-        assert few.t().is_contiguous() and many.is_contiguous() and torch.equal(few, by_row) and torch.equal(many, by_row)
+        assert few.t().is_contiguous() and many.is_contiguous()
+        assert torch.equal(few, by_row) and torch.equal(many, by_row)
 
 
 def test_segments_cut_on_blocks_are_packed_matrices_of_their_own():
