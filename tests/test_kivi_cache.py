@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from flexgen_helm import engine as engine_module
-from flexgen_helm.cli.options import add_policy_args, policy_from_args
+from flexgen_helm.cli.options import add_policy_args, pinned_fields
 from flexgen_helm.compression import fake_quantize
 from flexgen_helm.compression.quantize import dequantize, dequantize_into, quantize
 from flexgen_helm.engine import Engine
@@ -173,8 +173,11 @@ def _args(argv):
 
 
 def test_cli_flag_names_the_grouping_and_needs_a_compressed_cache():
-    assert policy_from_args(_args(["--compress-cache"])).compress_cache.cache_grouping == DEFAULT_CACHE_GROUPING
-    policy = policy_from_args(_args(["--compress-weight", "--compress-cache", "--cache-grouping", "per-token"]))
+    """The policy fields the flags pin (the planner fills in the block; see tests/test_default_policy.py)."""
+    assert Policy.from_dict(pinned_fields(_args(["--compress-cache"]))).compress_cache.cache_grouping \
+        == DEFAULT_CACHE_GROUPING
+    policy = Policy.from_dict(pinned_fields(_args(["--compress-weight", "--compress-cache", "--cache-grouping",
+                                                   "per-token"])))
     assert policy.compress_cache.cache_grouping == "per-token" and policy.compress_weight.cache_grouping is None
     with pytest.raises(FlexGenError, match="--cache-grouping kivi .* add --compress-cache"):
-        policy_from_args(_args(["--compress-weight", "--cache-grouping", "kivi"]))
+        pinned_fields(_args(["--compress-weight", "--cache-grouping", "kivi"]))
