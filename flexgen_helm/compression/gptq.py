@@ -10,8 +10,8 @@ weighted by the Cholesky factor U of H^-1 (upper: H^-1 = U^T U):
     err = (w_i - q_i) / U[i, i];   w_j -= err * U[i, j]   for every j > i
 
 A group's scale and minimum are its min/max, taken when its first column is reached, i.e.
-from the values the error feedback has made of it by then. The updates are applied lazily:
-inside a block of LAZY_COLUMNS columns at once, to the columns after it by one matmul.
+from the values the error feedback has made of it by then. The updates are applied lazily
+(_quantize_block): most of the work is matrix products, few column-sized steps.
 
 Inputs wider than MAX_COLUMN_BLOCK are quantized in independent column blocks of that
 width (a block-diagonal H): the error of a column then flows only within its block. On
@@ -25,6 +25,7 @@ in tests/test_gptq.py and runs/accuracy.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +34,8 @@ from flexgen_helm.compression.quantize import QuantizedTensor, pack
 from flexgen_helm.policy.policy import Compression
 
 DAMP = 0.01  # added to H's diagonal, relative to its mean: keeps H invertible (GPTQ's default)
-LAZY_COLUMNS = 128  # columns whose updates are applied one by one; later ones get one matmul per block
+LAZY_COLUMNS = 128  # columns whose updates reach the columns after them in one product
+INNER_COLUMNS = 16  # columns whose updates reach each other one by one (rank-1 updates)
 MAX_COLUMN_BLOCK = 2048  # widest input quantized with a full H (module doc)
 
 
@@ -79,9 +81,9 @@ def gptq_quantize(w: torch.Tensor, factors: list[torch.Tensor], blocks: list[tup
     wt = w.t().to(torch.float32, copy=True)
     grid = (out_dim // group, in_dim) if group_dim == 0 else (out_dim, in_dim // group)
     out = _Codes(torch.empty(in_dim, out_dim, dtype=torch.uint8), torch.empty(grid, dtype=dtype),
-                 torch.empty(grid, dtype=dtype))
+                 torch.empty(grid, dtype=dtype), (1 << cfg.bits) - 1, group, group_dim)
     for (a, b), u in zip(blocks, factors):
-        _quantize_block(wt[a:b], u, out, a, cfg, group_dim)
+        _quantize_block(wt[a:b], u, out, a)
     if group_dim == 1:  # (in, out) -> (out, ng, group): each group's codes last, for packing
         grouped = out.codes.t().unflatten(1, (grid[1], group))
     else:  # (in, out) -> (ng, in, group)
@@ -94,11 +96,14 @@ def gptq_quantize(w: torch.Tensor, factors: list[torch.Tensor], blocks: list[tup
 @dataclass(frozen=True)
 class _Codes:
     """What GPTQ writes: codes (in, out), a column per row; scales and minimums in their
-    QuantizedTensor shape."""
+    QuantizedTensor shape; and the grouping they follow."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     min: torch.Tensor
+    levels: int
+    group_size: int
+    group_dim: int
 
 
 def inverse_cholesky(h: torch.Tensor) -> torch.Tensor:
@@ -119,24 +124,38 @@ def inverse_cholesky(h: torch.Tensor) -> torch.Tensor:
     return torch.linalg.solve_triangular(chol, eye, upper=False).flip(0, 1)
 
 
-def _quantize_block(wt: torch.Tensor, u: torch.Tensor, out: _Codes, first: int, cfg: Compression,
-                    group_dim: int) -> None:
+def _quantize_block(wt: torch.Tensor, u: torch.Tensor, out: _Codes, first: int) -> None:
     """GPTQ over the columns `wt` (in place: (block columns, out), a column per row; the
-    first is input column `first`), with U of this block."""
-    group = cfg.group_size
-    lazy = max(group, LAZY_COLUMNS // group * group) if group_dim == 1 else LAZY_COLUMNS
-    n = wt.shape[0]
+    first is input column `first`, a group boundary), with U of this block.
+
+    Two levels of laziness: a column's update reaches the next few (`inner`) columns at once
+    (a rank-1 update each), the rest of its lazy batch after those few (one product), and
+    the columns after the batch after the whole batch (one product). A group's min/max is
+    taken when its first column is reached, once every earlier column's update is in."""
+    group, n = out.group_size, wt.shape[0]
+    lazy, inner = LAZY_COLUMNS, INNER_COLUMNS
+    if out.group_dim == 1:  # a group never straddles two batches: its grid is read whole
+        lazy, inner = max(group, LAZY_COLUMNS // group * group), math.gcd(group, INNER_COLUMNS)
+    grid = None
     for a in range(0, n, lazy):
         b = min(a + lazy, n)
-        with _one_thread():
-            errors = _quantize_columns(wt[a:b], u[a:b, a:b], out, first + a, cfg, group_dim)
+        errors = torch.empty(b - a, wt.shape[1])
+        for c in range(a, b, inner):
+            d = min(c + inner, b)
+            if out.group_dim == 1 and c % group == 0:
+                grid = _group_grid(wt[c:c + group], 0, out)
+                out.scale[:, (first + c) // group], out.min[:, (first + c) // group] = grid[:2]
+            with _one_thread():
+                _quantize_columns(wt[c:d], u[c:d, c:d], errors[c - a:d - a], out, first + c, grid)
+            if d < b:
+                wt[d:b].addmm_(u[c:d, d:b].t(), errors[c - a:d - a], alpha=-1)
         if b < n:
             wt[b:].addmm_(u[a:b, b:].t(), errors, alpha=-1)
 
 
 @contextlib.contextmanager
 def _one_thread():
-    """The column steps are small ops (a few vectors and one (128, out) update each): a second
+    """The column steps are small ops (a few vectors and one (16, out) update each): a second
     thread only adds a barrier per op, and on a shared machine, where it is often descheduled,
     a wait. Measured (2048 x 1024, 2 cores at load ~11): 13-15 s with 2 threads, 1.9 s with 1."""
     threads = torch.get_num_threads()
@@ -147,33 +166,28 @@ def _one_thread():
         torch.set_num_threads(threads)
 
 
-def _quantize_columns(wt: torch.Tensor, u: torch.Tensor, out: _Codes, first: int, cfg: Compression,
-                      group_dim: int) -> torch.Tensor:
-    """Columns `wt` (a lazy batch, starting at input column `first`, in whole groups when
-    groups run along the columns) one by one, each one's update applied at once to the
-    rest of the batch; returns their scaled errors (columns, out) for the columns after."""
-    levels, group = (1 << cfg.bits) - 1, cfg.group_size
-    errors = torch.empty_like(wt)
+def _quantize_columns(wt: torch.Tensor, u: torch.Tensor, errors: torch.Tensor, out: _Codes, first: int,
+                      grid: tuple | None) -> None:
+    """Columns `wt` (starting at input column `first`) one by one, each one's update applied
+    at once to the others; their errors, scaled by U's diagonal, go to `errors`. `grid`:
+    the (scale, minimum, 1 / scale) of their group when groups run along the columns."""
     for i in range(wt.shape[0]):
         col = first + i
-        if group_dim == 1 and i % group == 0:  # a new group of columns: its (out,) scales and minimums
-            s, mn = _group_grid(wt[i:i + group], 0, levels, out.scale.dtype)
-            out.scale[:, col // group], out.min[:, col // group] = s, mn
-        elif group_dim == 0:  # the column's own groups of rows: (out / group,) each
-            s, mn = _group_grid(wt[i].view(-1, group), 1, levels, out.scale.dtype)
-            out.scale[:, col], out.min[:, col] = s, mn
-            s, mn = s.repeat_interleave(group), mn.repeat_interleave(group)
-        q = torch.round((wt[i] - mn) / torch.where(s > 0, s, torch.ones_like(s))).clamp_(0, levels)
+        if out.group_dim == 0:  # the column's own groups of rows: (out / group,) each
+            grid = _group_grid(wt[i].view(-1, out.group_size), 1, out)
+            out.scale[:, col], out.min[:, col] = grid[:2]
+            grid = tuple(g.repeat_interleave(out.group_size) for g in grid)
+        s, mn, inv = grid
+        q = wt[i].sub(mn).mul_(inv).round_().clamp_(0, out.levels)
         out.codes[col] = q.to(torch.uint8)
         # wt[i] is done with: it becomes the column's error, scaled by U's diagonal
         errors[i] = wt[i].sub_(q.mul_(s).add_(mn)).div_(u[i, i])
         wt[i + 1:].addr_(u[i, i + 1:], errors[i], alpha=-1)
-    return errors
 
 
-def _group_grid(values: torch.Tensor, axis: int, levels: int, dtype: torch.dtype):
-    """(scale, minimum) of groups running along `axis` of `values`: their min/max, as stored
-    in `dtype`, in float32."""
+def _group_grid(values: torch.Tensor, axis: int, out: _Codes) -> tuple[torch.Tensor, ...]:
+    """(scale, minimum, 1 / scale) of groups running along `axis` of `values`: their min/max,
+    as stored, in float32 (1 / scale is 1 for a constant group, whose codes are then 0)."""
     lo = values.amin(axis)
-    s = (values.amax(axis) - lo).div_(levels).to(dtype).float()
-    return s, lo.to(dtype).float()
+    s = (values.amax(axis) - lo).div_(out.levels).to(out.scale.dtype).float()
+    return s, lo.to(out.min.dtype).float(), torch.where(s > 0, s, 1.0).reciprocal_()
