@@ -212,9 +212,9 @@ def _engine_check_note(out: Path) -> str:
     return (f"The engine against the simulation outside it (first 1024 WikiText tokens, one window): no compression "
             f"{got['none']:.3f} vs {simulated['none']:.3f}; KIVI g64 {got['kivi']:.3f} vs "
             f"{simulated['KIVI: keys per channel rtn + block residual']:.3f}; per token {got['per-token']:.3f} vs "
-            f"{simulated['per-token rtn']:.3f}. Per-token groups are the fragile ones: their coarse steps make a "
-            "code flip on float rounding alone (attention that differs in the 7th digit moved this number by 1% "
-            "between two equivalent implementations), so they agree only to about 1%. Commands: "
+            f"{simulated['per-token rtn']:.3f} ({100 * (got['per-token'] / simulated['per-token rtn'] - 1):+.1f}%: "
+            "per-token groups take coarse steps, so rounding-level differences between two implementations of the "
+            "same attention flip some of their codes). Commands: "
             + "; ".join(f"`{r['command']}`" for r in engine.values()) + ".")
 
 
