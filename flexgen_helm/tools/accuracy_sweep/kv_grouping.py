@@ -10,6 +10,7 @@ A per-token row with that same full-precision residual separates the residual's 
 the grouping's. WikiText-2 token perplexity of the first `--tokens` tokens, windows of 1024.
 
     python -m flexgen_helm.tools.accuracy_sweep.kv_grouping   # -> runs/accuracy/json/kv_grouping.json
+    python -m flexgen_helm.tools.accuracy_sweep.kv_grouping --key-channels --tokens 1024   # key_channels.json
 """
 
 from __future__ import annotations
@@ -71,6 +72,31 @@ def _attention(variant, bits: int, block: int):
     return attend
 
 
+def key_channels(tokens: int, out: str) -> dict:
+    """How uneven the keys' channels are (KIVI's observation): per layer and key-value head,
+    the largest channel's mean |key| (after rotary) over the first `tokens` WikiText tokens,
+    divided by the median channel's."""
+    tf = import_transformers()
+    ratios = []
+
+    def probe(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        per_channel = key[0].abs().mean(1)  # (kv heads, head_dim)
+        ratios.append(per_channel.max(1).values / per_channel.median(1).values)
+        return tf.integrations.sdpa_attention.sdpa_attention_forward(module, query, key, value, attention_mask,
+                                                                     scaling=scaling, dropout=dropout, **kwargs)
+
+    tf.AttentionInterface.register("key_channels", probe)
+    ids, source = wikitext_ids(smollm2_tokenizer(), tokens)
+    with torch.no_grad():
+        smollm2_model(attn_implementation="key_channels")(torch.tensor([ids]))
+    r = torch.stack(ratios)
+    rec = {"what": " ".join(key_channels.__doc__.split()), "tokens": len(ids), "data": source,
+           "max_over_median_channel": {"median": r.median().item(), "min": r.min().item(), "max": r.max().item()},
+           "command": "python -m flexgen_helm.tools.accuracy_sweep.kv_grouping " + " ".join(sys.argv[1:])}
+    Path(out).write_text(json.dumps(rec, indent=1) + "\n")
+    return rec
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m flexgen_helm.tools.accuracy_sweep.kv_grouping", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -79,7 +105,12 @@ def main(argv=None) -> int:
     p.add_argument("--block", type=int, default=64, help="KIVI's group of tokens per channel (and residual)")
     p.add_argument("--variants", nargs="*", choices=list(VARIANTS), default=list(VARIANTS))
     p.add_argument("--out", default=str(OUT / "json" / "kv_grouping.json"))
+    p.add_argument("--key-channels", action="store_true",
+                   help="instead: how uneven the keys' channels are (-> runs/accuracy/json/key_channels.json)")
     args = p.parse_args(argv)
+    if args.key_channels:
+        print(key_channels(args.tokens, str(OUT / "json" / "key_channels.json")))
+        return 0
     tf = import_transformers()
     ids, source = wikitext_ids(smollm2_tokenizer(), args.tokens)
     results = []
