@@ -6,8 +6,11 @@ import os
 import platform
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
+
+from flexgen_helm.memory import host_allocator
 
 CHECK = "from flexgen_helm.memory.host_allocator import keep_freed_host_memory as k; print(k())"
 
@@ -49,3 +52,18 @@ def test_freed_memory_beyond_what_is_kept_goes_back_to_the_os():
     handed back (RSS falls by them), and with nothing more to hand back nothing happens."""
     done = subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["True", "False", "True", "True", "True", "False"]
+
+
+def test_what_a_hand_back_leaves_is_no_reason_for_the_next(monkeypatch):
+    """Memory a hand-back could not return (not malloc's, or free bytes in pages in use) does
+    not make every later check trim again: only what is freed beyond it counts."""
+    freed, trims = [30 << 20], []
+    monkeypatch.setattr(host_allocator, "freed_resident_bytes", lambda: freed[0])
+    libc = SimpleNamespace(malloc_trim=lambda pad: trims.append(pad) or 1)
+    monkeypatch.setattr(host_allocator, "_libc", lambda: libc)
+    monkeypatch.setattr(host_allocator, "_untrimmable", 0)
+    assert host_allocator.release_freed_host_memory(10 << 20)  # 30 MiB resident, all of it stays
+    assert not host_allocator.release_freed_host_memory(10 << 20)
+    freed[0] = 45 << 20  # 15 MiB freed beyond what stayed
+    assert host_allocator.release_freed_host_memory(10 << 20)
+    assert len(trims) == 2

@@ -25,7 +25,10 @@ from flexgen_helm.compression.quantize import dequantize, quantize
 from flexgen_helm.compression.stored import weight_layout
 from flexgen_helm.engine import Engine
 from flexgen_helm.errors import PolicyError
+from flexgen_helm.executor import schedule as schedule_module
+from flexgen_helm.executor import working_set
 from flexgen_helm.executor.sampling import SamplingParams
+from flexgen_helm.models import family_of
 from flexgen_helm.policy import Policy, Split
 from flexgen_helm.policy.policy import Compression
 from flexgen_helm.weights import store as store_module
@@ -190,6 +193,23 @@ def test_engine_computes_on_packed_weights_in_bfloat16(tiny_opt, tmp_path, monke
     assert not calls
     for r, want in zip(out, dense):
         assert r.completions[0].logprobs == pytest.approx(want[-3:], abs=0.05)
+
+
+def test_a_4bit_block_keeps_a_layers_dense_copy_for_the_next(tiny_opt, tmp_path, monkeypatch):
+    """Freed memory the schedule keeps for reuse counts the dense copy each layer of a
+    compressed prefill makes and frees (else every check handed it back and the next layer
+    faulted it in again), and the dequantization's working copies."""
+    keeps = []
+    monkeypatch.setattr(schedule_module, "release_freed_host_memory", lambda keep: keeps.append(keep) or False)
+    monkeypatch.setattr(schedule_module, "RELEASE_CHECK_S", 0.0)
+    prompts = [[5, 17, 3, 44], [12, 7, 9, 1]]
+    for cfg in (None, W4):
+        _engine(tiny_opt, tmp_path, cfg=cfg).generate(prompts, SamplingParams(max_new_tokens=1, ignore_eos=True))
+    plain, packed = keeps[0], keeps[-1]
+    config = resolve(str(tiny_opt)).config
+    block = next(layer for layer in family_of(config).layer_specs(config) if layer.kind == "block")
+    dense = sum(t.numel for t in block.tensors if len(t.shape) == 2) * 2  # bfloat16
+    assert packed - plain == 2 * (dense + working_set.DEQUANTIZE_WORKING_BYTES)
 
 
 def test_disk_store_holds_packed_bytes_and_rebuilds_an_old_format(tiny_opt, tmp_path):

@@ -36,7 +36,7 @@ from flexgen_helm.executor.cache_buffers import CacheBuffers
 from flexgen_helm.executor.kivi_cache import KiviCacheSlot
 from flexgen_helm.executor.kv_cache import KVCacheSlot
 from flexgen_helm.executor.step_rows import StepRows, units_of
-from flexgen_helm.executor.working_set import kept_freed_bytes
+from flexgen_helm.executor.working_set import dense_weight_numel, kept_freed_bytes
 from flexgen_helm.memory.copy_engine import CopyEngine, consume
 from flexgen_helm.memory.disk_buffer import OFFLOAD_ADVICE
 from flexgen_helm.memory.disk_space import check_free_space
@@ -117,7 +117,8 @@ class BlockSchedule:
         self.stores_prefill_cache = True
         # freed host memory kept for reuse beyond this is handed back (memory/host_allocator.py)
         self.keep_freed = kept_freed_bytes(self.cfg, max(b.size for b in batches), batches[0].ids.shape[1],
-                                           self.devices.dtype)
+                                           self.devices.dtype,
+                                           dense_weight_numel(runtime.layers, policy.compress_weight))
         self._freed_checked_at = 0.0
 
     def _slot(self, units: dict[str, int], max_len: int, disk_path: Path, window: int, k: int):

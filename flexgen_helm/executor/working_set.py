@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import torch
 
+from flexgen_helm.compression.int4 import DEQUANTIZE_CHUNK_ELEMENTS
+from flexgen_helm.compression.quantize import should_compress
 from flexgen_helm.models.config import ModelConfig
 
-# freed memory kept resident, in working sets of the block's widest GPU batch: one is what
-# the next layer reuses, the other room for the heap's fragmentation between two releases
+# freed memory kept resident, in what a layer frees (kept_freed_bytes): one is what the next
+# layer reuses, the other room for the heap's fragmentation between two releases
 KEPT_WORKING_SETS = 2
+# a dequantization's working copies of one piece (compression/int4.py): its codes' nibble
+# halves and uint8 codes (1 + 1), their float32 copy (4) and a bf16 copy to transpose (2)
+DEQUANTIZE_WORKING_BYTES = DEQUANTIZE_CHUNK_ELEMENTS * (1 + 1 + 4 + 2)
 
 
 def batch_working_bytes(cfg: ModelConfig, rows: int, dtype: torch.dtype) -> int:
@@ -21,7 +26,24 @@ def batch_working_bytes(cfg: ModelConfig, rows: int, dtype: torch.dtype) -> int:
     return rows * (4 * cfg.hidden_size + 2 * cfg.ffn_size) * elt
 
 
-def kept_freed_bytes(cfg: ModelConfig, gpu_batch_size: int, prompt_len: int, dtype: torch.dtype) -> int:
-    """Freed host memory a block keeps resident for reuse: KEPT_WORKING_SETS prefill working
-    sets (the widest the block has) of its largest GPU batch."""
-    return KEPT_WORKING_SETS * batch_working_bytes(cfg, gpu_batch_size * prompt_len, dtype)
+def kept_freed_bytes(cfg: ModelConfig, gpu_batch_size: int, prompt_len: int, dtype: torch.dtype,
+                     dense_weight_numel: int = 0) -> int:
+    """Freed host memory a block keeps resident for reuse: KEPT_WORKING_SETS times what a
+    layer frees when it ends - the prefill working set (the widest the block has) of its
+    largest GPU batch, and the dense copy a layer makes of its compressed weights
+    (`dense_weight_numel` elements, the largest) with the dequantization's working copies.
+    Without the dense copy, every check of a 4-bit SmolLM2 prefill handed a layer's copy back
+    and the next layer faulted its own in again (float and copy_ of its dequantization ~5x
+    slower, thread CPU time under load)."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    dense = dense_weight_numel * elt + (DEQUANTIZE_WORKING_BYTES if dense_weight_numel else 0)
+    return KEPT_WORKING_SETS * (batch_working_bytes(cfg, gpu_batch_size * prompt_len, dtype) + dense)
+
+
+def dense_weight_numel(layers, compression) -> int:
+    """Elements of the largest dense copy a block layer makes of its compressed weights (0
+    without weight compression)."""
+    if compression is None:
+        return 0
+    return max((sum(t.numel for t in layer.tensors if should_compress(t.shape)) for layer in layers
+                if layer.kind == "block"), default=0)

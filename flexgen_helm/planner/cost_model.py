@@ -46,7 +46,7 @@ import torch
 from flexgen_helm.compression.stored import weight_groups, weight_layout
 from flexgen_helm.errors import ProfileFormatError
 from flexgen_helm.executor.kv_cache import cache_rows, kv_nbytes, kv_nbytes_per_position
-from flexgen_helm.executor.working_set import batch_working_bytes, kept_freed_bytes
+from flexgen_helm.executor.working_set import batch_working_bytes, dense_weight_numel, kept_freed_bytes
 from flexgen_helm.memory.devices import DTYPES
 from flexgen_helm.memory.placement import place_weights
 from flexgen_helm.memory.weight_homes import segment_nbytes
@@ -479,8 +479,10 @@ class CostModel:
         # (kv_nbytes counts K and V together: half of it is one of them)
         loaded_cache = (2 + 2 + 3) * kv_nbytes(held, gbs * cfg.num_kv_heads, cfg.head_dim, self.dtype,
                                                policy.compress_cache) / 2 * moved
-        # freed memory the schedule keeps resident for reuse (executor/working_set.py)
-        kept = kept_freed_bytes(cfg, gbs, work.prompt_len, self.dtype)
+        # freed memory the schedule keeps resident for reuse (executor/working_set.py), a block
+        # layer's dense copy of its compressed weights among it
+        kept = kept_freed_bytes(cfg, gbs, work.prompt_len, self.dtype,
+                                dense_weight_numel([layer for layer, _ in self.groups], policy.compress_weight))
         out = {}
         for phase in PHASES:
             tokens = work.prompt_len if phase == "prefill" else 1
