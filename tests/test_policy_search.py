@@ -111,7 +111,8 @@ def test_compression_reduces_predicted_io():
     # 4 bits + a bf16 min and scale per 64 elements: 0.25 + 0.03 of the bytes
     assert packed.decode_terms["disk_cpu"] < 0.35 * plain.decode_terms["disk_cpu"]
     assert packed.prefill_terms["cpu_disk"] < 0.35 * plain.prefill_terms["cpu_disk"]
-    assert packed.decode_terms["compute"] > plain.decode_terms["compute"]  # dequantization is not free
+    # above the int4 kernel's crossover (a prefill's rows) the weights are dequantized: not free
+    assert packed.prefill_terms["compute"] > plain.prefill_terms["compute"]
     assert packed.peak_bytes["decode"]["disk"] < 0.35 * plain.peak_bytes["decode"]["disk"]
 
 
