@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import flexgen_helm.engine as engine_module
-from flexgen_helm.cli.options import add_policy_args, policy_from_args
+from flexgen_helm.cli.options import add_policy_args, pinned_fields
 from flexgen_helm.compression.gptq import column_blocks, gptq_quantize, input_factors
 from flexgen_helm.compression.int4 import PackedInt4, pack_int4
 from flexgen_helm.compression.quantize import dequantize, quantize
@@ -182,10 +182,10 @@ def _args(argv):
 
 
 def test_cli_flag_sets_the_method():
-    policy = policy_from_args(_args(["--compress-weight", "--quant-method", "gptq"]))
+    policy = Policy.from_dict(pinned_fields(_args(["--compress-weight", "--quant-method", "gptq"])))
     assert policy.compress_weight.method == "gptq" and policy.compress_cache is None
     with pytest.raises(PolicyError, match="compress_cache: gptq"):
-        policy_from_args(_args(["--compress-weight", "--compress-cache", "--quant-method", "gptq"]))
+        pinned_fields(_args(["--compress-weight", "--compress-cache", "--quant-method", "gptq"]))
 
 
 def test_helm_deployment_names_the_method():

@@ -13,6 +13,7 @@ import torch
 from flexgen_helm.compression import int4
 from flexgen_helm.engine import Engine
 from flexgen_helm.errors import ProfileFormatError
+from flexgen_helm.executor.working_set import DEQUANTIZE_WORKING_BYTES, KEPT_WORKING_SETS
 from flexgen_helm.memory.machine import machine_info
 from flexgen_helm.models.opt import config_for_size
 from flexgen_helm.planner import hardware_profile
@@ -81,14 +82,17 @@ def test_a_dense_copy_is_budgeted_only_where_the_kernel_does_not_take_the_rows()
     """The peak memory counts the dequantized copy of the layer in use (not of the one
     prefetched): in prefill (rows above the crossover) a block's weights, in decode (on the
     kernel) only the position table, which takes no packed layout (2050 rows); the token
-    embedding dequantizes only the rows it looks up, and so makes no copy."""
+    embedding dequantizes only the rows it looks up, and so makes no copy. In both phases the
+    freed memory kept for reuse holds a block layer's dense copy and its dequantization's
+    working copies, KEPT_WORKING_SETS times (executor/working_set.py)."""
     model = CostModel(OPT13, profile(FAST_KERNEL), Workload(128, 8))
     peak = model.estimate(Policy(4, 1, weights=Split(0, 1, 0), compress_weight=W4)).peak_bytes
     plain = model.estimate(Policy(4, 1, weights=Split(0, 1, 0))).peak_bytes
     h, f = OPT13.hidden_size, OPT13.ffn_size
     block, positions = (4 * h * h + 2 * h * f) * 2, (OPT13.max_seq_len + 2) * h * 2
-    assert peak["prefill"]["gpu"] - plain["prefill"]["gpu"] == block
-    assert peak["decode"]["gpu"] - plain["decode"]["gpu"] == positions
+    kept = KEPT_WORKING_SETS * (block + DEQUANTIZE_WORKING_BYTES)
+    assert peak["prefill"]["gpu"] - plain["prefill"]["gpu"] == block + kept
+    assert peak["decode"]["gpu"] - plain["decode"]["gpu"] == positions + kept
 
 
 def test_a_profile_of_the_old_format_is_refused_with_what_to_do(tmp_path, monkeypatch, capsys):
