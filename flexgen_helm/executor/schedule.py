@@ -42,6 +42,7 @@ from flexgen_helm.memory.disk_buffer import OFFLOAD_ADVICE
 from flexgen_helm.memory.disk_space import check_free_space
 from flexgen_helm.memory.host_allocator import release_freed_host_memory
 from flexgen_helm.memory.placement import slot_tier_counts
+from flexgen_helm.memory.weight_homes import load_nbytes
 from flexgen_helm.policy.policy import TIERS, Policy
 
 
@@ -118,7 +119,8 @@ class BlockSchedule:
         # freed host memory kept for reuse beyond this is handed back (memory/host_allocator.py)
         self.keep_freed = kept_freed_bytes(self.cfg, max(b.size for b in batches), batches[0].ids.shape[1],
                                            self.devices.dtype,
-                                           dense_weight_numel(runtime.layers, policy.compress_weight))
+                                           dense_weight_numel(runtime.layers, policy.compress_weight),
+                                           max(map(self._load_nbytes, runtime.layers)))
         self._freed_checked_at = 0.0
 
     def _slot(self, units: dict[str, int], max_len: int, disk_path: Path, window: int, k: int):
@@ -237,6 +239,11 @@ class BlockSchedule:
         if layers[-1].kind != "head":
             results = [self._wait(io.submit(a.load, kind=f"{stage}_load_hidden"), "load_hidden") for a in self.acts]
         return results
+
+    def _load_nbytes(self, layer) -> int:
+        """Bytes a load of the layer's weights makes beside their homes (weight_homes.load_nbytes)."""
+        return sum(load_nbytes(h.spec, h.segments, h.compression, self.devices.dtype, self.devices.is_cuda)
+                   for h in (self.rt.homes[t.store_name] for t in layer.tensors))
 
     def _bound_freed_memory(self) -> None:
         """Between layers, at most every RELEASE_CHECK_S: hand back the freed host memory

@@ -27,17 +27,20 @@ def batch_working_bytes(cfg: ModelConfig, rows: int, dtype: torch.dtype) -> int:
 
 
 def kept_freed_bytes(cfg: ModelConfig, gpu_batch_size: int, prompt_len: int, dtype: torch.dtype,
-                     dense_weight_numel: int = 0) -> int:
+                     dense_weight_numel: int = 0, largest_load: int = 0) -> int:
     """Freed host memory a block keeps resident for reuse: KEPT_WORKING_SETS times what a
     layer frees when it ends - the prefill working set (the widest the block has) of its
     largest GPU batch, and the dense copy a layer makes of its compressed weights
-    (`dense_weight_numel` elements, the largest) with the dequantization's working copies.
-    Without the dense copy, every check of a 4-bit SmolLM2 prefill handed a layer's copy back
-    and the next layer faulted its own in again (float and copy_ of its dequantization ~5x
-    slower, thread CPU time under load)."""
+    (`dense_weight_numel` elements, the largest) with the dequantization's working copies -
+    and the buffers of its largest layer's weight load (`largest_load` bytes: read off disk,
+    assembled), which the next layer's load reuses. Without the dense copy, every check of a
+    4-bit SmolLM2 prefill handed a layer's copy back and the next layer faulted its own in
+    again (float and copy_ of its dequantization ~5x slower, thread CPU time under load);
+    without the load buffers, every disk read would fault in fresh pages (~half the read
+    speed, memory/direct_io.py)."""
     elt = torch.empty((), dtype=dtype).element_size()
     dense = dense_weight_numel * elt + (DEQUANTIZE_WORKING_BYTES if dense_weight_numel else 0)
-    return KEPT_WORKING_SETS * (batch_working_bytes(cfg, gpu_batch_size * prompt_len, dtype) + dense)
+    return KEPT_WORKING_SETS * (batch_working_bytes(cfg, gpu_batch_size * prompt_len, dtype) + dense) + largest_load
 
 
 def dense_weight_numel(layers, compression) -> int:

@@ -12,7 +12,8 @@ fragments, so kept forever they outgrow what the run uses (OPT-1.3B, 4 GPU batch
 tokens, weights 76% in RAM: 1.0-1.3 GiB of freed memory resident beside 2.2 GiB in use,
 runs/bench/memory). So `release_freed_host_memory` hands the freed pages back (malloc_trim:
 holes too, every arena) once more than a given amount of them is resident: the schedule keeps
-about two GPU batches' working sets, which the next layers reuse.
+about two GPU batches' working sets and a layer's weight-load buffers, which the next layers
+reuse (executor/working_set.py).
 
 Off with FLEXGEN_HELM_KEEP_FREED_MEMORY=0; a no-op where the C library is not glibc."""
 

@@ -46,6 +46,16 @@ def segment_nbytes(spec: TensorSpec, segment: Segment, compression: Compression 
     return stored_nbytes(shape, dtype, compression, weight_groups(compression, spec.shape))
 
 
+def load_nbytes(spec: TensorSpec, segments: list[Segment], compression: Compression | None, dtype: torch.dtype,
+                cuda: bool) -> int:
+    """Bytes one load of a weight (load_home) makes beside its homes: its disk parts as read,
+    the whole tensor again where it is split over tiers (the copy that assembles it), and on
+    a GPU its host parts copied over."""
+    split = len(segments) > 1
+    return sum(segment_nbytes(spec, s, compression, dtype) * (split + (s.tier == "disk" or (s.tier == "cpu" and cuda)))
+               for s in segments)
+
+
 def build_homes(layers: list[LayerSpec], placement: dict[str, list[Segment]], devices: Devices,
                 read_full: Callable[[str], torch.Tensor], usage: TierUsage, pin: bool,
                 compression: Compression | None = None, progress: bool = False,

@@ -49,7 +49,7 @@ from flexgen_helm.executor.kv_cache import cache_rows, kv_nbytes, kv_nbytes_per_
 from flexgen_helm.executor.working_set import batch_working_bytes, dense_weight_numel, kept_freed_bytes
 from flexgen_helm.memory.devices import DTYPES
 from flexgen_helm.memory.placement import place_weights
-from flexgen_helm.memory.weight_homes import segment_nbytes
+from flexgen_helm.memory.weight_homes import load_nbytes, segment_nbytes
 from flexgen_helm.models import family_of
 from flexgen_helm.models.config import ModelConfig
 from flexgen_helm.models.spec import LayerSpec, TensorSpec
@@ -187,15 +187,13 @@ def layer_weights(layer: LayerSpec, placement: dict, compression: Compression | 
     lw = LayerWeights({t: 0.0 for t in TIERS}, 0.0, 0.0)
     for t in layer.tensors:
         segments = placement[t.store_name]
-        lw.loaded[t.key] = 0.0
+        lw.loaded[t.key] = load_nbytes(t, segments, compression, dtype, device.type == "cuda")
         for s in segments:
             nbytes = segment_nbytes(t, s, compression, dtype)
             lw.stored[s.tier] += nbytes
             lw.disk_reads += s.tier == "disk"
             if len(segments) > 1:
                 lw.assembled += nbytes
-            lw.loaded[t.key] += nbytes * ((len(segments) > 1) + (s.tier == "disk" or
-                                                                 (s.tier == "cpu" and device.type == "cuda")))
         if not _is_matrix(t):
             continue
         multiplied = not _is_lookup(layer, t)
@@ -479,10 +477,11 @@ class CostModel:
         # (kv_nbytes counts K and V together: half of it is one of them)
         loaded_cache = (2 + 2 + 3) * kv_nbytes(held, gbs * cfg.num_kv_heads, cfg.head_dim, self.dtype,
                                                policy.compress_cache) / 2 * moved
-        # freed memory the schedule keeps resident for reuse (executor/working_set.py), a block
-        # layer's dense copy of its compressed weights among it
+        # freed memory the schedule keeps resident for reuse (executor/working_set.py): a block
+        # layer's dense copy of its compressed weights and the largest layer's load buffers among it
         kept = kept_freed_bytes(cfg, gbs, work.prompt_len, self.dtype,
-                                dense_weight_numel([layer for layer, _ in self.groups], policy.compress_weight))
+                                dense_weight_numel([layer for layer, _ in self.groups], policy.compress_weight),
+                                max(sum(lw.loaded.values()) for lw in lws))
         out = {}
         for phase in PHASES:
             tokens = work.prompt_len if phase == "prefill" else 1
