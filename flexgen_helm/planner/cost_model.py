@@ -478,10 +478,12 @@ class CostModel:
         loaded_cache = (2 + 2 + 3) * kv_nbytes(held, gbs * cfg.num_kv_heads, cfg.head_dim, self.dtype,
                                                policy.compress_cache) / 2 * moved
         # freed memory the schedule keeps resident for reuse (executor/working_set.py): a block
-        # layer's dense copy of its compressed weights and the largest layer's load buffers among it
+        # layer's dense copy of its compressed weights among it, and the largest layer's load
+        # buffers, which are host memory (on a GPU, the cpu tier's)
+        load_buffers = max(sum(lw.loaded.values()) for lw in lws)
+        host = "cpu" if self.hw.is_cuda else "gpu"
         kept = kept_freed_bytes(cfg, gbs, work.prompt_len, self.dtype,
-                                dense_weight_numel([layer for layer, _ in self.groups], policy.compress_weight),
-                                max(sum(lw.loaded.values()) for lw in lws))
+                                dense_weight_numel([layer for layer, _ in self.groups], policy.compress_weight))
         out = {}
         for phase in PHASES:
             tokens = work.prompt_len if phase == "prefill" else 1
@@ -499,6 +501,7 @@ class CostModel:
                               for (layer, _), lw in zip(self.groups, lws)) * elt
             tiers["gpu"] += (loaded_weights + dequantized + inner + kept + scores + logits + storing
                              + (loaded_cache if phase == "decode" else 0.0))
+            tiers[host] += load_buffers
             out[phase] = tiers
         return out
 
