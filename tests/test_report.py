@@ -32,9 +32,10 @@ Q4_MEMORY = {"tiers": {"gpu": {"peak_bytes": GIB // 2}, "cpu": {"peak_bytes": GI
 
 
 def _batch(id: str, size: int, time_s: float, padded_prompt: int, padded_gen: int) -> BatchRecord:
+    """A batch whose engine spent a fifth of its time in prefill and half in decode."""
     return BatchRecord(id=id, mode="generate", size=size, time_s=time_s, prompt_tokens=0,
                        padded_prompt_tokens=padded_prompt, generated_tokens=0, padded_generated_tokens=padded_gen,
-                       prefill_s=0.0, decode_s=0.0)
+                       prefill_s=time_s / 5, decode_s=time_s / 2)
 
 
 def _request(instance: str, prompt: int, gen: int, batch: BatchRecord, precision: str = "BF16") -> dict:
@@ -111,6 +112,8 @@ def test_helm_table_padded_and_actual_throughput(fixture_dirs):
     assert (lam["prompt tok"], lam["prompt tok (padded)"]) == (24, 28)
     assert (lam["output tok"], lam["output tok (padded)"]) == (12, 12)
     assert lam["engine time (s)"] == pytest.approx(3.0)
+    # per-stage time: each batch once, though three requests carry the two batches
+    assert (lam["prefill (s)"], lam["decode (s)"]) == (pytest.approx(0.6), pytest.approx(1.5))
     assert lam["padded tok/s"] == pytest.approx(40 / 3.0)
     assert lam["actual tok/s"] == pytest.approx(36 / 3.0)
     assert lam["efficiency"] == pytest.approx(0.9)
@@ -180,7 +183,7 @@ def test_report_files(fixture_dirs, tmp_path):
     text = (out / "report.md").read_text()
     for heading in ("Table 25", "Table 5", "Figure 1", "Table 23", "per tier", "Table 6"):
         assert heading in text
-    assert "| lambada | flexgen/m | BF16 | 3 | 24 | 28 | 12 | 12 | 3 | 13.33 | 12 | 0.9 |" in text
+    assert "| lambada | flexgen/m | BF16 | 3 | 24 | 28 | 12 | 12 | 3 | 0.6 | 1.5 | 13.33 | 12 | 0.9 |" in text
     for name in ("helm_runs.csv", "accuracy_eval.csv", "accuracy_helm.csv", "frontier.csv", "breakdown.csv",
                  "placement.csv", "ablation.csv", "helm_throughput.png", "accuracy_eval.png", "accuracy_helm.png",
                  "frontier-1.png",

@@ -125,6 +125,8 @@ def summarize(records: list[RequestRecord]) -> dict[str, Any]:
     padded_prompt = sum(b.padded_prompt_tokens for b in batches.values())
     padded_gen = sum(b.padded_generated_tokens for b in batches.values())
     time_s = sum(b.time_s for b in batches.values())
+    prefill_s = sum(b.prefill_s for b in batches.values())
+    decode_s = sum(b.decode_s for b in batches.values())
     padded = padded_prompt + padded_gen
     actual = real_prompt + real_gen
     return {
@@ -136,6 +138,10 @@ def summarize(records: list[RequestRecord]) -> dict[str, Any]:
         "padded_prompt_tokens": padded_prompt,
         "padded_generated_tokens": padded_gen,
         "engine_time_s": time_s,
+        # the engine's two stages (RunStats), summed over the batches; the rest of engine_time_s
+        # is the calls' setup (tokens checked, blocks planned, results gathered)
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
         "padded_throughput_tok_s": padded / time_s if time_s else None,
         "actual_throughput_tok_s": actual / time_s if time_s else None,
         "efficiency": actual / padded if padded else None,

@@ -37,7 +37,8 @@ from flexgen_helm.tools.report.markdown import fmt, table
 RUN_INFO = "run_info.json"  # written beside the records by the command that made the run
 
 HELM_SHOWN = ["scenario", "deployment", "precision", "instances", "prompt tok", "prompt tok (padded)", "output tok",
-              "output tok (padded)", "engine time (s)", "padded tok/s", "actual tok/s", "efficiency"]
+              "output tok (padded)", "engine time (s)", "prefill (s)", "decode (s)", "padded tok/s", "actual tok/s",
+              "efficiency"]
 
 
 def suite_path(output_path: str | Path, suite: str) -> Path:
@@ -143,7 +144,8 @@ def _helm_section(df: pd.DataFrame, suite_dir: Path, out: Path) -> list[str]:
                         for _, run in df.iterrows()]
     total = helm_runs.suite_total(df)
     md += ["Tokens: real ones, and as computed (every prompt of a batch left-padded to its longest). "
-           "Engine time: the engine's wall time for the run's batches. Padded / actual tok/s = (prompt + output "
+           "Engine time: the engine's wall time for the run's batches; prefill and decode: the part of it in "
+           "each stage (per-stage time: prompts through the model, then one step per generated token). Padded / actual tok/s = (prompt + output "
            "tokens, padded / real) / engine time; efficiency = actual / padded.\n", table(shown)]
     if total:
         md.append("Whole suite: " + ", ".join(f"{k} {fmt(v)}" for k, v in total.items()) + "\n")
