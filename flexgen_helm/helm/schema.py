@@ -18,11 +18,17 @@ SUMMARIZER_CLASS = "flexgen_helm.helm.summarizer.FlexGenSummarizer"
 
 def summarize_command(suite: str, output_path: str) -> list[str]:
     """helm-summarize of `suite` with our schema and summarizer (see summarizer.py); the
-    schema is validated strictly, so that a mistake in it fails here, not in the browser."""
+    schema is validated strictly, so that a mistake in it fails here, not in the browser.
+
+    One thread: HELM's summarizer compiles mako templates in each of its threads, and CPython
+    3.11.7 (this machine's) can fail compiling in two threads at once ("SystemError: AST
+    constructor recursion depth mismatch", cpython gh-106905, fixed in later releases; it ended
+    one main job here); a demo suite takes a second or two either way."""
     exe = shutil.which("helm-summarize")
     head = [exe] if exe else [sys.executable, "-m", "helm.benchmark.presentation.summarize"]
     return head + ["--suite", suite, "-o", str(output_path), "--schema-path", SCHEMA_PATH,
-                   "--schema-validation", "error", "--summarizer-class-name", SUMMARIZER_CLASS]
+                   "--schema-validation", "error", "--summarizer-class-name", SUMMARIZER_CLASS,
+                   "--num-threads", "1"]
 
 
 if __name__ == "__main__":

@@ -145,8 +145,9 @@ def _helm_section(df: pd.DataFrame, suite_dir: Path, out: Path) -> list[str]:
     total = helm_runs.suite_total(df)
     md += ["Tokens: real ones, and as computed (every prompt of a batch left-padded to its longest). "
            "Engine time: the engine's wall time for the run's batches; prefill and decode: the part of it in "
-           "each stage (per-stage time: prompts through the model, then one step per generated token). Padded / actual tok/s = (prompt + output "
-           "tokens, padded / real) / engine time; efficiency = actual / padded.\n", table(shown)]
+           "each stage (per-stage time: prompts through the model, then one step per generated token). "
+           "Padded / actual tok/s = (prompt + output tokens, padded / real) / engine time; "
+           "efficiency = actual / padded.\n", table(shown)]
     if total:
         md.append("Whole suite: " + ", ".join(f"{k} {fmt(v)}" for k, v in total.items()) + "\n")
     md.append(_csv(df.rename(columns={c: c.removeprefix("metric:") for c in metric_cols}), out, "helm_runs.csv"))
