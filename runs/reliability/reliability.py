@@ -5,8 +5,9 @@
   resume      helm-run (BatchingRunner) on LAMBADA + synthetic_reasoning, `--instances` each:
               once whole, then killed (SIGKILL) at 60% of the whole run's time and run again;
               what the rerun computed, and whether its completions equal the whole run's.
-  convert     `flexgen-helm convert` killed at 3 moments; what the next `verify` and
-              `convert` say, and whether the finished store equals a clean conversion.
+  convert     `flexgen-helm convert` killed at 4 moments (before its first write, 3 while
+              writing); what the next `verify` and `convert` say, and whether the finished
+              store equals a clean conversion.
   full_disk   a small tmpfs (needs root) under the store, the offload directory (KV cache on
               disk) and HELM's outputs (with the BatchingRunner and plain helm-run); the
               error each gives, tracebacks, and what a rerun with space had to recompute.
@@ -152,18 +153,38 @@ def run(cmd: list[str], env: dict | None = None, timeout: float = 1800) -> tuple
     return p.returncode, p.stdout + p.stderr
 
 
-def kill_conversion(work: Path, fractions=(0.3, 0.6, 0.9)) -> dict:
+def timed_clean_conversion(out: Path, log: Path) -> tuple[int, float, float]:
+    """A conversion run to its end: (rc, seconds, seconds until its first tensor file
+    appeared). Most of a conversion is reading the GGUF and dequantizing before any write."""
+    t0 = time.time()
+    proc, first_write = start(convert_cmd(out), log), None
+    while proc.poll() is None:
+        if first_write is None and store_state(out)["tensor_files"]:
+            first_write = time.time() - t0
+        time.sleep(0.05)
+    total = time.time() - t0
+    return proc.returncode, total, first_write if first_write is not None else total
+
+
+def kill_conversion(work: Path, written_fractions=(0.2, 0.5, 0.9)) -> dict:
+    """Killed once halfway to the clean conversion's first tensor file, then as soon as
+    `written_fractions` of its tensor files are on disk (polled: the timing of a run varies)."""
     work = work / "convert"
     shutil.rmtree(work, ignore_errors=True)
-    t0 = time.time()
-    rc, _ = run(convert_cmd(work / "clean"))
-    clean_s = time.time() - t0
+    rc, clean_s, first_write_s = timed_clean_conversion(work / "clean", work / "clean.log")
     clean = json.loads((work / "clean" / "manifest.json").read_text())["tensors"]
     moments = []
-    for frac in fractions:
-        out = work / f"killed-{frac}"
-        proc = start(convert_cmd(out), work / f"killed-{frac}.log")
-        time.sleep(frac * clean_s)
+    for name, files in [("before-writing", 0)] + [(f"written-{f}", max(1, round(f * len(clean))))
+                                                  for f in written_fractions]:
+        out = work / f"killed-{name}"
+        t0 = time.time()
+        proc = start(convert_cmd(out), work / f"killed-{name}.log")
+        if files == 0:
+            time.sleep(first_write_s / 2)
+        else:
+            while proc.poll() is None and store_state(out)["tensor_files"] < files:
+                time.sleep(0.005)
+        kill_s = time.time() - t0
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         state = store_state(out)
@@ -172,13 +193,14 @@ def kill_conversion(work: Path, fractions=(0.3, 0.6, 0.9)) -> dict:
         again_rc, again_out = run(convert_cmd(out))
         final = json.loads((out / "manifest.json").read_text())["tensors"]
         final_verify_rc, _ = run([str(BIN / "flexgen-helm"), "verify", str(out)])
-        moments.append({"killed_at_s": round(frac * clean_s, 1), "on_disk_at_kill": state,
+        moments.append({"moment": name, "killed_at_s": round(kill_s, 1), "on_disk_at_kill": state,
                         "store_reader_accepted_half_written": read_half,
                         "verify_after_kill_rc": verify_rc, "verify_after_kill": verify_out.strip().splitlines()[:2],
                         "next_convert_rc": again_rc,
                         "next_convert_said": [ln for ln in again_out.splitlines() if ln.startswith("flexgen-helm:")],
                         "rebuilt_equals_clean": final == clean, "verify_after_rebuild_rc": final_verify_rc})
-    return {"clean_rc": rc, "clean_s": round(clean_s, 1), "clean_tensors": len(clean), "moments": moments}
+    return {"clean_rc": rc, "clean_s": round(clean_s, 1), "clean_first_tensor_file_s": round(first_write_s, 1),
+            "clean_tensors": len(clean), "moments": moments}
 
 
 # ----- full disk ----------------------------------------------------------------------------
