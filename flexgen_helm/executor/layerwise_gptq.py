@@ -8,9 +8,10 @@ product (q, k and v, or gate and up, share the inputs' Hessian), so each one is 
 the inputs the quantized model will give it, and the block's outputs are computed with the
 quantized weights and passed on ("true sequential" GPTQ).
 
-The embedding and the head's weights are looked up or meet the last hidden state, where
-GPTQ has no layer inputs to weigh the error by (the head is often the embedding itself,
-tied): they take the data-free fit (method DATA_FREE_METHOD), in the same codes.
+The head is quantized the same way, against the last hidden states it multiplies; where
+the embedding is tied to it (SmolLM2), the lookup takes the head's codes. An untied
+embedding is only looked up, so GPTQ has no inputs to weigh its error by: it takes the
+data-free fit (method DATA_FREE_METHOD), in the same codes.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from flexgen_helm.models.config import ModelConfig
 from flexgen_helm.models.spec import LayerSpec
 from flexgen_helm.policy.policy import Compression
 
-DATA_FREE_METHOD = "hqq"  # for the embedding and the head (module doc)
+DATA_FREE_METHOD = "hqq"  # for an embedding not tied to the head (module doc)
 CPU = torch.device("cpu")
 
 
@@ -61,7 +62,7 @@ class LayerwiseGPTQ:
     @property
     def settings(self) -> dict:
         return {"text": self.text.settings(), "damp": DAMP, "lazy_columns": LAZY_COLUMNS,
-                "max_column_block": MAX_COLUMN_BLOCK, "embedding_and_head": DATA_FREE_METHOD}
+                "max_column_block": MAX_COLUMN_BLOCK, "untied_embedding": DATA_FREE_METHOD}
 
     def __call__(self, read_full: Callable[[str], torch.Tensor], dtype: torch.dtype) -> dict[str, QuantizedTensor]:
         t0, cpu0 = time.perf_counter(), time.process_time()
@@ -72,9 +73,6 @@ class LayerwiseGPTQ:
         self.timings = {"calibration_tokens": ids.numel(), "sample_s": t1 - t0, "sample_cpu_s": cpu1 - cpu0,
                         "quantize_s": time.perf_counter() - t1, "quantize_cpu_s": time.process_time() - cpu1}
         return out
-
-
-HEAD_BY_GPTQ = True  # experiment switch
 
 
 def quantize_layer_by_layer(cfg: ModelConfig, family: ModuleType, compression: Compression,
@@ -88,12 +86,11 @@ def quantize_layer_by_layer(cfg: ModelConfig, family: ModuleType, compression: C
     valid = torch.ones(n * cfg.num_kv_heads, length, dtype=torch.bool)
     data_free = dataclasses.replace(compression, method=DATA_FREE_METHOD)
     layers = family.layer_specs(cfg)
-    in_head = {t.store_name for layer in layers if layer.kind == "head" for t in layer.tensors} \
-        if HEAD_BY_GPTQ else set()
+    in_head = {t.store_name for layer in layers if layer.kind == "head" for t in layer.tensors}
     out: dict[str, QuantizedTensor] = {}
     h = None
     for layer in tqdm(layers, desc=f"GPTQ ({n} x {length} calibration tokens)", unit="layer", disable=not progress):
-        if layer.kind == "block" or (layer.kind == "head" and HEAD_BY_GPTQ):
+        if layer.kind in ("block", "head"):
             h = _quantize_layer(cfg, family, layer, compression, read_full, h, at, valid, dtype, out)
             continue
         w = {}
