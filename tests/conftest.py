@@ -180,3 +180,18 @@ def small_fs(tmp_path):
     yield make
     for where in mounted:
         subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+@pytest.fixture
+def pinned_by_flags():
+    """argv of the CLI's policy flags -> the policy fields they pin (cli/options.pinned_fields)."""
+    import argparse
+
+    from flexgen_helm.cli.options import add_policy_args, pinned_fields
+
+    def pinned(argv: list[str]) -> dict:
+        parser = argparse.ArgumentParser()
+        add_policy_args(parser)
+        return pinned_fields(parser.parse_args(argv))
+
+    return pinned

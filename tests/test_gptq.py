@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import flexgen_helm.engine as engine_module
-from flexgen_helm.cli.options import add_policy_args, pinned_fields
 from flexgen_helm.compression.gptq import column_blocks, gptq_quantize, input_factors
 from flexgen_helm.compression.int4 import PackedInt4, pack_int4
 from flexgen_helm.compression.quantize import dequantize, quantize
@@ -173,19 +172,12 @@ def test_a_cache_cannot_take_gptq():
         quantize(torch.randn(4, 64), Compression(4, 64, method="gptq"), 1)
 
 
-def _args(argv):
-    import argparse
 
-    p = argparse.ArgumentParser()
-    add_policy_args(p)
-    return p.parse_args(argv)
-
-
-def test_cli_flag_sets_the_method():
-    policy = Policy.from_dict(pinned_fields(_args(["--compress-weight", "--quant-method", "gptq"])))
+def test_cli_flag_sets_the_method(pinned_by_flags):
+    policy = Policy.from_dict(pinned_by_flags(["--compress-weight", "--quant-method", "gptq"]))
     assert policy.compress_weight.method == "gptq" and policy.compress_cache is None
     with pytest.raises(PolicyError, match="compress_cache: gptq"):
-        pinned_fields(_args(["--compress-weight", "--compress-cache", "--quant-method", "gptq"]))
+        pinned_by_flags(["--compress-weight", "--compress-cache", "--quant-method", "gptq"])
 
 
 def test_helm_deployment_names_the_method():

@@ -6,14 +6,12 @@ decode step's buffers are reused; settings it cannot take are refused before loa
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import pytest
 import torch
 
 from flexgen_helm import engine as engine_module
-from flexgen_helm.cli.options import add_policy_args, pinned_fields
 from flexgen_helm.compression import fake_quantize
 from flexgen_helm.compression.quantize import dequantize, dequantize_into, quantize
 from flexgen_helm.engine import Engine
@@ -166,18 +164,13 @@ def test_bad_groupings_are_refused():
         Policy(compress_weight=Compression(4, 64, cache_grouping="kivi"))
 
 
-def _args(argv):
-    p = argparse.ArgumentParser()
-    add_policy_args(p)
-    return p.parse_args(argv)
 
-
-def test_cli_flag_names_the_grouping_and_needs_a_compressed_cache():
+def test_cli_flag_names_the_grouping_and_needs_a_compressed_cache(pinned_by_flags):
     """The policy fields the flags pin (the planner fills in the block; see tests/test_default_policy.py)."""
-    assert Policy.from_dict(pinned_fields(_args(["--compress-cache"]))).compress_cache.cache_grouping \
+    assert Policy.from_dict(pinned_by_flags(["--compress-cache"])).compress_cache.cache_grouping \
         == DEFAULT_CACHE_GROUPING
-    policy = Policy.from_dict(pinned_fields(_args(["--compress-weight", "--compress-cache", "--cache-grouping",
-                                                   "per-token"])))
+    policy = Policy.from_dict(pinned_by_flags(["--compress-weight", "--compress-cache", "--cache-grouping",
+                                              "per-token"]))
     assert policy.compress_cache.cache_grouping == "per-token" and policy.compress_weight.cache_grouping is None
     with pytest.raises(FlexGenError, match="--cache-grouping kivi .* add --compress-cache"):
-        pinned_fields(_args(["--compress-weight", "--cache-grouping", "kivi"]))
+        pinned_by_flags(["--compress-weight", "--cache-grouping", "kivi"])

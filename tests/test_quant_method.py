@@ -10,7 +10,6 @@ import json
 import pytest
 import torch
 
-from flexgen_helm.cli.options import add_policy_args, pinned_fields
 from flexgen_helm.compression.int4 import PackedInt4, pack_int4
 from flexgen_helm.compression.quantize import QuantizedTensor, dequantize, quantize, should_compress
 from flexgen_helm.engine import Engine
@@ -121,19 +120,12 @@ def test_unknown_method_is_refused():
         Policy(compress_weight=Compression(4, 64, method="awq"))
 
 
-def _args(argv):
-    import argparse
 
-    p = argparse.ArgumentParser()
-    add_policy_args(p)
-    return p.parse_args(argv)
-
-
-def test_cli_flag_sets_the_method_and_needs_compression():
-    policy = Policy.from_dict(pinned_fields(_args(["--compress-weight", "--quant-method", "hqq"])))
+def test_cli_flag_sets_the_method_and_needs_compression(pinned_by_flags):
+    policy = Policy.from_dict(pinned_by_flags(["--compress-weight", "--quant-method", "hqq"]))
     assert policy.compress_weight.method == "hqq" and policy.compress_cache is None
     with pytest.raises(FlexGenError, match="--quant-method hqq .* add --compress-weight"):
-        pinned_fields(_args(["--quant-method", "hqq"]))
+        pinned_by_flags(["--quant-method", "hqq"])
 
 
 def test_helm_deployment_names_the_method():

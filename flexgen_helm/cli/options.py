@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flexgen_helm.errors import FlexGenError
+from flexgen_helm.memory.folders import unusable_reason
 from flexgen_helm.policy.policy import CACHE_GROUPINGS, DEFAULT_CACHE_GROUPING, QUANT_METHODS, Compression, Policy
 
 if TYPE_CHECKING:  # the planner imports torch and scipy: only the commands that plan load it
@@ -168,10 +169,7 @@ def checked_output_dir(path: str | os.PathLike | None) -> Path | None:
     if path is None:
         return None
     out = Path(path)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise FlexGenError(f"cannot create the output folder {out}: {e}") from e
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise FlexGenError(f"output folder {out} cannot be written (no write permission)")
+    reason = unusable_reason(out)
+    if reason is not None:
+        raise FlexGenError(f"cannot create the output folder {out}, or write in it: {reason}")
     return out

@@ -7,6 +7,7 @@ import tempfile
 from pathlib import Path
 
 from flexgen_helm.errors import OffloadDirError
+from flexgen_helm.memory.folders import unusable_reason
 
 
 def default_offload_dir() -> Path:
@@ -18,10 +19,7 @@ def usable_offload_dir(path: str | os.PathLike | None = None) -> Path:
     """The offload folder (`path`, else the default), created: one that cannot be created or
     written is an error now, before a model is loaded, not when its first file is."""
     out = Path(path) if path else default_offload_dir()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise OffloadDirError(f"offload directory {out} is not usable: {e}") from e
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise OffloadDirError(f"offload directory {out} is not usable: no permission to write in it")
+    reason = unusable_reason(out)
+    if reason is not None:
+        raise OffloadDirError(f"offload directory {out} is not usable: {reason}")
     return out
