@@ -32,6 +32,9 @@ class TensorBundle:
         return sum(t.numel() * t.element_size() for t in self.parts)
 
     def to(self, device, non_blocking: bool = False):
+        device = torch.device(device)
+        if all(t.device == device for t in self.parts):  # a CPU-only step's every load: nothing moves
+            return self
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self):

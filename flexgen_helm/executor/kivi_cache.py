@@ -24,6 +24,7 @@ the order of its keys."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -50,6 +51,14 @@ class KiviCacheSlot:
         self.G = compression.group_size
         self.held = -(-cache_rows(max_len, window) // self.G)  # group slots per unit
         self.starts = starts.to("cpu", torch.long)
+        # what a decode step asks of the starts, in integers (tensor ops cost more than the answer
+        # at one position a step): a tier's units' starts, the earliest, and the earliest per
+        # start modulo G (a position completes some unit's group only at those residues)
+        self._tier_starts = {tier: tuple(self.starts[a:b].tolist()) for tier, (a, b) in self.ranges.items()}
+        self._earliest_start = {tier: min(st, default=0) for tier, st in self._tier_starts.items()}
+        self._earliest_start_by_residue = {
+            tier: _earliest_start_by_residue(st, self.G) for tier, st in self._tier_starts.items()}
+        self._views: dict[tuple[str, int], KiviGroups] = {}  # first(n) of a tier's groups, by (tier, n)
         self.groups: dict[str, KiviGroups] = {}
         self.residual: dict[str, torch.Tensor] = {}
         self.disk: DiskBuffer | None = None
@@ -97,6 +106,8 @@ class KiviCacheSlot:
         """Quantize and store the groups that positions [start, start + s) complete (a unit's
         last `held` of them), taking their earlier positions from the residual."""
         G, s, d = self.G, k.shape[0], self.head_dim
+        if s == 1 and not self._completes_group(tier, start):
+            return
         done = (start + s - starts).clamp(min=0) // G  # complete groups of each unit after the write
         first = torch.maximum((start - starts).clamp(min=0) // G, done - self.held)  # the first one it completes
         count = (done - first).clamp(min=0)
@@ -128,6 +139,12 @@ class KiviCacheSlot:
                 self.disk.write(slot[a] * self._disk_row.nbytes + unit[a] * self._block, blocks[a:b])
                 a = b
 
+    def _completes_group(self, tier: str, position: int) -> bool:
+        """Whether writing `position` completes a group of some unit of the tier: position + 1
+        is G or more real positions of a unit, and a multiple of G of them."""
+        earliest = self._earliest_start_by_residue[tier].get((position + 1) % self.G)
+        return earliest is not None and position + 1 - earliest >= self.G
+
     def _write_residual(self, tier: str, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         G = self.G
         n = min(k.shape[0], G)
@@ -155,9 +172,7 @@ class KiviCacheSlot:
 
     def _groups_read(self, tier: str, length: int) -> int:
         """Group slots a read at `length` returns: those some unit of the tier has filled."""
-        a, b = self.ranges[tier]
-        done = int(((length - self.starts[a:b]).clamp(min=0) // self.G).max())
-        return min(self.held, done)
+        return min(self.held, max(0, length - self._earliest_start[tier]) // self.G)
 
     def read(self, tier: str, length: int, values: bool = True) -> KiviStored:
         """The groups held by the tier's units and the residual, as stored, where they live
@@ -165,7 +180,9 @@ class KiviCacheSlot:
         blocks."""
         n = self._groups_read(tier, length)
         if tier != "disk":
-            return KiviStored(self.groups[tier].first(n), self.residual[tier])
+            if (tier, n) not in self._views:  # views of the storage: still current when it is written
+                self._views[tier, n] = self.groups[tier].first(n)
+            return KiviStored(self._views[tier, n], self.residual[tier])
         raw = self.disk.read(0, (n, self.units["disk"], self._block), torch.uint8)
         self.disk_bytes_read += raw.numel()
         return KiviStored(self._disk_row.from_blocks(raw), self._residual("disk"))
@@ -189,35 +206,53 @@ class KiviCacheSlot:
         computed units of the tier (`local`, None: all): a unit's own complete groups and its
         unfinished positions in the residual, within a sliding window's last `window`
         positions, and the new token. (No column is dropped; key_valid is not needed: a unit's
-        padding is never stored.)"""
-        G, held = self.G, self.held
+        padding is never stored.) The same for every layer of a GPU batch, so a step computes
+        it once (read-only: the layers share it)."""
         a, b = self.ranges[tier]
-        n_groups = self._groups_read(tier, length)
-        starts = self.starts[a:b] if local is None else self.starts[a:b][local.cpu()]
-        have = length - starts  # real positions held; the new token is real position `have`
-        done = have.clamp(min=0) // G
-        # group slot j holds the unit's latest complete group g with g % held == j
-        slot = torch.arange(n_groups)
-        filled = done[:, None] > slot[None, :]
-        group = slot[None, :] + held * ((done[:, None] - 1 - slot[None, :]).div(held, rounding_mode="floor"))
-        pos = group[..., None] * G + torch.arange(G)  # (units, slots, G) real positions
-        in_groups = filled[..., None].expand_as(pos)
-        # residual row r holds the latest position q < length with q % G == r
-        q = length - 1 - (length - 1 - torch.arange(G)) % G
-        res_pos = q[None, :] - starts[:, None]
-        in_residual = res_pos >= done[:, None] * G  # not in a complete group yet (so >= 0, real)
-        if window:
-            in_groups = in_groups & (pos > have[:, None, None] - window)
-            in_residual = in_residual & (res_pos > have[:, None] - window)
-        new = torch.ones(len(starts), 1, dtype=torch.bool)
-        return 0, torch.cat([in_groups.flatten(1), in_residual, new], dim=1).to(key_valid.device)
+        starts = self._tier_starts[tier] if local is None else tuple(self.starts[a:b][local.cpu()].tolist())
+        valid = _decode_valid(starts, length, window, self.G, self.held,
+                              self._groups_read(tier, length))
+        return 0, valid.to(key_valid.device)
 
     def close(self) -> None:
         for tier in self.groups:
             self.usage.remove(tier, self.groups[tier].nbytes + self.residual[tier].nbytes)
         self.groups.clear()
         self.residual.clear()
+        self._views.clear()
         if self.disk is not None:
             self.usage.remove("disk", self.disk.nbytes)
             self.disk.close()
 
+
+
+def _earliest_start_by_residue(starts: list[int], G: int) -> dict[int, int]:
+    """For each start modulo G, the earliest of the units' starts with it."""
+    out: dict[int, int] = {}
+    for st in starts:
+        out[st % G] = min(st, out.get(st % G, st))
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _decode_valid(starts: tuple[int, ...], length: int, window: int, G: int, held: int,
+                  n_groups: int) -> torch.Tensor:
+    """KiviCacheSlot.decode_valid's mask for units starting at `starts` (their left padding)."""
+    starts = torch.tensor(starts, dtype=torch.long)
+    have = length - starts  # real positions held; the new token is real position `have`
+    done = have.clamp(min=0) // G
+    # group slot j holds the unit's latest complete group g with g % held == j
+    slot = torch.arange(n_groups)
+    filled = done[:, None] > slot[None, :]
+    group = slot[None, :] + held * ((done[:, None] - 1 - slot[None, :]).div(held, rounding_mode="floor"))
+    pos = group[..., None] * G + torch.arange(G)  # (units, slots, G) real positions
+    in_groups = filled[..., None].expand_as(pos)
+    # residual row r holds the latest position q < length with q % G == r
+    q = length - 1 - (length - 1 - torch.arange(G)) % G
+    res_pos = q[None, :] - starts[:, None]
+    in_residual = res_pos >= done[:, None] * G  # not in a complete group yet (so >= 0, real)
+    if window:
+        in_groups = in_groups & (pos > have[:, None, None] - window)
+        in_residual = in_residual & (res_pos > have[:, None] - window)
+    new = torch.ones(len(starts), 1, dtype=torch.bool)
+    return torch.cat([in_groups.flatten(1), in_residual, new], dim=1)
