@@ -225,7 +225,6 @@ class KiviCacheSlot:
             self.disk.close()
 
 
-
 def _earliest_start_by_residue(starts: list[int], G: int) -> dict[int, int]:
     """For each start modulo G, the earliest of the units' starts with it."""
     out: dict[int, int] = {}
@@ -234,7 +233,7 @@ def _earliest_start_by_residue(starts: list[int], G: int) -> dict[int, int]:
     return out
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=256)  # a step of up to 256 GPU batches reuses its masks across layers
 def _decode_valid(starts: tuple[int, ...], length: int, window: int, G: int, held: int,
                   n_groups: int) -> torch.Tensor:
     """KiviCacheSlot.decode_valid's mask for units starting at `starts` (their left padding)."""
