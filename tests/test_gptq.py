@@ -172,7 +172,6 @@ def test_a_cache_cannot_take_gptq():
         quantize(torch.randn(4, 64), Compression(4, 64, method="gptq"), 1)
 
 
-
 def test_cli_flag_sets_the_method(pinned_by_flags):
     policy = Policy.from_dict(pinned_by_flags(["--compress-weight", "--quant-method", "gptq"]))
     assert policy.compress_weight.method == "gptq" and policy.compress_cache is None

@@ -164,7 +164,6 @@ def test_bad_groupings_are_refused():
         Policy(compress_weight=Compression(4, 64, cache_grouping="kivi"))
 
 
-
 def test_cli_flag_names_the_grouping_and_needs_a_compressed_cache(pinned_by_flags):
     """The policy fields the flags pin (the planner fills in the block; see tests/test_default_policy.py)."""
     assert Policy.from_dict(pinned_by_flags(["--compress-cache"])).compress_cache.cache_grouping \

@@ -120,7 +120,6 @@ def test_unknown_method_is_refused():
         Policy(compress_weight=Compression(4, 64, method="awq"))
 
 
-
 def test_cli_flag_sets_the_method_and_needs_compression(pinned_by_flags):
     policy = Policy.from_dict(pinned_by_flags(["--compress-weight", "--quant-method", "hqq"]))
     assert policy.compress_weight.method == "hqq" and policy.compress_cache is None

@@ -6,6 +6,10 @@ demo -m 10`). The engines take turns, 2 warm-up rounds then 7 timed, so a noisy 
 hits all three alike; medians of the engine's own prefill and decode seconds.
 
     PYTHONPATH=. python runs/bench/compression/kv4_decode/smollm2_deployments.py [--json OUT]
+
+The same against an older commit C (the "before" row of runs/bench/compression/int4/README.md):
+    git worktree add /tmp/before C && PYTHONPATH=/tmp/before python \
+        runs/bench/compression/kv4_decode/smollm2_deployments.py --json OUT
 """
 
 from __future__ import annotations
@@ -16,8 +20,12 @@ import os
 import platform
 import random
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
+import flexgen_helm
 from flexgen_helm.engine import Engine
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.memory.machine import machine_info, machine_label
@@ -63,7 +71,10 @@ def main() -> None:
                      "time_vs_bf16": (prefill + decode) / sum(base)})
     out = {"host": machine_label(), "machine": machine_info(), "node": platform.node(),
            "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
-           "command": "PYTHONPATH=. python runs/bench/compression/kv4_decode/smollm2_deployments.py",
+           "command": " ".join(["python", *sys.argv]),
+           # the engine measured: the commit of the flexgen_helm this process imported (a run
+           # against an older commit puts that checkout first on PYTHONPATH)
+           "flexgen_helm": {"path": str(Path(flexgen_helm.__file__).parent), "commit": _commit_of(flexgen_helm)},
            "workload": vars(args), "load_average_start": load_start, "load_average_end": os.getloadavg()[0],
            "rows": rows}
     with open(args.json, "w") as f:
@@ -72,6 +83,14 @@ def main() -> None:
     for r in rows:
         print(f"{r['setting']:52s} prefill {r['prefill_s']:.3f} s  decode {r['decode_s']:.3f} s "
               f"({r['decode_step_ms']:.1f} ms/step)  time {r['time_vs_bf16']:.2f}x bf16")
+
+
+def _commit_of(package) -> str:
+    where = Path(package.__file__).parent
+    head = subprocess.run(["git", "-C", str(where), "rev-parse", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(where), "status", "--porcelain", "--", "."],
+                           capture_output=True, text=True)
+    return head.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
 
 
 if __name__ == "__main__":
