@@ -31,10 +31,12 @@ PROMPTS = [[5, 17, 3, 44], [12, 7, 9, 1]]
 ON_COMPUTE_TIER = Split(1, 0, 0)
 
 
-def _correlated_inputs(tokens: int, columns: int, seed: int) -> torch.Tensor:
-    """Inputs whose channels are correlated and a few much larger (as a layer's are)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, columns, generator=g) @ torch.randn(columns, columns, generator=g) / columns ** 0.5
+def _correlated_inputs(tokens: int, columns: int, seed: int, samples: int = 0) -> torch.Tensor:
+    """Inputs whose channels are correlated and a few much larger (as a layer's are): the
+    correlation is the seed's, the tokens drawn from it are the `samples` seed's."""
+    mixing = torch.randn(columns, columns, generator=torch.Generator().manual_seed(seed)) / columns ** 0.5
+    g = torch.Generator().manual_seed(1_000_003 * seed + samples + 1)
+    x = torch.randn(tokens, columns, generator=g) @ mixing
     x += 0.1 * torch.randn(tokens, columns, generator=g)
     x[:, :4] *= 10
     return x
@@ -54,7 +56,7 @@ def test_output_error_on_a_random_matrix_is_below_rtn(bits, group, group_dim):
     blocks = column_blocks(512, group, group_dim)
     q = gptq_quantize(w, input_factors(x, blocks), blocks, cfg, group_dim, torch.float32)
     rtn = quantize(w, cfg, group_dim)
-    held_out = _correlated_inputs(2048, 512, seed=group)  # the same distribution, other samples
+    held_out = _correlated_inputs(2048, 512, seed=group, samples=1)  # the same distribution, other tokens
     assert _output_error(w, q, x) < 0.5 * _output_error(w, rtn, x)
     assert _output_error(w, q, held_out) < 0.5 * _output_error(w, rtn, held_out)
 
