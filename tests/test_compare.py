@@ -180,3 +180,19 @@ def test_helm_client_rows_compare_within_one_host():
     assert out.correct_delta[("A", "ours")] == 1
     text = "\n".join(findings(agreement(df), Path("/nonexistent")))
     assert "lambada, 500 instances, B" in text and "same dtype (float32): `ours` is 2.00x" in text
+
+
+@pytest.mark.parametrize("interpreter", ["missing", "without_lm_eval"])
+def test_lm_eval_comparison_fails_loudly_without_lm_eval(interpreter, tmp_path):
+    """Before anything is exported or timed: an interpreter that is not there, or one that
+    cannot import lm_eval, is an error naming it."""
+    from flexgen_helm.errors import FlexGenError
+    from flexgen_helm.tools.compare import lm_eval_harness
+
+    python = tmp_path / "python"
+    if interpreter == "without_lm_eval":
+        python.write_text("#!/bin/sh\necho \"ModuleNotFoundError: No module named 'lm_eval'\" >&2\nexit 1\n")
+        python.chmod(0o755)
+    with pytest.raises(FlexGenError, match=f"{python}.*(cannot import lm_eval|No such file)"):
+        lm_eval_harness.main(["--lm-eval-python", str(python), "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
