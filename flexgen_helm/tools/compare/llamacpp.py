@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import json
 import shlex
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from flexgen_helm.errors import FlexGenError
-from flexgen_helm.tools.compare.run import loadavg
+from flexgen_helm.tools.compare.run import loadavg, run_logged
 
 
 @dataclass(frozen=True)
@@ -51,17 +50,6 @@ def ours_command(gguf: Path, batch: int, prompt_len: int, gen_len: int, four_bit
     return cmd
 
 
-def _run(cmd: list[str], timeout_s: int) -> subprocess.CompletedProcess:
-    print(f"load {loadavg():.2f}: {shlex.join(cmd)}", flush=True)
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as e:
-        raise FlexGenError(f"`{shlex.join(cmd)}` took more than {timeout_s} s") from e
-    if done.returncode != 0:
-        raise FlexGenError(f"`{shlex.join(cmd)}` failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
-    return done
-
-
 def parse_batched_bench(stdout: str) -> dict:
     """llama-batched-bench's one JSONL record (prompts not shared) -> generated tokens/s."""
     records = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
@@ -89,9 +77,9 @@ def run_pairs(binary: Path, gguf: Path, pairs: list[Pair], prompt_len: int, gen_
         ours_json = out / f"ours-{pair.name}.json"
         ours_cmd = ours_command(gguf, pair.batch, prompt_len, gen_len, pair.ours_4bit, ours_json, dtype)
         load = loadavg()
-        theirs = parse_batched_bench(_run(theirs_cmd, timeout_s).stdout)
+        theirs = parse_batched_bench(run_logged(theirs_cmd, timeout_s).stdout)
         load_ours = loadavg()
-        _run(ours_cmd, timeout_s)
+        run_logged(ours_cmd, timeout_s)
         ours = ours_record(ours_json)
         (out / f"llamacpp-{pair.name}.json").write_text(json.dumps(theirs, indent=1))
         commands += [f"# load average {load:.2f}", shlex.join(theirs_cmd),

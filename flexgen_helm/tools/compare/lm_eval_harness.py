@@ -27,7 +27,7 @@ from pathlib import Path
 
 from flexgen_helm.data.sources import LAMBADA_FILE, local_file
 from flexgen_helm.errors import FlexGenError
-from flexgen_helm.tools.compare.run import loadavg
+from flexgen_helm.tools.compare.run import loadavg, run_logged
 
 RUNNER = Path(__file__).with_name("lm_eval_runner.py")
 TASK = "lambada_local"
@@ -45,14 +45,8 @@ def task_yaml(lambada: Path) -> str:
 
 
 def _timed(cmd: list[str], timeout_s: int) -> float:
-    print(f"load {loadavg():.2f}: {shlex.join(cmd)}", flush=True)
     t0 = time.perf_counter()
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as e:
-        raise FlexGenError(f"`{shlex.join(cmd)}` took more than {timeout_s} s") from e
-    if done.returncode != 0:
-        raise FlexGenError(f"`{shlex.join(cmd)}` failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    run_logged(cmd, timeout_s)
     return time.perf_counter() - t0
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from flexgen_helm.errors import FlexGenError
 from flexgen_helm.memory.devices import DTYPES
 from flexgen_helm.planner.cost_model import CostModel, Workload
 from flexgen_helm.planner.hardware_profile import HardwareProfile, load_or_profile
@@ -41,6 +42,19 @@ LABELS = {"ours-deepspeed-policy": "ours, w/ DeepSpeed policy (row by row)",
 
 def loadavg() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+def run_logged(cmd: list[str], timeout_s: int) -> subprocess.CompletedProcess:
+    """Runs one side of a comparison, printing it with the load it starts under; a command
+    that fails or overruns is an error naming it (never a row quietly missing)."""
+    print(f"load {loadavg():.2f}: {shlex.join(cmd)}", flush=True)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:
+        raise FlexGenError(f"`{shlex.join(cmd)}` took more than {timeout_s} s") from e
+    if done.returncode != 0:
+        raise FlexGenError(f"`{shlex.join(cmd)}` failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return done
 
 
 class Runner:
