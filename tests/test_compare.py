@@ -196,3 +196,16 @@ def test_lm_eval_comparison_fails_loudly_without_lm_eval(interpreter, tmp_path):
     with pytest.raises(FlexGenError, match=f"{python}.*(cannot import lm_eval|No such file)"):
         lm_eval_harness.main(["--lm-eval-python", str(python), "--out", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
+
+
+def test_lm_eval_comparison_rejects_an_unwritable_output_folder_before_any_work(tmp_path):
+    from flexgen_helm.errors import FlexGenError
+    from flexgen_helm.tools.compare import lm_eval_harness
+
+    python = tmp_path / "python"  # an interpreter that imports lm_eval fine
+    python.write_text("#!/bin/sh\nexit 0\n")
+    python.chmod(0o755)
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    with pytest.raises(FlexGenError, match=f"cannot create the output folder {blocked}/out/json"):
+        lm_eval_harness.main(["--lm-eval-python", str(python), "--out", str(blocked / "out")])

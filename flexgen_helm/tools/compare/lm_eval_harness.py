@@ -27,6 +27,7 @@ from pathlib import Path
 
 from flexgen_helm.data.sources import LAMBADA_FILE, local_file
 from flexgen_helm.errors import FlexGenError
+from flexgen_helm.memory.folders import unusable_reason
 from flexgen_helm.tools.compare.run import loadavg, run_logged
 
 RUNNER = Path(__file__).with_name("lm_eval_runner.py")
@@ -134,7 +135,9 @@ def main(argv=None) -> int:
     if probe.returncode != 0:
         raise FlexGenError(f"{args.lm_eval_python} cannot import lm_eval: {probe.stderr.strip()[-500:]}")
     out = Path(args.out)
-    (out / "json").mkdir(parents=True, exist_ok=True)
+    reason = unusable_reason(out / "json")
+    if reason is not None:
+        raise FlexGenError(f"cannot create the output folder {out / 'json'}, or write in it: {reason}")
     task_dir = out / "task"
     task_dir.mkdir(exist_ok=True)
     (task_dir / f"{TASK}.yaml").write_text(task_yaml(Path(lambada).resolve()))
