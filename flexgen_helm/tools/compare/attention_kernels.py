@@ -4,12 +4,13 @@ against the alternatives it was chosen from, at a model's head shapes and severa
     python -m flexgen_helm.tools.compare.attention_kernels --lengths 512 2048 8192
 
 Candidates: torch's fused SDPA with is_causal (GQA as expanded views, or enable_gqa),
-torch.nn.attention.flex_attention with a causal block mask (eager, and compiled), and two
+torch.nn.attention.flex_attention with a causal block mask (eager, and compiled), and three
 blocked versions written with plain ops (query blocks attending only to the keys up to
-their end, bf16 matmuls, softmax in float32: in one pass per block, or over key blocks with
-a running softmax). With --padded, every batch row has its own length (left padding):
-the engine's rotation (one causal call) against the paths it replaced (a dense mask; one
-call per length).
+their end, bf16 matmuls, softmax in float32): in one pass per block; over key blocks with
+a running softmax; with a kv head's query heads stacked as the rows of 2-D matmuls and the
+mask on the diagonal tile only (--parts times its steps). With --padded, every batch row
+has its own length (left padding): the engine's rotation (one causal call) against the
+paths it replaced (a dense mask; one call per length).
 
 Timings are rounds of every candidate back to back, the ratio to SDPA taken within a round,
 the median over rounds reported: on a shared machine only such ratios mean anything."""
@@ -81,6 +82,50 @@ def blocked_online(q, k, v, valid, block: int = 256):
     return out
 
 
+def blocked_rows(q, k, v, valid, block: int = 64, parts: dict | None = None):
+    """Unpadded rows only. Per kv head, query blocks with that head's query heads stacked as
+    the rows of one matrix, so a block is two 2-D bf16 matmuls against the keys up to its
+    end; the causal mask on the diagonal tile only; softmax in float32. `parts`: seconds per
+    step, accumulated (--parts)."""
+    if not bool(valid.all()):
+        raise ValueError("blocked_rows takes unpadded rows only")
+    u, r, t, d = q.shape
+    out = torch.empty_like(q)
+    qs = q * (1 / math.sqrt(d))
+    above = torch.ones(block, block, dtype=torch.bool).triu(1)
+    clock = time.perf_counter
+
+    def step(name, t0):
+        if parts is not None:
+            parts[name] = parts.get(name, 0.0) + clock() - t0
+        return clock()
+
+    for a in range(u):
+        for i0 in range(0, t, block):
+            i1 = min(i0 + block, t)
+            n = i1 - i0
+            t0 = clock()
+            s = torch.mm(qs[a, :, i0:i1].reshape(r * n, d), k[a, :i1].t())
+            t0 = step("q @ k^T", t0)
+            s = s.float()
+            t0 = step("to float32", t0)
+            s.view(r, n, i1)[:, :, i0:i1].masked_fill_(above[:n, :n], -math.inf)
+            t0 = step("mask", t0)
+            m = s.amax(-1, keepdim=True)
+            t0 = step("row max", t0)
+            s.sub_(m).exp_()
+            t0 = step("subtract, exp", t0)
+            total = s.sum(-1, keepdim=True)
+            t0 = step("row sum", t0)
+            p = s.to(q.dtype)
+            t0 = step("to bf16", t0)
+            o = torch.mm(p, v[a, :i1])
+            t0 = step("p @ v", t0)
+            out[a, :, i0:i1] = (o.float() / total).to(q.dtype).view(r, n, d)
+            step("normalize", t0)
+    return out
+
+
 def masked(q, k, v, valid):
     """The former path for small padded batches: SDPA with a dense (q, t) mask."""
     u, r, t, d = q.shape
@@ -137,7 +182,7 @@ def measure(t: int, args) -> list[str]:
         lengths[0] = t
     valid = (torch.arange(t)[None, :] >= (t - lengths)[:, None]).repeat_interleave(args.kv_heads, 0)
     cands = {"sdpa_causal": sdpa, "engine": engine, "sdpa_enable_gqa": sdpa_gqa, "blocked": blocked,
-             "blocked_online": blocked_online}
+             "blocked_online": blocked_online, "blocked_rows": blocked_rows}
     if args.padded:
         cands = {"sdpa_causal": sdpa, "engine": engine, "masked (former)": masked,
                  "per_length (former)": per_length, "blocked": blocked}
@@ -167,6 +212,11 @@ def measure(t: int, args) -> list[str]:
         ms = statistics.median(times[name]) * 1e3
         lines.append(f"| {t} | {name} | {ms:.1f} | {ratio:.2f}x | {flops / statistics.median(times[name]) / 1e9:.0f} "
                      f"| {errors[name]:.2e} |")
+    if args.parts and not args.padded:
+        parts: dict = {}
+        blocked_rows(q, k, v, valid, parts=parts)
+        lines.append(f"| {t} | blocked_rows, its steps (one more call, ms): "
+                     + ", ".join(f"{name} {sec * 1e3:.0f}" for name, sec in parts.items()) + " | | | | |")
     return lines
 
 
@@ -182,6 +232,7 @@ def main(argv=None) -> int:
     p.add_argument("--min-fill", type=float, default=0.5, help="with --padded: the shortest row, as a fraction of t")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--no-flex", action="store_true")
+    p.add_argument("--parts", action="store_true", help="time blocked_rows' steps (matmuls, softmax pieces) once more")
     p.add_argument("--flex-eager-up-to", type=int, default=2048)
     p.add_argument("--threads", type=int, help="torch threads (default: torch's); on a machine shared with other "
                    "jobs, 1 avoids timing the threads' waits for each other instead of the kernels")
