@@ -19,12 +19,13 @@ from flexgen_helm.engine import Engine
 from flexgen_helm.errors import PolicyError
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.memory.machine import machine_info
-from flexgen_helm.planner.hardware_profile import DeviceSpeeds, HardwareProfile
+from flexgen_helm.planner.hardware_profile import DeviceSpeeds, HardwareProfile, load_or_profile
 from flexgen_helm.policy.policy import Policy, Split
 from flexgen_helm.tools.compare import accelerate_offload, table
 from flexgen_helm.tools.compare.disk import measure_read_bandwidth
+from flexgen_helm.tools.compare.ours import BudgetCheck, deepspeed_policy
 from flexgen_helm.tools.compare.roofline import Roofline
-from flexgen_helm.tools.compare.run import run_compare
+from flexgen_helm.tools.compare.run import plan_ours, run_compare
 from flexgen_helm.tools.compare.workloads import SETUPS, prompts
 
 TINY = SETUPS["tiny"]
@@ -109,6 +110,28 @@ def test_compare_fails_loudly_when_the_search_finds_nothing(tmp_path, profile_pa
         run_compare(starved, tmp_path / "out", warmup=0, timeout_s=300, systems=("ours-auto",),
                     bandwidth={"device_read_bytes_per_s": 1e9}, ablations=False, profile_path=profile_path)
     assert not (tmp_path / "out").exists()
+
+
+def test_row_by_row_policy_is_held_to_the_searchs_budgets(profile_path):
+    """The DeepSpeed-style row is sized by the same accounting as --policy auto (loaded weights
+    and working set included), not by stored bytes alone: its block is the largest that fits,
+    and where none fits the row says so instead of running over the budgets."""
+    profile = load_or_profile(profile_path)
+    longer = replace(TINY, prompt_len=256, max_batch=8)  # a KV cache that weighs next to the weights
+    batches = []
+    for pool in ("256MiB", "224MiB"):
+        setup = replace(longer, gpu_mem=pool)
+        policy = deepspeed_policy(setup, profile)
+        fits = BudgetCheck(setup, profile)
+        assert fits(policy) and policy.num_gpu_batches == 1 and policy.cache.gpu == 1
+        assert not fits(replace(policy, gpu_batch_size=policy.gpu_batch_size + 1))
+        batches.append(policy.gpu_batch_size)
+    assert batches[0] > batches[1] >= 1
+    # a pool that holds the loaded weights and working set of one sequence's compute, but not them
+    # and a row-by-row block's KV cache besides
+    starved = replace(longer, name="pool", gpu_mem="176MiB")
+    (row,), _, _ = plan_ours(starved, ("ours-deepspeed-policy",), False, profile)
+    assert row.policy is None and row.note.startswith("does not fit:") and "row by row" in row.note
 
 
 def test_roofline_and_ratio_arithmetic():

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from flexgen_helm.planner.hardware_profile import HardwareProfile
 from flexgen_helm.policy.policy import Policy, Split
-from flexgen_helm.tools.compare.ours import most_weights_in_ram
+from flexgen_helm.tools.compare.ours import BudgetCheck, most_weights_in_ram
 from flexgen_helm.tools.compare.workloads import Setup
 
 
-def ablation_policies(setup: Setup, best: Policy) -> list[tuple[str, Policy | None, str]]:
+def ablation_policies(setup: Setup, best: Policy, profile: HardwareProfile) -> list[tuple[str, Policy | None, str]]:
     """(label, policy or None when it would be the same run as all optimizations or does not
     fit the budgets, note: why)."""
     out = [("no overlap", replace(best, overlap=False), "the searched policy, I/O and compute taking turns")]
@@ -27,7 +28,8 @@ def ablation_policies(setup: Setup, best: Policy) -> list[tuple[str, Policy | No
     else:
         out.append(("row-by-row schedule", None, "same as all optimizations: the searched block is one GPU batch"))
     # no search: what one would type without it, one sequence with its cache on the device
-    fixed = most_weights_in_ram(setup, Policy(cache=Split(1, 0, 0), activations=Split(1, 0, 0)), use_gpu=True)
+    one_on_device = Policy(cache=Split(1, 0, 0), activations=Split(1, 0, 0))
+    fixed = most_weights_in_ram(BudgetCheck(setup, profile), one_on_device, use_gpu=True)
     out.append(("no policy search", fixed, "fixed: 1 sequence, cache on the device, weights in RAM as budgets allow"
                 if fixed is not None else "does not fit: one sequence's cache and activations on the device exceed "
                 f"the budgets ({setup.gpu_mem} device, {setup.cpu_mem} cpu) with every weight on disk"))

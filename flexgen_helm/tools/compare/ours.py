@@ -11,8 +11,9 @@ from pathlib import Path
 
 from flexgen_helm.memory.devices import DTYPES
 from flexgen_helm.planner.auto import search_for
-from flexgen_helm.planner.budget import planned_bytes
-from flexgen_helm.planner.search import SearchOptions, SearchResult
+from flexgen_helm.planner.cost_model import CostModel, Workload
+from flexgen_helm.planner.hardware_profile import HardwareProfile
+from flexgen_helm.planner.search import SearchOptions, SearchResult, default_budgets, fits
 from flexgen_helm.policy.policy import Compression, Policy, Split
 from flexgen_helm.tools.compare.workloads import Setup, offload_dir
 from flexgen_helm.weights.registry import resolve
@@ -20,22 +21,32 @@ from flexgen_helm.weights.registry import resolve
 FOUR_BIT = Compression(bits=4, group_size=64)
 
 
-def fits_budgets(setup: Setup, policy: Policy) -> bool:
-    cfg = resolve(setup.model, dummy=True).config
-    planned = planned_bytes(cfg, policy, setup.prompt_len + setup.gen_len, DTYPES[setup.dtype])
-    return planned["gpu"] <= setup.gpu_bytes and planned["cpu"] <= setup.cpu_bytes
+class BudgetCheck:
+    """Whether a policy fits the setup's budgets by the accounting `--policy auto` uses (the
+    cost model's peak bytes per tier, loaded weights and working set included, and on a
+    CPU-only machine the process's own memory), so every one of our rows is held to the same
+    budgets: a fixed policy sized by its stored bytes alone ran at 2.95 GiB RSS under 1 GiB +
+    0.75 GiB budgets (runs/compare/opt-1.3b-p512-g32 as run at commit 7ba1ff1, before this check)."""
+
+    def __init__(self, setup: Setup, profile: HardwareProfile):
+        cfg = resolve(setup.model, dummy=True).config
+        self.model = CostModel(cfg, profile, Workload(setup.prompt_len, setup.gen_len), DTYPES[setup.dtype])
+        self.budgets = default_budgets(profile, setup.gpu_bytes, setup.cpu_bytes)
+
+    def __call__(self, policy: Policy) -> bool:
+        return fits(self.model.estimate(policy), self.budgets)
 
 
-def most_weights_in_ram(setup: Setup, policy: Policy, use_gpu: bool) -> Policy | None:
+def most_weights_in_ram(fits_budgets: BudgetCheck, policy: Policy, use_gpu: bool) -> Policy | None:
     """The policy with as many whole percents of the weights in RAM as the budgets allow (the
     gpu pool first when `use_gpu`, then the cpu tier); the rest on disk. None if nothing fits."""
     def with_weights(g: int, c: int) -> Policy:
         return replace(policy, weights=Split.from_percent(g, c))
 
-    if not fits_budgets(setup, with_weights(0, 0)):
+    if not fits_budgets(with_weights(0, 0)):
         return None
-    g = _largest(lambda p: fits_budgets(setup, with_weights(p, 0)), 100) if use_gpu else 0
-    c = _largest(lambda p: fits_budgets(setup, with_weights(g, p)), 100 - g)
+    g = _largest(lambda p: fits_budgets(with_weights(p, 0)), 100) if use_gpu else 0
+    c = _largest(lambda p: fits_budgets(with_weights(g, p)), 100 - g)
     return with_weights(g, c)
 
 
@@ -48,25 +59,26 @@ def _largest(ok, hi: int) -> int:
     return lo
 
 
-def deepspeed_policy(setup: Setup) -> Policy:
+def deepspeed_policy(setup: Setup, profile: HardwareProfile) -> Policy:
     """The paper's "w/ DeepSpeed policy": row by row (one GPU batch per block) with the GPU
     batch as large as fits, KV cache and activations on the compute device, weights offloaded
     (none resident on the device; CPU RAM up to its budget, the rest on disk)."""
+    fits_budgets = BudgetCheck(setup, profile)
     best = None
     for gbs in range(1, setup.max_batch + 1):
         shape = Policy(gpu_batch_size=gbs, num_gpu_batches=1, weights=Split(0, 0, 1),
                        cache=Split(1, 0, 0), activations=Split(1, 0, 0))
-        p = most_weights_in_ram(setup, shape, use_gpu=False)
+        p = most_weights_in_ram(fits_budgets, shape, use_gpu=False)
         if p is None:
             break
         best = p
     if best is None:
-        raise ValueError(f"{setup.name}: not even one sequence's KV cache fits the gpu budget {setup.gpu_mem}")
+        raise ValueError(f"{setup.name}: not even one sequence fits the budgets ({setup.gpu_mem} device, "
+                         f"{setup.cpu_mem} cpu) row by row, with its KV cache and activations on the device")
     return best
 
 
-def searched(setup: Setup, compress_weight: Compression | None = None, profile_path: str | None = None
-             ) -> SearchResult:
+def searched(setup: Setup, profile: HardwareProfile, compress_weight: Compression | None = None) -> SearchResult:
     """What `--policy auto` runs (planner/auto.py) under the setup's budgets, with blocks of at
     most `setup.max_batch` sequences (the run's time). A search that fails raises its error
     (PolicyError: which tier is short, by how much): a comparison never benchmarks some other
@@ -75,7 +87,7 @@ def searched(setup: Setup, compress_weight: Compression | None = None, profile_p
     opts = SearchOptions(compress_weight=compress_weight, max_block_size=setup.max_batch,
                          max_gpu_batch_size=min(64, setup.max_batch), max_num_gpu_batches=setup.max_batch)
     return search_for(cfg, setup.prompt_len, setup.gen_len, {"gpu": setup.gpu_bytes, "cpu": setup.cpu_bytes},
-                      opts, offload_dir=str(offload_dir(setup)), profile_path=profile_path, dtype=DTYPES[setup.dtype])
+                      opts, offload_dir=str(offload_dir(setup)), profile=profile, dtype=DTYPES[setup.dtype])
 
 
 def bench_flags(setup: Setup, policy: Policy, offload: Path, label: str, json_path: Path, warmup: int) -> list[str]:

@@ -89,23 +89,26 @@ class Planned:
     note: str = ""
 
 
-def plan_ours(setup: Setup, systems: tuple[str, ...], ablations: bool, profile_path: str | None
+def plan_ours(setup: Setup, systems: tuple[str, ...], ablations: bool, profile: HardwareProfile
               ) -> tuple[list[Planned], list[Planned], Policy | None]:
     """Our rows, the ablation rows and the searched policy (when either needs it). Raises the
     search's PolicyError when it finds nothing."""
     rows, best = [], None
     if "ours-auto" in systems or ablations:
-        best = searched(setup, profile_path=profile_path).policy
+        best = searched(setup, profile).policy
     for system in systems:
         if system == "ours-deepspeed-policy":
-            rows.append(Planned(system, LABELS[system], deepspeed_policy(setup)))
+            try:  # a row-by-row block that fits nowhere is this row's result, not the comparison's failure
+                rows.append(Planned(system, LABELS[system], deepspeed_policy(setup, profile)))
+            except ValueError as e:
+                rows.append(Planned(system, LABELS[system], None, f"does not fit: {e}"))
         elif system == "ours-auto":
             rows.append(Planned(system, LABELS[system], best))
         elif system == "ours-4bit":
-            rows.append(Planned(system, LABELS[system], searched(setup, FOUR_BIT, profile_path).policy))
+            rows.append(Planned(system, LABELS[system], searched(setup, profile, FOUR_BIT).policy))
     extra = []
     if ablations:
-        for i, (label, policy, note) in enumerate(ablation_policies(setup, best)):
+        for i, (label, policy, note) in enumerate(ablation_policies(setup, best, profile)):
             extra.append(Planned(f"ablation-{i + 1}-{label.replace(' ', '-')}", label, policy, note))
     return rows, extra, best
 
@@ -134,7 +137,7 @@ def run_compare(setup: Setup, out: Path, warmup: int, timeout_s: int, systems: t
     """Rows of `setup` and of its ablations (JSON per run under out/<setup.name>/) and the
     commands that ran."""
     profile = load_or_profile(profile_path, offload_dir=str(offload_dir(setup)))
-    ours, extra, best = plan_ours(setup, systems, ablations, profile_path)  # fails here, before any run
+    ours, extra, best = plan_ours(setup, systems, ablations, profile)  # fails here, before any run
     folder = out / setup.name
     folder.mkdir(parents=True, exist_ok=True)
     prepare_store(setup)
