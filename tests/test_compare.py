@@ -25,7 +25,7 @@ from flexgen_helm.tools.compare import accelerate_offload, table
 from flexgen_helm.tools.compare.disk import measure_read_bandwidth
 from flexgen_helm.tools.compare.ours import BudgetCheck, deepspeed_policy
 from flexgen_helm.tools.compare.roofline import Roofline
-from flexgen_helm.tools.compare.run import plan_ours, run_compare
+from flexgen_helm.tools.compare.run import run_compare
 from flexgen_helm.tools.compare.workloads import SETUPS, prompts
 
 TINY = SETUPS["tiny"]
@@ -112,7 +112,7 @@ def test_compare_fails_loudly_when_the_search_finds_nothing(tmp_path, profile_pa
     assert not (tmp_path / "out").exists()
 
 
-def test_row_by_row_policy_is_held_to_the_searchs_budgets(profile_path):
+def test_row_by_row_policy_is_held_to_the_searchs_budgets(tmp_path, profile_path):
     """The DeepSpeed-style row is sized by the same accounting as --policy auto (loaded weights
     and working set included), not by stored bytes alone: its block is the largest that fits,
     and where none fits the row says so instead of running over the budgets."""
@@ -130,8 +130,11 @@ def test_row_by_row_policy_is_held_to_the_searchs_budgets(profile_path):
     # a pool that holds the loaded weights and working set of one sequence's compute, but not them
     # and a row-by-row block's KV cache besides
     starved = replace(longer, name="pool", gpu_mem="176MiB")
-    (row,), _, _ = plan_ours(starved, ("ours-deepspeed-policy",), False, profile)
-    assert row.policy is None and row.note.startswith("does not fit:") and "row by row" in row.note
+    (row,), _, commands = run_compare(starved, tmp_path / "out", warmup=0, timeout_s=300,
+                                      systems=("ours-deepspeed-policy",), bandwidth={"device_read_bytes_per_s": 1e9},
+                                      ablations=False, profile_path=profile_path)
+    assert row["weights_read_from"].startswith("does not fit:") and "row by row" in row["weights_read_from"]
+    assert commands == [] and row.get("throughput_tok_s") is None
 
 
 def test_roofline_and_ratio_arithmetic():
@@ -164,6 +167,10 @@ def test_roofline_takes_the_slower_of_compute_and_disk_per_phase():
     r = roofline(cfg, prof, "bfloat16", 2, 1, 8, 4, 1e9, 1e9)
     assert (r.prefill_s, r.decode_step_s, r.prefill_bound, r.decode_bound) == (1.0, 1.0, "disk", "disk")
     assert r.tokens_per_s == pytest.approx(2 * 4 / 4.0)
+    # 1.2 GB of KV cache on disk at full length (12 positions): a decode step reads it as long as the
+    # sequences are on average (8 + 4 / 2 = 10 positions), the prefill does not
+    r = roofline(cfg, prof, "bfloat16", 2, 1, 8, 4, 1e9, 1e9, disk_cache_bytes=1.2e9)
+    assert (r.prefill_s, r.decode_step_s) == (1.0, pytest.approx(2.0))
     r = roofline(cfg, prof, "bfloat16", 2, 1, 8, 4, 0.0, 1e9)  # nothing on disk: compute alone
     width = cfg.num_heads * cfg.head_dim
     assert r.prefill_s == pytest.approx(2 * (2 * matmul_params_per_token(cfg) * 8 + 2 * 64 * width * 12) / 1e12)

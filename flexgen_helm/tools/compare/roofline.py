@@ -8,9 +8,11 @@ phase, given the block it ran and where its weights lived:
 The matmuls are every Linear of the model (compute_floor.matmul_params_per_token) times the
 tokens, plus causal attention; the rate is the hardware profile's for the rows one GPU batch
 multiplies at once (a prefill's batch x prompt, a decode step's batch), because that is what
-the row's own block shape lets the CPU reach. The bytes are the weights placed on disk,
-read once per step; KV cache or activations a policy puts on disk add reads the roofline
-does not count, so a row's percent of it can only understate how close it is."""
+the row's own block shape lets the CPU reach. The bytes are the weights placed on disk, read
+once per step, and in a decode step the KV cache (and activations) the policy put on disk,
+read as long as the step's sequences are so far (the mean over the steps); the prefill's
+writes of that cache are not counted, so a row's percent of its roofline can only understate
+how close it is."""
 
 from __future__ import annotations
 
@@ -32,7 +34,9 @@ class Roofline:
 
 
 def roofline(cfg: ModelConfig, profile: HardwareProfile, dtype: str, batch: int, gpu_batch: int, prompt_len: int,
-             gen_len: int, disk_weight_bytes: float, disk_bytes_per_s: float) -> Roofline:
+             gen_len: int, disk_weight_bytes: float, disk_bytes_per_s: float, disk_cache_bytes: float = 0.0
+             ) -> Roofline:
+    """`disk_cache_bytes`: the block's KV cache and activations on the disk tier at full length."""
     params = matmul_params_per_token(cfg)
     width = cfg.num_heads * cfg.head_dim
     disk_s = disk_weight_bytes / disk_bytes_per_s
@@ -44,7 +48,8 @@ def roofline(cfg: ModelConfig, profile: HardwareProfile, dtype: str, batch: int,
     dec_flop = batch * (2.0 * params + 4.0 * mean_keys * width * cfg.num_layers)
     dec_compute = dec_flop / dev.linear_flops(dtype, gpu_batch)
 
-    prefill, decode = max(pre_compute, disk_s), max(dec_compute, disk_s)
+    dec_disk_s = disk_s + disk_cache_bytes * mean_keys / (prompt_len + gen_len) / disk_bytes_per_s
+    prefill, decode = max(pre_compute, disk_s), max(dec_compute, dec_disk_s)
     total = prefill + (gen_len - 1) * decode
     return Roofline(prefill, decode, "compute" if pre_compute >= disk_s else "disk",
-                    "compute" if dec_compute >= disk_s else "disk", total, batch * gen_len / total)
+                    "compute" if dec_compute >= dec_disk_s else "disk", total, batch * gen_len / total)

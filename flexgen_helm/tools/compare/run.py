@@ -124,7 +124,8 @@ def row_context(setup: Setup, record: dict, policy: Policy | None, profile: Hard
     batch = record["effective_batch_size"]
     gpu_batch = policy.gpu_batch_size if policy is not None else batch
     ctx["roofline"] = roofline(cfg, profile, setup.dtype, batch, gpu_batch, setup.prompt_len, setup.gen_len,
-                               table.disk_weight_bytes(record), bandwidth["device_read_bytes_per_s"])
+                               table.disk_weight_bytes(record), bandwidth["device_read_bytes_per_s"],
+                               table.disk_cache_bytes(record))
     if policy is not None:
         model = CostModel(cfg, profile, Workload(setup.prompt_len, setup.gen_len), DTYPES[setup.dtype])
         ctx["predicted_tok_s"] = model.estimate(policy).throughput
@@ -177,7 +178,7 @@ def run_compare(setup: Setup, out: Path, warmup: int, timeout_s: int, systems: t
         rows = []
         for system in systems:
             p = planned.get(system)
-            rows.append(counted(system, p.label if p else system, p.policy if p else None))
+            rows.append(counted(system, p.label if p else system, p.policy if p else None, p.note if p else ""))
         table.add_ratios(rows)
         ablation_rows = []
         if ablations:
@@ -217,9 +218,10 @@ def notes(setup_names: list[str], bandwidth: dict | None, extra: list[str]) -> l
         "(flexgen_helm/tools/compare/workloads.py: model, prompt/gen lengths, budgets, the cap on blocks).",
         *([bandwidth_note(bandwidth)] if bandwidth else []),
         "roofline_tok_s (flexgen_helm/tools/compare/roofline.py): per phase, time >= max(the matmuls at the "
-        "profiled matmul rate for the rows one GPU batch multiplies, the disk-resident weights at the device's "
-        "bandwidth); pct_of_roofline = measured / roofline throughput. predicted_tok_s: the cost model's "
-        "prediction for the policy that ran, from this machine's hardware profile.",
+        "profiled matmul rate for the rows one GPU batch multiplies, the disk-resident weights - and in decode "
+        "the KV cache on disk, as long as it is so far - at the device's bandwidth); "
+        "pct_of_roofline = measured / roofline throughput. predicted_tok_s: the cost model's prediction "
+        "for the policy that ran, from this machine's hardware profile.",
         "disk_reads_per_token = bytes the process read from storage during the timed generation (/proc/self/io) "
         "/ (disk-resident weight bytes x generated tokens): about 1 means every token's weights came from disk "
         "(KV cache or activations placed on disk add their own reads on top).",

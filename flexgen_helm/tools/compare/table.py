@@ -27,6 +27,12 @@ def disk_weight_bytes(record: dict) -> int:
     return record.get("memory", {}).get("placement", {}).get("weight_bytes", {}).get("disk", 0)
 
 
+def disk_cache_bytes(record: dict) -> int:
+    """The KV cache and activations our run placed on the disk tier (accelerate keeps them on
+    the device: 0)."""
+    return record.get("memory", {}).get("tiers", {}).get("disk", {}).get("peak_bytes", 0)
+
+
 def _peak_rss_bytes(record: dict) -> int:
     """The process's peak RSS: under "memory" in our records, at the top level in accelerate's."""
     return record.get("memory", {}).get("cpu_peak_rss_bytes") or record.get("cpu_peak_rss_bytes", 0)
