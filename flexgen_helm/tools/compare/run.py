@@ -265,6 +265,8 @@ def main(args) -> int:
     all_rows = [r for f in folders for r in table.from_csv((f / "results.csv").read_text())]
     archived = (["Runs of older code: archive/ (labelled with their date, host and commit; not in this table)."]
                 if (out / "archive").is_dir() else [])
+    if (out / "NOTES.md").is_file():  # written by hand beside the tables; compare never rewrites it
+        archived.append("Analysis of these tables (what bounds each row, this machine's limits): NOTES.md.")
     table.write(out, all_rows, "Throughput: ours vs Hugging Face accelerate (same machine)",
                 notes([f.name for f in folders], None,
                       ["Each setup's folder has its JSON records, its commands, the load average before each "
