@@ -6,6 +6,13 @@ reused by the whole block. While batch k computes layer j, the copy engine loads
 j+1's weights, batch k+1's cache and activations (while the last batch computes, batch 0's
 cache of layer j+1), and stores batch k's.
 
+In a decode step a transformer block multiplies its weights once for the whole block: the
+GPU batches' new rows (one per sequence: kilobytes) go through the block's linear layers
+together, and only attention, which reads each batch's own KV cache, runs batch by batch.
+A one-row GPU batch would otherwise multiply every weight as a matrix-vector product once
+per batch (OPT-6.7B, a block of 16 one-sequence batches on 2 CPU cores: ~12 s of a 19.8 s
+step, runs/compare/NOTES.md); the memory that bounds a GPU batch is the prefill's.
+
 `timers` (seconds): "compute" and "wait_*" (time the compute thread waited for a load)
 over the whole run, plus per stage "{prefill,decode}_{compute,load_weight,load_cache,
 load_hidden,store_cache,store_hidden}": the run time of each kind of event. With overlap
@@ -217,6 +224,14 @@ class BlockSchedule:
             if not live:
                 continue
             cache = cache_ahead or self._submit_cache_load(layer, live[0], prefill)
+            if not prefill and layer.kind == "block" and len(live) > 1:
+                following_block = layers[j + 1] if j + 1 < len(layers) else None
+                outs, cache_ahead = self._merged_decode_block(layer, w, live, cache, following_block)
+                for k, (out, new_kv) in zip(live, outs):
+                    self._submit_stores(layer, k, out, new_kv, stage)
+                del w
+                self._bound_freed_memory()
+                continue
             hidden = self._submit_hidden_load(layer, live[0], stage)
             for i, k in enumerate(live):
                 h = self._wait(hidden, "load_hidden") if hidden is not None else None
@@ -330,12 +345,61 @@ class BlockSchedule:
         delegate = self.policy.cpu_cache_compute and tier != "gpu"
         return self.devices.cpu if delegate else self.devices.compute
 
+    def _merged_decode_block(self, layer, w: dict, live: list[int], cache, following):
+        """One decode step of a transformer block for the live GPU batches together: their
+        computed rows through the linear layers as one matrix, attention batch by batch (batch
+        i+1's cache loading while batch i attends; after the last, batch live[0]'s cache of
+        `following`). Returns per batch (hidden state after the block, cache write or None)
+        and the future of that next cache."""
+        stage = "decode"
+        hidden = [self._submit_hidden_load(layer, k, stage) for k in live]
+        hs = [self._wait(f, "load_hidden") for f in hidden]
+        rows = [self.step_rows[k] for k in live]
+        t0 = time.perf_counter()
+        parts = [r.take(h) for r, h in zip(rows, hs)]
+        sizes = [p.shape[0] for p in parts]
+        h_all = torch.cat(parts)
+        at = self.family.step_constants(self.constants, torch.cat([r.positions for r in rows]))
+        qkv = [x.split(sizes) for x in self.family.qkv(self.cfg, w, h_all, at, layer.index)]
+        self._time_compute(t0)
+        attn, writes = [], []
+        for i, k in enumerate(live):
+            kv = self._wait(cache, "load_cache")
+            if i + 1 < len(live):
+                cache = self._submit_cache_load(layer, live[i + 1], False)
+            else:
+                cache = self._submit_cache_load(following, live[0], False) if following is not None else None
+            t0 = time.perf_counter()
+            out, write = self._attend(layer.index, k, *(x[i] for x in qkv), kv, False)
+            attn.append(out)
+            writes.append(write)
+            self._time_compute(t0)
+        t0 = time.perf_counter()
+        after = self.family.finish_block(self.cfg, w, h_all, torch.cat(attn)).split(sizes)
+        outs = [(r.put(h, part), write) for r, h, part, write in zip(rows, hs, after, writes)]
+        self._time_compute(t0)
+        return outs, cache
+
+    def _time_compute(self, t0: float) -> None:
+        if self.devices.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        elapsed = time.perf_counter() - t0
+        self.timers["compute"] += elapsed
+        self.timers["decode_compute"] += elapsed
+
     def _block(self, index: int, k: int, w: dict, h, cache, prefill: bool):
         """h: the computed rows' hidden states. Returns theirs after the block, and the
         arguments of KVCacheSlot.write that store what is not stored yet (None: a decode
         step wrote every tier in place)."""
+        q, key, value = self.family.qkv(self.cfg, w, h, self.step_rows[k].at, index)
+        out, write = self._attend(index, k, q, key, value, cache, prefill)
+        return self.family.finish_block(self.cfg, w, h, out), write
+
+    def _attend(self, index: int, k: int, q, key, value, cache, prefill: bool):
+        """Attention of GPU batch k's computed rows in block `index` over its cache: the
+        output (rows, positions, heads x head_dim), and the arguments of KVCacheSlot.write
+        that store what is not stored yet (None: a decode step wrote every tier in place)."""
         cfg, rows, slot = self.cfg, self.step_rows[k], self.slots[index, k]
-        q, key, value = self.family.qkv(cfg, w, h, rows.at, index)
         b, kvh, s, d = key.shape
         qu = to_units(q, kvh)
         ku, vu = key.reshape(b * kvh, s, d), value.reshape(b * kvh, s, d)
@@ -355,10 +419,10 @@ class BlockSchedule:
             if self.devices.is_cuda:
                 torch.cuda.current_stream().synchronize()
             self.timers["decode_attention"] += time.perf_counter() - t0  # part of decode_compute
-        h = self.family.finish_block(cfg, w, h, from_units(out, b))
+        out = from_units(out, b)
         if not unwritten:
-            return h, None
-        return h, (ku.transpose(0, 1), vu.transpose(0, 1), self.length, rows.unit_index, unwritten)
+            return out, None
+        return out, (ku.transpose(0, 1), vu.transpose(0, 1), self.length, rows.unit_index, unwritten)
 
     def _as_stored(self, starts: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(units, t, d) keys and values (units starting at `starts`) -> what the cache returns

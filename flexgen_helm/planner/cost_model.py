@@ -211,10 +211,13 @@ def layer_weights(layer: LayerSpec, placement: dict, compression: Compression | 
     return lw
 
 
-def _matmul_rows(layer: LayerSpec, gbs: int, tokens: int) -> int:
-    """Activation rows a layer's linears multiply per GPU batch (the head projects only the
-    last position)."""
-    return gbs * (tokens if layer.kind != "head" else 1)
+def _matmuls(layer: LayerSpec, gbs: int, nb: int, tokens: int, phase: str) -> tuple[int, int]:
+    """(activation rows, times) a layer's linears multiply per step: per GPU batch, except a
+    decode step's transformer blocks, which multiply the whole block's rows at once
+    (executor/schedule.py); the head projects only the last position."""
+    if phase == "decode" and layer.kind == "block":
+        return gbs * nb * tokens, 1
+    return gbs * (tokens if layer.kind != "head" else 1), nb
 
 
 # ---- the model ----------------------------------------------------------------------------
@@ -271,8 +274,7 @@ class CostModel:
         else:
             b["cpu_gpu"] += lw.assembled
 
-        rows = _matmul_rows(layer, gbs, tokens)
-        b["compute"] += self._weights_compute(lw, rows, nb)
+        b["compute"] += self._weights_compute(lw, *_matmuls(layer, gbs, nb, tokens, phase))
         b["compute"] += nb * self._fixed_per_layer_batch(layer, policy, phase)
         if layer.kind == "block":
             per_hidden, per_mlp = ELEMENTWISE_PASSES.get(cfg.family, ELEMENTWISE_PASSES["llama"])
@@ -489,7 +491,7 @@ class CostModel:
             tokens = work.prompt_len if phase == "prefill" else 1
             keys = work.prompt_len if phase == "prefill" else work.max_len
             placed = planned_components(cfg, policy, work.max_len, self.dtype, act_len=tokens)
-            inner = batch_working_bytes(cfg, gbs * tokens, self.dtype)
+            inner = batch_working_bytes(cfg, (gbs * nb if phase == "decode" else gbs) * tokens, self.dtype)
             scores = gbs * cfg.num_heads * tokens * keys * ATTENTION_MASK_BYTES
             logits = gbs * nb * cfg.vocab_size * 4  # fp32, the last position of every sequence
             # a GPU batch's new K and V on their way to the disk tier: two copies each (its
@@ -497,7 +499,7 @@ class CostModel:
             storing = 2 * 2 * gbs * tokens * cfg.num_kv_heads * cfg.head_dim * elt * c["disk"]
             tiers = {t: float(sum(part[t] for part in placed.values())) for t in TIERS}
             # the dense copy of a compressed layer's weights, made where it computes (only the one in use)
-            dequantized = max(self.dequantized_numel(lw, _matmul_rows(layer, gbs, tokens))
+            dequantized = max(self.dequantized_numel(lw, _matmuls(layer, gbs, nb, tokens, phase)[0])
                               for (layer, _), lw in zip(self.groups, lws)) * elt
             tiers["gpu"] += (loaded_weights + dequantized + inner + kept + scores + logits + storing
                              + (loaded_cache if phase == "decode" else 0.0))

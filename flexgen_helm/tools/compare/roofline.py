@@ -6,9 +6,10 @@ phase, given the block it ran and where its weights lived:
     decode step >= max(the same for one token per sequence, the same weight bytes)
 
 The matmuls are every Linear of the model (compute_floor.matmul_params_per_token) times the
-tokens, plus causal attention; the rate is the hardware profile's for the rows one GPU batch
-multiplies at once (a prefill's batch x prompt, a decode step's batch), because that is what
-the row's own block shape lets the CPU reach. The bytes are the weights placed on disk, read
+tokens, plus causal attention; the rate is the hardware profile's for the rows multiplied at
+once (a prefill's GPU batch x prompt; a decode step's whole block, whose GPU batches go
+through a transformer block's linears together), because that is what the row's own block
+shape lets the CPU reach. The bytes are the weights placed on disk, read
 once per step, and in a decode step the KV cache (and activations) the policy put on disk,
 read as long as the step's sequences are so far (the mean over the steps); the prefill's
 writes of that cache are not counted, so a row's percent of its roofline can only understate
@@ -46,7 +47,7 @@ def roofline(cfg: ModelConfig, profile: HardwareProfile, dtype: str, batch: int,
     pre_compute = pre_flop / dev.linear_flops(dtype, gpu_batch * prompt_len)
     mean_keys = prompt_len + gen_len / 2
     dec_flop = batch * (2.0 * params + 4.0 * mean_keys * width * cfg.num_layers)
-    dec_compute = dec_flop / dev.linear_flops(dtype, gpu_batch)
+    dec_compute = dec_flop / dev.linear_flops(dtype, batch)
 
     dec_disk_s = disk_s + disk_cache_bytes * mean_keys / (prompt_len + gen_len) / disk_bytes_per_s
     prefill, decode = max(pre_compute, disk_s), max(dec_compute, dec_disk_s)

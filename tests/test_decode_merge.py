@@ -1,0 +1,46 @@
+"""A decode step multiplies each transformer block's weights once for the whole block: the
+live rows of every GPU batch go through the block's linear layers together, attention stays
+batch by batch over each batch's own cache, and the tokens are those of one GPU batch holding
+the whole block (float32)."""
+
+from __future__ import annotations
+
+import pytest
+
+from flexgen_helm.engine import Engine
+from flexgen_helm.executor.sampling import SamplingParams
+from flexgen_helm.models import FAMILIES
+from flexgen_helm.policy import Policy, Split
+
+PROMPTS = [[5, 17, 3, 44, 9], [12, 7], [30, 31, 32, 33], [1, 2, 3], [40] * 6, [8, 9]]
+NEW = 4
+
+
+@pytest.mark.parametrize("fixture,family", [("tiny_opt", "opt"), ("tiny_llama", "llama")])
+def test_a_decode_step_multiplies_a_blocks_weights_once(fixture, family, request, tmp_path, monkeypatch):
+    path = str(request.getfixturevalue(fixture))
+    whole = Engine.load(path, Policy(gpu_batch_size=6, num_gpu_batches=1), dtype="float32", device="cpu",
+                        offload_dir=tmp_path / "whole", progress=False)
+    want = whole.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True)).results
+
+    module = FAMILIES[family]
+    rows_seen = []
+    qkv = module.qkv
+
+    def counting_qkv(cfg, w, h, at, block):
+        rows_seen.append((h.shape[0], h.shape[1]))
+        return qkv(cfg, w, h, at, block)
+
+    monkeypatch.setattr(module, "qkv", counting_qkv)
+    split = Engine.load(path, Policy(gpu_batch_size=2, num_gpu_batches=3, cache=Split(0.3, 0.4, 0.3)),
+                        dtype="float32", device="cpu", offload_dir=tmp_path / "split", progress=False)
+    got = split.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True)).results
+
+    for g, w in zip(got, want):
+        assert g.completions[0].token_ids == w.completions[0].token_ids
+        assert g.completions[0].logprobs == pytest.approx(w.completions[0].logprobs, abs=1e-4)
+    decode = [r for r in rows_seen if r[1] == 1]
+    prefill = [r for r in rows_seen if r[1] > 1]
+    assert prefill and all(rows == 2 for rows, _ in prefill)  # prefill: GPU batch by GPU batch (3 a layer)
+    assert all(rows == 6 for rows, _ in decode)  # decode: the block's 6 rows at once
+    assert len(decode) == len(prefill) // 3 * (NEW - 1)  # once a layer and step
