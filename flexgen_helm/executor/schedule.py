@@ -292,11 +292,7 @@ class BlockSchedule:
             out = rows.put(h, part)
         else:
             out = head(k, w, rows.take(h))
-        if self.devices.is_cuda:
-            torch.cuda.current_stream().synchronize()
-        elapsed = time.perf_counter() - t0
-        self.timers["compute"] += elapsed
-        self.timers[f"{'prefill' if prefill else 'decode'}_compute"] += elapsed
+        self._time_compute(t0, "prefill" if prefill else "decode")
         return out, new_kv
 
     def _submit_stores(self, layer, k: int, hidden: torch.Tensor, new_kv, stage: str) -> None:
@@ -351,8 +347,7 @@ class BlockSchedule:
         i+1's cache loading while batch i attends; after the last, batch live[0]'s cache of
         `following`). Returns per batch (hidden state after the block, cache write or None)
         and the future of that next cache."""
-        stage = "decode"
-        hidden = [self._submit_hidden_load(layer, k, stage) for k in live]
+        hidden = [self._submit_hidden_load(layer, k, "decode") for k in live]
         hs = [self._wait(f, "load_hidden") for f in hidden]
         rows = [self.step_rows[k] for k in live]
         t0 = time.perf_counter()
@@ -380,12 +375,13 @@ class BlockSchedule:
         self._time_compute(t0)
         return outs, cache
 
-    def _time_compute(self, t0: float) -> None:
+    def _time_compute(self, t0: float, stage: str = "decode") -> None:
+        """Counts the compute since t0 (finished, on a GPU) in the run's and the stage's timers."""
         if self.devices.is_cuda:
             torch.cuda.current_stream().synchronize()
         elapsed = time.perf_counter() - t0
         self.timers["compute"] += elapsed
-        self.timers["decode_compute"] += elapsed
+        self.timers[f"{stage}_compute"] += elapsed
 
     def _block(self, index: int, k: int, w: dict, h, cache, prefill: bool):
         """h: the computed rows' hidden states. Returns theirs after the block, and the
