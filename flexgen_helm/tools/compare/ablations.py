@@ -31,6 +31,7 @@ def ablation_policies(setup: Setup, best: Policy, profile: HardwareProfile) -> l
     one_on_device = Policy(cache=Split(1, 0, 0), activations=Split(1, 0, 0))
     fixed = most_weights_in_ram(BudgetCheck(setup, profile), one_on_device, use_gpu=True)
     out.append(("no policy search", fixed, "fixed: 1 sequence, cache on the device, weights in RAM as budgets allow"
-                if fixed is not None else "does not fit: one sequence's cache and activations on the device exceed "
-                f"the budgets ({setup.gpu_mem} device, {setup.cpu_mem} cpu) with every weight on disk"))
+                if fixed is not None else "does not fit: one sequence's cache and activations on the device, beside "
+                "the loaded weights and working set of its compute, exceed the budgets "
+                f"({setup.gpu_mem} device, {setup.cpu_mem} cpu) with every weight on disk"))
     return out
