@@ -10,7 +10,7 @@ import torch
 from flexgen_helm.engine import Engine
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.executor.schedule import BlockSchedule
-from flexgen_helm.memory.copy_engine import CopyEngine
+from flexgen_helm.memory.copy_engine import READS_AT_ONCE, CopyEngine
 from flexgen_helm.policy import Policy, Split
 
 CPU32 = dict(dtype="float32", device="cpu", progress=False)
@@ -51,3 +51,12 @@ def test_a_layer_computes_while_the_next_layers_weights_load(tiny_llama, tmp_pat
     monkeypatch.setattr(engine.runtime, "load_layer", load_layer)
     run = engine.generate([[5, 17, 3], [12, 7]], SamplingParams(max_new_tokens=2, ignore_eos=True))
     assert all(len(r.completions[0].token_ids) == 2 for r in run.results)
+
+
+def test_a_fan_out_has_its_reads_in_flight_together():
+    io = CopyEngine(True, torch.device("cpu"))
+    together = threading.Barrier(READS_AT_ONCE, timeout=10)  # breaks unless all wait at once
+    try:
+        assert io.fan_out(lambda i: together.wait() * 0 + i, list(range(READS_AT_ONCE))) == list(range(READS_AT_ONCE))
+    finally:
+        io.close()

@@ -5,10 +5,13 @@ the whole block (float32)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from flexgen_helm.engine import Engine
 from flexgen_helm.executor.sampling import SamplingParams
+from flexgen_helm.executor.schedule import BlockSchedule
 from flexgen_helm.models import FAMILIES
 from flexgen_helm.policy import Policy, Split
 
@@ -44,3 +47,31 @@ def test_a_decode_step_multiplies_a_blocks_weights_once(fixture, family, request
     assert prefill and all(rows == 2 for rows, _ in prefill)  # prefill: GPU batch by GPU batch (3 a layer)
     assert all(rows == 6 for rows, _ in decode)  # decode: the block's 6 rows at once
     assert len(decode) == len(prefill) // 3 * (NEW - 1)  # once a layer and step
+
+
+def test_a_decode_step_reads_the_next_blocks_cache_while_this_one_attends(tiny_llama, tmp_path, monkeypatch):
+    """The cache on disk: block 1's cache of every GPU batch is read, the batches' reads in
+    flight together, before block 0 attends (a read batch after batch waited its turn each)."""
+    engine = Engine.load(str(tiny_llama), Policy(gpu_batch_size=2, num_gpu_batches=3, cache=Split(0, 0, 1)),
+                         dtype="float32", device="cpu", offload_dir=tmp_path, progress=False)
+    together = threading.Barrier(3, timeout=10)  # breaks unless the 3 batches' reads run at once
+    block1_read = threading.Event()
+    read, attend = BlockSchedule._read_cache, BlockSchedule._attend
+
+    def read_cache(self, layer, k):
+        together.wait()
+        out = read(self, layer, k)
+        if layer.index == 1:
+            block1_read.set()
+        return out
+
+    def attend_(self, index, k, q, key, value, cache, prefill):
+        if index == 0 and k == 0 and not prefill:
+            assert block1_read.wait(10), "block 0 attended before block 1's cache was read"
+            block1_read.clear()
+        return attend(self, index, k, q, key, value, cache, prefill)
+
+    monkeypatch.setattr(BlockSchedule, "_read_cache", read_cache)
+    monkeypatch.setattr(BlockSchedule, "_attend", attend_)
+    run = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    assert all(len(r.completions[0].token_ids) == NEW for r in run.results)

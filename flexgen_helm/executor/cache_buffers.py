@@ -6,9 +6,11 @@ into buffers taken here, so that the dequantized cache and the working copies of
 dequantization are allocated once per run instead of once per layer per step.
 
 Two sets of buffers take turns (`next_set`, once per load): the schedule has at most two
-cache loads alive, the one a GPU batch computes with and the one the copy engine prepares
-for the next; a load is taken only after the load before it was consumed, so the set it
-overwrites belongs to a batch whose compute has finished. A buffer that is too small is
+cache loads alive, the one being computed with and the one the copy engine prepares for
+next; a load is taken only after the load before it was consumed, so the set it overwrites
+belongs to compute that has finished. A load is one GPU batch's cache, or (a merged decode
+step, schedule.py) the whole block's of a layer, each batch in its own buffers of the set
+(`of_batch`). A buffer that is too small is
 replaced by one twice the size asked for, so a cache that grows a position per step
 reallocates a handful of times per run, not at every step."""
 
@@ -48,3 +50,21 @@ class CacheBuffers:
         """Working copies of a dequantization on `device`, one buffer per dtype: a
         dequantization asks for each dtype at most once, and is done before the next asks."""
         return lambda shape, dtype: self.take("scratch", shape, dtype, device)
+
+    def of_batch(self, i: int) -> BatchBuffers:
+        """The buffers of the i-th GPU batch of a whole block's load, in this set."""
+        return BatchBuffers(self, i)
+
+
+class BatchBuffers:
+    """One GPU batch's own buffers within a CacheBuffers set (take and scratch as there)."""
+
+    def __init__(self, buffers: CacheBuffers, batch: int):
+        self._buffers, self._batch = buffers, batch
+
+    def take(self, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self._buffers.take(f"{name}@{self._batch}", shape, dtype, device)
+
+    def scratch(self, device: torch.device) -> Scratch:
+        # shared by the batches: a block's load unpacks them one after another
+        return self._buffers.scratch(device)

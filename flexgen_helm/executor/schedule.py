@@ -12,6 +12,9 @@ together, and only attention, which reads each batch's own KV cache, runs batch 
 A one-row GPU batch would otherwise multiply every weight as a matrix-vector product once
 per batch (OPT-6.7B, a block of 16 one-sequence batches on 2 CPU cores: ~12 s of a 19.8 s
 step, runs/compare/NOTES.md); the memory that bounds a GPU batch is the prefill's.
+Such a step loads the whole block's cache of layer j+1 while layer j computes, its reads in
+flight together: read batch after batch, each small disk read waited behind the weights'
+large ones (OPT-6.7B, 9% of the cache on disk: 9.9 s of a 13.5 s step for 0.4 GB).
 
 `timers` (seconds): "compute" and "wait_*" (time the compute thread waited for a load)
 over the whole run, plus per stage "{prefill,decode}_{compute,load_weight,load_cache,
@@ -223,10 +226,10 @@ class BlockSchedule:
                                 kind=f"{stage}_load_weight", lane="weights")
             if not live:
                 continue
-            cache = cache_ahead or self._submit_cache_load(layer, live[0], prefill)
-            if not prefill and layer.kind == "block" and len(live) > 1:
-                following_block = layers[j + 1] if j + 1 < len(layers) else None
-                outs, cache_ahead = self._merged_decode_block(layer, w, live, cache, following_block)
+            cache = cache_ahead or self._submit_cache_ahead(layer, live, prefill)
+            next_layer = layers[j + 1] if j + 1 < len(layers) else None
+            if self._merges(layer, live, prefill):
+                outs, cache_ahead = self._merged_decode_block(layer, w, live, cache, next_layer)
                 for k, (out, new_kv) in zip(live, outs):
                     self._submit_stores(layer, k, out, new_kv, stage)
                 del w
@@ -241,8 +244,7 @@ class BlockSchedule:
                     hidden = self._submit_hidden_load(layer, live[i + 1], stage)
                 else:  # the next layer's first cache travels while the last batch computes (its
                     # hidden state cannot: this layer's compute makes it)
-                    cache_ahead = self._submit_cache_load(layers[j + 1], live[0], prefill) \
-                        if j + 1 < len(layers) else None
+                    cache_ahead = self._submit_cache_ahead(next_layer, live, prefill)
                 out, new_kv = self._run_layer(layer, k, w, h, kv, inputs[k], head, prefill)
                 if layer.kind == "head":
                     results[k] = out
@@ -309,6 +311,20 @@ class BlockSchedule:
 
     # ---- a transformer block for one GPU batch -------------------------------------------
 
+    @staticmethod
+    def _merges(layer, live: list[int], prefill: bool) -> bool:
+        """Whether this layer's step runs the live GPU batches together (_merged_decode_block)."""
+        return not prefill and layer.kind == "block" and len(live) > 1
+
+    def _submit_cache_ahead(self, layer, live: list[int], prefill: bool):
+        """A future for the cache that `layer` (None: past the last) reads first: the whole
+        block's where its step merges the batches, else the first live batch's."""
+        if layer is None:
+            return None
+        if self._merges(layer, live, prefill):
+            return self.io.submit(self._load_block_cache, layer, live, kind="decode_load_cache")
+        return self._submit_cache_load(layer, live[0], prefill)
+
     def _submit_cache_load(self, layer, k: int, prefill: bool):
         """A future for batch k's cache of a block layer (None where nothing is read: a
         prefill attends only to its own keys and values)."""
@@ -316,25 +332,39 @@ class BlockSchedule:
             return None
         return self.io.submit(self._load_cache, layer, k, kind="decode_load_cache")
 
-    def _load_cache(self, layer, k: int):
+    def _load_cache(self, layer, k: int) -> dict:
         """Batch k's cache of this layer (the positions its slot holds), each tier's part
         where its attention will run (none for a tier that attention reads in place, or where
         no unit computes)."""
-        slot = self.slots[layer.index, k]
-        parts = {}
         self.buffers.next_set()
+        return self._unpack_cache(layer, k, self._read_cache(layer, k), self.buffers)
+
+    def _load_block_cache(self, layer, live: list[int]) -> list[dict]:
+        """_load_cache of every live batch, their reads in flight together (CopyEngine.fan_out)."""
+        self.buffers.next_set()
+        stored = self.io.fan_out(functools.partial(self._read_cache, layer), live)
+        return [self._unpack_cache(layer, k, s, self.buffers.of_batch(i)) for i, (k, s) in enumerate(zip(live, stored))]
+
+    def _read_cache(self, layer, k: int) -> dict:
+        """Of batch k's cache of this layer, each tier's part that attention reads off its tier, as stored."""
+        slot, stored = self.slots[layer.index, k], {}
         for tier in TIERS:
             computed, _ = self.step_rows[k].tier_part(*slot.ranges[tier])
-            where = self._attention_device(tier)
-            if computed.start < computed.stop and not slot.in_place(tier, where):
+            if computed.start < computed.stop and not slot.in_place(tier, self._attention_device(tier)):
                 # Sparse attention reads V from disk after scoring, and only the rows it keeps.
                 sparse_disk = tier == "disk" and self.policy.attn_sparsity < 1.0 and slot.values_apart
-                stored = slot.read(tier, self.length, values=not sparse_disk)
-                # compressed parts travel compressed and are dequantized where attention runs
-                t0 = time.perf_counter()
-                parts[tier] = slot.unpack(tier, stored, where, decode_cache_dtype(where, self.devices.dtype),
-                                          self.buffers)
-                self.timers["decode_unpack_cache"] += time.perf_counter() - t0
+                stored[tier] = slot.read(tier, self.length, values=not sparse_disk)
+        return stored
+
+    def _unpack_cache(self, layer, k: int, stored: dict, buffers) -> dict:
+        """What _read_cache read, in `buffers` where attention runs: compressed parts travel
+        compressed and are dequantized there."""
+        t0 = time.perf_counter()
+        slot, parts = self.slots[layer.index, k], {}
+        for tier, x in stored.items():
+            where = self._attention_device(tier)
+            parts[tier] = slot.unpack(tier, x, where, decode_cache_dtype(where, self.devices.dtype), buffers)
+        self.timers["decode_unpack_cache"] += time.perf_counter() - t0
         return parts
 
     def _attention_device(self, tier: str) -> torch.device:
@@ -343,11 +373,13 @@ class BlockSchedule:
 
     def _merged_decode_block(self, layer, w: dict, live: list[int], cache, following):
         """One decode step of a transformer block for the live GPU batches together: their
-        computed rows through the linear layers as one matrix, attention batch by batch (batch
-        i+1's cache loading while batch i attends; after the last, batch live[0]'s cache of
-        `following`). Returns per batch (hidden state after the block, cache write or None)
-        and the future of that next cache."""
+        computed rows through the linear layers as one matrix, attention batch by batch over
+        `cache`, the whole block's cache of the layer (while this layer computes, `following`'s
+        loads). Returns per batch (hidden state after the block, cache write or None) and the
+        future of the next cache."""
         hidden = [self._submit_hidden_load(layer, k, "decode") for k in live]
+        kvs = self._wait(cache, "load_cache")
+        cache = self._submit_cache_ahead(following, live, False)
         hs = [self._wait(f, "load_hidden") for f in hidden]
         rows = [self.step_rows[k] for k in live]
         t0 = time.perf_counter()
@@ -359,13 +391,8 @@ class BlockSchedule:
         self._time_compute(t0)
         attn, writes = [], []
         for i, k in enumerate(live):
-            kv = self._wait(cache, "load_cache")
-            if i + 1 < len(live):
-                cache = self._submit_cache_load(layer, live[i + 1], False)
-            else:
-                cache = self._submit_cache_load(following, live[0], False) if following is not None else None
             t0 = time.perf_counter()
-            out, write = self._attend(layer.index, k, *(x[i] for x in qkv), kv, False)
+            out, write = self._attend(layer.index, k, *(x[i] for x in qkv), kvs[i], False)
             attn.append(out)
             writes.append(write)
             self._time_compute(t0)

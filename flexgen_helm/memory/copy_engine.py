@@ -11,6 +11,12 @@ copies release the GIL, so the workers really run beside the compute thread. On 
 lane issues its copies on its own stream. With overlap off, every transfer runs inline,
 as the paper's ablation.
 
+A load made of many small reads (a merged decode step reads every GPU batch's KV cache of a
+layer off the disk at once) issues them together with `fan_out`: a small O_DIRECT read
+waits its turn behind the weight lane's large ones, and one at a time each paid that wait
+(the 2-core EPYC's virtio disk, 400 KB reads beside a stream of 64 MiB ones: 15.6 ms a
+read one at a time, 3.5 ms with 4 in flight, 1.4 ms with 16).
+
 Each transfer may name its `kind` (e.g. "decode_load_cache"): its run time is added to
 `timers[kind]`, which with overlap off gives the paper's runtime breakdown (Table 23).
 Each key is written by one thread only (the worker, or the caller when inline).
@@ -36,6 +42,7 @@ class _Done:
 
 
 LANES = ("batches", "weights")
+READS_AT_ONCE = 16  # the most reads fan_out has in flight (the measurement above)
 
 
 class CopyEngine:
@@ -46,6 +53,7 @@ class CopyEngine:
         self._pools = {lane: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"flexgen-io-{lane}")
                        for lane in LANES} if overlap else None
         self._streams = {lane: torch.cuda.Stream(device) for lane in LANES} if (overlap and self.cuda) else None
+        self._fan: ThreadPoolExecutor | None = None
 
     def submit(self, fn, *args, kind: str | None = None, lane: str = "batches") -> Future | _Done:
         """Run fn(*args) on `lane` (module doc); its run time goes to timers[kind]."""
@@ -56,6 +64,15 @@ class CopyEngine:
             ready = torch.cuda.Event()
             ready.record()  # the transfer may read tensors that compute just produced
         return self._pools[lane].submit(self._timed, kind, self._run, fn, args, ready, lane)
+
+    def fan_out(self, fn, items: list) -> list:
+        """[fn(x) for x in items], up to READS_AT_ONCE of them running at once (fn: reads that
+        release the GIL and touch nothing the others touch)."""
+        if len(items) < 2:
+            return [fn(x) for x in items]
+        if self._fan is None:
+            self._fan = ThreadPoolExecutor(max_workers=READS_AT_ONCE, thread_name_prefix="flexgen-io-fan")
+        return list(self._fan.map(fn, items))
 
     def _timed(self, kind, run, *args):
         if kind is None:
@@ -82,7 +99,7 @@ class CopyEngine:
         return out
 
     def close(self) -> None:
-        for pool in (self._pools or {}).values():
+        for pool in [*(self._pools or {}).values(), *([self._fan] if self._fan else [])]:
             pool.shutdown(wait=True)
 
 

@@ -45,6 +45,7 @@ import torch
 
 from flexgen_helm.compression.stored import weight_groups, weight_layout
 from flexgen_helm.errors import ProfileFormatError
+from flexgen_helm.executor.attention import decode_cache_dtype
 from flexgen_helm.executor.kv_cache import cache_rows, kv_nbytes, kv_nbytes_per_position
 from flexgen_helm.executor.working_set import batch_working_bytes, dense_weight_numel, kept_freed_bytes
 from flexgen_helm.memory.devices import DTYPES
@@ -460,8 +461,9 @@ class CostModel:
         """phase -> tier -> bytes: weight homes + KV cache + activations (as the engine accounts
         them, memory/budget.planned_components) + the compute side's working set: two layers of
         loaded weights (the one in use and the one prefetched), the dense copy of a compressed
-        layer where the int4 kernel does not take its rows, the K and V of two GPU batches read
-        off the cpu/disk tiers (decode) and of one on its way to disk, one GPU batch's
+        layer where the int4 kernel does not take its rows, two decode loads of a layer's K and V
+        off the cpu/disk tiers (a GPU batch's, or a merged step's whole block's), the K and V
+        of a GPU batch on its way to disk, one GPU batch's
         intermediate activations and attention mask, the head's logits, and the freed memory
         the schedule keeps resident for reuse. Measured against process RSS with
         runs/bench/memory/rss_phases.py."""
@@ -471,14 +473,15 @@ class CostModel:
         loaded_weights = self._most_loaded_at_once(lws)
         _, c, _ = Fractions.of(policy).splits()
         moved = c["disk"] + (c["cpu"] if self.hw.is_cuda and not policy.cpu_cache_compute else 0.0)
-        # a GPU batch's K (or V) of one layer read off its tier (the longest a slot holds: a global
-        # block's): the batch in use has its K and V as read and joined with the new position
-        # (attention's keys and values), the next batch's are being read (its K, V and a copy
-        # of the one being converted from the disk's row bytes)
+        # the KV cache of one layer read off its tier (the longest a slot holds: a global block's)
+        # by a decode step: the load in use, unpacked where attention reads it, the next one
+        # unpacked too and, while it is, as read. A load is one GPU batch's, or the whole block's
+        # where a step merges its batches (executor/schedule.py: nb > 1).
         held = max(cache_rows(work.max_len, self._window(layer)) for layer, _ in self.groups)
-        # (kv_nbytes counts K and V together: half of it is one of them)
-        loaded_cache = (2 + 2 + 3) * kv_nbytes(held, gbs * cfg.num_kv_heads, cfg.head_dim, self.dtype,
-                                               policy.compress_cache) / 2 * moved
+        units = gbs * (nb if nb > 1 else 1) * cfg.num_kv_heads
+        as_read = kv_nbytes(held, units, cfg.head_dim, self.dtype, policy.compress_cache)
+        unpacked = kv_nbytes(held, units, cfg.head_dim, decode_cache_dtype(self.hw.compute_device, self.dtype), None)
+        loaded_cache = (2 * unpacked + as_read) * moved
         # freed memory the schedule keeps resident for reuse (executor/working_set.py): a block
         # layer's dense copy of its compressed weights among it, and the largest layer's load
         # buffers, which are host memory (on a GPU, the cpu tier's)
