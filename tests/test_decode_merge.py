@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from flexgen_helm.engine import Engine
+from flexgen_helm.executor import cache_buffers
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.executor.schedule import BlockSchedule
 from flexgen_helm.models import FAMILIES
@@ -19,8 +20,13 @@ PROMPTS = [[5, 17, 3, 44, 9], [12, 7], [30, 31, 32, 33], [1, 2, 3], [40] * 6, [8
 NEW = 4
 
 
-@pytest.mark.parametrize("fixture,family", [("tiny_opt", "opt"), ("tiny_llama", "llama")])
-def test_a_decode_step_multiplies_a_blocks_weights_once(fixture, family, request, tmp_path, monkeypatch):
+@pytest.mark.parametrize("fixture,family,load_bytes", [("tiny_opt", "opt", None), ("tiny_llama", "llama", None),
+                                                       ("tiny_llama", "llama", 1)])
+def test_a_decode_step_multiplies_a_blocks_weights_once(fixture, family, load_bytes, request, tmp_path,
+                                                        monkeypatch):
+    """load_bytes: what one cache load may read (1: a load per GPU batch; default: all three)."""
+    if load_bytes is not None:
+        monkeypatch.setattr(cache_buffers, "GROUP_READ_BYTES", load_bytes)
     path = str(request.getfixturevalue(fixture))
     whole = Engine.load(path, Policy(gpu_batch_size=6, num_gpu_batches=1), dtype="float32", device="cpu",
                         offload_dir=tmp_path / "whole", progress=False)
@@ -35,6 +41,14 @@ def test_a_decode_step_multiplies_a_blocks_weights_once(fixture, family, request
         return qkv(cfg, w, h, at, block)
 
     monkeypatch.setattr(module, "qkv", counting_qkv)
+    loads = []
+    load_group = BlockSchedule._load_group_cache
+
+    def counting_loads(self, layer, ks):
+        loads.append(len(ks))
+        return load_group(self, layer, ks)
+
+    monkeypatch.setattr(BlockSchedule, "_load_group_cache", counting_loads)
     split = Engine.load(path, Policy(gpu_batch_size=2, num_gpu_batches=3, cache=Split(0.3, 0.4, 0.3)),
                         dtype="float32", device="cpu", offload_dir=tmp_path / "split", progress=False)
     got = split.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True)).results
@@ -47,6 +61,7 @@ def test_a_decode_step_multiplies_a_blocks_weights_once(fixture, family, request
     assert prefill and all(rows == 2 for rows, _ in prefill)  # prefill: GPU batch by GPU batch (3 a layer)
     assert all(rows == 6 for rows, _ in decode)  # decode: the block's 6 rows at once
     assert len(decode) == len(prefill) // 3 * (NEW - 1)  # once a layer and step
+    assert set(loads) == {1 if load_bytes == 1 else 3}  # the three batches' caches: a load each, or one
 
 
 def test_a_decode_step_reads_the_next_blocks_cache_while_this_one_attends(tiny_llama, tmp_path, monkeypatch):

@@ -9,8 +9,8 @@ Two sets of buffers take turns (`next_set`, once per load): the schedule has at 
 cache loads alive, the one being computed with and the one the copy engine prepares for
 next; a load is taken only after the load before it was consumed, so the set it overwrites
 belongs to compute that has finished. A load is one GPU batch's cache, or (a merged decode
-step, schedule.py) the whole block's of a layer, each batch in its own buffers of the set
-(`of_batch`). A buffer that is too small is
+step, schedule.py) a group of GPU batches' of one layer, each batch in its own buffers of the
+set (`of_batch`). A buffer that is too small is
 replaced by one twice the size asked for, so a cache that grows a position per step
 reallocates a handful of times per run, not at every step."""
 
@@ -23,6 +23,20 @@ import torch
 from flexgen_helm.compression.quantize import Scratch
 
 SETS = 2
+# What a merged decode step reads off the tiers in one load, at most (unless one GPU batch's
+# cache is more): its batches' reads go out together, since a disk read waits its turn behind
+# the weight lane's large ones (memory/copy_engine.py). Beside a stream of 64 MiB reads on the
+# 2-core EPYC's disk, 4.5 MB reads got 94 MB/s one at a time, 258 two at a time, 353 four at a
+# time; a larger load costs memory (two loads unpacked and one as read are alive at once).
+GROUP_READ_BYTES = 32 << 20
+
+
+def batches_per_load(batch_read_bytes: float, batches: int) -> int:
+    """GPU batches in one cache load of a merged decode step: as many as GROUP_READ_BYTES holds
+    (at least one, at most all)."""
+    if batch_read_bytes <= 0:
+        return batches
+    return max(1, min(batches, int(GROUP_READ_BYTES // batch_read_bytes)))
 
 
 class CacheBuffers:

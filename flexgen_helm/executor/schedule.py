@@ -12,9 +12,10 @@ together, and only attention, which reads each batch's own KV cache, runs batch 
 A one-row GPU batch would otherwise multiply every weight as a matrix-vector product once
 per batch (OPT-6.7B, a block of 16 one-sequence batches on 2 CPU cores: ~12 s of a 19.8 s
 step, runs/compare/NOTES.md); the memory that bounds a GPU batch is the prefill's.
-Such a step loads the whole block's cache of layer j+1 while layer j computes, its reads in
-flight together: read batch after batch, each small disk read waited behind the weights'
-large ones (OPT-6.7B, 9% of the cache on disk: 9.9 s of a 13.5 s step for 0.4 GB).
+Such a step loads the batches' caches a group at a time (batches_per_load: up to 32 MB read),
+the group's reads in flight together, the next group loading while this one attends: read
+batch after batch, each small disk read waited behind the weights' large ones (OPT-6.7B, 9%
+of the cache on disk, 0.8 MB a batch: 9.9 s of a 13.5 s step for 0.4 GB).
 
 `timers` (seconds): "compute" and "wait_*" (time the compute thread waited for a load)
 over the whole run, plus per stage "{prefill,decode}_{compute,load_weight,load_cache,
@@ -42,9 +43,9 @@ from flexgen_helm.compression.quantize import CACHE_GROUP_DIM
 from flexgen_helm.compression.stored import dense, encode
 from flexgen_helm.executor.activations import ActivationHome
 from flexgen_helm.executor.attention import attend, attend_as_decode, decode_cache_dtype, from_units, to_units
-from flexgen_helm.executor.cache_buffers import CacheBuffers
+from flexgen_helm.executor.cache_buffers import CacheBuffers, batches_per_load
 from flexgen_helm.executor.kivi_cache import KiviCacheSlot
-from flexgen_helm.executor.kv_cache import KVCacheSlot
+from flexgen_helm.executor.kv_cache import KVCacheSlot, cache_rows, kv_nbytes
 from flexgen_helm.executor.step_rows import StepRows, units_of
 from flexgen_helm.executor.working_set import dense_weight_numel, kept_freed_bytes
 from flexgen_helm.memory.copy_engine import CopyEngine, consume
@@ -92,6 +93,7 @@ class BlockSchedule:
         self.timers = defaultdict(float)
         self.io = CopyEngine(policy.overlap and self._anything_to_overlap(), self.devices.compute, self.timers)
         self.length = 0  # positions in the cache so far
+        self.max_len = max_len
         blocks = [layer.index for layer in runtime.layers if layer.kind == "block"]
         cache_units = slot_tier_counts(policy.cache, [b.size * self.cfg.num_kv_heads for b in batches], blocks)
         act_rows = slot_tier_counts(policy.activations, [b.size for b in batches])
@@ -110,6 +112,7 @@ class BlockSchedule:
             (index, k): self._slot(units, max_len, workdir / f"kv-{index}-{k}.bin", self.cfg.window(index), k)
             for (index, k), units in cache_units.items()}
         self.buffers = CacheBuffers()  # what decode steps unpack the cache into, reused
+        self.load_group = batches_per_load(self._batch_read_bytes(), len(batches))  # a merged step's batches a load
         self.acts = [ActivationHome(act_rows[0, k], max_len, self.cfg.hidden_size, self.devices, runtime.usage,
                                     workdir / f"act-{k}.bin") for k in range(len(batches))]
         # per-run constants (the rotary tables), for every position this run will reach
@@ -317,13 +320,16 @@ class BlockSchedule:
         return not prefill and layer.kind == "block" and len(live) > 1
 
     def _submit_cache_ahead(self, layer, live: list[int], prefill: bool):
-        """A future for the cache that `layer` (None: past the last) reads first: the whole
-        block's where its step merges the batches, else the first live batch's."""
+        """A future for the cache that `layer` (None: past the last) reads first: the first
+        group's of live batches where its step merges them, else the first live batch's."""
         if layer is None:
             return None
         if self._merges(layer, live, prefill):
-            return self.io.submit(self._load_block_cache, layer, live, kind="decode_load_cache")
+            return self._submit_group_load(layer, live[:self.load_group])
         return self._submit_cache_load(layer, live[0], prefill)
+
+    def _submit_group_load(self, layer, ks: list[int]):
+        return self.io.submit(self._load_group_cache, layer, ks, kind="decode_load_cache")
 
     def _submit_cache_load(self, layer, k: int, prefill: bool):
         """A future for batch k's cache of a block layer (None where nothing is read: a
@@ -339,11 +345,22 @@ class BlockSchedule:
         self.buffers.next_set()
         return self._unpack_cache(layer, k, self._read_cache(layer, k), self.buffers)
 
-    def _load_block_cache(self, layer, live: list[int]) -> list[dict]:
-        """_load_cache of every live batch, their reads in flight together (CopyEngine.fan_out)."""
+    def _load_group_cache(self, layer, ks: list[int]) -> list[dict]:
+        """_load_cache of each of batches ks, their reads in flight together (CopyEngine.fan_out)."""
         self.buffers.next_set()
-        stored = self.io.fan_out(functools.partial(self._read_cache, layer), live)
-        return [self._unpack_cache(layer, k, s, self.buffers.of_batch(i)) for i, (k, s) in enumerate(zip(live, stored))]
+        stored = self.io.fan_out(functools.partial(self._read_cache, layer), ks)
+        return [self._unpack_cache(layer, k, s, self.buffers.of_batch(i)) for i, (k, s) in enumerate(zip(ks, stored))]
+
+    def _batch_read_bytes(self) -> int:
+        """The most a decode step reads of one GPU batch's cache of a layer off the tiers that
+        attention does not read in place (at the longest its slot holds)."""
+        most = 0
+        for (index, _), slot in self.slots.items():
+            rows = cache_rows(self.max_len, self.cfg.window(index))
+            moved = [t for t in TIERS if slot.units[t] and not slot.in_place(t, self._attention_device(t))]
+            most = max(most, sum(kv_nbytes(rows, slot.units[t], self.cfg.head_dim, self.devices.dtype,
+                                           self.policy.compress_cache) for t in moved))
+        return most
 
     def _read_cache(self, layer, k: int) -> dict:
         """Of batch k's cache of this layer, each tier's part that attention reads off its tier, as stored."""
@@ -374,12 +391,11 @@ class BlockSchedule:
     def _merged_decode_block(self, layer, w: dict, live: list[int], cache, following):
         """One decode step of a transformer block for the live GPU batches together: their
         computed rows through the linear layers as one matrix, attention batch by batch over
-        `cache`, the whole block's cache of the layer (while this layer computes, `following`'s
-        loads). Returns per batch (hidden state after the block, cache write or None) and the
-        future of the next cache."""
+        their caches, loaded a group at a time (`cache`: the first group's; the next group's,
+        after the last this layer's, `following`'s first, load while a group attends). Returns
+        per batch (hidden state after the block, cache write or None) and the future of that
+        next cache."""
         hidden = [self._submit_hidden_load(layer, k, "decode") for k in live]
-        kvs = self._wait(cache, "load_cache")
-        cache = self._submit_cache_ahead(following, live, False)
         hs = [self._wait(f, "load_hidden") for f in hidden]
         rows = [self.step_rows[k] for k in live]
         t0 = time.perf_counter()
@@ -391,8 +407,13 @@ class BlockSchedule:
         self._time_compute(t0)
         attn, writes = [], []
         for i, k in enumerate(live):
+            if i % self.load_group == 0:  # this group's cache, and the next group's on its way
+                kvs = self._wait(cache, "load_cache")
+                rest = live[i + self.load_group:]
+                cache = self._submit_group_load(layer, rest[:self.load_group]) if rest else \
+                    self._submit_cache_ahead(following, live, False)
             t0 = time.perf_counter()
-            out, write = self._attend(layer.index, k, *(x[i] for x in qkv), kvs[i], False)
+            out, write = self._attend(layer.index, k, *(x[i] for x in qkv), kvs[i % self.load_group], False)
             attn.append(out)
             writes.append(write)
             self._time_compute(t0)

@@ -46,6 +46,7 @@ import torch
 from flexgen_helm.compression.stored import weight_groups, weight_layout
 from flexgen_helm.errors import ProfileFormatError
 from flexgen_helm.executor.attention import decode_cache_dtype
+from flexgen_helm.executor.cache_buffers import batches_per_load
 from flexgen_helm.executor.kv_cache import cache_rows, kv_nbytes, kv_nbytes_per_position
 from flexgen_helm.executor.working_set import batch_working_bytes, dense_weight_numel, kept_freed_bytes
 from flexgen_helm.memory.devices import DTYPES
@@ -462,7 +463,7 @@ class CostModel:
         them, memory/budget.planned_components) + the compute side's working set: two layers of
         loaded weights (the one in use and the one prefetched), the dense copy of a compressed
         layer where the int4 kernel does not take its rows, two decode loads of a layer's K and V
-        off the cpu/disk tiers (a GPU batch's, or a merged step's whole block's), the K and V
+        off the cpu/disk tiers (a GPU batch's, or a merged step's group of batches'), the K and V
         of a GPU batch on its way to disk, one GPU batch's
         intermediate activations and attention mask, the head's logits, and the freed memory
         the schedule keeps resident for reuse. Measured against process RSS with
@@ -473,15 +474,18 @@ class CostModel:
         loaded_weights = self._most_loaded_at_once(lws)
         _, c, _ = Fractions.of(policy).splits()
         moved = c["disk"] + (c["cpu"] if self.hw.is_cuda and not policy.cpu_cache_compute else 0.0)
-        # the KV cache of one layer read off its tier (the longest a slot holds: a global block's)
-        # by a decode step: the load in use, unpacked where attention reads it, the next one
-        # unpacked too and, while it is, as read. A load is one GPU batch's, or the whole block's
-        # where a step merges its batches (executor/schedule.py: nb > 1).
+        # a GPU batch's KV cache of one layer read off its tier (the longest a slot holds: a
+        # global block's) by a decode step, as read and unpacked where attention reads it; a
+        # load is one batch's, or a group of batches' where a step merges them (nb > 1,
+        # executor/cache_buffers.batches_per_load). Alive at once: the load in use (unpacked),
+        # the next one (unpacked, and as read while it is)
         held = max(cache_rows(work.max_len, self._window(layer)) for layer, _ in self.groups)
-        units = gbs * (nb if nb > 1 else 1) * cfg.num_kv_heads
-        as_read = kv_nbytes(held, units, cfg.head_dim, self.dtype, policy.compress_cache)
-        unpacked = kv_nbytes(held, units, cfg.head_dim, decode_cache_dtype(self.hw.compute_device, self.dtype), None)
-        loaded_cache = (2 * unpacked + as_read) * moved
+        units = gbs * cfg.num_kv_heads
+        as_read = kv_nbytes(held, units, cfg.head_dim, self.dtype, policy.compress_cache) * moved
+        unpacked = kv_nbytes(held, units, cfg.head_dim, decode_cache_dtype(self.hw.compute_device, self.dtype),
+                             None) * moved
+        per_load = batches_per_load(as_read, nb) if nb > 1 else 1
+        loaded_cache = per_load * (2 * unpacked + as_read)
         # freed memory the schedule keeps resident for reuse (executor/working_set.py): a block
         # layer's dense copy of its compressed weights among it, and the largest layer's load
         # buffers, which are host memory (on a GPU, the cpu tier's)
