@@ -66,7 +66,7 @@ class CacheBuffers:
         return lambda shape, dtype: self.take("scratch", shape, dtype, device)
 
     def of_batch(self, i: int) -> BatchBuffers:
-        """The buffers of the i-th GPU batch of a whole block's load, in this set."""
+        """The buffers of the i-th GPU batch of a group's load, in this set."""
         return BatchBuffers(self, i)
 
 
@@ -80,5 +80,5 @@ class BatchBuffers:
         return self._buffers.take(f"{name}@{self._batch}", shape, dtype, device)
 
     def scratch(self, device: torch.device) -> Scratch:
-        # shared by the batches: a block's load unpacks them one after another
+        # shared by the batches: a group's load unpacks them one after another
         return self._buffers.scratch(device)

@@ -11,7 +11,7 @@ copies release the GIL, so the workers really run beside the compute thread. On 
 lane issues its copies on its own stream. With overlap off, every transfer runs inline,
 as the paper's ablation.
 
-A load made of many small reads (a merged decode step reads every GPU batch's KV cache of a
+A load made of many small reads (a merged decode step reads a group of GPU batches' KV cache of a
 layer off the disk at once) issues them together with `fan_out`: a small O_DIRECT read
 waits its turn behind the weight lane's large ones, and one at a time each paid that wait
 (the 2-core EPYC's virtio disk, 400 KB reads beside a stream of 64 MiB ones: 15.6 ms a
