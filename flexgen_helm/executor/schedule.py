@@ -93,7 +93,6 @@ class BlockSchedule:
         self.timers = defaultdict(float)
         self.io = CopyEngine(policy.overlap and self._anything_to_overlap(), self.devices.compute, self.timers)
         self.length = 0  # positions in the cache so far
-        self.max_len = max_len
         blocks = [layer.index for layer in runtime.layers if layer.kind == "block"]
         cache_units = slot_tier_counts(policy.cache, [b.size * self.cfg.num_kv_heads for b in batches], blocks)
         act_rows = slot_tier_counts(policy.activations, [b.size for b in batches])
@@ -112,7 +111,8 @@ class BlockSchedule:
             (index, k): self._slot(units, max_len, workdir / f"kv-{index}-{k}.bin", self.cfg.window(index), k)
             for (index, k), units in cache_units.items()}
         self.buffers = CacheBuffers()  # what decode steps unpack the cache into, reused
-        self.load_group = batches_per_load(self._batch_read_bytes(), len(batches))  # a merged step's batches a load
+        # a merged decode step's GPU batches per cache load
+        self.load_group = batches_per_load(self._batch_read_bytes(max_len), len(batches))
         self.acts = [ActivationHome(act_rows[0, k], max_len, self.cfg.hidden_size, self.devices, runtime.usage,
                                     workdir / f"act-{k}.bin") for k in range(len(batches))]
         # per-run constants (the rotary tables), for every position this run will reach
@@ -351,12 +351,12 @@ class BlockSchedule:
         stored = self.io.fan_out(functools.partial(self._read_cache, layer), ks)
         return [self._unpack_cache(layer, k, s, self.buffers.of_batch(i)) for i, (k, s) in enumerate(zip(ks, stored))]
 
-    def _batch_read_bytes(self) -> int:
+    def _batch_read_bytes(self, max_len: int) -> int:
         """The most a decode step reads of one GPU batch's cache of a layer off the tiers that
         attention does not read in place (at the longest its slot holds)."""
         most = 0
         for (index, _), slot in self.slots.items():
-            rows = cache_rows(self.max_len, self.cfg.window(index))
+            rows = cache_rows(max_len, self.cfg.window(index))
             moved = [t for t in TIERS if slot.units[t] and not slot.in_place(t, self._attention_device(t))]
             most = max(most, sum(kv_nbytes(rows, slot.units[t], self.cfg.head_dim, self.devices.dtype,
                                            self.policy.compress_cache) for t in moved))

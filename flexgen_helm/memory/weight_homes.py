@@ -69,8 +69,9 @@ def build_homes(layers: list[LayerSpec], placement: dict[str, list[Segment]], de
     specs = all_store_tensors(layers)
     # A tensor's read and conversion copies, freed once it is home, are kept by the engine's
     # allocator setting (host_allocator.py), and the next home, allocated into their space,
-    # leaves too little of it for the next copies: OPT-6.7B's 4-bit weights (3.5 GiB in RAM)
-    # peaked at 16.9 GiB RSS while placed, 4.7 GiB with the setting off. So what is freed
+    # may leave too little of it for the next copies: OPT-6.7B's 4-bit weights (3.5 GiB in RAM)
+    # peaked at 8.2-17.9 GiB RSS in four runs on 2026-11-24 (not in a fifth, 4.6 GiB; 4.4-4.7
+    # with the setting off; runs/compare/opt-6.7b-p512-g32/placement-rss). So what is freed
     # beyond two dense copies of the largest tensor is handed back as placement goes.
     keep_freed = 2 * max(math.prod(s.shape) for s in specs) * torch.empty((), dtype=devices.dtype).element_size()
     for spec in tqdm(specs, desc="placing weights", unit="tensor", disable=not progress):
