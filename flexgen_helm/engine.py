@@ -268,13 +268,16 @@ def weight_calibration(resolved: ResolvedModel, compression: Compression | None,
                        progress: bool) -> LayerwiseGPTQ | None:
     """How a calibrated method (gptq) quantizes the weights, should its store be written;
     None for the others. Its calibration text is sampled from the model itself by an
-    unquantized engine in float32 on the CPU (executor/calibration_text.py)."""
+    unquantized engine on the CPU (executor/calibration_text.py), in the CPU's compute dtype,
+    which the layer-by-layer pass computes in too (bfloat16 where the CPU has bf16
+    arithmetic: the sampling's decode steps read half the bytes of float32's)."""
     if compression is None or compression.method not in CALIBRATED_METHODS:
         return None
+    devices = pick_devices("cpu")
 
     def sample(text: CalibrationText) -> list[list[int]]:
         policy = Policy(gpu_batch_size=text.sequences)
-        runtime = build_runtime(resolved, policy, pick_devices("cpu", "float32"), offload_dir, progress)
+        runtime = build_runtime(resolved, policy, devices, offload_dir, progress)
         engine = Engine(resolved, runtime, policy, offload_dir)
         try:
             run = engine.generate(*text.requests(resolved.config))
@@ -282,4 +285,5 @@ def weight_calibration(resolved: ResolvedModel, compression: Compression | None,
             engine.close()
         return [r.prompt_token_ids + r.completions[0].token_ids for r in run.results]
 
-    return LayerwiseGPTQ(resolved.config, family_of(resolved.config), compression, sample, progress=progress)
+    return LayerwiseGPTQ(resolved.config, family_of(resolved.config), compression, sample, devices.dtype,
+                         progress=progress)

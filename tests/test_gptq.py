@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import flexgen_helm.engine as engine_module
-from flexgen_helm.compression.gptq import column_blocks, gptq_quantize, input_factors
+from flexgen_helm.compression.gptq import column_blocks, gptq_quantize, input_factors, lower_triangular_inverse
 from flexgen_helm.compression.int4 import PackedInt4, pack_int4
 from flexgen_helm.compression.quantize import dequantize, quantize
 from flexgen_helm.data.sources import LAMBADA_FILE, WIKITEXT_FILE, data_dir
@@ -68,6 +68,28 @@ def test_uncorrelated_inputs_give_rtns_codes():
     blocks = column_blocks(256, 64, 1, max_block=128)
     q = gptq_quantize(w, [torch.eye(128), torch.eye(128)], blocks, cfg, 1, torch.float32)
     assert torch.equal(dequantize(q), dequantize(quantize(w, cfg, 1)))
+
+
+@pytest.mark.parametrize("n", [1, 255, 600])
+def test_triangular_inverse_by_halves_is_the_inverse(n):
+    x = torch.randn(n + 8, n, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
+    lower = torch.linalg.cholesky(x.t() @ x + torch.eye(n, dtype=torch.float64))
+    got = lower_triangular_inverse(lower, leaf=64)
+    assert torch.allclose(got, torch.linalg.inv(lower), rtol=0, atol=1e-10)
+    assert torch.equal(got.triu(1), torch.zeros_like(got))
+
+
+def test_a_wide_input_in_blocks_side_by_side_equals_the_blocks_one_by_one():
+    """Equal-width column blocks are quantized side by side (a column of each per step):
+    each block must come out as it does alone."""
+    w = torch.randn(48, 256, generator=torch.Generator().manual_seed(3))
+    x = _correlated_inputs(512, 256, seed=3)
+    cfg = Compression(4, 32)
+    blocks = column_blocks(256, 32, 1, max_block=64)
+    together = gptq_quantize(w, input_factors(x, blocks), blocks, cfg, 1, torch.float32)
+    for a, b in blocks:
+        alone = gptq_quantize(w[:, a:b], input_factors(x[:, a:b], [(0, b - a)]), [(0, b - a)], cfg, 1, torch.float32)
+        assert torch.equal(dequantize(together)[:, a:b], dequantize(alone))
 
 
 def test_stored_parts_are_the_usual_layout():
@@ -161,8 +183,8 @@ def test_calibration_text_is_sampled_from_the_model_not_read(tiny_llama, tmp_pat
     assert len(first) == text.sequences and len(set(map(tuple, first))) == text.sequences
     assert all(s[0] == resolved.config.bos_token_id and len(s) == text.tokens_per_sequence(resolved.config)
                for s in first)
-    policy = Policy(gpu_batch_size=4)  # another block shape: sampling is per sequence
-    engine = Engine.load(str(tiny_llama), policy, offload_dir=tmp_path, dtype="float32", device="cpu", progress=False)
+    policy = Policy(gpu_batch_size=4)  # another block shape: sampling is per sequence, in the CPU's default dtype
+    engine = Engine.load(str(tiny_llama), policy, offload_dir=tmp_path, dtype=None, device="cpu", progress=False)
     run = engine.generate(*text.requests(resolved.config))
     assert [r.prompt_token_ids + r.completions[0].token_ids for r in run.results] == first
 

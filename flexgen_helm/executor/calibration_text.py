@@ -2,10 +2,10 @@
 
 No text can be downloaded here, and the two evaluation sets (LAMBADA, WikiText-2) must not
 calibrate what they then measure; so, as in data-free quantization-aware training
-(LLM-QAT, Liu et al., 2023), each calibration sequence is sampled from the model in
-float32 at temperature 1 (no top-k or top-p: its own distribution), starting from its
-beginning-of-text token (its end-of-text token where it has none: the document separator
-it was trained with), each sequence from a fixed seed of its own: the same model gives the
+(LLM-QAT, Liu et al., 2023), each calibration sequence is sampled from the model in the
+CPU's compute dtype (engine.weight_calibration) at temperature 1 (no top-k or top-p: its own
+distribution), starting from its beginning-of-text token (its end-of-text token where it
+has none: the document separator it was trained with), each sequence from a fixed seed of its own: the same model gives the
 same text on every run. Sequences run on past an end-of-text token into a new document.
 """
 

@@ -1,5 +1,10 @@
-"""GPTQ over a whole model, one layer at a time, in float32 on the CPU (the weights'
-calibration at conversion: weights/compressed_store.WeightCalibration).
+"""GPTQ over a whole model, one layer at a time, on the CPU (the weights' calibration at
+conversion: weights/compressed_store.WeightCalibration).
+
+The calibration inputs flow through the model in the CPU's compute dtype (bfloat16 where the
+CPU has bf16 arithmetic: a quarter of float32's time on such a CPU, and the dtype the model
+then runs in); each input Hessian is accumulated and every GPTQ step runs in float32, so a
+bfloat16 input enters exactly (its products are exact in float32).
 
 The calibration sequences (executor/calibration_text.py) go through the model once, all
 together, as one prefill without a cache. A block's inputs are the outputs of the blocks
@@ -55,13 +60,15 @@ class LayerwiseGPTQ:
     family: ModuleType
     compression: Compression
     sample: Callable[[CalibrationText], list[list[int]]]
+    compute_dtype: torch.dtype = torch.float32  # of the pass's products (module doc); the sampler's too
     text: CalibrationText = field(default_factory=CalibrationText)
     progress: bool = True
     timings: dict = field(default_factory=dict)  # of the last call: its steps' wall and CPU seconds
 
     @property
     def settings(self) -> dict:
-        return {"text": self.text.settings(), "damp": DAMP, "lazy_columns": LAZY_COLUMNS,
+        return {"text": self.text.settings(), "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
+                "damp": DAMP, "lazy_columns": LAZY_COLUMNS,
                 "max_column_block": MAX_COLUMN_BLOCK, "untied_embedding": DATA_FREE_METHOD}
 
     def __call__(self, read_full: Callable[[str], torch.Tensor], dtype: torch.dtype) -> dict[str, QuantizedTensor]:
@@ -69,7 +76,7 @@ class LayerwiseGPTQ:
         ids = torch.tensor(self.sample(self.text), dtype=torch.long)
         t1, cpu1 = time.perf_counter(), time.process_time()
         out = quantize_layer_by_layer(self.config, self.family, self.compression, read_full, ids, dtype,
-                                      self.progress)
+                                      self.compute_dtype, self.progress)
         self.timings = {"calibration_tokens": ids.numel(), "sample_s": t1 - t0, "sample_cpu_s": cpu1 - cpu0,
                         "quantize_s": time.perf_counter() - t1, "quantize_cpu_s": time.process_time() - cpu1}
         return out
@@ -77,12 +84,12 @@ class LayerwiseGPTQ:
 
 def quantize_layer_by_layer(cfg: ModelConfig, family: ModuleType, compression: Compression,
                             read_full: Callable[[str], torch.Tensor], ids: torch.Tensor, dtype: torch.dtype,
-                            progress: bool = False) -> dict[str, QuantizedTensor]:
+                            compute: torch.dtype = torch.float32, progress: bool = False) -> dict[str, QuantizedTensor]:
     """Every compressed weight of the model, quantized (module doc) on the calibration token
-    ids (sequences, length); scales and minimums in `dtype`."""
+    ids (sequences, length), their products in `compute`; scales and minimums in `dtype`."""
     n, length = ids.shape
     positions = torch.arange(length).expand(n, length)
-    at = family.step_constants(family.run_constants(cfg, length, CPU, torch.float32), positions)
+    at = family.step_constants(family.run_constants(cfg, length, CPU, compute), positions)
     valid = torch.ones(n * cfg.num_kv_heads, length, dtype=torch.bool)
     data_free = dataclasses.replace(compression, method=DATA_FREE_METHOD)
     layers = family.layer_specs(cfg)
@@ -91,33 +98,34 @@ def quantize_layer_by_layer(cfg: ModelConfig, family: ModuleType, compression: C
     h = None
     for layer in tqdm(layers, desc=f"GPTQ ({n} x {length} calibration tokens)", unit="layer", disable=not progress):
         if layer.kind in ("block", "head"):
-            h = _quantize_layer(cfg, family, layer, compression, read_full, h, at, valid, dtype, out)
+            h = _quantize_layer(cfg, family, layer, compression, read_full, h, at, valid, dtype, compute, out)
             continue
         w = {}
         for t in layer.tensors:
             gd = weight_groups(compression, t.shape)
             if gd is None or t.store_name in in_head:  # plain, or quantized by the head it is tied to
-                w[t.key] = read_full(t.store_name).float()
+                w[t.key] = read_full(t.store_name).to(compute)
                 continue
             if t.store_name not in out:
                 out[t.store_name] = quantize(read_full(t.store_name).to(dtype), data_free, gd)
-            w[t.key] = dequantize(out[t.store_name], torch.float32)
+            w[t.key] = dequantize(out[t.store_name], compute)
         if layer.kind == "embed":
             h = family.embed(cfg, w, ids, positions)
     return out
 
 
 def _quantize_layer(cfg: ModelConfig, family: ModuleType, layer: LayerSpec, compression: Compression,
-                    read_full, h: torch.Tensor, at, valid: torch.Tensor, dtype: torch.dtype,
+                    read_full, h: torch.Tensor, at, valid: torch.Tensor, dtype: torch.dtype, compute: torch.dtype,
                     out: dict[str, QuantizedTensor]) -> torch.Tensor | None:
     """Quantize a block's (or the head's) weights into `out`; returns the block's output on
     `h`, as quantized (the head's: None)."""
     shared = _SharedInputs()
     w, calibrated = {}, {}
     for t in layer.tensors:
-        full = read_full(t.store_name).float()
+        full = read_full(t.store_name)
         gd = weight_groups(compression, t.shape)
-        w[t.key] = full if gd is None else _CalibratedLinear(full, shared, compression, gd, dtype)
+        w[t.key] = full.to(compute) if gd is None else _CalibratedLinear(full.float(), shared, compression, gd, dtype,
+                                                                        compute)
         if gd is not None:
             calibrated[t.store_name] = w[t.key]
     if layer.kind == "head":
@@ -156,8 +164,9 @@ class _CalibratedLinear:
     computes with the quantized weight."""
 
     def __init__(self, weight: torch.Tensor, shared: _SharedInputs, cfg: Compression, group_dim: int,
-                 dtype: torch.dtype):
-        self.weight = weight
+                 dtype: torch.dtype, compute: torch.dtype):
+        self.weight = weight  # float32 until quantized, then its dequantized codes in `compute`
+        self.compute = compute
         self.shared = shared
         self.cfg = cfg
         self.group_dim = group_dim
@@ -169,5 +178,5 @@ class _CalibratedLinear:
             blocks = column_blocks(x.shape[-1], self.cfg.group_size, self.group_dim)
             self.quantized = gptq_quantize(self.weight, self.shared.factors(x, blocks), blocks, self.cfg,
                                            self.group_dim, self.dtype)
-            self.weight = dequantize(self.quantized, torch.float32)
+            self.weight = dequantize(self.quantized, self.compute)
         return F.linear(x, self.weight, bias)
