@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import pytest
 import torch
@@ -210,6 +211,22 @@ def test_a_4bit_block_keeps_a_layers_dense_copy_for_the_next(tiny_opt, tmp_path,
     block = next(layer for layer in family_of(config).layer_specs(config) if layer.kind == "block")
     dense = sum(t.numel for t in block.tensors if len(t.shape) == 2) * 2  # bfloat16
     assert packed - plain == 2 * (dense + working_set.DEQUANTIZE_WORKING_BYTES)
+
+
+def test_a_slow_look_at_freed_memory_makes_the_next_one_later(tiny_opt, tmp_path, monkeypatch):
+    """A look at the freed memory kept resident may cost milliseconds (malloc walks its free
+    lists): the schedule spends at most RELEASE_CHECK_SHARE of its time on them."""
+    looks = []
+
+    def slow_look(keep):
+        looks.append(keep)
+        time.sleep(0.02)  # next look no sooner than 0.02 / RELEASE_CHECK_SHARE = 2 s later
+        return False
+
+    monkeypatch.setattr(schedule_module, "release_freed_host_memory", slow_look)
+    monkeypatch.setattr(schedule_module, "RELEASE_CHECK_S", 0.0)
+    _engine(tiny_opt, tmp_path, cfg=None).generate([[5, 17, 3, 44]], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert len(looks) == 1
 
 
 def test_disk_store_holds_packed_bytes_and_rebuilds_an_old_format(tiny_opt, tmp_path):

@@ -71,8 +71,12 @@ class GpuBatch:
 
 # head(k, weights, hidden) -> whatever the caller wants from the batch's last layer
 HeadFn = Callable[[int, dict, torch.Tensor], object]
-# seconds between two looks at the freed host memory kept resident (~0.1 ms each)
+# seconds between two looks at the freed host memory kept resident, at least; and at most
+# this share of the time goes to looking: a look asks malloc (mallinfo2), which walks its
+# free lists, 4 us on a fresh heap but 2.7 ms in a SmolLM2 LAMBADA eval, where one look
+# every 50 ms took 5% of the scoring time
 RELEASE_CHECK_S = 0.05
+RELEASE_CHECK_SHARE = 0.01
 
 
 def shared_weights(layer, loaded: dict, following) -> dict:
@@ -135,6 +139,7 @@ class BlockSchedule:
                                            dense_weight_numel(runtime.layers, policy.compress_weight),
                                            max(map(self._load_nbytes, runtime.layers)))
         self._freed_checked_at = 0.0
+        self._freed_check_every = RELEASE_CHECK_S
 
     def _slot(self, units: dict[str, int], max_len: int, disk_path: Path, window: int, k: int):
         cfg = self.policy.compress_cache
@@ -266,15 +271,19 @@ class BlockSchedule:
                    for h in (self.rt.homes[t.store_name] for t in layer.tensors))
 
     def _bound_freed_memory(self) -> None:
-        """Between layers, at most every RELEASE_CHECK_S: hand back the freed host memory
-        resident beyond keep_freed (its fragments outgrew the working set, 0.7 GiB over one
-        OPT-1.3B prefill); the time it takes is timed as "release_freed_memory"."""
+        """Between layers, at most every RELEASE_CHECK_S (and less often when a look takes
+        longer than RELEASE_CHECK_SHARE of that): hand back the freed host memory resident
+        beyond keep_freed (its fragments outgrew the working set, 0.7 GiB over one OPT-1.3B
+        prefill); the time it takes is timed as "release_freed_memory"."""
         now = time.perf_counter()
-        if now - self._freed_checked_at < RELEASE_CHECK_S:
+        if now - self._freed_checked_at < self._freed_check_every:
             return
-        if release_freed_host_memory(self.keep_freed):
-            self.timers["release_freed_memory"] += time.perf_counter() - now
-        self._freed_checked_at = time.perf_counter()
+        released = release_freed_host_memory(self.keep_freed)
+        done = time.perf_counter()
+        if released:
+            self.timers["release_freed_memory"] += done - now
+        self._freed_check_every = max(RELEASE_CHECK_S, (done - now) / RELEASE_CHECK_SHARE)
+        self._freed_checked_at = done
 
     def _submit_hidden_load(self, layer, k: int, stage: str):
         """A future for batch k's hidden state (None before the embedding: it reads token ids)."""
