@@ -79,16 +79,19 @@ def test_triangular_inverse_by_halves_is_the_inverse(n):
     assert torch.equal(got.triu(1), torch.zeros_like(got))
 
 
-def test_a_wide_input_in_blocks_side_by_side_equals_the_blocks_one_by_one():
+@pytest.mark.parametrize("group_dim", [1, 0])
+def test_a_wide_input_in_blocks_side_by_side_equals_the_blocks_one_by_one(group_dim):
     """Equal-width column blocks are quantized side by side (a column of each per step):
     each block must come out as it does alone."""
-    w = torch.randn(48, 256, generator=torch.Generator().manual_seed(3))
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(3))
     x = _correlated_inputs(512, 256, seed=3)
     cfg = Compression(4, 32)
-    blocks = column_blocks(256, 32, 1, max_block=64)
-    together = gptq_quantize(w, input_factors(x, blocks), blocks, cfg, 1, torch.float32)
+    blocks = column_blocks(256, 32, group_dim, max_block=64)
+    assert len(blocks) == 4
+    together = gptq_quantize(w, input_factors(x, blocks), blocks, cfg, group_dim, torch.float32)
     for a, b in blocks:
-        alone = gptq_quantize(w[:, a:b], input_factors(x[:, a:b], [(0, b - a)]), [(0, b - a)], cfg, 1, torch.float32)
+        alone = gptq_quantize(w[:, a:b], input_factors(x[:, a:b], [(0, b - a)]), [(0, b - a)], cfg, group_dim,
+                              torch.float32)
         assert torch.equal(dequantize(together)[:, a:b], dequantize(alone))
 
 

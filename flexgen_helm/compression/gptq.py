@@ -11,10 +11,11 @@ weighted by the Cholesky factor U of H^-1 (upper: H^-1 = U^T U):
 
 A group's scale and minimum are its min/max, taken when its first column is reached, i.e.
 from the values the error feedback has made of it by then. The updates are applied lazily
-(_quantize_block): most of the work is matrix products, few column-sized steps.
+(_quantize_run): most of the work is matrix products, few column-sized steps.
 
 Inputs wider than MAX_COLUMN_BLOCK are quantized in independent column blocks of that
-width (a block-diagonal H): the error of a column then flows only within its block. On
+width (a block-diagonal H): the error of a column then flows only within its block, so
+blocks of one width are quantized side by side, a column of each per step. On
 this 2-core CPU the Cholesky and inverse of one 8192 x 8192 H (OPT-1.3B's fc2) take ~40 s
 and computing H itself T * 8192^2 multiply-adds; 24 of them alone would miss the 3-minute
 conversion goal. Blocks of 2048 keep every input of SmolLM2 (576, 1536) and all of
@@ -226,6 +227,7 @@ class _ColumnSteps:
         self.scales[:, c // g], self.mins[:, c // g] = self.grid[:2]
 
     def columns(self, c: int, d: int, errors: torch.Tensor) -> None:
+        """Columns c..d-1 of every block, in order; their scaled errors into `errors`."""
         wt, out = self.wt, self.out
         for i in range(c, d):
             w = wt[:, i]

@@ -5,8 +5,9 @@ calibrate what they then measure; so, as in data-free quantization-aware trainin
 (LLM-QAT, Liu et al., 2023), each calibration sequence is sampled from the model in the
 CPU's compute dtype (engine.weight_calibration) at temperature 1 (no top-k or top-p: its own
 distribution), starting from its beginning-of-text token (its end-of-text token where it
-has none: the document separator it was trained with), each sequence from a fixed seed of its own: the same model gives the
-same text on every run. Sequences run on past an end-of-text token into a new document.
+has none: the document separator it was trained with), each sequence from a fixed seed of
+its own: the same model gives the same text on every run. Sequences run on past an
+end-of-text token into a new document.
 """
 
 from __future__ import annotations
