@@ -60,7 +60,7 @@ class LayerwiseGPTQ:
     family: ModuleType
     compression: Compression
     sample: Callable[[CalibrationText], list[list[int]]]
-    compute_dtype: torch.dtype = torch.float32  # of the pass's products (module doc); the sampler's too
+    compute_dtype: torch.dtype  # of the pass's products (module doc); the sampler's too
     text: CalibrationText = field(default_factory=CalibrationText)
     progress: bool = True
     timings: dict = field(default_factory=dict)  # of the last call: its steps' wall and CPU seconds
@@ -84,7 +84,7 @@ class LayerwiseGPTQ:
 
 def quantize_layer_by_layer(cfg: ModelConfig, family: ModuleType, compression: Compression,
                             read_full: Callable[[str], torch.Tensor], ids: torch.Tensor, dtype: torch.dtype,
-                            compute: torch.dtype = torch.float32, progress: bool = False) -> dict[str, QuantizedTensor]:
+                            compute: torch.dtype, progress: bool = False) -> dict[str, QuantizedTensor]:
     """Every compressed weight of the model, quantized (module doc) on the calibration token
     ids (sequences, length), their products in `compute`; scales and minimums in `dtype`."""
     n, length = ids.shape

@@ -351,8 +351,7 @@ class BlockSchedule:
         """Batch k's cache of this layer (the positions its slot holds), each tier's part
         where its attention will run (none for a tier that attention reads in place, or where
         no unit computes)."""
-        self.buffers.next_set()
-        return self._unpack_cache(layer, k, self._read_cache(layer, k), self.buffers)
+        return self._load_group_cache(layer, [k])[0]
 
     def _load_group_cache(self, layer, ks: list[int]) -> list[dict]:
         """_load_cache of each of batches ks, their reads in flight together (CopyEngine.fan_out)."""

@@ -484,8 +484,7 @@ class CostModel:
         as_read = kv_nbytes(held, units, cfg.head_dim, self.dtype, policy.compress_cache) * moved
         unpacked = kv_nbytes(held, units, cfg.head_dim, decode_cache_dtype(self.hw.compute_device, self.dtype),
                              None) * moved
-        per_load = batches_per_load(as_read, nb) if nb > 1 else 1
-        loaded_cache = per_load * (2 * unpacked + as_read)
+        loaded_cache = batches_per_load(as_read, nb) * (2 * unpacked + as_read)
         # freed memory the schedule keeps resident for reuse (executor/working_set.py): a block
         # layer's dense copy of its compressed weights among it, and the largest layer's load
         # buffers, which are host memory (on a GPU, the cpu tier's)

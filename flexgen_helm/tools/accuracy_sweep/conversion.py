@@ -23,12 +23,12 @@ eval --quant-method gptq` converts on load): its conversion time and the load ar
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -70,42 +70,17 @@ def errors() -> dict:
             "results": [r for model, dummy in MODELS.items() for r in _errors_of(model, dummy)]}
 
 
-def opt_checkpoint() -> Path:
-    """Dummy OPT-1.3B weights as a float16 Hugging Face checkpoint (written once)."""
-    from flexgen_helm.tools.compare.workloads import work_dir
-    from flexgen_helm.weights.export_hf import export_hf
-
-    resolved = resolve(OPT, dummy=True)
-    out = work_dir() / "hf" / f"{resolved.store_key}-float16"
-    if not (out / "config.json").exists():  # written last: its presence marks a complete export
-        export_hf(resolved.source, out, torch.float16, progress=False)
-    return out
-
-
-@contextlib.contextmanager
-def _cache_dir(path: str):
-    """The engine's cache (where converted stores go, FLEXGEN_HELM_CACHE) set to `path` for a while."""
-    before = os.environ.get("FLEXGEN_HELM_CACHE")
-    os.environ["FLEXGEN_HELM_CACHE"] = path
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["FLEXGEN_HELM_CACHE"]
-        else:
-            os.environ["FLEXGEN_HELM_CACHE"] = before
-
-
 def opt_conversion(method: str) -> dict:
     from flexgen_helm.engine import weight_calibration
+    from flexgen_helm.tools.compare.workloads import dummy_checkpoint
     from flexgen_helm.weights.loading import open_weights
 
     cfg = Compression(4, 64, 1, method)
-    checkpoint = opt_checkpoint()
+    checkpoint = dummy_checkpoint(OPT, "float16")  # as the hub publishes OPT-1.3B
     resolved = resolve(OPT, path=checkpoint)
     before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="conv-", dir=os.environ.get("FLEXGEN_HELM_OFFLOAD")) as tmp, \
-            _cache_dir(tmp):  # a first conversion: nothing converted earlier is found and reused
+            mock.patch.dict(os.environ, {"FLEXGEN_HELM_CACHE": tmp}):  # a first conversion: nothing reused
         t0, cpu0 = time.perf_counter(), time.process_time()
         store, _ = open_weights(resolved, torch.bfloat16, Path(tmp), needs_disk=True, progress=False,
                                 compression=cfg, device=torch.device("cpu"),

@@ -93,8 +93,12 @@ def prepare_store(setup: Setup) -> ResolvedModel:
 
 def prepare_hf(setup: Setup, dtype: str | None = None) -> Path:
     """The same dummy weights as a Hugging Face checkpoint folder (written once)."""
-    dtype = dtype or setup.dtype
-    resolved = resolve(setup.model, dummy=True)
+    return dummy_checkpoint(setup.model, dtype or setup.dtype)
+
+
+def dummy_checkpoint(model: str, dtype: str) -> Path:
+    """`model`'s dummy weights as a Hugging Face checkpoint folder in `dtype` (written once)."""
+    resolved = resolve(model, dummy=True)
     out = work_dir() / "hf" / f"{resolved.store_key}-{dtype}"
     if not (out / "config.json").exists():  # config.json is written last: its presence marks completion
         export_hf(resolved.source, out, DTYPES[dtype])
