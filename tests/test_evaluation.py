@@ -141,6 +141,45 @@ def test_wikitext_limit_cuts_text_at_token(engine):
     assert engine.tokenizer(text)["input_ids"] == ids  # the text covers exactly those tokens
 
 
+def test_rolling_pieces_score_every_token_once():
+    """The "documents" protocol's pieces, spelled out: a start token, then windows of 4
+    predicted tokens each fed the 4 before them; the last, shorter one keeps a full context."""
+    ids = list(range(10, 20))
+    pieces = wikitext.rolling_pieces(ids, 99, 4)
+    assert pieces == [([99, 10, 11, 12, 13], 1), ([13, 14, 15, 16, 17], 1), ([15, 16, 17, 18, 19], 3)]
+    assert [t for seq, first in pieces for t in seq[first:]] == ids
+    assert wikitext.rolling_pieces(ids[:3], 99, 4) == [([99, 10, 11, 12], 1)]
+    assert wikitext.rolling_pieces([], 99, 4) == []
+
+
+def test_wikitext_documents_match_transformers(engine, reference, data_dir):
+    lines, _ = read_wikitext(str(data_dir))
+    lines = lines + [" = Second = ", " Its only paragraph . "]
+    docs, texts = wikitext.tokenize_documents(engine.tokenizer, lines, limit=None)
+    assert texts == split_articles(lines) and len(docs) == 2
+    start = engine.config.document_start_token
+    assert start == 1  # the tiny model's beginning-of-text token
+
+    def nll_of(seq, first):
+        return -float(reference(seq)[first - 1:-1].gather(-1, torch.tensor(seq[first:])[:, None]).sum())
+
+    # a window longer than the (short) second document: scored whole, every token after the start token
+    assert len(docs[1]) < 63 < len(docs[0])
+    whole = wikitext.evaluate_documents(engine, docs[1:], texts[1:], 63, start, batch=2, progress=False)
+    nll = nll_of([start] + docs[1], 1)
+    c, m = whole["counts"], whole["metrics"]
+    assert (c["documents"], c["windows"]) == (1, 1) and c["tokens"] == c["tokens_scored"] == len(docs[1])
+    assert m["token_perplexity"] == pytest.approx(math.exp(nll / c["tokens"]), rel=1e-4)
+    assert (c["words"], c["bytes"]) == (len(texts[1].split()), len(texts[1].encode()))
+    assert m["bits_per_byte"] == pytest.approx(nll / math.log(2) / c["bytes"], rel=1e-4)
+    # shorter windows: every token of both scored once, in pieces
+    out = wikitext.evaluate_documents(engine, docs, texts, 16, start, batch=3, progress=False)
+    pieces = [p for d in docs for p in wikitext.rolling_pieces(d, start, 16)]
+    assert out["counts"]["windows"] == len(pieces) > 2
+    assert out["counts"]["tokens_scored"] == out["counts"]["tokens"] == sum(map(len, docs))
+    assert out["counts"]["total_nll"] == pytest.approx(sum(nll_of(*p) for p in pieces), rel=1e-4)
+
+
 def run_cli(tiny_llama, tmp_path, *extra) -> dict:
     out = tmp_path / "r.json"
     rc = main(["eval", "--model", str(tiny_llama), "--device", "cpu", "--dtype", "float32", "--gpu-batch-size", "4",
@@ -167,6 +206,16 @@ def test_cli_wikitext(tiny_llama, tmp_path, data_dir, monkeypatch, capsys):
     assert r["counts"]["tokens"] == 100 and r["counts"]["tokens_scored"] == 100 - 2
     assert r["data"]["path"] == os.path.realpath(data_dir / "wikitext-2-raw" / "wiki.test.raw")
     assert "not scored" in r["counts"]["note"] and "token perplexity" in capsys.readouterr().out
+
+
+def test_cli_wikitext_documents(tiny_llama, tmp_path, data_dir, capsys):
+    r = run_cli(tiny_llama, tmp_path, "--task", "wikitext", "--data", str(data_dir), "--protocol", "documents",
+                "--window", "1024", "--limit", "1")
+    assert r["protocol"] == "documents" and r["window"] == 63  # a piece is the window and the token before it
+    assert r["counts"]["documents"] == 1 and r["counts"]["tokens_scored"] == r["counts"]["tokens"]
+    assert "every token scored" in capsys.readouterr().out
+    # a record of the default protocol names it
+    assert run_cli(tiny_llama, tmp_path, "--task", "wikitext", "--data", str(data_dir))["protocol"] == "windows"
 
 
 def test_cli_score_as_decode(tiny_llama, tmp_path, data_dir, capsys):

@@ -39,10 +39,20 @@ def run_eval(args, policy_for: Callable[[CommandWorkload], Policy], argv: list[s
     resolved = resolve(args.model, path=args.path, dummy=args.dummy)
     # tokenized before the engine loads: the planner chooses the block for these lengths
     tokenizer = resolved.load_tokenizer()
-    window = min(args.window, resolved.config.max_seq_len)
+    documents = args.task == "wikitext" and args.protocol == "documents"
+    # a "documents" piece is a window of predicted tokens and the one token before them
+    window = min(args.window, resolved.config.max_seq_len - (1 if documents else 0))
     if args.task == "lambada":
         items, merged = lambada.prepare(tokenizer, texts)
         workload = CommandWorkload(max(len(it.full) for it in items), 1, len(items))
+    elif documents:
+        start_token = resolved.config.document_start_token
+        if start_token is None:
+            raise FlexGenError(f"{resolved.config.name} names neither a beginning- nor an end-of-text token: the "
+                               "documents protocol has no token to start a document after")
+        docs, articles = wikitext.tokenize_documents(tokenizer, lines, args.limit)
+        pieces = sum(math.ceil(len(d) / window) for d in docs)
+        workload = CommandWorkload(min(window + 1, max(len(d) for d in docs) + 1), 1, pieces)
     else:
         ids, text = wikitext.tokenize(tokenizer, lines, args.limit)
         workload = CommandWorkload(min(window, len(ids)), 1, math.ceil(len(ids) / window))
@@ -55,6 +65,8 @@ def run_eval(args, policy_for: Callable[[CommandWorkload], Policy], argv: list[s
     # what decides the numbers; a rerun of the same evaluation resumes from its progress file
     fingerprint = {k: record[k] for k in ("task", "model", "model_name", "policy", "dtype", "limit", "data",
                                           "score_as_decode", "window")}
+    if documents:  # (a progress file from before the protocol was recorded is the windows protocol's)
+        fingerprint["protocol"] = record["protocol"]
     resume = ResumeLog(args.json + ".partial.jsonl" if args.json else None, {**fingerprint, "path": args.path})
     resumed = len(resume.done)
     if resumed and progress:
@@ -63,6 +75,9 @@ def run_eval(args, policy_for: Callable[[CommandWorkload], Policy], argv: list[s
     if args.task == "lambada":
         out = _evaluate_lambada(args, engine, policy, items, progress, resume)
         out["counts"]["boundary_merges"] = merged
+    elif documents:
+        out = wikitext.evaluate_documents(engine, docs, articles, window, start_token, policy.block_size, progress,
+                                          args.score_as_decode, resume)
     else:
         out = wikitext.evaluate(engine, ids, text, window, policy.block_size, progress, args.score_as_decode, resume)
     eval_s = time.perf_counter() - t1
@@ -88,7 +103,8 @@ def _setup_record(args, engine, source: dict, window: int) -> dict:
             "dtype": DTYPE_NAMES[engine.runtime.devices.dtype],
             "device": str(engine.runtime.devices.compute), "limit": args.limit, "data": source,
             "score_as_decode": args.score_as_decode,
-            "window": window if args.task == "wikitext" else None}
+            "window": window if args.task == "wikitext" else None,
+            "protocol": args.protocol if args.task == "wikitext" else None}
 
 
 def _evaluate_lambada(args, engine, policy, items: list[lambada.Item], progress: bool, resume: ResumeLog) -> dict:
@@ -131,10 +147,14 @@ def summary(r: dict) -> str:
         if "generation_accuracy" in m:
             body += f", accuracy by greedy generation {m['generation_accuracy']:.4f}"
     else:
+        if r.get("protocol") == "documents":
+            scored = (f"{c['documents']} documents, every token scored, in {c['windows']} pieces of at most "
+                      f"{r['window']} predicted tokens")
+        else:
+            scored = (f"window {r['window']}, {c['tokens']} tokens ({c['tokens_scored']} scored: the first of each "
+                      f"of {c['windows']} windows has no context)")
         body = (f"token perplexity {m['token_perplexity']:.3f}, word perplexity {m['word_perplexity']:.3f}, "
-                f"bits/byte {m['bits_per_byte']:.4f}\n  window {r['window']}, {c['tokens']} tokens "
-                f"({c['tokens_scored']} scored: the first of each of {c['windows']} windows has no context), "
-                f"{c['words']} words, {c['bytes']} bytes")
+                f"bits/byte {m['bits_per_byte']:.4f}\n  {scored}, {c['words']} words, {c['bytes']} bytes")
     rate = (f"{r['throughput_tokens_per_s']:.0f} tokens/s" if r.get("throughput_tokens_per_s")
             else f"resumed from {r['resumed_results']} earlier results")
     tail = f"{r['eval_s']:.1f} s evaluating ({rate}), {r['load_s']:.1f} s loading; data {r['data']['path']}"

@@ -36,7 +36,7 @@ class CalibrationText:
 
     def requests(self, cfg: ModelConfig) -> tuple[list[list[int]], list[SamplingParams]]:
         """Prompts (the start token alone) and sampling parameters for the engine's generate."""
-        start = cfg.bos_token_id if cfg.bos_token_id is not None else cfg.eos_token_id
+        start = cfg.document_start_token
         if start is None:
             raise FlexGenError(f"{cfg.name} names neither a beginning- nor an end-of-text token: calibration "
                                "text has no start to be sampled from")

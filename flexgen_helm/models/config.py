@@ -59,6 +59,13 @@ class ModelConfig:
     def rope_scaling_dict(self) -> dict:
         return dict(self.rope_scaling)
 
+    @property
+    def document_start_token(self) -> int | None:
+        """The token a document starts after when nothing precedes it: the beginning-of-text
+        token, else the end-of-text token (the separator the model was trained with between
+        documents); None when the model names neither."""
+        return self.bos_token_id if self.bos_token_id is not None else self.eos_token_id
+
     def window(self, block: int) -> int:
         """The sliding window of block `block` (0: it attends to every earlier position)."""
         return self.sliding_windows[block] if self.sliding_windows else 0

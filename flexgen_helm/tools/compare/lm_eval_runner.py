@@ -22,6 +22,7 @@ def main() -> int:
     p.add_argument("--limit", type=int)
     p.add_argument("--batch-size", type=int, required=True)
     p.add_argument("--dtype", required=True)
+    p.add_argument("--max-length", type=int, help="the model's window (rolling log-likelihood's too)")
     p.add_argument("--json", required=True)
     args = p.parse_args()
     # nothing is downloaded: the model and the data are local
@@ -36,7 +37,8 @@ def main() -> int:
     from lm_eval.tasks import TaskManager
 
     t0 = time.perf_counter()
-    lm = HFLM(pretrained=args.checkpoint, dtype=args.dtype, batch_size=args.batch_size, device="cpu")
+    lm = HFLM(pretrained=args.checkpoint, dtype=args.dtype, batch_size=args.batch_size, device="cpu",
+              max_length=args.max_length)
     t1 = time.perf_counter()
     out = lm_eval.simple_evaluate(model=lm, tasks=[args.task], limit=args.limit, bootstrap_iters=0,
                                   task_manager=TaskManager(include_path=args.task_dir), log_samples=False)
@@ -44,7 +46,8 @@ def main() -> int:
     metrics = {k: v for k, v in out["results"][args.task].items() if isinstance(v, (int, float))}
     record = {"lm_eval_version": getattr(lm_eval, "__version__", "unknown"), "torch": torch.__version__,
               "torch_threads": torch.get_num_threads(), "batch_size": args.batch_size, "dtype": args.dtype,
-              "limit": args.limit, "load_s": t1 - t0, "eval_s": t2 - t1, "metrics": metrics}
+              "limit": args.limit, "max_length": args.max_length, "load_s": t1 - t0, "eval_s": t2 - t1,
+              "metrics": metrics}
     with open(args.json, "w") as f:
         json.dump(record, f, indent=1)
     return 0
