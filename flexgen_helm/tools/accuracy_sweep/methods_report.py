@@ -167,7 +167,8 @@ def cache_grouping_text(runs, out: Path) -> str:
             acc, ppl = _deltas(runs, row, scope)
             if acc is None and ppl is None:
                 continue
-            lines.append(f"| {name} | {_fmt(acc, '+.2f')} | {_ratio(acc, base_acc)} | {_fmt(ppl, '+.2f')}% | "
+            ppl_text = "—" if ppl is None else f"{ppl:+.2f}%"
+            lines.append(f"| {name} | {_fmt(acc, '+.2f')} | {_ratio(acc, base_acc)} | {ppl_text} | "
                          f"{_ratio(ppl, base_ppl)} | {_cache_bits(row):.2f} |")
             if row != CACHE_ROWS[0][0] and None not in (acc, ppl, base_acc, base_ppl):
                 met = (acc >= base_acc / 2, ppl <= base_ppl / 2)
