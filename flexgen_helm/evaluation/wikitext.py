@@ -54,8 +54,9 @@ def tokenize_documents(tokenizer, lines: list[str], limit: int | None) -> tuple[
 
 
 def window_pieces(ids: list[int], window: int) -> list[Piece]:
-    """"windows": non-overlapping windows, each scored from its second token."""
-    return [(ids[s:s + window], 1) for s in range(0, len(ids), window) if len(ids[s:s + window]) > 1]
+    """"windows": non-overlapping windows, each scored from its second token (a lone
+    trailing token has nothing to score: no window starts at the last token)."""
+    return [(ids[s:s + window], 1) for s in range(0, len(ids) - 1, window)]
 
 
 def rolling_pieces(ids: list[int], start_token: int, window: int) -> list[Piece]:
@@ -79,7 +80,7 @@ def evaluate(engine, ids: list[int], text: str, window: int, batch: int, progres
     counts = {"tokens": len(ids), "tokens_scored": scored, "windows": len(pieces),
               "note": "the first token of each window has no context and is not scored; "
                       "words = whitespace-separated words of the evaluated text"}
-    return _result(total, scored, text, counts)
+    return _result(total, scored, [text], counts)
 
 
 def evaluate_documents(engine, docs: list[list[int]], texts: list[str], window: int, start_token: int,
@@ -116,8 +117,7 @@ def _score(engine, pieces: list[Piece], batch: int, progress: bool, as_decode: b
     return math.fsum(nll), scored
 
 
-def _result(total: float, scored: int, text: str | list[str], counts: dict) -> dict:
-    texts = [text] if isinstance(text, str) else text
+def _result(total: float, scored: int, texts: list[str], counts: dict) -> dict:
     words = sum(len(t.split()) for t in texts)
     n_bytes = sum(len(t.encode("utf-8")) for t in texts)
     return {

@@ -53,17 +53,19 @@ class Task:
     data_file: str
     what: str  # the data, as the README names it
     metrics: dict[str, tuple[str, str]]
+    default_limit: int | None  # items scored when --limit is not given (None: all)
+    windowed: bool = False  # scored in rolling windows of --window tokens on both sides
     ours_flags: tuple[str, ...] = ()
 
 
 TASKS = {
     "lambada": Task("lambada", "lambada_local", LAMBADA_FILE, "passages of",
                     {"accuracy": ("acc,none", "accuracy"),
-                     "last-word ppl": ("perplexity,none", "last_word_perplexity")}),
+                     "last-word ppl": ("perplexity,none", "last_word_perplexity")}, 500),
     "wikitext": Task("wikitext", "wikitext_local", WIKITEXT_FILE, "articles of",
                      {"bits/byte": ("bits_per_byte,none", "bits_per_byte"),
                       "byte-level ppl": ("byte_perplexity,none", "byte_perplexity")},
-                     ("--protocol", "documents")),
+                     None, True, ("--protocol", "documents")),
 }
 
 
@@ -112,7 +114,7 @@ def lm_eval_row(python: str, checkpoint: Path, task_dir: Path, task: Task, limit
     cmd = [python, str(RUNNER), "--checkpoint", str(checkpoint), "--task-dir", str(task_dir),
            "--task", task.lm_eval_name, "--batch-size", str(batch), "--dtype", dtype, "--json", str(json_path)]
     cmd += ["--limit", str(limit)] if limit is not None else []
-    cmd += ["--max-length", str(window)] if task.name == "wikitext" else []
+    cmd += ["--max-length", str(window)] if task.windowed else []
     wall = _timed(cmd, timeout_s)
     rec = json.loads(json_path.read_text())
     return {"system": f"lm-eval hf (batch {batch})", "dtype": dtype, "wall_s": wall, "eval_s": rec["eval_s"],
@@ -124,7 +126,7 @@ def lm_eval_row(python: str, checkpoint: Path, task_dir: Path, task: Task, limit
 def ours_row(task: Task, limit: int | None, dtype: str, window: int, json_path: Path, timeout_s: int) -> dict:
     cmd = [sys.executable, "-m", "flexgen_helm", "eval", "--task", task.name, *task.ours_flags]
     cmd += ["--limit", str(limit)] if limit is not None else []
-    cmd += ["--window", str(window)] if task.name == "wikitext" else []
+    cmd += ["--window", str(window)] if task.windowed else []
     cmd += ["--dtype", dtype, "--quiet", "--json", str(json_path)]
     wall = _timed(cmd, timeout_s)
     rec = json.loads(json_path.read_text())
@@ -165,7 +167,7 @@ def summary(rows: list[dict]) -> str:
 def readme(rows: list[dict], arguments: str, task: Task, limit: int | None, window: int, dtypes: int) -> str:
     lm_eval_version = next(r["version"] for r in rows if r["version"] != "ours")
     data = f"The {'first ' + str(limit) if limit is not None else 'all'} {task.what} {task.data_file}"
-    if task.name == "wikitext":
+    if task.windowed:
         data += (f", scored by rolling log-likelihood in windows of {window} tokens on both sides (lm-eval's "
                  "wikitext protocol, on the raw text: no detokenizer; ours: `eval --protocol documents`)")
     return (f"# flexgen-helm eval vs lm-evaluation-harness (HF backend) on {task.name}\n\n"
@@ -198,7 +200,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="runs/lm_eval")
     args = p.parse_args(argv)
     task = TASKS[args.task]
-    limit = 500 if args.limit is None and task.name == "lambada" else args.limit
+    limit = task.default_limit if args.limit is None else args.limit
     data = local_file(task.data_file, None)
     if not data:
         raise FlexGenError(f"no local {task.data_file}: lm-eval's side must read the same file as ours")
