@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Callable
 
 import torch
 
@@ -28,9 +29,11 @@ class ModelRuntime:
     devices: Devices
     usage: TierUsage
 
-    def load_layer(self, layer: LayerSpec, loaded: dict | None = None) -> dict[str, torch.Tensor]:
-        """`loaded`: weights already on the compute device, by store name, to use as they are."""
-        return load_layer(layer, self.homes, self.devices, self.store, loaded)
+    def load_layer(self, layer: LayerSpec, loaded: dict | None = None,
+                   map_reads: Callable | None = None) -> dict[str, torch.Tensor]:
+        """`loaded`: weights already on the compute device, by store name, to use as they are;
+        `map_reads`: runs the reads of the tensors on disk at once (memory/weight_homes.load_layer)."""
+        return load_layer(layer, self.homes, self.devices, self.store, loaded, map_reads)
 
     def placement_report(self) -> dict:
         return {
