@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from flexgen_helm.engine import Engine
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.executor.schedule import BlockSchedule
+from flexgen_helm.memory import weight_homes
 from flexgen_helm.memory.copy_engine import READS_AT_ONCE, CopyEngine
-from flexgen_helm.policy import Policy, Split
+from flexgen_helm.policy import Compression, Policy, Split
 
 CPU32 = dict(dtype="float32", device="cpu", progress=False)
 
@@ -51,6 +53,33 @@ def test_a_layer_computes_while_the_next_layers_weights_load(tiny_llama, tmp_pat
     monkeypatch.setattr(engine.runtime, "load_layer", load_layer)
     run = engine.generate([[5, 17, 3], [12, 7]], SamplingParams(max_new_tokens=2, ignore_eos=True))
     assert all(len(r.completions[0].token_ids) == 2 for r in run.results)
+
+
+@pytest.mark.parametrize("compress_weight", [None, Compression(4, 16)], ids=["plain", "4-bit"])
+def test_a_layers_weight_reads_from_disk_are_in_flight_together(tiny_llama, tmp_path, monkeypatch, compress_weight):
+    """Weights on disk: the tensors of a layer are read at once (one at a time, each of a
+    4-bit layer's many small reads waited for the one before); the tokens do not change."""
+    policy = Policy(gpu_batch_size=2, weights=Split(0, 0, 1), compress_weight=compress_weight)
+    engine = Engine.load(str(tiny_llama), policy, **CPU32)
+    prompts, params = [[5, 17, 3], [12, 7]], SamplingParams(max_new_tokens=3, ignore_eos=True)
+    want = [r.completions[0].token_ids for r in engine.generate(prompts, params).results]
+    # per block, a barrier that breaks unless all of its tensors' reads wait at once
+    barriers = {}
+    for layer in engine.runtime.layers:
+        if layer.kind == "block":
+            names = {t.store_name for t in layer.tensors}
+            together = threading.Barrier(len(names), timeout=10)
+            barriers.update({name: together for name in names})
+    real_read = weight_homes.read_parts
+
+    def read_parts(home, store):
+        if home.spec.store_name in barriers:
+            barriers[home.spec.store_name].wait()
+        return real_read(home, store)
+
+    monkeypatch.setattr(weight_homes, "read_parts", read_parts)
+    got = [r.completions[0].token_ids for r in engine.generate(prompts, params).results]
+    assert got == want
 
 
 def test_a_fan_out_has_its_reads_in_flight_together():

@@ -127,25 +127,37 @@ def load_home(home: WeightHome, devices: Devices, store, parts: list[Stored] | N
     return out
 
 
+# A layer whose disk reads are all smaller than this has them in flight together (load_layer)
+FAN_OUT_BELOW = 16 << 20
+
+
 def load_layer(layer: LayerSpec, homes: dict[str, WeightHome], devices: Devices, store,
                loaded: dict | None = None, map_reads: Callable | None = None) -> dict[str, torch.Tensor | CompressedWeight]:
     """The layer's weights by key; those in `loaded` (by store name: a tied weight another
     layer has just loaded) are used as they are instead of loaded again.
 
     `map_reads(fn, items)`: `[fn(x) for x in items]` with the calls running at once
-    (CopyEngine.fan_out). The disk reads of the layer's tensors go through it, so that they
-    are in flight together: one at a time, each of a layer's many small reads (4-bit weights:
-    a packed tensor and its scales, biases, norms) waited for the one before, and OPT-1.3B's
-    packed weights were read at 0.62 GB/s where its bf16 ones, fewer and larger, got 1.04.
-    Only the reads: the copies to the device stay on the caller's thread (its CUDA stream)."""
+    (CopyEngine.fan_out). A layer whose disk reads are all small has them go through it, in
+    flight together: one at a time, each of a 4-bit layer's many small reads waited for the
+    one before. OPT-1.3B's blocks off disk, O_DIRECT, with bf16 matmuls running beside
+    (2-core EPYC, 2026-11-24; runs/bench/compression/disk_reads): 4-bit (reads of 2.4 and
+    9.4 MB and ten tiny ones) 1.31-1.40 GB/s one at a time, 1.62-1.86 together; bf16 (8 and
+    34 MB) 1.77-1.90 one at a time, 1.72-1.73 together, which each large read, cut into the
+    profile's reads in flight already, gets as well alone. Only the reads run there: the
+    copies to the device stay on the caller's thread (its CUDA stream)."""
     loaded = loaded or {}
     names = list(dict.fromkeys(t.store_name for t in layer.tensors if t.store_name not in loaded))
-    on_disk = [n for n in names if any(p is None for p in homes[n].data)]
+    disk_bytes = {n: _disk_nbytes(homes[n], devices.dtype) for n in names}
+    on_disk = [n for n in names if disk_bytes[n]]
     parts = {}
-    if map_reads is not None and len(on_disk) > 1:
+    if map_reads is not None and len(on_disk) > 1 and max(disk_bytes.values()) < FAN_OUT_BELOW:
         parts = dict(zip(on_disk, map_reads(lambda n: read_parts(homes[n], store), on_disk)))
     weights = {**loaded, **{n: load_home(homes[n], devices, store, parts.get(n)) for n in names}}
     return {t.key: weights[t.store_name] for t in layer.tensors}
+
+
+def _disk_nbytes(home: WeightHome, dtype: torch.dtype) -> int:
+    return sum(segment_nbytes(home.spec, s, home.compression, dtype) for s in home.segments if s.tier == "disk")
 
 
 def home_bytes(homes: dict[str, WeightHome], dtype: torch.dtype) -> dict[str, int]:
