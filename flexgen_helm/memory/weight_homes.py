@@ -132,19 +132,20 @@ FAN_OUT_BELOW = 16 << 20
 
 
 def load_layer(layer: LayerSpec, homes: dict[str, WeightHome], devices: Devices, store,
-               loaded: dict | None = None, map_reads: Callable | None = None) -> dict[str, torch.Tensor | CompressedWeight]:
+               loaded: dict | None = None, map_reads: Callable | None = None
+               ) -> dict[str, torch.Tensor | CompressedWeight]:
     """The layer's weights by key; those in `loaded` (by store name: a tied weight another
     layer has just loaded) are used as they are instead of loaded again.
 
     `map_reads(fn, items)`: `[fn(x) for x in items]` with the calls running at once
     (CopyEngine.fan_out). A layer whose disk reads are all small has them go through it, in
     flight together: one at a time, each of a 4-bit layer's many small reads waited for the
-    one before. OPT-1.3B's blocks off disk, O_DIRECT, with bf16 matmuls running beside
-    (2-core EPYC, 2026-11-24; runs/bench/compression/disk_reads): 4-bit (reads of 2.4 and
-    9.4 MB and ten tiny ones) 1.31-1.40 GB/s one at a time, 1.62-1.86 together; bf16 (8 and
-    34 MB) 1.77-1.90 one at a time, 1.72-1.73 together, which each large read, cut into the
-    profile's reads in flight already, gets as well alone. Only the reads run there: the
-    copies to the device stay on the caller's thread (its CUDA stream)."""
+    one before. Large reads stay one at a time: each is cut into the profile's reads in
+    flight already, and together they came in no faster. OPT-1.3B's blocks off disk with
+    bf16 matmuls running beside (2-core EPYC, 2026-11-24; runs/bench/compression/disk_reads):
+    4-bit (2.4 and 9.4 MB reads, ten tiny ones) 1.31-1.40 GB/s one at a time, 1.62-1.86
+    together; bf16 (8 and 34 MB) 1.77-1.90 one at a time, 1.72-1.73 together. Only the reads
+    run there: the copies to the device stay on the caller's thread (its CUDA stream)."""
     loaded = loaded or {}
     names = list(dict.fromkeys(t.store_name for t in layer.tensors if t.store_name not in loaded))
     disk_bytes = {n: _disk_nbytes(homes[n], devices.dtype) for n in names}
