@@ -1,0 +1,23 @@
+"""GPTQ (4-bit, g64 along the input dimension) with another amount of self-sampled
+calibration text than the default (executor/calibration_text.CalibrationText: 16 x 128),
+scored on issue 22's quick slice exactly as the accuracy sweep's w4g-g64-d1 row is.
+
+    python runs/accuracy/calibration_size/gptq_calibration_size.py SEQUENCES LENGTH {lambada,wikitext}
+
+An experiment, not a tool: no command takes the calibration size, so this swaps the
+engine's LayerwiseGPTQ for one with the given CalibrationText, and keeps its stores in a
+cache folder of its own (/tmp/gptq-calib/cache-SxL), apart from the user's. Writes
+/tmp/gptq-calib/SxL__TASK.json."""
+import functools, os, sys
+seqs, length, task = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+os.environ["FLEXGEN_HELM_CACHE"] = f"/tmp/gptq-calib/cache-{seqs}x{length}"
+import flexgen_helm.engine as eng
+from flexgen_helm.executor.calibration_text import CalibrationText
+eng.LayerwiseGPTQ = functools.partial(eng.LayerwiseGPTQ, text=CalibrationText(sequences=seqs, length=length))
+from flexgen_helm.cli import main
+limit = "500" if task == "lambada" else "8192"
+batch = ["--gpu-batch-size", "32"] if task == "lambada" else ["--gpu-batch-size", "8", "--window", "1024"]
+main(["eval", "--task", task, "--model", "smollm2-135m", "--dtype", "float32", "--num-gpu-batches", "1", *batch,
+      "--compress-weight", "--compress-bits", "4", "--compress-group-size", "64", "--quant-method", "gptq",
+      "--compress-group-dim", "1", "--limit", limit, "--quiet",
+      "--json", f"/tmp/gptq-calib/{seqs}x{length}__{task}.json"])
