@@ -8,16 +8,27 @@ An experiment, not a tool: no command takes the calibration size, so this swaps 
 engine's LayerwiseGPTQ for one with the given CalibrationText, and keeps its stores in a
 cache folder of its own (/tmp/gptq-calib/cache-SxL), apart from the user's. Writes
 /tmp/gptq-calib/SxL__TASK.json."""
-import functools, os, sys
-seqs, length, task = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-os.environ["FLEXGEN_HELM_CACHE"] = f"/tmp/gptq-calib/cache-{seqs}x{length}"
-import flexgen_helm.engine as eng
-from flexgen_helm.executor.calibration_text import CalibrationText
-eng.LayerwiseGPTQ = functools.partial(eng.LayerwiseGPTQ, text=CalibrationText(sequences=seqs, length=length))
+
+import functools
+import os
+import sys
+
+import flexgen_helm.engine as engine
 from flexgen_helm.cli import main
-limit = "500" if task == "lambada" else "8192"
-batch = ["--gpu-batch-size", "32"] if task == "lambada" else ["--gpu-batch-size", "8", "--window", "1024"]
-main(["eval", "--task", task, "--model", "smollm2-135m", "--dtype", "float32", "--num-gpu-batches", "1", *batch,
-      "--compress-weight", "--compress-bits", "4", "--compress-group-size", "64", "--quant-method", "gptq",
-      "--compress-group-dim", "1", "--limit", limit, "--quiet",
-      "--json", f"/tmp/gptq-calib/{seqs}x{length}__{task}.json"])
+from flexgen_helm.executor.calibration_text import CalibrationText
+
+
+def run(sequences: int, length: int, task: str) -> int:
+    os.environ["FLEXGEN_HELM_CACHE"] = f"/tmp/gptq-calib/cache-{sequences}x{length}"  # read at each load
+    engine.LayerwiseGPTQ = functools.partial(engine.LayerwiseGPTQ,
+                                             text=CalibrationText(sequences=sequences, length=length))
+    limit = "500" if task == "lambada" else "8192"
+    batch = ["--gpu-batch-size", "32"] if task == "lambada" else ["--gpu-batch-size", "8", "--window", "1024"]
+    return main(["eval", "--task", task, "--model", "smollm2-135m", "--dtype", "float32", "--num-gpu-batches", "1",
+                 *batch, "--compress-weight", "--compress-bits", "4", "--compress-group-size", "64",
+                 "--quant-method", "gptq", "--compress-group-dim", "1", "--limit", limit, "--quiet",
+                 "--json", f"/tmp/gptq-calib/{sequences}x{length}__{task}.json"])
+
+
+if __name__ == "__main__":
+    sys.exit(run(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]))
