@@ -9,6 +9,7 @@ engine's LayerwiseGPTQ for one with the given CalibrationText, and keeps its sto
 cache folder of its own (/tmp/gptq-calib/cache-SxL), apart from the user's. Writes
 /tmp/gptq-calib/SxL__TASK.json."""
 
+import argparse
 import functools
 import os
 import sys
@@ -31,4 +32,9 @@ def run(sequences: int, length: int, task: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("sequences", type=int)
+    parser.add_argument("length", type=int, help="tokens per sequence, the start token included")
+    parser.add_argument("task", choices=["lambada", "wikitext"])
+    args = parser.parse_args()
+    sys.exit(run(args.sequences, args.length, args.task))
