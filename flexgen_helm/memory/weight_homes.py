@@ -140,11 +140,14 @@ def load_layer(layer: LayerSpec, homes: dict[str, WeightHome], devices: Devices,
     `map_reads(fn, items)`: `[fn(x) for x in items]` with the calls running at once
     (CopyEngine.fan_out). A layer whose disk reads are all small has them go through it, in
     flight together: one at a time, each of a 4-bit layer's many small reads waited for the
-    one before. Large reads stay one at a time: each is cut into the profile's reads in
-    flight already, and together they came in no faster. OPT-1.3B's blocks off disk with
-    bf16 matmuls running beside (2-core EPYC, 2026-11-24; runs/bench/compression/disk_reads):
-    4-bit (2.4 and 9.4 MB reads, ten tiny ones) 1.31-1.40 GB/s one at a time, 1.62-1.86
-    together; bf16 (8 and 34 MB) 1.77-1.90 one at a time, 1.72-1.73 together. Only the reads
+    one before. Layers of large reads (each already cut into the profile's reads in flight)
+    keep reading one tensor at a time, as before, until a measurement can tell the two ways
+    apart for them. OPT-1.3B's blocks off disk with a bf16 matmul loop running beside (2-core
+    EPYC, 2026-11-24; runs/bench/compression/disk_reads/layer_reads.py, medians of 3 passes,
+    two runs): 4-bit (2.4 and 9.4 MB reads, ten tiny ones) 1.10-1.27 GB/s one at a time,
+    1.47-1.55 together, and 9.7 -> 13.2-14.2 decode tok/s end to end; bf16 (8 and 34 MB)
+    1.24-1.54 against 1.60-1.71 there, but the opposite in an earlier scratch run, and its
+    end-to-end rows moved by 20% with identical code (the disk's drift). Only the reads
     run there: the copies to the device stay on the caller's thread (its CUDA stream)."""
     loaded = loaded or {}
     names = list(dict.fromkeys(t.store_name for t in layer.tensors if t.store_name not in loaded))
