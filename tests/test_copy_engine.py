@@ -44,10 +44,10 @@ def test_a_layer_computes_while_the_next_layers_weights_load(tiny_llama, tmp_pat
             computed.set()
         return out
 
-    def load_layer(layer, *args):
+    def load_layer(layer, *args, **kwargs):
         if layer.kind == "block" and layer.index == 1:
             assert computed.wait(10), "block 0 could not compute before block 1's weights were loaded"
-        return real_load(layer, *args)
+        return real_load(layer, *args, **kwargs)
 
     monkeypatch.setattr(BlockSchedule, "_run_layer", run_layer)
     monkeypatch.setattr(engine.runtime, "load_layer", load_layer)

@@ -221,8 +221,9 @@ class BlockSchedule:
                 io.submit(self.acts[k].store, hidden_in, kind=f"{stage}_store_hidden")
         live = [k for k in range(nb) if not self.step_rows[k].empty]  # batches with rows to compute
         # taken, not kept: held past its layer, a prefetched layer's weights stayed resident all step
-        weights = self._weights_ahead or io.submit(self.rt.load_layer, layers[0], None, io.fan_out,
-                                                   kind=f"{stage}_load_weight", lane="weights")
+        load_layer = functools.partial(self.rt.load_layer, map_reads=io.fan_out)  # a layer's disk reads at once
+        weights = self._weights_ahead or io.submit(load_layer, layers[0], kind=f"{stage}_load_weight",
+                                                   lane="weights")
         self._weights_ahead = None
         cache_ahead = None  # the first live batch's cache of the next layer
         for j, layer in enumerate(layers):
@@ -230,7 +231,7 @@ class BlockSchedule:
             # prefetch the next layer (after the last, the first layer of the next step), reusing
             # what this one loaded of a weight they share (the tied head and embedding)
             following = layers[(j + 1) % len(layers)]
-            weights = io.submit(self.rt.load_layer, following, shared_weights(layer, w, following), io.fan_out,
+            weights = io.submit(load_layer, following, shared_weights(layer, w, following),
                                 kind=f"{stage}_load_weight", lane="weights")
             if not live:
                 continue

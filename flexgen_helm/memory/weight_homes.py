@@ -151,10 +151,10 @@ def load_layer(layer: LayerSpec, homes: dict[str, WeightHome], devices: Devices,
     run there: the copies to the device stay on the caller's thread (its CUDA stream)."""
     loaded = loaded or {}
     names = list(dict.fromkeys(t.store_name for t in layer.tensors if t.store_name not in loaded))
-    disk_bytes = {n: _disk_nbytes(homes[n], devices.dtype) for n in names}
-    on_disk = [n for n in names if disk_bytes[n]]
+    on_disk = [n for n in names if any(p is None for p in homes[n].data)]
     parts = {}
-    if map_reads is not None and len(on_disk) > 1 and max(disk_bytes.values()) < FAN_OUT_BELOW:
+    if (map_reads is not None and len(on_disk) > 1
+            and max(_disk_nbytes(homes[n], devices.dtype) for n in on_disk) < FAN_OUT_BELOW):
         parts = dict(zip(on_disk, map_reads(lambda n: read_parts(homes[n], store), on_disk)))
     weights = {**loaded, **{n: load_home(homes[n], devices, store, parts.get(n)) for n in names}}
     return {t.key: weights[t.store_name] for t in layer.tensors}
