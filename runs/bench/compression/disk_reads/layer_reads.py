@@ -24,6 +24,7 @@ import torch
 from flexgen_helm.engine import Engine
 from flexgen_helm.memory import weight_homes
 from flexgen_helm.memory.direct_io import set_reads_in_flight
+from flexgen_helm.memory.machine import machine_label
 from flexgen_helm.policy import Compression, Policy, Split
 
 BURN = "import torch\na = torch.randn(2048, 2048, dtype=torch.bfloat16)\nwhile True:\n    a @ a\n"
@@ -65,7 +66,7 @@ def main() -> None:
     finally:
         burn.kill()
         engine.close()
-    out = {"weights": args.weights, "bytes_per_pass": nbytes, "load_average_before": load,
+    out = {"host": machine_label(), "weights": args.weights, "bytes_per_pass": nbytes, "load_average_before": load,
            "gb_per_s": {way: [round(s, 3) for s in v] for way, v in speeds.items()},
            "median_gb_per_s": {way: round(statistics.median(v), 3) for way, v in speeds.items()},
            "command": " ".join(["python", *sys.argv])}
