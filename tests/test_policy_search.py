@@ -253,6 +253,26 @@ def test_ram_budgets_hold_the_process_itself_on_a_cpu_only_machine():
         assert peak["gpu"] + peak["cpu"] + prof.process_baseline_bytes <= 3 * GIB
 
 
+@pytest.mark.parametrize("prompt_len,gen_len,gbs,nb", [(128, 128, 4, 32), (512, 32, 1, 32)])
+def test_ram_that_weights_leave_goes_to_the_cache(prompt_len, gen_len, gbs, nb):
+    """OPT-6.7B in a 1.5 GiB pool with 4 GiB of RAM on a CPU-only machine: the LP's share of
+    weights in RAM does not fit once its split tensors are assembled, so they go to disk.
+    The search then gives the RAM to the KV cache: it predicts no less than the same block
+    with the cache placed by hand in the RAM the weights left."""
+    opt67 = config_for_size("6.7b")
+    budgets = default_budgets(cpu_profile(), gpu=int(1.5 * GIB), cpu=4 * GIB)
+    result = search(opt67, cpu_profile(), prompt_len, gen_len, budgets,
+                    SearchOptions(gpu_batch_size=gbs, num_gpu_batches=nb))
+    model = CostModel(opt67, cpu_profile(), Workload(prompt_len, gen_len))
+    on_disk = Policy(gbs, nb, weights=Split(0, 0, 1), activations=Split(0, 1, 0))
+    by_hand = [model.estimate(replace(on_disk, cache=Split.from_percent(0, c))) for c in (10, 20, 30)]
+    fitting = [est.throughput for est in by_hand if not shortfalls(est, budgets)]
+    assert fitting, "no hand placement fits: the case no longer tests the RAM the weights leave"
+    assert result.policy.weights.disk == 1.0
+    assert result.estimate.throughput >= max(fitting)
+    assert not shortfalls(result.estimate, budgets)
+
+
 def test_among_near_equal_predictions_the_smallest_block_wins():
     """Scoring-like work (prefill only) with nothing binding: large blocks all predict about
     the same; the search takes the smallest of those within 2% of the best (less latency,

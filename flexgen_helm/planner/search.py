@@ -163,10 +163,11 @@ def _memory_rows(model: CostModel, shape: Policy):
 
 
 def solve_lp(model: CostModel, policy: Policy, budgets: Budgets, max_latency_s: float | None = None,
-             with_slack: bool = False):
+             with_slack: bool = False, pinned_weights: Split | None = None):
     """The LP for one block shape (the policy's batching and options). Returns scipy's result;
     x[:NF] are the fractions. With `with_slack`, memory limits may be exceeded at a cost:
-    the slack says which tier is short by how much."""
+    the slack says which tier is short by how much. `pinned_weights` fixes the weights' fractions
+    (the LP then places only the KV cache and activations)."""
     layers = len(model.groups)
     n = model.work.gen_len
     consts, slopes = {}, {}
@@ -213,6 +214,8 @@ def solve_lp(model: CostModel, policy: Policy, budgets: Budgets, max_latency_s: 
     for k in range(3):
         a_eq[k, 3 * k:3 * k + 3] = 1.0
     bounds = [(0, 1)] * NF + [(0, None)] * (2 * layers + nslack)
+    if pinned_weights is not None:
+        bounds[:3] = [(f, f) for f in pinned_weights.as_tuple()]
     return linprog(objective, A_ub=np.array(a_ub), b_ub=np.array(b_ub), A_eq=a_eq, b_eq=np.ones(3),
                    bounds=bounds, method="highs")
 
@@ -323,20 +326,22 @@ def _placed(model: CostModel, shape: Policy, placement: tuple[Split, Split, Spli
 
 
 def _best_rounded(model: CostModel, shape: Policy, budgets: Budgets, max_latency_s: float | None,
-                  attempts: int = 4) -> Candidate | None:
+                  pinned_weights: Split | None = None, attempts: int = 4) -> Candidate | None:
     """Solve, round, re-evaluate. The LP sees continuous fractions; the engine's placement
     also assembles tensors split over tiers (a working copy the LP cannot see) and rounds to
     whole percents, so when no rounding fits, solve again with the budget that fell short
-    tightened by the shortfall plus one percent of the weights (one rounding step)."""
+    tightened by the shortfall plus one percent of the weights (one rounding step).
+    `pinned_weights`: the LP places only the KV cache and activations."""
     on_disk = replace(shape, weights=_ONE_TIER["disk"])
     step = 0.01 * planned_components(model.cfg, on_disk, model.work.max_len, model.dtype)["weights"]["disk"]
     tight = budgets
     for _ in range(attempts):
-        res = solve_lp(model, shape, tight, max_latency_s)
+        res = solve_lp(model, shape, tight, max_latency_s, pinned_weights=pinned_weights)
         if res.status != 0:
             return None
+        policies = rounded_policies(shape, res.x, merge_host_tiers=not model.hw.is_cuda and pinned_weights is None)
         best, least_short = None, None
-        for p in rounded_policies(shape, res.x, merge_host_tiers=not model.hw.is_cuda):
+        for p in policies:
             est = model.estimate(p)
             short = shortfalls(est, budgets)
             if short:
@@ -347,11 +352,27 @@ def _best_rounded(model: CostModel, shape: Policy, budgets: Budgets, max_latency
                 continue
             if best is None or est.throughput > best.estimate.throughput:
                 best = Candidate(p, est, float(res.fun))
+        if pinned_weights is None:
+            for moved in _moved_weights(res.x, policies):
+                refilled = _best_rounded(model, shape, budgets, max_latency_s, pinned_weights=moved)
+                if refilled is not None and (best is None or refilled.estimate.throughput > best.estimate.throughput):
+                    best = refilled
         if best is not None or least_short is None:
             return best
         for b, need in least_short.items():
             tight = tight.tightened(b, int(need + step))
     return None
+
+
+def _moved_weights(x, rounded: list[Policy]) -> list[Split]:
+    """The weights' placements among `rounded` that a rounding variant moved off the tiers
+    the LP gave them (rounded_policies' variants for a CPU-only machine). The RAM they leave
+    can hold KV cache and activations, so the search solves again with each one pinned.
+    Without that, OPT-6.7B 128/128 in a 1.5 GiB pool and 4 GiB of RAM ran all on disk and
+    left the RAM empty (predicted 4.35 token/s; with 23% of the cache in RAM, 4.80)."""
+    fr = Fractions.from_vector(x[:NF])
+    lp_weights = {_round_split(fr.wg, fr.wc, down) for down in (False, True)}
+    return list(dict.fromkeys(p.weights for p in rounded if p.weights not in lp_weights))
 
 
 def _pinned_message(model: CostModel, budgets: Budgets, options: SearchOptions) -> str:
