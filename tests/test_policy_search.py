@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 from conftest import save_tiny
 
 from flexgen_helm.cli import build_parser, main
@@ -283,6 +284,27 @@ def test_among_near_equal_predictions_the_smallest_block_wins():
     near = [c for c in result.candidates if c.estimate.throughput >= 0.98 * best]
     assert result.policy.block_size == min(c.policy.block_size for c in near)
     assert result.estimate.throughput >= 0.98 * best
+
+
+def test_bench_admits_a_prefill_whose_hidden_states_fit(tiny_opt, tmp_path, capsys):
+    """bench's budget check counts the activations the engine holds in memory, a prefill's
+    (the prompt's positions), as the search plans them: a policy the search found for
+    OPT-6.7B 128/128 with 4-bit weights was refused at 4.06 GiB of a 4 GiB cpu budget
+    because the check sized them for prompt + generated tokens."""
+    from flexgen_helm.planner.budget import planned_bytes
+    from flexgen_helm.weights.registry import resolve
+
+    cfg = resolve(str(tiny_opt)).config
+    policy = Policy(2, 1, weights=Split(1, 0, 0), cache=Split(1, 0, 0), activations=Split(0, 1, 0))
+    prompt_len, gen_len = 8, 8
+    need = planned_bytes(cfg, policy, prompt_len + gen_len, torch.float32, act_len=prompt_len)["cpu"]
+    argv = ["bench", "--model", str(tiny_opt), "--device", "cpu", "--dtype", "float32", "--prompt-len",
+            str(prompt_len), "--gen-len", str(gen_len), "--gpu-batch-size", "2", "--num-gpu-batches", "1",
+            "--percent", "100", "0", "100", "0", "0", "100", "--offload-dir", str(tmp_path)]
+    assert main([*argv, "--cpu-mem", str(need / GIB)]) == 0
+    capsys.readouterr()
+    assert main([*argv, "--cpu-mem", str((need - 64) / GIB)]) == 2
+    assert "on the cpu tier" in capsys.readouterr().err
 
 
 def test_bench_checks_a_given_policy_against_its_disk_budget(tiny_opt, tmp_path, capsys):

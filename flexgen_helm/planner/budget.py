@@ -19,9 +19,10 @@ from flexgen_helm.policy.policy import TIERS, Compression, Policy, Split
 
 def planned_components(cfg: ModelConfig, policy: Policy, max_len: int, dtype: torch.dtype, act_len: int | None = None
                        ) -> dict[str, dict[str, int]]:
-    """Bytes of weights, KV cache and activations (one block of `act_len` positions, default
-    max_len) on each tier as stored (compressed when the policy compresses), before
-    transient buffers."""
+    """Bytes of weights, KV cache and activations on each tier as stored (compressed when the
+    policy compresses), before transient buffers. Activations in memory hold one block of
+    `act_len` positions (default max_len; a prefill's are the prompt's); on disk, their file
+    is made for max_len (executor/activations.ActivationHome)."""
     elt = torch.empty((), dtype=dtype).element_size()
     weights = dict(_weight_bytes(cfg, policy.weights, policy.compress_weight, dtype))
     batches = [policy.gpu_batch_size] * policy.num_gpu_batches
@@ -37,8 +38,9 @@ def planned_components(cfg: ModelConfig, policy: Policy, max_len: int, dtype: to
             total[t] += units[t]
     cache = {t: sum(kv_nbytes(n, units[t], cfg.head_dim, dtype, policy.compress_cache)
                     for n, units in units_by_rows.items()) for t in TIERS}
-    row_bytes = (act_len or max_len) * cfg.hidden_size * elt
-    return {"weights": weights, "cache": cache, "activations": {t: rows[t] * row_bytes for t in TIERS}}
+    positions = {t: max_len if t == "disk" else act_len or max_len for t in TIERS}
+    activations = {t: rows[t] * positions[t] * cfg.hidden_size * elt for t in TIERS}
+    return {"weights": weights, "cache": cache, "activations": activations}
 
 
 @functools.lru_cache(maxsize=256)  # the policy search asks for the same few placements many times
@@ -53,9 +55,10 @@ def _weight_bytes(cfg: ModelConfig, split: Split, compression: Compression | Non
     return weights
 
 
-def planned_bytes(cfg: ModelConfig, policy: Policy, max_len: int, dtype: torch.dtype) -> dict[str, int]:
+def planned_bytes(cfg: ModelConfig, policy: Policy, max_len: int, dtype: torch.dtype, act_len: int | None = None
+                  ) -> dict[str, int]:
     """Weights, KV cache and activations (one block) per tier, before transient buffers."""
-    parts = planned_components(cfg, policy, max_len, dtype)
+    parts = planned_components(cfg, policy, max_len, dtype, act_len)
     return {t: sum(p[t] for p in parts.values()) for t in TIERS}
 
 

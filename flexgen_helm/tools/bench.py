@@ -89,7 +89,7 @@ def run_bench(args, policy: Policy) -> dict:
     resolved = resolve(args.model, path=args.path, dummy=args.dummy)
     cfg = resolved.config
     max_len = args.prompt_len + args.gen_len
-    planned = planned_bytes(cfg, policy, max_len, devices.dtype)
+    planned = planned_bytes(cfg, policy, max_len, devices.dtype, act_len=args.prompt_len)  # as the search plans
     check_budgets(planned, {t: parse_size(getattr(args, f"{t}_mem", None)) for t in ("gpu", "cpu", "disk")})
 
     engine = engine_class(args.pipeline).load(args.model, policy, path=args.path, dummy=args.dummy,
