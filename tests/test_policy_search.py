@@ -18,6 +18,7 @@ from flexgen_helm.errors import PolicyError
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.models.config import ModelConfig
 from flexgen_helm.models.opt import config_for_size
+from flexgen_helm.planner.budget import planned_bytes
 from flexgen_helm.planner.cost_model import TERMS, CostModel, Workload
 from flexgen_helm.planner.hardware_profile import DeviceSpeeds, HardwareProfile, default_profile_path
 from flexgen_helm.planner.search import (
@@ -32,6 +33,7 @@ from flexgen_helm.planner.search import (
 )
 from flexgen_helm.policy import Compression, Policy, Split
 from flexgen_helm.tools.validation.refit import refit
+from flexgen_helm.weights.registry import resolve
 
 GIB = 2**30
 OPT13 = config_for_size("1.3b")
@@ -291,9 +293,6 @@ def test_bench_admits_a_prefill_whose_hidden_states_fit(tiny_opt, tmp_path, caps
     (the prompt's positions), as the search plans them: a policy the search found for
     OPT-6.7B 128/128 with 4-bit weights was refused at 4.06 GiB of a 4 GiB cpu budget
     because the check sized them for prompt + generated tokens."""
-    from flexgen_helm.planner.budget import planned_bytes
-    from flexgen_helm.weights.registry import resolve
-
     cfg = resolve(str(tiny_opt)).config
     policy = Policy(2, 1, weights=Split(1, 0, 0), cache=Split(1, 0, 0), activations=Split(0, 1, 0))
     prompt_len, gen_len = 8, 8

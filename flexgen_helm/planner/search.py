@@ -353,7 +353,7 @@ def _best_rounded(model: CostModel, shape: Policy, budgets: Budgets, max_latency
             if best is None or est.throughput > best.estimate.throughput:
                 best = Candidate(p, est, float(res.fun))
         if pinned_weights is None:
-            for moved in _moved_weights(res.x, policies):
+            for moved in _moved_weights(shape, res.x, policies):
                 refilled = _best_rounded(model, shape, budgets, max_latency_s, pinned_weights=moved)
                 if refilled is not None and (best is None or refilled.estimate.throughput > best.estimate.throughput):
                     best = refilled
@@ -364,14 +364,13 @@ def _best_rounded(model: CostModel, shape: Policy, budgets: Budgets, max_latency
     return None
 
 
-def _moved_weights(x, rounded: list[Policy]) -> list[Split]:
+def _moved_weights(shape: Policy, x, rounded: list[Policy]) -> list[Split]:
     """The weights' placements among `rounded` that a rounding variant moved off the tiers
     the LP gave them (rounded_policies' variants for a CPU-only machine). The RAM they leave
     can hold KV cache and activations, so the search solves again with each one pinned.
     Without that, OPT-6.7B 128/128 in a 1.5 GiB pool and 4 GiB of RAM ran all on disk and
     left the RAM empty (predicted 4.35 token/s; with 23% of the cache in RAM, 4.80)."""
-    fr = Fractions.from_vector(x[:NF])
-    lp_weights = {_round_split(fr.wg, fr.wc, down) for down in (False, True)}
+    lp_weights = {p.weights for p in rounded_policies(shape, x)}
     return list(dict.fromkeys(p.weights for p in rounded if p.weights not in lp_weights))
 
 
