@@ -38,7 +38,7 @@ from flexgen_helm.policy.policy import Compression
 from flexgen_helm.tools.accuracy_sweep.plan import OUT
 from flexgen_helm.weights.registry import resolve
 
-SETTINGS = [(4, 32), (4, 64), (4, 128), (3, 64)]  # (bits, group along dim 1)
+SETTINGS = [(4, 32), (4, 64), (4, 128), (4, 192), (3, 64)]  # (bits, group along dim 1)
 METHODS = ("rtn", "hqq")  # data-free: quantize() takes them weight by weight
 CONVERTED = (*METHODS, "gptq")  # what `opt` converts: gptq calibrates on the model itself
 MODELS = {"smollm2-135m": False, "facebook/opt-125m": True}  # name -> dummy

@@ -279,7 +279,8 @@ def methods_section(runs, out: Path) -> str:
             "SmolLM2's compressed weights, float32, on this shared machine.",
             "Mind the source: the bundled checkpoint is a Q4_1 GGUF, blocks of 32 along the input dim with a scale "
             "and a minimum each, so at g32 along dim 1 RTN recovers those blocks exactly and looks nearly lossless "
-            "for that reason alone; g64 and g128 hold 2 and 4 blocks of different grids, and the dummy OPT-125M "
+            "for that reason alone; g64 and g192 hold 2 and 6 blocks of different grids (g128 does not divide "
+            "SmolLM2's 576-wide inputs, so g192 is the coarser grouping here), and the dummy OPT-125M "
             "(random N(0, 0.02) weights) has no source grid at all: its reconstruction errors show the method's "
             "gain where the checkpoint cannot help."]
     for scope, table in tables:
