@@ -67,3 +67,30 @@ def test_what_a_hand_back_leaves_is_no_reason_for_the_next(monkeypatch):
     freed[0] = 45 << 20  # 15 MiB freed beyond what stayed
     assert host_allocator.release_freed_host_memory(10 << 20)
     assert len(trims) == 2
+
+
+def test_placing_weights_looks_at_freed_memory_once_per_largest_tensor_placed(monkeypatch):
+    """A look at the freed memory walks malloc's free lists (ms each on a fragmented heap), so
+    placement takes one before the first tensor and then once the tensors placed since add up
+    to the largest: an embedding and twelve small projections smaller than it together take
+    two looks, not thirteen, each keeping two copies of the largest tensor."""
+    import torch
+
+    from flexgen_helm.memory import weight_homes
+    from flexgen_helm.memory.devices import Devices
+    from flexgen_helm.memory.placement import Segment
+    from flexgen_helm.memory.usage import TierUsage
+    from flexgen_helm.models.spec import LayerSpec, tensor
+
+    embed = LayerSpec("embed", "embed", -1, (tensor("embed", "tokens", 1000, 64),))
+    blocks = [LayerSpec(f"block{i}", "block", i, tuple(tensor(f"block{i}", k, 64, 64) for k in "qkvo"))
+              for i in range(3)]
+    layers = [embed, *blocks]
+    placement = {t.store_name: [Segment("gpu", 0, t.shape[0])] for layer in layers for t in layer.tensors}
+    looks = []
+    monkeypatch.setattr(weight_homes, "release_freed_host_memory", lambda keep: looks.append(keep) or False)
+    homes = weight_homes.build_homes(layers, placement, Devices(torch.device("cpu"), torch.float32),
+                                     lambda name: torch.zeros(dict((t.store_name, t.shape) for layer in layers
+                                                                   for t in layer.tensors)[name]), TierUsage(), False)
+    assert len(homes) == 13
+    assert looks == [2 * 1000 * 64 * 4] * 2

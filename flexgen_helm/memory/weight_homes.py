@@ -72,10 +72,19 @@ def build_homes(layers: list[LayerSpec], placement: dict[str, list[Segment]], de
     # may leave too little of it for the next copies: OPT-6.7B's 4-bit weights (3.5 GiB in RAM)
     # peaked at 8.2-17.9 GiB RSS in four runs on 2026-11-24 (not in a fifth, 4.6 GiB; 4.4-4.7
     # with the setting off; runs/compare/opt-6.7b-p512-g32/placement-rss). So what is freed
-    # beyond two dense copies of the largest tensor is handed back as placement goes.
-    keep_freed = 2 * max(math.prod(s.shape) for s in specs) * torch.empty((), dtype=devices.dtype).element_size()
+    # beyond two dense copies of the largest tensor is handed back as placement goes. A look
+    # asks malloc to walk its free lists (2-7 ms once the heap is fragmented: a look per tensor
+    # was 0.8 s of SmolLM2's 4.2 s load), so one is taken only once the tensors placed since
+    # the last look add up to the largest one: what they freed stays within one more such copy.
+    elt = torch.empty((), dtype=devices.dtype).element_size()
+    largest = max(math.prod(s.shape) for s in specs) * elt
+    keep_freed = 2 * largest
+    placed_since_look = largest  # look before the first tensor
     for spec in tqdm(specs, desc="placing weights", unit="tensor", disable=not progress):
-        release_freed_host_memory(keep_freed)
+        if placed_since_look >= largest:
+            release_freed_host_memory(keep_freed)
+            placed_since_look = 0
+        placed_since_look += math.prod(spec.shape) * elt
         home = WeightHome(spec, placement[spec.store_name], compression=compression,
                           layout=weight_layout(compression, spec.shape, devices.dtype, devices.compute))
         full = None
