@@ -9,8 +9,13 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-from flexgen_helm.memory import host_allocator
+from flexgen_helm.memory import host_allocator, weight_homes
+from flexgen_helm.memory.devices import Devices
+from flexgen_helm.memory.placement import Segment
+from flexgen_helm.memory.usage import TierUsage
+from flexgen_helm.models.spec import LayerSpec, tensor
 
 CHECK = "from flexgen_helm.memory.host_allocator import keep_freed_host_memory as k; print(k())"
 
@@ -74,23 +79,15 @@ def test_placing_weights_looks_at_freed_memory_once_per_largest_tensor_placed(mo
     placement takes one before the first tensor and then once the tensors placed since add up
     to the largest: an embedding and twelve small projections smaller than it together take
     two looks, not thirteen, each keeping two copies of the largest tensor."""
-    import torch
-
-    from flexgen_helm.memory import weight_homes
-    from flexgen_helm.memory.devices import Devices
-    from flexgen_helm.memory.placement import Segment
-    from flexgen_helm.memory.usage import TierUsage
-    from flexgen_helm.models.spec import LayerSpec, tensor
-
     embed = LayerSpec("embed", "embed", -1, (tensor("embed", "tokens", 1000, 64),))
     blocks = [LayerSpec(f"block{i}", "block", i, tuple(tensor(f"block{i}", k, 64, 64) for k in "qkvo"))
               for i in range(3)]
     layers = [embed, *blocks]
-    placement = {t.store_name: [Segment("gpu", 0, t.shape[0])] for layer in layers for t in layer.tensors}
+    shapes = {t.store_name: t.shape for layer in layers for t in layer.tensors}
+    placement = {name: [Segment("gpu", 0, shape[0])] for name, shape in shapes.items()}
     looks = []
     monkeypatch.setattr(weight_homes, "release_freed_host_memory", lambda keep: looks.append(keep) or False)
     homes = weight_homes.build_homes(layers, placement, Devices(torch.device("cpu"), torch.float32),
-                                     lambda name: torch.zeros(dict((t.store_name, t.shape) for layer in layers
-                                                                   for t in layer.tensors)[name]), TierUsage(), False)
+                                     lambda name: torch.zeros(shapes[name]), TierUsage(), False)
     assert len(homes) == 13
     assert looks == [2 * 1000 * 64 * 4] * 2
