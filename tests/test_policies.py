@@ -118,6 +118,29 @@ def test_scoring_from_a_position_returns_those_logprobs_and_nothing_before(tiny_
         engine.score(PROMPTS[:2], first_scored=[1, 3])  # the second prompt has 2 tokens
 
 
+@pytest.mark.parametrize("cache", [None, Compression(4, 4, cache_grouping="kivi")], ids=["dense", "kivi"])
+def test_a_blocks_gpu_batches_each_pad_to_their_own_longest_prompt(tiny_llama, tmp_path, cache):
+    """One block of GPU batches of different prompt lengths: each is padded to its own
+    longest prompt, not the block's (the padded tokens counted say so), and every prompt's
+    scores, with the cache as a decode step reads it, and its generated tokens are those it
+    gets alone (float32)."""
+    engine = Engine.load(str(tiny_llama), Policy(gpu_batch_size=2, num_gpu_batches=4, compress_cache=cache),
+                         dtype="float32", device="cpu", offload_dir=tmp_path, progress=False)
+    together = engine.score(PROMPTS, top_logprobs=2, as_decode=True)
+    # by length 11, 9 | 5, 4 | 3, 2 | 1: 2 x 11 + 2 x 5 + 2 x 3 + 1 (the block's longest: 7 x 11 = 77)
+    assert (together.stats.prompt_tokens, together.stats.padded_prompt_tokens) == (35, 39)
+    for prompt, got in zip(PROMPTS, together.results):
+        alone = engine.score([prompt], top_logprobs=2, as_decode=True).results[0]
+        assert got.logprobs == pytest.approx(alone.logprobs, abs=1e-5, nan_ok=True)
+        assert [list(t) for t in got.top_logprobs] == [list(t) for t in alone.top_logprobs]
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
+    generated = engine.generate(PROMPTS, params).results  # decode steps share the block's positions
+    for prompt, got in zip(PROMPTS, generated):
+        alone = engine.generate([prompt], params).results[0].completions[0]
+        assert got.completions[0].token_ids == alone.token_ids
+        assert got.completions[0].logprobs == pytest.approx(alone.logprobs, abs=1e-4)
+
+
 @pytest.mark.parametrize("policy", [
     Policy(gpu_batch_size=3, num_gpu_batches=3, cache=Split(0.3, 0.45, 0.25), activations=Split(0.35, 0.3, 0.35)),
     Policy(gpu_batch_size=5, num_gpu_batches=2, cache=Split(1 / 3, 1 / 3, 1 / 3), activations=Split(0.1, 0.1, 0.8)),

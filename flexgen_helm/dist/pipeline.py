@@ -73,8 +73,8 @@ class PipelineStage:
             if self.world == 1:
                 return chosen
             return [self._recv((len(b),), torch.long, self.world - 1) for b in group]
-        length = sched.batches[0].ids.shape[1] if step == 0 else 1
-        return [self._recv((len(b), length, self.hidden_size), self.dtype, self.rank - 1) for b in group]
+        return [self._recv((len(b), sb.ids.shape[1] if step == 0 else 1, self.hidden_size), self.dtype, self.rank - 1)
+                for b, sb in zip(group, sched.batches)]
 
     def step_output(self, outputs: list[torch.Tensor], more_steps: bool) -> None:
         if not self.samples:

@@ -47,7 +47,8 @@ class Sequence:
 
 def plan_blocks(lengths: list[int], policy: Policy) -> list[list[list[int]]]:
     """Sequence indices grouped into blocks of GPU batches, sorted by length so that a
-    block pads little. The last block may hold fewer or smaller GPU batches."""
+    GPU batch (padded to its own longest prompt) pads little. The last block may hold fewer
+    or smaller GPU batches."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     blocks = []
     for start in range(0, len(order), policy.block_size):
@@ -143,15 +144,13 @@ class BlockDriver:
         self.pad_id = runtime.config.pad_token_id if runtime.config.pad_token_id is not None else 0
 
     def schedule(self, groups: list[list[list[int]]], max_len: int, name: str = "") -> BlockSchedule:
-        """A schedule for GPU batches of prompts; schedules alive at once need distinct names
-        (their disk files live in a folder of that name)."""
+        """A schedule for GPU batches of prompts, each padded to its own longest; schedules
+        alive at once need distinct names (their disk files live in a folder of that name)."""
         workdir = self.workdir / name if name else self.workdir
         workdir.mkdir(exist_ok=True)
-        length = max(len(p) for g in groups for p in g)
-        batches = [left_pad(g, length, self.pad_id) for g in groups]
-        real = sum(len(p) for g in groups for p in g)
-        self.stats.prompt_tokens += real
-        self.stats.padded_prompt_tokens += length * sum(len(g) for g in groups)
+        batches = [left_pad(g, max(map(len, g)), self.pad_id) for g in groups]
+        self.stats.prompt_tokens += sum(len(p) for g in groups for p in g)
+        self.stats.padded_prompt_tokens += sum(b.ids.numel() for b in batches)
         self.stats.blocks += 1
         return BlockSchedule(self.rt, self.policy, batches, max_len, workdir)
 
@@ -282,10 +281,10 @@ class BlockDriver:
         groups = [list(range(i, min(i + self.policy.gpu_batch_size, len(prompts))))
                   for i in range(0, len(prompts), self.policy.gpu_batch_size)]
         sched = self.schedule([[prompts[i] for i in g] for g in groups], max(len(p) for p in prompts))
-        length = sched.batches[0].ids.shape[1]
+        lengths = [b.ids.shape[1] for b in sched.batches]
         # column c of a left-padded row predicts its token c + 1
         wanted = [torch.arange(length - 1)[None, :] >= torch.tensor(
-            [length - len(prompts[i]) + first_scored[i] - 1 for i in g])[:, None] for g in groups]
+            [length - len(prompts[i]) + first_scored[i] - 1 for i in g])[:, None] for g, length in zip(groups, lengths)]
         try:
             t0 = time.perf_counter()
             per_batch = sched.prefill(
@@ -296,7 +295,7 @@ class BlockDriver:
         finally:
             sched.close()
         out = []
-        for g, (lps, tops) in zip(groups, per_batch):
+        for g, length, (lps, tops) in zip(groups, lengths, per_batch):
             for r, i in enumerate(g):
                 n = len(prompts[i])
                 row = [math.nan] + lps[r, length - n:].tolist()

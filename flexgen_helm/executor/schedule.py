@@ -2,9 +2,12 @@
 
 A block is `num_gpu_batches` GPU batches. Each token step walks the layers; within a
 layer it walks the GPU batches, so a layer's weights are loaded once per step and
-reused by the whole block. While batch k computes layer j, the copy engine loads layer
-j+1's weights, batch k+1's cache and activations (while the last batch computes, batch 0's
-cache of layer j+1), and stores batch k's.
+reused by the whole block. Each GPU batch is left-padded to its own longest prompt: a
+prefill computes only its own columns, which end where the block's longest prompt ends, so
+that every later position is shared by the block (the prompts of a block's batches may
+differ in length without padding all of them to the longest). While batch k computes
+layer j, the copy engine loads layer j+1's weights, batch k+1's cache and activations
+(while the last batch computes, batch 0's cache of layer j+1), and stores batch k's.
 
 In a decode step a transformer block multiplies its weights once for the whole block: the
 GPU batches' new rows (one per sequence: kilobytes) go through the block's linear layers
@@ -97,6 +100,10 @@ class BlockSchedule:
         self.timers = defaultdict(float)
         self.io = CopyEngine(policy.overlap and self._anything_to_overlap(), self.devices.compute, self.timers)
         self.length = 0  # positions in the cache so far
+        # the block's prompt columns; GPU batch k's own start at prompt_start[k] (shorter
+        # batches skip the columns before, which no row of theirs sees)
+        self.prompt_len = max(b.ids.shape[1] for b in batches)
+        self.prompt_start = [self.prompt_len - b.ids.shape[1] for b in batches]
         blocks = [layer.index for layer in runtime.layers if layer.kind == "block"]
         cache_units = slot_tier_counts(policy.cache, [b.size * self.cfg.num_kv_heads for b in batches], blocks)
         act_rows = slot_tier_counts(policy.activations, [b.size for b in batches])
@@ -110,7 +117,8 @@ class BlockSchedule:
             check_free_space(workdir, planned, "this block's offloaded KV cache and activations",
                              OFFLOAD_ADVICE)
         # each cache unit's first real position (its left padding): where a KIVI cache's groups start
-        self.unit_starts = [(~b.valid).sum(1).repeat_interleave(self.cfg.num_kv_heads) for b in batches]
+        self.unit_starts = [((~b.valid).sum(1) + first).repeat_interleave(self.cfg.num_kv_heads)
+                            for b, first in zip(batches, self.prompt_start)]
         self.slots: dict[tuple[int, int], KVCacheSlot | KiviCacheSlot] = {
             (index, k): self._slot(units, max_len, workdir / f"kv-{index}-{k}.bin", self.cfg.window(index), k)
             for (index, k), units in cache_units.items()}
@@ -124,8 +132,9 @@ class BlockSchedule:
         # keys each row may see, for every position of the run: the prompt's real tokens,
         # then every generated one (a step takes a view, instead of growing it by a cat)
         self.key_valid = [torch.ones(b.size, max_len, dtype=torch.bool) for b in batches]
-        for valid, b in zip(self.key_valid, batches):
-            valid[:, :b.ids.shape[1]] = b.valid
+        for valid, b, first in zip(self.key_valid, batches, self.prompt_start):
+            valid[:, :first] = False
+            valid[:, first:self.prompt_len] = b.valid
         self.real_len = [b.valid.sum(1) for b in batches]
         # rows each GPU batch computes from the next decode step on (None: all); see compute_only
         self.active: list[list[int] | None] = [None] * len(batches)
@@ -134,7 +143,7 @@ class BlockSchedule:
         self.prefill_as_decode = False
         self.stores_prefill_cache = True
         # freed host memory kept for reuse beyond this is handed back (memory/host_allocator.py)
-        self.keep_freed = kept_freed_bytes(self.cfg, max(b.size for b in batches), batches[0].ids.shape[1],
+        self.keep_freed = kept_freed_bytes(self.cfg, max(b.size for b in batches), self.prompt_len,
                                            self.devices.dtype,
                                            dense_weight_numel(runtime.layers, policy.compress_weight),
                                            max(map(self._load_nbytes, runtime.layers)))
@@ -173,11 +182,11 @@ class BlockSchedule:
         # without cache compression or sparsity a decode step attends exactly as the prefill does
         self.prefill_as_decode = as_decode and (self.policy.compress_cache is not None or self.policy.attn_sparsity < 1)
         self.stores_prefill_cache = decode_follows
-        length = self.batches[0].ids.shape[1]
         for k, b in enumerate(self.batches):
-            self.step_rows[k] = self._step_rows(k, None, (b.valid.long().cumsum(1) - 1).clamp(min=0), length)
+            self.step_rows[k] = self._step_rows(k, None, (b.valid.long().cumsum(1) - 1).clamp(min=0), self.prompt_len,
+                                                first=self.prompt_start[k])
         out = self._step([b.ids for b in self.batches] if hidden is None else hidden, head, prefill=True)
-        self.length = length
+        self.length = self.prompt_len
         return out
 
     def compute_only(self, k: int, rows: list[int]) -> None:
@@ -190,17 +199,18 @@ class BlockSchedule:
         """Feed one new token per sequence (tokens[k]: (b,) int64, or the (b, 1, hidden)
         states of the stage before; rows not computed are ignored) and run the block. A
         GPU batch computing no row gives None."""
-        step = self.length - self.batches[0].ids.shape[1]
+        step = self.length - self.prompt_len
         for k in range(len(tokens)):
             self.step_rows[k] = self._step_rows(k, self.active[k], (self.real_len[k] + step)[:, None], self.length + 1)
         out = self._step([t[:, None] if t.dim() == 1 else t for t in tokens], head, prefill=False)
         self.length += 1
         return out
 
-    def _step_rows(self, k: int, rows: list[int] | None, positions: torch.Tensor, t: int) -> StepRows:
-        """What the layers of a step over t positions share for batch k; positions: (b, s)."""
+    def _step_rows(self, k: int, rows: list[int] | None, positions: torch.Tensor, t: int, first: int = 0) -> StepRows:
+        """What the layers of a step over the block's positions [first, t) share for batch k;
+        positions: (b, s)."""
         kvh, compute = self.cfg.num_kv_heads, self.devices.compute
-        valid = self.key_valid[k][:, :t]
+        valid = self.key_valid[k][:, first:t]
         picked = None if rows is None else torch.tensor(rows, dtype=torch.long)
         if picked is not None:
             valid, positions = valid[picked], positions[picked]
@@ -461,9 +471,10 @@ class BlockSchedule:
         if prefill and self.prefill_as_decode:
             cc = self.policy.compress_cache
             fresh = cc.group_size if cc is not None and cc.kivi else 1  # positions a decode step sees unquantized
-            out = attend_as_decode(qu, ku, vu, rows.valid, functools.partial(self._as_stored, self.unit_starts[k]),
+            starts = self.unit_starts[k] - self.prompt_start[k]  # in the batch's own columns
+            out = attend_as_decode(qu, ku, vu, rows.valid, functools.partial(self._as_stored, starts),
                                    self.policy.attn_sparsity, window=window, softcap=softcap, fresh_group=fresh,
-                                   starts=self.unit_starts[k])
+                                   starts=starts)
         elif prefill:
             out = attend(qu, ku, vu, rows.valid, causal=True, window=window, softcap=softcap)
         else:
@@ -475,7 +486,11 @@ class BlockSchedule:
         out = from_units(out, b)
         if not unwritten:
             return out, None
-        return out, (ku.transpose(0, 1), vu.transpose(0, 1), self.length, rows.unit_index, unwritten)
+        if prefill and self.prompt_start[k]:
+            # the block's columns before this batch's own: masked for its rows, but written
+            # (zeros) so that attention never meets the garbage of an unwritten cache row
+            ku, vu = (torch.nn.functional.pad(x, (0, 0, self.prompt_start[k], 0)) for x in (ku, vu))
+        return out, (ku.transpose(0, 1), vu.transpose(0, 1), 0 if prefill else self.length, rows.unit_index, unwritten)
 
     def _as_stored(self, starts: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(units, t, d) keys and values (units starting at `starts`) -> what the cache returns
