@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import torch
 
+from flexgen_helm.executor.length_buckets import cut_by_length
 from flexgen_helm.executor.sampling import (
     Completion,
     GenerationResult,
@@ -94,9 +95,11 @@ class FakeEngine:
 
     @staticmethod
     def _stats(prompts, generated: int, padded_generated: int) -> RunStats:
-        longest = max(len(p) for p in prompts)
-        return RunStats(sequences=len(prompts), prompt_tokens=sum(map(len, prompts)),
-                        padded_prompt_tokens=longest * len(prompts), generated_tokens=generated,
+        # padded as the real engine pads a block: GPU batches cut where padding passes its tolerance
+        lengths = sorted(map(len, prompts))
+        padded = sum((end - start) * lengths[end - 1] for start, end in cut_by_length(lengths, len(lengths)))
+        return RunStats(sequences=len(prompts), prompt_tokens=sum(lengths),
+                        padded_prompt_tokens=padded, generated_tokens=generated,
                         padded_generated_tokens=padded_generated, prefill_s=0.001,
                         decode_s=0.001 if padded_generated else 0.0, blocks=1, block_size=len(prompts))
 

@@ -100,8 +100,8 @@ def test_batching_runner_hands_the_whole_run_to_the_engine(tmp_path):
              fake=True, max_instances=5)
     runs = run_dirs(tmp_path)
     padding = json.loads((runs["lambada"] / "flexgen_padding.json").read_text())
-    # the five requests share batches cut by length (helm/batching.py: at most 4% padding of the
-    # prompts), not one engine call each
+    # the five requests share batches (helm/batching.py), not one engine call each, and the
+    # engine pads each of a batch's GPU batches by at most 4% of its prompts
     assert padding["requests"] == 5 and padding["batches"] < 5
     assert padding["padded_prompt_tokens"] <= 1.04 * padding["prompt_tokens"]
     lam = stats(runs["lambada"])

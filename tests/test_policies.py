@@ -11,6 +11,7 @@ import torch
 
 from flexgen_helm.engine import Engine
 from flexgen_helm.errors import FlexGenError
+from flexgen_helm.executor.generation import plan_blocks
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.executor.schedule import BlockSchedule, GpuBatch
 from flexgen_helm.memory.placement import slot_tier_counts, split_in_turn
@@ -18,8 +19,10 @@ from flexgen_helm.planner.budget import planned_components
 from flexgen_helm.policy import Compression, Policy, Split
 from flexgen_helm.policy.policy import TIERS
 
-# mixed lengths; 7 prompts is not a multiple of any block below
-PROMPTS = [[5, 17, 3, 44, 9, 21, 8, 2, 60], [12, 7], [30, 31, 32, 33], [1, 2, 3], [40] * 11, [8, 9, 10, 11, 12], [70]]
+# mixed lengths, three of them close enough to share a left-padded GPU batch (plan_blocks);
+# 10 prompts is not a multiple of any block below but one
+PROMPTS = [[5, 17, 3, 44, 9, 21, 8, 2, 60], [12, 7], [30, 31, 32, 33], [1, 2, 3], [40] * 11, [8, 9, 10, 11, 12], [70],
+           list(range(3, 29)), list(range(50, 74)), list(range(6, 31))]
 N_NEW = 5
 
 POLICIES = {
@@ -127,8 +130,10 @@ def test_a_blocks_gpu_batches_each_pad_to_their_own_longest_prompt(tiny_llama, t
     engine = Engine.load(str(tiny_llama), Policy(gpu_batch_size=2, num_gpu_batches=4, compress_cache=cache),
                          dtype="float32", device="cpu", offload_dir=tmp_path, progress=False)
     together = engine.score(PROMPTS, top_logprobs=2, as_decode=True)
-    # by length 11, 9 | 5, 4 | 3, 2 | 1: 2 x 11 + 2 x 5 + 2 x 3 + 1 (the block's longest: 7 x 11 = 77)
-    assert (together.stats.prompt_tokens, together.stats.padded_prompt_tokens) == (35, 39)
+    assert [[len(PROMPTS[i]) for i in batch] for block in plan_blocks(list(map(len, PROMPTS)), engine.policy)
+            for batch in block] == [[26, 25], [24], [11], [9], [5], [4], [3], [2], [1]]
+    # one padded position (25 -> 26); padded to the block's longest, the first block alone would pad 91
+    assert (together.stats.prompt_tokens, together.stats.padded_prompt_tokens) == (110, 111)
     for prompt, got in zip(PROMPTS, together.results):
         alone = engine.score([prompt], top_logprobs=2, as_decode=True).results[0]
         assert got.logprobs == pytest.approx(alone.logprobs, abs=1e-5, nan_ok=True)

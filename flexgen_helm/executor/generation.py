@@ -5,6 +5,7 @@ from and where its outputs go)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
+from flexgen_helm.executor.length_buckets import cut_by_length
 from flexgen_helm.executor.sampling import Completion, RunStats, SamplingParams, ScoreResult, select_tokens
 from flexgen_helm.executor.schedule import BlockSchedule, GpuBatch
 from flexgen_helm.policy.policy import Policy
@@ -46,14 +48,19 @@ class Sequence:
 
 
 def plan_blocks(lengths: list[int], policy: Policy) -> list[list[list[int]]]:
-    """Sequence indices grouped into blocks of GPU batches, sorted by length so that a
-    GPU batch (padded to its own longest prompt) pads little. The last block may hold fewer
-    or smaller GPU batches."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    blocks = []
-    for start in range(0, len(order), policy.block_size):
-        chunk = order[start:start + policy.block_size]
-        blocks.append([chunk[i:i + policy.gpu_batch_size] for i in range(0, len(chunk), policy.gpu_batch_size)])
+    """Sequence indices grouped into blocks of GPU batches, longest first. Sorted by length,
+    the sequences are cut into the fewest GPU batches of at most gpu_batch_size whose padding
+    (each is padded to its own longest prompt) stays within PAD_TOLERANCE; consecutive GPU
+    batches then fill blocks of at most block_size sequences. Prompts of one length make
+    full GPU batches, num_gpu_batches to a block (the last may hold fewer or smaller ones)."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], -i))  # equal lengths: in their order, reversed below
+    cuts = cut_by_length([lengths[i] for i in order], policy.gpu_batch_size)
+    blocks: list[list[list[int]]] = []
+    for start, end in reversed(cuts):
+        batch = order[start:end][::-1]
+        if not blocks or sum(map(len, blocks[-1])) + len(batch) > policy.block_size:
+            blocks.append([])
+        blocks[-1].append(batch)
     return blocks
 
 
@@ -268,18 +275,19 @@ class BlockDriver:
         out: list[ScoreResult | None] = [None] * len(prompts)
         for block in plan_blocks([len(p) for p in prompts], self.policy):
             flat = [i for group in block for i in group]
-            scored = self.score_block([prompts[i] for i in flat], top_k, as_decode, [first_scored[i] for i in flat])
+            scored = self.score_block([prompts[i] for i in flat], top_k, as_decode, [first_scored[i] for i in flat],
+                                      [len(group) for group in block])
             for i, (lps, top) in zip(flat, scored):
                 out[i] = ScoreResult(token_ids=prompts[i], logprobs=lps, top_logprobs=top)
         return out
 
     def score_block(self, prompts: list[list[int]], top_k: int, as_decode: bool,
-                    first_scored: list[int]) -> list[tuple[list[float], list[dict] | None]]:
+                    first_scored: list[int], batch_sizes: list[int]) -> list[tuple[list[float], list[dict] | None]]:
         """Per prompt: log p(token_i | tokens_<i) for each token from first_scored[i] (>= 1)
-        on (earlier tokens, the first always: nan, and no top entries); as_decode: see
-        BlockSchedule.prefill."""
-        groups = [list(range(i, min(i + self.policy.gpu_batch_size, len(prompts))))
-                  for i in range(0, len(prompts), self.policy.gpu_batch_size)]
+        on (earlier tokens, the first always: nan, and no top entries); the prompts make GPU
+        batches of `batch_sizes`, in order; as_decode: see BlockSchedule.prefill."""
+        ends = list(itertools.accumulate(batch_sizes))
+        groups = [list(range(end - size, end)) for size, end in zip(batch_sizes, ends)]
         sched = self.schedule([[prompts[i] for i in g] for g in groups], max(len(p) for p in prompts))
         lengths = [b.ids.shape[1] for b in sched.batches]
         # column c of a left-padded row predicts its token c + 1

@@ -11,11 +11,13 @@ Two ways in, one batching core:
 
 A batch only mixes requests with the same generation parameters (the engine decodes a
 whole batch for max_tokens steps, and one sampling setting per batch keeps results
-independent of who shared the batch), and prompts of similar length: the engine pads
-every prompt to the longest one, so jobs are sorted by length and cut into the fewest
-batches whose padding stays within `pad_tolerance` of their real tokens. A scenario planned
-whole also caps its batches at a share of its requests (`batch_cap`): a killed run loses
-the batch in progress, and a smaller batch is less to compute again.
+independent of who shared the batch). Jobs are sorted by length and cut into the fewest
+batches of at most the engine's block, each a run of similar lengths: the engine runs a
+batch as one block, whose GPU batches it cuts where their padding would pass its tolerance
+(executor/length_buckets.py), so that a layer's weights are loaded (and, compressed,
+dequantized) once for all of a batch's lengths. A scenario planned whole also caps its
+batches at a share of its requests (`batch_cap`): a killed run loses the batch in
+progress, and a smaller batch is less to compute again.
 
 A batch that fails (out of memory, a full offload disk, or one bad request) is split in
 halves and retried, down to single requests; a single request that still fails gets its
@@ -34,6 +36,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from flexgen_helm.errors import DiskFullError
+from flexgen_helm.executor.length_buckets import cut_by_length
 from flexgen_helm.executor.sampling import GenerationResult, RunStats, SamplingParams, ScoreResult
 from flexgen_helm.helm.accounting import BatchRecord
 from flexgen_helm.helm.engines import EngineHandle
@@ -78,15 +81,11 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return "out of memory" in str(exc).lower()
 
 
-# Padded prompt tokens per batch. Batching pays for short prompts (the weights are used
-# for many rows at once); long ones are compute-bound already, and there a batch only adds
-# padding and larger intermediates: SmolLM2 scoring prompts of 2500-4000 tokens on 2 CPU
-# cores took 21.3 s batched by 4 and 16.2 s one by one (bfloat16).
+# Prompt tokens per batch, each padded to the batch's longest. Batching pays for short prompts
+# (the weights are used for many rows at once); long ones are compute-bound already, and
+# there a batch only adds padding and larger intermediates: SmolLM2 scoring prompts of
+# 2500-4000 tokens on 2 CPU cores took 21.3 s batched by 4 and 16.2 s one by one (bfloat16).
 MAX_BATCH_TOKENS = 8192
-# A batch's padding may add at most this fraction to its real prompt tokens: >= 1 / 1.04 = 96%
-# of the prompt tokens computed are real, which leaves room for the output tokens computed
-# past a stop sequence (counted as padding too) within the 95% of issue 24's goal.
-PAD_TOLERANCE = 0.04
 # A killed run loses the batch it was in (every finished batch is in HELM's cache): a planned
 # batch holds at most this share of its scenario's requests, so that a rerun recomputes little,
 # but never fewer than MIN_CAPPED_BATCH requests (smaller blocks make more decode steps, each
@@ -101,45 +100,16 @@ def batch_cap(requests: int, max_batch: int, share: float = MAX_BATCH_SHARE) -> 
     return min(max_batch, max(MIN_CAPPED_BATCH, math.ceil(requests * share)))
 
 
-def buckets(jobs: list[Job], max_batch: int, pad_tolerance: float = PAD_TOLERANCE,
-            max_tokens: int = MAX_BATCH_TOKENS) -> list[list[Job]]:
-    """Split same-group jobs into the fewest batches of similar prompt length.
-
-    Sorted by length (ties in list order), the jobs are cut into runs of consecutive jobs,
-    each a batch of at most `max_batch` jobs whose padding to its longest prompt adds at most
-    `pad_tolerance` x its real prompt tokens and whose padded tokens stay within `max_tokens`
-    (a longer prompt runs alone). Of the cuts with the fewest batches, the one with the least
-    padding: a shortest-path over the cut points (`max_batch` candidate starts per end).
-    """
+def buckets(jobs: list[Job], max_batch: int, max_tokens: int = MAX_BATCH_TOKENS) -> list[list[Job]]:
+    """Split same-group jobs into the fewest batches of at most `max_batch` jobs, each a run of
+    the jobs sorted by length (ties in list order) whose tokens padded to its longest stay
+    within `max_tokens` (a longer prompt runs alone); of those cuts, the one that pads least."""
     ordered = sorted(jobs, key=lambda j: len(j.prompt_ids))
-    lengths = [len(j.prompt_ids) for j in ordered]
-    real_before = list(itertools.accumulate(lengths, initial=0))  # real tokens of ordered[:i]
-    best: list[tuple[int, int]] = [(0, 0)]  # best[i]: (batches, padding) of the best cut of ordered[:i]
-    start_of: list[int] = [0]  # start_of[i]: where the last batch of that cut starts
-    for end in range(1, len(ordered) + 1):
-        longest = lengths[end - 1]
-        best.append((len(ordered) + 1, 0))
-        start_of.append(end - 1)
-        for start in range(end - 1, max(0, end - max_batch) - 1, -1):
-            size = end - start
-            real = real_before[end] - real_before[start]
-            padding = size * longest - real
-            # a shorter job added in front only raises the padding and its ratio to the real
-            # tokens (the mean length falls), so the first start that fails ends the search
-            if size > 1 and (padding > pad_tolerance * real or size * longest > max_tokens):
-                break
-            candidate = (best[start][0] + 1, best[start][1] + padding)
-            if candidate < best[end]:
-                best[end], start_of[end] = candidate, start
-    out: list[list[Job]] = []
-    end = len(ordered)
-    while end:
-        out.append(ordered[start_of[end]:end])
-        end = start_of[end]
-    return out[::-1]
+    cuts = cut_by_length([len(j.prompt_ids) for j in ordered], max_batch, pad_tolerance=None, max_tokens=max_tokens)
+    return [ordered[start:end] for start, end in cuts]
 
 
-def plan_batches(jobs: list[Job], max_batch: int, pad_tolerance: float = PAD_TOLERANCE) -> list[list[Job]]:
+def plan_batches(jobs: list[Job], max_batch: int) -> list[list[Job]]:
     """The batches `run_jobs` runs: by group (in order of first appearance), then length buckets.
 
     A function of the job list alone, so the same requests always meet the same batchmates
@@ -148,14 +118,13 @@ def plan_batches(jobs: list[Job], max_batch: int, pad_tolerance: float = PAD_TOL
     groups: dict[tuple, list[Job]] = {}
     for job in jobs:
         groups.setdefault(job.group, []).append(job)
-    return [batch for group_jobs in groups.values() for batch in buckets(group_jobs, max_batch, pad_tolerance)]
+    return [batch for group_jobs in groups.values() for batch in buckets(group_jobs, max_batch)]
 
 
-def run_jobs(handle: EngineHandle, jobs: list[Job], max_batch: int, pad_tolerance: float = PAD_TOLERANCE,
-             progress: str | None = None) -> None:
+def run_jobs(handle: EngineHandle, jobs: list[Job], max_batch: int, progress: str | None = None) -> None:
     """Run `jobs` in batches; every job's future gets a JobOutput or an exception.
     `progress`: a tqdm bar with this description (requests done, real tokens/s)."""
-    run_batches(handle, plan_batches(jobs, max_batch, pad_tolerance), progress)
+    run_batches(handle, plan_batches(jobs, max_batch), progress)
 
 
 def run_batches(handle: EngineHandle, batches: list[list[Job]], progress: str | None = None,
@@ -254,13 +223,11 @@ class BatchQueue:
     returns), and never waits more than `max_wait_s` or past `max_batch` x groups.
     """
 
-    def __init__(self, handle: EngineHandle, max_batch: int, linger_s: float = 0.02, max_wait_s: float = 0.5,
-                 pad_tolerance: float = PAD_TOLERANCE):
+    def __init__(self, handle: EngineHandle, max_batch: int, linger_s: float = 0.02, max_wait_s: float = 0.5):
         self.handle = handle
         self.max_batch = max_batch
         self.linger_s = linger_s
         self.max_wait_s = max_wait_s
-        self.pad_tolerance = pad_tolerance
         self._pending: list[Job] = []
         self._cond = threading.Condition()
         self._closed = False
@@ -306,7 +273,7 @@ class BatchQueue:
             if not jobs:
                 return
             try:
-                run_jobs(self.handle, jobs, self.max_batch, self.pad_tolerance)
+                run_jobs(self.handle, jobs, self.max_batch)
             except BaseException as exc:  # noqa: BLE001 - never leave a request thread waiting
                 for job in jobs:
                     if not job.future.done():
