@@ -1,7 +1,7 @@
 """A decode step multiplies each transformer block's weights once for the whole block: the
 live rows of every GPU batch go through the block's linear layers together, attention stays
-batch by batch over each batch's own cache, and the tokens are those of one GPU batch holding
-the whole block (float32)."""
+batch by batch over each batch's own cache, and the tokens are those of each prompt alone
+(float32)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from flexgen_helm.executor.schedule import BlockSchedule
 from flexgen_helm.models import FAMILIES
 from flexgen_helm.policy import Policy, Split
 
-PROMPTS = [[5, 17, 3, 44, 9], [12, 7], [30, 31, 32, 33], [1, 2, 3], [40] * 6, [8, 9]]
+# pairs of one length: GPU batches of 2 (plan_blocks), of different lengths
+PROMPTS = [[5, 17, 3, 44, 9], [1, 2, 3, 4, 5], [12, 7, 8], [30, 31, 32], [40] * 6, [8, 9, 10, 11, 12, 13]]
 NEW = 4
 
 
@@ -28,9 +29,8 @@ def test_a_decode_step_multiplies_a_blocks_weights_once(fixture, family, load_by
     if load_bytes is not None:
         monkeypatch.setattr(cache_buffers, "GROUP_READ_BYTES", load_bytes)
     path = str(request.getfixturevalue(fixture))
-    whole = Engine.load(path, Policy(gpu_batch_size=6, num_gpu_batches=1), dtype="float32", device="cpu",
-                        offload_dir=tmp_path / "whole", progress=False)
-    want = whole.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True)).results
+    alone = Engine.load(path, Policy(), dtype="float32", device="cpu", offload_dir=tmp_path / "alone", progress=False)
+    want = alone.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True)).results
 
     module = FAMILIES[family]
     rows_seen = []
