@@ -230,16 +230,31 @@ def _lengths(batches):
 
 def test_batches_are_the_fewest_runs_of_similar_length_within_the_block_and_token_cap():
     """The engine runs a batch as one block (it cuts the GPU batches by padding): a batch is a
-    run of the sorted lengths, at most max_batch long and 8192 padded tokens; the fewest such
-    runs, and of those the one that pads least."""
+    run of the sorted lengths, at most max_batch long and 8192 padded tokens, padded to its
+    longest by at most the tolerance (None: any); the fewest such runs, then the least padding."""
     from flexgen_helm.helm.batching import buckets
 
     out = buckets(_jobs(103, 5, 300, 100, 6, 280, 102, 7, 101, 310), max_batch=4)
     assert _lengths(out) == [[5, 6, 7], [100, 101, 102, 103], [280, 300, 310]]
     assert _lengths(buckets(_jobs(*[50] * 20), max_batch=8)) == [[50] * 4, [50] * 8, [50] * 8]
-    # 3 x 2800 passes 8192 padded tokens: long prompts run in smaller batches (the engine
-    # then runs 10 and 2700 as GPU batches of their own)
-    assert _lengths(buckets(_jobs(2700, 2750, 2800, 10), max_batch=8)) == [[10, 2700], [2750, 2800]]
+    # 3 x 2800 passes 8192 padded tokens: long prompts run in smaller batches
+    long_ones = _jobs(2700, 2750, 2800, 10)
+    assert _lengths(buckets(long_ones, max_batch=8)) == [[10], [2700], [2750, 2800]]
+    assert _lengths(buckets(long_ones, max_batch=8, pad_tolerance=None)) == [[10, 2700], [2750, 2800]]
+
+
+def test_scoring_batches_mix_lengths_and_generating_ones_keep_to_the_tolerance():
+    """A scoring batch keeps no KV cache and takes no decode step: the engine pads each of its
+    GPU batches alone, so any lengths share it; a generating batch's decode steps attend over
+    its longest prompt for every sequence, so it stays within the tolerance."""
+    from flexgen_helm.helm.batching import GENERATE, SCORE, Job, plan_batches
+
+    def jobs(mode, *lengths):
+        return [Job(prompt_ids=[0] * n, params=None, mode=mode, group=(mode,)) for n in lengths]
+
+    lengths = (5, 40, 300, 80, 12)
+    assert [len(b) for b in plan_batches(jobs(SCORE, *lengths), max_batch=8)] == [5]
+    assert [len(b) for b in plan_batches(jobs(GENERATE, *lengths), max_batch=8)] == [1, 1, 1, 1, 1]
 
 
 def test_a_scenarios_batches_hold_at_most_a_sixteenth_of_it():

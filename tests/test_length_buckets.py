@@ -46,6 +46,20 @@ def test_blocks_hold_gpu_batches_of_similar_length_longest_first():
         [[310, 300], [280], [103, 102, 101, 100], [7]], [[6], [5]]]  # at most 4 x 2 sequences a block
 
 
+def test_mixed_lengths_make_as_many_blocks_as_the_block_size_allows():
+    """Cutting GPU batches by padding never adds a block: each block but the last is full
+    (a block more is another pass over the weights at every decode step)."""
+    rng = random.Random(1)
+    for _ in range(50):
+        lengths = [int(10 * 300 ** rng.random()) for _ in range(rng.randint(1, 200))]
+        policy = Policy(gpu_batch_size=rng.choice([1, 4, 8, 16]), num_gpu_batches=rng.choice([1, 2, 3]))
+        blocks = plan_blocks(lengths, policy)
+        sizes = [sum(map(len, block)) for block in blocks]
+        assert sizes[:-1] == [policy.block_size] * (len(blocks) - 1) and 0 < sizes[-1] <= policy.block_size
+        assert sorted(i for block in blocks for batch in block for i in batch) == list(range(len(lengths)))
+        assert all(len(batch) <= policy.gpu_batch_size for block in blocks for batch in block)
+
+
 def test_prompts_of_one_length_fill_the_policys_block():
     """A benchmark's equal prompts run in the policy's block shape, in their order."""
     blocks = plan_blocks([64] * 20, Policy(gpu_batch_size=4, num_gpu_batches=2))

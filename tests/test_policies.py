@@ -12,6 +12,7 @@ import torch
 from flexgen_helm.engine import Engine
 from flexgen_helm.errors import FlexGenError
 from flexgen_helm.executor.generation import plan_blocks
+from flexgen_helm.executor.kv_cache import KVCacheSlot
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.executor.schedule import BlockSchedule, GpuBatch
 from flexgen_helm.memory.placement import slot_tier_counts, split_in_turn
@@ -143,6 +144,27 @@ def test_a_blocks_gpu_batches_each_pad_to_their_own_longest_prompt(tiny_llama, t
     for prompt, got in zip(PROMPTS, generated):
         alone = engine.generate([prompt], params).results[0].completions[0]
         assert got.completions[0].token_ids == alone.token_ids
+        assert got.completions[0].logprobs == pytest.approx(alone.logprobs, abs=1e-4)
+
+
+def test_the_columns_a_shorter_gpu_batch_skips_never_reach_attention_as_garbage(tiny_llama, tmp_path,
+                                                                                 monkeypatch):
+    """The block's columns before a shorter GPU batch's own are written (zeros, masked), never
+    left as the cache's uninitialised memory: a NaN there reaches attention as 0 x NaN."""
+    real = KVCacheSlot._empty
+
+    def nan_filled(self, *args):
+        stored = real(self, *args)
+        if isinstance(stored, torch.Tensor) and stored.device.type != "meta":
+            stored.fill_(math.nan)
+        return stored
+
+    monkeypatch.setattr(KVCacheSlot, "_empty", nan_filled)
+    engine = Engine.load(str(tiny_llama), Policy(gpu_batch_size=2, num_gpu_batches=4), dtype="float32", device="cpu",
+                         offload_dir=tmp_path, progress=False)
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
+    for prompt, got in zip(PROMPTS, engine.generate(PROMPTS, params).results):
+        alone = engine.generate([prompt], params).results[0].completions[0]
         assert got.completions[0].logprobs == pytest.approx(alone.logprobs, abs=1e-4)
 
 

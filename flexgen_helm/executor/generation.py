@@ -48,19 +48,17 @@ class Sequence:
 
 
 def plan_blocks(lengths: list[int], policy: Policy) -> list[list[list[int]]]:
-    """Sequence indices grouped into blocks of GPU batches, longest first. Sorted by length,
-    the sequences are cut into the fewest GPU batches of at most gpu_batch_size whose padding
-    (each is padded to its own longest prompt) stays within PAD_TOLERANCE; consecutive GPU
-    batches then fill blocks of at most block_size sequences. Prompts of one length make
-    full GPU batches, num_gpu_batches to a block (the last may hold fewer or smaller ones)."""
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], -i))  # equal lengths: in their order, reversed below
-    cuts = cut_by_length([lengths[i] for i in order], policy.gpu_batch_size)
-    blocks: list[list[list[int]]] = []
-    for start, end in reversed(cuts):
-        batch = order[start:end][::-1]
-        if not blocks or sum(map(len, blocks[-1])) + len(batch) > policy.block_size:
-            blocks.append([])
-        blocks[-1].append(batch)
+    """Sequence indices grouped into blocks of GPU batches, longest first: sorted by length,
+    block_size sequences to a block (the last may hold fewer), each block cut into the fewest
+    GPU batches of at most gpu_batch_size whose padding (each is padded to its own longest
+    prompt) stays within PAD_TOLERANCE. Prompts of one length run in the policy's shape:
+    num_gpu_batches full GPU batches a block."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    blocks = []
+    for first in range(0, len(order), policy.block_size):
+        chunk = order[first:first + policy.block_size][::-1]  # shortest first, as cut_by_length takes them
+        cuts = cut_by_length([lengths[i] for i in chunk], policy.gpu_batch_size)
+        blocks.append([chunk[start:end][::-1] for start, end in reversed(cuts)])
     return blocks
 
 

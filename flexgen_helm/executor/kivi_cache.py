@@ -12,7 +12,7 @@ Each tier holds, for its units:
   among them, so a decode step writes one row for all units, whatever their padding.
 When a unit's count of real positions reaches a multiple of G, its last G positions are
 quantized as one group and written to their slot. Groups count from each unit's first real
-position (`starts`, its left padding), so no number depends on the batch it shares.
+position (`starts`: the padding before it), so no number depends on the batch it shares.
 
 On disk: `held` rows of (units, block) bytes, one block per (group, unit) (a unit's new
 group is one write, the groups [0, n) of all units one read), then the residual's G rows.

@@ -17,7 +17,8 @@ def cut_by_length(lengths: list[int], max_size: int, pad_tolerance: float | None
     each, whose padding to their longest adds at most `pad_tolerance` x their real tokens (None:
     no bound) and whose padded tokens stay within `max_tokens` (None: no bound; a longer one
     runs alone); of those cuts, the one with the least padding, and of those, the one whose
-    runs at the long end are full (a part-filled run, if any, holds the shortest).
+    runs end furthest to the long end (equal lengths: full runs there, a part-filled one
+    holding the shortest).
 
     A shortest path over the cut points, `max_size` candidate starts per end."""
     real_before = list(itertools.accumulate(lengths, initial=0))  # real tokens of lengths[:i]

@@ -1,6 +1,7 @@
 """The zig-zag block schedule (FlexGen Section 4.1, Algorithm 1).
 
-A block is `num_gpu_batches` GPU batches. Each token step walks the layers; within a
+A block is GPU batches (plan_blocks: `num_gpu_batches` of `gpu_batch_size` for prompts of one
+length, more and smaller ones for mixed lengths). Each token step walks the layers; within a
 layer it walks the GPU batches, so a layer's weights are loaded once per step and
 reused by the whole block. Each GPU batch is left-padded to its own longest prompt: a
 prefill computes only its own columns, which end where the block's longest prompt ends, so
@@ -116,7 +117,8 @@ class BlockSchedule:
         if planned:
             check_free_space(workdir, planned, "this block's offloaded KV cache and activations",
                              OFFLOAD_ADVICE)
-        # each cache unit's first real position (its left padding): where a KIVI cache's groups start
+        # each cache unit's first real position in the block's columns (the columns its batch
+        # skips, then its own left padding): where a KIVI cache's groups start
         self.unit_starts = [((~b.valid).sum(1) + first).repeat_interleave(self.cfg.num_kv_heads)
                             for b, first in zip(batches, self.prompt_start)]
         self.slots: dict[tuple[int, int], KVCacheSlot | KiviCacheSlot] = {

@@ -12,12 +12,15 @@ Two ways in, one batching core:
 A batch only mixes requests with the same generation parameters (the engine decodes a
 whole batch for max_tokens steps, and one sampling setting per batch keeps results
 independent of who shared the batch). Jobs are sorted by length and cut into the fewest
-batches of at most the engine's block, each a run of similar lengths: the engine runs a
-batch as one block, whose GPU batches it cuts where their padding would pass its tolerance
-(executor/length_buckets.py), so that a layer's weights are loaded (and, compressed,
-dequantized) once for all of a batch's lengths. A scenario planned whole also caps its
-batches at a share of its requests (`batch_cap`): a killed run loses the batch in
-progress, and a smaller batch is less to compute again.
+batches of at most the engine's block. The engine runs a batch as one block, whose GPU
+batches it cuts where their padding would pass its tolerance, each padded to its own
+longest prompt (executor/length_buckets.py): a layer's weights are loaded (and, compressed,
+dequantized) once for all of a batch's lengths. A scoring batch may therefore mix any
+lengths. A batch that generates is kept within `pad_tolerance` of padding as if padded to
+its longest: its decode steps attend over (and its KV cache holds) the longest prompt's
+positions for every sequence. A scenario planned whole also caps its batches at a share of
+its requests (`batch_cap`): a killed run loses the batch in progress, and a smaller batch
+is less to compute again.
 
 A batch that fails (out of memory, a full offload disk, or one bad request) is split in
 halves and retried, down to single requests; a single request that still fails gets its
@@ -81,11 +84,17 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return "out of memory" in str(exc).lower()
 
 
-# Prompt tokens per batch, each padded to the batch's longest. Batching pays for short prompts
-# (the weights are used for many rows at once); long ones are compute-bound already, and
-# there a batch only adds padding and larger intermediates: SmolLM2 scoring prompts of
-# 2500-4000 tokens on 2 CPU cores took 21.3 s batched by 4 and 16.2 s one by one (bfloat16).
+# A batch's prompt tokens counted as if padded to its longest (what its KV cache holds).
+# Batching pays for short prompts (the weights are used for many rows at once); long ones are
+# compute-bound already, and there a batch only adds padding and larger intermediates: SmolLM2
+# scoring prompts of 2500-4000 tokens on 2 CPU cores took 21.3 s batched by 4 and 16.2 s one
+# by one (bfloat16, each batch padded to its longest, before GPU batches were cut by padding).
 MAX_BATCH_TOKENS = 8192
+# A batch that generates: padding to its longest prompt may add at most this fraction to its
+# real prompt tokens. Its decode steps attend over the longest prompt's positions for every
+# sequence, so this bounds that waste, while a batch of several length buckets still loads
+# the weights once per step where separate batches would load them once each.
+PAD_TOLERANCE = 0.25
 # A killed run loses the batch it was in (every finished batch is in HELM's cache): a planned
 # batch holds at most this share of its scenario's requests, so that a rerun recomputes little,
 # but never fewer than MIN_CAPPED_BATCH requests (smaller blocks make more decode steps, each
@@ -100,16 +109,18 @@ def batch_cap(requests: int, max_batch: int, share: float = MAX_BATCH_SHARE) -> 
     return min(max_batch, max(MIN_CAPPED_BATCH, math.ceil(requests * share)))
 
 
-def buckets(jobs: list[Job], max_batch: int, max_tokens: int = MAX_BATCH_TOKENS) -> list[list[Job]]:
+def buckets(jobs: list[Job], max_batch: int, pad_tolerance: float | None = PAD_TOLERANCE,
+            max_tokens: int = MAX_BATCH_TOKENS) -> list[list[Job]]:
     """Split same-group jobs into the fewest batches of at most `max_batch` jobs, each a run of
-    the jobs sorted by length (ties in list order) whose tokens padded to its longest stay
-    within `max_tokens` (a longer prompt runs alone); of those cuts, the one that pads least."""
+    the jobs sorted by length (ties in list order) whose padding to its longest adds at most
+    `pad_tolerance` x its real tokens (None: no bound) and whose tokens so padded stay within
+    `max_tokens` (a longer prompt runs alone); of those cuts, the one that pads least."""
     ordered = sorted(jobs, key=lambda j: len(j.prompt_ids))
-    cuts = cut_by_length([len(j.prompt_ids) for j in ordered], max_batch, pad_tolerance=None, max_tokens=max_tokens)
+    cuts = cut_by_length([len(j.prompt_ids) for j in ordered], max_batch, pad_tolerance, max_tokens)
     return [ordered[start:end] for start, end in cuts]
 
 
-def plan_batches(jobs: list[Job], max_batch: int) -> list[list[Job]]:
+def plan_batches(jobs: list[Job], max_batch: int, pad_tolerance: float = PAD_TOLERANCE) -> list[list[Job]]:
     """The batches `run_jobs` runs: by group (in order of first appearance), then length buckets.
 
     A function of the job list alone, so the same requests always meet the same batchmates
@@ -118,13 +129,16 @@ def plan_batches(jobs: list[Job], max_batch: int) -> list[list[Job]]:
     groups: dict[tuple, list[Job]] = {}
     for job in jobs:
         groups.setdefault(job.group, []).append(job)
-    return [batch for group_jobs in groups.values() for batch in buckets(group_jobs, max_batch)]
+    # scoring alone keeps no KV cache and takes no decode step: any lengths may share its block
+    return [batch for group_jobs in groups.values()
+            for batch in buckets(group_jobs, max_batch, None if group_jobs[0].mode == SCORE else pad_tolerance)]
 
 
-def run_jobs(handle: EngineHandle, jobs: list[Job], max_batch: int, progress: str | None = None) -> None:
+def run_jobs(handle: EngineHandle, jobs: list[Job], max_batch: int, pad_tolerance: float = PAD_TOLERANCE,
+             progress: str | None = None) -> None:
     """Run `jobs` in batches; every job's future gets a JobOutput or an exception.
     `progress`: a tqdm bar with this description (requests done, real tokens/s)."""
-    run_batches(handle, plan_batches(jobs, max_batch), progress)
+    run_batches(handle, plan_batches(jobs, max_batch, pad_tolerance), progress)
 
 
 def run_batches(handle: EngineHandle, batches: list[list[Job]], progress: str | None = None,
@@ -223,11 +237,13 @@ class BatchQueue:
     returns), and never waits more than `max_wait_s` or past `max_batch` x groups.
     """
 
-    def __init__(self, handle: EngineHandle, max_batch: int, linger_s: float = 0.02, max_wait_s: float = 0.5):
+    def __init__(self, handle: EngineHandle, max_batch: int, linger_s: float = 0.02, max_wait_s: float = 0.5,
+                 pad_tolerance: float = PAD_TOLERANCE):
         self.handle = handle
         self.max_batch = max_batch
         self.linger_s = linger_s
         self.max_wait_s = max_wait_s
+        self.pad_tolerance = pad_tolerance
         self._pending: list[Job] = []
         self._cond = threading.Condition()
         self._closed = False
@@ -273,7 +289,7 @@ class BatchQueue:
             if not jobs:
                 return
             try:
-                run_jobs(self.handle, jobs, self.max_batch)
+                run_jobs(self.handle, jobs, self.max_batch, self.pad_tolerance)
             except BaseException as exc:  # noqa: BLE001 - never leave a request thread waiting
                 for job in jobs:
                     if not job.future.done():

@@ -40,6 +40,7 @@ from flexgen_helm.helm import accounting
 from flexgen_helm.helm.batching import (
     GENERATE,
     MAX_BATCH_SHARE,
+    PAD_TOLERANCE,
     SCORE,
     SCORE_AND_GENERATE,
     Job,
@@ -81,6 +82,7 @@ class FlexGenClient(CachingClient):
         max_batch_size: Optional[int] = None,
         batch_linger_s: float = 0.02,
         batch_max_wait_s: float = 0.5,
+        pad_tolerance: float = PAD_TOLERANCE,
         max_batch_share: float = MAX_BATCH_SHARE,
         deployment: Optional[str] = None,
     ):
@@ -91,7 +93,9 @@ class FlexGenClient(CachingClient):
             offload_dir=offload_dir, device=device, dtype=dtype,
         )
         self.max_batch_size = max_batch_size
-        self.queue_kwargs = {"linger_s": batch_linger_s, "max_wait_s": batch_max_wait_s}
+        self.queue_kwargs = {"linger_s": batch_linger_s, "max_wait_s": batch_max_wait_s,
+                             "pad_tolerance": pad_tolerance}
+        self.pad_tolerance = pad_tolerance
         self.max_batch_share = max_batch_share  # a planned batch's largest share of its scenario
         # Responses computed ahead by `prefetch` (the BatchingExecutor), by cache key (consumed once).
         self._prefetched: Dict[str, Dict[str, Any]] = {}
@@ -294,7 +298,7 @@ class FlexGenClient(CachingClient):
                     self.keep(key, {"error": str(exc)})
                 continue
             planned[key] = PlannedRequest(request, raw, job, n_prefix)
-        return plan_scenario(planned, cached, self.max_batch(handle), self.max_batch_share)
+        return plan_scenario(planned, cached, self.max_batch(handle), self.pad_tolerance, self.max_batch_share)
 
     def log_plan(self, plan: ScenarioPlan) -> None:
         largest = max(map(len, plan.batches), default=0)

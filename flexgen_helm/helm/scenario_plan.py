@@ -41,12 +41,12 @@ class ScenarioPlan:
         return [(key, self.planned[key]) for key in keys if key not in self.cached]
 
 
-def plan_scenario(planned: dict[str, PlannedRequest], cached: set[str], max_batch: int,
+def plan_scenario(planned: dict[str, PlannedRequest], cached: set[str], max_batch: int, pad_tolerance: float,
                   max_batch_share: float) -> ScenarioPlan:
     """The batches of `planned` (every request of the scenario that can run) that hold an
     uncached request; `max_batch`: the engine's block."""
     key_of_job = {id(p.job): key for key, p in planned.items()}
     jobs = [p.job for p in planned.values()]
-    batches = plan_batches(jobs, batch_cap(len(jobs), max_batch, max_batch_share))
+    batches = plan_batches(jobs, batch_cap(len(jobs), max_batch, max_batch_share), pad_tolerance)
     to_run = [b for b in batches if any(key_of_job[id(j)] not in cached for j in b)]
     return ScenarioPlan(planned, cached, to_run, key_of_job)
