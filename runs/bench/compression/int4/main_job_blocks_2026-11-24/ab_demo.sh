@@ -1,6 +1,6 @@
 #!/bin/bash
 # A/B of the README's main job: before (40af64e) vs after (HEAD of /work/main), alternating, from empty HELM caches.
-# Setup: git worktree add --detach /work/before 40af64e (the "before"); the "after" is the checkout at /work/main (ddad695).
+# Setup: git worktree add --detach /work/before 40af64e (the "before"); the "after" is the checkout at /work/main (ddad695 for first_cut_ddad695/, a54b5d6 for final/).
 set -u
 out=/tmp/ab
 for round in 1 2 3; do
