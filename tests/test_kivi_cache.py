@@ -65,7 +65,7 @@ def test_slot_returns_each_sequence_quantized_in_its_own_groups(window, bits, gr
     k, v = torch.randn(max_len, 8, D, generator=g), torch.randn(max_len, 8, D, generator=g) * 3 + 1
     k[:, :, 2] *= 20  # an outlier channel, as keys have
     slot.write(k[:9], v[:9], 0)  # a prefill, then one token at a time
-    buffers = CacheBuffers()
+    buffers = CacheBuffers(sets=1)
     for length in range(9, max_len):
         for tier, (a, b) in slot.ranges.items():
             keys, values = slot.unpack(tier, slot.read(tier, length), torch.device("cpu"), torch.float32, buffers)
@@ -99,7 +99,7 @@ def test_finished_units_leave_the_others_alone(tmp_path):
     kept = torch.tensor([0, 3])
     for length in range(6, 12):
         slot.write(k[length:length + 1, kept], v[length:length + 1, kept], length, units=kept)
-    buffers = CacheBuffers()
+    buffers = CacheBuffers(sets=1)
     for tier, unit, local in (("gpu", 0, torch.tensor([0])), ("disk", 3, torch.tensor([1]))):
         keys, values = slot.unpack(tier, slot.read(tier, 12), torch.device("cpu"), torch.float32, buffers)
         keys, values = keys[local], values[local]
@@ -125,8 +125,8 @@ def test_dequantize_into_a_strided_buffer_equals_dequantize(dtype, bits, group, 
 class _Recorded(CacheBuffers):
     made: list = []
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, sets: int):
+        super().__init__(sets)
         _Recorded.made.append(self)
 
 

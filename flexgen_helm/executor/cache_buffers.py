@@ -5,14 +5,16 @@ unpacks it where attention runs (dequantized under cache compression). Each load
 into buffers taken here, so that the dequantized cache and the working copies of the
 dequantization are allocated once per run instead of once per layer per step.
 
-Two sets of buffers take turns (`next_set`, once per load): the schedule has at most two
-cache loads alive, the one being computed with and the one the copy engine prepares for
-next; a load is taken only after the load before it was consumed, so the set it overwrites
-belongs to compute that has finished. A load is one GPU batch's cache, or (a merged decode
-step, schedule.py) a group of GPU batches' of one layer, each batch in its own buffers of the
-set (`of_batch`). A buffer that is too small is
-replaced by one twice the size asked for, so a cache that grows a position per step
-reallocates a handful of times per run, not at every step."""
+Where the copy engine unpacks a load (a GPU: the unpack holds the host-to-device copy), two
+sets of buffers take turns (`next_set`, once per load): the schedule has at most two cache
+loads alive, the one being computed with and the one the copy engine prepares for next; a
+load is taken only after the load before it was consumed, so the set it overwrites belongs
+to compute that has finished. Where the compute thread unpacks (a CPU), it does so after
+the load before was computed with, so one set serves. A load is one GPU batch's cache, or
+(a merged decode step, schedule.py) a group of GPU batches' of one layer, each batch in its
+own buffers of the set (`of_batch`). A buffer that is too small is replaced by one twice
+the size asked for, so a cache that grows a position per step reallocates a handful of
+times per run, not at every step."""
 
 from __future__ import annotations
 
@@ -22,7 +24,6 @@ import torch
 
 from flexgen_helm.compression.quantize import Scratch
 
-SETS = 2
 # What a merged decode step reads off the tiers in one load, at most (unless one GPU batch's
 # cache is more): its batches' reads go out together, since a disk read waits its turn behind
 # the weight lane's large ones (memory/copy_engine.py). Beside a stream of 64 MiB reads on the
@@ -39,15 +40,27 @@ def batches_per_load(batch_read_bytes: float, batches: int) -> int:
     return max(1, min(batches, int(GROUP_READ_BYTES // batch_read_bytes)))
 
 
+def unpacks_on_lane(is_cuda: bool) -> bool:
+    """Whether the copy engine's lane unpacks a cache load (a GPU: the unpack holds the
+    host-to-device copy, which belongs on the lane's stream), or the compute thread does (a
+    CPU: the unpack is compute, and on the lane the disk would idle while the lane converts)."""
+    return is_cuda
+
+
+def buffer_sets(unpack_on_lane: bool) -> int:
+    """Sets of buffers that take turns (module doc)."""
+    return 2 if unpack_on_lane else 1
+
+
 class CacheBuffers:
-    def __init__(self):
-        self._sets: list[dict] = [{} for _ in range(SETS)]
+    def __init__(self, sets: int):
+        self._sets: list[dict] = [{} for _ in range(sets)]
         self._turn = 0
         self.allocations = 0  # buffers allocated so far (a test checks that steps stop adding any)
 
     def next_set(self) -> None:
         """The other set, for the next load."""
-        self._turn = (self._turn + 1) % SETS
+        self._turn = (self._turn + 1) % len(self._sets)
 
     def take(self, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A tensor of `shape` from this set's buffer `name` (contents left from earlier use)."""

@@ -287,8 +287,10 @@ class KVCacheSlot:
         for p in _parts(self._disk_row):
             chunk = raw[:, offset:offset + p.nbytes]
             offset += p.nbytes
-            if p.dtype != torch.uint8:  # a fresh, aligned copy: byte slices cannot be viewed as floats
-                chunk = chunk.clone(memory_format=torch.contiguous_format).view(p.dtype)
+            if p.dtype != torch.uint8 and not chunk.is_contiguous():
+                # a fresh, aligned copy: a slice of each row's bytes cannot be viewed as floats
+                chunk = chunk.clone(memory_format=torch.contiguous_format)
+            chunk = chunk.view(p.dtype)
             parts.append(chunk.reshape(n, *p.shape[1:]))
         if self.compression is None:
             return parts[0]

@@ -21,14 +21,21 @@ the group's reads in flight together, the next group loading while this one atte
 batch after batch, each small disk read waited behind the weights' large ones (OPT-6.7B, 9%
 of the cache on disk, 0.8 MB a batch: 9.9 s of a 13.5 s step for 0.4 GB).
 
+On a CPU the copy engine's cache lane only reads; the compute thread unpacks a load (copies
+it into the buffers attention reads, dequantizes a compressed one) after it has sent the
+next load's reads out. Unpacked on the lane, the disk idled while the lane converted:
+OPT-1.3B, weights and cache on disk, 0.89 s of a 4.43 s step's 3.93 s cache lane. On a GPU
+the unpack holds the host-to-device copy, which belongs on the lane's stream, so it stays
+there.
+
 `timers` (seconds): "compute" and "wait_*" (time the compute thread waited for a load)
 over the whole run, plus per stage "{prefill,decode}_{compute,load_weight,load_cache,
 load_hidden,store_cache,store_hidden}": the run time of each kind of event. With overlap
 off these add up to the stage's time (the paper's Table 23 breakdown); with overlap on
 the transfers run beside compute, so their times overlap it. Two parts of those:
 "decode_attention" (of decode_compute: attention over the cache, its new column and mask
-included) and "decode_unpack_cache" (of decode_load_cache: copying, or dequantizing, the
-cache read into the buffers attention reads).
+included) and "decode_unpack_cache" (copying, or dequantizing, the cache read into the
+buffers attention reads: of decode_compute on a CPU, of decode_load_cache on a GPU).
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ from flexgen_helm.compression.quantize import CACHE_GROUP_DIM
 from flexgen_helm.compression.stored import dense, encode
 from flexgen_helm.executor.activations import ActivationHome
 from flexgen_helm.executor.attention import attend, attend_as_decode, decode_cache_dtype, from_units, to_units
-from flexgen_helm.executor.cache_buffers import CacheBuffers, batches_per_load
+from flexgen_helm.executor.cache_buffers import CacheBuffers, batches_per_load, buffer_sets, unpacks_on_lane
 from flexgen_helm.executor.kivi_cache import KiviCacheSlot
 from flexgen_helm.executor.kv_cache import KVCacheSlot, cache_rows, kv_nbytes
 from flexgen_helm.executor.step_rows import StepRows, units_of
@@ -71,6 +78,17 @@ class GpuBatch:
     @property
     def size(self) -> int:
         return self.ids.shape[0]
+
+
+@dataclass
+class CacheLoad:
+    """One cache load of a layer: batches `ks`' cache as read off the tiers (`stored`), then,
+    once unpacked where attention runs, `parts` (per batch, per tier)."""
+
+    layer: object
+    ks: list[int]
+    stored: list[dict] | None
+    parts: list[dict] | None = None
 
 
 # head(k, weights, hidden) -> whatever the caller wants from the batch's last layer
@@ -124,7 +142,9 @@ class BlockSchedule:
         self.slots: dict[tuple[int, int], KVCacheSlot | KiviCacheSlot] = {
             (index, k): self._slot(units, max_len, workdir / f"kv-{index}-{k}.bin", self.cfg.window(index), k)
             for (index, k), units in cache_units.items()}
-        self.buffers = CacheBuffers()  # what decode steps unpack the cache into, reused
+        self.unpack_on_lane = unpacks_on_lane(self.devices.is_cuda)
+        # what decode steps unpack the cache into, reused
+        self.buffers = CacheBuffers(buffer_sets(self.unpack_on_lane))
         # a merged decode step's GPU batches per cache load
         self.load_group = batches_per_load(self._batch_read_bytes(max_len), len(batches))
         self.acts = [ActivationHome(act_rows[0, k], max_len, self.cfg.hidden_size, self.devices, runtime.usage,
@@ -259,13 +279,14 @@ class BlockSchedule:
             hidden = self._submit_hidden_load(layer, live[0], stage)
             for i, k in enumerate(live):
                 h = self._wait(hidden, "load_hidden") if hidden is not None else None
-                kv = self._wait(cache, "load_cache") if cache is not None else None
+                load = self._wait(cache, "load_cache") if cache is not None else None
                 if i + 1 < len(live):  # the next batch's inputs travel while batch k computes
                     cache = self._submit_cache_load(layer, live[i + 1], prefill)
                     hidden = self._submit_hidden_load(layer, live[i + 1], stage)
                 else:  # the next layer's first cache travels while the last batch computes (its
                     # hidden state cannot: this layer's compute makes it)
                     cache_ahead = self._submit_cache_ahead(next_layer, live, prefill)
+                kv = self._unpacked(load)[0] if load is not None else None
                 out, new_kv = self._run_layer(layer, k, w, h, kv, inputs[k], head, prefill)
                 if layer.kind == "head":
                     results[k] = out
@@ -358,19 +379,29 @@ class BlockSchedule:
         prefill attends only to its own keys and values)."""
         if prefill or layer.kind != "block":
             return None
-        return self.io.submit(self._load_cache, layer, k, kind="decode_load_cache")
+        return self._submit_group_load(layer, [k])
 
-    def _load_cache(self, layer, k: int) -> dict:
-        """Batch k's cache of this layer (the positions its slot holds), each tier's part
-        where its attention will run (none for a tier that attention reads in place, or where
-        no unit computes)."""
-        return self._load_group_cache(layer, [k])[0]
+    def _load_group_cache(self, layer, ks: list[int]) -> CacheLoad:
+        """Batches ks' cache of this layer (the positions each slot holds), their reads in
+        flight together (CopyEngine.fan_out); unpacked here on a GPU only (module doc)."""
+        load = CacheLoad(layer, ks, self.io.fan_out(functools.partial(self._read_cache, layer), ks))
+        if self.unpack_on_lane:
+            self._unpacked(load)
+        return load
 
-    def _load_group_cache(self, layer, ks: list[int]) -> list[dict]:
-        """_load_cache of each of batches ks, their reads in flight together (CopyEngine.fan_out)."""
-        self.buffers.next_set()
-        stored = self.io.fan_out(functools.partial(self._read_cache, layer), ks)
-        return [self._unpack_cache(layer, k, s, self.buffers.of_batch(i)) for i, (k, s) in enumerate(zip(ks, stored))]
+    def _unpacked(self, load: CacheLoad) -> list[dict]:
+        """Per batch of the load, each tier's part of its cache where its attention will run
+        (none for a tier that attention reads in place, or where no unit computes); on a CPU
+        timed as compute."""
+        if load.parts is None:
+            t0 = time.perf_counter()
+            self.buffers.next_set()
+            load.parts = [self._unpack_cache(load.layer, k, s, self.buffers.of_batch(i))
+                          for i, (k, s) in enumerate(zip(load.ks, load.stored))]
+            load.stored = None  # as read: no longer needed
+            if not self.unpack_on_lane:
+                self._time_compute(t0)
+        return load.parts
 
     def _batch_read_bytes(self, max_len: int) -> int:
         """The most a decode step reads of one GPU batch's cache of a layer off the tiers that
@@ -429,10 +460,11 @@ class BlockSchedule:
         attn, writes = [], []
         for i, k in enumerate(live):
             if i % self.load_group == 0:  # this group's cache, and the next group's on its way
-                kvs = self._wait(cache, "load_cache")
+                load = self._wait(cache, "load_cache")
                 rest = live[i + self.load_group:]
                 cache = self._submit_group_load(layer, rest[:self.load_group]) if rest else \
                     self._submit_cache_ahead(following, live, False)
+                kvs = self._unpacked(load)
             t0 = time.perf_counter()
             out, write = self._attend(layer.index, k, *(x[i] for x in qkv), kvs[i % self.load_group], False)
             attn.append(out)

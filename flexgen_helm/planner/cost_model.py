@@ -46,7 +46,7 @@ import torch
 from flexgen_helm.compression.stored import weight_groups, weight_layout
 from flexgen_helm.errors import ProfileFormatError
 from flexgen_helm.executor.attention import decode_cache_dtype
-from flexgen_helm.executor.cache_buffers import batches_per_load
+from flexgen_helm.executor.cache_buffers import batches_per_load, buffer_sets, unpacks_on_lane
 from flexgen_helm.executor.kv_cache import cache_rows, kv_nbytes, kv_nbytes_per_position
 from flexgen_helm.executor.working_set import batch_working_bytes, dense_weight_numel, kept_freed_bytes
 from flexgen_helm.memory.devices import DTYPES
@@ -477,14 +477,18 @@ class CostModel:
         # a GPU batch's KV cache of one layer read off its tier (the longest a slot holds: a
         # global block's) by a decode step, as read and unpacked where attention reads it; a
         # load is one batch's, or a group of batches' where a step merges them (nb > 1,
-        # executor/cache_buffers.batches_per_load). Alive at once: the load in use (unpacked),
-        # the next one (unpacked, and as read while it is)
+        # executor/cache_buffers.batches_per_load). Alive at once: the sets of unpacked buffers
+        # (two on a GPU, whose copy lane unpacks the next load while one is in use; one on a
+        # CPU, whose compute thread unpacks), and as read, the next load (on a CPU also the
+        # one in use until it is unpacked, after the next one's reads went out)
         held = max(cache_rows(work.max_len, self._window(layer)) for layer, _ in self.groups)
         units = gbs * cfg.num_kv_heads
         as_read = kv_nbytes(held, units, cfg.head_dim, self.dtype, policy.compress_cache) * moved
         unpacked = kv_nbytes(held, units, cfg.head_dim, decode_cache_dtype(self.hw.compute_device, self.dtype),
                              None) * moved
-        loaded_cache = batches_per_load(as_read, nb) * (2 * unpacked + as_read)
+        on_lane = unpacks_on_lane(self.hw.is_cuda)
+        loads_as_read = 1 if on_lane else 2
+        loaded_cache = batches_per_load(as_read, nb) * (buffer_sets(on_lane) * unpacked + loads_as_read * as_read)
         # freed memory the schedule keeps resident for reuse (executor/working_set.py): a block
         # layer's dense copy of its compressed weights among it, and the largest layer's load
         # buffers, which are host memory (on a GPU, the cpu tier's)

@@ -161,9 +161,13 @@ def _print(r: dict) -> None:
     steps = r["gen_len"] - 1
     if steps > 0:
         d = {k: 1000 * v / steps for k, v in r["breakdown"]["decode"].items()}
+        # a load is unpacked by the compute thread on a CPU, on the copy lane on a GPU (executor/schedule.py)
+        unpack = f"unpack/dequantize {d['unpack_cache']:.1f}"
+        on_cpu = torch.device(r["device"]).type == "cpu"
+        compute = f"attention {d['attention']:.1f}" + (f", cache {unpack}" if on_cpu else "")
+        load = f"load cache {d['load_cache']:.1f}" + ("" if on_cpu else f" ({unpack})")
         print(f"a decode step (ms, mean of {steps}; with overlap on, loads and stores run beside compute): "
-              f"compute {d['compute']:.1f} (attention {d['attention']:.1f}), load cache {d['load_cache']:.1f} "
-              f"(unpack/dequantize {d['unpack_cache']:.1f}), store cache {d['store_cache']:.1f}, load weights "
+              f"compute {d['compute']:.1f} ({compute}), {load}, store cache {d['store_cache']:.1f}, load weights "
               f"{d['load_weight']:.1f}, load/store hidden {d['load_hidden']:.1f}/{d['store_hidden']:.1f}")
     tiers = mem["tiers"]
     peaks = ", ".join(f"{t} {tiers[t]['peak_bytes'] / gib:.2f} GiB" for t in tiers)
