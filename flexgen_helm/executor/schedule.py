@@ -386,22 +386,24 @@ class BlockSchedule:
         flight together (CopyEngine.fan_out); unpacked here on a GPU only (module doc)."""
         load = CacheLoad(layer, ks, self.io.fan_out(functools.partial(self._read_cache, layer), ks))
         if self.unpack_on_lane:
-            self._unpacked(load)
+            self._unpack(load)
         return load
 
     def _unpacked(self, load: CacheLoad) -> list[dict]:
-        """Per batch of the load, each tier's part of its cache where its attention will run
-        (none for a tier that attention reads in place, or where no unit computes); on a CPU
-        timed as compute."""
+        """(The compute thread.) Per batch of the load, each tier's part of its cache where its
+        attention will run (none for a tier that attention reads in place, or where no unit
+        computes): unpacked here, timed as compute, unless the lane did."""
         if load.parts is None:
             t0 = time.perf_counter()
-            self.buffers.next_set()
-            load.parts = [self._unpack_cache(load.layer, k, s, self.buffers.of_batch(i))
-                          for i, (k, s) in enumerate(zip(load.ks, load.stored))]
-            load.stored = None  # as read: no longer needed
-            if not self.unpack_on_lane:
-                self._time_compute(t0)
-        return load.parts
+            self._unpack(load)
+            self._time_compute(t0)
+        return consume(load.parts, self.devices.compute)
+
+    def _unpack(self, load: CacheLoad) -> None:
+        self.buffers.next_set()
+        load.parts = [self._unpack_cache(load.layer, k, s, self.buffers.of_batch(i))
+                      for i, (k, s) in enumerate(zip(load.ks, load.stored))]
+        load.stored = None  # as read: no longer needed
 
     def _batch_read_bytes(self, max_len: int) -> int:
         """The most a decode step reads of one GPU batch's cache of a layer off the tiers that

@@ -3,7 +3,7 @@
 # prompt 128, 8 generated): before = the cache lane unpacks (git worktree at /work/ab_before, d826fcc),
 # after = the compute thread unpacks (the checkout at /work/main). Alternating rounds, alone.
 set -u
-out=${OUT:-/tmp/cache_lane}
+out=${OUT:-/tmp/cache_lane}  # copied here afterwards
 mkdir -p $out
 for round in 1 2; do
   for side in before after; do

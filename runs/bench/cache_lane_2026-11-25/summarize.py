@@ -1,22 +1,25 @@
-"""Print the README's table from the bench records of this folder (`{before,after}-N.json`).
+"""Print the README's tables from the bench records (`{before,after}-N.json`) of this folder
+or of a folder under it.
 
-Usage: python summarize.py
+Usage: python summarize.py [opt67]
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
 
 
 def main() -> None:
+    folder = HERE / (sys.argv[1] if len(sys.argv) > 1 else ".")
     print("| side | round | decode (s) | a step (ms) | decode disk reads (GB/s) | compute (ms; unpack) "
           "| cache lane (ms; unpack) | weights lane (ms) | RSS peak (GiB) | load before |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for side in ("before", "after"):
-        for path in sorted(HERE.glob(f"{side}-*.json")):
+        for path in sorted(folder.glob(f"{side}-*.json")):
             r = json.loads(path.read_text())
             steps = r["gen_len"] - 1
             d = {k: 1000 * v / steps for k, v in r["breakdown"]["decode"].items()}
