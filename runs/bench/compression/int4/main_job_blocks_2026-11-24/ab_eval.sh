@@ -1,8 +1,9 @@
 #!/bin/bash
 # A/B of `flexgen-helm eval --task lambada --limit 500 --dtype bfloat16` (issue 24's lm-eval row): before (40af64e) vs after.
-# Setup: git worktree add --detach /work/before 40af64e (the "before"); the "after" is the checkout at /work/main (ddad695).
+# Setup: git worktree add --detach /work/before 40af64e (the "before"); the "after" is the checkout at /work/main
+# (eval/: ddad695, OUT=/tmp/ab; eval_final/: baf388d, OUT=/tmp/ab4), its records copied here afterwards.
 set -u
-out=/tmp/ab
+out=${OUT:-/tmp/ab}
 for round in 1 2 3 4 5; do
   for side in before after; do
     dir=/work/$side; [ $side = after ] && dir=/work/main
