@@ -49,8 +49,12 @@ def _errors(conv, bits: int, group: int, method: str) -> dict[str, dict]:
             if (r["bits"], r["group_size"], r["method"]) == (bits, group, method)}
 
 
-def _fmt(v, spec: str) -> str:
-    return "—" if v is None else format(v, spec)
+def cell(v, spec: str) -> str:
+    """A table cell: `v` formatted by `spec`, "—" for a run that is missing; a trailing % in
+    spec is kept literally (and not printed beside a missing value)."""
+    if v is None:
+        return "—"
+    return format(v, spec[:-1]) + "%" if spec.endswith("%") else format(v, spec)
 
 
 def _ratio(new, old) -> str:
@@ -84,8 +88,8 @@ def comparison_table(runs, conv, scope: str) -> str:
                     smol = e.get("smollm2-135m")
                     secs = "—" if smol is None else f"{smol['quantize_s']:.1f} ({smol['cpu_s']:.1f} CPU s)"
             share = (lambda new, old: "—") if method == "rtn" else _ratio
-            lines.append(f"| {ROW_BY_NAME[rtn].label} | {method} | {_fmt(a1, '+.2f')} | {share(a1, a0)} | "
-                         f"{_fmt(p1, '+.1f')}% | {share(p1, p0)} | {err} | {secs} |")
+            lines.append(f"| {ROW_BY_NAME[rtn].label} | {method} | {cell(a1, '+.2f')} | {share(a1, a0)} | "
+                         f"{cell(p1, '+.1f%')} | {share(p1, p0)} | {err} | {secs} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -167,8 +171,8 @@ def cache_grouping_text(runs, out: Path) -> str:
             acc, ppl = _deltas(runs, row, scope)
             if acc is None and ppl is None:
                 continue
-            ppl_text = "—" if ppl is None else f"{ppl:+.2f}%"
-            lines.append(f"| {name} | {_fmt(acc, '+.2f')} | {_ratio(acc, base_acc)} | {ppl_text} | "
+            ppl_text = cell(ppl, "+.2f%")
+            lines.append(f"| {name} | {cell(acc, '+.2f')} | {_ratio(acc, base_acc)} | {ppl_text} | "
                          f"{_ratio(ppl, base_ppl)} | {_cache_bits(row):.2f} |")
             if row != CACHE_ROWS[0][0] and None not in (acc, ppl, base_acc, base_ppl):
                 met = (acc >= base_acc / 2, ppl <= base_ppl / 2)

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from flexgen_helm.evaluation.run import TASKS, approximations
-from flexgen_helm.tools.accuracy_sweep.methods_report import methods_section
+from flexgen_helm.tools.accuracy_sweep.methods_report import cell, methods_section
 from flexgen_helm.tools.accuracy_sweep.plan import PLAN, ROW_BY_NAME, json_path
 
 # Measured outside the project with transformers (issue 3): context, not our results.
@@ -63,13 +63,6 @@ def table_rows(runs) -> list[dict]:
     return rows
 
 
-def _f(v, fmt: str) -> str:
-    """Formatted, "—" for a run that is missing; a trailing % in fmt is kept literally."""
-    if v is None:
-        return "—"
-    return format(v, fmt[:-1]) + "%" if fmt.endswith("%") else format(v, fmt)
-
-
 def markdown_table(rows: list[dict]) -> str:
     head = ("| row | scope | LAMBADA acc | Δ acc (points) | acc, greedy generation | last-word ppl | "
             "WikiText token ppl | Δ ppl | word ppl | bits/byte | tokens/s (L / W) |")
@@ -78,14 +71,15 @@ def markdown_table(rows: list[dict]) -> str:
         scope = "full" if r["scope"] == "full" else (
             f"{r.get('lambada_passages', '—')} passages / {r.get('wikitext_tokens', '—')} tokens")
         lines.append(
-            f"| {r['label']} | {scope} | {_f(r.get('lambada_accuracy'), '.4f')} | "
-            f"{_f(r.get('lambada_accuracy_delta_points'), '+.2f')} | "
-            f"{_f(r.get('lambada_generation_accuracy'), '.4f')} | "
-            f"{_f(r.get('lambada_last_word_perplexity'), '.3f')} | {_f(r.get('wikitext_token_perplexity'), '.3f')} | "
-            f"{_f(r.get('wikitext_token_perplexity_delta_pct'), '+.2f%')} | "
-            f"{_f(r.get('wikitext_word_perplexity'), '.3f')} | "
-            f"{_f(r.get('wikitext_bits_per_byte'), '.4f')} | {_f(r.get('lambada_tokens_per_s'), '.0f')} / "
-            f"{_f(r.get('wikitext_tokens_per_s'), '.0f')} |")
+            f"| {r['label']} | {scope} | {cell(r.get('lambada_accuracy'), '.4f')} | "
+            f"{cell(r.get('lambada_accuracy_delta_points'), '+.2f')} | "
+            f"{cell(r.get('lambada_generation_accuracy'), '.4f')} | "
+            f"{cell(r.get('lambada_last_word_perplexity'), '.3f')} | "
+            f"{cell(r.get('wikitext_token_perplexity'), '.3f')} | "
+            f"{cell(r.get('wikitext_token_perplexity_delta_pct'), '+.2f%')} | "
+            f"{cell(r.get('wikitext_word_perplexity'), '.3f')} | "
+            f"{cell(r.get('wikitext_bits_per_byte'), '.4f')} | {cell(r.get('lambada_tokens_per_s'), '.0f')} / "
+            f"{cell(r.get('wikitext_tokens_per_s'), '.0f')} |")
     return "\n".join(lines)
 
 
@@ -140,7 +134,7 @@ def _baseline_finding(ppl, acc) -> list[str]:
     return [f"Baseline on the reference protocol (first 16384 WikiText tokens, window 1024): token perplexity "
             f"{ppl('baseline'):.3f}, {100 * (ppl('baseline') / 22.55 - 1):+.1f}% from the reference 22.55 "
             "(transformers, FP32); LAMBADA accuracy on the first 400 passages "
-            f"{_f(acc('baseline'), '.4f')} (reference 0.305). The engine equals transformers on the same token "
+            f"{cell(acc('baseline'), '.4f')} (reference 0.305). The engine equals transformers on the same token "
             "ids (tests/test_transformers_equivalence.py, tests/test_smollm2.py), so a perplexity gap can only "
             "come from the text preparation, which the reference does not record: e.g. the hub copy of "
             "WikiText keeps each line's newline and the blank lines, so its first 16384 tokens cover slightly "
