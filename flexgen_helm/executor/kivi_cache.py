@@ -105,7 +105,7 @@ class KiviCacheSlot:
     def _write_groups(self, tier: str, k: torch.Tensor, v: torch.Tensor, start: int, starts: torch.Tensor) -> None:
         """Quantize and store the groups that positions [start, start + s) complete (a unit's
         last `held` of them), taking their earlier positions from the residual."""
-        G, s, d = self.G, k.shape[0], self.head_dim
+        G, s = self.G, k.shape[0]
         if s == 1 and not self._completes_group(tier, start):
             return
         done = (start + s - starts).clamp(min=0) // G  # complete groups of each unit after the write
@@ -115,14 +115,18 @@ class KiviCacheSlot:
             return
         # positions [start - G + 1, start + s) hold every completed group (at most G - 1 came before)
         since = max(0, start - G + 1)
-        earlier = self._residual_rows(tier, since, start).to(k.device)
-        recent_k, recent_v = torch.cat([earlier[:, 0], k]), torch.cat([earlier[:, 1], v])
+        recent_k, recent_v = k, v
+        if since < start:
+            earlier = self._residual_rows(tier, since, start).to(k.device)
+            recent_k, recent_v = torch.cat([earlier[:, 0], k]), torch.cat([earlier[:, 1], v])
         m = int(count.max())
         row = torch.arange(m * G)
         group = first[None, :] + (row // G)[:, None]  # (m * G, units): the group of each row of each unit
         index = (starts[None, :] + group * G + (row % G)[:, None] - since).clamp_(0, recent_k.shape[0] - 1)
-        index = index[..., None].expand(-1, -1, d).to(k.device)
-        new = quantize_groups(recent_k.gather(0, index), recent_v.gather(0, index), self.cfg)
+        # (row, unit) pairs: indexing both dims measured ~3x faster than a gather over an index
+        # expanded along head_dim
+        index, unit_of = index.to(k.device), torch.arange(len(starts), device=k.device)
+        new = quantize_groups(recent_k[index, unit_of], recent_v[index, unit_of], self.cfg)
         i = torch.arange(m)[:, None].expand(m, len(starts))
         keep = i < count[None, :]
         picked, unit = i[keep], torch.arange(len(starts))[None, :].expand(m, -1)[keep]
