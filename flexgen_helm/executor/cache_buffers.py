@@ -28,7 +28,8 @@ from flexgen_helm.compression.quantize import Scratch
 # cache is more): its batches' reads go out together, since a disk read waits its turn behind
 # the weight lane's large ones (memory/copy_engine.py). Beside a stream of 64 MiB reads on the
 # 2-core EPYC's disk, 4.5 MB reads got 94 MB/s one at a time, 258 two at a time, 353 four at a
-# time; a larger load costs memory (two loads unpacked and one as read are alive at once).
+# time; a larger load costs memory (alive at once: on a GPU two loads unpacked and one as read,
+# on a CPU one unpacked and two as read).
 GROUP_READ_BYTES = 32 << 20
 
 
