@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from flexgen_helm.executor.length_buckets import cut_by_length
 from flexgen_helm.executor.sampling import Completion, RunStats, SamplingParams, ScoreResult, select_tokens
 from flexgen_helm.executor.schedule import BlockSchedule, GpuBatch
+from flexgen_helm.memory.copy_engine import without_autograd
 from flexgen_helm.policy.policy import Policy
 
 __all__ = ["BlockDriver", "LocalStage", "RunStats", "Sequence", "StageLink", "StepCallback", "left_pad",
@@ -163,6 +164,9 @@ class BlockDriver:
 
     def generate(self, seqs: list[Sequence]) -> None:
         """Generate every sequence, in blocks of similar prompt length."""
+        without_autograd(self._generate, seqs)
+
+    def _generate(self, seqs: list[Sequence]) -> None:
         blocks = [[[seqs[i] for i in group] for group in block]
                   for block in plan_blocks([len(s.prompt) for s in seqs], self.policy)]
         self._steps_total = sum(block_steps(block) for block in blocks)
@@ -270,6 +274,10 @@ class BlockDriver:
     def score(self, prompts: list[list[int]], top_k: int, as_decode: bool,
               first_scored: list[int]) -> list[ScoreResult]:
         """One ScoreResult per prompt, in order (see score_block), in blocks of similar length."""
+        return without_autograd(self._score, prompts, top_k, as_decode, first_scored)
+
+    def _score(self, prompts: list[list[int]], top_k: int, as_decode: bool,
+               first_scored: list[int]) -> list[ScoreResult]:
         out: list[ScoreResult | None] = [None] * len(prompts)
         for block in plan_blocks([len(p) for p in prompts], self.policy):
             flat = [i for group in block for i in group]
