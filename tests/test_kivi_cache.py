@@ -86,6 +86,33 @@ def test_slot_returns_each_sequence_quantized_in_its_own_groups(window, bits, gr
     assert all(n == 0 for n in usage.current.values())
 
 
+def test_batches_unpacked_together_equal_each_alone(tmp_path):
+    """A merged decode step unpacks a layer's GPU batches in one call where their reads hold
+    the same positions: each batch gets exactly what its own unpack gives, whether its
+    positions match another batch's (two of these three) or not (the third: its longer
+    padding leaves it a group fewer)."""
+    cfg = Compression(4, 4, cache_grouping="kivi")
+    cpu = torch.device("cpu")
+    g = torch.Generator().manual_seed(2)
+    batch_starts = [torch.tensor([0, 1, 1]), torch.tensor([1, 0]), torch.tensor([6, 5, 7, 6])]
+    slots, stored = [], []
+    for i, starts in enumerate(batch_starts):
+        slot = KiviCacheSlot({"gpu": len(starts), "cpu": 0, "disk": 0}, 16, D,
+                             Devices(cpu, torch.float32), TierUsage(), tmp_path / f"kv{i}.bin", pin=False,
+                             compression=cfg, window=0, starts=starts)
+        slot.write(torch.randn(13, len(starts), D, generator=g), torch.randn(13, len(starts), D, generator=g), 0)
+        slots.append(slot)
+        stored.append(slot.read("gpu", 13))
+    assert [x.positions for x in stored] == [16, 16, 12]
+    together = slots[0].unpack_batches("gpu", stored, cpu, torch.float32, [CacheBuffers(sets=1) for _ in stored])
+    for slot, x, (keys, values) in zip(slots, stored, together):
+        alone_k, alone_v = slot.unpack("gpu", x, cpu, torch.float32, CacheBuffers(sets=1))
+        assert keys.shape == alone_k.shape and values.shape == alone_v.shape
+        assert torch.equal(keys[:, :-1], alone_k[:, :-1]) and torch.equal(values[:, :-1], alone_v[:, :-1])
+    for slot in slots:
+        slot.close()
+
+
 def test_finished_units_leave_the_others_alone(tmp_path):
     """A write of some units (finished sequences left the batch) zeroes the others' rows,
     which nobody reads again; the computed units' caches stay exact."""
@@ -132,15 +159,17 @@ class _Recorded(CacheBuffers):
 
 @pytest.mark.parametrize("grouping", ["per-token", "kivi"])
 def test_decode_steps_reuse_their_buffers(tiny_llama, grouping, tmp_path, monkeypatch):
-    """The dequantized cache goes into buffers allocated in the first decode steps, not at
-    every layer of every step: 3 steps and 12 steps allocate alike."""
+    """The dequantized cache goes into buffers allocated in the first decode steps (and, under
+    KIVI, when two batches' reads first hold the same positions and unpack together: the
+    shared working copies grow once), not at every layer of every step: 12 steps and 20
+    steps allocate alike (positions stay within the first buffers' doubled size)."""
     monkeypatch.setattr(schedule, "CacheBuffers", _Recorded)
     policy = Policy(gpu_batch_size=2, cache=Split(0.5, 0.25, 0.25), compress_cache=Compression(4, 4,
                                                                                                cache_grouping=grouping))
     engine = Engine.load(str(tiny_llama), policy, offload_dir=tmp_path, **CPU32)
     prompts = [list(range(5, 25)), list(range(30, 48))]
     made = []
-    for steps in (3, 12):
+    for steps in (12, 20):
         _Recorded.made = []
         engine.generate(prompts, SamplingParams(max_new_tokens=steps, ignore_eos=True))
         made.append(sum(b.allocations for b in _Recorded.made))

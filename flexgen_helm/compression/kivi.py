@@ -126,12 +126,35 @@ class KiviStored(TensorBundle):
         """Positions it unpacks to: every group's, then the residual's rows."""
         return (self.groups.groups + 1) * self.groups.group_size
 
+    @property
+    def units(self) -> int:
+        return self.residual.shape[2]
+
+    @staticmethod
+    def side_by_side(reads: list["KiviStored"]) -> "KiviStored":
+        """Reads of the same positions (and layout) as one, their units one after another: a
+        copy of every part (a single read is returned as it is)."""
+        if len(reads) == 1:
+            return reads[0]
+        key, value = (_units_side_by_side([getattr(r.groups, name) for r in reads]) for name in ("key", "value"))
+        return KiviStored(KiviGroups(key, value), torch.cat([r.residual for r in reads], dim=2))
+
     def dequantize_into(self, keys: torch.Tensor, values: torch.Tensor, scratch: Scratch | None = None) -> None:
         """Keys and values into (units, positions, d) views: the groups', then the residual's."""
         n = self.groups.groups * self.groups.group_size
         self.groups.dequantize_into(keys[:, :n], values[:, :n], scratch)
         keys[:, n:].copy_(self.residual[:, 0].transpose(0, 1), non_blocking=True)
         values[:, n:].copy_(self.residual[:, 1].transpose(0, 1), non_blocking=True)
+
+
+def _units_side_by_side(parts: list[QuantizedTensor]) -> QuantizedTensor:
+    """QuantizedTensors alike but for dim 1 (the units, in a KIVI cache's keys and values, and in
+    their codes, scales and minimums) joined along it."""
+    shape = list(parts[0].shape)
+    shape[1] = sum(p.shape[1] for p in parts)
+    return dataclasses.replace(parts[0], shape=tuple(shape),
+                               **{name: torch.cat([getattr(p, name) for p in parts], dim=1)
+                                  for name in ("data", "scale", "min")})
 
 
 def quantize_groups(k: torch.Tensor, v: torch.Tensor, cfg: Compression) -> KiviGroups:

@@ -196,13 +196,39 @@ class KiviCacheSlot:
         """What read(tier) returned, made ready for attention on `device`: keys and values
         (units, n + 1, d) of `dtype` in `buffers`, the n positions of the groups and the
         residual, then a column left for the new token."""
-        n, u = stored.positions, stored.residual.shape[2]
-        # keys stored as (units, d, positions), as a group's keys dequantize (each channel's G
-        # tokens in a row) and as attention multiplies them (q @ k^T): no transposing copy
-        keys = buffers.take(f"keys-{tier}", (u, self.head_dim, n + 1), dtype, device).transpose(1, 2)
-        values = buffers.take(f"values-{tier}", (u, n + 1, self.head_dim), dtype, device)
-        stored.to(device, non_blocking=True).dequantize_into(keys[:, :n], values[:, :n], buffers.scratch(device))
-        return keys, values
+        return self.unpack_batches(tier, [stored], device, dtype, [buffers])[0]
+
+    def unpack_batches(self, tier: str, stored: list[KiviStored], device: torch.device, dtype: torch.dtype,
+                       buffers: list[CacheBuffers]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """unpack() of several GPU batches' reads of this layer's tier (what their slots' read
+        returned), all in the first batch's buffers: the reads of the same positions (a block's
+        batches share its columns, so most do) in one call, their units side by side, each
+        batch then given its units' rows. A small batch's unpack is ~30 torch ops whatever its
+        size (2-3 sequences: ~0.1 M values), which each batch unpacked alone paid again. The
+        buffers are asked for as one piece for the whole load, so how the batches happen to
+        group at a step does not make them grow."""
+        d, out = self.head_dim, [None] * len(stored)
+        alike: dict[int, list[int]] = {}
+        for i, x in enumerate(stored):
+            alike.setdefault(x.positions, []).append(i)
+        most = sum(x.units for x in stored) * (max(alike) + 1) * d
+        # keys as (units, d, positions), as a group's keys dequantize (each channel's G tokens
+        # in a row) and as attention multiplies them (q @ k^T): no transposing copy
+        key_room = buffers[0].take(f"keys-{tier}", (most,), dtype, device)
+        value_room = buffers[0].take(f"values-{tier}", (most,), dtype, device)
+        at = 0
+        for n, batches in alike.items():
+            together = KiviStored.side_by_side([stored[i] for i in batches]).to(device, non_blocking=True)
+            size = together.units * (n + 1) * d
+            keys = key_room[at:at + size].view(together.units, d, n + 1).transpose(1, 2)
+            values = value_room[at:at + size].view(together.units, n + 1, d)
+            at += size
+            together.dequantize_into(keys[:, :n], values[:, :n], buffers[0].scratch(device))
+            first = 0
+            for i in batches:
+                out[i] = keys[first:first + stored[i].units], values[first:first + stored[i].units]
+                first += stored[i].units
+        return out
 
     def decode_valid(self, tier: str, length: int, window: int, key_valid: torch.Tensor,
                      local: torch.Tensor | None) -> tuple[int, torch.Tensor]:

@@ -241,6 +241,11 @@ class KVCacheSlot:
             out.append(buf)
         return out[0], out[1]
 
+    def unpack_batches(self, tier: str, stored: list, device: torch.device, dtype: torch.dtype,
+                       buffers: list) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """unpack() of several GPU batches' reads of this layer's tier, each into its own buffers."""
+        return [self.unpack(tier, x, device, dtype, b) for x, b in zip(stored, buffers)]
+
     def decode_valid(self, tier: str, length: int, window: int, key_valid: torch.Tensor,
                      local: torch.Tensor | None) -> tuple[int, torch.Tensor]:
         """For a decode step at `length` whose computed units of `tier` may see the keys

@@ -400,10 +400,25 @@ class BlockSchedule:
         return consume(load.parts, self.devices.compute)
 
     def _unpack(self, load: CacheLoad) -> None:
+        """Each batch's parts of the load, in buffers where attention runs, tier by tier:
+        compressed parts travel compressed and are dequantized there, a tier's batches in as
+        few calls as the slot can (unpack_batches)."""
+        t0 = time.perf_counter()
         self.buffers.next_set()
-        load.parts = [self._unpack_cache(load.layer, k, s, self.buffers.of_batch(i))
-                      for i, (k, s) in enumerate(zip(load.ks, load.stored))]
+        load.parts = [{} for _ in load.ks]
+        for tier in TIERS:
+            batches = [i for i, stored in enumerate(load.stored) if tier in stored]
+            if not batches:
+                continue
+            where = self._attention_device(tier)
+            slot = self.slots[load.layer.index, load.ks[batches[0]]]  # a layer's slots differ by their units only
+            unpacked = slot.unpack_batches(tier, [load.stored[i][tier] for i in batches], where,
+                                           decode_cache_dtype(where, self.devices.dtype),
+                                           [self.buffers.of_batch(i) for i in batches])
+            for i, part in zip(batches, unpacked):
+                load.parts[i][tier] = part
         load.stored = None  # as read: no longer needed
+        self.timers["decode_unpack_cache"] += time.perf_counter() - t0
 
     def _batch_read_bytes(self, max_len: int) -> int:
         """The most a decode step reads of one GPU batch's cache of a layer off the tiers that
@@ -426,17 +441,6 @@ class BlockSchedule:
                 sparse_disk = tier == "disk" and self.policy.attn_sparsity < 1.0 and slot.values_apart
                 stored[tier] = slot.read(tier, self.length, values=not sparse_disk)
         return stored
-
-    def _unpack_cache(self, layer, k: int, stored: dict, buffers) -> dict:
-        """What _read_cache read, in `buffers` where attention runs: compressed parts travel
-        compressed and are dequantized there."""
-        t0 = time.perf_counter()
-        slot, parts = self.slots[layer.index, k], {}
-        for tier, x in stored.items():
-            where = self._attention_device(tier)
-            parts[tier] = slot.unpack(tier, x, where, decode_cache_dtype(where, self.devices.dtype), buffers)
-        self.timers["decode_unpack_cache"] += time.perf_counter() - t0
-        return parts
 
     def _attention_device(self, tier: str) -> torch.device:
         delegate = self.policy.cpu_cache_compute and tier != "gpu"
