@@ -19,14 +19,16 @@ from flexgen_helm.engine import Engine
 from flexgen_helm.errors import PolicyError
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.memory.machine import machine_info
+from flexgen_helm.planner.cost_model import CostModel, Workload
 from flexgen_helm.planner.hardware_profile import DeviceSpeeds, HardwareProfile, load_or_profile
 from flexgen_helm.policy.policy import Policy, Split
 from flexgen_helm.tools.compare import accelerate_offload, table
 from flexgen_helm.tools.compare.disk import measure_read_bandwidth
 from flexgen_helm.tools.compare.ours import BudgetCheck, deepspeed_policy
 from flexgen_helm.tools.compare.roofline import Roofline
-from flexgen_helm.tools.compare.run import run_compare
+from flexgen_helm.tools.compare.run import run_compare, with_measured_disk
 from flexgen_helm.tools.compare.workloads import SETUPS, prompts
+from flexgen_helm.weights.registry import resolve
 
 TINY = SETUPS["tiny"]
 GIB = 2**30
@@ -45,6 +47,11 @@ def profile_path(tmp_path_factory) -> str:
                            cpu_mem_bytes=24 * GIB, cpu_available_bytes=20 * GIB, disk_free_bytes=100 * GIB,
                            process_baseline_bytes=0, machine=machine_info())
     return str(prof.save(tmp_path_factory.mktemp("profile") / "hardware.json"))
+
+
+# what measure_read_bandwidth returns, for runs that stop before reading anything
+ONE_GB_S = {"device_read_bytes_per_s": 1e9, "engine_read_bytes_per_s": 1e9,
+            "read_bytes_per_s": {"direct_1": 1e9, "direct_in_flight": 1e9}}
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +115,7 @@ def test_compare_fails_loudly_when_the_search_finds_nothing(tmp_path, profile_pa
     starved = replace(TINY, name="starved", gpu_mem="1MiB", cpu_mem="1MiB")
     with pytest.raises(PolicyError, match=r"tier is short by"):
         run_compare(starved, tmp_path / "out", warmup=0, timeout_s=300, systems=("ours-auto",),
-                    bandwidth={"device_read_bytes_per_s": 1e9}, ablations=False, profile_path=profile_path)
+                    bandwidth=ONE_GB_S, ablations=False, profile_path=profile_path)
     assert not (tmp_path / "out").exists()
 
 
@@ -131,10 +138,27 @@ def test_row_by_row_policy_is_held_to_the_searchs_budgets(tmp_path, profile_path
     # and a row-by-row block's KV cache besides
     starved = replace(longer, name="pool", gpu_mem="176MiB")
     (row,), _, commands = run_compare(starved, tmp_path / "out", warmup=0, timeout_s=300,
-                                      systems=("ours-deepspeed-policy",), bandwidth={"device_read_bytes_per_s": 1e9},
+                                      systems=("ours-deepspeed-policy",), bandwidth=ONE_GB_S,
                                       ablations=False, profile_path=profile_path)
     assert row["weights_read_from"].startswith("does not fit:") and "row by row" in row["weights_read_from"]
     assert commands == [] and row.get("throughput_tok_s") is None
+
+
+def test_predictions_and_search_use_the_disk_speed_measured_at_the_runs_start(profile_path):
+    """A saved profile's disk speed goes stale on a disk that speeds up and slows down (a shared
+    VM's: 2.5 GB/s in a day-old profile, 1.25 at the run): compare plans and predicts with the
+    speed it measured at its start, so a disk-bound row is predicted for the disk it runs on."""
+    profile = load_or_profile(profile_path)
+    slow = {"device_read_bytes_per_s": 0.25e9, "engine_read_bytes_per_s": 0.2e9,
+            "read_bytes_per_s": {"direct_1": 0.15e9, "direct_in_flight": 0.2e9, "mmap": 0.25e9}}
+    measured = with_measured_disk(profile, slow)
+    assert (measured.disk_read_bytes_per_s, measured.disk_device_read_bytes_per_s) == (0.2e9, 0.25e9)
+    assert measured.disk_read_modes == slow["read_bytes_per_s"] and measured.devices == profile.devices
+    cfg = resolve(TINY.model, dummy=True).config
+    on_disk = Policy(gpu_batch_size=1, num_gpu_batches=1, weights=Split(0, 0, 1))
+    predicted = [CostModel(cfg, p, Workload(TINY.prompt_len, TINY.gen_len), torch.bfloat16).estimate(on_disk).throughput
+                 for p in (profile, measured)]
+    assert predicted[1] < predicted[0]
 
 
 def test_roofline_and_ratio_arithmetic():

@@ -14,7 +14,7 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -113,6 +113,15 @@ def plan_ours(setup: Setup, systems: tuple[str, ...], ablations: bool, profile: 
     return rows, extra, best
 
 
+def with_measured_disk(profile: HardwareProfile, bandwidth: dict) -> HardwareProfile:
+    """The profile with the disk read speeds measured at this run's start, for the search and the
+    predictions. A shared VM's disk moved between 1.0 and 2.5 GB/s within a day, and a day-old
+    profile's figure made every disk-bound prediction 1.4-1.75x too fast (runs/compare/NOTES.md)."""
+    return replace(profile, disk_read_bytes_per_s=bandwidth["engine_read_bytes_per_s"],
+                   disk_device_read_bytes_per_s=bandwidth["device_read_bytes_per_s"],
+                   disk_read_modes=dict(bandwidth["read_bytes_per_s"]))
+
+
 def row_context(setup: Setup, record: dict, policy: Policy | None, profile: HardwareProfile, bandwidth: dict,
                 load: float) -> dict:
     """What the table needs besides the record: roofline, the cost model's prediction, RSS limit."""
@@ -137,14 +146,14 @@ def run_compare(setup: Setup, out: Path, warmup: int, timeout_s: int, systems: t
                 ) -> tuple[list[dict], list[dict], list[str]]:
     """Rows of `setup` and of its ablations (JSON per run under out/<setup.name>/) and the
     commands that ran."""
-    profile = load_or_profile(profile_path, offload_dir=str(offload_dir(setup)))
+    bandwidth = bandwidth or measure_read_bandwidth(offload_dir(setup))
+    profile = with_measured_disk(load_or_profile(profile_path, offload_dir=str(offload_dir(setup))), bandwidth)
     ours, extra, best = plan_ours(setup, systems, ablations, profile)  # fails here, before any run
     folder = out / setup.name
     folder.mkdir(parents=True, exist_ok=True)
     prepare_store(setup)
     if any(s.startswith("hf-accelerate") for s in systems):
         prepare_hf(setup)
-    bandwidth = bandwidth or measure_read_bandwidth(offload_dir(setup))
     run = Runner(timeout_s)
     planned = {p.system: p for p in ours}
 
@@ -221,7 +230,8 @@ def notes(setup_names: list[str], bandwidth: dict | None, extra: list[str]) -> l
         "profiled matmul rate for the rows one GPU batch multiplies, the disk-resident weights - and in decode "
         "the KV cache on disk, as long as it is so far - at the device's bandwidth); "
         "pct_of_roofline = measured / roofline throughput. predicted_tok_s: the cost model's prediction "
-        "for the policy that ran, from this machine's hardware profile.",
+        "for the policy that ran, from this machine's hardware profile with the disk read speeds measured at the "
+        "run's start (above), which the search planned with too.",
         "disk_reads_per_token = bytes the process read from storage during the timed generation (/proc/self/io) "
         "/ (disk-resident weight bytes x generated tokens): about 1 means every token's weights came from disk "
         "(KV cache or activations placed on disk add their own reads on top).",
