@@ -218,7 +218,8 @@ class KiviCacheSlot:
         value_room = buffers[0].take(f"values-{tier}", (most,), dtype, device)
         at = 0
         for n, batches in alike.items():
-            together = KiviStored.side_by_side([stored[i] for i in batches]).to(device, non_blocking=True)
+            # moved first, then joined where they compute: a pinned read copies without blocking
+            together = KiviStored.side_by_side([stored[i].to(device, non_blocking=True) for i in batches])
             size = together.units * (n + 1) * d
             keys = key_room[at:at + size].view(together.units, d, n + 1).transpose(1, 2)
             values = value_room[at:at + size].view(together.units, n + 1, d)
