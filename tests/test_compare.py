@@ -4,6 +4,7 @@ systems generate the same greedy tokens from the same exported weights in float3
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,13 @@ def test_harness_rows(tmp_path, bandwidth, profile_path):
         assert r["disk_device_gb_s"] > 0
     ours, acc = rows
     assert ours["predicted_tok_s"] > 0 and acc["predicted_tok_s"] is None  # the cost model predicts ours only
+    # predicted with the disk speed this run measured (the bandwidth it was given), not the saved one
+    policy_file = tmp_path / "out" / TINY.name / "ours-deepspeed-policy.policy.json"
+    policy = Policy.from_dict(json.loads(policy_file.read_text()))
+    profile = with_measured_disk(load_or_profile(profile_path), bandwidth)
+    model = CostModel(resolve(TINY.model, dummy=True).config, profile, Workload(TINY.prompt_len, TINY.gen_len),
+                      torch.bfloat16)
+    assert ours["predicted_tok_s"] == round(model.estimate(policy).throughput, 4)
     assert "O_DIRECT" in ours["weights_read_from"] and "evicted before every token" in acc["weights_read_from"]
     assert acc["vs_accelerate"] == 1.0 and ours["vs_accelerate"] > 0
     assert ours["effective_batch"] == acc["effective_batch"]  # same device budget, same row-by-row batch
