@@ -26,13 +26,21 @@ DEPLOYMENTS = {
 }
 
 
+def load_engines(deployments: dict) -> dict:
+    """Each deployment's engine, as helm-run loads it (the planner's block for its policy)."""
+    return {name: get_engine(resolve_load_args("smollm2-135m", policy=p)).engine for name, p in deployments.items()}
+
+
+def lambada_prompts(engine) -> list[list[int]]:
+    """10 LAMBADA passages (seed 0) without their last word, as token ids."""
+    texts = [json.loads(line)["text"] for line in LAMBADA.open()]
+    return [engine.tokenizer(split_last_word(t)[0])["input_ids"] for t in random.Random(0).sample(texts, 10)]
+
+
 def main(rounds: int) -> None:
     print("source:", flexgen_helm.__file__)
-    texts = [json.loads(line)["text"] for line in LAMBADA.open()]
-    contexts = [split_last_word(t)[0] for t in random.Random(0).sample(texts, 10)]
-    engines = {name: get_engine(resolve_load_args("smollm2-135m", policy=p)).engine
-               for name, p in DEPLOYMENTS.items()}
-    prompts = [engines["bf16"].tokenizer(c)["input_ids"] for c in contexts]
+    engines = load_engines(DEPLOYMENTS)
+    prompts = lambada_prompts(engines["bf16"])
     params = SamplingParams(max_new_tokens=8)
     for engine in engines.values():
         engine.generate(prompts, params)  # warm-up
