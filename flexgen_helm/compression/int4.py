@@ -76,10 +76,12 @@ MAX_KERNEL_ROWS = {"cpu": 128, "cuda": None}
 # head: pieces of 16 M elements 42 ms, 1 M 32 ms, 256 K 35 ms, 64 K 72 ms (Python per piece);
 # OPT's 8192 x 2048: 26, 17, 20, 23 ms (indicative: thread CPU time, shared 2-core EPYC, load ~12).
 DEQUANTIZE_CHUNK_ELEMENTS = 1 << 20
-# Activation rows up to which a dense copy is made by column (dequantize_packed): its faster
-# decode (~0.5 ns per weight, one thread) outweighs a matmul penalty of 0-20% there, while a
-# call over more rows spends most of its time in the matmul.
-DENSE_BY_COLUMN_MAX_ROWS = 512
+# Activation rows up to which a dense copy is made by column (dequantize_packed). Timed as whole
+# paths, dequantize then matmul, alone on a 2-core AVX512-BF16 EPYC (runs/bench/compression/int4/
+# dense_orientation_2026-11-25): by column is 1.04-1.71x faster for SmolLM2's and OPT-1.3B's
+# weights at every row count up to 2048, and the two are within 3% at 3072 and 4096, where the
+# matmul is the call. (An earlier cut at 512 came from thread CPU times under a load of ~14.)
+DENSE_BY_COLUMN_MAX_ROWS = 2048
 
 
 def set_max_kernel_rows(device_type: str, rows: int | None) -> None:
@@ -189,9 +191,8 @@ def dequantize_packed(p: PackedInt4, dtype: torch.dtype = KERNEL_DTYPE, by_colum
     bytes hold 32-byte runs of consecutive output rows per input column, so decoding them in
     that order copies runs instead of transposing bytes one by one, and the kernel's
     (groups, out) scales apply as they are (SmolLM2's 1536 x 576 weight, one thread: 0.53 ms
-    instead of 1.00 ms). Else contiguous (out, in): one transposing copy more, which a matmul
-    over many rows repays (one thread, 1024 rows: OPT-1.3B's 8192 x 2048 weight 1.21x slower
-    by column, 2048 x 2048 1.08x; SmolLM2's ~1.0x). Indicative: thread CPU time, load ~14-22."""
+    instead of 1.00 ms). Else contiguous (out, in): one transposing copy more, which only a
+    matmul over thousands of rows can repay (DENSE_BY_COLUMN_MAX_ROWS)."""
     if p.layout == "cuda":
         return _cuda_dequantize(p).to(dtype)
     n, k = p.shape
