@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from flexgen_helm.compression.int4 import pack_int4, dequantize_packed
+from flexgen_helm.compression.int4 import dequantize_packed, pack_int4
 from flexgen_helm.compression.quantize import quantize
 from flexgen_helm.memory.host_allocator import keep_freed_host_memory
 from flexgen_helm.policy.policy import Compression
@@ -61,8 +61,8 @@ def main(rounds: int) -> None:
             assert torch.equal(path(p, x, True), path(p, x, False))  # the same weights either way
             col, row = [], []
             for _ in range(rounds):
-                col.append(best_of(lambda: path(p, x, True), 3))
-                row.append(best_of(lambda: path(p, x, False), 3))
+                col.append(best_of(lambda p=p, x=x: path(p, x, True), 3))
+                row.append(best_of(lambda p=p, x=x: path(p, x, False), 3))
             c, r = statistics.median(col) * 1e3, statistics.median(row) * 1e3
             print(f"| {name} | ({n}, {k}) | {rows} | {c:.2f} | {r:.2f} | {r / c:.2f} |", flush=True)
     print(f"load {open('/proc/loadavg').read().split()[0]}")
