@@ -161,6 +161,15 @@ def test_slow_path_is_logged_once_per_reason(caplog, monkeypatch):
     assert len(lines) == 1 and "float32 compute" in lines[0]
 
 
+def test_slow_path_line_names_the_weights_bit_width(caplog, monkeypatch):
+    """An 8-bit deployment's line must not call its weights 4-bit."""
+    monkeypatch.setattr(int4, "_logged", set())
+    with caplog.at_level(logging.WARNING, logger="flexgen_helm.compression.int4"):
+        assert weight_layout(Compression(8, 64), (256, 256), torch.bfloat16, CPU) is None
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "8-bit weights" in line and "4-bit weights" not in line
+
+
 # ---- in the engine -------------------------------------------------------------------------
 
 W4 = Compression(4, 32)  # the tiny models' dims (32, 48, 64, 96) take groups of 32 (48: no)
