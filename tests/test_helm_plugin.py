@@ -259,15 +259,15 @@ def test_scoring_batches_mix_lengths_and_generating_ones_keep_to_the_tolerance()
 
 def test_a_scenarios_batches_hold_at_most_a_sixteenth_of_it():
     """A killed run loses its batch in progress: planned batches are capped at 1/16 of the
-    scenario's requests, never below 8, never above the engine's block."""
+    scenario's requests, never below 16, never above the engine's block."""
     from flexgen_helm.helm.batching import batch_cap
 
-    assert [batch_cap(n, 64) for n in (10, 150, 300, 1024, 5000)] == [8, 10, 19, 64, 64]
+    assert [batch_cap(n, 64) for n in (10, 150, 300, 1024, 5000)] == [16, 16, 19, 64, 64]
     assert batch_cap(150, 4) == 4
     c = client(max_batch_size=64)
-    requests = [req(f"Prompt {i} is here", max_tokens=3) for i in range(40)]  # all of one length
-    assert c.prefetch(requests) == 40
-    assert [n for kind, n in engine().calls] == [8] * 5
+    requests = [req(f"Prompt {i} is here", max_tokens=3) for i in range(80)]  # all of one length
+    assert c.prefetch(requests) == 80
+    assert [n for kind, n in engine().calls] == [16] * 5
 
 
 def test_cache_makes_reruns_free(tmp_path):

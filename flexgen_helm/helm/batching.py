@@ -98,9 +98,13 @@ PAD_TOLERANCE = 0.25
 # A killed run loses the batch it was in (every finished batch is in HELM's cache): a planned
 # batch holds at most this share of its scenario's requests, so that a rerun recomputes little,
 # but never fewer than MIN_CAPPED_BATCH requests (smaller blocks make more decode steps, each
-# bound by reading the weights; runs/padding measures what the cap costs).
+# bound by reading the weights; runs/padding measures what the cap costs). Every batch also
+# pays a layer's fixed costs once (a compressed layer's dequantization): the README main job's
+# 10 WikiText paragraphs scored as one batch rather than two of 5 took 9% less BF16 time and 17%
+# less 4-bit time (runs/bench/compression/int4/dense_orientation_2026-11-25/one_batch.py), so a
+# scenario of up to 16 requests runs as one batch, and a killed run recomputes at most 16.
 MAX_BATCH_SHARE = 1 / 16
-MIN_CAPPED_BATCH = 8
+MIN_CAPPED_BATCH = 16
 
 
 def batch_cap(requests: int, max_batch: int, share: float = MAX_BATCH_SHARE) -> int:
