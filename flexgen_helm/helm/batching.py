@@ -102,8 +102,8 @@ PAD_TOLERANCE = 0.25
 # pays a layer's fixed costs once (a compressed layer's dequantization): the README main job's
 # 10 WikiText paragraphs scored as one batch rather than two of 5 took 4-9% less BF16 time and
 # 7-17% less 4-bit time (two runs of runs/bench/compression/int4/dense_orientation_2026-11-25/
-# one_batch.py), so a
-# scenario of up to 16 requests runs as one batch, and a killed run recomputes at most 16.
+# one_batch.py), so a scenario of up to 16 requests runs as one batch, and a killed run
+# recomputes at most 16.
 MAX_BATCH_SHARE = 1 / 16
 MIN_CAPPED_BATCH = 16
 
