@@ -99,11 +99,11 @@ PAD_TOLERANCE = 0.25
 # batch holds at most this share of its scenario's requests, so that a rerun recomputes little,
 # but never fewer than MIN_CAPPED_BATCH requests (smaller blocks make more decode steps, each
 # bound by reading the weights; runs/padding measures what the cap costs). Every batch also
-# pays a layer's fixed costs once (a compressed layer's dequantization): the README main job's
-# 10 WikiText paragraphs scored as one batch rather than two of 5 took 4-9% less BF16 time and
-# 7-17% less 4-bit time (two runs of runs/bench/compression/int4/dense_orientation_2026-11-25/
-# one_batch.py), so a scenario of up to 16 requests runs as one batch, and a killed run
-# recomputes at most 16.
+# pays a layer's fixed costs once (weight loads, a compressed layer's dequantization, a
+# generating batch's decode steps), so a scenario of up to 16 requests runs as one batch and a
+# killed run recomputes at most 16: the README main job's engine time went 48-49 s -> 32-40 s
+# (its 10-request scenarios had run as two batches each; runs/bench/compression/int4/
+# dense_orientation_2026-11-25, main_job_one_batch and one_batch.py).
 MAX_BATCH_SHARE = 1 / 16
 MIN_CAPPED_BATCH = 16
 

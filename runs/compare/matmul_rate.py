@@ -4,18 +4,18 @@ NOTES.md divide by (one run: median of 5 after 2 warm-ups per shape, with host a
     python runs/compare/matmul_rate.py
 """
 
-import os
-import platform
 import statistics
 import time
 
 import torch
 
+from flexgen_helm.memory.machine import machine_label
+
 SHAPES = ((4096, 4096, 4096), (2048, 4096, 4096), (512, 4096, 16384), (512, 16384, 4096))
 
 
 def main() -> None:
-    print(f"host {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__} "
+    print(f"host {machine_label()}, torch {torch.__version__} "
           f"({torch.get_num_threads()} threads), load {open('/proc/loadavg').read().split()[0]}")
     g = torch.Generator().manual_seed(0)
     for m, k, n in SHAPES:

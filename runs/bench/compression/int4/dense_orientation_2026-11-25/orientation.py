@@ -9,7 +9,6 @@ by column is the faster path at that row count.
 """
 
 import os
-import platform
 import statistics
 import sys
 import time
@@ -20,6 +19,7 @@ import torch.nn.functional as F
 from flexgen_helm.compression.int4 import dequantize_packed, pack_int4
 from flexgen_helm.compression.quantize import quantize
 from flexgen_helm.memory.host_allocator import keep_freed_host_memory
+from flexgen_helm.memory.machine import machine_label
 from flexgen_helm.policy.policy import Compression
 
 SHAPES = {  # (out, in) of the weights the README main job and the OPT benches multiply
@@ -45,7 +45,7 @@ def best_of(fn, repeats: int) -> float:
 
 def main(rounds: int) -> None:
     keep_freed_host_memory()  # as every engine runs (memory/host_allocator.py)
-    print(f"host {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+    print(f"host {machine_label()}, torch {torch.__version__}, "
           f"load {open('/proc/loadavg').read().split()[0]}")
     g = torch.Generator().manual_seed(0)
     print("| weight | (out, in) | rows | by column ms | by row ms | by row / by column |")
