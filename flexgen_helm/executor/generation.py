@@ -24,6 +24,10 @@ from flexgen_helm.policy.policy import Policy
 __all__ = ["BlockDriver", "LocalStage", "RunStats", "Sequence", "StageLink", "StepCallback", "left_pad",
            "plan_blocks"]
 
+# a scored prompt's positions go through the vocabulary-wide head this many at a time, so
+# that its (positions x vocabulary) logits never exist all at once
+SCORED_ROWS_PER_HEAD_CALL = 256
+
 
 @dataclass
 class Sequence:
@@ -149,16 +153,18 @@ class BlockDriver:
         self._steps_done = self._steps_total = 0
         self.pad_id = runtime.config.pad_token_id if runtime.config.pad_token_id is not None else 0
 
-    def schedule(self, groups: list[list[list[int]]], max_len: int, name: str = "") -> BlockSchedule:
+    def schedule(self, groups: list[list[list[int]]], max_len: int, name: str = "",
+                 head_rows: int | None = None) -> BlockSchedule:
         """A schedule for GPU batches of prompts, each padded to its own longest; schedules
-        alive at once need distinct names (their disk files live in a folder of that name)."""
+        alive at once need distinct names (their disk files live in a folder of that name);
+        head_rows: see BlockSchedule."""
         workdir = self.workdir / name if name else self.workdir
         workdir.mkdir(exist_ok=True)
         batches = [left_pad(g, max(map(len, g)), self.pad_id) for g in groups]
         self.stats.prompt_tokens += sum(len(p) for g in groups for p in g)
         self.stats.padded_prompt_tokens += sum(b.ids.numel() for b in batches)
         self.stats.blocks += 1
-        return BlockSchedule(self.rt, self.policy, batches, max_len, workdir)
+        return BlockSchedule(self.rt, self.policy, batches, max_len, workdir, head_rows)
 
     # ---- generation ------------------------------------------------------------------
 
@@ -294,11 +300,13 @@ class BlockDriver:
         batches of `batch_sizes`, in order; as_decode: see BlockSchedule.prefill."""
         ends = list(itertools.accumulate(batch_sizes))
         groups = [list(range(end - size, end)) for size, end in zip(batch_sizes, ends)]
-        sched = self.schedule([[prompts[i] for i in g] for g in groups], max(len(p) for p in prompts))
-        lengths = [b.ids.shape[1] for b in sched.batches]
+        lengths = [max(len(prompts[i]) for i in g) for g in groups]
         # column c of a left-padded row predicts its token c + 1
         wanted = [torch.arange(length - 1)[None, :] >= torch.tensor(
             [length - len(prompts[i]) + first_scored[i] - 1 for i in g])[:, None] for g, length in zip(groups, lengths)]
+        head_rows = min(SCORED_ROWS_PER_HEAD_CALL, max(int(m.sum()) for m in wanted))
+        sched = self.schedule([[prompts[i] for i in g] for g in groups], max(len(p) for p in prompts),
+                              head_rows=head_rows)
         try:
             t0 = time.perf_counter()
             per_batch = sched.prefill(
@@ -318,7 +326,7 @@ class BlockDriver:
         return out
 
     def _scored_positions_head(self, batch: GpuBatch, w: dict, h: torch.Tensor, top_k: int, wanted: torch.Tensor,
-                               rows_per_chunk: int = 256):
+                               rows_per_chunk: int = SCORED_ROWS_PER_HEAD_CALL):
         """Log-probs of the wanted next tokens ((b, s-1) mask), through the head a chunk of
         positions at a time: padding and unwanted positions never reach the vocabulary-wide
         head, and the (positions x vocabulary) logits never exist all at once."""
@@ -330,12 +338,14 @@ class BlockDriver:
         top_vals, top_ids = [], []
         for c0 in range(0, len(targets), rows_per_chunk):
             c1 = min(c0 + rows_per_chunk, len(targets))
-            logits = self.rt.family.head(self.rt.config, w, hidden[None, c0:c1])[0].float()
-            norm = torch.logsumexp(logits, dim=-1)
-            picked[c0:c1] = (logits.gather(-1, targets[c0:c1, None])[:, 0] - norm).cpu()
+            # one fused pass from the head's dtype to float32 log-probs (a float copy of the
+            # logits, then logsumexp's passes over it, took ~2x as long on the CPU)
+            logprobs = F.log_softmax(self.rt.family.head(self.rt.config, w, hidden[None, c0:c1])[0], dim=-1,
+                                     dtype=torch.float32)
+            picked[c0:c1] = logprobs.gather(-1, targets[c0:c1, None])[:, 0].cpu()
             if top_k:
-                vals, idx = logits.topk(top_k, dim=-1)
-                top_vals.append((vals - norm[:, None]).cpu())
+                vals, idx = logprobs.topk(top_k, dim=-1)
+                top_vals.append(vals.cpu())
                 top_ids.append(idx.cpu())
         lps = torch.full((b, s - 1), math.nan)
         lps[wanted] = picked

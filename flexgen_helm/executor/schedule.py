@@ -109,7 +109,11 @@ def shared_weights(layer, loaded: dict, following) -> dict:
 
 
 class BlockSchedule:
-    def __init__(self, runtime, policy: Policy, batches: list[GpuBatch], max_len: int, workdir: Path):
+    def __init__(self, runtime, policy: Policy, batches: list[GpuBatch], max_len: int, workdir: Path,
+                 head_rows: int | None = None):
+        """head_rows: the most positions a call of the head turns into log-probs (default: the
+        last position of each sequence of the largest GPU batch); its working set is kept
+        resident with the layers' (working_set.kept_freed_bytes)."""
         self.rt = runtime
         self.cfg = runtime.config
         self.family = runtime.family
@@ -168,7 +172,8 @@ class BlockSchedule:
         self.keep_freed = kept_freed_bytes(self.cfg, max(b.size for b in batches), self.prompt_len,
                                            self.devices.dtype,
                                            dense_weight_numel(runtime.layers, policy.compress_weight),
-                                           max(map(self._load_nbytes, runtime.layers)))
+                                           max(map(self._load_nbytes, runtime.layers)),
+                                           max(b.size for b in batches) if head_rows is None else head_rows)
         self._freed_checked_at = 0.0
         self._freed_check_every = RELEASE_CHECK_S
 

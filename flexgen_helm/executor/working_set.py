@@ -26,8 +26,16 @@ def batch_working_bytes(cfg: ModelConfig, rows: int, dtype: torch.dtype) -> int:
     return rows * (4 * cfg.hidden_size + 2 * cfg.ffn_size) * elt
 
 
+def head_working_bytes(cfg: ModelConfig, rows: int, dtype: torch.dtype) -> int:
+    """What the head holds while it turns `rows` positions into log-probabilities: their
+    vocabulary-wide logits in the compute dtype, the float32 copy log_softmax makes of them
+    and its float32 output."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    return rows * cfg.vocab_size * (elt + 4 + 4)
+
+
 def kept_freed_bytes(cfg: ModelConfig, gpu_batch_size: int, prompt_len: int, dtype: torch.dtype,
-                     dense_weight_numel: int = 0, largest_load: int = 0) -> int:
+                     dense_weight_numel: int = 0, largest_load: int = 0, head_rows: int = 0) -> int:
     """Freed host memory a block keeps resident for reuse: KEPT_WORKING_SETS times what a
     layer frees when it ends - the prefill working set (the widest the block has) of its
     largest GPU batch, and the dense copy a layer makes of its compressed weights
@@ -37,10 +45,15 @@ def kept_freed_bytes(cfg: ModelConfig, gpu_batch_size: int, prompt_len: int, dty
     4-bit SmolLM2 prefill handed a layer's copy back and the next layer faulted its own in
     again (float and copy_ of its dequantization ~5x slower, thread CPU time under load);
     without the load buffers, every disk read would fault in fresh pages (~half the read
-    speed, memory/direct_io.py)."""
+    speed, memory/direct_io.py). And the head's working set over `head_rows` positions
+    (head_working_bytes), which its next call reuses: without it, scoring 1024-token
+    SmolLM2 windows (256 positions a call, ~125 MB) handed ~190 MB back once a window and
+    faulted its logits in again."""
     elt = torch.empty((), dtype=dtype).element_size()
     dense = dense_weight_numel * elt + (DEQUANTIZE_WORKING_BYTES if dense_weight_numel else 0)
-    return KEPT_WORKING_SETS * (batch_working_bytes(cfg, gpu_batch_size * prompt_len, dtype) + dense) + largest_load
+    widest = (batch_working_bytes(cfg, gpu_batch_size * prompt_len, dtype) + dense
+              + head_working_bytes(cfg, head_rows, dtype))
+    return KEPT_WORKING_SETS * widest + largest_load
 
 
 def dense_weight_numel(layers, compression) -> int:
