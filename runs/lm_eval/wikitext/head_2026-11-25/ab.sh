@@ -9,7 +9,7 @@ set -euo pipefail
 root=$(pwd)
 for side in before after; do
   rev=$([ "$side" = before ] && echo "$BEFORE" || echo "$AFTER")
-  rm -rf "/work/ab_$side"; git worktree add -q --detach "/work/ab_$side" "$rev"
+  git worktree remove --force "/work/ab_$side" 2>/dev/null || true; git worktree add -q --detach "/work/ab_$side" "$rev"
 done
 { echo "host: $(python -c 'from flexgen_helm.memory.machine import machine_label; print(machine_label())')"
   echo "before $BEFORE, after $(git rev-parse --short "$AFTER")"; uptime; } > "$OUT/times.txt"
