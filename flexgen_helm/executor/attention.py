@@ -123,9 +123,9 @@ def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_vali
     it stays finite.
 
     Measured against torch's flex_attention (causal block mask, eager and compiled) and
-    blocked attention written with plain ops (bf16 matmuls, float32 softmax) at SmolLM2's
-    shapes, 512-8192 tokens, on the 2-core EPYC: SDPA was the fastest of them
-    (flexgen_helm/tools/compare/attention_kernels.py)."""
+    blocked attention written with plain ops at SmolLM2's shapes, 512-8192 tokens, on the
+    2-core EPYC (flexgen_helm/tools/compare/attention_kernels.py): SDPA was the fastest
+    exact one; in bfloat16 on the CPU, causal prompts take _causal_rows instead."""
     u, r, q_len, d = q.shape
     t = k.shape[1]
     dtype = _attention_dtype(q)
@@ -149,9 +149,11 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, windo
     """q (u, r, s, d); k, v (u, 1, t, d), shared by a unit's r query heads, queries the last
     s positions. Expanded views, not enable_gqa: on CPU that measured slower (0.8-0.9x at
     SmolLM2's 9/3 heads). A sliding window narrower than t is one (s, t) mask shared by
-    every unit (the causal flag cannot say it)."""
+    every unit (the causal flag cannot say it). Causal bf16 prompts on the CPU: _causal_rows."""
     u, r, s, d = q.shape
     t = k.shape[2]
+    if causal and s == t and (not window or t <= window) and q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        return _causal_rows(q, k[:, 0], v[:, 0])
     k, v = k.expand(u, r, t, d), v.expand(u, r, t, d)
     if causal and window and t > window:
         qpos = torch.arange(t - s, t, device=q.device)[:, None]
@@ -159,6 +161,45 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, windo
         near = (kpos <= qpos) & (kpos > qpos - window)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=near)
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+# _causal_rows: queries a block, and at most this many scores a call (16 MiB in bf16)
+CAUSAL_ROWS_BLOCK = 128
+CAUSAL_ROWS_MAX_SCORES = 1 << 23
+
+
+def _causal_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal prompt attention in bfloat16 on the CPU, q (u, r, t, d), k and v (u, t, d), as
+    two bf16 matmuls a block of CAUSAL_ROWS_BLOCK queries: a unit's r query heads stacked as
+    the rows of one product against the keys up to the block's end (the masked half beyond
+    it is never computed), a -inf tile on the diagonal, softmax. torch's fused CPU kernel
+    runs at half the matmul rate here (SmolLM2's heads, 1025 tokens: 15.1 ms a layer against
+    7.7; 4096: 157 against 100; tools/compare/attention_kernels.py).
+
+    The scores leave the matmul rounded to bf16 (torch's CPU matmuls write their inputs'
+    dtype), where the fused kernel keeps them in float32. To keep that rounding small, the
+    keys' mean is subtracted first: q . mean(k) is the same for every key of a query, so
+    the softmax, and the output, are unchanged by it, while the scores shrink by the
+    component all keys share (large in trained models). Measured on SmolLM2 (runs/lm_eval/
+    wikitext_2026-11-25): WikiText bits per byte equal to 5 digits; LAMBADA's last-word
+    perplexity nearer float32's than the fused kernel's."""
+    u, r, t, d = q.shape
+    block = CAUSAL_ROWS_BLOCK
+    out = torch.empty(u, r, t, d, dtype=q.dtype, device=q.device)
+    qs = q * (1 / math.sqrt(d))
+    kf = k.float()
+    kt = (kf - kf.mean(1, keepdim=True)).to(q.dtype).transpose(1, 2)  # (u, d, t)
+    above = torch.full((block, block), -math.inf, dtype=q.dtype, device=q.device).triu(1)
+    units = max(1, CAUSAL_ROWS_MAX_SCORES // (r * block * t))
+    for a0 in range(0, u, units):
+        a1 = min(a0 + units, u)
+        for i0 in range(0, t, block):
+            i1 = min(i0 + block, t)
+            n = i1 - i0
+            scores = torch.bmm(qs[a0:a1, :, i0:i1].reshape(a1 - a0, r * n, d), kt[a0:a1, :, :i1])
+            scores.view(a1 - a0, r, n, i1)[..., i0:i1].add_(above[:n, :n])
+            out[a0:a1, :, i0:i1] = torch.bmm(scores.softmax(-1), v[a0:a1, :i1]).view(a1 - a0, r, n, d)
+    return out
 
 
 def _left_padded_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,

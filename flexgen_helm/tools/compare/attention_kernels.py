@@ -1,5 +1,6 @@
-"""Causal prompt attention on this machine: the engine's path (executor.attention.attend)
-against the alternatives it was chosen from, at a model's head shapes and several lengths.
+"""Causal prompt attention on this machine: the engine's path (executor.attention.attend;
+in bfloat16 on the CPU, query blocks as bf16 matmuls over smoothed keys) against the
+alternatives it was chosen from, at a model's head shapes and several lengths.
 
     python -m flexgen_helm.tools.compare.attention_kernels --lengths 512 2048 8192
 
@@ -175,7 +176,9 @@ def measure(t: int, args) -> list[str]:
     u, r, d = args.batch * args.kv_heads, args.heads // args.kv_heads, args.head_dim
     dtype = getattr(torch, args.dtype)
     q = torch.randn(u, r, t, d, generator=g).to(dtype)
-    k, v = torch.randn(u, t, d, generator=g).to(dtype), torch.randn(u, t, d, generator=g).to(dtype)
+    # keys sharing a component, as a trained model's do (--key-offset)
+    k = (args.key_offset + torch.randn(u, t, d, generator=g)).to(dtype)
+    v = torch.randn(u, t, d, generator=g).to(dtype)
     lengths = torch.full((args.batch,), t)
     if args.padded:
         lengths = torch.randint(int(t * args.min_fill), t + 1, (args.batch,), generator=g)
@@ -231,6 +234,8 @@ def main(argv=None) -> int:
     p.add_argument("--padded", action="store_true", help="rows of lengths min_fill*t..t, left padded")
     p.add_argument("--min-fill", type=float, default=0.5, help="with --padded: the shortest row, as a fraction of t")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--key-offset", type=float, default=0.0,
+                   help="a component every key shares, added to each coordinate (random keys have none)")
     p.add_argument("--no-flex", action="store_true")
     p.add_argument("--parts", action="store_true", help="time blocked_rows' steps (matmuls, softmax pieces) once more")
     p.add_argument("--flex-eager-up-to", type=int, default=2048)
@@ -242,7 +247,7 @@ def main(argv=None) -> int:
     print(f"{args.dtype}, batch {args.batch}, {args.heads} heads / {args.kv_heads} kv heads of {args.head_dim}, "
           f"{'left padded' if args.padded else 'no padding'}, {torch.get_num_threads()} threads; "
           f"speed = SDPA's time / the candidate's, median over {args.rounds} rounds; "
-          "GFLOP/s counts the causal half; error: max abs vs float64, real positions")
+          f"GFLOP/s counts the causal half; error: max abs vs float64, real positions; key offset {args.key_offset}")
     print("| length | candidate | ms | speed vs SDPA | GFLOP/s | error |\n| --- | --- | --- | --- | --- | --- |")
     for t in args.lengths:
         for line in measure(t, args):
