@@ -33,7 +33,8 @@ from flexgen_helm.tools.report.helm_runs import read_run, run_dirs
 from flexgen_helm.tools.report.markdown import table
 
 MODEL = "smollm2-135m"
-PROFILE = Path("runs/policy/hardware.json")  # this machine's measured rates (flexgen-helm profile)
+# this machine's measured rates, for the compute floor: `flexgen-helm profile --json runs/helm_vs_hf/hardware.json`
+PROFILE = Path("runs/helm_vs_hf/hardware.json")
 # WikiText twice: whole articles (up to the 8192-token context: long-context language
 # modeling, where causal attention dominates), and paragraphs (the same text as ~3k short
 # requests: the many-request regime HELM's sub-scenarios live in, where batching pays)
@@ -154,7 +155,7 @@ def floor_finding(rows: pd.DataFrame, out: Path) -> str | None:
     from flexgen_helm.weights.registry import resolve
 
     profile = HardwareProfile.load(PROFILE)
-    if not rows.host.iloc[0].startswith(f"{profile.machine.get('cpu')}, {profile.machine.get('cpu_cores')} cores,"):
+    if rows.host.iloc[0] != machine_label(profile.machine):
         return None  # the floor needs this host's speeds
     f = compute_floor(resolve(MODEL).config, tokens, profile)
     ratios = ", ".join(f"`{r.system}` {r.wall_s / f.seconds:.1f}x" for r in rows.itertuples())
