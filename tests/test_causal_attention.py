@@ -101,8 +101,9 @@ def test_bf16_prompt_attention_on_cpu_stays_exact_to_rounding_when_keys_share_a_
 
 
 def test_bf16_prompt_attention_of_a_unit_does_not_depend_on_its_batch(monkeypatch):
-    """Bit for bit the same output for a sequence alone, in a batch, and with the batch cut
-    into calls of one unit each (the bound on the scores a call holds)."""
+    """Bit for bit the same output for a sequence alone, in a batch of sequences of its
+    length, and with the batch cut into calls of one unit each (the bound on the scores a
+    call holds)."""
     g = torch.Generator().manual_seed(1)
     u, r, t, d = 4, 3, 200, 32
     q = torch.randn(u, r, t, d, generator=g).to(torch.bfloat16)
@@ -112,3 +113,20 @@ def test_bf16_prompt_attention_of_a_unit_does_not_depend_on_its_batch(monkeypatc
     assert torch.equal(attend(q[2:3], k[2:3], v[2:3], valid[2:3], causal=True), together[2:3])
     monkeypatch.setattr(attention, "CAUSAL_ROWS_MAX_SCORES", 1)
     assert torch.equal(attend(q, k, v, valid, causal=True), together)
+
+
+def test_bf16_prompt_attention_on_cpu_takes_the_mean_of_real_keys_only():
+    """Left-padded rows whose padding keys are far from the real ones: the real positions
+    still equal each sequence alone to bf16 rounding (a mean over the padding too would
+    leave a large shared component in the real keys' scores: error ~0.1)."""
+    g = torch.Generator().manual_seed(2)
+    u, r, t, d = 4, 3, 300, 64
+    lengths = torch.tensor([300, 170, 129, 40])
+    valid = torch.arange(t)[None, :] >= (t - lengths)[:, None]
+    q = torch.randn(u, r, t, d, generator=g).to(torch.bfloat16)
+    k = torch.where(valid[..., None], 4.0, -60.0) + torch.randn(u, t, d, generator=g)
+    k, v = k.to(torch.bfloat16), torch.randn(u, t, d, generator=g).to(torch.bfloat16)
+    out = attend(q, k, v, valid, causal=True)
+    for unit in range(u):
+        n = int(lengths[unit])
+        torch.testing.assert_close(out[unit, :, t - n:].double(), _alone(q, k, v, unit, n), atol=3e-2, rtol=0)

@@ -7,10 +7,13 @@ computed where it lives (CPU delegation) and the parts joined afterwards."""
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from flexgen_helm.memory.devices import cpu_has_bf16_arithmetic
 
 
 def to_units(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -145,15 +148,18 @@ def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_vali
     return out.reshape(u, r, q_len, d).to(q.dtype)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int = 0) -> torch.Tensor:
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int = 0,
+          lengths: torch.Tensor | None = None) -> torch.Tensor:
     """q (u, r, s, d); k, v (u, 1, t, d), shared by a unit's r query heads, queries the last
     s positions. Expanded views, not enable_gqa: on CPU that measured slower (0.8-0.9x at
     SmolLM2's 9/3 heads). A sliding window narrower than t is one (s, t) mask shared by
-    every unit (the causal flag cannot say it). Causal bf16 prompts on the CPU: _causal_rows."""
+    every unit (the causal flag cannot say it). Causal bf16 prompts on a CPU with bf16
+    arithmetic: _causal_rows (lengths: each unit's real keys, its first rows; default all)."""
     u, r, s, d = q.shape
     t = k.shape[2]
-    if causal and s == t and (not window or t <= window) and q.device.type == "cpu" and q.dtype == torch.bfloat16:
-        return _causal_rows(q, k[:, 0], v[:, 0])
+    if (causal and s == t and (not window or t <= window) and q.device.type == "cpu" and q.dtype == torch.bfloat16
+            and _bf16_matmuls_native()):
+        return _causal_rows(q, k[:, 0], v[:, 0], lengths)
     k, v = k.expand(u, r, t, d), v.expand(u, r, t, d)
     if causal and window and t > window:
         qpos = torch.arange(t - s, t, device=q.device)[:, None]
@@ -163,32 +169,43 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, windo
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
-# _causal_rows: queries a block, and at most this many scores a call (16 MiB in bf16)
+# _causal_rows: queries a block, and the scores a call holds (16 MiB in bf16, twice over with
+# the softmax's output; a call takes one unit at least, whatever its length)
 CAUSAL_ROWS_BLOCK = 128
 CAUSAL_ROWS_MAX_SCORES = 1 << 23
 
 
-def _causal_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+@lru_cache(maxsize=1)
+def _bf16_matmuls_native() -> bool:
+    # where torch emulates bf16 (no AVX512-BF16/AMX) its matmuls are ~10x slower: not measured there
+    return cpu_has_bf16_arithmetic()
+
+
+def _causal_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Causal prompt attention in bfloat16 on the CPU, q (u, r, t, d), k and v (u, t, d), as
     two bf16 matmuls a block of CAUSAL_ROWS_BLOCK queries: a unit's r query heads stacked as
     the rows of one product against the keys up to the block's end (the masked half beyond
-    it is never computed), a -inf tile on the diagonal, softmax. torch's fused CPU kernel
-    runs at half the matmul rate here (SmolLM2's heads, 1025 tokens: 15.1 ms a layer against
-    7.7; 4096: 157 against 100; tools/compare/attention_kernels.py).
+    it is never computed), a -inf tile on the diagonal, softmax. Against torch's fused CPU
+    kernel at SmolLM2's heads, alone on the 2-core EPYC: 7.3 ms a layer against 12.7 at 1025
+    tokens, 114 against 156 at 4096, 353 against 543 at 8192
+    (runs/helm_vs_hf/attention_2026-11-25/kernels.txt).
 
     The scores leave the matmul rounded to bf16 (torch's CPU matmuls write their inputs'
-    dtype), where the fused kernel keeps them in float32. To keep that rounding small, the
-    keys' mean is subtracted first: q . mean(k) is the same for every key of a query, so
-    the softmax, and the output, are unchanged by it, while the scores shrink by the
-    component all keys share (large in trained models). Measured on SmolLM2 (runs/lm_eval/
-    wikitext_2026-11-25): WikiText bits per byte equal to 5 digits; LAMBADA's last-word
-    perplexity nearer float32's than the fused kernel's."""
+    dtype; the fused kernel keeps them in float32). To keep that rounding small, the mean of
+    each unit's real keys (its first lengths[u] rows; default all) is taken out first:
+    q . mean is the same for every key of a query, so the softmax, and the output, are
+    unchanged by it, while the scores shrink by the component all keys share (large in
+    trained models). The 1/sqrt(d) scale goes into the keys with it, before their one
+    rounding to bf16."""
     u, r, t, d = q.shape
     block = CAUSAL_ROWS_BLOCK
-    out = torch.empty(u, r, t, d, dtype=q.dtype, device=q.device)
-    qs = q * (1 / math.sqrt(d))
+    real = torch.ones(u, t, 1, dtype=torch.bool, device=q.device) if lengths is None else \
+        (torch.arange(t, device=q.device)[None, :] < lengths.to(q.device)[:, None])[..., None]
     kf = k.float()
-    kt = (kf - kf.mean(1, keepdim=True)).to(q.dtype).transpose(1, 2)  # (u, d, t)
+    mean = (kf * real).sum(1, keepdim=True) / real.sum(1, keepdim=True).clamp(min=1)
+    kt = kf.sub_(mean).mul_(1 / math.sqrt(d)).to(q.dtype).transpose(1, 2)  # (u, d, t)
+    out = torch.empty(u, r, t, d, dtype=q.dtype, device=q.device)
     above = torch.full((block, block), -math.inf, dtype=q.dtype, device=q.device).triu(1)
     units = max(1, CAUSAL_ROWS_MAX_SCORES // (r * block * t))
     for a0 in range(0, u, units):
@@ -196,7 +213,7 @@ def _causal_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
         for i0 in range(0, t, block):
             i1 = min(i0 + block, t)
             n = i1 - i0
-            scores = torch.bmm(qs[a0:a1, :, i0:i1].reshape(a1 - a0, r * n, d), kt[a0:a1, :, :i1])
+            scores = torch.bmm(q[a0:a1, :, i0:i1].reshape(a1 - a0, r * n, d), kt[a0:a1, :, :i1])
             scores.view(a1 - a0, r, n, i1)[..., i0:i1].add_(above[:n, :n])
             out[a0:a1, :, i0:i1] = torch.bmm(scores.softmax(-1), v[a0:a1, :i1]).view(a1 - a0, r, n, d)
     return out
@@ -228,7 +245,7 @@ def _left_padded_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengt
         flat = x.transpose(1, 2).reshape(u * t, h * d)
         return flat.index_select(0, (index + first_row).flatten()).view(u, t, h, d).transpose(1, 2)
 
-    out = _sdpa(rows(q, ahead), rows(k, ahead), rows(v, ahead), causal=True, window=window)
+    out = _sdpa(rows(q, ahead), rows(k, ahead), rows(v, ahead), causal=True, window=window, lengths=lengths)
     return rows(out, back)
 
 

@@ -495,7 +495,8 @@ class CostModel:
         load_buffers = max(sum(lw.loaded.values()) for lw in lws)
         host = "cpu" if self.hw.is_cuda else "gpu"
         kept = kept_freed_bytes(cfg, gbs, work.prompt_len, self.dtype,
-                                dense_weight_numel([layer for layer, _ in self.groups], policy.compress_weight))
+                                dense_weight_numel([layer for layer, _ in self.groups], policy.compress_weight),
+                                head_rows=gbs)  # the schedule's default: a generation step's last positions
         out = {}
         for phase in PHASES:
             tokens = work.prompt_len if phase == "prefill" else 1
