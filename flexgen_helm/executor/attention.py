@@ -200,10 +200,12 @@ def _causal_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     rounding to bf16."""
     u, r, t, d = q.shape
     block = CAUSAL_ROWS_BLOCK
-    real = torch.ones(u, t, 1, dtype=torch.bool, device=q.device) if lengths is None else \
-        (torch.arange(t, device=q.device)[None, :] < lengths.to(q.device)[:, None])[..., None]
     kf = k.float()
-    mean = (kf * real).sum(1, keepdim=True) / real.sum(1, keepdim=True).clamp(min=1)
+    if lengths is None:
+        mean = kf.mean(1, keepdim=True)
+    else:
+        real = (torch.arange(t, device=q.device)[None, :] < lengths.to(q.device)[:, None])[..., None]
+        mean = (kf * real).sum(1, keepdim=True) / real.sum(1, keepdim=True).clamp(min=1)
     kt = kf.sub_(mean).mul_(1 / math.sqrt(d)).to(q.dtype).transpose(1, 2)  # (u, d, t)
     out = torch.empty(u, r, t, d, dtype=q.dtype, device=q.device)
     above = torch.full((block, block), -math.inf, dtype=q.dtype, device=q.device).triu(1)

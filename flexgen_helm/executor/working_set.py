@@ -47,13 +47,13 @@ def kept_freed_bytes(cfg: ModelConfig, gpu_batch_size: int, prompt_len: int, dty
     without the load buffers, every disk read would fault in fresh pages (~half the read
     speed, memory/direct_io.py). And the head's working set over `head_rows` positions
     (head_working_bytes), which its next call reuses: without it, scoring 1024-token
-    SmolLM2 windows (256 positions a call, ~125 MB) handed ~190 MB back once a window and
-    faulted its logits in again."""
+    SmolLM2 windows (256 positions a call, ~125 MB) handed the head's memory back once a
+    window and faulted its logits in again."""
     elt = torch.empty((), dtype=dtype).element_size()
     dense = dense_weight_numel * elt + (DEQUANTIZE_WORKING_BYTES if dense_weight_numel else 0)
     # the layers' and the head's working sets are never live together, yet both stay in the
-    # heap's free lists between steps: a 1024-token SmolLM2 window kept ~255 MB freed, above
-    # twice the head's ~125 MB alone, so the sum and not the larger of the two
+    # heap's free lists between steps (fragments of one do not serve the other): with only the
+    # larger of the two kept, 1024-token SmolLM2 windows still handed memory back each window
     freed = (batch_working_bytes(cfg, gpu_batch_size * prompt_len, dtype) + dense
              + head_working_bytes(cfg, head_rows, dtype))
     return KEPT_WORKING_SETS * freed + largest_load
