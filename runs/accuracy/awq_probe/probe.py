@@ -1,0 +1,372 @@
+"""Issue 22 probe (session 19): where SmolLM2-135M's 4-bit LAMBADA loss comes from, and whether
+AWQ-style activation-aware scaling (Lin et al., 2023) and a per-group clipping search close it.
+Outside the engine: transformers on the GGUF (tools/accuracy_sweep/hf_reference.py) with
+weights replaced by their quantize -> dequantize values, 4-bit, groups of 64 along the input
+dim (the engine's default). The calibration text is the engine's own (16 x 128 tokens sampled
+from the model: executor/calibration_text.py). An experiment, not a tool.
+
+    python runs/accuracy/awq_probe/probe.py pipeline SCALE BODY HEAD [--lambada N] [--part P]
+        SCALE: none | awq    BODY, HEAD: fp | rtn | gptq | clip
+        P: all (default) | attention | mlp | query-key | value-output: the blocks' projections BODY quantizes
+        scores the first N LAMBADA passages (500: the quick slice; 5153: all) and the first
+        8,192 WikiText tokens; appends a record to json/pipelines.jsonl
+    python runs/accuracy/awq_probe/probe.py head-states fp|embedding-rtn
+        the final hidden states at every LAMBADA target position (all 5,153 passages), the
+        body unquantized (and the input embedding by RTN, untied from the head): only the
+        head changes below, so its variants score in seconds
+    python runs/accuracy/awq_probe/probe.py head-variants fp|embedding-rtn
+        the head alone quantized each way; appends to json/head_only.jsonl
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[2]))  # the repository, when run as a script
+
+import torch  # noqa: E402
+
+from flexgen_helm.compression import gptq  # noqa: E402
+from flexgen_helm.compression.quantize import dequantize, quantize  # noqa: E402
+from flexgen_helm.data.sources import read_lambada, read_wikitext  # noqa: E402
+from flexgen_helm.evaluation.lambada import prepare  # noqa: E402
+from flexgen_helm.evaluation.wikitext import tokenize  # noqa: E402
+from flexgen_helm.policy.policy import Compression  # noqa: E402
+from flexgen_helm.tools.accuracy_sweep.hf_reference import (  # noqa: E402
+    smollm2_model,
+    smollm2_tokenizer,
+    token_perplexity,
+)
+
+GROUP = 64
+RTN = Compression(4, GROUP, 1)
+GPTQ = Compression(4, GROUP, 1, method="gptq")
+ALPHAS = [i / 20 for i in range(21)]  # AWQ's scale exponents searched
+SHRINKS = [1 - 0.025 * i for i in range(21)]  # clipping: a group's range shrunk about its centre, 1.0 .. 0.5
+CLIP_TOKENS = 512  # calibration tokens the clipping search weighs a group's output error on
+WIKITEXT_TOKENS = 8192
+SCRATCH = Path("/tmp/awq_probe")
+
+torch.set_grad_enabled(False)
+
+
+# ---- data and scoring -------------------------------------------------------------------
+
+def lambada_items(n: int):
+    texts, _ = read_lambada()
+    return prepare(smollm2_tokenizer(), texts[:n])[0]
+
+
+def wikitext_ids() -> list[int]:
+    lines, _ = read_wikitext()
+    return tokenize(smollm2_tokenizer(), lines, WIKITEXT_TOKENS)[0]
+
+
+def padded(items, idx) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded token ids and attention mask of the passages idx."""
+    length = max(len(items[i].full) for i in idx)
+    ids = torch.zeros(len(idx), length, dtype=torch.long)
+    mask = torch.zeros(len(idx), length, dtype=torch.long)
+    for r, i in enumerate(idx):
+        ids[r, :len(items[i].full)] = torch.tensor(items[i].full)
+        mask[r, :len(items[i].full)] = 1
+    return ids, mask
+
+
+def target_rows(items, batch: int = 32):
+    """(passage, its rows of a batch's output at the target-predicting positions) in length order."""
+    order = sorted(range(len(items)), key=lambda i: len(items[i].full))
+    for s in range(0, len(order), batch):
+        idx = order[s:s + batch]
+        yield idx, padded(items, idx)
+
+
+def lambada_scores(model, items) -> tuple[float, float]:
+    """Accuracy (every target token the argmax) and last-word perplexity, as the engine's eval counts them."""
+    correct, nll = 0, 0.0
+    for idx, (ids, mask) in target_rows(items):
+        logprobs = torch.log_softmax(model(ids, attention_mask=mask).logits.float(), -1)
+        for r, i in enumerate(idx):
+            k, target = len(items[i].context), items[i].target
+            rows = logprobs[r, k - 1:k - 1 + len(target)]
+            correct += rows.argmax(-1).tolist() == target
+            nll -= rows.gather(-1, torch.tensor(target)[:, None]).sum().item()
+    return correct / len(items), math.exp(nll / len(items))
+
+
+# ---- quantizers (dequantized: the values the kernels would compute with) -----------------
+
+def rtn(w: torch.Tensor) -> torch.Tensor:
+    return dequantize(quantize(w, RTN, 1), torch.float32)
+
+
+def gptq_fit(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    blocks = gptq.column_blocks(w.shape[1], GROUP, 1)
+    codes = gptq.gptq_quantize(w.float(), gptq.input_factors(x, blocks), blocks, GPTQ, 1, torch.float32)
+    return dequantize(codes, torch.float32)
+
+
+def on_grid(w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, levels: int = 15) -> torch.Tensor:
+    step = ((hi - lo) / levels).clamp(min=1e-12)
+    return ((w - lo) / step).round().clamp(0, levels) * step + lo
+
+
+def clip_fit(w: torch.Tensor, x: torch.Tensor, tokens: int = CLIP_TOKENS) -> torch.Tensor:
+    """Per (row, group), the range shrink (SHRINKS) with the least error in that group's share
+    of the output on `tokens` evenly spaced calibration inputs."""
+    out_dim, in_dim = w.shape
+    x = x.reshape(-1, in_dim)
+    x = x[torch.linspace(0, x.shape[0] - 1, min(tokens, x.shape[0])).long()].float()
+    wg = w.float().view(out_dim, -1, GROUP)
+    xg = x.t().reshape(-1, GROUP, x.shape[0])
+    lo0, hi0 = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+    mid = (lo0 + hi0) / 2
+    best_err = torch.full(wg.shape[:2], float("inf"))
+    best = torch.empty_like(wg)
+    for r in SHRINKS:
+        qw = on_grid(wg, mid + (lo0 - mid) * r, mid + (hi0 - mid) * r)
+        err = torch.einsum("ogk,gkt->ogt", qw - wg, xg).pow(2).sum(-1)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best = torch.where(better[..., None], qw, best)
+    return best.view(out_dim, in_dim)
+
+
+def fitted(how: str, w: torch.Tensor, x: torch.Tensor, clip_tokens: int = CLIP_TOKENS) -> torch.Tensor:
+    if how == "rtn":
+        return rtn(w)
+    if how == "gptq":
+        return gptq_fit(w, x)
+    if how == "clip":
+        return clip_fit(w, x, clip_tokens)
+    raise SystemExit(f"unknown quantizer {how!r}: rtn, gptq or clip")
+
+
+# ---- the model, layer by layer ---------------------------------------------------------
+
+def embedded(model, ids: torch.Tensor):
+    """The first block's inputs and the rotary (cos, sin) of the calibration ids."""
+    h = model.model.embed_tokens(ids)
+    positions = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
+    return h, model.model.rotary_emb(h, positions)
+
+
+def run_block(layer, h, rotary):
+    out = layer(h, position_embeddings=rotary, attention_mask=None)  # no mask: causal
+    return out[0] if isinstance(out, tuple) else out
+
+
+def inputs_of(modules: dict, run) -> dict[str, torch.Tensor]:
+    seen = {}
+    hooks = [m.register_forward_hook(lambda mod, inp, out, k=k: seen.__setitem__(k, inp[0]))
+             for k, m in modules.items()]
+    run()
+    for hook in hooks:
+        hook.remove()
+    return seen
+
+
+def normalized(stat: torch.Tensor, alpha: float) -> torch.Tensor:
+    s = stat.pow(alpha).clamp(min=1e-4)
+    return s / (s.max() * s.min()).sqrt()
+
+
+def best_scale(stat, linears, run, expand=lambda s: s) -> torch.Tensor:
+    """AWQ's search: s = stat^alpha on the input columns of `linears`, the alpha whose
+    quantized output (run()) is closest to the unquantized one."""
+    originals = [lin.weight.data.clone() for lin in linears]
+    reference = run()
+    best = (float("inf"), None)
+    for alpha in ALPHAS:
+        s = normalized(stat, alpha)
+        for lin, w in zip(linears, originals):
+            lin.weight.data = rtn(w * expand(s)) / expand(s)
+        loss = (run() - reference).pow(2).mean().item()
+        best = min(best, (loss, s), key=lambda b: b[0])
+    for lin, w in zip(linears, originals):
+        lin.weight.data = w
+    return best[1]
+
+
+def channel_mean(x: torch.Tensor) -> torch.Tensor:
+    return x.abs().reshape(-1, x.shape[-1]).mean(0)
+
+
+def awq_block(layer, x, rotary):
+    """Scale a block's four input groups (AWQ), each folded into what produces its input:
+    the norms for q/k/v and gate/up, v for o (a kv channel's scale repeats over the query
+    heads that share it), up for down. Returns the block's (unchanged) output."""
+    attn, mlp = layer.self_attn, layer.mlp
+    xn = layer.input_layernorm(x)
+    s = best_scale(channel_mean(xn), [attn.q_proj, attn.k_proj, attn.v_proj],
+                   lambda: attn(xn, position_embeddings=rotary, attention_mask=None)[0])
+    layer.input_layernorm.weight.data /= s
+    for lin in (attn.q_proj, attn.k_proj, attn.v_proj):
+        lin.weight.data *= s
+    xn = layer.input_layernorm(x)
+    ox = inputs_of({"o": attn.o_proj}, lambda: attn(xn, position_embeddings=rotary, attention_mask=None))["o"]
+    hd, groups = attn.head_dim, attn.num_key_value_groups
+    kv_heads = attn.k_proj.out_features // hd
+    stat = ox.abs().reshape(-1, kv_heads, groups, hd).mean((0, 2)).reshape(-1)
+
+    def per_query_head(s):
+        return s.view(kv_heads, 1, hd).expand(kv_heads, groups, hd).reshape(-1)
+    s = best_scale(stat, [attn.o_proj], lambda: attn.o_proj(ox), per_query_head)
+    attn.v_proj.weight.data /= s[:, None]
+    attn.o_proj.weight.data *= per_query_head(s)
+    h = x + attn(xn, position_embeddings=rotary, attention_mask=None)[0]
+    hn = layer.post_attention_layernorm(h)
+    s = best_scale(channel_mean(hn), [mlp.gate_proj, mlp.up_proj], lambda: mlp(hn))
+    layer.post_attention_layernorm.weight.data /= s
+    for lin in (mlp.gate_proj, mlp.up_proj):
+        lin.weight.data *= s
+    hn = layer.post_attention_layernorm(h)
+    dx = mlp.act_fn(mlp.gate_proj(hn)) * mlp.up_proj(hn)
+    s = best_scale(channel_mean(dx), [mlp.down_proj], lambda: mlp.down_proj(dx))
+    mlp.up_proj.weight.data /= s[:, None]
+    mlp.down_proj.weight.data *= s
+    return h + mlp(layer.post_attention_layernorm(h))
+
+
+def awq_scale(model, ids):
+    h, rotary = embedded(model, ids)
+    for layer in model.model.layers:
+        h = awq_block(layer, h, rotary)
+
+
+STEPS = [("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",)]
+PARTS = {"all": STEPS, "attention": STEPS[:2], "mlp": STEPS[2:], "query-key": [("q_proj", "k_proj")],
+         "value-output": [("v_proj",), ("o_proj",)]}
+
+
+def quantize_body(model, ids, how: str, part: str = "all"):
+    """Every block's projections (of `part`), in order, each fitted to the inputs the blocks
+    quantized before it give it (true sequential)."""
+    h, rotary = embedded(model, ids)
+    for layer in model.model.layers:
+        linears = {n: m for n, m in layer.named_modules() if n.split(".")[-1] in sum(STEPS, ())}
+        by_name = {n.split(".")[-1]: m for n, m in linears.items()}
+        for step in PARTS[part]:
+            seen = inputs_of({n: by_name[n] for n in step}, functools.partial(run_block, layer, h, rotary))
+            for n in step:
+                by_name[n].weight.data = fitted(how, by_name[n].weight.data, seen[n])
+        h = run_block(layer, h, rotary)
+
+
+def quantize_head(model, ids, how: str):
+    """The tied embedding / head, against the last hidden states of the model as it is now."""
+    emb = model.model.embed_tokens.weight
+    last = model.model(ids).last_hidden_state
+    emb.data = fitted(how, emb.data, last, clip_tokens=last.shape[0] * last.shape[1])
+
+
+def calibration_ids() -> torch.Tensor:
+    """The engine's calibration text for SmolLM2-135M (sampled once, then cached)."""
+    cached = SCRATCH / "calibration.pt"
+    if cached.exists():
+        return torch.load(cached, weights_only=True)
+    import tempfile
+
+    from flexgen_helm.engine import weight_calibration
+    from flexgen_helm.weights.registry import resolve
+    calibration = weight_calibration(resolve("smollm2-135m"), GPTQ, Path(tempfile.mkdtemp()), False)
+    ids = torch.tensor(calibration.sample(calibration.text))
+    SCRATCH.mkdir(exist_ok=True)
+    torch.save(ids, cached)
+    return ids
+
+
+# ---- commands ---------------------------------------------------------------------------
+
+def pipeline(scale: str, body: str, head: str, passages: int, part: str) -> dict:
+    model, ids = smollm2_model(), calibration_ids()
+    t0 = time.perf_counter()
+    if scale == "awq":
+        awq_scale(model, ids)
+    if body != "fp":
+        quantize_body(model, ids, body, part)
+    if head != "fp":
+        quantize_head(model, ids, head)
+    fit_s = time.perf_counter() - t0
+    accuracy, last_word = lambada_scores(model, lambada_items(passages))
+    return {"scale": scale, "body": body, "body_part": part, "head": head, "fit_s": round(fit_s, 1),
+            "lambada_passages": passages,
+            "lambada_accuracy": accuracy, "last_word_perplexity": last_word,
+            "wikitext_tokens": WIKITEXT_TOKENS, "wikitext_perplexity": token_perplexity(model, wikitext_ids())}
+
+
+def head_states(mode: str) -> None:
+    model = smollm2_model()
+    if mode == "embedding-rtn":  # untie: the lookup takes RTN codes, the head stays exact
+        model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone())
+        model.model.embed_tokens.weight.data = rtn(model.model.embed_tokens.weight.data)
+    items = lambada_items(5153)
+    states, targets, owner = [], [], []
+    for idx, (ids, mask) in target_rows(items):
+        last = model.model(ids, attention_mask=mask).last_hidden_state
+        for r, i in enumerate(idx):
+            k, target = len(items[i].context), items[i].target
+            states.append(last[r, k - 1:k - 1 + len(target)].clone())
+            targets += target
+            owner += [i] * len(target)
+    SCRATCH.mkdir(exist_ok=True)
+    torch.save({"states": torch.cat(states), "targets": torch.tensor(targets), "owner": torch.tensor(owner),
+                "passages": len(items)}, SCRATCH / f"head_states_{mode}.pt")
+
+
+def head_scores(saved: dict, head: torch.Tensor) -> tuple[float, float]:
+    logprobs = torch.log_softmax(saved["states"] @ head.t(), -1)
+    wrong = logprobs.argmax(-1) != saved["targets"]
+    nll = -logprobs.gather(-1, saved["targets"][:, None])[:, 0].double()
+    missed = torch.zeros(saved["passages"], dtype=torch.bool)
+    missed[saved["owner"][wrong]] = True
+    per_passage = torch.zeros(saved["passages"], dtype=torch.float64).index_add_(0, saved["owner"], nll)
+    return 1 - missed.float().mean().item(), math.exp(per_passage.mean().item())
+
+
+def head_variants(mode: str) -> list[dict]:
+    saved = torch.load(SCRATCH / f"head_states_{mode}.pt", weights_only=True)
+    model, ids = smollm2_model(), calibration_ids()
+    emb = model.model.embed_tokens.weight.detach().clone()
+    last = model.model(ids).last_hidden_state
+    heads = {"fp": emb, "rtn": rtn(emb), "gptq": gptq_fit(emb, last),
+             "clip": clip_fit(emb, last, last.shape[0] * last.shape[1]),
+             "hqq": dequantize(quantize(emb, Compression(4, GROUP, 1, method="hqq"), 1), torch.float32)}
+    rows = []
+    for name, head in heads.items():
+        accuracy, last_word = head_scores(saved, head)
+        rows.append({"body": mode, "head": name, "lambada_passages": saved["passages"],
+                     "lambada_accuracy": accuracy, "last_word_perplexity": last_word})
+    return rows
+
+
+def append(name: str, rows: list[dict], command: str) -> None:
+    with open(HERE / "json" / name, "a") as f:
+        for row in rows:
+            print(row, flush=True)
+            f.write(json.dumps({**row, "command": command}) + "\n")
+
+
+def main(argv: list[str]) -> None:
+    command = "python runs/accuracy/awq_probe/probe.py " + " ".join(argv)
+    (HERE / "json").mkdir(exist_ok=True)
+    if argv[0] == "pipeline":
+        passages = int(argv[argv.index("--lambada") + 1]) if "--lambada" in argv else 500
+        part = argv[argv.index("--part") + 1] if "--part" in argv else "all"
+        append("pipelines.jsonl", [pipeline(*argv[1:4], passages, part)], command)
+    elif argv[0] == "head-states":
+        head_states(argv[1])
+    elif argv[0] == "head-variants":
+        append("head_only.jsonl", head_variants(argv[1]), command)
+    else:
+        raise SystemExit(__doc__)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
