@@ -86,7 +86,14 @@ def test_padded_batches_score_and_generate_as_each_prompt_alone(tiny_llama, poli
         assert gen.completions[0].token_ids == engine.generate([prompt], params).results[0].completions[0].token_ids
 
 
-def test_bf16_prompt_attention_on_cpu_stays_exact_to_rounding_when_keys_share_a_large_component():
+@pytest.fixture
+def bf16_rows_path(monkeypatch):
+    """The bf16 prompt path on any CPU: where torch emulates bf16 it is only slower, and
+    without this these tests would check the fused kernel there instead."""
+    monkeypatch.setattr(attention, "_bf16_matmuls_native", lambda: True)
+
+
+def test_bf16_prompt_attention_on_cpu_stays_exact_to_rounding_when_keys_share_a_large_component(bf16_rows_path):
     """Keys of trained models share a large component; the CPU's bf16 prompt attention rounds
     its scores to bf16 after taking out the keys' mean (which the softmax ignores), so such
     keys cost it no more accuracy than others: without that, this error is ~0.05."""
@@ -100,7 +107,7 @@ def test_bf16_prompt_attention_on_cpu_stays_exact_to_rounding_when_keys_share_a_
         torch.testing.assert_close(out[unit].double(), _alone(q, k, v, unit, t), atol=3e-2, rtol=0)
 
 
-def test_bf16_prompt_attention_of_a_unit_does_not_depend_on_its_batch(monkeypatch):
+def test_bf16_prompt_attention_of_a_unit_does_not_depend_on_its_batch(bf16_rows_path, monkeypatch):
     """Bit for bit the same output for a sequence alone, in a batch of sequences of its
     length, and with the batch cut into calls of one unit each (the bound on the scores a
     call holds)."""
@@ -115,7 +122,7 @@ def test_bf16_prompt_attention_of_a_unit_does_not_depend_on_its_batch(monkeypatc
     assert torch.equal(attend(q, k, v, valid, causal=True), together)
 
 
-def test_bf16_prompt_attention_on_cpu_takes_the_mean_of_real_keys_only():
+def test_bf16_prompt_attention_on_cpu_takes_the_mean_of_real_keys_only(bf16_rows_path):
     """Left-padded rows whose padding keys are far from the real ones: the real positions
     still equal each sequence alone to bf16 rounding (a mean over the padding too would
     leave a large shared component in the real keys' scores: error ~0.1)."""
