@@ -6,7 +6,8 @@ dim (the engine's default). The calibration text is the engine's own (16 x 128 t
 from the model: executor/calibration_text.py). An experiment, not a tool.
 
     python runs/accuracy/awq_probe/probe.py pipeline SCALE BODY HEAD [--lambada N] [--part P]
-        SCALE: none | awq    BODY, HEAD: fp | rtn | gptq | clip
+        SCALE: none | awq | awq-not-qkv | rotate    BODY, HEAD: fp | rtn | gptq | clip
+        BODY may also be a list of QUANTIZER:PART steps, e.g. gptq:query-key,rtn:value-output,rtn:mlp
         P: all (default) | attention | mlp | query-key | value-output: the blocks' projections BODY quantizes
         scores the first N LAMBADA passages (500: the quick slice; 5153: all) and the first
         8,192 WikiText tokens; appends a record to json/pipelines.jsonl
@@ -23,6 +24,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -54,6 +56,8 @@ WIKITEXT_TOKENS = 8192
 SCRATCH = Path("/tmp/awq_probe")
 
 torch.set_grad_enabled(False)
+if os.environ.get("PROBE_THREADS"):  # two probes side by side, one core each
+    torch.set_num_threads(int(os.environ["PROBE_THREADS"]))
 
 
 # ---- data and scoring -------------------------------------------------------------------
@@ -198,17 +202,19 @@ def channel_mean(x: torch.Tensor) -> torch.Tensor:
     return x.abs().reshape(-1, x.shape[-1]).mean(0)
 
 
-def awq_block(layer, x, rotary):
+def awq_block(layer, x, rotary, qkv: bool = True):
     """Scale a block's four input groups (AWQ), each folded into what produces its input:
     the norms for q/k/v and gate/up, v for o (a kv channel's scale repeats over the query
-    heads that share it), up for down. Returns the block's (unchanged) output."""
+    heads that share it), up for down. Returns the block's (unchanged) output.
+    qkv=False leaves the q/k/v group unscaled."""
     attn, mlp = layer.self_attn, layer.mlp
     xn = layer.input_layernorm(x)
-    s = best_scale(channel_mean(xn), [attn.q_proj, attn.k_proj, attn.v_proj],
-                   lambda: attn(xn, position_embeddings=rotary, attention_mask=None)[0])
-    layer.input_layernorm.weight.data /= s
-    for lin in (attn.q_proj, attn.k_proj, attn.v_proj):
-        lin.weight.data *= s
+    if qkv:
+        s = best_scale(channel_mean(xn), [attn.q_proj, attn.k_proj, attn.v_proj],
+                       lambda: attn(xn, position_embeddings=rotary, attention_mask=None)[0])
+        layer.input_layernorm.weight.data /= s
+        for lin in (attn.q_proj, attn.k_proj, attn.v_proj):
+            lin.weight.data *= s
     xn = layer.input_layernorm(x)
     ox = inputs_of({"o": attn.o_proj}, lambda: attn(xn, position_embeddings=rotary, attention_mask=None))["o"]
     hd, groups = attn.head_dim, attn.num_key_value_groups
@@ -234,10 +240,52 @@ def awq_block(layer, x, rotary):
     return h + mlp(layer.post_attention_layernorm(h))
 
 
-def awq_scale(model, ids):
+def awq_scale(model, ids, qkv: bool = True):
     h, rotary = embedded(model, ids)
     for layer in model.model.layers:
-        h = awq_block(layer, h, rotary)
+        h = awq_block(layer, h, rotary, qkv)
+
+
+def orthogonal(n: int, seed: int) -> torch.Tensor:
+    """A random n x n orthogonal matrix (QR of a seeded Gaussian, signs fixed)."""
+    q, r = torch.linalg.qr(torch.randn(n, n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
+    return (q * torch.sign(torch.diagonal(r))).float()
+
+
+def hadamard(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
+def rotate(model):
+    """Rotate the residual stream by a random orthogonal Q (QuaRot / SpinQuant, weights only):
+    the norms' weights fold into the linears they feed (the head unties from the lookup), the
+    linears reading the stream become W Q, those writing it Q^T W, the embedding E Q. Each
+    value head rotates by a Hadamard matrix too (v's rows H^T W, o's head columns W H).
+    Exact before quantization: RMSNorm with unit weight commutes with an orthogonal Q."""
+    m = model.model
+    q = orthogonal(m.embed_tokens.weight.shape[1], seed=0)
+    head = m.embed_tokens.weight.detach().clone() * m.norm.weight.detach()
+    model.lm_head.weight = torch.nn.Parameter(head @ q)
+    m.norm.weight.data.fill_(1.0)
+    m.embed_tokens.weight = torch.nn.Parameter(m.embed_tokens.weight.detach() @ q)
+    for layer in m.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for norm, readers in ((layer.input_layernorm, (attn.q_proj, attn.k_proj, attn.v_proj)),
+                              (layer.post_attention_layernorm, (mlp.gate_proj, mlp.up_proj))):
+            for lin in readers:
+                lin.weight.data = (lin.weight.data * norm.weight.data) @ q
+            norm.weight.data.fill_(1.0)
+        for lin in (attn.o_proj, mlp.down_proj):
+            lin.weight.data = q.t() @ lin.weight.data
+        hd = attn.head_dim
+        h = hadamard(hd)
+        v = attn.v_proj.weight.data
+        attn.v_proj.weight.data = torch.einsum("ji,hjc->hic", h, v.view(-1, hd, v.shape[1])).reshape(v.shape)
+        o = attn.o_proj.weight.data
+        attn.o_proj.weight.data = (o.view(o.shape[0], -1, hd) @ h).reshape(o.shape)
 
 
 STEPS = [("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",)]
@@ -260,10 +308,21 @@ def quantize_body(model, ids, how: str, part: str = "all"):
 
 
 def quantize_head(model, ids, how: str):
-    """The tied embedding / head, against the last hidden states of the model as it is now."""
-    emb = model.model.embed_tokens.weight
+    """The tied embedding / head, against the last hidden states of the model as it is now
+    (untied by `rotate`: then the lookup takes RTN)."""
+    emb, head = model.model.embed_tokens.weight, model.lm_head.weight
     last = model.model(ids).last_hidden_state
-    emb.data = fitted(how, emb.data, last, clip_tokens=last.shape[0] * last.shape[1])
+    untied = head is not emb
+    head.data = fitted(how, head.data, last, clip_tokens=last.shape[0] * last.shape[1])
+    if untied:
+        emb.data = rtn(emb.data)
+
+
+def body_plan(body: str, part: str) -> list[tuple[str, str]]:
+    """(quantizer, part) steps: BODY with --part, or a list 'gptq:query-key,rtn:value-output,...'."""
+    if ":" in body:
+        return [tuple(item.split(":")) for item in body.split(",")]
+    return [] if body == "fp" else [(body, part)]
 
 
 def calibration_ids() -> torch.Tensor:
@@ -287,10 +346,12 @@ def calibration_ids() -> torch.Tensor:
 def pipeline(scale: str, body: str, head: str, passages: int, part: str) -> dict:
     model, ids = smollm2_model(), calibration_ids()
     t0 = time.perf_counter()
-    if scale == "awq":
-        awq_scale(model, ids)
-    if body != "fp":
-        quantize_body(model, ids, body, part)
+    if scale in ("awq", "awq-not-qkv"):
+        awq_scale(model, ids, qkv=scale == "awq")
+    elif scale == "rotate":
+        rotate(model)
+    for how, how_part in body_plan(body, part):
+        quantize_body(model, ids, how, how_part)
     if head != "fp":
         quantize_head(model, ids, head)
     fit_s = time.perf_counter() - t0
