@@ -17,6 +17,8 @@ from the model: executor/calibration_text.py). An experiment, not a tool.
         head changes below, so its variants score in seconds
     python runs/accuracy/awq_probe/probe.py head-variants fp|embedding-rtn
         the head alone quantized each way; appends to json/head_only.jsonl
+    python runs/accuracy/awq_probe/probe.py head-bias
+        RTN's and GPTQ's head with and without bias correction (after head-states fp)
 """
 
 from __future__ import annotations
@@ -407,6 +409,35 @@ def head_variants(mode: str) -> list[dict]:
     return rows
 
 
+def bias_corrected(w: torch.Tensor, wq: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
+    """wq with each row's group minimums shifted (least-norm) so the row's error is zero on
+    the mean input mu: bias correction inside the same codes."""
+    shift = (wq - w) @ mu
+    group_sums = mu.view(-1, GROUP).sum(-1)
+    delta = -shift[:, None] * group_sums[None] / group_sums.pow(2).sum()
+    return wq + delta.repeat_interleave(GROUP, 1)
+
+
+def head_bias() -> list[dict]:
+    """RTN's and GPTQ's head, each with and without bias correction, against the mean of the
+    calibration's last states and (an oracle) of LAMBADA's target states."""
+    saved = torch.load(SCRATCH / "head_states_fp.pt", weights_only=True)
+    model, ids = smollm2_model(), calibration_ids()
+    emb = model.model.embed_tokens.weight.detach().clone()
+    last = model.model(ids).last_hidden_state
+    heads = {"rtn": rtn(emb), "gptq": gptq_fit(emb, last)}
+    means = {"calibration": last.reshape(-1, emb.shape[1]).mean(0), "lambada-oracle": saved["states"].mean(0)}
+    rows = []
+    for mean_of, mu in means.items():
+        for name, head in heads.items():
+            for corrected in (False, True):
+                accuracy, last_word = head_scores(saved, bias_corrected(emb, head, mu) if corrected else head)
+                rows.append({"body": "fp", "head": name, "bias_corrected_on": mean_of if corrected else None,
+                             "lambada_passages": saved["passages"], "lambada_accuracy": accuracy,
+                             "last_word_perplexity": last_word})
+    return rows
+
+
 def append(name: str, rows: list[dict], command: str) -> None:
     with open(HERE / "json" / name, "a") as f:
         for row in rows:
@@ -425,6 +456,8 @@ def main(argv: list[str]) -> None:
         head_states(argv[1])
     elif argv[0] == "head-variants":
         append("head_only.jsonl", head_variants(argv[1]), command)
+    elif argv[0] == "head-bias":
+        append("head_only.jsonl", head_bias(), command)
     else:
         raise SystemExit(__doc__)
 
