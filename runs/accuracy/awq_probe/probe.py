@@ -34,6 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))  # the repository, when run as a script
 
+import scipy.linalg  # noqa: E402
 import torch  # noqa: E402
 
 from flexgen_helm.compression import gptq  # noqa: E402
@@ -254,13 +255,6 @@ def orthogonal(n: int, seed: int) -> torch.Tensor:
     return (q * torch.sign(torch.diagonal(r))).float()
 
 
-def hadamard(n: int) -> torch.Tensor:
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / math.sqrt(n)
-
-
 def rotate(model):
     """Rotate the residual stream by a random orthogonal Q (QuaRot / SpinQuant, weights only):
     the norms' weights fold into the linears they feed (the head unties from the lookup), the
@@ -283,7 +277,7 @@ def rotate(model):
         for lin in (attn.o_proj, mlp.down_proj):
             lin.weight.data = q.t() @ lin.weight.data
         hd = attn.head_dim
-        h = hadamard(hd)
+        h = torch.tensor(scipy.linalg.hadamard(hd), dtype=torch.float32) / math.sqrt(hd)
         v = attn.v_proj.weight.data
         attn.v_proj.weight.data = torch.einsum("ji,hjc->hic", h, v.view(-1, hd, v.shape[1])).reshape(v.shape)
         o = attn.o_proj.weight.data
@@ -320,11 +314,20 @@ def quantize_head(model, ids, how: str):
         emb.data = rtn(emb.data)
 
 
+SCALES = ("none", "awq", "awq-not-qkv", "rotate")
+QUANTIZERS = ("rtn", "gptq", "clip")
+
+
 def body_plan(body: str, part: str) -> list[tuple[str, str]]:
-    """(quantizer, part) steps: BODY with --part, or a list 'gptq:query-key,rtn:value-output,...'."""
-    if ":" in body:
-        return [tuple(item.split(":")) for item in body.split(",")]
-    return [] if body == "fp" else [(body, part)]
+    """(quantizer, part) steps: BODY with --part, or a list 'gptq:query-key,rtn:value-output,...';
+    every name checked here, before any work."""
+    plan = [tuple(item.split(":", 1)) for item in body.split(",")] if ":" in body else \
+        [] if body == "fp" else [(body, part)]
+    for step in plan:
+        if len(step) != 2 or step[0] not in QUANTIZERS or step[1] not in PARTS:
+            raise SystemExit(f"bad body step {':'.join(step)!r}: QUANTIZER:PART with QUANTIZER one of "
+                             f"{', '.join(QUANTIZERS)} and PART one of {', '.join(PARTS)}")
+    return plan
 
 
 def calibration_ids() -> torch.Tensor:
@@ -346,20 +349,25 @@ def calibration_ids() -> torch.Tensor:
 # ---- commands ---------------------------------------------------------------------------
 
 def pipeline(scale: str, body: str, head: str, passages: int, part: str) -> dict:
+    plan = body_plan(body, part)
+    if scale not in SCALES:
+        raise SystemExit(f"unknown scale {scale!r}: one of {', '.join(SCALES)}")
+    if head not in ("fp", *QUANTIZERS):
+        raise SystemExit(f"unknown head quantizer {head!r}: fp or one of {', '.join(QUANTIZERS)}")
     model, ids = smollm2_model(), calibration_ids()
     t0 = time.perf_counter()
     if scale in ("awq", "awq-not-qkv"):
         awq_scale(model, ids, qkv=scale == "awq")
     elif scale == "rotate":
         rotate(model)
-    for how, how_part in body_plan(body, part):
+    for how, how_part in plan:
         quantize_body(model, ids, how, how_part)
     if head != "fp":
         quantize_head(model, ids, head)
     fit_s = time.perf_counter() - t0
     accuracy, last_word = lambada_scores(model, lambada_items(passages))
-    return {"scale": scale, "body": body, "body_part": part, "head": head, "fit_s": round(fit_s, 1),
-            "lambada_passages": passages,
+    return {"scale": scale, "body": body, "body_part": part if ":" not in body else None, "head": head,
+            "fit_s": round(fit_s, 1), "lambada_passages": passages,
             "lambada_accuracy": accuracy, "last_word_perplexity": last_word,
             "wikitext_tokens": WIKITEXT_TOKENS, "wikitext_perplexity": token_perplexity(model, wikitext_ids())}
 
@@ -393,11 +401,15 @@ def head_scores(saved: dict, head: torch.Tensor) -> tuple[float, float]:
     return 1 - missed.float().mean().item(), math.exp(per_passage.mean().item())
 
 
-def head_variants(mode: str) -> list[dict]:
+def head_inputs(mode: str):
+    """The saved LAMBADA states (head-states MODE), the tied tensor, and the calibration's last states."""
     saved = torch.load(SCRATCH / f"head_states_{mode}.pt", weights_only=True)
     model, ids = smollm2_model(), calibration_ids()
-    emb = model.model.embed_tokens.weight.detach().clone()
-    last = model.model(ids).last_hidden_state
+    return saved, model.model.embed_tokens.weight.detach().clone(), model.model(ids).last_hidden_state
+
+
+def head_variants(mode: str) -> list[dict]:
+    saved, emb, last = head_inputs(mode)
     heads = {"fp": emb, "rtn": rtn(emb), "gptq": gptq_fit(emb, last),
              "clip": clip_fit(emb, last, last.shape[0] * last.shape[1]),
              "hqq": dequantize(quantize(emb, Compression(4, GROUP, 1, method="hqq"), 1), torch.float32)}
@@ -421,10 +433,7 @@ def bias_corrected(w: torch.Tensor, wq: torch.Tensor, mu: torch.Tensor) -> torch
 def head_bias() -> list[dict]:
     """RTN's and GPTQ's head, each with and without bias correction, against the mean of the
     calibration's last states and (an oracle) of LAMBADA's target states."""
-    saved = torch.load(SCRATCH / "head_states_fp.pt", weights_only=True)
-    model, ids = smollm2_model(), calibration_ids()
-    emb = model.model.embed_tokens.weight.detach().clone()
-    last = model.model(ids).last_hidden_state
+    saved, emb, last = head_inputs("fp")
     heads = {"rtn": rtn(emb), "gptq": gptq_fit(emb, last)}
     means = {"calibration": last.reshape(-1, emb.shape[1]).mean(0), "lambada-oracle": saved["states"].mean(0)}
     rows = []
