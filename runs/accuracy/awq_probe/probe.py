@@ -17,6 +17,8 @@ from the model: executor/calibration_text.py). An experiment, not a tool.
         head changes below, so its variants score in seconds
     python runs/accuracy/awq_probe/probe.py head-variants fp|embedding-rtn
         the head alone quantized each way; appends to json/head_only.jsonl
+    python runs/accuracy/awq_probe/probe.py rotation-check
+        the figures behind README section 4; appends to json/rotation_check.jsonl
     python runs/accuracy/awq_probe/probe.py head-bias
         RTN's and GPTQ's head with and without bias correction (after head-states fp)
 """
@@ -372,6 +374,36 @@ def pipeline(scale: str, body: str, head: str, passages: int, part: str) -> dict
             "wikitext_tokens": WIKITEXT_TOKENS, "wikitext_perplexity": token_perplexity(model, wikitext_ids())}
 
 
+def rotation_check() -> dict:
+    """README section 4's figures: the rotation's exactness, RTN's relative weight error before
+    and after it (layer 5), and the residual stream's largest channels with their norm weights."""
+    model, ids = smollm2_model(), calibration_ids()[:2]
+    hidden = model(ids, output_hidden_states=True).hidden_states
+    channels = {}
+    for index in (3, 10, 20):
+        x, g = hidden[index], model.model.layers[index].input_layernorm.weight
+        top = x.abs().mean((0, 1)).topk(3).indices
+        channels[index] = {"channels": top.tolist(), "norm_weights": g[top].tolist(),
+                           "median_norm_weight": g.abs().median().item(),
+                           "energy_share": (x[..., top].pow(2).sum(-1) / x.pow(2).sum(-1)).mean().item()}
+
+    def errors():
+        layer = model.model.layers[5]
+        weights = {"q": layer.self_attn.q_proj, "k": layer.self_attn.k_proj, "v": layer.self_attn.v_proj,
+                   "up": layer.mlp.up_proj}
+        return {n: ((rtn(m.weight.data) - m.weight.data).norm() / m.weight.data.norm()).item()
+                for n, m in weights.items()}
+    q_blocks = model.model.layers[5].self_attn.q_proj.weight.data.view(-1, 32)  # the source's Q4_1 blocks
+    distinct = sum(len(torch.unique(block)) for block in q_blocks) / q_blocks.shape[0]
+    before, reference = errors(), model(ids[:, :64]).logits
+    rotate(model)
+    return {"max_logit_change": (model(ids[:, :64]).logits - reference).abs().max().item(),
+            "largest_logit": reference.abs().max().item(),
+            "rtn_relative_error_layer5": {"before": before, "after": errors()},
+            "layer5_q_distinct_values_per_32_block": distinct,
+            "calibration_tokens": list(ids.shape), "residual_channels_by_layer": channels}
+
+
 def head_states(mode: str) -> None:
     model = smollm2_model()
     if mode == "embedding-rtn":  # untie: the lookup takes RTN codes, the head stays exact
@@ -465,6 +497,8 @@ def main(argv: list[str]) -> None:
         head_states(argv[1])
     elif argv[0] == "head-variants":
         append("head_only.jsonl", head_variants(argv[1]), command)
+    elif argv[0] == "rotation-check":
+        append("rotation_check.jsonl", [rotation_check()], command)
     elif argv[0] == "head-bias":
         append("head_only.jsonl", head_bias(), command)
     else:
