@@ -21,6 +21,10 @@ from the model: executor/calibration_text.py). An experiment, not a tool.
         the figures behind README section 4; appends to json/rotation_check.jsonl
     python runs/accuracy/awq_probe/probe.py head-bias
         RTN's and GPTQ's head with and without bias correction (after head-states fp)
+    python runs/accuracy/awq_probe/probe.py kl-tune rtn|gptq STEPS LR [--lambada N]
+        that grid on every projection and the head, then each group's scale and minimum tuned
+        by Adam on KL(unquantized || quantized) over self-sampled text, codes fixed;
+        appends to json/kl_tune.jsonl (README section 6)
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import scipy.linalg  # noqa: E402
 import torch  # noqa: E402
 
 from flexgen_helm.compression import gptq  # noqa: E402
-from flexgen_helm.compression.quantize import dequantize, quantize  # noqa: E402
+from flexgen_helm.compression.quantize import QuantizedTensor, codes_of, dequantize, quantize  # noqa: E402
 from flexgen_helm.data.sources import read_lambada, read_wikitext  # noqa: E402
 from flexgen_helm.evaluation.lambada import prepare  # noqa: E402
 from flexgen_helm.evaluation.wikitext import tokenize  # noqa: E402
@@ -115,10 +119,13 @@ def rtn(w: torch.Tensor) -> torch.Tensor:
     return dequantize(quantize(w, RTN, 1), torch.float32)
 
 
-def gptq_fit(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def gptq_grid(w: torch.Tensor, x: torch.Tensor) -> QuantizedTensor:
     blocks = gptq.column_blocks(w.shape[1], GROUP, 1)
-    codes = gptq.gptq_quantize(w.float(), gptq.input_factors(x, blocks), blocks, GPTQ, 1, torch.float32)
-    return dequantize(codes, torch.float32)
+    return gptq.gptq_quantize(w.float(), gptq.input_factors(x, blocks), blocks, GPTQ, 1, torch.float32)
+
+
+def gptq_fit(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return dequantize(gptq_grid(w, x), torch.float32)
 
 
 def on_grid(w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, levels: int = 15) -> torch.Tensor:
@@ -148,12 +155,17 @@ def clip_fit(w: torch.Tensor, x: torch.Tensor, tokens: int = CLIP_TOKENS) -> tor
 
 
 def fitted(how: str, w: torch.Tensor, x: torch.Tensor, clip_tokens: int = CLIP_TOKENS) -> torch.Tensor:
-    if how == "rtn":
-        return rtn(w)
-    if how == "gptq":
-        return gptq_fit(w, x)
     if how == "clip":
         return clip_fit(w, x, clip_tokens)
+    return dequantize(grid_fit(how, w, x), torch.float32)
+
+
+def grid_fit(how: str, w: torch.Tensor, x: torch.Tensor) -> QuantizedTensor:
+    """The codes, scales and minimums of RTN or GPTQ (clip keeps no grid of its own)."""
+    if how == "rtn":
+        return quantize(w, RTN, 1)
+    if how == "gptq":
+        return gptq_grid(w, x)
     raise SystemExit(f"unknown quantizer {how!r}: rtn, gptq or clip")
 
 
@@ -291,9 +303,9 @@ PARTS = {"all": STEPS, "attention": STEPS[:2], "mlp": STEPS[2:], "query-key": [(
          "value-output": [("v_proj",), ("o_proj",)]}
 
 
-def quantize_body(model, ids, how: str, part: str = "all"):
+def quantize_body(model, ids, how: str, part: str = "all", grids: dict | None = None):
     """Every block's projections (of `part`), in order, each fitted to the inputs the blocks
-    quantized before it give it (true sequential)."""
+    quantized before it give it (true sequential); each one's grid kept in `grids` if given."""
     h, rotary = embedded(model, ids)
     for layer in model.model.layers:
         linears = {n: m for n, m in layer.named_modules() if n.split(".")[-1] in sum(STEPS, ())}
@@ -301,7 +313,11 @@ def quantize_body(model, ids, how: str, part: str = "all"):
         for step in PARTS[part]:
             seen = inputs_of({n: by_name[n] for n in step}, functools.partial(run_block, layer, h, rotary))
             for n in step:
-                by_name[n].weight.data = fitted(how, by_name[n].weight.data, seen[n])
+                if grids is None:
+                    by_name[n].weight.data = fitted(how, by_name[n].weight.data, seen[n])
+                else:
+                    grids[by_name[n]] = grid_fit(how, by_name[n].weight.data, seen[n])
+                    by_name[n].weight.data = dequantize(grids[by_name[n]], torch.float32)
         h = run_block(layer, h, rotary)
 
 
@@ -479,6 +495,122 @@ def head_bias() -> list[dict]:
     return rows
 
 
+# ---- end-to-end tuning of the grids' scales and minimums (data-free, KL to the model) ----
+
+class TunedGrid(torch.nn.Module):
+    """A weight as code * scale + minimum per group, the codes fixed (so the packed format is
+    kept) and each group's scale and minimum trainable, relative to their fitted values:
+    scale0 * exp(gain), min0 + scale0 * shift."""
+
+    def __init__(self, q: QuantizedTensor):
+        super().__init__()
+        self.shape = q.shape
+        self.register_buffer("codes", codes_of(q).float().view(q.shape[0], -1, GROUP))
+        self.register_buffer("scale0", q.scale.float()[..., None])
+        self.register_buffer("min0", q.min.float()[..., None])
+        self.gain = torch.nn.Parameter(torch.zeros_like(self.scale0))
+        self.shift = torch.nn.Parameter(torch.zeros_like(self.scale0))
+
+    def forward(self, _original: torch.Tensor) -> torch.Tensor:
+        scale = self.scale0 * self.gain.exp()
+        return (self.codes * scale + self.min0 + self.scale0 * self.shift).view(self.shape)
+
+
+def self_samples(model, start: int, sequences: int, length: int, seed: int) -> torch.Tensor:
+    """`sequences` texts of `length` tokens sampled from the model itself at temperature 1
+    from its start token (the calibration text's recipe, another seed)."""
+    torch.manual_seed(seed)
+    prompt = torch.full((sequences, 1), start)
+    return model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True, temperature=1.0,
+                          top_k=0, top_p=1.0, max_new_tokens=length - 1, min_new_tokens=length - 1)
+
+
+def teacher_logprobs(model, texts: torch.Tensor, batch: int) -> torch.Tensor:
+    return torch.cat([torch.log_softmax(model(texts[i:i + batch]).logits, -1).bfloat16()
+                      for i in range(0, len(texts), batch)])
+
+
+def kl_and_agreement(model, texts, teacher, batch: int) -> tuple[float, float]:
+    """Mean KL(teacher || model) per token and the share of tokens whose argmax agrees."""
+    kl, agree = 0.0, 0.0
+    for i in range(0, len(texts), batch):
+        logp = torch.log_softmax(model(texts[i:i + batch]).logits, -1)
+        t = teacher[i:i + batch].float()
+        kl += (t.exp() * (t - logp)).sum(-1).sum().item()
+        agree += (t.argmax(-1) == logp.argmax(-1)).sum().item()
+    tokens = texts.shape[0] * texts.shape[1]
+    return kl / tokens, agree / tokens
+
+
+def kl_tune(body: str, steps: int, lr: float, passages: int, sequences: int = 128, length: int = 128,
+            batch: int = 8) -> dict:
+    """BODY's (rtn or gptq) grids on every projection and the tied head, then their scales and
+    minimums tuned by Adam on KL(unquantized || quantized) over self-sampled text."""
+    if body not in ("rtn", "gptq"):
+        raise SystemExit(f"kl-tune tunes the grids of rtn or gptq, not {body!r}")
+    model, ids = smollm2_model(), calibration_ids()
+    t0 = time.perf_counter()
+    start = int(ids[0, 0])
+    texts = self_samples(model, start, sequences, length, seed=1)
+    held_out = self_samples(model, start, 16, length, seed=2)
+    teacher, teacher_held = teacher_logprobs(model, texts, batch), teacher_logprobs(model, held_out, batch)
+    sample_s = time.perf_counter() - t0
+    grids = {}
+    quantize_body(model, ids, body, "all", grids)
+    head = model.lm_head.weight
+    grids[model.lm_head] = grid_fit(body, head.data, model.model(ids).last_hidden_state)
+    head.data = dequantize(grids[model.lm_head], torch.float32)
+    fit_s = time.perf_counter() - t0 - sample_s
+    before = kl_and_agreement(model, held_out, teacher_held, batch)
+    from torch.nn.utils import parametrize
+    for p in model.parameters():
+        p.requires_grad_(False)
+    tuned = {}
+    for module, q in grids.items():
+        tuned[module] = TunedGrid(q)
+        parametrize.register_parametrization(module, "weight", tuned[module], unsafe=True)
+    if model.lm_head in tuned:  # the tied lookup reads the head's grid too
+        parametrize.register_parametrization(model.model.embed_tokens, "weight", tuned[model.lm_head], unsafe=True)
+    params = [p for t in tuned.values() for p in t.parameters()]
+    opt = torch.optim.Adam(params, lr=lr)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
+    order = torch.Generator().manual_seed(3)
+    losses = []
+    t1 = time.perf_counter()
+    with torch.enable_grad():
+        for step in range(steps):
+            pick = torch.randperm(len(texts), generator=order)[:batch]
+            logp = torch.log_softmax(model(texts[pick]).logits, -1)
+            t = teacher[pick].float()
+            loss = (t.exp() * (t - logp)).sum(-1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            schedule.step()
+            losses.append(loss.item())
+            if step % 10 == 0 or step == steps - 1:
+                print(f"step {step} kl {loss.item():.4f} ({time.perf_counter() - t1:.0f} s)", flush=True)
+    tune_s = time.perf_counter() - t1
+    names = {module: name for name, module in model.named_modules()}
+    SCRATCH.mkdir(exist_ok=True)
+    torch.save({names[m]: (t.gain.detach(), t.shift.detach()) for m, t in tuned.items()},
+               SCRATCH / f"kl_tune_{body}_{steps}_{lr}.pt")
+    for module in tuned:
+        parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
+    if model.lm_head in tuned:
+        parametrize.remove_parametrizations(model.model.embed_tokens, "weight", leave_parametrized=True)
+    after = kl_and_agreement(model, held_out, teacher_held, batch)
+    accuracy, last_word = lambada_scores(model, lambada_items(passages))
+    return {"body": body, "head": body, "tuning": "kl-scales-mins", "steps": steps, "lr": lr,
+            "train_texts": [sequences, length], "batch": batch, "sample_s": round(sample_s, 1),
+            "fit_s": round(fit_s, 1), "tune_s": round(tune_s, 1),
+            "first_losses": losses[:5], "last_losses": losses[-5:],
+            "held_out_kl": {"before": before[0], "after": after[0]},
+            "held_out_top1_agreement": {"before": before[1], "after": after[1]},
+            "lambada_passages": passages, "lambada_accuracy": accuracy, "last_word_perplexity": last_word,
+            "wikitext_tokens": WIKITEXT_TOKENS, "wikitext_perplexity": token_perplexity(model, wikitext_ids())}
+
+
 def append(name: str, rows: list[dict], command: str) -> None:
     with open(HERE / "json" / name, "a") as f:
         for row in rows:
@@ -499,6 +631,9 @@ def main(argv: list[str]) -> None:
         append("head_only.jsonl", head_variants(argv[1]), command)
     elif argv[0] == "rotation-check":
         append("rotation_check.jsonl", [rotation_check()], command)
+    elif argv[0] == "kl-tune":
+        passages = int(argv[argv.index("--lambada") + 1]) if "--lambada" in argv else 500
+        append("kl_tune.jsonl", [kl_tune(argv[1], int(argv[2]), float(argv[3]), passages)], command)
     elif argv[0] == "head-bias":
         append("head_only.jsonl", head_bias(), command)
     else:
