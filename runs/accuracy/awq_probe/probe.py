@@ -21,7 +21,7 @@ from the model: executor/calibration_text.py). An experiment, not a tool.
         the figures behind README section 4; appends to json/rotation_check.jsonl
     python runs/accuracy/awq_probe/probe.py head-bias
         RTN's and GPTQ's head with and without bias correction (after head-states fp)
-    python runs/accuracy/awq_probe/probe.py kl-tune rtn|gptq STEPS LR [--lambada N]
+    python runs/accuracy/awq_probe/probe.py kl-tune rtn|gptq STEPS LR [--lambada N] [--text sampled|repeat]
         that grid on every projection and the head, then each group's scale and minimum tuned
         by Adam on KL(unquantized || quantized) over self-sampled text, codes fixed;
         appends to json/kl_tune.jsonl (README section 6)
@@ -542,17 +542,31 @@ def kl_and_agreement(model, texts, teacher, batch: int) -> tuple[float, float]:
     return kl / tokens, agree / tokens
 
 
-def kl_tune(body: str, steps: int, lr: float, passages: int, sequences: int = 128, length: int = 128,
-            batch: int = 8) -> dict:
+def repeated(texts: torch.Tensor) -> torch.Tensor:
+    """Every other sequence's second half replaced by its first half: text whose continuation
+    is in its context, as a LAMBADA target word is, made from the samples alone."""
+    out, half = texts.clone(), texts.shape[1] // 2
+    out[1::2, half:2 * half] = texts[1::2, :half]
+    return out
+
+
+TEXTS = {"sampled": lambda t: t, "repeat": repeated}
+
+
+def kl_tune(body: str, steps: int, lr: float, passages: int, text: str = "sampled", sequences: int = 128,
+            length: int = 128, batch: int = 8) -> dict:
     """BODY's (rtn or gptq) grids on every projection and the tied head, then their scales and
-    minimums tuned by Adam on KL(unquantized || quantized) over self-sampled text."""
+    minimums tuned by Adam on KL(unquantized || quantized) over self-sampled text (TEXT:
+    sampled as is, or repeat: half of it made to repeat itself)."""
     if body not in ("rtn", "gptq"):
         raise SystemExit(f"kl-tune tunes the grids of rtn or gptq, not {body!r}")
+    if text not in TEXTS:
+        raise SystemExit(f"unknown text {text!r}: one of {', '.join(TEXTS)}")
     model, ids = smollm2_model(), calibration_ids()
     t0 = time.perf_counter()
     start = int(ids[0, 0])
-    texts = self_samples(model, start, sequences, length, seed=1)
-    held_out = self_samples(model, start, 16, length, seed=2)
+    texts = TEXTS[text](self_samples(model, start, sequences, length, seed=1))
+    held_out = TEXTS[text](self_samples(model, start, 16, length, seed=2))
     teacher, teacher_held = teacher_logprobs(model, texts, batch), teacher_logprobs(model, held_out, batch)
     sample_s = time.perf_counter() - t0
     grids = {}
@@ -594,14 +608,14 @@ def kl_tune(body: str, steps: int, lr: float, passages: int, sequences: int = 12
     names = {module: name for name, module in model.named_modules()}
     SCRATCH.mkdir(exist_ok=True)
     torch.save({names[m]: (t.gain.detach(), t.shift.detach()) for m, t in tuned.items()},
-               SCRATCH / f"kl_tune_{body}_{steps}_{lr}.pt")
+               SCRATCH / f"kl_tune_{body}_{steps}_{lr}_{text}.pt")
     for module in tuned:
         parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
     if model.lm_head in tuned:
         parametrize.remove_parametrizations(model.model.embed_tokens, "weight", leave_parametrized=True)
     after = kl_and_agreement(model, held_out, teacher_held, batch)
     accuracy, last_word = lambada_scores(model, lambada_items(passages))
-    return {"body": body, "head": body, "tuning": "kl-scales-mins", "steps": steps, "lr": lr,
+    return {"body": body, "head": body, "tuning": "kl-scales-mins", "text": text, "steps": steps, "lr": lr,
             "train_texts": [sequences, length], "batch": batch, "sample_s": round(sample_s, 1),
             "fit_s": round(fit_s, 1), "tune_s": round(tune_s, 1),
             "first_losses": losses[:5], "last_losses": losses[-5:],
@@ -633,7 +647,8 @@ def main(argv: list[str]) -> None:
         append("rotation_check.jsonl", [rotation_check()], command)
     elif argv[0] == "kl-tune":
         passages = int(argv[argv.index("--lambada") + 1]) if "--lambada" in argv else 500
-        append("kl_tune.jsonl", [kl_tune(argv[1], int(argv[2]), float(argv[3]), passages)], command)
+        text = argv[argv.index("--text") + 1] if "--text" in argv else "sampled"
+        append("kl_tune.jsonl", [kl_tune(argv[1], int(argv[2]), float(argv[3]), passages, text)], command)
     elif argv[0] == "head-bias":
         append("head_only.jsonl", head_bias(), command)
     else:
