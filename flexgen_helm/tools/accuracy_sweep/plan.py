@@ -66,7 +66,7 @@ ROWS = [
     # grouping that divides both of its input widths (576, 1536), stands in for it
     Row("w4-g192-d1", "4-bit weights, g192 dim 1", _compress("w", 4, 192, 1), scopes=NEW),
     Row("w3-g64-d1", "3-bit weights, g64 dim 1", _compress("w", 3, 64, 1), scopes=NEW),
-    # one more bit by RTN: the error a 4-bit method would have to match to lose half of 4-bit RTN's
+    # one more bit by RTN: a reference point for the 4-bit methods' goal (issue 22)
     Row("w5-g64-d1", "5-bit weights, g64 dim 1", _compress("w", 5, 64, 1), scopes=NEW),
     Row("w4h-g64-d1", "4-bit weights, g64 dim 1, hqq", _compress("w", 4, 64, 1, "hqq"), scopes=NEW),
     Row("kv4h-g64", "4-bit cache, g64, hqq", _compress("kv", 4, 64, method="hqq"), scopes=NEW),

@@ -42,6 +42,7 @@ sys.path.insert(0, str(HERE.parents[2]))  # the repository, when run as a script
 
 import scipy.linalg  # noqa: E402
 import torch  # noqa: E402
+from torch.nn.utils import parametrize  # noqa: E402
 
 from flexgen_helm.compression import gptq  # noqa: E402
 from flexgen_helm.compression.quantize import QuantizedTensor, codes_of, dequantize, quantize  # noqa: E402
@@ -321,13 +322,17 @@ def quantize_body(model, ids, how: str, part: str = "all", grids: dict | None = 
         h = run_block(layer, h, rotary)
 
 
-def quantize_head(model, ids, how: str):
+def quantize_head(model, ids, how: str, grids: dict | None = None):
     """The tied embedding / head, against the last hidden states of the model as it is now
-    (untied by `rotate`: then the lookup takes RTN)."""
+    (untied by `rotate`: then the lookup takes RTN); its grid kept in `grids` if given."""
     emb, head = model.model.embed_tokens.weight, model.lm_head.weight
     last = model.model(ids).last_hidden_state
     untied = head is not emb
-    head.data = fitted(how, head.data, last, clip_tokens=last.shape[0] * last.shape[1])
+    if grids is None:
+        head.data = fitted(how, head.data, last, clip_tokens=last.shape[0] * last.shape[1])
+    else:
+        grids[model.lm_head] = grid_fit(how, head.data, last)
+        head.data = dequantize(grids[model.lm_head], torch.float32)
     if untied:
         emb.data = rtn(emb.data)
 
@@ -530,13 +535,18 @@ def teacher_logprobs(model, texts: torch.Tensor, batch: int) -> torch.Tensor:
                       for i in range(0, len(texts), batch)])
 
 
+def token_kl(teacher: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || model) at each position, from the two log-probabilities."""
+    return (teacher.exp() * (teacher - logp)).sum(-1)
+
+
 def kl_and_agreement(model, texts, teacher, batch: int) -> tuple[float, float]:
     """Mean KL(teacher || model) per token and the share of tokens whose argmax agrees."""
     kl, agree = 0.0, 0.0
     for i in range(0, len(texts), batch):
         logp = torch.log_softmax(model(texts[i:i + batch]).logits, -1)
         t = teacher[i:i + batch].float()
-        kl += (t.exp() * (t - logp)).sum(-1).sum().item()
+        kl += token_kl(t, logp).sum().item()
         agree += (t.argmax(-1) == logp.argmax(-1)).sum().item()
     tokens = texts.shape[0] * texts.shape[1]
     return kl / tokens, agree / tokens
@@ -571,21 +581,16 @@ def kl_tune(body: str, steps: int, lr: float, passages: int, text: str = "sample
     sample_s = time.perf_counter() - t0
     grids = {}
     quantize_body(model, ids, body, "all", grids)
-    head = model.lm_head.weight
-    grids[model.lm_head] = grid_fit(body, head.data, model.model(ids).last_hidden_state)
-    head.data = dequantize(grids[model.lm_head], torch.float32)
+    quantize_head(model, ids, body, grids)
     fit_s = time.perf_counter() - t0 - sample_s
     before = kl_and_agreement(model, held_out, teacher_held, batch)
-    from torch.nn.utils import parametrize
     for p in model.parameters():
         p.requires_grad_(False)
-    tuned = {}
-    for module, q in grids.items():
-        tuned[module] = TunedGrid(q)
-        parametrize.register_parametrization(module, "weight", tuned[module], unsafe=True)
-    if model.lm_head in tuned:  # the tied lookup reads the head's grid too
-        parametrize.register_parametrization(model.model.embed_tokens, "weight", tuned[model.lm_head], unsafe=True)
+    tuned = {module: TunedGrid(q) for module, q in grids.items()}
     params = [p for t in tuned.values() for p in t.parameters()]
+    tuned[model.model.embed_tokens] = tuned[model.lm_head]  # the tied lookup reads the head's grid
+    for module, grid in tuned.items():
+        parametrize.register_parametrization(module, "weight", grid, unsafe=True)
     opt = torch.optim.Adam(params, lr=lr)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
     order = torch.Generator().manual_seed(3)
@@ -596,7 +601,7 @@ def kl_tune(body: str, steps: int, lr: float, passages: int, text: str = "sample
             pick = torch.randperm(len(texts), generator=order)[:batch]
             logp = torch.log_softmax(model(texts[pick]).logits, -1)
             t = teacher[pick].float()
-            loss = (t.exp() * (t - logp)).sum(-1).mean()
+            loss = token_kl(t, logp).mean()
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -605,14 +610,8 @@ def kl_tune(body: str, steps: int, lr: float, passages: int, text: str = "sample
             if step % 10 == 0 or step == steps - 1:
                 print(f"step {step} kl {loss.item():.4f} ({time.perf_counter() - t1:.0f} s)", flush=True)
     tune_s = time.perf_counter() - t1
-    names = {module: name for name, module in model.named_modules()}
-    SCRATCH.mkdir(exist_ok=True)
-    torch.save({names[m]: (t.gain.detach(), t.shift.detach()) for m, t in tuned.items()},
-               SCRATCH / f"kl_tune_{body}_{steps}_{lr}_{text}.pt")
     for module in tuned:
         parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
-    if model.lm_head in tuned:
-        parametrize.remove_parametrizations(model.model.embed_tokens, "weight", leave_parametrized=True)
     after = kl_and_agreement(model, held_out, teacher_held, batch)
     accuracy, last_word = lambada_scores(model, lambada_items(passages))
     return {"body": body, "head": body, "tuning": "kl-scales-mins", "text": text, "steps": steps, "lr": lr,
