@@ -6,6 +6,7 @@ from and where its outputs go)."""
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -18,11 +19,14 @@ import torch.nn.functional as F
 from flexgen_helm.executor.length_buckets import cut_by_length
 from flexgen_helm.executor.sampling import Completion, RunStats, SamplingParams, ScoreResult, select_tokens
 from flexgen_helm.executor.schedule import BlockSchedule, GpuBatch
+from flexgen_helm.executor.shared_prefix import shared_prefix_len
 from flexgen_helm.memory.copy_engine import without_autograd
 from flexgen_helm.policy.policy import Policy
 
 __all__ = ["BlockDriver", "LocalStage", "RunStats", "Sequence", "StageLink", "StepCallback", "left_pad",
            "plan_blocks"]
+
+log = logging.getLogger(__name__)
 
 # a scored prompt's positions go through the vocabulary-wide head this many at a time, so
 # that its (positions x vocabulary) logits never exist all at once
@@ -90,6 +94,9 @@ def left_pad(prompts: list[list[int]], length: int, pad_id: int) -> GpuBatch:
 Block = list[list[Sequence]]
 
 
+_said = {"pipeline": False}
+
+
 class StageLink(Protocol):
     """How the driver's token steps meet the rest of the model.
 
@@ -154,17 +161,34 @@ class BlockDriver:
         self.pad_id = runtime.config.pad_token_id if runtime.config.pad_token_id is not None else 0
 
     def schedule(self, groups: list[list[list[int]]], max_len: int, name: str = "",
-                 head_rows: int | None = None) -> BlockSchedule:
+                 head_rows: int | None = None, last_shared: list[int] | None = None) -> BlockSchedule:
         """A schedule for GPU batches of prompts, each padded to its own longest; schedules
         alive at once need distinct names (their disk files live in a folder of that name);
-        head_rows: see BlockSchedule."""
+        head_rows: see BlockSchedule. last_shared (one per prompt, in order): the most of
+        its first tokens each prompt may share with the others (shared_prefix_len); None:
+        none."""
         workdir = self.workdir / name if name else self.workdir
         workdir.mkdir(exist_ok=True)
         batches = [left_pad(g, max(map(len, g)), self.pad_id) for g in groups]
+        shared = shared_prefix_len(groups, last_shared) if last_shared is not None and self.shares_prefixes() else 0
         self.stats.prompt_tokens += sum(len(p) for g in groups for p in g)
         self.stats.padded_prompt_tokens += sum(b.ids.numel() for b in batches)
+        self.stats.computed_prompt_tokens += shared + sum(b.ids.numel() - shared * b.size for b in batches)
         self.stats.blocks += 1
-        return BlockSchedule(self.rt, self.policy, batches, max_len, workdir, head_rows)
+        return BlockSchedule(self.rt, self.policy, batches, max_len, workdir, head_rows,
+                             shared_prefix=groups[0][0][:shared] if shared else None)
+
+    def shares_prefixes(self) -> bool:
+        """Whether this driver's blocks compute their prompts' common prefix once: where the
+        policy says so and the runtime holds the whole model (a pipeline stage's prefill
+        would have to hand the prefix's hidden states on apart from the batches')."""
+        if not self.policy.prefix_sharing:
+            return False
+        whole = self.rt.layers[0].kind == "embed" and self.rt.layers[-1].kind == "head"
+        if not whole and not _said["pipeline"]:
+            _said["pipeline"] = True
+            log.info("prefix sharing is off in a pipeline stage: every prompt is computed whole")
+        return whole
 
     # ---- generation ------------------------------------------------------------------
 
@@ -188,7 +212,8 @@ class BlockDriver:
             return
         longest = max(len(s.prompt) for g in block for s in g)
         groups = self.link.micro_batches(block)
-        scheds = [self.schedule([[s.prompt for s in batch] for batch in group], longest + steps, name=f"group-{g}")
+        scheds = [self.schedule([[s.prompt for s in batch] for batch in group], longest + steps, name=f"group-{g}",
+                                last_shared=[len(s.prompt) - 1 for batch in group for s in batch])
                   for g, group in enumerate(groups)]
         done_before = self._steps_done
         try:
@@ -305,8 +330,11 @@ class BlockDriver:
         wanted = [torch.arange(length - 1)[None, :] >= torch.tensor(
             [length - len(prompts[i]) + first_scored[i] - 1 for i in g])[:, None] for g, length in zip(groups, lengths)]
         head_rows = min(SCORED_ROWS_PER_HEAD_CALL, max(int(m.sum()) for m in wanted))
+        # as_decode attends position by position as the cache returns it: no shared prefix there
         sched = self.schedule([[prompts[i] for i in g] for g in groups], max(len(p) for p in prompts),
-                              head_rows=head_rows)
+                              head_rows=head_rows,
+                              last_shared=None if as_decode else [min(len(p), f) - 1 for p, f in zip(prompts,
+                                                                                                    first_scored)])
         try:
             t0 = time.perf_counter()
             per_batch = sched.prefill(
@@ -331,9 +359,10 @@ class BlockDriver:
         positions at a time: padding and unwanted positions never reach the vocabulary-wide
         head, and the (positions x vocabulary) logits never exist all at once."""
         b, s = batch.ids.shape
-        mask = wanted.to(h.device)
+        first = s - h.shape[1]  # columns before the ones computed (a shared prefix's): none is wanted
+        mask = wanted[:, first:].to(h.device)
         hidden = h[:, :-1][mask]  # (n, hidden)
-        targets = batch.ids[:, 1:].to(h.device)[mask]
+        targets = batch.ids[:, first + 1:].to(h.device)[mask]
         picked = torch.empty(len(targets))
         top_vals, top_ids = [], []
         for c0 in range(0, len(targets), rows_per_chunk):

@@ -85,6 +85,9 @@ class RunStats:
     sequences: int = 0
     prompt_tokens: int = 0
     padded_prompt_tokens: int = 0
+    # through the layers at prefill: each block's shared prefix once (executor/shared_prefix.py),
+    # then each GPU batch's columns after it, padding included; without sharing, the padded ones
+    computed_prompt_tokens: int = 0
     generated_tokens: int = 0
     padded_generated_tokens: int = 0
     prefill_s: float = 0.0

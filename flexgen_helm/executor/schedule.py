@@ -57,6 +57,7 @@ from flexgen_helm.executor.attention import attend, attend_as_decode, decode_cac
 from flexgen_helm.executor.cache_buffers import CacheBuffers, batches_per_load, buffer_sets, unpacks_on_lane
 from flexgen_helm.executor.kivi_cache import KiviCacheSlot
 from flexgen_helm.executor.kv_cache import KVCacheSlot, cache_rows, kv_nbytes
+from flexgen_helm.executor.shared_prefix import SharedPrefix
 from flexgen_helm.executor.step_rows import StepRows, units_of
 from flexgen_helm.executor.working_set import dense_weight_numel, kept_freed_bytes
 from flexgen_helm.memory.copy_engine import CopyEngine, consume
@@ -110,10 +111,12 @@ def shared_weights(layer, loaded: dict, following) -> dict:
 
 class BlockSchedule:
     def __init__(self, runtime, policy: Policy, batches: list[GpuBatch], max_len: int, workdir: Path,
-                 head_rows: int | None = None):
+                 head_rows: int | None = None, shared_prefix: list[int] | None = None):
         """head_rows: the most positions a call of the head turns into log-probs (default: the
         last position of each sequence of the largest GPU batch); its working set is kept
-        resident with the layers' (working_set.kept_freed_bytes)."""
+        resident with the layers' (working_set.kept_freed_bytes). shared_prefix: the tokens
+        every prompt of the block starts with, computed once (executor/shared_prefix.py),
+        leaving each prompt one token of its own at least; None: each prompt whole."""
         self.rt = runtime
         self.cfg = runtime.config
         self.family = runtime.family
@@ -155,6 +158,10 @@ class BlockSchedule:
                                     workdir / f"act-{k}.bin") for k in range(len(batches))]
         # per-run constants (the rotary tables), for every position this run will reach
         self.constants = self.family.run_constants(self.cfg, max_len, self.devices.compute, self.devices.dtype)
+        self.shared = self._shared_prefix(shared_prefix)
+        # the columns each GPU batch's prefill computes (the last ones): all, or those after the shared prefix
+        shared_len = self.shared.length if self.shared is not None else 0
+        self.window = [b.ids.shape[1] - shared_len for b in batches]
         # keys each row may see, for every position of the run: the prompt's real tokens,
         # then every generated one (a step takes a view, instead of growing it by a cat)
         self.key_valid = [torch.ones(b.size, max_len, dtype=torch.bool) for b in batches]
@@ -176,6 +183,16 @@ class BlockSchedule:
                                            max(b.size for b in batches) if head_rows is None else head_rows)
         self._freed_checked_at = 0.0
         self._freed_check_every = RELEASE_CHECK_S
+
+    def _shared_prefix(self, tokens: list[int] | None) -> SharedPrefix | None:
+        if not tokens:
+            return None
+        if not all(len(b.ids[r]) - int((~b.valid[r]).sum()) > len(tokens) for b in self.batches for r in range(b.size)):
+            raise ValueError("a shared prefix must leave every prompt a token of its own")
+        compute = self.devices.compute
+        positions = torch.arange(len(tokens), device=compute)[None]
+        return SharedPrefix(torch.tensor(tokens, device=compute)[None],
+                            self.family.step_constants(self.constants, positions))
 
     def _slot(self, units: dict[str, int], max_len: int, disk_path: Path, window: int, k: int):
         cfg = self.policy.compress_cache
@@ -209,11 +226,15 @@ class BlockSchedule:
         # without cache compression or sparsity a decode step attends exactly as the prefill does
         self.prefill_as_decode = as_decode and (self.policy.compress_cache is not None or self.policy.attn_sparsity < 1)
         self.stores_prefill_cache = decode_follows
+        if self.shared is not None and (hidden is not None or self.prefill_as_decode):
+            raise ValueError("a shared prefix runs from token ids, with plain prompt attention")
         for k, b in enumerate(self.batches):
-            self.step_rows[k] = self._step_rows(k, None, (b.valid.long().cumsum(1) - 1).clamp(min=0), self.prompt_len,
-                                                first=self.prompt_start[k])
-        out = self._step([b.ids for b in self.batches] if hidden is None else hidden, head, prefill=True)
+            positions = (b.valid.long().cumsum(1) - 1).clamp(min=0)[:, -self.window[k]:]
+            self.step_rows[k] = self._step_rows(k, None, positions, self.prompt_len, first=self.prompt_start[k])
+        out = self._step([b.ids[:, -w:] for b, w in zip(self.batches, self.window)] if hidden is None else hidden,
+                         head, prefill=True)
         self.length = self.prompt_len
+        self.shared = None  # its keys and values are in every row's cache now
         return out
 
     def compute_only(self, k: int, rows: list[int]) -> None:
@@ -272,6 +293,11 @@ class BlockSchedule:
                                 kind=f"{stage}_load_weight", lane="weights")
             if not live:
                 continue
+            if prefill and self.shared is not None:
+                t0 = time.perf_counter()
+                self.shared.run_layer(self.family, self.cfg, layer, w)
+                self._time_compute(t0, stage)
+                self.timers["prefill_shared_prefix"] += time.perf_counter() - t0  # of prefill_compute
             cache = cache_ahead or self._submit_cache_ahead(layer, live, prefill)
             next_layer = layers[j + 1] if j + 1 < len(layers) else None
             if self._merges(layer, live, prefill):
@@ -521,6 +547,10 @@ class BlockSchedule:
                                    self.policy.attn_sparsity, window=window, softcap=softcap, fresh_group=fresh,
                                    starts=starts)
         elif prefill:
+            if self.shared is not None:  # the columns before the window: the shared prefix's keys and values
+                pad = (~self.batches[k].valid).sum(1)
+                ku, vu = (torch.cat([before, x], dim=1) for before, x in zip(self.shared.context(pad, self.shared.length),
+                                                                              (ku, vu)))
             out = attend(qu, ku, vu, rows.valid, causal=True, window=window, softcap=softcap)
         else:
             t0 = time.perf_counter()

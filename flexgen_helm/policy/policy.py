@@ -94,6 +94,8 @@ class Policy:
     compress_weight: Compression | None = None
     compress_cache: Compression | None = None
     attn_sparsity: float = 1.0  # fraction of keys kept in decode attention; 1 = dense
+    # a block computes the prompt tokens all its sequences start with once (executor/shared_prefix.py)
+    prefix_sharing: bool = True
 
     def __post_init__(self):
         self.validate()

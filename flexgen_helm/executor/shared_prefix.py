@@ -1,0 +1,105 @@
+"""A block's shared prompt prefix, computed once per layer for all of its sequences.
+
+HELM puts the same instructions and in-context examples in front of every prompt of a
+run (and scores every answer choice, and samples every one of n outputs, after the same
+question), so most of a few-shot block's prompt tokens are the same tokens at the same
+positions. Their keys, values and hidden states do not depend on what follows them
+(attention is causal), so the block computes them once, as a one-sequence batch, at each
+layer just before its GPU batches.
+
+The cache layout does not change: every sequence is still its whole prompt, left-padded,
+in its GPU batch's columns. A GPU batch's prefill computes only its last columns (the
+`window`: as many as its longest prompt has after the prefix), and takes the keys and
+values of the columns before the window from the shared prefix, each row's at its own
+offset. A row shorter than the batch's longest thus recomputes the last few tokens of its
+prefix inside the window, as it would without sharing. Decode steps, the cache's tiers,
+its compression (KIVI groups count from a row's first real token, as before) and sparse
+attention see exactly the cache they saw before; only rounding differs (the prefix's
+matmuls run with one row instead of many).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flexgen_helm.executor.attention import attend, from_units, to_units
+
+# Fewer shared tokens than this are not worth a second code path: the suffix attention
+# takes a masked kernel where a plain prompt's has the left-padded causal one.
+MIN_SHARED_TOKENS = 16
+# ... nor a prefix that saves less than this share of the block's padded prompt tokens
+MIN_SAVED_SHARE = 0.1
+
+
+def common_prefix_len(prompts: list[list[int]]) -> int:
+    """Tokens every prompt starts with."""
+    first, n = prompts[0], min(map(len, prompts))
+    for other in prompts[1:]:
+        n = next((i for i in range(n) if other[i] != first[i]), n)
+    return n
+
+
+def shared_prefix_len(batches: list[list[list[int]]], last_shared: list[int]) -> int:
+    """Prompt tokens a block (its GPU batches' prompts, each batch padded to its longest)
+    computes once for all, or 0 where sharing does not pay.
+
+    last_shared[i] (the block's prompts in order): prompt i shares at most its first
+    last_shared[i] tokens, so that its window holds every position whose hidden state the
+    head reads (the last one; a scored prompt's, from its first scored on)."""
+    prompts = [p for batch in batches for p in batch]
+    if len(prompts) < 2:
+        return 0
+    shared = min(common_prefix_len(prompts), *last_shared)
+    lengths = [max(map(len, batch)) for batch in batches]
+    padded = sum(length * len(batch) for length, batch in zip(lengths, batches))
+    computed = shared + sum((length - shared) * len(batch) for length, batch in zip(lengths, batches))
+    if shared < MIN_SHARED_TOKENS or padded - computed < MIN_SAVED_SHARE * padded:
+        return 0
+    return shared
+
+
+@dataclass
+class SharedPrefix:
+    """The prefix's state while a prefill walks the layers: its hidden state after the
+    last layer run, and that layer's keys and values (kv_heads, length, head_dim)."""
+
+    ids: torch.Tensor  # (1, length) on the compute device
+    at: object  # family.step_constants at positions 0..length-1
+    hidden: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return self.ids.shape[1]
+
+    def run_layer(self, family, cfg, layer, w: dict) -> None:
+        """The prefix through one layer (the head's output is nobody's: skipped)."""
+        if layer.kind == "embed":
+            positions = torch.arange(self.length, device=self.ids.device)[None]
+            self.hidden = family.embed(cfg, w, self.ids, positions)
+        elif layer.kind == "block":
+            q, k, v = family.qkv(cfg, w, self.hidden, self.at, layer.index)
+            kvh, d = cfg.num_kv_heads, k.shape[-1]
+            self.keys, self.values = k.reshape(kvh, self.length, d), v.reshape(kvh, self.length, d)
+            valid = torch.ones(kvh, self.length, dtype=torch.bool, device=k.device)
+            out = attend(to_units(q, kvh), self.keys, self.values, valid, causal=True, window=cfg.window(layer.index),
+                         softcap=cfg.attn_softcap)
+            self.hidden = family.finish_block(cfg, w, self.hidden, from_units(out, 1))
+
+    def context(self, pad: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of a GPU batch's columns before its window, (b * kv_heads,
+        width, head_dim), from this layer's prefix: row r's prefix starts after its
+        `pad[r]` padding columns (zeros there: padding is never a valid key)."""
+        index = torch.arange(width, device=self.keys.device)[None, :] - pad.to(self.keys.device)[:, None]  # (b, w)
+        real = (index >= 0)[:, None, :, None]  # (b, 1, w, 1)
+        b, (kvh, _, d) = len(pad), self.keys.shape
+        flat = index.clamp(min=0).flatten()
+
+        def gathered(x: torch.Tensor) -> torch.Tensor:
+            rows = x.index_select(1, flat).view(kvh, b, width, d).transpose(0, 1)  # (b, kvh, w, d)
+            return rows.masked_fill(~real, 0).reshape(b * kvh, width, d)
+
+        return gathered(self.keys), gathered(self.values)
