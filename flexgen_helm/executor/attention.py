@@ -62,7 +62,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | ValueRows, key_va
     The schedule may therefore run sparse attention tier by tier, exactly."""
     u, r, q_len, d = q.shape
     t = k.shape[1]
-    if q_len == 1 and (keep_fraction < 1.0 or q.device.type == "cpu"):
+    # (a one-query prefill of a sliding-window block, after a shared prefix, still needs its window's mask)
+    if q_len == 1 and (keep_fraction < 1.0 or q.device.type == "cpu") and not (window and t > window):
         # A decode step on CPU: float32 matmuls over the unit's keys, the r query heads of a
         # unit as the rows of one product. torch's fused kernel spends most of a decode
         # step on one query a head (SmolLM2, 96 units x 200 keys: 2.6-2.8x slower than this,

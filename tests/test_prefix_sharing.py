@@ -1,0 +1,130 @@
+"""A block computes the prompt prefix its sequences share once (executor/shared_prefix.py):
+with sharing on and off, every policy gives the same tokens and (float32) log-probs, scoring
+gives the same log-probs, and the prefill runs through the layers only the tokens the stats
+say it computed: the prefix once, then each GPU batch's columns after it."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from types import SimpleNamespace
+
+import pytest
+from conftest import save_tiny
+
+from flexgen_helm.engine import Engine
+from flexgen_helm.executor.sampling import SamplingParams
+from flexgen_helm.executor.shared_prefix import MIN_SHARED_TOKENS, common_prefix_len, shared_prefix_len
+from flexgen_helm.policy import Compression, Policy, Split
+
+_rng = random.Random(0)
+# a few-shot run: the same instructions and examples, then each instance's own question
+# (1 to 7 tokens: the GPU batches' windows differ, and shorter rows recompute prefix tokens)
+PREFIX = [_rng.randrange(3, 290) for _ in range(3 * MIN_SHARED_TOKENS)]
+PROMPTS = [PREFIX + [_rng.randrange(3, 290) for _ in range(_rng.randrange(1, 8))] for _ in range(10)]
+N_NEW = 5
+
+POLICIES = {
+    "all-in-one-batch": Policy(gpu_batch_size=16),
+    "blocks-4x2": Policy(gpu_batch_size=4, num_gpu_batches=2),
+    "weights-disk-cache-split-delegated": Policy(gpu_batch_size=2, num_gpu_batches=3, weights=Split(0, 0.5, 0.5),
+                                                 cache=Split(0.25, 0.5, 0.25), cpu_cache_compute=True),
+    "everything-split-no-overlap": Policy(gpu_batch_size=4, num_gpu_batches=2, weights=Split(0.2, 0.3, 0.5),
+                                          cache=Split(0.3, 0.3, 0.4), activations=Split(0.5, 0.25, 0.25),
+                                          overlap=False, cpu_cache_compute=True),
+    "kivi-cache-sparse": Policy(gpu_batch_size=4, num_gpu_batches=2, cache=Split(0, 0.5, 0.5), attn_sparsity=0.5,
+                                compress_cache=Compression(4, 8, cache_grouping="kivi")),
+    "per-token-cache-compressed-weights": Policy(gpu_batch_size=4, num_gpu_batches=2,
+                                                 compress_cache=Compression(4, 8, cache_grouping="per-token"),
+                                                 compress_weight=Compression(4, 16)),
+}
+
+
+@pytest.fixture(scope="module", params=["tiny_opt", "tiny_llama", "tiny_gemma3"])
+def model_path(request):
+    return request.getfixturevalue(request.param)
+
+
+def _engine(path, policy, tmp_path, sharing: bool) -> Engine:
+    return Engine.load(str(path), dataclasses.replace(policy, prefix_sharing=sharing), dtype="float32", device="cpu",
+                       offload_dir=tmp_path, progress=False)
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_same_tokens_and_logprobs_with_and_without_sharing(model_path, name, tmp_path):
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True, top_logprobs=2)
+    runs = [_engine(model_path, POLICIES[name], tmp_path, sharing).generate(PROMPTS, params) for sharing in (0, 1)]
+    (plain, shared) = runs
+    assert plain.stats.computed_prompt_tokens == plain.stats.padded_prompt_tokens
+    assert shared.stats.computed_prompt_tokens < plain.stats.computed_prompt_tokens
+    for a, b in zip(plain.results, shared.results):
+        assert a.completions[0].token_ids == b.completions[0].token_ids
+        assert a.completions[0].logprobs == pytest.approx(b.completions[0].logprobs, abs=1e-4)
+
+
+def test_scoring_is_the_same_and_shares_only_before_the_first_scored_token(tiny_llama, tmp_path):
+    firsts = [len(PREFIX) - 4, *[len(p) - 1 for p in PROMPTS[1:]]]  # the first scores 3 prefix tokens too
+    policy = Policy(gpu_batch_size=4, num_gpu_batches=2)
+    plain, shared = (_engine(tiny_llama, policy, tmp_path, sharing).score(PROMPTS, top_logprobs=2, first_scored=firsts)
+                     for sharing in (0, 1))
+    assert shared.stats.computed_prompt_tokens < plain.stats.computed_prompt_tokens
+    for a, b, f in zip(plain.results, shared.results, firsts):
+        assert a.logprobs[f:] == pytest.approx(b.logprobs[f:], abs=1e-5)
+        assert [list(t) for t in a.top_logprobs] == [list(t) for t in b.top_logprobs]
+
+
+def test_n_samples_of_one_prompt_share_all_but_its_last_token(tiny_llama, tmp_path):
+    prompt = PROMPTS[0]
+    params = SamplingParams(max_new_tokens=N_NEW, temperature=0.9, seed=7, num_completions=4, ignore_eos=True)
+    policy = Policy(gpu_batch_size=4)
+    plain, shared = (_engine(tiny_llama, policy, tmp_path, sharing).generate([prompt], params) for sharing in (0, 1))
+    assert [c.token_ids for c in plain.results[0].completions] == [c.token_ids for c in shared.results[0].completions]
+    assert shared.stats.computed_prompt_tokens == (len(prompt) - 1) + 4 * 1
+
+
+def test_the_prefill_computes_what_the_stats_say(tiny_llama, tmp_path, monkeypatch):
+    """Every token that reaches a block's attention at prefill is counted, and no more."""
+    from flexgen_helm.models import llama
+
+    seen = []
+    real = llama.finish_block
+    monkeypatch.setattr(llama, "finish_block", lambda cfg, w, h, a: seen.append(h.shape[0] * h.shape[1]) or
+                        real(cfg, w, h, a))
+    engine = _engine(tiny_llama, Policy(gpu_batch_size=4, num_gpu_batches=2), tmp_path, True)
+    run = engine.generate(PROMPTS, SamplingParams(max_new_tokens=1, ignore_eos=True))
+    blocks = engine.config.num_layers
+    assert sum(seen) == blocks * run.stats.computed_prompt_tokens
+    padded_suffixes = run.stats.computed_prompt_tokens - len(PREFIX) * run.stats.blocks
+    assert padded_suffixes <= sum(len(p) - len(PREFIX) for p in PROMPTS) + 6 * len(PROMPTS)  # padding: < 7 each
+
+
+def test_prompts_that_share_nothing_run_as_before(tiny_llama, tmp_path):
+    prompts = [[_rng.randrange(3, 290) for _ in range(40)] for _ in range(6)]
+    run = _engine(tiny_llama, Policy(gpu_batch_size=8), tmp_path, True).generate(
+        prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))
+    assert run.stats.computed_prompt_tokens == run.stats.padded_prompt_tokens
+
+
+def test_how_much_is_shared():
+    long = list(range(100))
+    assert common_prefix_len([long, long[:50] + [7], long[:60]]) == 50
+    # every prompt keeps a token of its own (last_shared), and a short common prefix is not worth it
+    assert shared_prefix_len([[long[:80], long[:80] + [1]]], [79, 80]) == 79
+    assert shared_prefix_len([[long[:80]], [long[:40] + [9] * 40]], [79, 79]) == 40
+    assert shared_prefix_len([[long[:20] + [1] * 200, long[:20] + [2] * 200]], [219, 219]) == 0  # saves < 10%
+    assert shared_prefix_len([[long[:MIN_SHARED_TOKENS - 1] + [1], long[:MIN_SHARED_TOKENS - 1] + [2]]],
+                             [MIN_SHARED_TOKENS] * 2) == 0
+    assert shared_prefix_len([[long]], [99]) == 0  # one sequence: nothing to share with
+
+
+def test_a_pipeline_stage_computes_prompts_whole(tmp_path):
+    """(A stage's prefill would have to hand on the prefix's hidden states apart.)"""
+    from flexgen_helm.executor.generation import BlockDriver
+    from flexgen_helm.executor.sampling import RunStats
+
+    path = save_tiny("llama", tmp_path / "m")
+    engine = _engine(path, Policy(), tmp_path, True)
+    driver = BlockDriver(engine.runtime, engine.policy, tmp_path, RunStats())
+    assert driver.shares_prefixes()
+    driver.rt = SimpleNamespace(layers=engine.runtime.layers[:-1])  # no head: a first stage
+    assert not driver.shares_prefixes()
