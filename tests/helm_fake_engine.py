@@ -99,7 +99,7 @@ class FakeEngine:
         lengths = sorted(map(len, prompts))
         padded = sum((end - start) * lengths[end - 1] for start, end in cut_by_length(lengths, len(lengths)))
         return RunStats(sequences=len(prompts), prompt_tokens=sum(lengths),
-                        padded_prompt_tokens=padded, generated_tokens=generated,
+                        padded_prompt_tokens=padded, computed_prompt_tokens=padded, generated_tokens=generated,
                         padded_generated_tokens=padded_generated, prefill_s=0.001,
                         decode_s=0.001 if padded_generated else 0.0, blocks=1, block_size=len(prompts))
 

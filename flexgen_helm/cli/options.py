@@ -60,6 +60,9 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                         "tokens, values per token, a sequence's newest tokens of an unfinished group kept in full "
                         f"precision (default: {DEFAULT_CACHE_GROUPING}, the better measured, runs/accuracy)")
     g.add_argument("--attn-sparsity", type=float, default=1.0, help="fraction of keys kept in decode attention")
+    g.add_argument("--no-prefix-sharing", dest="prefix_sharing", action="store_false", default=True,
+                   help="compute every prompt whole, even where a block's prompts start with the same tokens "
+                        "(by default their common prefix is computed once per block: for A/B measurements)")
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -101,6 +104,8 @@ def pinned_fields(args) -> dict:
         pinned["compress_cache"] = cache_compression(args).__dict__
     if args.attn_sparsity != 1.0:
         pinned["attn_sparsity"] = args.attn_sparsity
+    if not args.prefix_sharing:
+        pinned["prefix_sharing"] = False
     Policy.from_dict(pinned)  # a bad field or value fails here, before any work
     return pinned
 

@@ -18,6 +18,7 @@ Every successful request ran in one engine batch (helm/batching.py). What it rep
         "id": "1f2e-6650aa1b-12", # requests with the same id ran together
         "mode": "generate",
         "prompt_tokens": 290, "padded_prompt_tokens": 320,
+        "computed_prompt_tokens": 120,  # through the layers: each block's shared prefix once
         "generated_tokens": 40, "padded_generated_tokens": 40,
         "prefill_s": 0.4, "decode_s": 1.5
       }
@@ -55,6 +56,13 @@ class BatchRecord:
     padded_generated_tokens: int
     prefill_s: float
     decode_s: float
+    # prompt tokens the layers computed (RunStats): a block's shared prefix once; None in the
+    # records of a plugin older than prefix sharing, which computed every padded token
+    computed_prompt_tokens: int | None = None
+
+    @property
+    def prompt_tokens_computed(self) -> int:
+        return self.padded_prompt_tokens if self.computed_prompt_tokens is None else self.computed_prompt_tokens
 
     @classmethod
     def of_runs(cls, id: str, mode: str, size: int, time_s: float, runs: list[RunStats]) -> "BatchRecord":
@@ -62,6 +70,7 @@ class BatchRecord:
         return cls(id=id, mode=mode, size=size, time_s=time_s,
                    prompt_tokens=sum(r.prompt_tokens for r in runs),
                    padded_prompt_tokens=sum(r.padded_prompt_tokens for r in runs),
+                   computed_prompt_tokens=sum(r.computed_prompt_tokens for r in runs),
                    generated_tokens=sum(r.generated_tokens for r in runs),
                    padded_generated_tokens=sum(r.padded_generated_tokens for r in runs),
                    prefill_s=sum(r.prefill_s for r in runs), decode_s=sum(r.decode_s for r in runs))
@@ -124,6 +133,7 @@ def summarize(records: list[RequestRecord]) -> dict[str, Any]:
     real_gen = sum(r.generated_tokens for r in records)
     padded_prompt = sum(b.padded_prompt_tokens for b in batches.values())
     padded_gen = sum(b.padded_generated_tokens for b in batches.values())
+    computed_prompt = sum(b.prompt_tokens_computed for b in batches.values())
     time_s = sum(b.time_s for b in batches.values())
     prefill_s = sum(b.prefill_s for b in batches.values())
     decode_s = sum(b.decode_s for b in batches.values())
@@ -137,6 +147,9 @@ def summarize(records: list[RequestRecord]) -> dict[str, Any]:
         "generated_tokens": real_gen,
         "padded_prompt_tokens": padded_prompt,
         "padded_generated_tokens": padded_gen,
+        "computed_prompt_tokens": computed_prompt,
+        # the share of the padded prompt tokens a shared prefix saved computing
+        "prefix_reuse": 1 - computed_prompt / padded_prompt if padded_prompt else None,
         "engine_time_s": time_s,
         # the engine's two stages (RunStats), summed over the batches; the rest of engine_time_s
         # is the calls' setup (tokens checked, blocks planned, results gathered)

@@ -36,8 +36,8 @@ from flexgen_helm.tools.report.markdown import fmt, table
 
 RUN_INFO = "run_info.json"  # written beside the records by the command that made the run
 
-HELM_SHOWN = ["scenario", "deployment", "precision", "instances", "prompt tok", "prompt tok (padded)", "output tok",
-              "output tok (padded)", "engine time (s)", "prefill (s)", "decode (s)", "padded tok/s", "actual tok/s",
+HELM_SHOWN = ["scenario", "deployment", "precision", "instances", "prompt tok", "prompt tok (padded)",
+              "prompt tok (computed)", "prefix reuse", "output tok", "output tok (padded)", "engine time (s)", "prefill (s)", "decode (s)", "padded tok/s", "actual tok/s",
               "efficiency"]
 
 
@@ -143,7 +143,9 @@ def _helm_section(df: pd.DataFrame, suite_dir: Path, out: Path) -> list[str]:
                                   if f"metric:{m}" in run and pd.notna(run[f"metric:{m}"]))
                         for _, run in df.iterrows()]
     total = helm_runs.suite_total(df)
-    md += ["Tokens: real ones, and as computed (every prompt of a batch left-padded to its longest). "
+    md += ["Tokens: real ones, as padded (every prompt of a GPU batch left-padded to its longest), and as "
+           "computed at prefill (a batch's shared prompt prefix, e.g. few-shot examples, once: prefix reuse is the "
+           "share of the padded prompt tokens it saved). "
            "Engine time: the engine's wall time for the run's batches; prefill and decode: the part of it in "
            "each stage (per-stage time: prompts through the model, then one step per generated token). "
            "Padded / actual tok/s = (prompt + output tokens, padded / real) / engine time; "

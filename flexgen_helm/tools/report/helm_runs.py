@@ -70,6 +70,7 @@ COLUMNS = {
     "scenario": "scenario", "deployment": "deployment", "precision": "precision", "instances": "instances",
     "requests": "requests", "batches": "batches",
     "prompt_tokens": "prompt tok", "padded_prompt_tokens": "prompt tok (padded)",
+    "computed_prompt_tokens": "prompt tok (computed)", "prefix_reuse": "prefix reuse",
     "generated_tokens": "output tok", "padded_generated_tokens": "output tok (padded)",
     "engine_time_s": "engine time (s)", "prefill_s": "prefill (s)", "decode_s": "decode (s)",
     "padded_throughput_tok_s": "padded tok/s", "actual_throughput_tok_s": "actual tok/s",
