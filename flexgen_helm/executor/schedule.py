@@ -549,8 +549,8 @@ class BlockSchedule:
         elif prefill:
             if self.shared is not None:  # the columns before the window: the shared prefix's keys and values
                 pad = (~self.batches[k].valid).sum(1)
-                ku, vu = (torch.cat([before, x], dim=1) for before, x in zip(self.shared.context(pad, self.shared.length),
-                                                                              (ku, vu)))
+                before_k, before_v = self.shared.context(pad, self.shared.length)
+                ku, vu = torch.cat([before_k, ku], dim=1), torch.cat([before_v, vu], dim=1)
             out = attend(qu, ku, vu, rows.valid, causal=True, window=window, softcap=softcap)
         else:
             t0 = time.perf_counter()

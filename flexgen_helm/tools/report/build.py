@@ -37,8 +37,8 @@ from flexgen_helm.tools.report.markdown import fmt, table
 RUN_INFO = "run_info.json"  # written beside the records by the command that made the run
 
 HELM_SHOWN = ["scenario", "deployment", "precision", "instances", "prompt tok", "prompt tok (padded)",
-              "prompt tok (computed)", "prefix reuse", "output tok", "output tok (padded)", "engine time (s)", "prefill (s)", "decode (s)", "padded tok/s", "actual tok/s",
-              "efficiency"]
+              "prompt tok (computed)", "prefix reuse", "output tok", "output tok (padded)", "engine time (s)",
+              "prefill (s)", "decode (s)", "padded tok/s", "actual tok/s", "efficiency"]
 
 
 def suite_path(output_path: str | Path, suite: str) -> Path:
