@@ -62,15 +62,21 @@ def test_same_tokens_and_logprobs_with_and_without_sharing(model_path, name, tmp
         assert a.completions[0].logprobs == pytest.approx(b.completions[0].logprobs, abs=1e-4)
 
 
-def test_scoring_is_the_same_and_shares_only_before_the_first_scored_token(tiny_llama, tmp_path):
-    firsts = [len(PREFIX) - 4, *[len(p) - 1 for p in PROMPTS[1:]]]  # the first scores 3 prefix tokens too
+@pytest.mark.parametrize("scored_from", ["every-token", "last-tokens", "mixed"])
+def test_scoring_is_the_same_with_and_without_sharing(tiny_llama, tmp_path, scored_from):
+    """Scored positions inside the shared prefix (HELM's echo scores every token) are scored
+    once for the block and taken by every row at its own offset."""
+    firsts = {"every-token": [1] * len(PROMPTS), "last-tokens": [len(p) - 2 for p in PROMPTS],
+              "mixed": [len(PREFIX) - 4, 1, *[len(p) - 1 for p in PROMPTS[2:]]]}[scored_from]
     policy = Policy(gpu_batch_size=4, num_gpu_batches=2)
     plain, shared = (_engine(tiny_llama, policy, tmp_path, sharing).score(PROMPTS, top_logprobs=2, first_scored=firsts)
                      for sharing in (0, 1))
     assert shared.stats.computed_prompt_tokens < plain.stats.computed_prompt_tokens
-    for a, b, f in zip(plain.results, shared.results, firsts):
-        assert a.logprobs[f:] == pytest.approx(b.logprobs[f:], abs=1e-5)
+    for a, b in zip(plain.results, shared.results):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5, nan_ok=True)
         assert [list(t) for t in a.top_logprobs] == [list(t) for t in b.top_logprobs]
+        for x, y in zip(a.top_logprobs, b.top_logprobs):
+            assert list(x.values()) == pytest.approx(list(y.values()), abs=1e-5)
 
 
 def test_n_samples_of_one_prompt_share_all_but_its_last_token(tiny_llama, tmp_path):

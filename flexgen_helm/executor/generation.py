@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from flexgen_helm.executor.length_buckets import cut_by_length
 from flexgen_helm.executor.sampling import Completion, RunStats, SamplingParams, ScoreResult, select_tokens
 from flexgen_helm.executor.schedule import BlockSchedule, GpuBatch
-from flexgen_helm.executor.shared_prefix import shared_prefix_len
+from flexgen_helm.executor.shared_prefix import common_prefix_len, shared_prefix_len
 from flexgen_helm.memory.copy_engine import without_autograd
 from flexgen_helm.policy.policy import Policy
 
@@ -330,16 +330,25 @@ class BlockDriver:
         wanted = [torch.arange(length - 1)[None, :] >= torch.tensor(
             [length - len(prompts[i]) + first_scored[i] - 1 for i in g])[:, None] for g, length in zip(groups, lengths)]
         head_rows = min(SCORED_ROWS_PER_HEAD_CALL, max(int(m.sum()) for m in wanted))
-        # as_decode attends position by position as the cache returns it: no shared prefix there
+        # A shared prefix stops a token short of the prompts' common one: every position it
+        # holds then predicts a token all prompts share, scored once for all (_shared_positions_head).
+        # as_decode attends position by position as the cache returns it: no shared prefix there.
+        common = common_prefix_len(prompts)
         sched = self.schedule([[prompts[i] for i in g] for g in groups], max(len(p) for p in prompts),
                               head_rows=head_rows,
-                              last_shared=None if as_decode else [min(len(p), f) - 1 for p, f in zip(prompts,
-                                                                                                    first_scored)])
+                              last_shared=None if as_decode else [min(len(p), common) - 1 for p in prompts])
+        shared_scores = []
+
+        def head(k: int, w: dict, h: torch.Tensor):
+            if sched.shared is not None and not shared_scores:  # the first GPU batch's head: the prefix's too
+                shared_scores.append(self._shared_positions_head(w, sched.shared.hidden[0], prompts[0],
+                                                                 min(first_scored) - 1, top_k))
+            return self._scored_positions_head(sched.batches[k], w, h, top_k, wanted[k],
+                                               shared_scores[0] if shared_scores else None)
+
         try:
             t0 = time.perf_counter()
-            per_batch = sched.prefill(
-                lambda k, w, h: self._scored_positions_head(sched.batches[k], w, h, top_k, wanted[k]),
-                as_decode=as_decode, decode_follows=False)
+            per_batch = sched.prefill(head, as_decode=as_decode, decode_follows=False)
             self.stats.prefill_s += time.perf_counter() - t0
             self.stats.add_timers(sched.timers)
         finally:
@@ -354,37 +363,72 @@ class BlockDriver:
         return out
 
     def _scored_positions_head(self, batch: GpuBatch, w: dict, h: torch.Tensor, top_k: int, wanted: torch.Tensor,
-                               rows_per_chunk: int = SCORED_ROWS_PER_HEAD_CALL):
+                               shared: tuple | None = None, rows_per_chunk: int = SCORED_ROWS_PER_HEAD_CALL):
         """Log-probs of the wanted next tokens ((b, s-1) mask), through the head a chunk of
         positions at a time: padding and unwanted positions never reach the vocabulary-wide
-        head, and the (positions x vocabulary) logits never exist all at once."""
+        head, and the (positions x vocabulary) logits never exist all at once.
+
+        h holds the batch's last columns only where a shared prefix was computed once
+        (BlockSchedule.window); the columns before them are the prefix's positions, whose
+        log-probs and top entries (`shared`, _shared_positions_head) every row takes at its
+        own offset."""
         b, s = batch.ids.shape
-        first = s - h.shape[1]  # columns before the ones computed (a shared prefix's): none is wanted
-        mask = wanted[:, first:].to(h.device)
+        first = s - h.shape[1]  # columns before the ones computed: a shared prefix's
+        computed = wanted.clone()
+        computed[:, :first] = False
+        mask = computed[:, first:].to(h.device)
         hidden = h[:, :-1][mask]  # (n, hidden)
         targets = batch.ids[:, first + 1:].to(h.device)[mask]
         picked = torch.empty(len(targets))
         top_vals, top_ids = [], []
         for c0 in range(0, len(targets), rows_per_chunk):
             c1 = min(c0 + rows_per_chunk, len(targets))
-            # float32 log-probs by one log_softmax: a float copy of the logits, then logsumexp's
-            # passes over it (max, subtract, exp, sum), read and wrote them several times more
-            logprobs = F.log_softmax(self.rt.family.head(self.rt.config, w, hidden[None, c0:c1])[0], dim=-1,
-                                     dtype=torch.float32)
+            logprobs = self._head_logprobs(w, hidden[c0:c1])
             picked[c0:c1] = logprobs.gather(-1, targets[c0:c1, None])[:, 0].cpu()
             if top_k:
                 vals, idx = logprobs.topk(top_k, dim=-1)
                 top_vals.append(vals.cpu())
                 top_ids.append(idx.cpu())
         lps = torch.full((b, s - 1), math.nan)
-        lps[wanted] = picked
+        lps[computed] = picked
+        # the prefix's columns: row r's prefix position of column c is c - (its padding)
+        before = wanted[:, :first]
+        position = (torch.arange(first)[None, :] - (~batch.valid).sum(1)[:, None])[before]
+        if len(position):
+            lps[:, :first][before] = shared[0][position]
         if not top_k:
             return lps, None
         tops = [[{} for _ in range(s - 1)] for _ in range(b)]
-        rows, cols = wanted.nonzero(as_tuple=True)
+        rows, cols = computed.nonzero(as_tuple=True)
         all_vals = torch.cat(top_vals or [torch.empty(0, top_k)]).tolist()
         for r, c, vals, idx in zip(rows.tolist(), cols.tolist(), all_vals,
                                    torch.cat(top_ids or [torch.empty(0, top_k, dtype=torch.long)]).tolist()):
             tops[r][c] = dict(zip(idx, vals))
+        for (r, c), i in zip(before.nonzero().tolist(), position.tolist()):
+            tops[r][c] = shared[1][i]
         return lps, tops
 
+    def _head_logprobs(self, w: dict, hidden: torch.Tensor) -> torch.Tensor:
+        """(n, hidden) -> (n, vocabulary) float32 log-probs."""
+        # by one log_softmax: a float copy of the logits, then logsumexp's passes over it (max,
+        # subtract, exp, sum), read and wrote them several times more
+        return F.log_softmax(self.rt.family.head(self.rt.config, w, hidden[None])[0], dim=-1, dtype=torch.float32)
+
+    def _shared_positions_head(self, w: dict, hidden: torch.Tensor, prompt: list[int], first: int, top_k: int,
+                               rows_per_chunk: int = SCORED_ROWS_PER_HEAD_CALL) -> tuple[torch.Tensor, list]:
+        """A shared prefix's positions through the head once for every prompt of the block:
+        hidden (n, hidden) predicts prompt[1:n + 1] (tokens every prompt shares). Per position,
+        the log-prob of its next token and its top_k entries; nan and {} before `first`, a
+        position no prompt scores."""
+        n = hidden.shape[0]
+        lps, tops = torch.full((n,), math.nan), [{} for _ in range(n)]
+        targets = torch.tensor(prompt[1:n + 1], device=hidden.device)
+        for c0 in range(max(0, first), n, rows_per_chunk):
+            c1 = min(c0 + rows_per_chunk, n)
+            logprobs = self._head_logprobs(w, hidden[c0:c1])
+            lps[c0:c1] = logprobs.gather(-1, targets[c0:c1, None])[:, 0].cpu()
+            if top_k:
+                vals, idx = logprobs.topk(top_k, dim=-1)
+                for i, (v, j) in enumerate(zip(vals.tolist(), idx.tolist())):
+                    tops[c0 + i] = dict(zip(j, v))
+        return lps, tops

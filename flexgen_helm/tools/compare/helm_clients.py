@@ -13,6 +13,7 @@ ratios, model loading included (a user waits for that too).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shlex
 import subprocess
@@ -39,7 +40,15 @@ PROFILE = Path("runs/helm_vs_hf/hardware.json")
 # modeling, where causal attention dominates), and paragraphs (the same text as ~3k short
 # requests: the many-request regime HELM's sub-scenarios live in, where batching pays)
 SCENARIOS = {"lambada": ("lambada", 500), "wikitext": ("wikitext:unit=article", 100_000),
-             "wikitext-paragraph": ("wikitext:unit=paragraph", 100_000)}
+             "wikitext-paragraph": ("wikitext:unit=paragraph", 100_000),
+             # few-shot (HELM's offline ones: their data is generated, none is downloaded): every
+             # prompt of a run starts with the same instructions and in-context examples
+             "synthetic_reasoning-pattern_match": ("synthetic_reasoning:mode=pattern_match", 300),
+             "synthetic_reasoning-variable_substitution": ("synthetic_reasoning:mode=variable_substitution", 300),
+             "synthetic_reasoning-induction": ("synthetic_reasoning:mode=induction", 300),
+             "synthetic_reasoning_natural-easy": ("synthetic_reasoning_natural:difficulty=easy", 300),
+             "dyck_language": ("dyck_language:num_parenthesis_pairs=3", 300)}
+FEW_SHOT = [s for s in SCENARIOS if s.startswith(("synthetic", "dyck"))]
 
 
 @dataclass(frozen=True)
@@ -61,7 +70,18 @@ SYSTEMS = (
     System("ours", "flexgen/smollm2-135m", default_dtype(torch.device("cpu")), BATCHING_RUNNER,
            "flexgen-helm as shipped (its CPU default: bfloat16 where the CPU has bf16 arithmetic, "
            "else float32), BatchingRunner"),
+    # the A/B of prefix sharing (executor/shared_prefix.py): the same deployments with it off
+    System("ours-float32-no-sharing", "flexgen/smollm2-135m-fp32-no-sharing", "float32", BATCHING_RUNNER,
+           "as ours-float32, every prompt computed whole (policy prefix_sharing: false)"),
+    System("ours-no-sharing", "flexgen/smollm2-135m-no-sharing", default_dtype(torch.device("cpu")), BATCHING_RUNNER,
+           "as ours, every prompt computed whole (policy prefix_sharing: false)"),
 )
+# ours -> its twin without prefix sharing
+SHARING_OFF = {"ours-float32": "ours-float32-no-sharing", "ours": "ours-no-sharing"}
+# our engine's own accounting of a run (helm/accounting.py), kept beside HELM's metrics
+ENGINE_COLUMNS = ["engine_time_s", "prefill_s", "decode_s", "prompt_tokens", "padded_prompt_tokens",
+                  "computed_prompt_tokens", "prefix_reuse"]
+
 
 
 def export_checkpoint() -> Path:
@@ -82,7 +102,8 @@ def prod_env_yaml(checkpoint: Path) -> dict[str, str]:
         f"  - name: {name}\n    display_name: {name}\n    description: SmolLM2-135M for the client comparison\n"
         f"    creator_organization_name: HuggingFaceTB\n    access: open\n    num_parameters: 135000000\n"
         f"    release_date: 2024-11-01\n    tags: [TEXT_MODEL_TAG, FULL_FUNCTIONALITY_TEXT_MODEL_TAG]\n"
-        for name in ("hf-local/smollm2-135m", "hf-local/smollm2-135m-bf16", "flexgen/smollm2-135m-fp32"))
+        for name in ("hf-local/smollm2-135m", "hf-local/smollm2-135m-bf16", "flexgen/smollm2-135m-fp32",
+                     "flexgen/smollm2-135m-fp32-no-sharing", "flexgen/smollm2-135m-no-sharing"))
     tokenizers = (
         "tokenizer_configs:\n  - name: hf-local/smollm2-135m\n    tokenizer_spec:\n"
         "      class_name: helm.tokenizers.huggingface_tokenizer.HuggingFaceTokenizer\n"
@@ -96,12 +117,15 @@ def prod_env_yaml(checkpoint: Path) -> dict[str, str]:
         f"      args:\n        pretrained_model_name_or_path: {checkpoint}\n        apply_chat_template: false\n"
         f"        device: cpu\n        torch_dtype: torch.{dtype}\n"
         for name, dtype in (("hf-local/smollm2-135m", "float32"), ("hf-local/smollm2-135m-bf16", "bfloat16")))
-    ours = ("  - name: flexgen/smollm2-135m-fp32\n    model_name: flexgen/smollm2-135m-fp32\n"
-            f"    tokenizer_name: flexgen/smollm2-135m\n{limits}"
-            "    client_spec:\n      class_name: flexgen_helm.helm.client.FlexGenClient\n"
-            f"      args:\n        model: {MODEL}\n"
-            # no policy, as flexgen/smollm2-135m: the planner's choice
-            "        deployment: flexgen/smollm2-135m-fp32\n        dtype: float32\n")
+    ours = "".join(
+        f"  - name: {name}\n    model_name: {name}\n    tokenizer_name: flexgen/smollm2-135m\n{limits}"
+        "    client_spec:\n      class_name: flexgen_helm.helm.client.FlexGenClient\n"
+        f"      args:\n        model: {MODEL}\n        deployment: {name}\n{extra}"
+        # no placement or block, as flexgen/smollm2-135m: the planner's choice
+        for name, extra in (("flexgen/smollm2-135m-fp32", "        dtype: float32\n"),
+                            ("flexgen/smollm2-135m-fp32-no-sharing",
+                             "        dtype: float32\n        policy: {prefix_sharing: false}\n"),
+                            ("flexgen/smollm2-135m-no-sharing", "        policy: {prefix_sharing: false}\n")))
     return {"model_metadata.yaml": metadata, "tokenizer_configs.yaml": tokenizers,
             "model_deployments.yaml": "model_deployments:\n" + hf + ours}
 
@@ -131,7 +155,8 @@ def run_one(system: System, scenario: str, max_instances: int, out: Path, checkp
     return {"system": system.name, "dtype": system.dtype, "host": machine_label(), "scenario": scenario,
             "instances": row.get("instances"),
             "wall_s": round(wall, 1), "loadavg_1m": load, **metrics,
-            "request_tokens": request_tokens(run_dir),
+            **({k: row.get(k) for k in ENGINE_COLUMNS} if system.runner else {}),
+            "request_tokens": request_tokens(run_dir), "completions_sha256": completions_digest(run_dir),
             "command": shlex.join(["helm-run", *cmd[1:]]).replace(str(local), "<prod_env>")}
 
 
@@ -140,6 +165,31 @@ def request_tokens(run_dir: Path) -> list[int]:
     state = json.loads((run_dir / "scenario_state.json").read_text())
     return [len((rs.get("result") or {}).get("completions", [{}])[0].get("tokens", []))
             for rs in state["request_states"]]
+
+
+def completions_digest(run_dir: Path) -> str:
+    """One hash of every request's completion texts, in the run's order: two runs that
+    answered every request alike have the same."""
+    state = json.loads((run_dir / "scenario_state.json").read_text())
+    texts = [[c.get("text") for c in (rs.get("result") or {}).get("completions", [])] for rs in state["request_states"]]
+    return hashlib.sha256(json.dumps(texts).encode()).hexdigest()
+
+
+def sharing_findings(by: pd.DataFrame) -> list[str]:
+    """Each of our systems against its twin without prefix sharing, on one run."""
+    lines = []
+    for on, off in SHARING_OFF.items():
+        if on not in by.index or off not in by.index or "prefill_s" not in by:
+            continue
+        a, b = by.loc[on], by.loc[off]
+        same = "identical" if a.get("completions_sha256") == b.get("completions_sha256") else "NOT identical"
+        lines.append(f"  - prefix sharing, `{on}` vs `{off}`: prefill {b.prefill_s:.1f} s -> {a.prefill_s:.1f} s "
+                     f"({b.prefill_s / a.prefill_s:.2f}x), engine time {b.engine_time_s:.1f} s -> "
+                     f"{a.engine_time_s:.1f} s ({b.engine_time_s / a.engine_time_s:.2f}x), wall "
+                     f"{b.wall_s / a.wall_s:.2f}x; prompt tokens {int(a.prompt_tokens)} requested, "
+                     f"{int(a.padded_prompt_tokens)} padded, {int(a.computed_prompt_tokens)} computed "
+                     f"(reuse {a.prefix_reuse:.1%}); completions {same}.")
+    return lines
 
 
 def floor_finding(rows: pd.DataFrame, out: Path) -> str | None:
@@ -188,7 +238,8 @@ def agreement(df: pd.DataFrame, reference: str = "hf-float32") -> pd.DataFrame:
 EARLIER_HOST = "Intel(R) Xeon(R) Processor @ 2.10GHz, 2 cores, bf16 arithmetic (AMX)"
 EARLIER_DTYPES = {"hf-float32": "float32", "hf-bfloat16": "bfloat16", "ours-float32": "float32", "ours": "bfloat16"}
 COLUMNS = ["host", "system", "dtype", "scenario", "instances", "wall_s", "speedup_vs_hf_float32", "prefix_exact_match",
-           "correct", "correct_delta", "perplexity", "perplexity_delta_pct", "bits_per_byte", "loadavg_1m"]
+           "correct", "correct_delta", "perplexity", "perplexity_delta_pct", "bits_per_byte", "prefill_s",
+           "prefix_reuse", "loadavg_1m"]
 
 
 def findings(df: pd.DataFrame, out: Path) -> list[str]:
@@ -199,7 +250,7 @@ def findings(df: pd.DataFrame, out: Path) -> list[str]:
         lines.append(f"- {scenario}, {int(instances)} instances, {host}: wall time (speed-up over hf-float32): "
                      f"{speed}.")
         for dtype in ("bfloat16", "float32"):
-            ours = [s for s in by.index if s.startswith("ours") and by.get("dtype", {}).get(s) == dtype]
+            ours = [s for s in by.index if s in SHARING_OFF and by.get("dtype", {}).get(s) == dtype]
             if ours and f"hf-{dtype}" in by.index:
                 lines.append(f"  - same dtype ({dtype}): `{ours[0]}` is "
                              f"{by.wall_s[f'hf-{dtype}'] / by.wall_s[ours[0]]:.2f}x HELM's client.")
@@ -209,7 +260,8 @@ def findings(df: pd.DataFrame, out: Path) -> list[str]:
             floor = floor_finding(rows, out)
             if floor:
                 lines.append(floor)
-        elif "correct_delta" in by:
+        lines += sharing_findings(by)
+        if "correct_delta" in by and not scenario.startswith("wikitext"):
             worst = by.correct_delta.abs().max()
             lines.append(f"  - accuracy: largest difference from hf-float32 {worst:.0f} instance(s) "
                          "(goal: within one).")
