@@ -107,3 +107,25 @@ def test_batching_runner_hands_the_whole_run_to_the_engine(tmp_path):
     lam = stats(runs["lambada"])
     assert lam["batch_size"] > 1  # the mean over requests of the batch each ran in
     assert stats(runs["wikitext"])["num_perplexity_tokens"] > 0
+
+
+def test_a_few_shot_run_computes_its_shared_examples_once(tmp_path, monkeypatch):
+    """synthetic_reasoning puts the same instructions and five examples before every
+    question: with prefix sharing each batch computes them once, and every completion is
+    the one computed without sharing (float32)."""
+    entry = ["synthetic_reasoning:mode=pattern_match,model=flexgen/smollm2-135m"]
+    monkeypatch.setenv("FLEXGEN_HELM_DTYPE", "float32")
+    outputs = {}
+    for sharing in (True, False):
+        monkeypatch.setenv("FLEXGEN_HELM_POLICY", json.dumps({"gpu_batch_size": 4, "prefix_sharing": sharing}))
+        suite = f"sharing-{sharing}"
+        helm_run(tmp_path / suite, entry, "--runner-class-name", "flexgen_helm.helm.runner.BatchingRunner",
+                 suite=suite, max_instances=3)
+        run = run_dirs(tmp_path / suite, suite)["synthetic_reasoning"]
+        state = json.loads((run / "scenario_state.json").read_text())
+        outputs[sharing] = ([rs["result"]["completions"][0]["text"] for rs in state["request_states"]],
+                            json.loads((run / "flexgen_padding.json").read_text()))
+    (shared, shared_padding), (plain, plain_padding) = outputs[True], outputs[False]
+    assert shared == plain
+    assert plain_padding["computed_prompt_tokens"] == plain_padding["padded_prompt_tokens"]
+    assert shared_padding["prefix_reuse"] > 0.5  # the examples are most of each prompt

@@ -35,7 +35,8 @@ off these add up to the stage's time (the paper's Table 23 breakdown); with over
 the transfers run beside compute, so their times overlap it. Two parts of those:
 "decode_attention" (of decode_compute: attention over the cache, its new column and mask
 included) and "decode_unpack_cache" (copying, or dequantizing, the cache read into the
-buffers attention reads: of decode_compute on a CPU, of decode_load_cache on a GPU).
+buffers attention reads: of decode_compute on a CPU, of decode_load_cache on a GPU), and
+"prefill_shared_prefix" (of prefill_compute: the block's shared prompt prefix, run once).
 """
 
 from __future__ import annotations
@@ -187,7 +188,7 @@ class BlockSchedule:
     def _shared_prefix(self, tokens: list[int] | None) -> SharedPrefix | None:
         if not tokens:
             return None
-        if not all(len(b.ids[r]) - int((~b.valid[r]).sum()) > len(tokens) for b in self.batches for r in range(b.size)):
+        if min(int(b.valid.sum(1).min()) for b in self.batches) <= len(tokens):
             raise ValueError("a shared prefix must leave every prompt a token of its own")
         compute = self.devices.compute
         positions = torch.arange(len(tokens), device=compute)[None]
