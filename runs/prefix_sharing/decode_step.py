@@ -1,0 +1,82 @@
+"""What a shared prompt prefix costs a decode step, and what sharing saves a prefill.
+
+    python runs/prefix_sharing/decode_step.py [--model smollm2-135m] [--prefix 1000] [--sequences 32]
+
+One block of `--sequences` prompts: `--prefix` tokens they all start with, then 8 of their
+own. Three runs of one engine (sharing on), after a warm-up, in turns: the block with its
+shared prefix, the block without any prefix (the 8 tokens alone), and the block with the
+prefix computed whole (sharing off). Per run: prefill seconds and the mean decode step
+(decode seconds / steps). Appends one JSON line to results.jsonl beside this file, with the
+host and the load average.
+
+The issue's decode goal: a step with the shared prefix at most 1.3x a step with no prefix.
+Prefill sharing leaves the KV cache as before (each sequence holds its own copy of the
+prefix, executor/shared_prefix.py), so a decode step still reads it once per sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+from flexgen_helm.engine import Engine
+from flexgen_helm.executor.sampling import SamplingParams
+from flexgen_helm.memory.machine import machine_label
+from flexgen_helm.policy import Policy
+
+HERE = Path(__file__).resolve().parent
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dummy", action="store_true", help="random weights (OPT sizes)")
+    p.add_argument("--prefix", type=int, default=1000)
+    p.add_argument("--sequences", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args()
+    policy = Policy(gpu_batch_size=args.sequences, num_gpu_batches=1)
+    engine = Engine.load(args.model, policy, dummy=args.dummy, progress=False)
+    rng = random.Random(0)
+    vocab = engine.config.vocab_size
+    prefix = [rng.randrange(10, vocab) for _ in range(args.prefix)]
+    own = [[rng.randrange(10, vocab) for _ in range(8)] for _ in range(args.sequences)]
+    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    cases = {"shared prefix": ([prefix + o for o in own], True), "no prefix": (own, True),
+             "prefix, sharing off": ([prefix + o for o in own], False)}
+    engine.generate(own, params)  # warm-up
+    rows = {name: [] for name in cases}
+    for _ in range(args.rounds):
+        for name, (prompts, sharing) in cases.items():
+            engine.policy = dataclasses.replace(policy, prefix_sharing=sharing)
+            t0 = time.perf_counter()
+            stats = engine.generate(prompts, params).stats
+            rows[name].append({"prefill_s": stats.prefill_s, "decode_step_s": stats.decode_s / (args.new_tokens - 1),
+                               "wall_s": time.perf_counter() - t0,
+                               "computed_prompt_tokens": stats.computed_prompt_tokens})
+    best = {name: min(r, key=lambda x: x["decode_step_s"]) for name, r in rows.items()}
+    record = {"host": machine_label(), "dtype": str(engine.runtime.devices.dtype), "model": args.model,
+              "prefix": args.prefix, "sequences": args.sequences, "new_tokens": args.new_tokens,
+              "loadavg_1m": os.getloadavg()[0], "runs": rows, "best": best,
+              "decode_step_ratio_shared_vs_no_prefix": best["shared prefix"]["decode_step_s"]
+              / best["no prefix"]["decode_step_s"],
+              "prefill_speedup_sharing": best["prefix, sharing off"]["prefill_s"] / best["shared prefix"]["prefill_s"],
+              "command": "python runs/prefix_sharing/decode_step.py " + " ".join(
+                  f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "dummy")
+              + (" --dummy" if args.dummy else "")}
+    with (HERE / "results.jsonl").open("a") as f:
+        f.write(json.dumps(record) + "\n")
+    for name, r in best.items():
+        print(f"{name:>20}: prefill {r['prefill_s']:.2f} s, decode step {1000 * r['decode_step_s']:.1f} ms")
+    print(f"decode step, shared prefix / no prefix: {record['decode_step_ratio_shared_vs_no_prefix']:.2f}x; "
+          f"prefill, sharing off / on: {record['prefill_speedup_sharing']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
