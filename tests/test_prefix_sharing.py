@@ -134,3 +134,42 @@ def test_a_pipeline_stage_computes_prompts_whole(tmp_path):
     assert driver.shares_prefixes()
     driver.rt = SimpleNamespace(layers=engine.runtime.layers[:-1])  # no head: a first stage
     assert not driver.shares_prefixes()
+
+
+def test_decode_steps_attend_to_the_shared_prefix_once_for_all_sequences(tiny_llama, tmp_path, monkeypatch):
+    from flexgen_helm.executor import schedule
+
+    calls = []
+    real = schedule.attend_past_shared_prefix
+    monkeypatch.setattr(schedule, "attend_past_shared_prefix",
+                        lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    engine = _engine(tiny_llama, Policy(gpu_batch_size=16), tmp_path, True)
+    engine.generate(PROMPTS, SamplingParams(max_new_tokens=3, ignore_eos=True))
+    # every layer of the two decode steps after the prefill's token, for every sequence (in
+    # the GPU batches the block's lengths cut it into)
+    assert sum(shape[0] for shape in calls) == engine.config.num_layers * 2 * len(PROMPTS) * engine.config.num_kv_heads
+
+
+@pytest.mark.parametrize("softcap", [0.0, 3.0])
+def test_shared_prefix_attention_is_attention(softcap):
+    """One matmul per key-value head over the prefix, the rest per unit, merged: what plain
+    decode attention over each whole cache computes."""
+    import torch
+
+    from flexgen_helm.executor.attention import attend, attend_past_shared_prefix
+
+    torch.manual_seed(1)
+    sequences, kvh, r, d, n = 5, 2, 3, 8, 20
+    starts = torch.tensor([0, 3, 1, 2, 3])  # each row's padding, then its copy of the prefix
+    t = int(starts.max()) + n + 6
+    prefix_k, prefix_v = torch.randn(kvh, n, d), torch.randn(kvh, n, d)
+    k, v = torch.randn(sequences * kvh, t, d), torch.randn(sequences * kvh, t, d)
+    valid = torch.ones(sequences * kvh, t, dtype=torch.bool)
+    for unit in range(sequences * kvh):
+        s, h = int(starts[unit // kvh]), unit % kvh
+        k[unit, s:s + n], v[unit, s:s + n], valid[unit, :s] = prefix_k[h], prefix_v[h], False
+    valid[3, -2] = False  # a key a unit may not see after its prefix
+    q = torch.randn(sequences * kvh, r, 1, d)
+    want = attend(q, k, v, valid, causal=False, softcap=softcap)
+    got = attend_past_shared_prefix(q, k, v, valid, prefix_k, prefix_v, starts, softcap=softcap)
+    assert torch.allclose(got, want, atol=1e-6)

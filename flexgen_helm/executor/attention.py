@@ -335,3 +335,49 @@ def _keep_top(scores: torch.Tensor, visible: torch.Tensor, keep_fraction: float)
     rank = torch.arange(top.indices.shape[-1], device=scores.device)
     kept_values = top.values.masked_fill(rank >= keeps[:, None, :, None], -math.inf)
     return torch.full_like(scores, -math.inf).scatter_(-1, top.indices, kept_values)
+
+
+def attend_past_shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor,
+                              prefix_k: torch.Tensor, prefix_v: torch.Tensor, prefix_start: torch.Tensor,
+                              softcap: float = 0.0) -> torch.Tensor:
+    """A decode step's attention (one query per unit) where every sequence's cache holds the
+    same prefix: the units are whole sequences (kv_heads units each, in order), sequence i's
+    prefix at columns [prefix_start[i], + P) of k and v. The prefix part is one matmul per
+    key-value head for the queries of every sequence at once against the one copy of its keys
+    (prefix_k, prefix_v: (kv_heads, P, d)), as Hydragen and cascade attention compute it, so
+    the prefix is read once a step instead of once per sequence; the rest attends per unit,
+    leaving out the columns every sequence's prefix covers; the parts merge exactly by their
+    log-sum-exp. q: (u, r, 1, d); k, v: (u, t, d); key_valid: (u, t). Float32, as attend()'s
+    CPU decode path; returns (u, r, 1, d) in q's dtype."""
+    u, r, _, d = q.shape
+    t = k.shape[1]
+    kvh, n = prefix_k.shape[0], prefix_k.shape[1]
+    sequences = u // kvh
+    qf = q.float().view(u, r, d)
+    start = prefix_start.to(q.device).repeat_interleave(kvh)[:, None]  # (u, 1)
+    columns = torch.arange(t, device=q.device)[None, :]
+    own = key_valid & ((columns < start) | (columns >= start + n))
+    # the columns in every sequence's prefix are not read at all; the others' prefix columns are masked
+    common_from, common_to = int(prefix_start.max()), int(prefix_start.min()) + n
+    spans = [(0, common_from), (common_to, t)] if common_from < common_to else [(0, t)]
+    parts = [_softmax_part(qf, k[:, a:b], v[:, a:b], own[:, a:b], softcap) for a, b in spans if b > a]
+    by_head = qf.view(sequences, kvh, r, d).transpose(0, 1).reshape(kvh, sequences * r, d)
+    shared = _softmax_part(by_head, prefix_k, prefix_v, None, softcap)
+    parts.append(tuple(x.view(kvh, sequences, r, -1).transpose(0, 1).reshape(u, r, -1) for x in shared))
+    peak = torch.stack([m for _, m, _ in parts]).amax(0)
+    weights = [torch.exp(m - peak) for _, m, _ in parts]
+    out = sum(o * w for (o, _, _), w in zip(parts, weights)) / sum(s * w for (_, _, s), w in zip(parts, weights))
+    return out.view(u, r, 1, d).to(q.dtype)
+
+
+def _softmax_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
+                  softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention of q (g, m, d) over k, v (g, t, d) as the parts a softmax merges from: the
+    unnormalised output (g, m, d), each row's largest score (g, m, 1; -inf where it may see no
+    key) and its sum of exp(score - largest) (g, m, 1)."""
+    scores = _capped(torch.bmm(q, k.float().transpose(1, 2)) / math.sqrt(q.shape[-1]), softcap)
+    if valid is not None:
+        scores = scores.masked_fill_(~valid[:, None, :], -math.inf)
+    peak = scores.amax(-1, keepdim=True)
+    weights = torch.exp(scores - torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak)))
+    return torch.bmm(weights, v.float()), peak, weights.sum(-1, keepdim=True)

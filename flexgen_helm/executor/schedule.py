@@ -54,7 +54,14 @@ from flexgen_helm.compression import kivi
 from flexgen_helm.compression.quantize import CACHE_GROUP_DIM
 from flexgen_helm.compression.stored import dense, encode
 from flexgen_helm.executor.activations import ActivationHome
-from flexgen_helm.executor.attention import attend, attend_as_decode, decode_cache_dtype, from_units, to_units
+from flexgen_helm.executor.attention import (
+    attend,
+    attend_as_decode,
+    attend_past_shared_prefix,
+    decode_cache_dtype,
+    from_units,
+    to_units,
+)
 from flexgen_helm.executor.cache_buffers import CacheBuffers, batches_per_load, buffer_sets, unpacks_on_lane
 from flexgen_helm.executor.kivi_cache import KiviCacheSlot
 from flexgen_helm.executor.kv_cache import KVCacheSlot, cache_rows, kv_nbytes
@@ -160,6 +167,14 @@ class BlockSchedule:
         # per-run constants (the rotary tables), for every position this run will reach
         self.constants = self.family.run_constants(self.cfg, max_len, self.devices.compute, self.devices.dtype)
         self.shared = self._shared_prefix(shared_prefix)
+        # the shared prefix's keys and values by block, kept for decode steps whose attention
+        # reads the cache in place (uncompressed, all on the compute device's tier, no sparsity):
+        # they attend to it once for all sequences (attend_past_shared_prefix); each row's
+        # prefix starts at prefix_start[k][row] of the block's columns
+        self.decode_prefix: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.keeps_decode_prefix = self.shared is not None and policy.compress_cache is None and \
+            policy.attn_sparsity == 1.0 and policy.cache.gpu == 1.0
+        self.prefix_start = [first + (~b.valid).sum(1) for b, first in zip(batches, self.prompt_start)]
         # the columns each GPU batch's prefill computes (the last ones): all, or those after the shared prefix
         shared_len = self.shared.length if self.shared is not None else 0
         self.window = [b.ids.shape[1] - shared_len for b in batches]
@@ -297,6 +312,8 @@ class BlockSchedule:
             if prefill and self.shared is not None:
                 t0 = time.perf_counter()
                 self.shared.run_layer(self.family, self.cfg, layer, w)
+                if self.keeps_decode_prefix and layer.kind == "block" and not self.cfg.window(layer.index):
+                    self.decode_prefix[layer.index] = (self.shared.keys.clone(), self.shared.values.clone())
                 self._time_compute(t0, stage)
                 self.timers["prefill_shared_prefix"] += time.perf_counter() - t0  # of prefill_compute
             cache = cache_ahead or self._submit_cache_ahead(layer, live, prefill)
@@ -555,7 +572,8 @@ class BlockSchedule:
             out = attend(qu, ku, vu, rows.valid, causal=True, window=window, softcap=softcap)
         else:
             t0 = time.perf_counter()
-            out, unwritten = self._decode_attention(slot, cache, qu, ku, vu, rows, window)
+            out, unwritten = self._decode_attention(slot, cache, qu, ku, vu, rows, window,
+                                                    self._prefix_of(index, k))
             if self.devices.is_cuda:
                 torch.cuda.current_stream().synchronize()
             self.timers["decode_attention"] += time.perf_counter() - t0  # part of decode_compute
@@ -578,8 +596,17 @@ class BlockSchedule:
         gd = None if cfg is None else CACHE_GROUP_DIM
         return tuple(dense(encode(x.transpose(0, 1).to(dtype), cfg, gd), read_as).transpose(0, 1) for x in (k, v))
 
+    def _prefix_of(self, index: int, k: int) -> tuple | None:
+        """Block `index`'s shared prefix for GPU batch k's computed rows: its keys, values and
+        where each row's copy starts; None where decode steps do not attend to it apart."""
+        if index not in self.decode_prefix:
+            return None
+        rows = self.step_rows[k].rows
+        start = self.prefix_start[k] if rows is None else self.prefix_start[k][rows.cpu()]
+        return (*self.decode_prefix[index], start)
+
     def _decode_attention(self, slot: KVCacheSlot | KiviCacheSlot, cache: dict, qu, ku, vu, rows: StepRows,
-                          window: int):
+                          window: int, prefix: tuple | None = None):
         """Attention of one new position per computed unit, tier by tier, to the positions
         the slot holds and to itself; a sliding-window block's to its last `window` positions
         only (slot.decode_valid). Where attention reads a tier in place (never a ring, never
@@ -596,6 +623,10 @@ class BlockSchedule:
             drop, valid = slot.decode_valid(tier, self.length, window, rows.valid[part], local)
             if slot.in_place(tier, where):
                 keys, values = slot.append_in_place(tier, new_k, new_v, self.length, local)
+                if prefix is not None and part == slice(0, len(qu)):  # every computed unit here, in place
+                    outs.append(attend_past_shared_prefix(qu.to(where), keys, values, valid.to(where), *prefix,
+                                                          softcap=self.cfg.attn_softcap))
+                    continue
             else:
                 unwritten.append(tier)
                 kc, vc = cache[tier]
