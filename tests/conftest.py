@@ -88,8 +88,10 @@ def save_tiny(kind: str, path: Path, **overrides) -> Path:
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.add_(torch.randn_like(p) * 0.2)
-                elif name.endswith("mlp.gate.weight"):
+                elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
                     p.normal_(0, 1.0)  # routers: logits spread, so that no two experts tie for a token
+                elif "expert" in name:  # experts' outputs as large as the residual: each one counts
+                    p.normal_(0, 0.2)
     else:
         raise ValueError(kind)
     model.save_pretrained(path, safe_serialization=True)

@@ -1,0 +1,69 @@
+"""Mixtures of experts beyond the transformers comparisons of test_model_families.py: the
+checkpoints refused with their reason before any weight is read, and the config rules."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import save_tiny
+from safetensors.torch import load_file, save_file
+
+from flexgen_helm.errors import ModelNotFoundError, WeightStoreError
+from flexgen_helm.models.moe import config_from_hf
+from flexgen_helm.weights.hf_checkpoint import HFCheckpoint
+
+
+def test_unsupported_moe_family_is_named_before_any_weight(tmp_path):
+    # no weight file at all: the family is refused from config.json alone
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "n_routed_experts": 256,
+                                                      "num_experts_per_tok": 8, "hidden_size": 64}))
+    with pytest.raises(ModelNotFoundError) as e:
+        HFCheckpoint(tmp_path)
+    assert "mixture-of-experts family 'deepseek_v3' is not supported" in str(e.value)
+    assert "mixtral, qwen2_moe, qwen3_moe, olmoe" in str(e.value)
+
+
+def _rewrite(path, change):
+    f = path / "model.safetensors"
+    state = load_file(f)
+    change(state)
+    save_file(state, f, metadata={"format": "pt"})
+
+
+def test_missing_expert_tensor_is_named_with_the_files(tmp_path):
+    path = save_tiny("qwen3_moe", tmp_path / "m")
+    _rewrite(path, lambda s: s.pop("model.layers.1.mlp.experts.3.down_proj.weight"))
+    with pytest.raises(WeightStoreError) as e:
+        HFCheckpoint(path)
+    assert "'model.layers.1.mlp.experts.3.down_proj.weight'" in str(e.value)
+    assert "model.safetensors" in str(e.value)
+
+
+@pytest.mark.parametrize(("kind", "name", "shape"), [
+    ("mixtral", "model.layers.0.block_sparse_moe.gate.weight", (3, 48)),  # a router of 3 experts, not 4
+    ("qwen2_moe", "model.layers.2.mlp.experts.0.up_proj.weight", (16, 48)),
+    ("qwen2_moe", "model.layers.0.mlp.shared_expert_gate.weight", (2, 48)),
+])
+def test_misshapen_router_or_expert_is_named_with_its_file(tmp_path, kind, name, shape):
+    path = save_tiny(kind, tmp_path / "m")
+    _rewrite(path, lambda s: s.__setitem__(name, torch.zeros(shape)))
+    with pytest.raises(WeightStoreError) as e:
+        HFCheckpoint(path)
+    assert f"model.safetensors: tensor {name!r} has shape {list(shape)}" in str(e.value)
+
+
+def test_qwen_dense_blocks_and_routing_rules():
+    hf = {"model_type": "qwen2_moe", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 6,
+          "num_attention_heads": 2, "intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2,
+          "moe_intermediate_size": 4, "shared_expert_intermediate_size": 8, "decoder_sparse_step": 2,
+          "mlp_only_layers": [3]}
+    cfg = config_from_hf(hf, "q")
+    # every second block is sparse (index 1, 3, 5), but 3 is listed as dense
+    assert cfg.dense_blocks == (0, 2, 3, 4)
+    assert [cfg.sparse_block(i) for i in range(6)] == [False, True, False, False, False, True]
+    assert cfg.attention_bias and not cfg.norm_topk_prob and cfg.shared_expert_ffn_size == 8
+    mixtral = config_from_hf({**hf, "model_type": "mixtral", "num_local_experts": 4, "num_experts": None}, "m")
+    assert mixtral.norm_topk_prob and mixtral.routing_in_float and mixtral.dense_blocks == ()
+    assert mixtral.shared_expert_ffn_size == 0 and mixtral.expert_ffn_size == 4
