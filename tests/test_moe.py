@@ -67,3 +67,31 @@ def test_qwen_dense_blocks_and_routing_rules():
     mixtral = config_from_hf({**hf, "model_type": "mixtral", "num_local_experts": 4, "num_experts": None}, "m")
     assert mixtral.norm_topk_prob and mixtral.routing_in_float and mixtral.dense_blocks == ()
     assert mixtral.shared_expert_ffn_size == 0 and mixtral.expert_ffn_size == 4
+
+
+def test_only_the_chosen_experts_are_read_off_disk(tmp_path):
+    """Weights all on disk: a step reads each expert its tokens chose once per layer (the
+    router's choices as transformers makes them), never the others, and counts their bytes."""
+    from conftest import hf_model
+
+    from flexgen_helm.engine import Engine
+    from flexgen_helm.executor.sampling import SamplingParams
+    from flexgen_helm.policy import Policy, Split
+
+    path = save_tiny("qwen3_moe", tmp_path / "m")
+    prompt = [5, 17, 3]
+    with torch.no_grad():
+        router_logits = hf_model(path)(torch.tensor([prompt]), output_router_logits=True).router_logits
+    engine = Engine.load(str(path), Policy(gpu_batch_size=1, weights=Split(0, 0, 1)), offload_dir=tmp_path,
+                         dtype="float32", device="cpu", progress=False)
+    cfg = engine.runtime.config
+    chosen = [set(torch.topk(logits, cfg.experts_per_token, dim=-1).indices.flatten().tolist())
+              for logits in router_logits]
+    timers = engine.generate([prompt], SamplingParams(max_new_tokens=4, ignore_eos=True)).stats.timers
+    expert_bytes = 3 * cfg.expert_ffn_size * cfg.hidden_size * 4  # gate, up, down in float32
+    assert timers["prefill_experts_loaded"] == sum(map(len, chosen)) < cfg.num_layers * cfg.num_experts
+    assert timers["prefill_expert_read_bytes"] == timers["prefill_experts_loaded"] * expert_bytes
+    # a decode step's one token takes exactly k experts in each block
+    per_step = cfg.num_layers * cfg.experts_per_token
+    assert timers["decode_experts_loaded"] == 3 * per_step
+    assert timers["decode_expert_read_bytes"] == 3 * per_step * expert_bytes

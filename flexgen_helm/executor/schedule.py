@@ -55,6 +55,7 @@ from flexgen_helm.compression.stored import dense, encode
 from flexgen_helm.executor.activations import ActivationHome
 from flexgen_helm.executor.attention import attend, attend_as_decode, decode_cache_dtype, from_units, to_units
 from flexgen_helm.executor.cache_buffers import CacheBuffers, batches_per_load, buffer_sets, unpacks_on_lane
+from flexgen_helm.executor.expert_weights import load_layer_weights
 from flexgen_helm.executor.kivi_cache import KiviCacheSlot
 from flexgen_helm.executor.kv_cache import KVCacheSlot, cache_rows, kv_nbytes
 from flexgen_helm.executor.step_rows import StepRows, units_of
@@ -258,7 +259,8 @@ class BlockSchedule:
                 io.submit(self.acts[k].store, hidden_in, kind=f"{stage}_store_hidden")
         live = [k for k in range(nb) if not self.step_rows[k].empty]  # batches with rows to compute
         # taken, not kept: held past its layer, a prefetched layer's weights stayed resident all step
-        load_layer = functools.partial(self.rt.load_layer, map_reads=io.fan_out)  # a layer's disk reads at once
+        # a layer's disk reads at once; a sparse block's experts as its router picks them
+        load_layer = functools.partial(load_layer_weights, self.rt, io, self.timers, stage)
         weights = self._weights_ahead or io.submit(load_layer, layers[0], kind=f"{stage}_load_weight",
                                                    lane="weights")
         self._weights_ahead = None

@@ -149,6 +149,8 @@ def expert_mlp(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     k = cfg.experts_per_token
     order = torch.argsort(chosen.reshape(-1), stable=True)
     counts = torch.bincount(chosen.reshape(-1), minlength=cfg.num_experts).tolist()  # one sync per layer
+    if hasattr(w, "fetch"):  # weights that load as the router asks (executor/expert_weights.py)
+        w.fetch([e for e, count in enumerate(counts) if count])
     rows, slot_weights = order // k, weights.reshape(-1)[order]
     out = torch.zeros_like(flat)
     start = 0
