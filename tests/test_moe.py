@@ -95,3 +95,34 @@ def test_only_the_chosen_experts_are_read_off_disk(tmp_path):
     per_step = cfg.num_layers * cfg.experts_per_token
     assert timers["decode_experts_loaded"] == 3 * per_step
     assert timers["decode_expert_read_bytes"] == 3 * per_step * expert_bytes
+
+
+def test_expected_experts_touched():
+    from flexgen_helm.models.moe import expected_experts_touched
+
+    assert expected_experts_touched(64, 8, 1) == pytest.approx(8)  # one token: its k experts
+    assert expected_experts_touched(64, 8, 2) == pytest.approx(8 + 8 * 56 / 64)  # the second's new ones
+    assert expected_experts_touched(64, 8, 512) == pytest.approx(64)  # a prefill: all of them
+
+
+def test_cost_model_reads_the_experts_a_step_is_expected_to_touch():
+    """OLMoE-1B-7B's geometry, weights on disk: a batch-1 decode step of a block reads its
+    attention and router and 8 of its 64 experts; a 512-token prefill (almost) all."""
+    from test_policy_search import cpu_profile
+
+    from flexgen_helm.models.moe import geometry
+    from flexgen_helm.planner.cost_model import CostModel, Fractions, Workload
+    from flexgen_helm.policy import Policy, Split
+
+    cfg = geometry("olmoe-1b-7b")
+    model = CostModel(cfg, cpu_profile(), Workload(512, 32))
+    policy = Policy(1, 1, weights=Split(0, 0, 1))
+    (layer, _), lw = next((g, lw) for g, lw in zip(model.groups, model.weights_per_layer(policy))
+                          if g[0].kind == "block")
+    expert = 3 * cfg.hidden_size * cfg.expert_ffn_size * 2  # bf16 bytes
+    assert lw.experts.stored["disk"] == 64 * expert
+    rest = lw.stored["disk"] - 64 * expert
+    decode, _ = model._layer_work(layer, lw, policy, Fractions.of(policy), "decode")
+    prefill, _ = model._layer_work(layer, lw, policy, Fractions.of(policy), "prefill")
+    assert decode["disk_cpu"] == pytest.approx(rest + 8 * expert)
+    assert prefill["disk_cpu"] == pytest.approx(rest + 64 * expert, rel=1e-6)

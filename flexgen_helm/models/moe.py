@@ -39,6 +39,36 @@ MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok")
 
 
+# The geometries of published MoE checkpoints (their config.json's fields that matter here), for
+# benchmarks with dummy weights (`flexgen-helm bench --model olmoe-1b-7b --dummy`)
+GEOMETRIES = {
+    "allenai/olmoe-1b-7b-0924": {  # 6.9B parameters, 1.3B active
+        "model_type": "olmoe", "vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 1024,
+        "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 64,
+        "num_experts_per_tok": 8, "norm_topk_prob": False, "max_position_embeddings": 4096, "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "eos_token_id": 50279, "pad_token_id": 1},
+    "qwen/qwen3-30b-a3b": {  # 30.5B parameters, 3.3B active
+        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+        "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+        "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+        "max_position_embeddings": 40960, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645},
+    "mistralai/mixtral-8x7b-v0.1": {  # 46.7B parameters, 12.9B active
+        "model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+        "num_experts_per_tok": 2, "max_position_embeddings": 32768, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2},
+}
+GEOMETRY_ALIASES = {"olmoe-1b-7b": "allenai/olmoe-1b-7b-0924", "qwen3-30b-a3b": "qwen/qwen3-30b-a3b",
+                    "mixtral-8x7b": "mistralai/mixtral-8x7b-v0.1"}
+
+
+def geometry(model: str) -> ModelConfig | None:
+    """The config of a known MoE checkpoint by its Hugging Face name or alias (any case), else None."""
+    name = GEOMETRY_ALIASES.get(model.lower(), model.lower())
+    return config_from_hf(GEOMETRIES[name], name) if name in GEOMETRIES else None
+
+
 def refuse_unsupported(model_type: str, hf: dict, where: str) -> None:
     """An MoE config of a family we do not run: one error naming it and those we do."""
     if model_type not in MOE_MODEL_TYPES and any(hf.get(k) for k in MOE_CONFIG_KEYS):
@@ -75,6 +105,14 @@ def config_from_hf(hf: dict, name: str) -> ModelConfig:
         qk_norm_whole=model_type == "olmoe",
         clip_qkv=float(hf.get("clip_qkv") or 0.0) if model_type == "olmoe" else 0.0,
     )
+
+
+def expected_experts_touched(num_experts: int, per_token: int, tokens: float) -> float:
+    """Experts of one block that `tokens` rows choose between them, expected, each row taking
+    `per_token` of `num_experts` at random: an expert escapes one row with probability
+    1 - k/E, so E * (1 - (1 - k/E) ** tokens) (a batch-1 decode step: k; a large block: E).
+    Real routers are not uniform (some experts are popular): fewer in practice."""
+    return num_experts * (1.0 - (1.0 - per_token / num_experts) ** tokens)
 
 
 def expert_key(e: int, proj: str) -> str:
