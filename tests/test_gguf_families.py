@@ -22,7 +22,9 @@ from flexgen_helm.weights.gguf_file import GGUFFile
 from flexgen_helm.weights.hf_checkpoint import HFCheckpoint
 
 KINDS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3",
-         "phi3": "phi3"}  # our tiny checkpoint -> llama.cpp architecture
+         "phi3": "phi3", "mixtral": "llama"}  # our tiny checkpoint -> llama.cpp architecture
+# llama.cpp's "llama" keeps no sliding window: a Mixtral without one
+OVERRIDES = {"mixtral": {"sliding_window": None}}
 PROMPTS = [[5, 17, 3, 44, 9, 21, 8, 2, 60], [12, 7], [30, 31, 32, 33, 34]]
 CPU32 = dict(dtype="float32", device="cpu", progress=False)
 
@@ -44,7 +46,9 @@ _TENSOR = {  # HF name inside "model." (or lm_head) -> GGUF name, as gguf's tens
     "self_attn.k_norm": "attn_k_norm", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate_up_proj": "ffn_up",
     "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+    "block_sparse_moe.gate": "ffn_gate_inp",
 }
+_EXPERTS = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}  # Mixtral's, stacked per block
 
 
 def _gguf_name(hf_name: str, arch: str) -> str:
@@ -110,12 +114,19 @@ def write_gguf(ckpt, out, arch: str):
         w.add_tensor("rope_factors_long.weight", np.array(scaling["long_factor"], dtype=np.float32))
         w.add_tensor("rope_factors_short.weight", np.array(scaling["short_factor"], dtype=np.float32))
         w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(raw["max_position_embeddings"] / 16) / np.log(16))))
+    if cfg.num_experts:
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.experts_per_token)
     w.add_tokenizer_model("llama")
     w.add_token_list([f"<t{i}>" for i in range(cfg.vocab_size)])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     state = {k: v for f in sorted(ckpt.glob("*.safetensors")) for k, v in load_file(f).items()}
+    state = _stack_experts(state, cfg.num_experts)
     for hf_name, t in state.items():
+        if hf_name.startswith("blk."):  # stacked experts, named already
+            w.add_tensor(hf_name, t.float().numpy())
+            continue
         if arch.startswith("gemma") and hf_name == "lm_head.weight":
             continue  # llama.cpp skips Gemma's (tied) lm_head
         name = _gguf_name(hf_name, arch)
@@ -131,18 +142,30 @@ def write_gguf(ckpt, out, arch: str):
     return out
 
 
+def _stack_experts(state: dict, experts: int) -> dict:
+    """Mixtral's per-expert w1/w3/w2 of each block as llama.cpp's (experts, out, in) tensors."""
+    out = {k: v for k, v in state.items() if ".experts." not in k}
+    blocks = {int(k.split(".")[2]) for k in state if ".experts." in k}
+    for i in sorted(blocks):
+        for proj, name in _EXPERTS.items():
+            out[f"blk.{i}.{name}.weight"] = torch.stack(
+                [state[f"model.layers.{i}.block_sparse_moe.experts.{e}.{proj}.weight"] for e in range(experts)])
+    return out
+
+
 @pytest.fixture(scope="module", params=list(KINDS))
 def pair(request, tmp_path_factory):
     kind = request.param
     root = tmp_path_factory.mktemp(kind)
-    ckpt = save_tiny(kind, root / "hf")
+    ckpt = save_tiny(kind, root / "hf", **OVERRIDES.get(kind, {}))
     return kind, ckpt, write_gguf(ckpt, root / f"tiny-{kind}.gguf", KINDS[kind])
 
 
 _ARCHITECTURE_FIELDS = ("family", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_size",
                         "head_dim", "rope_theta", "rotary_dims", "tie_word_embeddings", "attention_bias", "qk_norm",
                         "mlp_activation", "sliding_windows", "query_scale", "attn_softcap", "final_softcap",
-                        "local_rope_theta", "max_seq_len")
+                        "local_rope_theta", "max_seq_len", "num_experts", "experts_per_token", "expert_ffn_size",
+                        "norm_topk_prob", "routing_in_float")
 
 
 def test_gguf_reads_back_the_checkpoint(pair, tmp_path):

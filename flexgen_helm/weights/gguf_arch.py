@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from flexgen_helm.errors import WeightStoreError
+
 _COMMON = {
     "embed.tokens": "token_embd",
     "layers.{i}.attn_norm": "blk.{i}.attn_norm",
@@ -24,6 +26,12 @@ _COMMON = {
     "layers.{i}.down_proj": "blk.{i}.ffn_down",
     "head.norm": "output_norm",
     "head.lm_head": "output",
+    # Mixtral (written as "llama" with expert_count set): the router, and each projection of all
+    # the experts of a block stacked in one (experts, out, in) tensor, read one expert at a time
+    "layers.{i}.router": "blk.{i}.ffn_gate_inp",
+    "layers.{i}.experts.{e}.gate_proj": "blk.{i}.ffn_gate_exps",
+    "layers.{i}.experts.{e}.up_proj": "blk.{i}.ffn_up_exps",
+    "layers.{i}.experts.{e}.down_proj": "blk.{i}.ffn_down_exps",
 }
 _GEMMA = {**_COMMON, "layers.{i}.post_attn_norm": "blk.{i}.post_attention_norm",
           "layers.{i}.post_mlp_norm": "blk.{i}.post_ffw_norm"}  # pre_feedforward_layernorm is ffn_norm
@@ -77,6 +85,17 @@ def _phi3(meta: Meta, hf: dict) -> dict:
     return {k: v for k, v in out.items() if v is not None}
 
 
+def _llama(meta: Meta, hf: dict) -> dict:
+    """A "llama" file with experts is a Mixtral (llama.cpp's converter writes it so)."""
+    experts, used = meta("expert_count", 0), meta("expert_used_count", 0)
+    if not experts:
+        return {}
+    if not used:
+        raise WeightStoreError(f"GGUF metadata llama.expert_used_count is missing: {experts} experts, but how many "
+                               "each token takes is not written")
+    return {"model_type": "mixtral", "num_local_experts": experts, "num_experts_per_tok": used}
+
+
 @dataclass(frozen=True)
 class GGUFArch:
     model_type: str  # transformers' (HF_MODEL_TYPES picks our family from it)
@@ -90,7 +109,7 @@ class GGUFArch:
 
 
 ARCHITECTURES = {
-    "llama": GGUFArch("llama", permuted=True),
+    "llama": GGUFArch("llama", permuted=True, extra=_llama),
     "qwen2": GGUFArch("qwen2"),
     "qwen3": GGUFArch("qwen3"),
     "gemma2": GGUFArch("gemma2", _GEMMA, norm_offset=1.0, extra=_gemma2),

@@ -1,4 +1,4 @@
-"""A llama.cpp GGUF file (llama, qwen2, qwen3, gemma2, gemma3, phi3): config from its
+"""A llama.cpp GGUF file (llama and Mixtral, qwen2, qwen3, gemma2, gemma3, phi3): config from its
 metadata, tensors dequantized to float one at a time.
 
 What differs from a Hugging Face checkpoint is undone here: GGUF lists shapes
@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from functools import cached_property
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from flexgen_helm.weights.gguf_arch import ARCHITECTURES
 from flexgen_helm.weights.source import WeightSource, rename
 
 _REQUIRED = object()
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
 def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -148,11 +150,16 @@ class GGUFFile(WeightSource):
         t = self._tensors.get(name)
         if t is None:
             raise WeightStoreError(f"{self.path}: tensor {name!r} (store name {store_name}) is missing")
-        a = dequantize(t.data, t.tensor_type)
+        shape = tuple(int(d) for d in reversed(t.shape))
+        data = t.data
+        expert = _EXPERT.search(store_name)
+        if expert:  # one expert of the stacked (experts, out, in) tensor: its rows alone, dequantized
+            data, shape = data[int(expert[1])], shape[1:]
+        a = dequantize(data, t.tensor_type)
         # Unquantized types come back as read-only views of the memory-mapped file.
         a = np.ascontiguousarray(a) if a.flags.writeable else a.copy()
         w = torch.from_numpy(a)
-        w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
+        w = w.reshape(shape)
         kind = name.split(".")[-2]
         if self.arch.permuted and kind in ("attn_q", "attn_k"):
             w = unpermute_rows(w, self.config.num_heads if kind == "attn_q" else self.config.num_kv_heads)
