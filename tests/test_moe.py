@@ -126,3 +126,34 @@ def test_cost_model_reads_the_experts_a_step_is_expected_to_touch():
     prefill, _ = model._layer_work(layer, lw, policy, Fractions.of(policy), "prefill")
     assert decode["disk_cpu"] == pytest.approx(rest + 8 * expert)
     assert prefill["disk_cpu"] == pytest.approx(rest + 64 * expert, rel=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_export_hf_gives_transformers_the_same_model(kind, tmp_path):
+    """What `flexgen-helm compare` hands HF accelerate: our store written back as a checkpoint
+    that transformers runs as the original (config fields and tensor names inverted)."""
+    from conftest import hf_model
+
+    from flexgen_helm.weights.export_hf import export_hf
+
+    ckpt = save_tiny(kind, tmp_path / "m", **({"sliding_window": None} if kind == "mixtral" else {}))
+    out = export_hf(HFCheckpoint(ckpt), tmp_path / "exported", progress=False)
+    ids = torch.tensor([[5, 17, 3, 44, 9, 21]])
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(out)(ids).logits, hf_model(ckpt)(ids).logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["qwen2_moe", "olmoe"])
+def test_compute_floor_counts_the_active_parameters(kind, tmp_path):
+    """A token multiplies the router, k of the E experts, the shared expert and the rest: the
+    model's matrices (embedding aside) with its experts counted k / E."""
+    from conftest import hf_model
+
+    from flexgen_helm.tools.compare.compute_floor import matmul_params_per_token
+
+    path = save_tiny(kind, tmp_path / "m")
+    cfg = HFCheckpoint(path).config
+    share = cfg.experts_per_token / cfg.num_experts
+    active = sum(p.numel() * (share if ".experts." in name else 1)
+                 for name, p in hf_model(path).named_parameters() if p.dim() >= 2 and "embed_tokens" not in name)
+    assert matmul_params_per_token(cfg) == active

@@ -47,6 +47,7 @@ class ModelConfig:
     # num_experts gated MLPs of expert_ffn_size, each token through the experts_per_token its
     # router's softmax ranks highest, their outputs summed with those probabilities (renormalised
     # to sum to one where norm_topk_prob; multiplied in float32 where routing_in_float: Mixtral)
+    moe_type: str = ""  # transformers' model_type ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"): its tensor names
     num_experts: int = 0
     experts_per_token: int = 0
     expert_ffn_size: int = 0

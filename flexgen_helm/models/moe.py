@@ -92,6 +92,7 @@ def config_from_hf(hf: dict, name: str) -> ModelConfig:
     return dataclasses.replace(
         base,
         family="moe",
+        moe_type=model_type,
         num_experts=int(experts),
         experts_per_token=int(hf["num_experts_per_tok"]),
         expert_ffn_size=int(hf.get("moe_intermediate_size") or hf["intermediate_size"]),
@@ -113,6 +114,36 @@ def expected_experts_touched(num_experts: int, per_token: int, tokens: float) ->
     1 - k/E, so E * (1 - (1 - k/E) ** tokens) (a batch-1 decode step: k; a large block: E).
     Real routers are not uniform (some experts are popular): fewer in practice."""
     return num_experts * (1.0 - (1.0 - per_token / num_experts) ** tokens)
+
+
+_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+
+
+def hf_config(cfg: ModelConfig) -> dict:
+    """The transformers config.json fields of an MoE config (inverse of config_from_hf), beside
+    the ones every family shares; sliding windows are not written back (refused)."""
+    if cfg.sliding_windows:
+        raise ModelNotFoundError(f"{cfg.name}: exporting an MoE config with sliding windows is not supported")
+    out = {"model_type": cfg.moe_type, "architectures": [_ARCHITECTURES[cfg.moe_type]],
+           "num_key_value_heads": cfg.num_kv_heads, "intermediate_size": cfg.ffn_size, "head_dim": cfg.head_dim,
+           "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "hidden_act": "silu",
+           "num_experts_per_tok": cfg.experts_per_token, "norm_topk_prob": cfg.norm_topk_prob,
+           "num_local_experts" if cfg.moe_type == "mixtral" else "num_experts": cfg.num_experts}
+    if cfg.rope_scaling:
+        out["rope_scaling"] = cfg.rope_scaling_dict
+    if cfg.moe_type in ("qwen2_moe", "qwen3_moe"):
+        out.update(moe_intermediate_size=cfg.expert_ffn_size, decoder_sparse_step=1,
+                   mlp_only_layers=list(cfg.dense_blocks))
+    else:
+        out["intermediate_size"] = cfg.expert_ffn_size  # Mixtral's and OLMoE's experts are the MLP's size
+    if cfg.moe_type == "qwen2_moe":
+        out.update(shared_expert_intermediate_size=cfg.shared_expert_ffn_size, qkv_bias=cfg.attention_bias)
+    else:
+        out["attention_bias"] = cfg.attention_bias
+    if cfg.moe_type == "olmoe":
+        out["clip_qkv"] = cfg.clip_qkv or None
+    return out
 
 
 def expert_key(e: int, proj: str) -> str:

@@ -107,7 +107,7 @@ class HFCheckpoint(WeightSource):
             )
         family = HF_MODEL_TYPES[model_type]
         self.config = FAMILIES[family].config_from_hf(hf, name or hf.get("_name_or_path") or self.root.name)
-        self._names = HF_NAMES.get(model_type, HF_NAMES[family])
+        self._names = HF_NAMES.get(self.config.moe_type) or HF_NAMES[family]
         self._open: dict[Path, object] = {}
         self._file_of = self._index_tensors()  # HF tensor name -> shard file
         if self.config.is_moe:
