@@ -157,3 +157,23 @@ def test_compute_floor_counts_the_active_parameters(kind, tmp_path):
     active = sum(p.numel() * (share if ".experts." in name else 1)
                  for name, p in hf_model(path).named_parameters() if p.dim() >= 2 and "embed_tokens" not in name)
     assert matmul_params_per_token(cfg) == active
+
+
+def test_a_prefill_reads_each_chosen_expert_once_for_the_whole_block(tmp_path):
+    """Two GPU batches: their rows are gathered, so an expert both chose is read once, not per batch."""
+    from conftest import hf_model
+
+    from flexgen_helm.engine import Engine
+    from flexgen_helm.executor.sampling import SamplingParams
+    from flexgen_helm.policy import Policy, Split
+
+    path = save_tiny("olmoe", tmp_path / "m")
+    prompts = [[5, 17, 3], [40, 41, 42]]
+    with torch.no_grad():
+        router_logits = hf_model(path)(torch.tensor(prompts), output_router_logits=True).router_logits
+    engine = Engine.load(str(path), Policy(gpu_batch_size=1, num_gpu_batches=2, weights=Split(0, 0, 1)),
+                         offload_dir=tmp_path, dtype="float32", device="cpu", progress=False)
+    k = engine.runtime.config.experts_per_token
+    chosen = [set(torch.topk(logits, k, dim=-1).indices.flatten().tolist()) for logits in router_logits]
+    timers = engine.generate(prompts, SamplingParams(max_new_tokens=1, ignore_eos=True)).stats.timers
+    assert timers["prefill_experts_loaded"] == sum(map(len, chosen))

@@ -218,7 +218,9 @@ def expert_mlp(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     k = cfg.experts_per_token
     order = torch.argsort(chosen.reshape(-1), stable=True)
     counts = torch.bincount(chosen.reshape(-1), minlength=cfg.num_experts).tolist()  # one sync per layer
-    if hasattr(w, "fetch"):  # weights that load as the router asks (executor/expert_weights.py)
+    # weights that load as the router asks (executor/expert_weights.py): the block's rows all
+    # come in this one call (a decode step's merged batches, a prefill's gathered ones)
+    if hasattr(w, "fetch"):
         w.fetch([e for e, count in enumerate(counts) if count])
     rows, slot_weights = order // k, weights.reshape(-1)[order]
     out = torch.zeros_like(flat)
@@ -231,6 +233,8 @@ def expert_mlp(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
                       w[expert_key(e, "down_proj")], cfg.mlp_activation)
         out.index_add_(0, picked, (y * slot_weights[start:start + count, None]).to(out.dtype))
         start += count
+        if hasattr(w, "release"):  # its rows are done: one expert read off its tier held at a time
+            w.release(e)
     if cfg.shared_expert_ffn_size:
         shared = gated_mlp(flat, w["shared_expert.gate_proj.weight"], w["shared_expert.up_proj.weight"],
                            w["shared_expert.down_proj.weight"], cfg.mlp_activation)
@@ -238,9 +242,19 @@ def expert_mlp(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(x.shape)
 
 
-def finish_block(cfg: ModelConfig, w: dict, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-    h = h + linear(attn, w["o_proj.weight"])
+def attention_output(cfg: ModelConfig, w: dict, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """The first half of finish_block: the residual stream after attention."""
+    return h + linear(attn, w["o_proj.weight"])
+
+
+def mlp_output(cfg: ModelConfig, w: dict, h: torch.Tensor) -> torch.Tensor:
+    """The second half: after the MLP (the experts, or a dense block's MLP), for any rows of
+    the block together (a prefill's GPU batches gathered: executor/schedule.py)."""
     x = rms_norm(h, w["mlp_norm.weight"], cfg.rms_norm_eps)
     if "router.weight" in w:
         return h + expert_mlp(cfg, w, x)
     return h + gated_mlp(x, w["gate_proj.weight"], w["up_proj.weight"], w["down_proj.weight"], cfg.mlp_activation)
+
+
+def finish_block(cfg: ModelConfig, w: dict, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    return mlp_output(cfg, w, attention_output(cfg, w, h, attn))

@@ -48,7 +48,7 @@ from flexgen_helm.compression.stored import weight_groups, weight_layout
 from flexgen_helm.errors import ProfileFormatError
 from flexgen_helm.executor.attention import decode_cache_dtype
 from flexgen_helm.executor.cache_buffers import batches_per_load, buffer_sets, unpacks_on_lane
-from flexgen_helm.executor.expert_weights import expert_of
+from flexgen_helm.executor.expert_weights import EXPERTS_IN_FLIGHT, expert_of
 from flexgen_helm.executor.kv_cache import cache_rows, kv_nbytes, kv_nbytes_per_position
 from flexgen_helm.executor.working_set import batch_working_bytes, dense_weight_numel, kept_freed_bytes
 from flexgen_helm.memory.devices import DTYPES
@@ -547,7 +547,9 @@ class CostModel:
             tokens = work.prompt_len if phase == "prefill" else 1
             keys = work.prompt_len if phase == "prefill" else work.max_len
             placed = planned_components(cfg, policy, work.max_len, self.dtype, act_len=tokens)
-            inner = batch_working_bytes(cfg, (gbs * nb if phase == "decode" else gbs) * tokens, self.dtype)
+            # a decode step's blocks run the block's rows together, and so do a prefill's MoE blocks
+            together = phase == "decode" or cfg.is_moe
+            inner = batch_working_bytes(cfg, (gbs * nb if together else gbs) * tokens, self.dtype)
             scores = gbs * cfg.num_heads * tokens * keys * ATTENTION_MASK_BYTES
             logits = gbs * nb * cfg.vocab_size * 4  # fp32, the last position of every sequence
             # a GPU batch's new K and V on their way to the disk tier: two copies each (its
@@ -566,15 +568,27 @@ class CostModel:
     def _most_loaded_at_once(self, lws: list[LayerWeights]) -> float:
         """Weight bytes loaded off their homes at once: a layer in use and the next one
         prefetched (after the head, the next step's first layer), a weight they share (the tied
-        head and embedding) loaded once for both (executor/schedule.py)."""
+        head and embedding) loaded once for both (executor/schedule.py). A sparse MoE block is
+        prefetched without its experts, which load as its router picks them
+        (executor/expert_weights.py)."""
         most = 0.0
         for i, layer in enumerate(self.layers):
             j = (i + 1) % len(self.layers)
             here, ahead = lws[self._group_of[i]], lws[self._group_of[j]]
             mine = {t.store_name for t in layer.tensors}
             shared = sum(ahead.loaded[t.key] for t in self.layers[j].tensors if t.store_name in mine)
-            most = max(most, sum(here.loaded.values()) + sum(ahead.loaded.values()) - shared)
+            most = max(most, self._loaded_in_use(here) + sum(ahead.loaded.values()) - shared
+                       - (sum(ahead.experts.loaded.values()) if ahead.experts is not None else 0.0))
         return most
+
+    def _loaded_in_use(self, lw: LayerWeights) -> float:
+        """Bytes a layer in use holds loaded: a sparse MoE block's experts one in use and
+        EXPERTS_IN_FLIGHT on their way at most, each released once its rows are done."""
+        if lw.experts is None:
+            return sum(lw.loaded.values())
+        experts = sum(lw.experts.loaded.values())
+        held = min(self.cfg.num_experts, EXPERTS_IN_FLIGHT + 1) / self.cfg.num_experts
+        return sum(lw.loaded.values()) - experts + held * experts
 
     def accounted_bytes(self, policy: Policy) -> dict[str, int]:
         """Peak of what the engine's TierUsage records: weight homes on the gpu and cpu tiers (disk
