@@ -1,5 +1,6 @@
-"""A llama.cpp GGUF file (llama and Mixtral, qwen2, qwen3, gemma2, gemma3, phi3): config from its
-metadata, tensors dequantized to float one at a time.
+"""A llama.cpp GGUF file (llama and Mixtral, qwen2, qwen3, gemma2, gemma3, phi3, qwen2moe, qwen3moe,
+olmoe): config from its metadata, tensors dequantized to float one at a time (an expert's
+rows alone, out of its block's stacked experts).
 
 What differs from a Hugging Face checkpoint is undone here: GGUF lists shapes
 innermost-first (a Linear weight (out, in) shows as [in, out]); llama.cpp's converter
@@ -122,6 +123,9 @@ class GGUFFile(WeightSource):
             "pad_token_id": self._meta("tokenizer.ggml.padding_token_id", None),
         }
         hf.update(ARCHITECTURES[a].extra(lambda key, default: self._meta(f"{a}.{key}", default), hf))
+        if self._meta(f"{a}.expert_count", 0):  # blocks without a router keep a dense MLP (Qwen's mlp_only_layers)
+            hf["mlp_only_layers"] = [i for i in range(hf["num_hidden_layers"])
+                                     if f"blk.{i}.ffn_gate_inp.weight" not in self._tensors]
         if "rope_factors_long.weight" in self._tensors:  # Phi-3's LongRoPE: the factors are tensors
             hf["rope_scaling"] = {"rope_type": "longrope", "long_factor": self._factors("long"),
                                   "short_factor": self._factors("short"),
@@ -165,6 +169,8 @@ class GGUFFile(WeightSource):
             w = unpermute_rows(w, self.config.num_heads if kind == "attn_q" else self.config.num_kv_heads)
         if self.arch.norm_offset and kind.endswith("norm"):
             w = w - self.arch.norm_offset
+        if kind == "ffn_gate_inp_shexp":  # llama.cpp's is one row, written (hidden,) or (1, hidden)
+            w = w.reshape(1, -1)
         return w
 
     def load_tokenizer(self, cache_dir: Path):
