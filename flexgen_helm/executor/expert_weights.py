@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
+from dataclasses import dataclass
 
 from flexgen_helm.memory.copy_engine import consume
 from flexgen_helm.memory.weight_homes import segment_nbytes
@@ -41,49 +42,67 @@ def expert_of(key: str) -> int | None:
     return int(key.split(".")[1]) if key.startswith(EXPERT_PREFIX) else None
 
 
-class ExpertsOnDemand(dict):
-    """The layer's weights by key: what was loaded ahead, plus each expert once fetched."""
+@dataclass(frozen=True)
+class ExpertLoad:
+    spec: LayerSpec  # the expert's tensors, as a layer of their own to load
+    moved_nbytes: int  # what a load reads off tiers other than the compute device's memory
 
-    def __init__(self, loaded: dict, layer: LayerSpec, rt, io, timers: dict, stage: str):
-        super().__init__(loaded)
-        self._rt, self._io, self._timers, self._stage = rt, io, timers, stage
-        self._specs: dict[int, list] = {}
+
+@dataclass(frozen=True)
+class SparseLayerPlan:
+    ahead: LayerSpec  # the block without its experts: loaded ahead, like any layer
+    experts: dict[int, ExpertLoad]
+
+
+def sparse_layer_plan(rt, layer: LayerSpec) -> SparseLayerPlan | None:
+    """How a layer with experts loads (None: it has none), worked out once per run."""
+    if layer.name not in rt.expert_plans:
+        by_expert: dict[int, list] = {}
         for t in layer.tensors:
             e = expert_of(t.key)
             if e is not None:
-                self._specs.setdefault(e, []).append(t)
-        self._layer = layer
+                by_expert.setdefault(e, []).append(t)
+        plan = None
+        if by_expert:
+            devices = rt.devices
+            loads = {}
+            for e, tensors in by_expert.items():
+                moved = sum(segment_nbytes(t, s, rt.homes[t.store_name].compression, devices.dtype)
+                            for t in tensors for s in rt.homes[t.store_name].segments
+                            if s.tier == "disk" or devices.tier_device(s.tier) != devices.compute)
+                loads[e] = ExpertLoad(dataclasses.replace(layer, tensors=tuple(tensors)), moved)
+            ahead = dataclasses.replace(layer, tensors=tuple(t for t in layer.tensors if expert_of(t.key) is None))
+            plan = SparseLayerPlan(ahead, loads)
+        rt.expert_plans[layer.name] = plan
+    return rt.expert_plans[layer.name]
+
+
+class ExpertsOnDemand(dict):
+    """The layer's weights by key: what was loaded ahead, plus each expert once fetched."""
+
+    def __init__(self, loaded: dict, plan: SparseLayerPlan, rt, io, timers: dict, stage: str):
+        super().__init__(loaded)
+        self._plan, self._rt, self._io, self._timers, self._stage = plan, rt, io, timers, stage
         self._queued: deque[int] = deque()  # fetched, not sent to the lane yet
         self._pending: dict[int, object] = {}  # expert -> future of its weights (None: loaded)
-
-    def _moved_nbytes(self, e: int) -> int:
-        """Bytes a load of expert e reads off tiers other than the compute device's memory."""
-        devices = self._rt.devices
-        total = 0
-        for t in self._specs[e]:
-            home = self._rt.homes[t.store_name]
-            total += sum(segment_nbytes(t, s, home.compression, devices.dtype) for s in home.segments
-                         if s.tier == "disk" or devices.tier_device(s.tier) != devices.compute)
-        return total
+        self._in_flight = 0
 
     def _load(self, e: int) -> dict:
-        spec = dataclasses.replace(self._layer, tensors=tuple(self._specs[e]))
-        return self._rt.load_layer(spec, map_reads=self._io.fan_out)  # its three reads at once
+        return self._rt.load_layer(self._plan.experts[e].spec, map_reads=self._io.fan_out)  # its reads at once
 
-    def _load_counted(self, e: int, nbytes: int) -> dict:
+    def _load_counted(self, e: int) -> dict:
         weights = self._load(e)
         self._timers[f"{self._stage}_experts_loaded"] += 1
-        self._timers[f"{self._stage}_expert_read_bytes"] += nbytes
+        self._timers[f"{self._stage}_expert_read_bytes"] += self._plan.experts[e].moved_nbytes
         return weights
 
     def fetch(self, experts) -> None:
         """Load these experts (those not loaded or on their way yet), in this order, at most
         EXPERTS_IN_FLIGHT at a time off the lower tiers."""
         for e in experts:
-            if e in self._pending or e in self._queued or e not in self._specs:
+            if e in self._pending or e in self._queued or e not in self._plan.experts:
                 continue
-            nbytes = self._moved_nbytes(e)
-            if nbytes:
+            if self._plan.experts[e].moved_nbytes:
                 self._queued.append(e)
             else:  # in the compute device's memory: used in place
                 self._pending[e] = None
@@ -91,23 +110,26 @@ class ExpertsOnDemand(dict):
         self._send()
 
     def _send(self) -> None:
-        in_flight = sum(f is not None for f in self._pending.values())
-        while self._queued and in_flight < EXPERTS_IN_FLIGHT:
+        while self._queued and self._in_flight < EXPERTS_IN_FLIGHT:
             e = self._queued.popleft()
-            self._pending[e] = self._io.submit(self._load_counted, e, self._moved_nbytes(e),
-                                               kind=f"{self._stage}_load_weight", lane="weights")
-            in_flight += 1
+            self._pending[e] = self._io.submit(self._load_counted, e, kind=f"{self._stage}_load_weight",
+                                               lane="weights")
+            self._in_flight += 1
 
     def release(self, e: int) -> None:
         """Drop expert e's weights (its rows are done): a step's experts are not held together.
         A later use loads it again (counted again)."""
-        for t in self._specs.get(e, ()):
-            self.pop(t.key, None)
+        if e in self._plan.experts:
+            for t in self._plan.experts[e].spec.tensors:
+                self.pop(t.key, None)
+        if self._pending.get(e) is not None:  # never waited for: wait, so that the lane's count holds
+            self._wait(e)
+            self.release(e)
         self._pending.pop(e, None)
 
     def __missing__(self, key: str):
         e = expert_of(key)
-        if e is None or e not in self._specs:
+        if e is None or e not in self._plan.experts:
             raise KeyError(key)
         if e not in self._pending:
             if e in self._queued:
@@ -124,13 +146,14 @@ class ExpertsOnDemand(dict):
         t0 = time.perf_counter()
         self.update(consume(self._pending[e].result(), self._rt.devices.compute))
         self._pending[e] = None
+        self._in_flight -= 1
         self._timers["wait_load_experts"] += time.perf_counter() - t0
         self._send()
 
 
 def load_layer_weights(rt, io, timers: dict, stage: str, layer: LayerSpec, loaded: dict | None = None) -> dict:
     """rt.load_layer, but a sparse block's experts are left for its router (ExpertsOnDemand)."""
-    if not any(expert_of(t.key) is not None for t in layer.tensors):
+    plan = sparse_layer_plan(rt, layer)
+    if plan is None:
         return rt.load_layer(layer, loaded, map_reads=io.fan_out)
-    ahead = dataclasses.replace(layer, tensors=tuple(t for t in layer.tensors if expert_of(t.key) is None))
-    return ExpertsOnDemand(rt.load_layer(ahead, loaded, map_reads=io.fan_out), layer, rt, io, timers, stage)
+    return ExpertsOnDemand(rt.load_layer(plan.ahead, loaded, map_reads=io.fan_out), plan, rt, io, timers, stage)
