@@ -46,6 +46,21 @@ TINY_FAMILIES = {
                          "short_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0],
                          "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]})),
 }
+# Mixtures of experts: 4 experts, 2 per token; Mixtral's window on every block; Qwen2-MoE's
+# shared expert and a dense block (mlp_only_layers), Qwen3-MoE renormalising its top-k and
+# OLMoE not, OLMoE's clamp (small enough to bind on its normalised queries and keys)
+_MOE = dict(_SHAPE, num_hidden_layers=2, num_experts_per_tok=2)
+TINY_FAMILIES.update({
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(_MOE, num_local_experts=4, intermediate_size=64,
+                                                                    sliding_window=4)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        _MOE, num_hidden_layers=3, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        mlp_only_layers=[1])),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        _MOE, num_experts=4, moe_intermediate_size=32, norm_topk_prob=True, head_dim=16)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(_MOE, num_experts=4, intermediate_size=32, clip_qkv=1.5,
+                                                     eos_token_id=2, pad_token_id=1)),
+})
 
 
 def save_tiny(kind: str, path: Path, **overrides) -> Path:
@@ -73,6 +88,10 @@ def save_tiny(kind: str, path: Path, **overrides) -> Path:
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.add_(torch.randn_like(p) * 0.2)
+                elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                    p.normal_(0, 1.0)  # routers: logits spread, so that no two experts tie for a token
+                elif "expert" in name:  # experts' outputs as large as the residual: each one counts
+                    p.normal_(0, 0.2)
     else:
         raise ValueError(kind)
     model.save_pretrained(path, safe_serialization=True)

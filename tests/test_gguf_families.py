@@ -22,7 +22,10 @@ from flexgen_helm.weights.gguf_file import GGUFFile
 from flexgen_helm.weights.hf_checkpoint import HFCheckpoint
 
 KINDS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3",
-         "phi3": "phi3"}  # our tiny checkpoint -> llama.cpp architecture
+         "phi3": "phi3", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
+         "olmoe": "olmoe"}  # our tiny checkpoint -> llama.cpp architecture
+# llama.cpp's "llama" keeps no sliding window: a Mixtral without one
+OVERRIDES = {"mixtral": {"sliding_window": None}}
 PROMPTS = [[5, 17, 3, 44, 9, 21, 8, 2, 60], [12, 7], [30, 31, 32, 33, 34]]
 CPU32 = dict(dtype="float32", device="cpu", progress=False)
 
@@ -44,7 +47,14 @@ _TENSOR = {  # HF name inside "model." (or lm_head) -> GGUF name, as gguf's tens
     "self_attn.k_norm": "attn_k_norm", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate_up_proj": "ffn_up",
     "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+    "block_sparse_moe.gate": "ffn_gate_inp", "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
+# each projection of a block's experts, stacked: Mixtral's (w1, w3, w2) and the others'
+_EXPERTS = {"block_sparse_moe.experts.{e}.w1": "ffn_gate_exps", "block_sparse_moe.experts.{e}.w3": "ffn_up_exps",
+            "block_sparse_moe.experts.{e}.w2": "ffn_down_exps", "mlp.experts.{e}.gate_proj": "ffn_gate_exps",
+            "mlp.experts.{e}.up_proj": "ffn_up_exps", "mlp.experts.{e}.down_proj": "ffn_down_exps"}
 
 
 def _gguf_name(hf_name: str, arch: str) -> str:
@@ -79,10 +89,10 @@ def write_gguf(ckpt, out, arch: str):
     w.add_head_count_kv(cfg.num_kv_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    if arch in ("qwen3", "gemma2", "gemma3"):
+    if arch in ("qwen3", "gemma2", "gemma3", "qwen3moe"):
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
-    if arch in ("llama", "qwen2", "qwen3"):
+    if arch in ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe"):
         w.add_rope_freq_base(cfg.rope_theta)
     if arch.startswith("gemma") and raw["query_pre_attn_scalar"] != cfg.head_dim:
         # llama.cpp writes no query_pre_attn_scalar (real Gemmas follow its rule: head_dim, or
@@ -110,12 +120,25 @@ def write_gguf(ckpt, out, arch: str):
         w.add_tensor("rope_factors_long.weight", np.array(scaling["long_factor"], dtype=np.float32))
         w.add_tensor("rope_factors_short.weight", np.array(scaling["short_factor"], dtype=np.float32))
         w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(raw["max_position_embeddings"] / 16) / np.log(16))))
+    if cfg.num_experts:
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.experts_per_token)
+    if arch in ("qwen2moe", "qwen3moe"):
+        w.add_expert_feed_forward_length(cfg.expert_ffn_size)
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_ffn_size)
+    if raw.get("clip_qkv"):
+        w.add_clamp_kqv(raw["clip_qkv"])
     w.add_tokenizer_model("llama")
     w.add_token_list([f"<t{i}>" for i in range(cfg.vocab_size)])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     state = {k: v for f in sorted(ckpt.glob("*.safetensors")) for k, v in load_file(f).items()}
+    state = _stack_experts(state, cfg.num_experts)
     for hf_name, t in state.items():
+        if hf_name.startswith("blk."):  # stacked experts, named already
+            w.add_tensor(hf_name, t.float().numpy())
+            continue
         if arch.startswith("gemma") and hf_name == "lm_head.weight":
             continue  # llama.cpp skips Gemma's (tied) lm_head
         name = _gguf_name(hf_name, arch)
@@ -131,18 +154,31 @@ def write_gguf(ckpt, out, arch: str):
     return out
 
 
+def _stack_experts(state: dict, experts: int) -> dict:
+    """Each block's per-expert projections as llama.cpp's (experts, out, in) tensors."""
+    out = {k: v for k, v in state.items() if ".experts." not in k}
+    blocks = {int(k.split(".")[2]) for k in state if ".experts." in k}
+    for i in sorted(blocks):
+        for hf, name in _EXPERTS.items():
+            parts = [state.get(f"model.layers.{i}.{hf.format(e=e)}.weight") for e in range(experts)]
+            if parts[0] is not None:
+                out[f"blk.{i}.{name}.weight"] = torch.stack(parts)
+    return out
+
+
 @pytest.fixture(scope="module", params=list(KINDS))
 def pair(request, tmp_path_factory):
     kind = request.param
     root = tmp_path_factory.mktemp(kind)
-    ckpt = save_tiny(kind, root / "hf")
+    ckpt = save_tiny(kind, root / "hf", **OVERRIDES.get(kind, {}))
     return kind, ckpt, write_gguf(ckpt, root / f"tiny-{kind}.gguf", KINDS[kind])
 
 
 _ARCHITECTURE_FIELDS = ("family", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_size",
                         "head_dim", "rope_theta", "rotary_dims", "tie_word_embeddings", "attention_bias", "qk_norm",
                         "mlp_activation", "sliding_windows", "query_scale", "attn_softcap", "final_softcap",
-                        "local_rope_theta", "max_seq_len")
+                        "local_rope_theta", "max_seq_len", "num_experts", "experts_per_token", "expert_ffn_size",
+                        "norm_topk_prob", "routing_in_float")
 
 
 def test_gguf_reads_back_the_checkpoint(pair, tmp_path):
@@ -195,5 +231,5 @@ def test_unknown_gguf_architecture_names_the_supported_ones(tmp_path):
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(ModelNotFoundError, match=r"architecture 'mamba' is not supported \(supported: llama, qwen2, "
-                                                 r"qwen3, gemma2, gemma3, phi3\)"):
+                                                 r"qwen3, gemma2, gemma3, phi3, qwen2moe, qwen3moe, olmoe\)"):
         GGUFFile(tmp_path / "m.gguf", cache_dir=tmp_path)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Callable
 
@@ -28,6 +28,8 @@ class ModelRuntime:
     store: TensorStore | CompressedStore | None
     devices: Devices
     usage: TierUsage
+    # layer name -> how its experts load, worked out once (executor/expert_weights.sparse_layer_plan)
+    expert_plans: dict = field(default_factory=dict)
 
     def load_layer(self, layer: LayerSpec, loaded: dict | None = None,
                    map_reads: Callable | None = None) -> dict[str, torch.Tensor]:

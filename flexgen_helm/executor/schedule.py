@@ -63,6 +63,7 @@ from flexgen_helm.executor.attention import (
     to_units,
 )
 from flexgen_helm.executor.cache_buffers import CacheBuffers, batches_per_load, buffer_sets, unpacks_on_lane
+from flexgen_helm.executor.expert_weights import load_layer_weights
 from flexgen_helm.executor.kivi_cache import KiviCacheSlot
 from flexgen_helm.executor.kv_cache import KVCacheSlot, cache_rows, kv_nbytes
 from flexgen_helm.executor.shared_prefix import SharedPrefix
@@ -295,7 +296,8 @@ class BlockSchedule:
                 io.submit(self.acts[k].store, hidden_in, kind=f"{stage}_store_hidden")
         live = [k for k in range(nb) if not self.step_rows[k].empty]  # batches with rows to compute
         # taken, not kept: held past its layer, a prefetched layer's weights stayed resident all step
-        load_layer = functools.partial(self.rt.load_layer, map_reads=io.fan_out)  # a layer's disk reads at once
+        # a layer's disk reads at once; a sparse block's experts as its router picks them
+        load_layer = functools.partial(load_layer_weights, self.rt, io, self.timers, stage)
         weights = self._weights_ahead or io.submit(load_layer, layers[0], kind=f"{stage}_load_weight",
                                                    lane="weights")
         self._weights_ahead = None
@@ -322,6 +324,11 @@ class BlockSchedule:
                 outs, cache_ahead = self._merged_decode_block(layer, w, live, cache, next_layer)
                 for k, (out, new_kv) in zip(live, outs):
                     self._submit_stores(layer, k, out, new_kv, stage)
+                del w
+                self._bound_freed_memory()
+                continue
+            if prefill and len(live) > 1 and self._gathers(layer):
+                self._gathered_prefill_block(layer, w, live)
                 del w
                 self._bound_freed_memory()
                 continue
@@ -530,6 +537,39 @@ class BlockSchedule:
         outs = [(r.put(h, part), write) for r, h, part, write in zip(rows, hs, after, writes)]
         self._time_compute(t0)
         return outs, cache
+
+    def _gathers(self, layer) -> bool:
+        """Whether this layer's prefill runs its MLP once for all the block's GPU batches: a
+        sparse MoE block, whose experts (loaded as its router picks them, then released:
+        executor/expert_weights.py) each multiply the block's rows once."""
+        return layer.kind == "block" and self.cfg.sparse_block(layer.index) and hasattr(self.family, "mlp_output")
+
+    def _gathered_prefill_block(self, layer, w: dict, live: list[int]) -> None:
+        """A sparse MoE block's prefill: attention GPU batch by batch (each batch's cache
+        stored as it is made), then the experts once over every batch's rows together, as a
+        decode step merges them; the block's hidden states are held until then."""
+        hidden = self._submit_hidden_load(layer, live[0], "prefill")
+        hs, mids = [], []
+        for i, k in enumerate(live):
+            h = self._wait(hidden, "load_hidden")
+            if i + 1 < len(live):
+                hidden = self._submit_hidden_load(layer, live[i + 1], "prefill")
+            t0 = time.perf_counter()
+            rows = self.step_rows[k]
+            part = rows.take(h)
+            out, write = self._attend(layer.index, k, *self.family.qkv(self.cfg, w, part, rows.at, layer.index),
+                                      None, True)
+            mids.append(self.family.attention_output(self.cfg, w, part, out))
+            hs.append(h)
+            self._time_compute(t0, "prefill")
+            if write is not None:
+                self.io.submit(self.slots[layer.index, k].write, *write, kind="prefill_store_cache")
+        t0 = time.perf_counter()
+        flat = self.family.mlp_output(self.cfg, w, torch.cat([m.reshape(-1, m.shape[-1]) for m in mids]))
+        afters = flat.split([m.shape[:-1].numel() for m in mids])
+        self._time_compute(t0, "prefill")
+        for k, h, mid, after in zip(live, hs, mids, afters):
+            self._submit_stores(layer, k, self.step_rows[k].put(h, after.reshape(mid.shape)), None, "prefill")
 
     def _time_compute(self, t0: float, stage: str = "decode") -> None:
         """Counts the compute since t0 (finished, on a GPU) in the run's and the stage's timers."""

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from flexgen_helm.models import gemma, llama, opt, phi3
+from flexgen_helm.models import gemma, llama, moe, opt, phi3
 from flexgen_helm.models.config import ModelConfig
 
-FAMILIES: dict[str, ModuleType] = {"opt": opt, "llama": llama, "gemma": gemma, "phi3": phi3}
+FAMILIES: dict[str, ModuleType] = {"opt": opt, "llama": llama, "gemma": gemma, "phi3": phi3, "moe": moe}
 
 # transformers' model_type -> our family
 HF_MODEL_TYPES = {"opt": "opt", "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
-                  "gemma2": "gemma", "gemma3_text": "gemma", "gemma3": "gemma", "phi3": "phi3"}
+                  "gemma2": "gemma", "gemma3_text": "gemma", "gemma3": "gemma", "phi3": "phi3",
+                  **{t: "moe" for t in moe.MOE_MODEL_TYPES}}
 
 
 def family_of(cfg: ModelConfig) -> ModuleType:

@@ -13,7 +13,7 @@ class ModelConfig:
     are the usual transformer hyper-parameters.
     """
 
-    family: str  # a key of flexgen_helm.models.FAMILIES: "opt", "llama", "gemma", "phi3"
+    family: str  # a key of flexgen_helm.models.FAMILIES: "opt", "llama", "gemma", "phi3", "moe"
     name: str
     vocab_size: int
     hidden_size: int
@@ -43,6 +43,20 @@ class ModelConfig:
     attn_softcap: float = 0.0  # Gemma 2: scores -> cap * tanh(scores / cap); 0: none
     final_softcap: float = 0.0  # Gemma 2: logits likewise
     local_rope_theta: float = 0.0  # Gemma 3: rotary base of the sliding-window blocks (unscaled)
+    # Mixture of experts (family "moe": Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): a block's MLP is
+    # num_experts gated MLPs of expert_ffn_size, each token through the experts_per_token its
+    # router's softmax ranks highest, their outputs summed with those probabilities (renormalised
+    # to sum to one where norm_topk_prob; multiplied in float32 where routing_in_float: Mixtral)
+    moe_type: str = ""  # transformers' model_type ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"): its tensor names
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_ffn_size: int = 0
+    norm_topk_prob: bool = False
+    routing_in_float: bool = False
+    shared_expert_ffn_size: int = 0  # Qwen2-MoE: a gated MLP every token takes, scaled by sigmoid(a gate)
+    dense_blocks: tuple = ()  # blocks whose MLP is the dense one of ffn_size (Qwen's mlp_only_layers)
+    qk_norm_whole: bool = False  # OLMoE: the q/k norms span the whole projection, not each head
+    clip_qkv: float = 0.0  # OLMoE: q, k and v clamped to [-clip, clip]; 0: not
     # tokens
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -65,6 +79,14 @@ class ModelConfig:
         token, else the end-of-text token (the separator the model was trained with between
         documents); None when the model names neither."""
         return self.bos_token_id if self.bos_token_id is not None else self.eos_token_id
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def sparse_block(self, block: int) -> bool:
+        """Whether block `block`'s MLP is the experts (not a dense MLP)."""
+        return self.is_moe and block not in self.dense_blocks
 
     def window(self, block: int) -> int:
         """The sliding window of block `block` (0: it attends to every earlier position)."""

@@ -21,13 +21,16 @@ from flexgen_helm.models.norms import rms_norm
 from flexgen_helm.models.rotary import Rotary, RotaryAt, rope_type, rotary_for
 from flexgen_helm.models.spec import LayerSpec, tensor
 
+# Qwen's configs keep a sliding_window that transformers applies only with use_sliding_window
+QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+
 
 def _slides(hf: dict, model_type: str):
     """transformers' rule for which blocks use the sliding window when the config does not
-    list layer_types: Mistral all of them, Qwen those from max_window_layers on."""
-    if model_type == "mistral":
+    list layer_types: Mistral (and Mixtral) all of them, Qwen those from max_window_layers on."""
+    if model_type in ("mistral", "mixtral"):
         return lambda i: True
-    if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+    if model_type in QWEN_TYPES and hf.get("use_sliding_window"):
         return lambda i: i >= hf.get("max_window_layers", 28)
     return lambda i: False
 
@@ -37,7 +40,7 @@ def config_from_hf(hf: dict, name: str) -> ModelConfig:
     model_type = hf.get("model_type", "llama")
     theta, scaling = rope_from_hf(hf)
     window = hf.get("sliding_window")
-    if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window"):
+    if model_type in QWEN_TYPES and not hf.get("use_sliding_window"):
         window = None  # transformers ignores Qwen's sliding_window unless use_sliding_window
     cfg = ModelConfig(
         family="llama",

@@ -38,6 +38,7 @@ executor/activations.py):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -47,6 +48,7 @@ from flexgen_helm.compression.stored import weight_groups, weight_layout
 from flexgen_helm.errors import ProfileFormatError
 from flexgen_helm.executor.attention import decode_cache_dtype
 from flexgen_helm.executor.cache_buffers import batches_per_load, buffer_sets, unpacks_on_lane
+from flexgen_helm.executor.expert_weights import EXPERTS_IN_FLIGHT, expert_of
 from flexgen_helm.executor.kv_cache import cache_rows, kv_nbytes, kv_nbytes_per_position
 from flexgen_helm.executor.working_set import batch_working_bytes, dense_weight_numel, kept_freed_bytes
 from flexgen_helm.memory.devices import DTYPES
@@ -54,6 +56,7 @@ from flexgen_helm.memory.placement import place_weights
 from flexgen_helm.memory.weight_homes import load_nbytes, segment_nbytes
 from flexgen_helm.models import family_of
 from flexgen_helm.models.config import ModelConfig
+from flexgen_helm.models.moe import expected_experts_touched
 from flexgen_helm.models.spec import LayerSpec, TensorSpec
 from flexgen_helm.planner.budget import planned_components
 from flexgen_helm.planner.hardware_profile import HardwareProfile
@@ -180,6 +183,26 @@ class LayerWeights:
     # elements of a row of the tables in the CPU's packed layout, of which a lookup dequantizes
     # only the rows it looks up (CompressedWeight.embedding); not in packed_numel
     row_lookup_width: int = 0
+    # a sparse MoE block's experts alone (included in the fields above): a step loads only those
+    # its tokens choose (executor/expert_weights.py), and each row multiplies k of them
+    experts: "LayerWeights | None" = None
+
+    def scaled(self, share: float) -> "LayerWeights":
+        """Every amount times `share` (the experts part dropped)."""
+        return LayerWeights({t: v * share for t, v in self.stored.items()},
+                            loaded={k: v * share for k, v in self.loaded.items()},
+                            **{f: getattr(self, f) * share for f in _AMOUNTS})
+
+    def plus(self, other: "LayerWeights") -> "LayerWeights":
+        """The amounts of both added (the experts part dropped)."""
+        return LayerWeights({t: v + other.stored[t] for t, v in self.stored.items()},
+                            loaded={k: self.loaded.get(k, 0.0) + other.loaded.get(k, 0.0)
+                                    for k in {**self.loaded, **other.loaded}},
+                            **{f: getattr(self, f) + getattr(other, f) for f in _AMOUNTS})
+
+
+_AMOUNTS = ("disk_reads", "assembled", "matmul_numel", "packed_matmul_numel", "packed_numel", "grouped_numel",
+            "row_lookup_width")
 
 
 def layer_weights(layer: LayerSpec, placement: dict, compression: Compression | None, dtype: torch.dtype,
@@ -210,6 +233,9 @@ def layer_weights(layer: LayerSpec, placement: dict, compression: Compression | 
             lw.packed_matmul_numel += t.numel * multiplied
         else:
             lw.grouped_numel += t.numel
+    experts = tuple(t for t in layer.tensors if expert_of(t.key) is not None)
+    if experts and len(experts) < len(layer.tensors):
+        lw.experts = layer_weights(dataclasses.replace(layer, tensors=experts), placement, compression, dtype, device)
     return lw
 
 
@@ -269,18 +295,29 @@ class CostModel:
         b = {t: 0.0 for t in TERMS}  # bytes per link, seconds for compute
         dev = hw.compute
 
-        # weights: once per step for the whole block
+        # weights: once per step for the whole block; of a sparse MoE block's experts, those the
+        # block's tokens are expected to choose (each row multiplies k of them)
+        rows, calls = _matmuls(layer, gbs, nb, tokens, phase)
+        weights_compute = self._weights_compute(lw, rows, calls)
+        if lw.experts is not None:
+            touched = expected_experts_touched(cfg.num_experts, cfg.experts_per_token, gbs * nb * tokens)
+            weights_compute += self._experts_compute(lw.experts, rows, calls) - self._weights_compute(
+                lw.experts, rows, calls)
+            lw = lw.plus(lw.experts.scaled(touched / cfg.num_experts - 1.0))
         b["disk_cpu"] += lw.stored["disk"]
         if cuda:
             b["cpu_gpu"] += lw.stored["cpu"] + lw.stored["disk"]
         else:
             b["cpu_gpu"] += lw.assembled
 
-        b["compute"] += self._weights_compute(lw, *_matmuls(layer, gbs, nb, tokens, phase))
+        b["compute"] += weights_compute
         b["compute"] += nb * self._fixed_per_layer_batch(layer, policy, phase)
         if layer.kind == "block":
             per_hidden, per_mlp = ELEMENTWISE_PASSES.get(cfg.family, ELEMENTWISE_PASSES["llama"])
-            passes = per_hidden * cfg.hidden_size + per_mlp * cfg.ffn_size
+            # a sparse MoE block's row goes through k experts (and the shared one)
+            mlp_width = (cfg.experts_per_token * cfg.expert_ffn_size + cfg.shared_expert_ffn_size
+                         if cfg.sparse_block(layer.index) else cfg.ffn_size)
+            passes = per_hidden * cfg.hidden_size + per_mlp * mlp_width
             b["compute"] += nb * gbs * tokens * passes / dev.elementwise_elems_per_s
 
         # activations: stored after each layer but the head, loaded before each but the embedding
@@ -322,6 +359,14 @@ class CostModel:
             seconds += lw.packed_numel / dev.int4_dequant_elems_per_s
             dense += lw.packed_matmul_numel
         return seconds + nb * 2 * rows * dense / dev.linear_flops(dtype, rows)
+
+    def _experts_compute(self, experts: LayerWeights, rows: int, nb: int) -> float:
+        """_weights_compute of a sparse block's experts: per call, the experts its `rows` are
+        expected to choose (loaded, dequantized), each multiplying its share of the rows' k
+        choices."""
+        touched = expected_experts_touched(self.cfg.num_experts, self.cfg.experts_per_token, rows)
+        return self._weights_compute(experts.scaled(touched / self.cfg.num_experts),
+                                     rows * self.cfg.experts_per_token / touched, nb)
 
     def dequantized_numel(self, lw: LayerWeights, rows: int) -> int:
         """Elements of the dense copy a loaded layer makes of its compressed weights for
@@ -502,7 +547,9 @@ class CostModel:
             tokens = work.prompt_len if phase == "prefill" else 1
             keys = work.prompt_len if phase == "prefill" else work.max_len
             placed = planned_components(cfg, policy, work.max_len, self.dtype, act_len=tokens)
-            inner = batch_working_bytes(cfg, (gbs * nb if phase == "decode" else gbs) * tokens, self.dtype)
+            # a decode step's blocks run the block's rows together, and so do a prefill's MoE blocks
+            together = phase == "decode" or cfg.is_moe
+            inner = batch_working_bytes(cfg, (gbs * nb if together else gbs) * tokens, self.dtype)
             scores = gbs * cfg.num_heads * tokens * keys * ATTENTION_MASK_BYTES
             logits = gbs * nb * cfg.vocab_size * 4  # fp32, the last position of every sequence
             # a GPU batch's new K and V on their way to the disk tier: two copies each (its
@@ -521,15 +568,27 @@ class CostModel:
     def _most_loaded_at_once(self, lws: list[LayerWeights]) -> float:
         """Weight bytes loaded off their homes at once: a layer in use and the next one
         prefetched (after the head, the next step's first layer), a weight they share (the tied
-        head and embedding) loaded once for both (executor/schedule.py)."""
+        head and embedding) loaded once for both (executor/schedule.py). A sparse MoE block is
+        prefetched without its experts, which load as its router picks them
+        (executor/expert_weights.py)."""
         most = 0.0
         for i, layer in enumerate(self.layers):
             j = (i + 1) % len(self.layers)
             here, ahead = lws[self._group_of[i]], lws[self._group_of[j]]
             mine = {t.store_name for t in layer.tensors}
             shared = sum(ahead.loaded[t.key] for t in self.layers[j].tensors if t.store_name in mine)
-            most = max(most, sum(here.loaded.values()) + sum(ahead.loaded.values()) - shared)
+            most = max(most, self._loaded_in_use(here) + sum(ahead.loaded.values()) - shared
+                       - (sum(ahead.experts.loaded.values()) if ahead.experts is not None else 0.0))
         return most
+
+    def _loaded_in_use(self, lw: LayerWeights) -> float:
+        """Bytes a layer in use holds loaded: a sparse MoE block's experts one in use and
+        EXPERTS_IN_FLIGHT on their way at most, each released once its rows are done."""
+        if lw.experts is None:
+            return sum(lw.loaded.values())
+        experts = sum(lw.experts.loaded.values())
+        held = min(self.cfg.num_experts, EXPERTS_IN_FLIGHT + 1) / self.cfg.num_experts
+        return sum(lw.loaded.values()) - experts + held * experts
 
     def accounted_bytes(self, policy: Policy) -> dict[str, int]:
         """Peak of what the engine's TierUsage records: weight homes on the gpu and cpu tiers (disk

@@ -169,6 +169,13 @@ def _print(r: dict) -> None:
         print(f"a decode step (ms, mean of {steps}; with overlap on, loads and stores run beside compute): "
               f"compute {d['compute']:.1f} ({compute}), {load}, store cache {d['store_cache']:.1f}, load weights "
               f"{d['load_weight']:.1f}, load/store hidden {d['load_hidden']:.1f}/{d['store_hidden']:.1f}")
+    timers = r["timers"]
+    if "prefill_experts_loaded" in timers or "decode_experts_loaded" in timers:
+        # executor/expert_weights.py: experts read off a lower tier, as the routers chose them
+        per_step = {"prefill": 1, "decode": max(steps, 1)}
+        print("experts read off lower tiers per step: " + ", ".join(
+            f"{stage} {timers.get(f'{stage}_experts_loaded', 0) / n:.1f} "
+            f"({timers.get(f'{stage}_expert_read_bytes', 0) / n / gib:.3f} GiB)" for stage, n in per_step.items()))
     tiers = mem["tiers"]
     peaks = ", ".join(f"{t} {tiers[t]['peak_bytes'] / gib:.2f} GiB" for t in tiers)
     print(f"peak memory (weight homes in RAM, KV cache, activations): {peaks}; "

@@ -49,7 +49,8 @@ def config_from_json(d: dict) -> ModelConfig:
     def pair(key, value):  # LongRoPE's factors are lists in JSON, tuples in the config
         return key, tuple(value) if isinstance(value, list) else value
     return ModelConfig(**{**d, "rope_scaling": tuple(pair(*p) for p in d.get("rope_scaling", ())),
-                          "sliding_windows": tuple(d.get("sliding_windows", ()))})
+                          "sliding_windows": tuple(d.get("sliding_windows", ())),
+                          "dense_blocks": tuple(d.get("dense_blocks", ()))})
 
 
 def convert(source: WeightSource, out_dir: str | os.PathLike, dtype: str = "float16",

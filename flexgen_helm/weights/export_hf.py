@@ -1,5 +1,5 @@
-"""Write a weight source (OPT, Llama family) as a Hugging Face checkpoint directory (config.json, sharded
-safetensors, tokenizer), so that other systems (transformers, HELM's HuggingFaceClient,
+"""Write a weight source (OPT, Llama family, mixtures of experts) as a Hugging Face checkpoint
+directory (config.json, sharded safetensors, tokenizer), so that other systems (transformers, HELM's HuggingFaceClient,
 accelerate) can run the very same weights side by side with ours."""
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from tqdm import tqdm
 
 from flexgen_helm.errors import FlexGenError
 from flexgen_helm.memory.devices import DTYPE_NAMES
+from flexgen_helm.models import moe
 from flexgen_helm.models.config import ModelConfig
 from flexgen_helm.weights.hf_checkpoint import HF_NAMES
 from flexgen_helm.weights.source import WeightSource, rename
 
-_PREFIX = {"opt": "model.", "llama": "model."}
+_PREFIX = {"opt": "model.", "llama": "model.", "moe": "model."}
 
 
 def hf_config(cfg: ModelConfig) -> dict:
@@ -29,9 +30,12 @@ def hf_config(cfg: ModelConfig) -> dict:
         return {**common, "model_type": "opt", "architectures": ["OPTForCausalLM"], "ffn_dim": cfg.ffn_size,
                 "word_embed_proj_dim": cfg.word_embed_proj_dim, "do_layer_norm_before": cfg.do_layer_norm_before,
                 "activation_function": "relu", "enable_bias": True}
+    if cfg.family == "moe":
+        return {**common, **moe.hf_config(cfg)}
     if cfg.family != "llama" or cfg.qk_norm or cfg.sliding_windows:
-        raise FlexGenError(f"{cfg.name}: exporting a Hugging Face checkpoint covers OPT and the Llama family without "
-                           f"q/k norms or sliding windows (Llama, Mistral v0.2+, Qwen2), not this {cfg.family} config")
+        raise FlexGenError(f"{cfg.name}: exporting a Hugging Face checkpoint covers OPT, the Llama family without "
+                           f"q/k norms or sliding windows (Llama, Mistral v0.2+, Qwen2) and the mixtures of experts, "
+                           f"not this {cfg.family} config")
     model_type = "qwen2" if cfg.attention_bias else "llama"
     out = {**common, "model_type": model_type,
            "architectures": ["Qwen2ForCausalLM" if model_type == "qwen2" else "LlamaForCausalLM"],
@@ -49,7 +53,7 @@ def export_hf(source: WeightSource, out_dir: str | Path, dtype: torch.dtype = to
     config = {**hf_config(cfg), "torch_dtype": DTYPE_NAMES[dtype]}  # first: an unsupported config fails before writing
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    names = HF_NAMES[cfg.family]
+    names = HF_NAMES.get(cfg.moe_type) or HF_NAMES[cfg.family]
     shards: list[dict[str, torch.Tensor]] = [{}]
     weight_map, size = {}, 0
     for store_name, t in tqdm(source.iter_tensors(), total=len(source.tensor_specs()), desc="exporting",

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from flexgen_helm.errors import WeightStoreError
+
 _COMMON = {
     "embed.tokens": "token_embd",
     "layers.{i}.attn_norm": "blk.{i}.attn_norm",
@@ -24,6 +26,17 @@ _COMMON = {
     "layers.{i}.down_proj": "blk.{i}.ffn_down",
     "head.norm": "output_norm",
     "head.lm_head": "output",
+    # Mixtral (written as "llama" with expert_count set): the router, and each projection of all
+    # the experts of a block stacked in one (experts, out, in) tensor, read one expert at a time
+    "layers.{i}.router": "blk.{i}.ffn_gate_inp",
+    "layers.{i}.experts.{e}.gate_proj": "blk.{i}.ffn_gate_exps",
+    "layers.{i}.experts.{e}.up_proj": "blk.{i}.ffn_up_exps",
+    "layers.{i}.experts.{e}.down_proj": "blk.{i}.ffn_down_exps",
+    # Qwen2-MoE's shared expert and its gate
+    "layers.{i}.shared_expert.gate_proj": "blk.{i}.ffn_gate_shexp",
+    "layers.{i}.shared_expert.up_proj": "blk.{i}.ffn_up_shexp",
+    "layers.{i}.shared_expert.down_proj": "blk.{i}.ffn_down_shexp",
+    "layers.{i}.shared_expert_gate": "blk.{i}.ffn_gate_inp_shexp",
 }
 _GEMMA = {**_COMMON, "layers.{i}.post_attn_norm": "blk.{i}.post_attention_norm",
           "layers.{i}.post_mlp_norm": "blk.{i}.post_ffw_norm"}  # pre_feedforward_layernorm is ffn_norm
@@ -77,6 +90,34 @@ def _phi3(meta: Meta, hf: dict) -> dict:
     return {k: v for k, v in out.items() if v is not None}
 
 
+def _experts(meta: Meta, norm_default: bool) -> dict:
+    """The MoE keys llama.cpp writes, as transformers names them; whether the top-k weights
+    are renormalised: expert_weights_norm where written, else what llama.cpp's graph of the
+    architecture does (Qwen3-MoE: yes; Qwen2-MoE, OLMoE: no)."""
+    used = meta("expert_used_count", 0)
+    if not used:
+        raise WeightStoreError("GGUF metadata expert_used_count is missing: how many experts each token takes "
+                               "is not written")
+    out = {"num_experts": meta("expert_count", 0), "num_experts_per_tok": used,
+           "norm_topk_prob": bool(meta("expert_weights_norm", norm_default)),
+           "moe_intermediate_size": meta("expert_feed_forward_length", None),
+           "shared_expert_intermediate_size": meta("expert_shared_feed_forward_length", None)}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _llama(meta: Meta, hf: dict) -> dict:
+    """A "llama" file with experts is a Mixtral (llama.cpp's converter writes it so)."""
+    return {"model_type": "mixtral", **_experts(meta, True)} if meta("expert_count", 0) else {}
+
+
+def _qwen2moe(meta: Meta, hf: dict) -> dict:
+    return {**_experts(meta, False), "qkv_bias": hf["attention_bias"]}
+
+
+def _olmoe(meta: Meta, hf: dict) -> dict:
+    return {**_experts(meta, False), "clip_qkv": meta("attention.clamp_kqv", None)}
+
+
 @dataclass(frozen=True)
 class GGUFArch:
     model_type: str  # transformers' (HF_MODEL_TYPES picks our family from it)
@@ -90,10 +131,13 @@ class GGUFArch:
 
 
 ARCHITECTURES = {
-    "llama": GGUFArch("llama", permuted=True),
+    "llama": GGUFArch("llama", permuted=True, extra=_llama),
     "qwen2": GGUFArch("qwen2"),
     "qwen3": GGUFArch("qwen3"),
     "gemma2": GGUFArch("gemma2", _GEMMA, norm_offset=1.0, extra=_gemma2),
     "gemma3": GGUFArch("gemma3_text", _GEMMA, norm_offset=1.0, extra=_gemma3),
     "phi3": GGUFArch("phi3", _PHI3, extra=_phi3),
+    "qwen2moe": GGUFArch("qwen2_moe", extra=_qwen2moe),
+    "qwen3moe": GGUFArch("qwen3_moe", extra=lambda meta, hf: _experts(meta, True)),
+    "olmoe": GGUFArch("olmoe", extra=_olmoe),
 }

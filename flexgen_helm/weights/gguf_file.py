@@ -1,5 +1,6 @@
-"""A llama.cpp GGUF file (llama, qwen2, qwen3, gemma2, gemma3, phi3): config from its
-metadata, tensors dequantized to float one at a time.
+"""A llama.cpp GGUF file (llama and Mixtral, qwen2, qwen3, gemma2, gemma3, phi3, qwen2moe, qwen3moe,
+olmoe): config from its metadata, tensors dequantized to float one at a time (an expert's
+rows alone, out of its block's stacked experts).
 
 What differs from a Hugging Face checkpoint is undone here: GGUF lists shapes
 innermost-first (a Linear weight (out, in) shows as [in, out]); llama.cpp's converter
@@ -14,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from functools import cached_property
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from flexgen_helm.weights.gguf_arch import ARCHITECTURES
 from flexgen_helm.weights.source import WeightSource, rename
 
 _REQUIRED = object()
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
 def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -120,6 +123,9 @@ class GGUFFile(WeightSource):
             "pad_token_id": self._meta("tokenizer.ggml.padding_token_id", None),
         }
         hf.update(ARCHITECTURES[a].extra(lambda key, default: self._meta(f"{a}.{key}", default), hf))
+        if self._meta(f"{a}.expert_count", 0):  # blocks without a router keep a dense MLP (Qwen's mlp_only_layers)
+            hf["mlp_only_layers"] = [i for i in range(hf["num_hidden_layers"])
+                                     if f"blk.{i}.ffn_gate_inp.weight" not in self._tensors]
         if "rope_factors_long.weight" in self._tensors:  # Phi-3's LongRoPE: the factors are tensors
             hf["rope_scaling"] = {"rope_type": "longrope", "long_factor": self._factors("long"),
                                   "short_factor": self._factors("short"),
@@ -148,16 +154,23 @@ class GGUFFile(WeightSource):
         t = self._tensors.get(name)
         if t is None:
             raise WeightStoreError(f"{self.path}: tensor {name!r} (store name {store_name}) is missing")
-        a = dequantize(t.data, t.tensor_type)
+        shape = tuple(int(d) for d in reversed(t.shape))
+        data = t.data
+        expert = _EXPERT.search(store_name)
+        if expert:  # one expert of the stacked (experts, out, in) tensor: its rows alone, dequantized
+            data, shape = data[int(expert[1])], shape[1:]
+        a = dequantize(data, t.tensor_type)
         # Unquantized types come back as read-only views of the memory-mapped file.
         a = np.ascontiguousarray(a) if a.flags.writeable else a.copy()
         w = torch.from_numpy(a)
-        w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
+        w = w.reshape(shape)
         kind = name.split(".")[-2]
         if self.arch.permuted and kind in ("attn_q", "attn_k"):
             w = unpermute_rows(w, self.config.num_heads if kind == "attn_q" else self.config.num_kv_heads)
         if self.arch.norm_offset and kind.endswith("norm"):
             w = w - self.arch.norm_offset
+        if kind == "ffn_gate_inp_shexp":  # llama.cpp's is one row, written (hidden,) or (1, hidden)
+            w = w.reshape(1, -1)
         return w
 
     def load_tokenizer(self, cache_dir: Path):

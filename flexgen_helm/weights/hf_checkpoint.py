@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from flexgen_helm.errors import ModelNotFoundError, WeightStoreError
 from flexgen_helm.models import FAMILIES, HF_MODEL_TYPES
+from flexgen_helm.models.moe import refuse_unsupported
 from flexgen_helm.models.tokenizer import hf_tokenizer
 from flexgen_helm.weights.source import WeightSource, rename
 
@@ -65,6 +66,23 @@ HF_NAMES["phi3"] = {**_LLAMA_ATTENTION, "layers.{i}.qkv_proj": "layers.{i}.self_
                     "layers.{i}.mlp_norm": "layers.{i}.post_attention_layernorm",
                     "layers.{i}.gate_up_proj": "layers.{i}.mlp.gate_up_proj",
                     "layers.{i}.down_proj": "layers.{i}.mlp.down_proj"}
+# Mixture-of-experts blocks: the Llama attention; the router, the experts (and Qwen2-MoE's
+# shared expert with its gate) under mlp, as Qwen and OLMoE name them, or under
+# block_sparse_moe with w1 (gate), w3 (up), w2 (down), as Mixtral does; Qwen's dense blocks'
+# MLP as Llama's
+_MOE_COMMON = {**_LLAMA_ATTENTION, **_GATED_MLP, "layers.{i}.mlp_norm": "layers.{i}.post_attention_layernorm"}
+HF_NAMES["moe"] = {**_MOE_COMMON, "layers.{i}.router": "layers.{i}.mlp.gate",
+                   "layers.{i}.experts.{e}.gate_proj": "layers.{i}.mlp.experts.{e}.gate_proj",
+                   "layers.{i}.experts.{e}.up_proj": "layers.{i}.mlp.experts.{e}.up_proj",
+                   "layers.{i}.experts.{e}.down_proj": "layers.{i}.mlp.experts.{e}.down_proj",
+                   "layers.{i}.shared_expert.gate_proj": "layers.{i}.mlp.shared_expert.gate_proj",
+                   "layers.{i}.shared_expert.up_proj": "layers.{i}.mlp.shared_expert.up_proj",
+                   "layers.{i}.shared_expert.down_proj": "layers.{i}.mlp.shared_expert.down_proj",
+                   "layers.{i}.shared_expert_gate": "layers.{i}.mlp.shared_expert_gate"}
+HF_NAMES["mixtral"] = {**_MOE_COMMON, "layers.{i}.router": "layers.{i}.block_sparse_moe.gate",
+                       "layers.{i}.experts.{e}.gate_proj": "layers.{i}.block_sparse_moe.experts.{e}.w1",
+                       "layers.{i}.experts.{e}.up_proj": "layers.{i}.block_sparse_moe.experts.{e}.w3",
+                       "layers.{i}.experts.{e}.down_proj": "layers.{i}.block_sparse_moe.experts.{e}.w2"}
 # "model." of *ForCausalLM, none of a bare *Model, and the language model inside a multimodal
 # Gemma 3 (transformers < 4.52 and >= 4.52 name it differently)
 _PREFIXES = ("model.", "", "model.language_model.", "language_model.model.")
@@ -82,15 +100,18 @@ class HFCheckpoint(WeightSource):
         self.root = Path(model_dir)
         hf = read_hf_config(self.root)
         model_type = hf.get("model_type")
+        refuse_unsupported(model_type, hf, str(self.root))
         if model_type not in HF_MODEL_TYPES:
             raise ModelNotFoundError(
                 f"{self.root}: model_type {model_type!r} is not supported (supported: {', '.join(HF_MODEL_TYPES)})"
             )
         family = HF_MODEL_TYPES[model_type]
         self.config = FAMILIES[family].config_from_hf(hf, name or hf.get("_name_or_path") or self.root.name)
-        self._names = HF_NAMES[family]
+        self._names = HF_NAMES.get(self.config.moe_type) or HF_NAMES[family]
         self._open: dict[Path, object] = {}
         self._file_of = self._index_tensors()  # HF tensor name -> shard file
+        if self.config.is_moe:
+            self._check_expert_tensors()
 
     @property
     def identity(self) -> str:
@@ -132,16 +153,36 @@ class HFCheckpoint(WeightSource):
             names.append("lm_head.weight")  # a tied checkpoint may keep only the head's copy
         return names
 
-    def read(self, store_name: str) -> torch.Tensor:
+    def _located(self, store_name: str) -> tuple[str, Path]:
+        """(HF tensor name, shard file) of a store tensor; an error naming it and the files searched."""
         candidates = self._candidates(store_name)
         for hf_name in candidates:
             if hf_name in self._file_of:
-                shard = self._shard(self._file_of[hf_name])
-                return shard.get_tensor(hf_name) if hasattr(shard, "get_tensor") else shard[hf_name]
+                return hf_name, self._file_of[hf_name]
         files = ", ".join(sorted({f.name for f in self._file_of.values()}))
         raise WeightStoreError(
             f"{self.root}: tensor {candidates[0]!r} (store name {store_name}) not found in {files}"
         )
+
+    def read(self, store_name: str) -> torch.Tensor:
+        hf_name, file = self._located(store_name)
+        shard = self._shard(file)
+        return shard.get_tensor(hf_name) if hasattr(shard, "get_tensor") else shard[hf_name]
+
+    def _check_expert_tensors(self) -> None:
+        """Every router, expert and shared-expert tensor present with its shape, from the shards'
+        headers, before any is read: a missing or misshapen one is named with its file."""
+        for spec in self.tensor_specs():
+            if not any(part in spec.store_name for part in (".router.", ".experts.", ".shared_expert")):
+                continue
+            hf_name, file = self._located(spec.store_name)
+            shard = self._shard(file)
+            shape = tuple(shard.get_slice(hf_name).get_shape() if hasattr(shard, "get_slice") else shard[hf_name].shape)
+            if shape != spec.shape:
+                raise WeightStoreError(
+                    f"{file}: tensor {hf_name!r} has shape {list(shape)}, expected {list(spec.shape)} for "
+                    f"{self.config.num_experts} experts of {self.config.expert_ffn_size} x {self.config.hidden_size} "
+                    f"(config.json); the checkpoint does not match its config")
 
     def load_tokenizer(self, cache_dir: Path):
         return hf_tokenizer(self.root)

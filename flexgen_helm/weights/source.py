@@ -19,21 +19,26 @@ from flexgen_helm.models.config import ModelConfig
 from flexgen_helm.models.spec import TensorSpec, all_store_tensors
 
 _BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"experts\.(\d+)\.")
 
 
 def rename(store_name: str, table: dict[str, str]) -> str:
     """Translate a store name through a table of module names.
 
     Table keys are store module names with `{i}` for the block index
-    (`layers.{i}.q_proj`); values are the foreign names, also with `{i}`. The
-    parameter suffix (`.weight`, `.bias`) carries over unchanged.
+    (`layers.{i}.q_proj`), and `{e}` for an expert's index (`layers.{i}.experts.{e}.up_proj`);
+    values are the foreign names, also with `{i}` and `{e}`. The parameter suffix
+    (`.weight`, `.bias`) carries over unchanged.
     """
     module, param = store_name.rsplit(".", 1)
     block = _BLOCK.fullmatch(module)
     key = f"layers.{{i}}.{block[2]}" if block else module
+    expert = _EXPERT.search(key)
+    if expert:
+        key = key[:expert.start()] + "experts.{e}." + key[expert.end():]
     if key not in table:
         raise WeightStoreError(f"no source name known for tensor {store_name!r}")
-    return table[key].format(i=block[1] if block else "") + "." + param
+    return table[key].format(i=block[1] if block else "", e=expert[1] if expert else "") + "." + param
 
 
 class WeightSource(ABC):

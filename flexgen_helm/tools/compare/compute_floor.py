@@ -27,11 +27,16 @@ class ComputeFloor:
 
 
 def matmul_params_per_token(cfg: ModelConfig) -> int:
-    """Weights every token multiplies: q, k, v, o and the MLP of each block, and the head."""
+    """Weights every token multiplies: q, k, v, o and the MLP of each block, and the head; of a
+    mixture of experts' sparse block, the router and the k experts the token takes (and the
+    shared one): its active parameters."""
     q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     mlp = (2 if cfg.family == "opt" else 3) * cfg.hidden_size * cfg.ffn_size  # fc1, fc2 / gate, up, down
-    block = cfg.hidden_size * (2 * q_out + 2 * kv_out) + mlp
-    return cfg.num_layers * block + cfg.vocab_size * cfg.hidden_size
+    sparse = (cfg.num_experts + 3 * cfg.experts_per_token * cfg.expert_ffn_size + 3 * cfg.shared_expert_ffn_size
+              + (1 if cfg.shared_expert_ffn_size else 0)) * cfg.hidden_size
+    attention = cfg.hidden_size * (2 * q_out + 2 * kv_out)
+    return sum(attention + (sparse if cfg.sparse_block(i) else mlp) for i in range(cfg.num_layers)) \
+        + cfg.vocab_size * cfg.hidden_size
 
 
 def compute_floor(cfg: ModelConfig, request_tokens: list[int], profile: HardwareProfile) -> ComputeFloor:

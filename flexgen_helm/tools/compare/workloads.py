@@ -58,6 +58,10 @@ SETUPS = {s.name: s for s in [
     Setup("opt-6.7b-p128-g128", "facebook/opt-6.7b", 128, 128, gpu_mem="1.5GiB", cpu_mem="4GiB", max_batch=128),
     Setup("opt-350m-p128-g128", "facebook/opt-350m", 128, 128, gpu_mem="0.25GiB", cpu_mem="0.2GiB", max_batch=64),
     Setup("opt-1.3b-p512-g32", "facebook/opt-1.3b", 512, 32, gpu_mem="1GiB", cpu_mem="0.75GiB", max_batch=16),
+    # issue 49: OLMoE-1B-7B's geometry (6.9B parameters, 8 of 64 experts per token) under the
+    # OPT-6.7B budgets
+    Setup("olmoe-1b-7b-p512-g32", "allenai/olmoe-1b-7b-0924", 512, 32, gpu_mem="1.5GiB", cpu_mem="4GiB",
+          max_batch=32),
     # the test's: seconds, not minutes
     Setup("tiny", "facebook/opt-125m", 8, 4, gpu_mem="256MiB", cpu_mem="160MiB", max_batch=4),
 ]}

@@ -1,0 +1,260 @@
+"""Mixture-of-experts transformers: Mixtral, Qwen2-MoE (Qwen1.5-MoE), Qwen3-MoE, OLMoE.
+
+The Llama block (RMSNorm, rotary, grouped-query attention) whose MLP is a router and
+`num_experts` gated MLPs: each token goes through the `experts_per_token` experts its
+router's softmax ranks highest, their outputs summed with those probabilities (Mixtral
+always renormalises them to sum to one, the others where the config's norm_topk_prob says).
+Qwen2-MoE adds a shared expert every token takes, scaled by a sigmoid gate, and both Qwen
+families may keep a dense MLP in some blocks (mlp_only_layers, decoder_sparse_step). OLMoE
+normalises the whole query and key projections (not each head) and may clamp q, k and v.
+
+Experts are ordinary store tensors, one per expert and projection
+("layers.{i}.experts.{e}.gate_proj.weight"), so they are placed by fraction over the tiers
+and compressed like any weight. The experts are computed grouped (`expert_mlp`): the rows of
+everything the call holds (in a decode step, every GPU batch of the block: the schedule's
+merged step) gathered per expert, multiplied once per expert, and added back with their
+routing weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from flexgen_helm.errors import ModelNotFoundError
+from flexgen_helm.models import llama
+from flexgen_helm.models.config import ModelConfig
+from flexgen_helm.models.gated_mlp import gated_mlp
+from flexgen_helm.models.heads import split_heads
+from flexgen_helm.models.linear import linear
+from flexgen_helm.models.llama import embed, head, run_constants, step_constants  # noqa: F401 (shared)
+from flexgen_helm.models.norms import rms_norm
+from flexgen_helm.models.rotary import RotaryAt
+from flexgen_helm.models.spec import LayerSpec, tensor
+
+# transformers' model_type of each MoE family we run (the others are refused by name)
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+# config.json keys that mark a checkpoint as a mixture of experts (any family's)
+MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok")
+
+
+# The geometries of published MoE checkpoints (their config.json's fields that matter here), for
+# benchmarks with dummy weights (`flexgen-helm bench --model olmoe-1b-7b --dummy`)
+GEOMETRIES = {
+    "allenai/olmoe-1b-7b-0924": {  # 6.9B parameters, 1.3B active
+        "model_type": "olmoe", "vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 1024,
+        "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 64,
+        "num_experts_per_tok": 8, "norm_topk_prob": False, "max_position_embeddings": 4096, "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "eos_token_id": 50279, "pad_token_id": 1},
+    "qwen/qwen3-30b-a3b": {  # 30.5B parameters, 3.3B active
+        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+        "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+        "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+        "max_position_embeddings": 40960, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645},
+    "mistralai/mixtral-8x7b-v0.1": {  # 46.7B parameters, 12.9B active
+        "model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+        "num_experts_per_tok": 2, "max_position_embeddings": 32768, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2},
+}
+GEOMETRY_ALIASES = {"olmoe-1b-7b": "allenai/olmoe-1b-7b-0924", "qwen3-30b-a3b": "qwen/qwen3-30b-a3b",
+                    "mixtral-8x7b": "mistralai/mixtral-8x7b-v0.1"}
+
+
+def geometry(model: str) -> ModelConfig | None:
+    """The config of a known MoE checkpoint by its Hugging Face name or alias (any case), else None."""
+    name = GEOMETRY_ALIASES.get(model.lower(), model.lower())
+    return config_from_hf(GEOMETRIES[name], name) if name in GEOMETRIES else None
+
+
+def refuse_unsupported(model_type: str, hf: dict, where: str) -> None:
+    """An MoE config of a family we do not run: one error naming it and those we do."""
+    if model_type not in MOE_MODEL_TYPES and any(hf.get(k) for k in MOE_CONFIG_KEYS):
+        raise ModelNotFoundError(
+            f"{where}: mixture-of-experts family {model_type!r} is not supported "
+            f"(supported mixture-of-experts families: {', '.join(MOE_MODEL_TYPES)})")
+
+
+def _dense_blocks(hf: dict, n: int) -> tuple:
+    """Qwen's blocks with a dense MLP: those listed in mlp_only_layers, and all but every
+    decoder_sparse_step-th (as transformers' Qwen2MoeDecoderLayer picks them)."""
+    only, step = set(hf.get("mlp_only_layers") or ()), hf.get("decoder_sparse_step") or 1
+    return tuple(i for i in range(n) if i in only or (i + 1) % step != 0)
+
+
+def config_from_hf(hf: dict, name: str) -> ModelConfig:
+    model_type = hf.get("model_type")
+    base = llama.config_from_hf(hf, name)
+    experts = hf.get("num_experts") or hf.get("num_local_experts")
+    qwen = model_type in ("qwen2_moe", "qwen3_moe")
+    return dataclasses.replace(
+        base,
+        family="moe",
+        moe_type=model_type,
+        num_experts=int(experts),
+        experts_per_token=int(hf["num_experts_per_tok"]),
+        expert_ffn_size=int(hf.get("moe_intermediate_size") or hf["intermediate_size"]),
+        # Mixtral's router always renormalises; the others' configs say (transformers' default: no)
+        norm_topk_prob=model_type == "mixtral" or bool(hf.get("norm_topk_prob", False)),
+        routing_in_float=model_type == "mixtral",
+        shared_expert_ffn_size=int(hf.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0,
+        dense_blocks=_dense_blocks(hf, base.num_layers) if qwen else (),
+        attention_bias=bool(hf.get("qkv_bias", True)) if model_type == "qwen2_moe" else base.attention_bias,
+        qk_norm=model_type in ("qwen3_moe", "olmoe"),
+        qk_norm_whole=model_type == "olmoe",
+        clip_qkv=float(hf.get("clip_qkv") or 0.0) if model_type == "olmoe" else 0.0,
+    )
+
+
+def expected_experts_touched(num_experts: int, per_token: int, tokens: float) -> float:
+    """Experts of one block that `tokens` rows choose between them, expected, each row taking
+    `per_token` of `num_experts` at random: an expert escapes one row with probability
+    1 - k/E, so E * (1 - (1 - k/E) ** tokens) (a batch-1 decode step: k; a large block: E).
+    Real routers are not uniform (some experts are popular): fewer in practice."""
+    return num_experts * (1.0 - (1.0 - per_token / num_experts) ** tokens)
+
+
+_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+
+
+def hf_config(cfg: ModelConfig) -> dict:
+    """The transformers config.json fields of an MoE config (inverse of config_from_hf), beside
+    the ones every family shares; sliding windows are not written back (refused)."""
+    if cfg.sliding_windows:
+        raise ModelNotFoundError(f"{cfg.name}: exporting an MoE config with sliding windows is not supported")
+    out = {"model_type": cfg.moe_type, "architectures": [_ARCHITECTURES[cfg.moe_type]],
+           "num_key_value_heads": cfg.num_kv_heads, "intermediate_size": cfg.ffn_size, "head_dim": cfg.head_dim,
+           "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "hidden_act": "silu",
+           "num_experts_per_tok": cfg.experts_per_token, "norm_topk_prob": cfg.norm_topk_prob,
+           "num_local_experts" if cfg.moe_type == "mixtral" else "num_experts": cfg.num_experts}
+    if cfg.rope_scaling:
+        out["rope_scaling"] = cfg.rope_scaling_dict
+    if cfg.moe_type in ("qwen2_moe", "qwen3_moe"):
+        out.update(moe_intermediate_size=cfg.expert_ffn_size, decoder_sparse_step=1,
+                   mlp_only_layers=list(cfg.dense_blocks))
+    else:
+        out["intermediate_size"] = cfg.expert_ffn_size  # Mixtral's and OLMoE's experts are the MLP's size
+    if cfg.moe_type == "qwen2_moe":
+        out.update(shared_expert_intermediate_size=cfg.shared_expert_ffn_size, qkv_bias=cfg.attention_bias)
+    else:
+        out["attention_bias"] = cfg.attention_bias
+    if cfg.moe_type == "olmoe":
+        out["clip_qkv"] = cfg.clip_qkv or None
+    return out
+
+
+def expert_key(e: int, proj: str) -> str:
+    return f"experts.{e}.{proj}.weight"
+
+
+def moe_tensors(cfg: ModelConfig, n: str) -> list:
+    """The router, each expert's gate, up and down projections, and the shared expert with its gate."""
+    h, f = cfg.hidden_size, cfg.expert_ffn_size
+    ts = [tensor(n, "router.weight", cfg.num_experts, h)]
+    for e in range(cfg.num_experts):
+        ts += [tensor(n, expert_key(e, "gate_proj"), f, h), tensor(n, expert_key(e, "up_proj"), f, h),
+               tensor(n, expert_key(e, "down_proj"), h, f)]
+    if cfg.shared_expert_ffn_size:
+        s = cfg.shared_expert_ffn_size
+        ts += [tensor(n, "shared_expert.gate_proj.weight", s, h), tensor(n, "shared_expert.up_proj.weight", s, h),
+               tensor(n, "shared_expert.down_proj.weight", h, s), tensor(n, "shared_expert_gate.weight", 1, h)]
+    return ts
+
+
+def _attention_tensors(cfg: ModelConfig, n: str) -> list:
+    ts = llama.attention_tensors(cfg, n)
+    if not cfg.qk_norm_whole:
+        return ts
+    widths = {"q_norm.weight": cfg.num_heads * cfg.head_dim, "k_norm.weight": cfg.num_kv_heads * cfg.head_dim}
+    return [tensor(n, t.key, widths[t.key]) if t.key in widths else t for t in ts]
+
+
+def layer_specs(cfg: ModelConfig) -> list[LayerSpec]:
+    h = cfg.hidden_size
+
+    def block(n: str) -> list:  # n: "layers.{i}"
+        mlp = moe_tensors(cfg, n) if cfg.sparse_block(int(n.split(".")[1])) else llama.mlp_tensors(cfg, n)
+        return [tensor(n, "attn_norm.weight", h), *_attention_tensors(cfg, n), tensor(n, "mlp_norm.weight", h), *mlp]
+
+    return llama.stacked_layers(cfg, block)
+
+
+def qkv(cfg: ModelConfig, w: dict, h: torch.Tensor, at: RotaryAt, block: int):
+    x = rms_norm(h, w["attn_norm.weight"], cfg.rms_norm_eps)
+    if not cfg.qk_norm_whole:
+        q, k, v = llama.project_heads(cfg, w, x, rms_norm)
+    else:  # OLMoE: norms over the whole projections, then the clamp, then the heads
+        eps = cfg.rms_norm_eps
+        q = rms_norm(linear(x, w["q_proj.weight"], w.get("q_proj.bias")), w["q_norm.weight"], eps)
+        k = rms_norm(linear(x, w["k_proj.weight"], w.get("k_proj.bias")), w["k_norm.weight"], eps)
+        v = linear(x, w["v_proj.weight"], w.get("v_proj.bias"))
+        if cfg.clip_qkv:
+            q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+        q, k, v = split_heads(q, cfg.num_heads), split_heads(k, cfg.num_kv_heads), split_heads(v, cfg.num_kv_heads)
+    return at.apply(q), at.apply(k), v
+
+
+def route(cfg: ModelConfig, router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of x (n, hidden): the routing weights (n, k) and the experts chosen (n, k),
+    as transformers' routers compute them (softmax in float32, then the top k)."""
+    probs = torch.softmax(linear(x, router), dim=-1, dtype=torch.float32)
+    weights, chosen = torch.topk(probs, cfg.experts_per_token, dim=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return (weights if cfg.routing_in_float else weights.to(x.dtype)), chosen
+
+
+def expert_mlp(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
+    """The experts' output for x (..., hidden): every row's (token, choice) pairs sorted by
+    expert, each expert's rows gathered (index_select) and multiplied once, then added back
+    to their tokens with their routing weights (index_add_). torch's grouped_mm would need the
+    experts as one (E, out, in) tensor, which the store keeps apart (placed and compressed per
+    expert), and a compressed expert multiplies itself; one matmul per expert it is."""
+    flat = x.reshape(-1, x.shape[-1])
+    weights, chosen = route(cfg, w["router.weight"], flat)
+    k = cfg.experts_per_token
+    order = torch.argsort(chosen.reshape(-1), stable=True)
+    counts = torch.bincount(chosen.reshape(-1), minlength=cfg.num_experts).tolist()  # one sync per layer
+    # weights that load as the router asks (executor/expert_weights.py): the block's rows all
+    # come in this one call (a decode step's merged batches, a prefill's gathered ones)
+    if hasattr(w, "fetch"):
+        w.fetch([e for e, count in enumerate(counts) if count])
+    rows, slot_weights = order // k, weights.reshape(-1)[order]
+    out = torch.zeros_like(flat)
+    start = 0
+    for e, count in enumerate(counts):
+        if not count:
+            continue
+        picked = rows[start:start + count]
+        y = gated_mlp(flat.index_select(0, picked), w[expert_key(e, "gate_proj")], w[expert_key(e, "up_proj")],
+                      w[expert_key(e, "down_proj")], cfg.mlp_activation)
+        out.index_add_(0, picked, (y * slot_weights[start:start + count, None]).to(out.dtype))
+        start += count
+        if hasattr(w, "release"):  # its rows are done: one expert read off its tier held at a time
+            w.release(e)
+    if cfg.shared_expert_ffn_size:
+        shared = gated_mlp(flat, w["shared_expert.gate_proj.weight"], w["shared_expert.up_proj.weight"],
+                           w["shared_expert.down_proj.weight"], cfg.mlp_activation)
+        out = out + torch.sigmoid(linear(flat, w["shared_expert_gate.weight"])) * shared
+    return out.reshape(x.shape)
+
+
+def attention_output(cfg: ModelConfig, w: dict, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """The first half of finish_block: the residual stream after attention."""
+    return h + linear(attn, w["o_proj.weight"])
+
+
+def mlp_output(cfg: ModelConfig, w: dict, h: torch.Tensor) -> torch.Tensor:
+    """The second half: after the MLP (the experts, or a dense block's MLP), for any rows of
+    the block together (a prefill's GPU batches gathered: executor/schedule.py)."""
+    x = rms_norm(h, w["mlp_norm.weight"], cfg.rms_norm_eps)
+    if "router.weight" in w:
+        return h + expert_mlp(cfg, w, x)
+    return h + gated_mlp(x, w["gate_proj.weight"], w["up_proj.weight"], w["down_proj.weight"], cfg.mlp_activation)
+
+
+def finish_block(cfg: ModelConfig, w: dict, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    return mlp_output(cfg, w, attention_output(cfg, w, h, attn))

@@ -1,0 +1,179 @@
+"""Mixtures of experts beyond the transformers comparisons of test_model_families.py: the
+checkpoints refused with their reason before any weight is read, and the config rules."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import save_tiny
+from safetensors.torch import load_file, save_file
+
+from flexgen_helm.errors import ModelNotFoundError, WeightStoreError
+from flexgen_helm.models.moe import config_from_hf
+from flexgen_helm.weights.hf_checkpoint import HFCheckpoint
+
+
+def test_unsupported_moe_family_is_named_before_any_weight(tmp_path):
+    # no weight file at all: the family is refused from config.json alone
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "n_routed_experts": 256,
+                                                      "num_experts_per_tok": 8, "hidden_size": 64}))
+    with pytest.raises(ModelNotFoundError) as e:
+        HFCheckpoint(tmp_path)
+    assert "mixture-of-experts family 'deepseek_v3' is not supported" in str(e.value)
+    assert "mixtral, qwen2_moe, qwen3_moe, olmoe" in str(e.value)
+
+
+def _rewrite(path, change):
+    f = path / "model.safetensors"
+    state = load_file(f)
+    change(state)
+    save_file(state, f, metadata={"format": "pt"})
+
+
+def test_missing_expert_tensor_is_named_with_the_files(tmp_path):
+    path = save_tiny("qwen3_moe", tmp_path / "m")
+    _rewrite(path, lambda s: s.pop("model.layers.1.mlp.experts.3.down_proj.weight"))
+    with pytest.raises(WeightStoreError) as e:
+        HFCheckpoint(path)
+    assert "'model.layers.1.mlp.experts.3.down_proj.weight'" in str(e.value)
+    assert "model.safetensors" in str(e.value)
+
+
+@pytest.mark.parametrize(("kind", "name", "shape"), [
+    ("mixtral", "model.layers.0.block_sparse_moe.gate.weight", (3, 48)),  # a router of 3 experts, not 4
+    ("qwen2_moe", "model.layers.2.mlp.experts.0.up_proj.weight", (16, 48)),
+    ("qwen2_moe", "model.layers.0.mlp.shared_expert_gate.weight", (2, 48)),
+])
+def test_misshapen_router_or_expert_is_named_with_its_file(tmp_path, kind, name, shape):
+    path = save_tiny(kind, tmp_path / "m")
+    _rewrite(path, lambda s: s.__setitem__(name, torch.zeros(shape)))
+    with pytest.raises(WeightStoreError) as e:
+        HFCheckpoint(path)
+    assert f"model.safetensors: tensor {name!r} has shape {list(shape)}" in str(e.value)
+
+
+def test_qwen_dense_blocks_and_routing_rules():
+    hf = {"model_type": "qwen2_moe", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 6,
+          "num_attention_heads": 2, "intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2,
+          "moe_intermediate_size": 4, "shared_expert_intermediate_size": 8, "decoder_sparse_step": 2,
+          "mlp_only_layers": [3]}
+    cfg = config_from_hf(hf, "q")
+    # every second block is sparse (index 1, 3, 5), but 3 is listed as dense
+    assert cfg.dense_blocks == (0, 2, 3, 4)
+    assert [cfg.sparse_block(i) for i in range(6)] == [False, True, False, False, False, True]
+    assert cfg.attention_bias and not cfg.norm_topk_prob and cfg.shared_expert_ffn_size == 8
+    mixtral = config_from_hf({**hf, "model_type": "mixtral", "num_local_experts": 4, "num_experts": None}, "m")
+    assert mixtral.norm_topk_prob and mixtral.routing_in_float and mixtral.dense_blocks == ()
+    assert mixtral.shared_expert_ffn_size == 0 and mixtral.expert_ffn_size == 4
+
+
+def test_only_the_chosen_experts_are_read_off_disk(tmp_path):
+    """Weights all on disk: a step reads each expert its tokens chose once per layer (the
+    router's choices as transformers makes them), never the others, and counts their bytes."""
+    from conftest import hf_model
+
+    from flexgen_helm.engine import Engine
+    from flexgen_helm.executor.sampling import SamplingParams
+    from flexgen_helm.policy import Policy, Split
+
+    path = save_tiny("qwen3_moe", tmp_path / "m")
+    prompt = [5, 17, 3]
+    with torch.no_grad():
+        router_logits = hf_model(path)(torch.tensor([prompt]), output_router_logits=True).router_logits
+    engine = Engine.load(str(path), Policy(gpu_batch_size=1, weights=Split(0, 0, 1)), offload_dir=tmp_path,
+                         dtype="float32", device="cpu", progress=False)
+    cfg = engine.runtime.config
+    chosen = [set(torch.topk(logits, cfg.experts_per_token, dim=-1).indices.flatten().tolist())
+              for logits in router_logits]
+    timers = engine.generate([prompt], SamplingParams(max_new_tokens=4, ignore_eos=True)).stats.timers
+    expert_bytes = 3 * cfg.expert_ffn_size * cfg.hidden_size * 4  # gate, up, down in float32
+    assert timers["prefill_experts_loaded"] == sum(map(len, chosen)) < cfg.num_layers * cfg.num_experts
+    assert timers["prefill_expert_read_bytes"] == timers["prefill_experts_loaded"] * expert_bytes
+    # a decode step's one token takes exactly k experts in each block
+    per_step = cfg.num_layers * cfg.experts_per_token
+    assert timers["decode_experts_loaded"] == 3 * per_step
+    assert timers["decode_expert_read_bytes"] == 3 * per_step * expert_bytes
+
+
+def test_expected_experts_touched():
+    from flexgen_helm.models.moe import expected_experts_touched
+
+    assert expected_experts_touched(64, 8, 1) == pytest.approx(8)  # one token: its k experts
+    assert expected_experts_touched(64, 8, 2) == pytest.approx(8 + 8 * 56 / 64)  # the second's new ones
+    assert expected_experts_touched(64, 8, 512) == pytest.approx(64)  # a prefill: all of them
+
+
+def test_cost_model_reads_the_experts_a_step_is_expected_to_touch():
+    """OLMoE-1B-7B's geometry, weights on disk: a batch-1 decode step of a block reads its
+    attention and router and 8 of its 64 experts; a 512-token prefill (almost) all."""
+    from test_policy_search import cpu_profile
+
+    from flexgen_helm.models.moe import geometry
+    from flexgen_helm.planner.cost_model import CostModel, Fractions, Workload
+    from flexgen_helm.policy import Policy, Split
+
+    cfg = geometry("olmoe-1b-7b")
+    model = CostModel(cfg, cpu_profile(), Workload(512, 32))
+    policy = Policy(1, 1, weights=Split(0, 0, 1))
+    (layer, _), lw = next((g, lw) for g, lw in zip(model.groups, model.weights_per_layer(policy))
+                          if g[0].kind == "block")
+    expert = 3 * cfg.hidden_size * cfg.expert_ffn_size * 2  # bf16 bytes
+    assert lw.experts.stored["disk"] == 64 * expert
+    rest = lw.stored["disk"] - 64 * expert
+    decode, _ = model._layer_work(layer, lw, policy, Fractions.of(policy), "decode")
+    prefill, _ = model._layer_work(layer, lw, policy, Fractions.of(policy), "prefill")
+    assert decode["disk_cpu"] == pytest.approx(rest + 8 * expert)
+    assert prefill["disk_cpu"] == pytest.approx(rest + 64 * expert, rel=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_export_hf_gives_transformers_the_same_model(kind, tmp_path):
+    """What `flexgen-helm compare` hands HF accelerate: our store written back as a checkpoint
+    that transformers runs as the original (config fields and tensor names inverted)."""
+    from conftest import hf_model
+
+    from flexgen_helm.weights.export_hf import export_hf
+
+    ckpt = save_tiny(kind, tmp_path / "m", **({"sliding_window": None} if kind == "mixtral" else {}))
+    out = export_hf(HFCheckpoint(ckpt), tmp_path / "exported", progress=False)
+    ids = torch.tensor([[5, 17, 3, 44, 9, 21]])
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(out)(ids).logits, hf_model(ckpt)(ids).logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["qwen2_moe", "olmoe"])
+def test_compute_floor_counts_the_active_parameters(kind, tmp_path):
+    """A token multiplies the router, k of the E experts, the shared expert and the rest: the
+    model's matrices (embedding aside) with its experts counted k / E."""
+    from conftest import hf_model
+
+    from flexgen_helm.tools.compare.compute_floor import matmul_params_per_token
+
+    path = save_tiny(kind, tmp_path / "m")
+    cfg = HFCheckpoint(path).config
+    share = cfg.experts_per_token / cfg.num_experts
+    active = sum(p.numel() * (share if ".experts." in name else 1)
+                 for name, p in hf_model(path).named_parameters() if p.dim() >= 2 and "embed_tokens" not in name)
+    assert matmul_params_per_token(cfg) == active
+
+
+def test_a_prefill_reads_each_chosen_expert_once_for_the_whole_block(tmp_path):
+    """Two GPU batches: their rows are gathered, so an expert both chose is read once, not per batch."""
+    from conftest import hf_model
+
+    from flexgen_helm.engine import Engine
+    from flexgen_helm.executor.sampling import SamplingParams
+    from flexgen_helm.policy import Policy, Split
+
+    path = save_tiny("olmoe", tmp_path / "m")
+    prompts = [[5, 17, 3], [40, 41, 42]]
+    with torch.no_grad():
+        router_logits = hf_model(path)(torch.tensor(prompts), output_router_logits=True).router_logits
+    engine = Engine.load(str(path), Policy(gpu_batch_size=1, num_gpu_batches=2, weights=Split(0, 0, 1)),
+                         offload_dir=tmp_path, dtype="float32", device="cpu", progress=False)
+    k = engine.runtime.config.experts_per_token
+    chosen = [set(torch.topk(logits, k, dim=-1).indices.flatten().tolist()) for logits in router_logits]
+    timers = engine.generate(prompts, SamplingParams(max_new_tokens=1, ignore_eos=True)).stats.timers
+    assert timers["prefill_experts_loaded"] == sum(map(len, chosen))
