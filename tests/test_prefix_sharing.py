@@ -40,7 +40,13 @@ POLICIES = {
 }
 
 
-@pytest.fixture(scope="module", params=["tiny_opt", "tiny_llama", "tiny_gemma3"])
+@pytest.fixture(scope="module")
+def tiny_qwen2_moe(tmp_path_factory):
+    """A mixture of experts with a shared expert: the prefix's tokens route on their own."""
+    return save_tiny("qwen2_moe", tmp_path_factory.mktemp("tiny-qwen2-moe"))
+
+
+@pytest.fixture(scope="module", params=["tiny_opt", "tiny_llama", "tiny_gemma3", "tiny_qwen2_moe"])
 def model_path(request):
     return request.getfixturevalue(request.param)
 
