@@ -317,16 +317,17 @@ class CompressedWeight:
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """F.embedding(ids, weight): only the rows looked up are dequantized where the weight
-        is packed for the CPU (the dense copy, where this use already made one, or where the
-        layout decodes whole: CUDA's tiles, the group layout)."""
-        if self._dense is not None or not self.packed or self.parts[0][1].layout != "cpu":
+        is packed for the CPU or grouped along its rows' own elements (the dense copy, where
+        this use already made one, or where the layout decodes whole: CUDA's tiles, groups
+        along dim 0)."""
+        if self._dense is not None or not all(_rows_apart(p) for _, p in self.parts):
             return F.embedding(ids, self.dense())
         if len(self.parts) == 1:
-            return packed_rows_of(self.parts[0][1], ids, self.dtype)
+            return _stored_rows_of(self.parts[0][1], ids, self.dtype)
         out = torch.empty(*ids.shape, self.shape[1], dtype=self.dtype, device=self.parts[0][1].device)
         for start, p in self.parts:
             mine = (ids >= start) & (ids < start + p.shape[0])
-            out[mine] = packed_rows_of(p, ids[mine] - start, self.dtype)
+            out[mine] = _stored_rows_of(p, ids[mine] - start, self.dtype)
         return out
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -344,6 +345,24 @@ class CompressedWeight:
         if bias is not None:
             y += bias
         return y.view(*x.shape[:-1], self.shape[0])
+
+
+def _rows_apart(p: "PackedInt4 | QuantizedTensor") -> bool:
+    """Whether a row of `p` decodes without the others."""
+    if isinstance(p, PackedInt4):
+        return p.layout == "cpu"
+    return p.group_dim != 0
+
+
+def _stored_rows_of(p: "PackedInt4 | QuantizedTensor", ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of the stored weight, dequantized: equal to _dequantize_stored(p, dtype)[ids]
+    (each element's arithmetic is the same)."""
+    if isinstance(p, PackedInt4):
+        return packed_rows_of(p, ids, dtype)
+    flat = ids.reshape(-1).to(p.device)
+    rows = dataclasses.replace(p, data=p.data[flat], scale=p.scale[flat], min=p.min[flat],
+                               shape=(len(flat), *p.shape[1:]))
+    return dequantize(rows, dtype).view(*ids.shape, *p.shape[1:])
 
 
 def _kernel_mm(x: torch.Tensor, p: PackedInt4) -> torch.Tensor:

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from flexgen_helm.compression.grids import WeightCompression, setting_of, tensor_compression
 from flexgen_helm.compression.int4 import (
     ROW_BLOCK,
     PackedInt4,
@@ -35,11 +36,11 @@ from flexgen_helm.policy.policy import Compression
 Stored = torch.Tensor | QuantizedTensor | PackedInt4
 
 
-def quantized_once(cfg: Compression) -> bool:
+def quantized_once(compression: WeightCompression) -> bool:
     """Whether a method costs enough to quantize once, at conversion, into the compressed
     store that every tier then loads (anything but RTN, which is cheaper to redo at load
-    than to read back)."""
-    return cfg.method != "rtn"
+    than to read back; a source's own codes are read from it once, there)."""
+    return setting_of(compression).method != "rtn"
 
 
 def weight_groups(cfg: Compression | None, shape) -> int | None:
@@ -61,12 +62,14 @@ def row_alignment(cfg: Compression | None, shape) -> int:
     return ROW_BLOCK if gd is not None and layout_refusal(cfg, shape, gd) is None else 1
 
 
-def check_weight_compression(cfg: Compression | None, shapes) -> None:
-    """Refuse, before any weight is read, settings no weight can be quantized under."""
-    if cfg is None:
+def check_weight_compression(compression: WeightCompression, specs) -> None:
+    """Refuse, before any weight is read, settings no weight can be quantized under. specs:
+    (store name, shape) of each weight."""
+    if compression is None:
         return
-    cfg.validate("compress_weight")
-    for shape in shapes:
+    setting_of(compression).validate("compress_weight")
+    for name, shape in specs:
+        cfg = tensor_compression(compression, name)
         gd = weight_groups(cfg, shape)
         if gd is not None and shape[gd] % cfg.group_size:
             raise PolicyError(f"compress_weight: group size {cfg.group_size} does not divide dim {gd} "

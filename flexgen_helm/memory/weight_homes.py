@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from flexgen_helm.compression.grids import WeightCompression, tensor_compression
 from flexgen_helm.compression.int4 import MAX_KERNEL_ROWS, CompressedWeight
 from flexgen_helm.compression.stored import Stored, encode, stored_nbytes, weight_groups, weight_layout
 from flexgen_helm.memory.devices import Devices
@@ -60,7 +61,7 @@ def load_nbytes(spec: TensorSpec, segments: list[Segment], compression: Compress
 
 def build_homes(layers: list[LayerSpec], placement: dict[str, list[Segment]], devices: Devices,
                 read_full: Callable[[str], torch.Tensor], usage: TierUsage, pin: bool,
-                compression: Compression | None = None, progress: bool = False,
+                compression: WeightCompression = None, progress: bool = False,
                 compressed_store=None) -> dict[str, WeightHome]:
     """Fill the gpu and cpu tiers from `read_full(store_name)` - quantized here, or, when a
     compressed store is given, its compressed weights as the conversion wrote them; disk
@@ -85,8 +86,9 @@ def build_homes(layers: list[LayerSpec], placement: dict[str, list[Segment]], de
             release_freed_host_memory(keep_freed)
             placed_since_look = 0
         placed_since_look += math.prod(spec.shape) * elt
-        home = WeightHome(spec, placement[spec.store_name], compression=compression,
-                          layout=weight_layout(compression, spec.shape, devices.dtype, devices.compute))
+        own = tensor_compression(compression, spec.store_name)
+        home = WeightHome(spec, placement[spec.store_name], compression=own,
+                          layout=weight_layout(own, spec.shape, devices.dtype, devices.compute))
         full = None
         in_memory = any(s.tier != "disk" for s in home.segments)
         if in_memory and compressed_store is not None and home.group_dim is not None:

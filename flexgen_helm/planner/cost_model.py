@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flexgen_helm.compression.grids import WeightCompression, tensor_compression
 from flexgen_helm.compression.stored import weight_groups, weight_layout
 from flexgen_helm.errors import ProfileFormatError
 from flexgen_helm.executor.attention import decode_cache_dtype
@@ -57,7 +58,7 @@ from flexgen_helm.models.config import ModelConfig
 from flexgen_helm.models.spec import LayerSpec, TensorSpec
 from flexgen_helm.planner.budget import planned_components
 from flexgen_helm.planner.hardware_profile import HardwareProfile
-from flexgen_helm.policy.policy import TIERS, Compression, Policy
+from flexgen_helm.policy.policy import TIERS, Policy
 
 TERMS = ("cpu_gpu", "gpu_cpu", "disk_cpu", "cpu_disk", "compute")
 PHASES = ("prefill", "decode")
@@ -182,12 +183,13 @@ class LayerWeights:
     row_lookup_width: int = 0
 
 
-def layer_weights(layer: LayerSpec, placement: dict, compression: Compression | None, dtype: torch.dtype,
+def layer_weights(layer: LayerSpec, placement: dict, weight_compression: WeightCompression, dtype: torch.dtype,
                   device: torch.device) -> LayerWeights:
     """From the engine's own placement (rounded to rows, or to quantization groups) and its
     choice of layout for `device` computing in `dtype` (compression.stored.weight_layout)."""
     lw = LayerWeights({t: 0.0 for t in TIERS}, 0.0, 0.0)
     for t in layer.tensors:
+        compression = tensor_compression(weight_compression, t.store_name)
         segments = placement[t.store_name]
         lw.loaded[t.key] = load_nbytes(t, segments, compression, dtype, device.type == "cuda")
         for s in segments:

@@ -40,10 +40,15 @@ class Split:
 # "rtn" = FlexGen's min/max round-to-nearest; "hqq" = fitted to minimize the group's
 # reconstruction error (half-quadratic), computed once at conversion; "gptq" = the codes
 # chosen against calibration inputs with error feedback (compression/gptq.py), weights
-# only, computed once at conversion.
-QUANT_METHODS = ("rtn", "hqq", "gptq")
+# only, computed once at conversion; "gguf" = a GGUF file's own codes, scales and minimums
+# taken as they are where its tensor types hold them on groups of 32 (weights/gguf_codes.py),
+# each weight at its file's width; the others re-quantized by min/max onto bits / group_size,
+# with a log line (weights/source_grids.py).
+QUANT_METHODS = ("rtn", "hqq", "gptq", "gguf")
 # methods that need the inputs a weight will see: a KV cache, quantized as it is written, has none
 CALIBRATED_METHODS = ("gptq",)
+# methods that take codes a weight source already holds: a KV cache, computed as it runs, has none
+SOURCE_CODE_METHODS = ("gguf",)
 # Which values of a quantized KV cache share a group (executor/kv_cache.py, kivi_cache.py):
 # "per-token" = each position's head_dim row on its own (FlexGen); "kivi" = keys per channel
 # over blocks of group_size tokens and values per token, the newest tokens of an unfinished
@@ -118,6 +123,9 @@ class Policy:
         if self.compress_weight is not None and self.compress_weight.cache_grouping is not None:
             raise PolicyError(f"compress_weight: cache_grouping {self.compress_weight.cache_grouping!r} is a KV "
                               "cache setting; weights are grouped along group_dim")
+        if self.compress_cache is not None and self.compress_cache.method in SOURCE_CODE_METHODS:
+            raise PolicyError(f"compress_cache: {self.compress_cache.method} takes a weight file's own codes; a KV "
+                              "cache is quantized as it is written: give it rtn or hqq")
         if self.compress_cache is not None and self.compress_cache.method in CALIBRATED_METHODS:
             raise PolicyError(f"compress_cache: {self.compress_cache.method} quantizes weights against calibration "
                               "inputs; a KV cache is quantized as it is written: give it rtn or hqq (a policy "
