@@ -28,6 +28,27 @@ def setting_name(policy: Policy | dict, dtype: str) -> str:
     return ", ".join(parts) + suffix + method
 
 
+# What the weights of each setting are, by the quantizer a setting name ends with (setting_name)
+WEIGHTS_MEANING = {
+    "": "re-quantized by FlexGen's min/max round-to-nearest onto the deployment's groups (64 unless it says "
+        "otherwise): a GGUF's weights are dequantized first, then quantized again onto that grid",
+    "hqq": "re-quantized onto the deployment's groups with each group's scale and minimum fitted (HQQ-style)",
+    "gptq": "re-quantized onto the deployment's groups by GPTQ against calibration text the model samples",
+    "gguf": "the GGUF file's own codes, scales and minimums, as they are (groups of 32; each weight at its file's "
+            "width, e.g. Q4_1 at 4 bits, a Q8_0 embedding at 8): no re-quantization",
+}
+
+
+def weights_meaning(name: str) -> str:
+    """Which weights a setting name (setting_name) computes with, in a sentence."""
+    if name.split(",")[0] in DTYPE_LABELS.values():
+        return "the source's weights as they are (a GGUF's dequantized), in that dtype"
+    method = name.split(" ")[-1] if name.split(" ")[-1] in WEIGHTS_MEANING else ""
+    if "-bit" not in name or ("cache" in name and "weights" not in name):
+        return "the source's weights as they are (the KV cache alone compressed)"
+    return WEIGHTS_MEANING[method]
+
+
 def setting_rank(name: str) -> tuple:
     """Sort key of setting names, in the paper's order: uncompressed first, then by bits from
     most to fewest (8-bit, 4-bit, ...), each setting before its -S variant."""

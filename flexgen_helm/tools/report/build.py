@@ -21,6 +21,7 @@ from pathlib import Path
 import pandas as pd
 
 from flexgen_helm.memory.machine import machine_info, machine_label
+from flexgen_helm.policy.precision import setting_rank, weights_meaning
 from flexgen_helm.tools.report import (
     accuracy,
     archive,
@@ -179,6 +180,10 @@ def _accuracy_section(evals: list[dict], helm_df: pd.DataFrame, out: Path) -> li
             md.append(f"Each value is a mean over its run's instances ({' / '.join(map(str, sizes))} here; one "
                       "instance moves an accuracy by 1 / that many): HELM's own sample, not the full test set.\n")
         md += [table(helm), _csv(helm, out, "accuracy_helm.csv")]
+        if "precision" in helm:  # what a comparison of two rows means for the checkpoint's weights
+            shown_precisions = sorted(set(helm["precision"].dropna()), key=setting_rank)
+            md.append("Weights each precision computes with: "
+                      + "; ".join(f"{p}: {weights_meaning(p)}" for p in shown_precisions) + ".\n")
         named = helm.assign(label=helm["deployment"] + (" (" + helm["precision"] + ")" if "precision" in helm else ""))
         metrics = [c for c in helm.columns if c not in ("deployment", "precision")]
         md.append(_img(plots.bar_panels(named, "label", metrics, "HELM metrics by deployment",
