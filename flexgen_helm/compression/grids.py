@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 
-from flexgen_helm.policy.policy import SOURCE_CODE_METHODS, Compression
+from flexgen_helm.policy.policy import PER_CHANNEL, SOURCE_CODE_METHODS, Compression
 
 SOURCE_GROUP_SIZE = 32  # every GGUF format whose codes are kept groups 32 input weights
 SOURCE_GROUP_DIM = 1
@@ -38,11 +38,15 @@ class WeightGrids:
 WeightCompression = Compression | WeightGrids | None
 
 
-def tensor_compression(compression: WeightCompression, name: str) -> Compression | None:
-    """The setting weight `name` is stored under. A SOURCE_CODE_METHODS setting not yet
+def tensor_compression(compression: WeightCompression, name: str, shape) -> Compression | None:
+    """The setting weight `name` of `shape` is stored under: a PER_CHANNEL group size becomes
+    the weight's input size (one group per row). A SOURCE_CODE_METHODS setting not yet
     resolved for a source (the planner's view, before the file is opened) stands for every
     weight as it is: its bits and group size are those of the grid it mostly holds."""
-    return compression.of(name) if isinstance(compression, WeightGrids) else compression
+    cfg = compression.of(name) if isinstance(compression, WeightGrids) else compression
+    if cfg is not None and cfg.group_size == PER_CHANNEL and len(tuple(shape)) >= 2:
+        return dataclasses.replace(cfg, group_size=tuple(shape)[-1], group_dim=SOURCE_GROUP_DIM)
+    return cfg
 
 
 def setting_of(compression: WeightCompression) -> Compression | None:

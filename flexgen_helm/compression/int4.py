@@ -51,6 +51,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from flexgen_helm.compression import int8
 from flexgen_helm.compression.bundle import TensorBundle
 from flexgen_helm.compression.quantize import QuantizedTensor, codes_of, dequantize
 from flexgen_helm.policy.policy import Compression
@@ -276,11 +277,21 @@ def _cpu_layout_ok() -> bool:
     return True
 
 
+def kernel_rows(layout: str | None, device_type: str) -> int | None:
+    """The crossover of the kernel a weight stored in `layout` takes on `device_type`."""
+    table = int8.MAX_KERNEL_ROWS if layout == int8.LAYOUT else MAX_KERNEL_ROWS
+    return table.get(device_type)
+
+
+Packed = (PackedInt4, int8.PackedInt8)
+
+
 class CompressedWeight:
     """A compressed (out, in) weight loaded for one use of its layer: its row segments as
-    stored (PackedInt4 or QuantizedTensor), on the compute device."""
+    stored (PackedInt4, PackedInt8 or QuantizedTensor), on the compute device."""
 
-    def __init__(self, parts: list[tuple[int, "PackedInt4 | QuantizedTensor"]], shape, dtype: torch.dtype,
+    def __init__(self, parts: list[tuple[int, "PackedInt4 | int8.PackedInt8 | QuantizedTensor"]], shape,
+                 dtype: torch.dtype,
                  max_kernel_rows: int | None):
         self.parts = parts  # (first output row, stored rows)
         self.shape = tuple(shape)
@@ -290,7 +301,7 @@ class CompressedWeight:
 
     @property
     def packed(self) -> bool:
-        return all(isinstance(p, PackedInt4) for _, p in self.parts)
+        return all(isinstance(p, Packed) for _, p in self.parts)
 
     def uses_kernel(self, rows: int) -> bool:
         return self.packed and (self.max_kernel_rows is None or rows <= self.max_kernel_rows)
@@ -305,7 +316,7 @@ class CompressedWeight:
             if len(self.parts) == 1:
                 self._dense = _dequantize_stored(self.parts[0][1], self.dtype, by_column)
             else:  # in the orientation its parts dequantize to, so that each copy is a plain one
-                by_column = by_column and self.packed and self.parts[0][1].layout == "cpu"
+                by_column = by_column and all(isinstance(p, PackedInt4) and p.layout == "cpu" for _, p in self.parts)
                 device = self.parts[0][1].device
                 self._dense = torch.empty(self.shape[::-1] if by_column else self.shape, dtype=self.dtype,
                                           device=device)
@@ -347,11 +358,11 @@ class CompressedWeight:
         return y.view(*x.shape[:-1], self.shape[0])
 
 
-def _rows_apart(p: "PackedInt4 | QuantizedTensor") -> bool:
+def _rows_apart(p: "PackedInt4 | int8.PackedInt8 | QuantizedTensor") -> bool:
     """Whether a row of `p` decodes without the others."""
     if isinstance(p, PackedInt4):
         return p.layout == "cpu"
-    return p.group_dim != 0
+    return isinstance(p, int8.PackedInt8) or p.group_dim != 0
 
 
 def _stored_rows_of(p: "PackedInt4 | QuantizedTensor", ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -360,16 +371,23 @@ def _stored_rows_of(p: "PackedInt4 | QuantizedTensor", ids: torch.Tensor, dtype:
     if isinstance(p, PackedInt4):
         return packed_rows_of(p, ids, dtype)
     flat = ids.reshape(-1).to(p.device)
+    if isinstance(p, int8.PackedInt8):
+        return int8.dequantize_int8(p.rows(flat), dtype).view(*ids.shape, p.shape[1])
     rows = dataclasses.replace(p, data=p.data[flat], scale=p.scale[flat], min=p.min[flat],
                                shape=(len(flat), *p.shape[1:]))
     return dequantize(rows, dtype).view(*ids.shape, *p.shape[1:])
 
 
-def _kernel_mm(x: torch.Tensor, p: PackedInt4) -> torch.Tensor:
+def _kernel_mm(x: torch.Tensor, p: "PackedInt4 | int8.PackedInt8") -> torch.Tensor:
+    if isinstance(p, int8.PackedInt8):
+        return int8.int8_mm(x, p)
     if p.layout == "cuda":
         return torch.ops.aten._weight_int4pack_mm(x, p.packed, p.group_size, p.scales_zeros)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, p.packed, p.group_size, p.scales_zeros)
 
 
-def _dequantize_stored(p: "PackedInt4 | QuantizedTensor", dtype: torch.dtype, by_column: bool) -> torch.Tensor:
+def _dequantize_stored(p: "PackedInt4 | int8.PackedInt8 | QuantizedTensor", dtype: torch.dtype,
+                       by_column: bool) -> torch.Tensor:
+    if isinstance(p, int8.PackedInt8):
+        return int8.dequantize_int8(p, dtype)
     return dequantize_packed(p, dtype, by_column) if isinstance(p, PackedInt4) else dequantize(p, dtype)

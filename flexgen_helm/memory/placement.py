@@ -96,8 +96,8 @@ def place_weights(layers: list[LayerSpec], split: Split, compression: WeightComp
     placement: dict[str, list[Segment]] = {}
     for layer in layers:
         fresh = tuple(t for t in layer.tensors if t.store_name not in placement)
-        placement.update(place_layer(fresh, split,
-                                     lambda t: row_alignment(tensor_compression(compression, t.store_name), t.shape)))
+        placement.update(place_layer(fresh, split, lambda t: row_alignment(
+            tensor_compression(compression, t.store_name, t.shape), t.shape)))
     return placement
 
 

@@ -52,7 +52,8 @@ def _weight_bytes(cfg: ModelConfig, split: Split, compression: WeightCompression
     weights = {t: 0 for t in TIERS}
     for name, segments in place_weights(layers, split, compression).items():
         for s in segments:
-            weights[s.tier] += segment_nbytes(specs[name], s, tensor_compression(compression, name), dtype)
+            own = tensor_compression(compression, name, specs[name].shape)
+            weights[s.tier] += segment_nbytes(specs[name], s, own, dtype)
     return weights
 
 

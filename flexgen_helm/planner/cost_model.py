@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flexgen_helm.compression.grids import WeightCompression, tensor_compression
+from flexgen_helm.compression.int8 import LAYOUT as INT8_LAYOUT
 from flexgen_helm.compression.stored import weight_groups, weight_layout
 from flexgen_helm.errors import ProfileFormatError
 from flexgen_helm.executor.attention import decode_cache_dtype
@@ -189,7 +190,7 @@ def layer_weights(layer: LayerSpec, placement: dict, weight_compression: WeightC
     choice of layout for `device` computing in `dtype` (compression.stored.weight_layout)."""
     lw = LayerWeights({t: 0.0 for t in TIERS}, 0.0, 0.0)
     for t in layer.tensors:
-        compression = tensor_compression(weight_compression, t.store_name)
+        compression = tensor_compression(weight_compression, t.store_name, t.shape)
         segments = placement[t.store_name]
         lw.loaded[t.key] = load_nbytes(t, segments, compression, dtype, device.type == "cuda")
         for s in segments:
@@ -207,10 +208,10 @@ def layer_weights(layer: LayerSpec, placement: dict, weight_compression: WeightC
         layout = weight_layout(compression, t.shape, dtype, device)
         if layout == "cpu" and not multiplied:
             lw.row_lookup_width += t.row_numel
-        elif layout is not None:
+        elif layout is not None and layout != INT8_LAYOUT:
             lw.packed_numel += t.numel
             lw.packed_matmul_numel += t.numel * multiplied
-        else:
+        else:  # the int8 kernel's rate is not profiled yet: costed as a dequantization per load
             lw.grouped_numel += t.numel
     return lw
 

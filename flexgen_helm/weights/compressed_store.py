@@ -12,10 +12,11 @@ every group, compacted by one copy (1/9 of that segment's bytes): the kernel's l
 keeps a row range of one group apart from the next group's, and a layout that kept it
 together would need that copy (a transpose) on every read instead, as format 2 did.
 Another compressed weight has N.data (uint8 packed codes), N.scale and N.min; a plain
-one (biases, norms) is N itself. Row r of a weight lives in row r of each part when its
-groups run along another dimension, in row r // group_size when they run along the rows
-(placement cuts those on group boundaries), in packed row r // 8 of CUDA's tiles, and in
-column r of scales_zeros.
+one (biases, norms) is N itself. A weight in the int8 kernel's layout (compression/int8.py)
+has N.packed (int8 codes), N.scales and N.zeros, each indexed by output row. Row r of a
+weight lives in row r of each part when its groups run along another dimension, in row
+r // group_size when they run along the rows (placement cuts those on group boundaries),
+in packed row r // 8 of CUDA's tiles, and in column r of scales_zeros.
 
 Packed layouts belong to a device type (and the CPU's to the machine), so the directory
 name carries the bits, group size, group dim, the quantization method (when not RTN) and
@@ -37,6 +38,7 @@ from typing import Callable, Protocol
 import torch
 from tqdm import tqdm
 
+from flexgen_helm.compression import int8
 from flexgen_helm.compression.grids import WeightCompression, setting_of, takes_source_codes, tensor_compression
 from flexgen_helm.compression.int4 import PackedInt4, device_refusal, packed_rows
 from flexgen_helm.compression.quantize import QuantizedTensor
@@ -45,7 +47,7 @@ from flexgen_helm.errors import WeightStoreError
 from flexgen_helm.memory.devices import DTYPE_NAMES
 from flexgen_helm.memory.disk_space import check_free_space
 from flexgen_helm.models.spec import TensorSpec
-from flexgen_helm.policy.policy import CALIBRATED_METHODS, Compression
+from flexgen_helm.policy.policy import CALIBRATED_METHODS, PER_CHANNEL, Compression
 from flexgen_helm.weights.convert import (
     STORE_ADVICE,
     atomic_write,
@@ -68,6 +70,7 @@ from flexgen_helm.weights.store import (
 FORMAT_VERSION = 3
 GROUP_PARTS = ("data", "scale", "min")
 PACKED_PARTS = ("packed", "scales_zeros")
+INT8_PARTS = ("packed", "scales", "zeros")
 
 
 class WeightCalibration(Protocol):
@@ -92,7 +95,8 @@ def compressed_store_dir(store_root: Path, cfg: Compression, layout: str) -> Pat
     """Next to the model's plain store (which names the weights and the dtype)."""
     dim = "auto" if cfg.group_dim is None else cfg.group_dim
     method = "" if cfg.method == "rtn" else f"-{cfg.method}"  # RTN keeps the names its stores had
-    return store_root.with_name(f"{store_root.name}-q{cfg.bits}g{cfg.group_size}d{dim}{method}-{layout}")
+    group = "channel" if cfg.group_size == PER_CHANNEL else cfg.group_size
+    return store_root.with_name(f"{store_root.name}-q{cfg.bits}g{group}d{dim}{method}-{layout}")
 
 
 class CompressedStore:
@@ -123,6 +127,9 @@ class CompressedStore:
             return self.store.read(name, rows=rows, verify=verify)
         shape, gd, layout, bits, group_size = self.compressed[name]
         start, end = rows
+        if layout == int8.LAYOUT:  # every part indexed by output row
+            packed, scales, zeros = (self.store.read(f"{name}.{p}", rows=rows, verify=verify) for p in INT8_PARTS)
+            return int8.PackedInt8(packed, scales, zeros, (end - start, shape[1]))
         if layout is not None:
             packed = self.store.read(f"{name}.packed", rows=packed_rows(layout, rows), verify=verify)
             sz_name = f"{name}.scales_zeros"
@@ -182,7 +189,7 @@ def _write(root: Path, header: dict, specs: list[TensorSpec], compression: Weigh
         (root / MANIFEST).unlink(missing_ok=True)  # incomplete from here until the new one lands
         for stale in root.glob("*.tmp"):  # left by a killed run
             stale.unlink()
-    own = {s.store_name: tensor_compression(compression, s.store_name) for s in specs}
+    own = {s.store_name: tensor_compression(compression, s.store_name, s.shape) for s in specs}
     sizes = {s.store_name: stored_nbytes(s.shape, dtype, own[s.store_name], weight_groups(own[s.store_name], s.shape))
              for s in specs}
     # what is there now will be replaced file by file: count it as free
@@ -198,9 +205,9 @@ def _write(root: Path, header: dict, specs: list[TensorSpec], compression: Weigh
         gd = weight_groups(tc, spec.shape)
         layout = weight_layout(tc, spec.shape, dtype, device)
         if gd is not None and calibrated is not None:
-            stored = in_layout(_calibrated(calibrated, spec, gd, dtype), layout)
+            stored = in_layout(_calibrated(calibrated, spec, gd, dtype), layout, dtype)
         elif gd is not None and takes_source_codes(tc):
-            stored = in_layout(source_codes(spec.store_name), layout)
+            stored = in_layout(source_codes(spec.store_name), layout, dtype)
         else:
             stored = encode(read_full(spec.store_name).to(dtype), tc, gd, layout)
         if gd is None:
@@ -233,7 +240,9 @@ def _calibrated(calibrated: dict[str, QuantizedTensor], spec: TensorSpec, group_
     return q
 
 
-def _parts(stored: QuantizedTensor | PackedInt4) -> list[tuple[str, torch.Tensor]]:
+def _parts(stored: QuantizedTensor | PackedInt4 | int8.PackedInt8) -> list[tuple[str, torch.Tensor]]:
     if isinstance(stored, PackedInt4):
         return [("packed", stored.packed), ("scales_zeros", stored.scales_zeros)]
+    if isinstance(stored, int8.PackedInt8):
+        return list(zip(INT8_PARTS, stored.parts))
     return list(zip(GROUP_PARTS, stored.parts))
