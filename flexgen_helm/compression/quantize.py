@@ -51,7 +51,7 @@ import torch
 
 from flexgen_helm.compression.bundle import TensorBundle
 from flexgen_helm.compression.hqq import fit_scale_min
-from flexgen_helm.policy.policy import CALIBRATED_METHODS, SOURCE_CODE_METHODS, Compression
+from flexgen_helm.policy.policy import CALIBRATED_METHODS, PER_CHANNEL, SOURCE_CODE_METHODS, Compression
 
 WEIGHT_GROUP_DIM = 1  # torch Linear (out, in): consecutive input channels, as the int4 kernels take
 CACHE_GROUP_DIM = 2  # KV cache (max_len, batch * kv_heads, head_dim): the head dim
@@ -250,6 +250,8 @@ def quantize(x: torch.Tensor, cfg: Compression, group_dim: int,
     gd = group_dim % x.dim()
     if x.shape[gd] == 0:
         raise ValueError(f"cannot quantize an empty group dimension (shape {tuple(x.shape)})")
+    if cfg.group_size == PER_CHANNEL:  # one group along the whole of group_dim
+        cfg = dataclasses.replace(cfg, group_size=x.shape[gd])
     if cfg.method != "rtn":  # more working copies than RTN's: smaller blocks
         chunk_elements = min(chunk_elements, FIT_CHUNK_ELEMENTS)
     blocks = row_blocks(x.shape, gd, cfg.group_size, chunk_elements)
