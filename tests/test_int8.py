@@ -77,3 +77,27 @@ def test_bfloat16_int8_weights_live_packed_on_every_tier(tiny_llama, tmp_path):
 def test_settings_the_per_channel_grid_does_not_take_are_refused(policy, message):
     with pytest.raises(PolicyError, match=message):
         Policy(**policy)
+
+
+def test_profiling_measures_the_int8_kernel_and_the_engine_takes_its_crossover(tiny_llama, tmp_path, monkeypatch):
+    from flexgen_helm.compression import int8
+    from flexgen_helm.memory.machine import machine_info
+    from flexgen_helm.planner import hardware_profile
+    from flexgen_helm.planner.hardware_profile import DeviceSpeeds, HardwareProfile, use_profile
+
+    monkeypatch.setattr(hardware_profile, "MATMUL_SHAPE", (256, 512))
+    monkeypatch.setattr(hardware_profile, "STREAMED_WEIGHTS", 2)
+    table, dequant = hardware_profile._int8_speeds(torch.device("cpu"), torch.bfloat16, None)
+    assert sorted(table) == list(hardware_profile.KERNEL_ROWS) and min(table.values()) > 0 and dequant > 0
+    assert hardware_profile._int8_speeds(torch.device("cpu"), torch.float32, None) == ({}, 0.0)
+    # a profile whose int8 kernel beats dequantize-then-matmul up to 8 rows: decode rows take it
+    bf16 = {1: 2e9, 8: 15e9, 32: 60e9, 128: 200e9, 512: 300e9}
+    fast = {1: 6e9, 8: 45e9, 32: 20e9, 128: 30e9, 512: 40e9}
+    cpu = DeviceSpeeds({"bfloat16": bf16}, int8_matmul_flops=fast, int8_dequant_elems_per_s=2e9)
+    saved = HardwareProfile(devices={"cpu": cpu}, machine=machine_info()).save(tmp_path / "hardware.json")
+    assert use_profile(saved) is not None and int8.MAX_KERNEL_ROWS["cpu"] == 8
+    engine = Engine.load(str(tiny_llama), Policy(2, 1, compress_weight=CHANNEL8), dtype="bfloat16", device="cpu",
+                         offload_dir=tmp_path, progress=False)
+    block = next(layer for layer in engine.runtime.layers if layer.kind == "block")
+    w = next(v for v in engine.runtime.load_layer(block).values() if isinstance(v, CompressedWeight))
+    assert w.packed and w.uses_kernel(8) and not w.uses_kernel(9)

@@ -15,8 +15,9 @@ by output row, so any row range is a packed weight of its own (placement cuts an
 Which rows take the kernel: up to MAX_KERNEL_ROWS activation rows per device type (decode
 steps, where a matmul reads each weight once and the kernel reads half of bf16's bytes);
 above, a dense copy dequantized once per use of the loaded layer meets the rows in a plain
-matmul. The CPU default is not measured on this project's machines yet
-(runs/compression_8bit/matmul_8bit.py measures it; flexgen-helm profile does not yet).
+matmul. `flexgen-helm profile` measures the crossover of each machine (the engines a command
+loads then use it); without a profile the default below, not measured on this project's
+machines yet (runs/compression_8bit/matmul_8bit.py shows the paths side by side).
 """
 
 from __future__ import annotations
@@ -36,6 +37,17 @@ LAYOUT = "int8"
 # CPU: the int4 kernel's measured crossover, as a first guess until matmul_8bit.py's is in;
 # CUDA: the kernel takes every row count, as the int4 kernel does there.
 MAX_KERNEL_ROWS = {"cpu": 128, "cuda": None}
+
+
+def set_max_kernel_rows(device_type: str, rows: int | None) -> None:
+    """The crossover int8 weights loaded from now on use on `device_type` (None: the kernel
+    takes every row count, 0: none); `flexgen-helm profile` measures it
+    (planner/hardware_profile.use_profile sets it)."""
+    if device_type not in MAX_KERNEL_ROWS:
+        raise ValueError(f"the int8 kernel runs on {', '.join(MAX_KERNEL_ROWS)}, not {device_type!r}")
+    if rows is not None and rows < 0:
+        raise ValueError(f"a kernel crossover is a row count >= 0 or None, got {rows}")
+    MAX_KERNEL_ROWS[device_type] = rows
 
 
 def layout_refusal(cfg, shape, group_dim: int | None) -> str | None:
