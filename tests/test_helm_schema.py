@@ -32,7 +32,7 @@ from flexgen_helm.tools.report import leaderboard, screenshot
 HELM_DIR = Path(SCHEMA_PATH).parent
 DEPLOYMENTS = ("flexgen/smollm2-135m", "flexgen/smollm2-135m-8bit", "flexgen/smollm2-135m-4bit")
 # what each deployment's runs record (the fake engine computes in float32, under the deployment's policy)
-PRECISIONS = ("FP32", "8-bit", "4-bit gguf")
+PRECISIONS = ("FP32", "8-bit per-channel", "4-bit gguf")
 COLUMNS = ["Model", "Precision", "LAMBADA - Accuracy (PEM)", "Pattern match - EM", "WikiText - Perplexity",
            "WikiText - Bits/byte", "LAMBADA - tok/s", "WikiText - tok/s", "Pattern match - tok/s"]
 

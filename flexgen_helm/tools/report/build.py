@@ -39,7 +39,7 @@ RUN_INFO = "run_info.json"  # written beside the records by the command that mad
 
 HELM_SHOWN = ["scenario", "deployment", "precision", "instances", "prompt tok", "prompt tok (padded)", "output tok",
               "output tok (padded)", "engine time (s)", "prefill (s)", "decode (s)", "padded tok/s", "actual tok/s",
-              "efficiency"]
+              "efficiency", "cached requests"]
 
 
 def suite_path(output_path: str | Path, suite: str) -> Path:
@@ -148,7 +148,13 @@ def _helm_section(df: pd.DataFrame, suite_dir: Path, out: Path) -> list[str]:
            "Engine time: the engine's wall time for the run's batches; prefill and decode: the part of it in "
            "each stage (per-stage time: prompts through the model, then one step per generated token). "
            "Padded / actual tok/s = (prompt + output tokens, padded / real) / engine time; "
-           "efficiency = actual / padded.\n", table(shown)]
+           "efficiency = actual / padded. Requests HELM's cache answered (computed by an earlier run: a rerun in "
+           "the same folder) are counted apart in \"cached requests\" and in no other column: tokens, times and "
+           "throughputs are those of the requests this run computed.\n", table(shown)]
+    if "cached requests" in df and df["cached requests"].fillna(0).sum():
+        md.append("From HELM's cache, not computed in this run: " + "; ".join(
+            f"{run['scenario']} / {run['deployment']}: {int(run['cached requests'])} requests, {run['cached computed']}"
+            for _, run in df.iterrows() if run["cached requests"]) + ".\n")
     if total:
         md.append("Whole suite: " + ", ".join(f"{k} {fmt(v)}" for k, v in total.items()) + "\n")
     md.append(_csv(df.rename(columns={c: c.removeprefix("metric:") for c in metric_cols}), out, "helm_runs.csv"))
