@@ -348,15 +348,36 @@ def _int4_speeds(device: torch.device, dtype: torch.dtype, sync) -> tuple[dict[i
     as the engine packs them, and elements/s of dequantizing one (the dense copy the engine
     makes above the crossover); ({}, 0.0) where the kernel does not run on this device in
     `dtype`. Decode-sized products stream their weights, as _matmul_flops' do."""
-    from flexgen_helm.compression.int4 import CompressedWeight, dequantize_packed, device_refusal, pack_int4
+    from flexgen_helm.compression.int4 import dequantize_packed, device_refusal, pack_int4
     from flexgen_helm.compression.quantize import quantize
     from flexgen_helm.policy.policy import Compression
 
     if device_refusal(dtype, device) is not None:
         return {}, 0.0
-    out_f, in_f = MATMUL_SHAPE
-    packed = pack_int4(quantize(torch.randn(out_f, in_f, device=device).to(dtype),
+    packed = pack_int4(quantize(torch.randn(*MATMUL_SHAPE, device=device).to(dtype),
                                 Compression(4, KERNEL_GROUP_SIZE, 1), 1), device)
+    return _kernel_speeds(packed, lambda: dequantize_packed(packed, dtype), device, dtype, sync)
+
+
+def _int8_speeds(device: torch.device, dtype: torch.dtype, sync) -> tuple[dict[int, float], float]:
+    """As _int4_speeds, for 8-bit weights per output channel in the int8 kernel's layout."""
+    from flexgen_helm.compression.int8 import dequantize_int8, device_refusal, pack_int8
+    from flexgen_helm.compression.quantize import quantize
+    from flexgen_helm.policy.policy import PER_CHANNEL, Compression
+
+    if device_refusal(dtype, device) is not None:
+        return {}, 0.0
+    packed = pack_int8(quantize(torch.randn(*MATMUL_SHAPE, device=device).to(dtype), Compression(8, PER_CHANNEL), 1),
+                       dtype)
+    return _kernel_speeds(packed, lambda: dequantize_int8(packed, dtype), device, dtype, sync)
+
+
+def _kernel_speeds(packed, dequantize, device: torch.device, dtype: torch.dtype, sync
+                   ) -> tuple[dict[int, float], float]:
+    """A packed MATMUL_SHAPE weight's kernel FLOP/s by KERNEL_ROWS, and elements/s of `dequantize`."""
+    from flexgen_helm.compression.int4 import CompressedWeight
+
+    out_f, in_f = MATMUL_SHAPE
     # copies of one packed weight: the bytes' values do not change the kernel's speed, only
     # that together they are larger than any CPU cache
     ws = [CompressedWeight([(0, packed.clone())], MATMUL_SHAPE, dtype, max_kernel_rows=None)
@@ -366,29 +387,7 @@ def _int4_speeds(device: torch.device, dtype: torch.dtype, sync) -> tuple[dict[i
         x = torch.randn(rows, in_f, device=device).to(dtype)
         group = ws if rows <= MAX_STREAMED_ROWS else ws[:1]
         table[rows] = 2 * rows * in_f * out_f * len(group) / _timed(functools.partial(_linears, x, group), sync=sync)
-    return table, out_f * in_f / _timed(lambda: dequantize_packed(packed, dtype), sync=sync)
-
-
-def _int8_speeds(device: torch.device, dtype: torch.dtype, sync) -> tuple[dict[int, float], float]:
-    """As _int4_speeds, for 8-bit weights per output channel in the int8 kernel's layout."""
-    from flexgen_helm.compression.int4 import CompressedWeight
-    from flexgen_helm.compression.int8 import dequantize_int8, device_refusal, pack_int8
-    from flexgen_helm.compression.quantize import quantize
-    from flexgen_helm.policy.policy import PER_CHANNEL, Compression
-
-    if device_refusal(dtype, device) is not None:
-        return {}, 0.0
-    out_f, in_f = MATMUL_SHAPE
-    packed = pack_int8(quantize(torch.randn(out_f, in_f, device=device).to(dtype), Compression(8, PER_CHANNEL), 1),
-                       dtype)
-    ws = [CompressedWeight([(0, packed.clone())], MATMUL_SHAPE, dtype, max_kernel_rows=None)
-          for _ in range(STREAMED_WEIGHTS)]
-    table = {}
-    for rows in KERNEL_ROWS:
-        x = torch.randn(rows, in_f, device=device).to(dtype)
-        group = ws if rows <= MAX_STREAMED_ROWS else ws[:1]
-        table[rows] = 2 * rows * in_f * out_f * len(group) / _timed(functools.partial(_linears, x, group), sync=sync)
-    return table, out_f * in_f / _timed(lambda: dequantize_int8(packed, dtype), sync=sync)
+    return table, out_f * in_f / _timed(dequantize, sync=sync)
 
 
 def _attention_speeds(device: torch.device, dtype: torch.dtype, sync) -> tuple[float, float]:

@@ -28,7 +28,7 @@ import json
 import os
 import statistics
 import sys
-import time
+import timeit
 from pathlib import Path
 
 import torch
@@ -46,13 +46,9 @@ ROWS = (1, 8, 32, 64, 128, 512, 2048)
 
 
 def median_s(fn, repeats: int) -> float:
+    """Seconds of one call: a warm-up call, then the median of `repeats` timed ones."""
     fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return statistics.median(timeit.repeat(fn, number=1, repeat=repeats))
 
 
 def per_channel_int8(w: torch.Tensor):
