@@ -1,5 +1,6 @@
 """4-bit weights in the layout of torch's int4 matmul kernels, and the one place where a
-compressed weight meets an activation (`CompressedWeight.linear`).
+compressed weight meets an activation (`CompressedWeight.linear`; 8-bit weights per output
+channel take the int8 kernel there, compression/int8.py).
 
 The kernels: `aten._convert_weight_to_int4pack_for_cpu` + `aten._weight_int4pack_mm_for_cpu`
 on the CPU, `aten._convert_weight_to_int4pack` + `aten._weight_int4pack_mm` (tinygemm) on
@@ -291,8 +292,7 @@ class CompressedWeight:
     stored (PackedInt4, PackedInt8 or QuantizedTensor), on the compute device."""
 
     def __init__(self, parts: list[tuple[int, "PackedInt4 | int8.PackedInt8 | QuantizedTensor"]], shape,
-                 dtype: torch.dtype,
-                 max_kernel_rows: int | None):
+                 dtype: torch.dtype, max_kernel_rows: int | None):
         self.parts = parts  # (first output row, stored rows)
         self.shape = tuple(shape)
         self.dtype = dtype
