@@ -134,7 +134,8 @@ def log_slow_path_once(reason: str) -> None:
     """One log line per reason and process: the settings, not the data, decide the path."""
     if reason not in _logged:
         _logged.add(reason)
-        logger.warning("compressed weights: dequantize-then-matmul instead of the int4 kernel because of %s", reason)
+        logger.warning("compressed weights: dequantize-then-matmul instead of the int4 or int8 kernel because of %s",
+                       reason)
 
 
 @dataclass(frozen=True, eq=False)

@@ -57,8 +57,8 @@ def layout_refusal(cfg, shape, group_dim: int | None) -> str | None:
     if cfg.bits != KERNEL_BITS:
         return f"{cfg.bits}-bit weights (the int8 kernel takes {KERNEL_BITS} bits)"
     if len(tuple(shape)) != 2 or group_dim != 1 or cfg.group_size != shape[1]:
-        return (f"8-bit groups of {cfg.group_size} (the int8 kernel takes one group per output channel: "
-                "group_size -1)")
+        return (f"8-bit weights in groups of {cfg.group_size} (the int8 kernel takes one group per output "
+                "channel: group_size -1)")
     return None
 
 
