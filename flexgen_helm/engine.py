@@ -50,6 +50,7 @@ from flexgen_helm.policy.precision import setting_name
 from flexgen_helm.weights.compressed_store import CompressedStore
 from flexgen_helm.weights.loading import open_weights
 from flexgen_helm.weights.registry import ResolvedModel, resolve
+from flexgen_helm.weights.source_grids import weight_grids
 
 _seed_counter = itertools.count()
 
@@ -251,14 +252,17 @@ def build_runtime(resolved: ResolvedModel, policy: Policy, devices: Devices, off
     family = family_of(cfg)
     layers = layers if layers is not None else family.layer_specs(cfg)
     check_cache_compression(policy.compress_cache)
-    check_weight_compression(policy.compress_weight, [t.shape for t in all_store_tensors(layers)])
-    placement = place_weights(layers, policy.weights, policy.compress_weight)
+    specs = all_store_tensors(layers)
+    # each weight's own setting: a GGUF's codes where the policy keeps them (weights/source_grids.py)
+    compression = weight_grids(policy.compress_weight, resolved.source, specs)
+    check_weight_compression(compression, [(t.store_name, t.shape) for t in specs])
+    placement = place_weights(layers, policy.weights, compression)
     needs_disk = any(s.tier == "disk" for segs in placement.values() for s in segs)
-    store, read_full = open_weights(resolved, devices.dtype, offload_dir, needs_disk, progress, policy.compress_weight,
+    store, read_full = open_weights(resolved, devices.dtype, offload_dir, needs_disk, progress, compression,
                                    devices.compute, weight_calibration(resolved, policy.compress_weight, offload_dir,
                                                                        progress))
     usage = TierUsage()
-    homes = build_homes(layers, placement, devices, read_full, usage, policy.pin_weight, policy.compress_weight,
+    homes = build_homes(layers, placement, devices, read_full, usage, policy.pin_weight, compression,
                         progress, store if isinstance(store, CompressedStore) else None)
     release_freed_host_memory(0)  # what reading whole tensors to keep parts of them left behind
     return ModelRuntime(cfg, family, layers, placement, homes, store, devices, usage)

@@ -32,7 +32,7 @@ from flexgen_helm.tools.report import leaderboard, screenshot
 HELM_DIR = Path(SCHEMA_PATH).parent
 DEPLOYMENTS = ("flexgen/smollm2-135m", "flexgen/smollm2-135m-8bit", "flexgen/smollm2-135m-4bit")
 # what each deployment's runs record (the fake engine computes in float32, under the deployment's policy)
-PRECISIONS = ("FP32", "8-bit", "4-bit")
+PRECISIONS = ("FP32", "8-bit per-channel", "4-bit gguf")
 COLUMNS = ["Model", "Precision", "LAMBADA - Accuracy (PEM)", "Pattern match - EM", "WikiText - Perplexity",
            "WikiText - Bits/byte", "LAMBADA - tok/s", "WikiText - tok/s", "Pattern match - tok/s"]
 
@@ -137,7 +137,7 @@ def test_the_papers_sub_scenarios_have_groups_with_their_main_metrics(suite):
     assert all(0.0 <= row[pattern_match]["value"] <= 1.0 for row in rows)
 
 
-METHOD_LABELS = {"rtn": "", "hqq": " HQQ-style", "gptq": " GPTQ"}
+METHOD_LABELS = {"rtn": "", "hqq": " HQQ-style", "gptq": " GPTQ", "gguf": " GGUF codes"}
 
 
 def compression_label(policy) -> str:

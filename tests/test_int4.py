@@ -196,7 +196,6 @@ def test_engine_computes_on_packed_weights_in_bfloat16(tiny_opt, tmp_path, monke
     assert calls and max(calls) <= MAX_KERNEL_ROWS["cpu"]  # decode rows ran on the kernel
     # the same weights, dequantized, give the same tokens' logprobs to bf16 rounding
     monkeypatch.setattr(int4, "MAX_KERNEL_ROWS", {"cpu": 0})
-    monkeypatch.setattr("flexgen_helm.memory.weight_homes.MAX_KERNEL_ROWS", {"cpu": 0})
     calls.clear()
     texts = [p + r.completions[0].token_ids for p, r in zip(prompts, out)]
     dense = [r.logprobs[1:] for r in engine.score(texts, as_decode=True).results]

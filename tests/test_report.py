@@ -275,3 +275,30 @@ def test_report_of_a_missing_suite_names_the_folder(tmp_path, monkeypatch, capsy
     assert main(["report", "--suite", "nope"]) == 2
     err = capsys.readouterr().err
     assert str(tmp_path / "benchmark_output" / "runs" / "nope") in err
+
+
+def test_a_rerun_counts_cached_requests_apart_and_no_throughput_mixes_them(tmp_path):
+    """A second run in the same folder: HELM's cache answers every request, computed by the
+    first run elsewhere; its report shows no throughput of its own, and says how many requests
+    came from the cache, when and where they were computed. A run of both kinds measures only
+    what it computed."""
+    b1, b2 = _batch("b1", 2, 2.0, padded_prompt=20, padded_gen=8), _batch("b2", 1, 1.0, padded_prompt=8, padded_gen=4)
+    fresh = [_request("i1", 10, 4, b1), _request("i2", 6, 4, b1), _request("i3", 8, 4, b2)]
+    for rs in fresh:
+        rs["result"]["completions"][0]["finish_reason"]["flexgen"]["host"] = "earlier-box (2 cores)"
+        rs["result"]["request_datetime"] = 1_764_000_000  # 2025-11-24 16:00 UTC
+    rerun = [{**rs, "result": {**rs["result"], "cached": True}} for rs in fresh]
+    everything_cached = accounting.summarize(accounting.records_from_scenario_state({"request_states": rerun}))
+    assert everything_cached["requests"] == 0 and everything_cached["cached_requests"] == 3
+    assert everything_cached["actual_throughput_tok_s"] is None and everything_cached["engine_time_s"] == 0
+    assert everything_cached["cached_computed"] == "computed 2025-11-24 16:00 UTC on earlier-box (2 cores)"
+    # half and half: the throughput is the computed batch's alone
+    mixed = accounting.summarize(accounting.records_from_scenario_state({"request_states": rerun[:2] + fresh[2:]}))
+    assert mixed["requests"] == 1 and mixed["cached_requests"] == 2
+    assert mixed["actual_throughput_tok_s"] == pytest.approx((8 + 4) / 1.0)
+    # the report: the rerun's row shows the cached count, its provenance, and no tok/s
+    suite = tmp_path / "benchmark_output" / "runs" / "again"
+    _write_run(suite, "lambada:model=flexgen_m", "flexgen/m", rerun, [_stat("exact_match", 0.25)])
+    row = helm_runs.helm_table(suite).iloc[0]
+    assert row["cached requests"] == 3 and pd.isna(row["actual tok/s"])
+    assert "earlier-box" in row["cached computed"]

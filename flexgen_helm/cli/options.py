@@ -10,7 +10,14 @@ from typing import TYPE_CHECKING
 
 from flexgen_helm.errors import FlexGenError
 from flexgen_helm.memory.folders import unusable_reason
-from flexgen_helm.policy.policy import CACHE_GROUPINGS, DEFAULT_CACHE_GROUPING, QUANT_METHODS, Compression, Policy
+from flexgen_helm.policy.policy import (
+    CACHE_GROUPINGS,
+    DEFAULT_CACHE_GROUPING,
+    QUANT_METHODS,
+    SOURCE_CODE_METHODS,
+    Compression,
+    Policy,
+)
 
 if TYPE_CHECKING:  # the planner imports torch and scipy: only the commands that plan load it
     from flexgen_helm.planner.auto import CommandWorkload
@@ -53,7 +60,11 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                         "(FlexGen); hqq = fitted to the group's values to lower the reconstruction error "
                         "(weights: once, at conversion into the compressed store; a KV cache: at every "
                         "write, several passes per group); gptq = weights only, codes chosen against "
-                        "calibration text the model samples itself, once, at conversion")
+                        "calibration text the model samples itself, once, at conversion; gguf = weights "
+                        "only, a GGUF file's own codes, scales and minimums as they are (each weight at its "
+                        "file's width, groups of 32; types without such codes re-quantized by min/max onto "
+                        "--compress-bits / --compress-group-size, said in a log line); a compressed cache "
+                        "then takes rtn")
     g.add_argument("--cache-grouping", choices=CACHE_GROUPINGS, default=None,
                    help="which values of a compressed KV cache share a group: per-token = each position's "
                         "head-dim row (FlexGen); kivi = keys per channel over groups of --compress-group-size "
@@ -148,8 +159,10 @@ def policy_from_args(args, workload: CommandWorkload | None = None) -> Policy:
 
 def cache_compression(args) -> Compression:
     """The KV cache's compression the flags ask for, its grouping named (the default's
-    name, so that a record says which it ran)."""
-    return Compression(args.compress_bits, args.compress_group_size, args.compress_group_dim, args.quant_method,
+    name, so that a record says which it ran). --quant-method gguf says where the weights'
+    codes come from (the file); a cache, quantized as it runs, has none: min/max (rtn)."""
+    method = "rtn" if args.quant_method in SOURCE_CODE_METHODS else args.quant_method
+    return Compression(args.compress_bits, args.compress_group_size, args.compress_group_dim, method,
                        args.cache_grouping or DEFAULT_CACHE_GROUPING)
 
 

@@ -1,5 +1,6 @@
 """4-bit weights in the layout of torch's int4 matmul kernels, and the one place where a
-compressed weight meets an activation (`CompressedWeight.linear`).
+compressed weight meets an activation (`CompressedWeight.linear`; 8-bit weights per output
+channel take the int8 kernel there, compression/int8.py).
 
 The kernels: `aten._convert_weight_to_int4pack_for_cpu` + `aten._weight_int4pack_mm_for_cpu`
 on the CPU, `aten._convert_weight_to_int4pack` + `aten._weight_int4pack_mm` (tinygemm) on
@@ -51,6 +52,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from flexgen_helm.compression import int8
 from flexgen_helm.compression.bundle import TensorBundle
 from flexgen_helm.compression.quantize import QuantizedTensor, codes_of, dequantize
 from flexgen_helm.policy.policy import Compression
@@ -132,7 +134,8 @@ def log_slow_path_once(reason: str) -> None:
     """One log line per reason and process: the settings, not the data, decide the path."""
     if reason not in _logged:
         _logged.add(reason)
-        logger.warning("compressed weights: dequantize-then-matmul instead of the int4 kernel because of %s", reason)
+        logger.warning("compressed weights: dequantize-then-matmul instead of the int4 or int8 kernel because of %s",
+                       reason)
 
 
 @dataclass(frozen=True, eq=False)
@@ -276,12 +279,21 @@ def _cpu_layout_ok() -> bool:
     return True
 
 
+def kernel_rows(layout: str | None, device_type: str) -> int | None:
+    """The crossover of the kernel a weight stored in `layout` takes on `device_type`."""
+    table = int8.MAX_KERNEL_ROWS if layout == int8.LAYOUT else MAX_KERNEL_ROWS
+    return table.get(device_type)
+
+
+Packed = (PackedInt4, int8.PackedInt8)
+
+
 class CompressedWeight:
     """A compressed (out, in) weight loaded for one use of its layer: its row segments as
-    stored (PackedInt4 or QuantizedTensor), on the compute device."""
+    stored (PackedInt4, PackedInt8 or QuantizedTensor), on the compute device."""
 
-    def __init__(self, parts: list[tuple[int, "PackedInt4 | QuantizedTensor"]], shape, dtype: torch.dtype,
-                 max_kernel_rows: int | None):
+    def __init__(self, parts: list[tuple[int, "PackedInt4 | int8.PackedInt8 | QuantizedTensor"]], shape,
+                 dtype: torch.dtype, max_kernel_rows: int | None):
         self.parts = parts  # (first output row, stored rows)
         self.shape = tuple(shape)
         self.dtype = dtype
@@ -290,7 +302,7 @@ class CompressedWeight:
 
     @property
     def packed(self) -> bool:
-        return all(isinstance(p, PackedInt4) for _, p in self.parts)
+        return all(isinstance(p, Packed) for _, p in self.parts)
 
     def uses_kernel(self, rows: int) -> bool:
         return self.packed and (self.max_kernel_rows is None or rows <= self.max_kernel_rows)
@@ -305,7 +317,7 @@ class CompressedWeight:
             if len(self.parts) == 1:
                 self._dense = _dequantize_stored(self.parts[0][1], self.dtype, by_column)
             else:  # in the orientation its parts dequantize to, so that each copy is a plain one
-                by_column = by_column and self.packed and self.parts[0][1].layout == "cpu"
+                by_column = by_column and all(isinstance(p, PackedInt4) and p.layout == "cpu" for _, p in self.parts)
                 device = self.parts[0][1].device
                 self._dense = torch.empty(self.shape[::-1] if by_column else self.shape, dtype=self.dtype,
                                           device=device)
@@ -317,16 +329,17 @@ class CompressedWeight:
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """F.embedding(ids, weight): only the rows looked up are dequantized where the weight
-        is packed for the CPU (the dense copy, where this use already made one, or where the
-        layout decodes whole: CUDA's tiles, the group layout)."""
-        if self._dense is not None or not self.packed or self.parts[0][1].layout != "cpu":
+        is packed for the CPU or grouped along its rows' own elements (the dense copy, where
+        this use already made one, or where the layout decodes whole: CUDA's tiles, groups
+        along dim 0)."""
+        if self._dense is not None or not all(_rows_apart(p) for _, p in self.parts):
             return F.embedding(ids, self.dense())
         if len(self.parts) == 1:
-            return packed_rows_of(self.parts[0][1], ids, self.dtype)
+            return _stored_rows_of(self.parts[0][1], ids, self.dtype)
         out = torch.empty(*ids.shape, self.shape[1], dtype=self.dtype, device=self.parts[0][1].device)
         for start, p in self.parts:
             mine = (ids >= start) & (ids < start + p.shape[0])
-            out[mine] = packed_rows_of(p, ids[mine] - start, self.dtype)
+            out[mine] = _stored_rows_of(p, ids[mine] - start, self.dtype)
         return out
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -346,11 +359,36 @@ class CompressedWeight:
         return y.view(*x.shape[:-1], self.shape[0])
 
 
-def _kernel_mm(x: torch.Tensor, p: PackedInt4) -> torch.Tensor:
+def _rows_apart(p: "PackedInt4 | int8.PackedInt8 | QuantizedTensor") -> bool:
+    """Whether a row of `p` decodes without the others."""
+    if isinstance(p, PackedInt4):
+        return p.layout == "cpu"
+    return isinstance(p, int8.PackedInt8) or p.group_dim != 0
+
+
+def _stored_rows_of(p: "PackedInt4 | QuantizedTensor", ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of the stored weight, dequantized: equal to _dequantize_stored(p, dtype)[ids]
+    (each element's arithmetic is the same)."""
+    if isinstance(p, PackedInt4):
+        return packed_rows_of(p, ids, dtype)
+    flat = ids.reshape(-1).to(p.device)
+    if isinstance(p, int8.PackedInt8):
+        return int8.dequantize_int8(p.rows(flat), dtype).view(*ids.shape, p.shape[1])
+    rows = dataclasses.replace(p, data=p.data[flat], scale=p.scale[flat], min=p.min[flat],
+                               shape=(len(flat), *p.shape[1:]))
+    return dequantize(rows, dtype).view(*ids.shape, *p.shape[1:])
+
+
+def _kernel_mm(x: torch.Tensor, p: "PackedInt4 | int8.PackedInt8") -> torch.Tensor:
+    if isinstance(p, int8.PackedInt8):
+        return int8.int8_mm(x, p)
     if p.layout == "cuda":
         return torch.ops.aten._weight_int4pack_mm(x, p.packed, p.group_size, p.scales_zeros)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, p.packed, p.group_size, p.scales_zeros)
 
 
-def _dequantize_stored(p: "PackedInt4 | QuantizedTensor", dtype: torch.dtype, by_column: bool) -> torch.Tensor:
+def _dequantize_stored(p: "PackedInt4 | int8.PackedInt8 | QuantizedTensor", dtype: torch.dtype,
+                       by_column: bool) -> torch.Tensor:
+    if isinstance(p, int8.PackedInt8):
+        return int8.dequantize_int8(p, dtype)
     return dequantize_packed(p, dtype, by_column) if isinstance(p, PackedInt4) else dequantize(p, dtype)

@@ -51,7 +51,7 @@ import torch
 
 from flexgen_helm.compression.bundle import TensorBundle
 from flexgen_helm.compression.hqq import fit_scale_min
-from flexgen_helm.policy.policy import CALIBRATED_METHODS, Compression
+from flexgen_helm.policy.policy import CALIBRATED_METHODS, PER_CHANNEL, SOURCE_CODE_METHODS, Compression
 
 WEIGHT_GROUP_DIM = 1  # torch Linear (out, in): consecutive input channels, as the int4 kernels take
 CACHE_GROUP_DIM = 2  # KV cache (max_len, batch * kv_heads, head_dim): the head dim
@@ -240,6 +240,9 @@ def quantize(x: torch.Tensor, cfg: Compression, group_dim: int,
     if cfg.method in CALIBRATED_METHODS:
         raise ValueError(f"{cfg.method} quantizes a weight against its calibration inputs (compression/gptq.py, "
                          "run at conversion into the compressed store); quantize() has none")
+    if cfg.method in SOURCE_CODE_METHODS:
+        raise ValueError(f"{cfg.method} takes a weight file's own codes (weights/gguf_codes.py); quantize() "
+                         "has a float tensor, no codes")
     if not x.is_floating_point():
         raise TypeError(f"quantize takes a floating-point tensor, got {x.dtype}")
     if x.dim() == 0:
@@ -247,6 +250,8 @@ def quantize(x: torch.Tensor, cfg: Compression, group_dim: int,
     gd = group_dim % x.dim()
     if x.shape[gd] == 0:
         raise ValueError(f"cannot quantize an empty group dimension (shape {tuple(x.shape)})")
+    if cfg.group_size == PER_CHANNEL:  # one group along the whole of group_dim
+        cfg = dataclasses.replace(cfg, group_size=x.shape[gd])
     if cfg.method != "rtn":  # more working copies than RTN's: smaller blocks
         chunk_elements = min(chunk_elements, FIT_CHUNK_ELEMENTS)
     blocks = row_blocks(x.shape, gd, cfg.group_size, chunk_elements)

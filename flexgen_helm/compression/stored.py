@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from flexgen_helm.compression import int8
+from flexgen_helm.compression.grids import WeightCompression, setting_of, tensor_compression
 from flexgen_helm.compression.int4 import (
     ROW_BLOCK,
     PackedInt4,
@@ -32,14 +34,14 @@ from flexgen_helm.compression.quantize import (
 from flexgen_helm.errors import PolicyError
 from flexgen_helm.policy.policy import Compression
 
-Stored = torch.Tensor | QuantizedTensor | PackedInt4
+Stored = torch.Tensor | QuantizedTensor | PackedInt4 | int8.PackedInt8
 
 
-def quantized_once(cfg: Compression) -> bool:
+def quantized_once(compression: WeightCompression) -> bool:
     """Whether a method costs enough to quantize once, at conversion, into the compressed
     store that every tier then loads (anything but RTN, which is cheaper to redo at load
-    than to read back)."""
-    return cfg.method != "rtn"
+    than to read back; a source's own codes are read from it once, there)."""
+    return setting_of(compression).method != "rtn"
 
 
 def weight_groups(cfg: Compression | None, shape) -> int | None:
@@ -61,12 +63,14 @@ def row_alignment(cfg: Compression | None, shape) -> int:
     return ROW_BLOCK if gd is not None and layout_refusal(cfg, shape, gd) is None else 1
 
 
-def check_weight_compression(cfg: Compression | None, shapes) -> None:
-    """Refuse, before any weight is read, settings no weight can be quantized under."""
-    if cfg is None:
+def check_weight_compression(compression: WeightCompression, specs) -> None:
+    """Refuse, before any weight is read, settings no weight can be quantized under. specs:
+    (store name, shape) of each weight."""
+    if compression is None:
         return
-    cfg.validate("compress_weight")
-    for shape in shapes:
+    setting_of(compression).validate("compress_weight")
+    for name, shape in specs:
+        cfg = tensor_compression(compression, name, shape)
         gd = weight_groups(cfg, shape)
         if gd is not None and shape[gd] % cfg.group_size:
             raise PolicyError(f"compress_weight: group size {cfg.group_size} does not divide dim {gd} "
@@ -74,13 +78,19 @@ def check_weight_compression(cfg: Compression | None, shapes) -> None:
 
 
 def weight_layout(cfg: Compression | None, shape, dtype: torch.dtype, device: torch.device) -> str | None:
-    """The int4 kernel layout ("cpu" or "cuda") a weight is stored in when `device`
-    computes in `dtype`, or None for the group layout (QuantizedTensor) - logging once why
-    a compressed weight cannot take the kernel."""
+    """The kernel layout a weight is stored in when `device` computes in `dtype`: the int4
+    kernel's ("cpu" or "cuda"), the int8 kernel's ("int8", 8 bits, one group per output
+    channel: compression/int8.py), or None for the group layout (QuantizedTensor) - logging
+    once why a compressed weight cannot take a kernel."""
     gd = weight_groups(cfg, shape)
     if gd is None:
         return None
-    reason = layout_refusal(cfg, shape, gd) or device_refusal(dtype, device)
+    if cfg.bits == int8.KERNEL_BITS:
+        reason = int8.layout_refusal(cfg, shape, gd) or int8.device_refusal(dtype, device)
+        if reason is None:
+            return int8.LAYOUT
+    else:
+        reason = layout_refusal(cfg, shape, gd) or device_refusal(dtype, device)
     if reason is not None:
         log_slow_path_once(reason)
         return None
@@ -95,9 +105,14 @@ def encode(t: torch.Tensor, cfg: Compression | None, group_dim: int | None, layo
     return in_layout(quantize(t, cfg, group_dim), layout)
 
 
-def in_layout(q: QuantizedTensor, layout: str | None) -> QuantizedTensor | PackedInt4:
-    """A quantized weight as stored: as is, or packed for `layout`'s kernel (on the CPU)."""
-    return q if layout is None else pack_int4(q, torch.device(layout)).to("cpu")
+def in_layout(q: QuantizedTensor, layout: str | None, dtype: torch.dtype | None = None) -> Stored:
+    """A quantized weight as stored: as is, or packed for `layout`'s kernel (on the CPU; the
+    int8 kernel's scales in `dtype`, the compute dtype: default the weight's own)."""
+    if layout is None:
+        return q
+    if layout == int8.LAYOUT:
+        return int8.pack_int8(q, dtype or q.dtype)
+    return pack_int4(q, torch.device(layout)).to("cpu")
 
 
 def stored_nbytes(shape, dtype: torch.dtype, cfg: Compression | None, group_dim: int | None) -> int:
@@ -111,6 +126,8 @@ def dense(x: Stored, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A stored tensor ready for compute, dequantized where it now lives."""
     if isinstance(x, PackedInt4):
         return dequantize_packed(x, dtype or torch.bfloat16)
+    if isinstance(x, int8.PackedInt8):
+        return int8.dequantize_int8(x, dtype or x.scales.dtype)
     return dequantize(x, dtype) if isinstance(x, QuantizedTensor) else x
 
 

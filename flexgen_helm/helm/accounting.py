@@ -11,6 +11,7 @@ Every successful request ran in one engine batch (helm/batching.py). What it rep
     {
       "precision": "4-bit",       # what the engine computed with (EngineCore.precision: the
                                   # paper's FP16 / BF16 / 8-bit / 4-bit), for the leaderboard
+      "host": "box (AMD EPYC, 2 cores, bf16 arithmetic)",  # where it was computed
       "prompt_tokens": 37,        # this request's real prompt tokens (as the engine saw them)
       "generated_tokens": 5,      # this request's real generated tokens, all completions
       "batch": {                  # the whole batch, summed over its engine calls (the score and
@@ -26,17 +27,28 @@ Every successful request ran in one engine batch (helm/batching.py). What it rep
 
 `summarize(records)` adds the batches up once each, giving the paper's padded / actual
 token counts, throughputs and efficiency (the report's and `flexgen_padding.json`'s).
+
+A request HELM's cache answered (RequestResult.cached: a rerun in the same folder, or a
+scenario another run computed) was computed by an earlier run, perhaps on another host: its
+tokens and its batch's engine time are not this run's. `summarize` counts such requests
+apart (how many, when and on which hosts they were computed: `request_datetime` and the
+record's host) and computes every token count, time and throughput from the requests this
+run computed alone, so no figure mixes the two.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
+import platform
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from flexgen_helm.executor.sampling import RunStats
+from flexgen_helm.memory.machine import machine_label
 
 # BatchRecord fields that HELM's RequestResult carries itself, by its field name
 _IN_HELM_FIELDS = {"size": "batch_size", "time_s": "batch_request_time"}
@@ -81,13 +93,22 @@ class RequestRecord:
     prompt_tokens: int  # this request's real prompt tokens
     generated_tokens: int  # this request's real generated tokens, all completions
     batch: BatchRecord
+    cached: bool = False  # answered from HELM's cache: computed by an earlier run
+    computed_at: float | None = None  # when its batch ran (RequestResult.request_datetime, Unix seconds)
+    host: str | None = None  # where it was computed (this_host() of that run; None: an older plugin)
+
+
+@lru_cache(maxsize=1)
+def this_host() -> str:
+    """The machine this process computes on, as a record names it: its name and what it is."""
+    return f"{platform.node() or 'unknown host'} ({machine_label()})"
 
 
 def to_finish_reason(record: RequestRecord, precision: str) -> dict[str, Any]:
     """The JSON for finish_reason["flexgen"]: the record less what HELM's fields carry, and
-    the precision of the engine that computed it."""
+    the precision and host of the engine that computed it."""
     batch = {k: v for k, v in dataclasses.asdict(record.batch).items() if k not in _IN_HELM_FIELDS}
-    return {"precision": precision, "prompt_tokens": record.prompt_tokens,
+    return {"precision": precision, "host": this_host(), "prompt_tokens": record.prompt_tokens,
             "generated_tokens": record.generated_tokens, "batch": batch}
 
 
@@ -105,7 +126,8 @@ def from_request_result(result: dict[str, Any]) -> RequestRecord | None:
         return None
     batch = BatchRecord(**flexgen["batch"], **{k: result[helm] for k, helm in _IN_HELM_FIELDS.items()})
     return RequestRecord(prompt_tokens=flexgen["prompt_tokens"], generated_tokens=flexgen["generated_tokens"],
-                         batch=batch)
+                         batch=batch, cached=bool(result.get("cached")), computed_at=result.get("request_datetime"),
+                         host=flexgen.get("host"))
 
 
 PRECISION_NOT_RECORDED = "not recorded"
@@ -126,8 +148,11 @@ def records_from_scenario_state(state: dict) -> list[RequestRecord]:
     return [r for r in records if r is not None]
 
 
-def summarize(records: list[RequestRecord]) -> dict[str, Any]:
-    """Totals over requests (real) and over distinct batches (padded, time)."""
+def summarize(all_records: list[RequestRecord]) -> dict[str, Any]:
+    """Totals over the requests this run computed (real) and over their distinct batches
+    (padded, time); those HELM's cache answered counted apart (module doc)."""
+    records = [r for r in all_records if not r.cached]
+    from_cache = [r for r in all_records if r.cached]
     batches = {r.batch.id: r.batch for r in records}
     real_prompt = sum(r.prompt_tokens for r in records)
     real_gen = sum(r.generated_tokens for r in records)
@@ -158,7 +183,22 @@ def summarize(records: list[RequestRecord]) -> dict[str, Any]:
         "padded_throughput_tok_s": padded / time_s if time_s else None,
         "actual_throughput_tok_s": actual / time_s if time_s else None,
         "efficiency": actual / padded if padded else None,
+        "cached_requests": len(from_cache),
+        "cached_computed": _provenance(from_cache),
     }
+
+
+def _provenance(records: list[RequestRecord]) -> str | None:
+    """When and where cached requests were computed, in a few words; None for none."""
+    if not records:
+        return None
+    times = sorted(r.computed_at for r in records if r.computed_at is not None)
+    when = "at an unrecorded time"
+    if times:
+        fmt = lambda t: datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")  # noqa: E731
+        when = fmt(times[0]) if fmt(times[0]) == fmt(times[-1]) else f"{fmt(times[0])} to {fmt(times[-1])}"
+    hosts = sorted({r.host or "an unrecorded host" for r in records})
+    return f"computed {when} on {', '.join(hosts)}"
 
 
 def summarize_run(run_dir: str) -> dict[str, Any]:

@@ -49,8 +49,9 @@ PRECISION_HEADER = "Precision"
 PRECISION_DESCRIPTION = ("What the engine computed each deployment's runs with, as every response recorded it: "
                          "FP16 / BF16 / FP32 = uncompressed weights and KV cache in that type (the device's own: "
                          "FP16 on a GPU, BF16 or FP32 on a CPU); 8-bit / 4-bit = weights and KV cache quantized "
-                         "group-wise (the shipped deployments: groups of 64, min/max; a fitted quantizer is named, "
-                         "e.g. 4-bit hqq).")
+                         "group-wise (min/max unless named: a fitted quantizer, e.g. 4-bit hqq; 8-bit per-channel = "
+                         "one group per output channel, the shipped 8-bit deployment; 4-bit gguf = the GGUF file's "
+                         "own codes, the shipped 4-bit deployment).")
 
 # flexgen_* metric -> accounting.summarize's key
 THROUGHPUT_METRICS = {

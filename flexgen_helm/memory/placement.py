@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Sequence
 
+from flexgen_helm.compression.grids import WeightCompression, tensor_compression
 from flexgen_helm.compression.stored import row_alignment
 from flexgen_helm.models.spec import LayerSpec, TensorSpec, all_store_tensors
-from flexgen_helm.policy.policy import TIERS, Compression, Split
+from flexgen_helm.policy.policy import TIERS, Split
 
 
 @dataclass(frozen=True)
@@ -88,14 +89,15 @@ def place_layer(tensors: tuple[TensorSpec, ...], split: Split, align: Callable[[
     return out
 
 
-def place_weights(layers: list[LayerSpec], split: Split, compression: Compression | None = None
+def place_weights(layers: list[LayerSpec], split: Split, compression: WeightCompression = None
                   ) -> dict[str, list[Segment]]:
     """Segments of every stored tensor. A tied tensor is placed with the first of the given
     layers that uses it (a pipeline stage may hold the head but not the embedding)."""
     placement: dict[str, list[Segment]] = {}
     for layer in layers:
         fresh = tuple(t for t in layer.tensors if t.store_name not in placement)
-        placement.update(place_layer(fresh, split, lambda t: row_alignment(compression, t.shape)))
+        placement.update(place_layer(fresh, split, lambda t: row_alignment(
+            tensor_compression(compression, t.store_name, t.shape), t.shape)))
     return placement
 
 

@@ -18,7 +18,8 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from flexgen_helm.compression.int4 import MAX_KERNEL_ROWS, CompressedWeight
+from flexgen_helm.compression.grids import WeightCompression, tensor_compression
+from flexgen_helm.compression.int4 import CompressedWeight, kernel_rows
 from flexgen_helm.compression.stored import Stored, encode, stored_nbytes, weight_groups, weight_layout
 from flexgen_helm.memory.devices import Devices
 from flexgen_helm.memory.host_allocator import release_freed_host_memory
@@ -60,7 +61,7 @@ def load_nbytes(spec: TensorSpec, segments: list[Segment], compression: Compress
 
 def build_homes(layers: list[LayerSpec], placement: dict[str, list[Segment]], devices: Devices,
                 read_full: Callable[[str], torch.Tensor], usage: TierUsage, pin: bool,
-                compression: Compression | None = None, progress: bool = False,
+                compression: WeightCompression = None, progress: bool = False,
                 compressed_store=None) -> dict[str, WeightHome]:
     """Fill the gpu and cpu tiers from `read_full(store_name)` - quantized here, or, when a
     compressed store is given, its compressed weights as the conversion wrote them; disk
@@ -85,14 +86,15 @@ def build_homes(layers: list[LayerSpec], placement: dict[str, list[Segment]], de
             release_freed_host_memory(keep_freed)
             placed_since_look = 0
         placed_since_look += math.prod(spec.shape) * elt
-        home = WeightHome(spec, placement[spec.store_name], compression=compression,
-                          layout=weight_layout(compression, spec.shape, devices.dtype, devices.compute))
+        own = tensor_compression(compression, spec.store_name, spec.shape)
+        home = WeightHome(spec, placement[spec.store_name], compression=own,
+                          layout=weight_layout(own, spec.shape, devices.dtype, devices.compute))
         full = None
         in_memory = any(s.tier != "disk" for s in home.segments)
         if in_memory and compressed_store is not None and home.group_dim is not None:
             full = compressed_store.read(spec.store_name, rows=(0, spec.shape[0]), verify=True)
         elif in_memory:
-            full = encode(read_full(spec.store_name).to(devices.dtype), compression, home.group_dim, home.layout)
+            full = encode(read_full(spec.store_name).to(devices.dtype), home.compression, home.group_dim, home.layout)
         for s in home.segments:
             if s.tier == "disk":
                 home.data.append(None)
@@ -127,7 +129,8 @@ def load_home(home: WeightHome, devices: Devices, store, parts: list[Stored] | N
     parts = read_parts(home, store) if parts is None else parts
     if home.group_dim is not None:
         on_device = [(s.start, p.to(devices.compute, non_blocking=True)) for s, p in zip(home.segments, parts)]
-        return CompressedWeight(on_device, home.spec.shape, devices.dtype, MAX_KERNEL_ROWS.get(devices.compute.type))
+        rows = kernel_rows(home.layout, devices.compute.type)
+        return CompressedWeight(on_device, home.spec.shape, devices.dtype, rows)
     if len(parts) == 1:
         return parts[0].to(devices.compute, non_blocking=True)
     out = torch.empty(home.spec.shape, dtype=devices.dtype, device=devices.compute)

@@ -7,6 +7,7 @@ import functools
 
 import torch
 
+from flexgen_helm.compression.grids import WeightCompression, tensor_compression
 from flexgen_helm.errors import PolicyError
 from flexgen_helm.executor.kv_cache import cache_rows, kv_nbytes
 from flexgen_helm.memory.placement import place_weights, slot_tier_counts, tier_totals
@@ -14,7 +15,7 @@ from flexgen_helm.memory.weight_homes import segment_nbytes
 from flexgen_helm.models import family_of
 from flexgen_helm.models.config import ModelConfig
 from flexgen_helm.models.spec import all_store_tensors
-from flexgen_helm.policy.policy import TIERS, Compression, Policy, Split
+from flexgen_helm.policy.policy import TIERS, Policy, Split
 
 
 def planned_components(cfg: ModelConfig, policy: Policy, max_len: int, dtype: torch.dtype, act_len: int | None = None
@@ -44,14 +45,15 @@ def planned_components(cfg: ModelConfig, policy: Policy, max_len: int, dtype: to
 
 
 @functools.lru_cache(maxsize=256)  # the policy search asks for the same few placements many times
-def _weight_bytes(cfg: ModelConfig, split: Split, compression: Compression | None, dtype: torch.dtype
+def _weight_bytes(cfg: ModelConfig, split: Split, compression: WeightCompression, dtype: torch.dtype
                   ) -> dict[str, int]:
     layers = family_of(cfg).layer_specs(cfg)
     specs = {t.store_name: t for t in all_store_tensors(layers)}
     weights = {t: 0 for t in TIERS}
     for name, segments in place_weights(layers, split, compression).items():
         for s in segments:
-            weights[s.tier] += segment_nbytes(specs[name], s, compression, dtype)
+            own = tensor_compression(compression, name, specs[name].shape)
+            weights[s.tier] += segment_nbytes(specs[name], s, own, dtype)
     return weights
 
 

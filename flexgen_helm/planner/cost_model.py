@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flexgen_helm.compression.grids import WeightCompression, tensor_compression
+from flexgen_helm.compression.int8 import LAYOUT as INT8_LAYOUT
 from flexgen_helm.compression.stored import weight_groups, weight_layout
 from flexgen_helm.errors import ProfileFormatError
 from flexgen_helm.executor.attention import decode_cache_dtype
@@ -60,7 +62,7 @@ from flexgen_helm.models.moe import expected_experts_touched
 from flexgen_helm.models.spec import LayerSpec, TensorSpec
 from flexgen_helm.planner.budget import planned_components
 from flexgen_helm.planner.hardware_profile import HardwareProfile
-from flexgen_helm.policy.policy import TIERS, Compression, Policy
+from flexgen_helm.policy.policy import TIERS, Policy
 
 TERMS = ("cpu_gpu", "gpu_cpu", "disk_cpu", "cpu_disk", "compute")
 PHASES = ("prefill", "decode")
@@ -205,12 +207,13 @@ _AMOUNTS = ("disk_reads", "assembled", "matmul_numel", "packed_matmul_numel", "p
             "row_lookup_width")
 
 
-def layer_weights(layer: LayerSpec, placement: dict, compression: Compression | None, dtype: torch.dtype,
+def layer_weights(layer: LayerSpec, placement: dict, weight_compression: WeightCompression, dtype: torch.dtype,
                   device: torch.device) -> LayerWeights:
     """From the engine's own placement (rounded to rows, or to quantization groups) and its
     choice of layout for `device` computing in `dtype` (compression.stored.weight_layout)."""
     lw = LayerWeights({t: 0.0 for t in TIERS}, 0.0, 0.0)
     for t in layer.tensors:
+        compression = tensor_compression(weight_compression, t.store_name, t.shape)
         segments = placement[t.store_name]
         lw.loaded[t.key] = load_nbytes(t, segments, compression, dtype, device.type == "cuda")
         for s in segments:
@@ -228,10 +231,10 @@ def layer_weights(layer: LayerSpec, placement: dict, compression: Compression | 
         layout = weight_layout(compression, t.shape, dtype, device)
         if layout == "cpu" and not multiplied:
             lw.row_lookup_width += t.row_numel
-        elif layout is not None:
+        elif layout is not None and layout != INT8_LAYOUT:
             lw.packed_numel += t.numel
             lw.packed_matmul_numel += t.numel * multiplied
-        else:
+        else:  # the int8 kernel's rate is not profiled yet: costed as a dequantization per load
             lw.grouped_numel += t.numel
     experts = tuple(t for t in layer.tensors if expert_of(t.key) is not None)
     if experts and len(experts) < len(layer.tensors):

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from flexgen_helm.compression.int4 import set_max_kernel_rows
+from flexgen_helm.compression.int8 import set_max_kernel_rows as set_max_int8_kernel_rows
 from flexgen_helm.errors import ProfileFormatError
 from flexgen_helm.memory.devices import DTYPE_NAMES
 from flexgen_helm.memory.direct_io import set_reads_in_flight
@@ -65,6 +66,9 @@ class DeviceSpeeds:
     # run (another dtype than bfloat16, a CPU whose packed layout the engine does not decode)
     int4_matmul_flops: dict[int, float] = field(default_factory=dict)
     int4_dequant_elems_per_s: float = 0.0
+    # the same for 8-bit weights per output channel in the int8 kernel's layout (compression/int8.py)
+    int8_matmul_flops: dict[int, float] = field(default_factory=dict)
+    int8_dequant_elems_per_s: float = 0.0
     # one elementwise pass (an activation function, a residual add, a copy) over activations in
     # the compute dtype, elements/s: the block's work besides its matmuls and attention
     elementwise_elems_per_s: float = 1e9
@@ -87,13 +91,20 @@ class DeviceSpeeds:
         dequantizing the weight and multiplying in `dtype` (per call, as
         CompressedWeight.linear chooses): 0 where it never is or was not measured, None where
         it won at every row count measured (the kernel then takes them all)."""
-        if not self.int4_matmul_flops or not self.int4_dequant_elems_per_s:
+        return self._kernel_max_rows(self.int4_matmul_flops, self.int4_dequant_elems_per_s, dtype)
+
+    def int8_kernel_max_rows(self, dtype: str) -> int | None:
+        """As int4_kernel_max_rows, for the int8 kernel (compression/int8.py)."""
+        return self._kernel_max_rows(self.int8_matmul_flops, self.int8_dequant_elems_per_s, dtype)
+
+    def _kernel_max_rows(self, kernel_flops: dict[int, float], dequant_elems_per_s: float, dtype: str) -> int | None:
+        if not kernel_flops or not dequant_elems_per_s:
             return 0
         best = 0
-        for rows in sorted(self.int4_matmul_flops):
+        for rows in sorted(kernel_flops):
             flop = 2 * rows  # per weight element
-            kernel = flop / self.int4_matmul_flops[rows]
-            dequantize_then_matmul = 1 / self.int4_dequant_elems_per_s + flop / self.linear_flops(dtype, rows)
+            kernel = flop / kernel_flops[rows]
+            dequantize_then_matmul = 1 / dequant_elems_per_s + flop / self.linear_flops(dtype, rows)
             if kernel > dequantize_then_matmul:
                 return best
             best = rows
@@ -165,7 +176,8 @@ class HardwareProfile:
             s = dict(s)
             s["matmul_flops"] = {dt: {int(m): float(f) for m, f in t.items()}
                                  for dt, t in s.get("matmul_flops", {}).items()}
-            s["int4_matmul_flops"] = {int(m): float(f) for m, f in s.get("int4_matmul_flops", {}).items()}
+            for kernel in ("int4_matmul_flops", "int8_matmul_flops"):
+                s[kernel] = {int(m): float(f) for m, f in s.get(kernel, {}).items()}
             devices[name] = DeviceSpeeds(**s)
         known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
         return cls(devices=devices or {"cpu": DeviceSpeeds()}, **known)
@@ -244,6 +256,8 @@ def use_profile(path: str | os.PathLike | None = None) -> HardwareProfile | None
         set_reads_in_flight(saved.disk_reads_in_flight)
     if saved.compute.int4_matmul_flops:
         set_max_kernel_rows(saved.compute_device, saved.compute.int4_kernel_max_rows(saved.dtype))
+    if saved.compute.int8_matmul_flops:  # a profile from before the int8 kernel keeps its default
+        set_max_int8_kernel_rows(saved.compute_device, saved.compute.int8_kernel_max_rows(saved.dtype))
     return saved
 
 
@@ -297,6 +311,7 @@ def measure_device(device: torch.device, dtype: torch.dtype) -> DeviceSpeeds:
     wq = quantize(torch.randn(out_f, in_f, device=device).to(dtype), Compression(4, 64), 0)
     speeds.dequant_elems_per_s = out_f * in_f / _timed(lambda: dequantize(wq, dtype), sync=sync)
     speeds.int4_matmul_flops, speeds.int4_dequant_elems_per_s = _int4_speeds(device, dtype, sync)
+    speeds.int8_matmul_flops, speeds.int8_dequant_elems_per_s = _int8_speeds(device, dtype, sync)
     speeds.elementwise_elems_per_s = _elementwise_elems_per_s(device, dtype, sync)
     tiny_x, tiny_w = torch.randn(1, 64, device=device).to(dtype), torch.randn(64, 64, device=device).to(dtype)
     speeds.op_latency_s = _timed(lambda: F.linear(tiny_x, tiny_w), min_reps=200, sync=sync)
@@ -333,15 +348,36 @@ def _int4_speeds(device: torch.device, dtype: torch.dtype, sync) -> tuple[dict[i
     as the engine packs them, and elements/s of dequantizing one (the dense copy the engine
     makes above the crossover); ({}, 0.0) where the kernel does not run on this device in
     `dtype`. Decode-sized products stream their weights, as _matmul_flops' do."""
-    from flexgen_helm.compression.int4 import CompressedWeight, dequantize_packed, device_refusal, pack_int4
+    from flexgen_helm.compression.int4 import dequantize_packed, device_refusal, pack_int4
     from flexgen_helm.compression.quantize import quantize
     from flexgen_helm.policy.policy import Compression
 
     if device_refusal(dtype, device) is not None:
         return {}, 0.0
-    out_f, in_f = MATMUL_SHAPE
-    packed = pack_int4(quantize(torch.randn(out_f, in_f, device=device).to(dtype),
+    packed = pack_int4(quantize(torch.randn(*MATMUL_SHAPE, device=device).to(dtype),
                                 Compression(4, KERNEL_GROUP_SIZE, 1), 1), device)
+    return _kernel_speeds(packed, lambda: dequantize_packed(packed, dtype), device, dtype, sync)
+
+
+def _int8_speeds(device: torch.device, dtype: torch.dtype, sync) -> tuple[dict[int, float], float]:
+    """As _int4_speeds, for 8-bit weights per output channel in the int8 kernel's layout."""
+    from flexgen_helm.compression.int8 import dequantize_int8, device_refusal, pack_int8
+    from flexgen_helm.compression.quantize import quantize
+    from flexgen_helm.policy.policy import PER_CHANNEL, Compression
+
+    if device_refusal(dtype, device) is not None:
+        return {}, 0.0
+    packed = pack_int8(quantize(torch.randn(*MATMUL_SHAPE, device=device).to(dtype), Compression(8, PER_CHANNEL), 1),
+                       dtype)
+    return _kernel_speeds(packed, lambda: dequantize_int8(packed, dtype), device, dtype, sync)
+
+
+def _kernel_speeds(packed, dequantize, device: torch.device, dtype: torch.dtype, sync
+                   ) -> tuple[dict[int, float], float]:
+    """A packed MATMUL_SHAPE weight's kernel FLOP/s by KERNEL_ROWS, and elements/s of `dequantize`."""
+    from flexgen_helm.compression.int4 import CompressedWeight
+
+    out_f, in_f = MATMUL_SHAPE
     # copies of one packed weight: the bytes' values do not change the kernel's speed, only
     # that together they are larger than any CPU cache
     ws = [CompressedWeight([(0, packed.clone())], MATMUL_SHAPE, dtype, max_kernel_rows=None)
@@ -351,7 +387,7 @@ def _int4_speeds(device: torch.device, dtype: torch.dtype, sync) -> tuple[dict[i
         x = torch.randn(rows, in_f, device=device).to(dtype)
         group = ws if rows <= MAX_STREAMED_ROWS else ws[:1]
         table[rows] = 2 * rows * in_f * out_f * len(group) / _timed(functools.partial(_linears, x, group), sync=sync)
-    return table, out_f * in_f / _timed(lambda: dequantize_packed(packed, dtype), sync=sync)
+    return table, out_f * in_f / _timed(dequantize, sync=sync)
 
 
 def _attention_speeds(device: torch.device, dtype: torch.dtype, sync) -> tuple[float, float]:
@@ -563,6 +599,12 @@ def describe(p: HardwareProfile) -> str:
             lines.append(f"  {name} int4 kernel ({p.dtype}, groups of {KERNEL_GROUP_SIZE}): " + ", ".join(
                 f"{m} rows {f / 1e9:.1f}" for m, f in s.int4_matmul_flops.items()) + " GFLOP/s; dequantize packed "
                 f"{s.int4_dequant_elems_per_s / 1e9:.2f} G elements/s; the kernel wins "
+                + ("at every row count measured" if most is None else f"up to {most} rows"))
+        if s.int8_matmul_flops:
+            most = s.int8_kernel_max_rows(p.dtype)
+            lines.append(f"  {name} int8 kernel ({p.dtype}, per output channel): " + ", ".join(
+                f"{m} rows {f / 1e9:.1f}" for m, f in s.int8_matmul_flops.items()) + " GFLOP/s; dequantize packed "
+                f"{s.int8_dequant_elems_per_s / 1e9:.2f} G elements/s; the kernel wins "
                 + ("at every row count measured" if most is None else f"up to {most} rows"))
         lines.append(f"  {name} attention: prefill {s.attn_prefill_flops / 1e9:.1f} GFLOP/s, decode "
                      f"{s.attn_decode_bytes_per_s / gb:.2f} GB/s of cache; dequantize "

@@ -40,10 +40,15 @@ class Split:
 # "rtn" = FlexGen's min/max round-to-nearest; "hqq" = fitted to minimize the group's
 # reconstruction error (half-quadratic), computed once at conversion; "gptq" = the codes
 # chosen against calibration inputs with error feedback (compression/gptq.py), weights
-# only, computed once at conversion.
-QUANT_METHODS = ("rtn", "hqq", "gptq")
+# only, computed once at conversion; "gguf" = a GGUF file's own codes, scales and minimums
+# taken as they are where its tensor types hold them on groups of 32 (weights/gguf_codes.py),
+# each weight at its file's width; the others re-quantized by min/max onto bits / group_size,
+# with a log line (weights/source_grids.py).
+QUANT_METHODS = ("rtn", "hqq", "gptq", "gguf")
 # methods that need the inputs a weight will see: a KV cache, quantized as it is written, has none
 CALIBRATED_METHODS = ("gptq",)
+# methods that take codes a weight source already holds: a KV cache, computed as it runs, has none
+SOURCE_CODE_METHODS = ("gguf",)
 # Which values of a quantized KV cache share a group (executor/kv_cache.py, kivi_cache.py):
 # "per-token" = each position's head_dim row on its own (FlexGen); "kivi" = keys per channel
 # over blocks of group_size tokens and values per token, the newest tokens of an unfinished
@@ -51,6 +56,9 @@ CALIBRATED_METHODS = ("gptq",)
 # better (runs/accuracy/README.md, "4-bit KV cache grouping").
 CACHE_GROUPINGS = ("per-token", "kivi")
 DEFAULT_CACHE_GROUPING = "kivi"
+# group_size of a weight compression whose groups are whole rows: one scale and minimum per
+# output channel (the grid of torch's int8 weight-only matmul, compression/int8.py)
+PER_CHANNEL = -1
 
 
 @dataclass(frozen=True)
@@ -71,8 +79,15 @@ class Compression:
     def validate(self, what: str) -> None:
         if not 2 <= self.bits <= 8:
             raise PolicyError(f"{what}: {self.bits} bits is outside the supported 2..8")
-        if self.group_size < 1:
-            raise PolicyError(f"{what}: group size must be positive, got {self.group_size}")
+        if self.group_size < 1 and self.group_size != PER_CHANNEL:
+            raise PolicyError(f"{what}: group size must be positive (or {PER_CHANNEL}: one group per output "
+                              f"channel, weights only), got {self.group_size}")
+        if self.group_size == PER_CHANNEL and self.group_dim not in (None, 1):
+            raise PolicyError(f"{what}: group size {PER_CHANNEL} (per output channel) groups along dim 1, "
+                              f"not {self.group_dim}")
+        if self.group_size == PER_CHANNEL and self.method not in ("rtn", "hqq"):
+            raise PolicyError(f"{what}: group size {PER_CHANNEL} (per output channel) takes rtn or hqq, "
+                              f"not {self.method}")
         if self.method not in QUANT_METHODS:
             raise PolicyError(f"{what}: unknown quantization method {self.method!r} "
                               f"(choose from {', '.join(QUANT_METHODS)})")
@@ -120,6 +135,12 @@ class Policy:
         if self.compress_weight is not None and self.compress_weight.cache_grouping is not None:
             raise PolicyError(f"compress_weight: cache_grouping {self.compress_weight.cache_grouping!r} is a KV "
                               "cache setting; weights are grouped along group_dim")
+        if self.compress_cache is not None and self.compress_cache.group_size == PER_CHANNEL:
+            raise PolicyError(f"compress_cache: group size {PER_CHANNEL} (one group per output channel) is for "
+                              "weights; a KV cache takes a positive group size")
+        if self.compress_cache is not None and self.compress_cache.method in SOURCE_CODE_METHODS:
+            raise PolicyError(f"compress_cache: {self.compress_cache.method} takes a weight file's own codes; a KV "
+                              "cache is quantized as it is written: give it rtn or hqq")
         if self.compress_cache is not None and self.compress_cache.method in CALIBRATED_METHODS:
             raise PolicyError(f"compress_cache: {self.compress_cache.method} quantizes weights against calibration "
                               "inputs; a KV cache is quantized as it is written: give it rtn or hqq (a policy "

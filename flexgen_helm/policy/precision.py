@@ -5,13 +5,14 @@ attention are."""
 
 from __future__ import annotations
 
-from flexgen_helm.policy.policy import Policy
+from flexgen_helm.policy.policy import PER_CHANNEL, Policy
 
 DTYPE_LABELS = {"float16": "FP16", "bfloat16": "BF16", "float32": "FP32"}
 
 
 def setting_name(policy: Policy | dict, dtype: str) -> str:
-    """"BF16" (uncompressed: the compute dtype), "8-bit", "4-bit", "4-bit-S" (weights and KV
+    """"BF16" (uncompressed: the compute dtype), "8-bit", "8-bit per-channel" (weights in one group
+    per output channel), "4-bit", "4-bit-S" (weights and KV
     cache compressed alike; -S: sparse attention), "4-bit weights", "8-bit cache", ...; a
     quantizer other than FlexGen's min/max round-to-nearest is named ("4-bit hqq")."""
     p = policy.to_dict() if isinstance(policy, Policy) else policy
@@ -22,10 +23,36 @@ def setting_name(policy: Policy | dict, dtype: str) -> str:
     suffix = "-S" if sparse else ""
     fitted = sorted({x.get("method", "rtn") for x in (w, c) if x} - {"rtn"})
     method = "".join(f" {m}" for m in fitted)
+    # weights in one group per output channel (the int8 kernel's grid), not groups of some size
+    grid = " per-channel" if w and w.get("group_size") == PER_CHANNEL else ""
     if w and c and w["bits"] == c["bits"]:
-        return f"{w['bits']}-bit{suffix}{method}"
+        return f"{w['bits']}-bit{suffix}{method}{grid}"
     parts = [f"{x['bits']}-bit {what}" for what, x in (("weights", w), ("cache", c)) if x]
+    method += grid
     return ", ".join(parts) + suffix + method
+
+
+# What the weights of each setting are, by the quantizer a setting name ends with (setting_name)
+WEIGHTS_MEANING = {
+    "": "re-quantized by FlexGen's min/max round-to-nearest onto the deployment's groups (64 unless it says "
+        "otherwise): a GGUF's weights are dequantized first, then quantized again onto that grid",
+    "per-channel": "re-quantized by min/max round-to-nearest with one scale and minimum per output channel (the "
+                   "grid of torch's int8 weight-only matmul, coarser than groups of 64)",
+    "hqq": "re-quantized onto the deployment's groups with each group's scale and minimum fitted (HQQ-style)",
+    "gptq": "re-quantized onto the deployment's groups by GPTQ against calibration text the model samples",
+    "gguf": "the GGUF file's own codes, scales and minimums, as they are (groups of 32; each weight at its file's "
+            "width, e.g. Q4_1 at 4 bits, a Q8_0 embedding at 8): no re-quantization",
+}
+
+
+def weights_meaning(name: str) -> str:
+    """Which weights a setting name (setting_name) computes with, in a sentence."""
+    if name.split(",")[0] in DTYPE_LABELS.values():
+        return "the source's weights as they are (a GGUF's dequantized), in that dtype"
+    method = name.split(" ")[-1] if name.split(" ")[-1] in WEIGHTS_MEANING else ""
+    if "-bit" not in name or ("cache" in name and "weights" not in name):
+        return "the source's weights as they are (the KV cache alone compressed)"
+    return WEIGHTS_MEANING[method]
 
 
 def setting_rank(name: str) -> tuple:

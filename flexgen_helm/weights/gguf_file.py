@@ -1,6 +1,7 @@
 """A llama.cpp GGUF file (llama and Mixtral, qwen2, qwen3, gemma2, gemma3, phi3, qwen2moe, qwen3moe,
 olmoe): config from its metadata, tensors dequantized to float one at a time (an expert's
-rows alone, out of its block's stacked experts).
+rows alone, out of its block's stacked experts), or, quantized ones, their own codes
+(weights/gguf_codes.py).
 
 What differs from a Hugging Face checkpoint is undone here: GGUF lists shapes
 innermost-first (a Linear weight (out, in) shows as [in, out]); llama.cpp's converter
@@ -12,6 +13,7 @@ weights/gguf_arch.py.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -22,10 +24,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flexgen_helm.compression.quantize import QuantizedTensor
 from flexgen_helm.errors import ModelNotFoundError, WeightStoreError
 from flexgen_helm.models import FAMILIES, HF_MODEL_TYPES
 from flexgen_helm.models.tokenizer import gguf_tokenizer
 from flexgen_helm.weights.gguf_arch import ARCHITECTURES
+from flexgen_helm.weights.gguf_codes import read_codes
 from flexgen_helm.weights.source import WeightSource, rename
 
 _REQUIRED = object()
@@ -47,6 +51,7 @@ class GGUFFile(WeightSource):
         if not self.path.is_file():
             raise ModelNotFoundError(f"{self.path}: no such GGUF file")
         meta = self._cached_meta(Path(cache_dir) if cache_dir else None)
+        self._types = meta.get("tensor_types")  # None in a cache written before they were kept
         self.arch = ARCHITECTURES[meta["arch"]]
         hf = meta["hf_config"]
         self.config = FAMILIES[HF_MODEL_TYPES[hf["model_type"]]].config_from_hf(hf, name or meta["name"])
@@ -61,7 +66,8 @@ class GGUFFile(WeightSource):
             raise ModelNotFoundError(
                 f"{self.path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
             )
-        meta = {"arch": arch, "name": self._meta("general.name", self.path.stem), "hf_config": self._hf_config(arch)}
+        meta = {"arch": arch, "name": self._meta("general.name", self.path.stem), "hf_config": self._hf_config(arch),
+                "tensor_types": {t.name: t.tensor_type.name for t in self._reader.tensors}}
         if cached is not None:
             try:  # beside the final name, then renamed: a reader never sees half a file
                 cached.parent.mkdir(parents=True, exist_ok=True)
@@ -147,18 +153,47 @@ class GGUFFile(WeightSource):
         st = self.path.stat()
         return f"gguf:{self.path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
 
-    def read(self, store_name: str) -> torch.Tensor:
-        from gguf.quants import dequantize
-
+    def tensor_type(self, store_name: str) -> str:
+        """The GGUF type the file stores a tensor in ("Q4_1", "F32", ...)."""
         name = rename(store_name, self.arch.names)
+        types = self._types if self._types is not None else {t.name: t.tensor_type.name for t in self._reader.tensors}
+        if name not in types:
+            raise WeightStoreError(f"{self.path}: tensor {name!r} (store name {store_name}) is missing")
+        return types[name]
+
+    def read_codes(self, store_name: str) -> QuantizedTensor:
+        """A quantized (out, in) tensor's own codes, scales and minimums (weights/gguf_codes.py),
+        with the rows put back as `read` puts them: equal to `read` once dequantized."""
+        name = rename(store_name, self.arch.names)
+        t, data, shape = self._stored(name, store_name)
+        if len(shape) != 2:
+            raise WeightStoreError(f"{self.path}: {name} is {len(shape)}-D; only (out, in) weights have codes here")
+        q = read_codes(data, t.tensor_type.name, shape)
+        kind = name.split(".")[-2]
+        if self.arch.permuted and kind in ("attn_q", "attn_k"):
+            heads = self.config.num_heads if kind == "attn_q" else self.config.num_kv_heads
+            q = dataclasses.replace(q, **{p: unpermute_rows(getattr(q, p), heads).contiguous()
+                                          for p in ("data", "scale", "min")})
+        return q
+
+    def _stored(self, name: str, store_name: str):
+        """The file's tensor, and the part of its data the store tensor is with that part's
+        (out, in) shape: an expert's rows alone, out of its block's stacked (experts, out, in) one."""
         t = self._tensors.get(name)
         if t is None:
             raise WeightStoreError(f"{self.path}: tensor {name!r} (store name {store_name}) is missing")
         shape = tuple(int(d) for d in reversed(t.shape))
         data = t.data
         expert = _EXPERT.search(store_name)
-        if expert:  # one expert of the stacked (experts, out, in) tensor: its rows alone, dequantized
+        if expert:
             data, shape = data[int(expert[1])], shape[1:]
+        return t, data, shape
+
+    def read(self, store_name: str) -> torch.Tensor:
+        from gguf.quants import dequantize
+
+        name = rename(store_name, self.arch.names)
+        t, data, shape = self._stored(name, store_name)
         a = dequantize(data, t.tensor_type)
         # Unquantized types come back as read-only views of the memory-mapped file.
         a = np.ascontiguousarray(a) if a.flags.writeable else a.copy()

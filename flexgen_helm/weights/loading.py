@@ -12,11 +12,11 @@ from typing import Callable
 
 import torch
 
+from flexgen_helm.compression.grids import WeightCompression, setting_of, takes_source_codes
 from flexgen_helm.compression.stored import quantized_once
 from flexgen_helm.memory.devices import DTYPE_NAMES
 from flexgen_helm.models import family_of
 from flexgen_helm.models.spec import all_store_tensors
-from flexgen_helm.policy.policy import Compression
 from flexgen_helm.weights.compressed_store import (
     CompressedStore,
     WeightCalibration,
@@ -27,11 +27,12 @@ from flexgen_helm.weights.compressed_store import (
 from flexgen_helm.weights.convert import config_to_json, convert
 from flexgen_helm.weights.dummy import DummyWeights
 from flexgen_helm.weights.registry import ResolvedModel, resolve, store_dir_for
+from flexgen_helm.weights.source_grids import weight_grids
 from flexgen_helm.weights.store import TensorStore
 
 
 def open_weights(resolved: ResolvedModel, dtype: torch.dtype, offload_dir: Path, needs_disk: bool,
-                 progress: bool, compression: Compression | None, device: torch.device,
+                 progress: bool, compression: WeightCompression, device: torch.device,
                  calibration: WeightCalibration | None = None
                  ) -> tuple[TensorStore | CompressedStore | None, Callable[[str], torch.Tensor]]:
     """The store the disk tier reads (None when nothing is on disk and no store is needed)
@@ -51,9 +52,11 @@ def open_weights(resolved: ResolvedModel, dtype: torch.dtype, offload_dir: Path,
     # the store also holds what a costly method computed once, for every tier to load
     if compression is not None and (needs_disk or quantized_once(compression)):
         specs = all_store_tensors(family_of(resolved.config).layer_specs(resolved.config))
-        store = open_compressed_store(compressed_store_dir(root, compression, store_layout(dtype, device)), specs,
-                                      compression, dtype, device,
-                                      config_to_json(resolved.config), read_full, progress, calibration)
+        compression = weight_grids(compression, resolved.source, specs)  # as the engine resolved it, or now
+        source_codes = resolved.source.read_codes if takes_source_codes(setting_of(compression)) else None
+        store = open_compressed_store(compressed_store_dir(root, setting_of(compression), store_layout(dtype, device)),
+                                      specs, compression, dtype, device, config_to_json(resolved.config), read_full,
+                                      progress, calibration, source_codes)
     return store, read_full
 
 

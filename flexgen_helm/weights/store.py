@@ -21,9 +21,10 @@ from flexgen_helm.memory.direct_io import read_bytes
 FORMAT = "flexgen-helm-store/1"
 MANIFEST = "manifest.json"
 
-# Element types a stored tensor may have: the model dtypes, and uint8 / int32 for the packed
-# codes of compressed weights (weights/compressed_store.py; int32: CUDA's int4 tiles).
-ELEMENT_DTYPES = {**DTYPES, "uint8": torch.uint8, "int32": torch.int32}
+# Element types a stored tensor may have: the model dtypes, and uint8 / int32 / int8 for the
+# packed codes of compressed weights (weights/compressed_store.py; int32: CUDA's int4 tiles;
+# int8: the int8 kernel's codes).
+ELEMENT_DTYPES = {**DTYPES, "uint8": torch.uint8, "int32": torch.int32, "int8": torch.int8}
 ELEMENT_DTYPE_NAMES = {v: k for k, v in ELEMENT_DTYPES.items()}
 
 

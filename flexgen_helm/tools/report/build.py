@@ -21,6 +21,7 @@ from pathlib import Path
 import pandas as pd
 
 from flexgen_helm.memory.machine import machine_info, machine_label
+from flexgen_helm.policy.precision import setting_rank, weights_meaning
 from flexgen_helm.tools.report import (
     accuracy,
     archive,
@@ -38,7 +39,7 @@ RUN_INFO = "run_info.json"  # written beside the records by the command that mad
 
 HELM_SHOWN = ["scenario", "deployment", "precision", "instances", "prompt tok", "prompt tok (padded)",
               "prompt tok (computed)", "prefix reuse", "output tok", "output tok (padded)", "engine time (s)",
-              "prefill (s)", "decode (s)", "padded tok/s", "actual tok/s", "efficiency"]
+              "prefill (s)", "decode (s)", "padded tok/s", "actual tok/s", "efficiency", "cached requests"]
 
 
 def suite_path(output_path: str | Path, suite: str) -> Path:
@@ -149,7 +150,13 @@ def _helm_section(df: pd.DataFrame, suite_dir: Path, out: Path) -> list[str]:
            "Engine time: the engine's wall time for the run's batches; prefill and decode: the part of it in "
            "each stage (per-stage time: prompts through the model, then one step per generated token). "
            "Padded / actual tok/s = (prompt + output tokens, padded / real) / engine time; "
-           "efficiency = actual / padded.\n", table(shown)]
+           "efficiency = actual / padded. Requests HELM's cache answered (computed by an earlier run: a rerun in "
+           "the same folder) are counted apart in \"cached requests\" and in no other column: tokens, times and "
+           "throughputs are those of the requests this run computed.\n", table(shown)]
+    if "cached requests" in df and df["cached requests"].fillna(0).sum():
+        md.append("From HELM's cache, not computed in this run: " + "; ".join(
+            f"{run['scenario']} / {run['deployment']}: {int(run['cached requests'])} requests, {run['cached computed']}"
+            for _, run in df.iterrows() if run["cached requests"]) + ".\n")
     if total:
         md.append("Whole suite: " + ", ".join(f"{k} {fmt(v)}" for k, v in total.items()) + "\n")
     md.append(_csv(df.rename(columns={c: c.removeprefix("metric:") for c in metric_cols}), out, "helm_runs.csv"))
@@ -181,6 +188,10 @@ def _accuracy_section(evals: list[dict], helm_df: pd.DataFrame, out: Path) -> li
             md.append(f"Each value is a mean over its run's instances ({' / '.join(map(str, sizes))} here; one "
                       "instance moves an accuracy by 1 / that many): HELM's own sample, not the full test set.\n")
         md += [table(helm), _csv(helm, out, "accuracy_helm.csv")]
+        if "precision" in helm:  # what a comparison of two rows means for the checkpoint's weights
+            shown_precisions = sorted(set(helm["precision"].dropna()), key=setting_rank)
+            md.append("Weights each precision computes with: "
+                      + "; ".join(f"{p}: {weights_meaning(p)}" for p in shown_precisions) + ".\n")
         named = helm.assign(label=helm["deployment"] + (" (" + helm["precision"] + ")" if "precision" in helm else ""))
         metrics = [c for c in helm.columns if c not in ("deployment", "precision")]
         md.append(_img(plots.bar_panels(named, "label", metrics, "HELM metrics by deployment",
