@@ -49,6 +49,7 @@ from flexgen_helm.weights.convert import (
     STORE_ADVICE,
     atomic_write,
     disk_errors,
+    exclusive_store,
     notice,
     write_tensor_file,
 )
@@ -146,6 +147,14 @@ def open_compressed_store(root: Path, specs: list[TensorSpec], cfg: Compression,
               "dtype": DTYPE_NAMES[dtype], "layout": store_layout(dtype, device),
               "compression": dataclasses.asdict(cfg),  # the quantization method too
               "calibration": None if calibration is None else calibration.settings}
+    with exclusive_store(root):  # another job may be writing it: wait, then find it done
+        _open_or_write(root, header, specs, cfg, dtype, device, read_full, progress, calibration)
+    return CompressedStore(root, cfg)
+
+
+def _open_or_write(root: Path, header: dict, specs: list[TensorSpec], cfg: Compression, dtype: torch.dtype,
+                   device: torch.device, read_full: Callable[[str], torch.Tensor], progress: bool,
+                   calibration: WeightCalibration | None) -> None:
     try:
         manifest = json.loads((root / MANIFEST).read_text())
     except (OSError, ValueError):
@@ -159,7 +168,6 @@ def open_compressed_store(root: Path, specs: list[TensorSpec], cfg: Compression,
         if damaged:
             notice(f"{root}: {first_problem(damaged)}; writing the compressed store again")
             _write(root, header, specs, cfg, dtype, device, read_full, progress, calibration)
-    return CompressedStore(root, cfg)
 
 
 def _write(root: Path, header: dict, specs: list[TensorSpec], cfg: Compression, dtype: torch.dtype,
