@@ -96,8 +96,10 @@ def main() -> None:
     args = parser.parse_args()
     setup_default_logging(args.log_config)
 
-    from helm.benchmark.config_registry import register_builtin_configs_from_helm_package, \
-        register_configs_from_directory
+    from helm.benchmark.config_registry import (
+        register_builtin_configs_from_helm_package,
+        register_configs_from_directory,
+    )
     from helm.benchmark.run import load_entry_point_plugins
     from helm.benchmark.runner import RunSpec
     from helm.benchmark.slurm_runner import SlurmRunnerSpec
