@@ -39,7 +39,9 @@ start=$SECONDS
     helm-run -r "${ENTRIES[@]}" -m "$M" --suite $SUITE --runner-class-name helm.benchmark.slurm_runner.SlurmRunner \
     >"$OUT/slurm.log" 2>&1)
 echo "$(stamp) Slurm done in $(( SECONDS - start )) s" | tee -a "$OUT/commands.txt"
-cp "$WORK"/slurm/slurm/*/logs/*.log "$WORK"/slurm/slurm/*/worker_slurm_jobs.json "$OUT/jobs/"
+for f in "$WORK"/slurm/slurm/*/logs/*.log "$WORK"/slurm/slurm/*/worker_slurm_jobs.json; do
+    cp "$f" "$OUT/jobs/$(basename "$f" | tr ':/' '__')"
+done
 
 echo "$(stamp) python -m flexgen_helm.tools.suite_diff single slurm --json comparison.json" | tee -a "$OUT/commands.txt"
 python -m flexgen_helm.tools.suite_diff "$WORK/single/benchmark_output/runs/$SUITE" \

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The data-parallel HELM scenario over 2 Slurm nodes (srun, one rank per node, torch's env://
+# from Slurm's variables: flexgen_helm/dist/rendezvous.py), against one process; then a rank
+# whose rendezvous cannot be reached.
+#
+#   sudo cluster/local_slurm.sh start && export SLURM_CONF=/tmp/flexgen-slurm/slurm.conf
+#   cluster/data_parallel_srun.sh [MAX_INSTANCES]      (default 16)
+#
+# Both "nodes" of the local cluster are this host (1 core each): the wall times say what the
+# plumbing costs, not what two machines would gain. Evidence in runs/cluster/data_parallel/.
+set -euo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+M=${1:-16}
+WORK=${FLEXGEN_CLUSTER_WORK:-/tmp/flexgen-cluster-work}/data_parallel
+OUT=$REPO/runs/cluster/data_parallel
+SUITE=dp
+ENTRIES=("lambada:model=flexgen/smollm2-135m" "wikitext:model=flexgen/smollm2-135m,unit=paragraph")
+export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH} FLEXGEN_HELM_DTYPE=float32 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export FLEXGEN_HELM_CACHE=$WORK/flexgen-cache   # converted stores: shared; HELM's caches: one per side
+
+python -c "from flexgen_helm.helm.slurm import slurm_problem as p; import sys; m = p(); m and sys.exit(m)"
+rm -rf "$WORK" "$OUT"
+mkdir -p "$WORK/single" "$WORK/dp" "$OUT"
+log() { echo "$(date -u +%FT%TZ) $*" | tee -a "$OUT/commands.txt"; }
+
+# the single process first: it also converts the store both sides then read
+log "1. one process: helm-run -r ${ENTRIES[*]} -m $M --suite $SUITE --runner-class-name flexgen_helm.helm.runner.BatchingRunner"
+start=$SECONDS
+(cd "$WORK/single" && timeout 1800 helm-run -r "${ENTRIES[@]}" -m "$M" --suite $SUITE \
+    --runner-class-name flexgen_helm.helm.runner.BatchingRunner >"$OUT/single.log" 2>&1)
+log "one process: $(( SECONDS - start )) s wall (helm-run start to end)"
+
+log "2. two node ranks: srun -N 2 --ntasks-per-node 1 --kill-on-bad-exit=1 python -m flexgen_helm.helm.data_parallel -r ${ENTRIES[*]} -m $M --suite $SUITE"
+start=$SECONDS
+(cd "$WORK/dp" && timeout 1800 srun -N 2 --ntasks-per-node 1 --kill-on-bad-exit=1 -t 30 -l \
+    python -m flexgen_helm.helm.data_parallel -r "${ENTRIES[@]}" -m "$M" --suite $SUITE >"$OUT/dp.log" 2>&1)
+log "two node ranks: $(( SECONDS - start )) s wall (srun start to end)"
+log "$(grep -ah 'rank [01] computed' "$OUT/dp.log" | sed 's/.*INFO *//' | tr '\n' ';')"
+log "$(python -m flexgen_helm.tools.suite_diff "$WORK/single/benchmark_output/runs/$SUITE" \
+    "$WORK/dp/benchmark_output/runs/$SUITE" --json "$OUT/comparison.json")"
+
+port=$(python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+log "3. a rank whose rendezvous nobody serves: srun -N 1 -n 1 env RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port FLEXGEN_HELM_RENDEZVOUS_TIMEOUT_S=10 python -m flexgen_helm.helm.data_parallel ..."
+start=$SECONDS
+set +e
+(cd "$WORK/dp" && timeout 300 srun -N 1 -n 1 -t 5 env RANK=1 WORLD_SIZE=2 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 \
+    MASTER_PORT="$port" FLEXGEN_HELM_RENDEZVOUS_TIMEOUT_S=10 \
+    python -m flexgen_helm.helm.data_parallel -r "${ENTRIES[0]}" -m 2 --suite never >"$OUT/unreachable.log" 2>&1)
+rc=$?
+set -e
+log "exit status $rc after $(( SECONDS - start )) s: $(grep -a '^flexgen data-parallel' "$OUT/unreachable.log")"
+sleep 2
+log "data_parallel processes left: $(pgrep -fc 'flexgen_helm.helm.data_parallel' || true)"
