@@ -4,17 +4,20 @@
 # whose rendezvous cannot be reached.
 #
 #   sudo cluster/local_slurm.sh start && export SLURM_CONF=/tmp/flexgen-slurm/slurm.conf
-#   cluster/data_parallel_srun.sh [MAX_INSTANCES]      (default 16)
+#   cluster/data_parallel_srun.sh [MAX_INSTANCES [REFERENCE_SUITE_DIR]]     (default 32: 2 batches of 16)
 #
+# REFERENCE_SUITE_DIR: a one-process suite of the same run spec, -m and dtype to compare with
+# (cluster/slurm_resume.sh's single-process suite is one) instead of running it here again.
 # Both "nodes" of the local cluster are this host (1 core each): the wall times say what the
 # plumbing costs, not what two machines would gain. Evidence in runs/cluster/data_parallel/.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-M=${1:-16}
+M=${1:-32}
+REFERENCE=${2:-}
 WORK=${FLEXGEN_CLUSTER_WORK:-/tmp/flexgen-cluster-work}/data_parallel
 OUT=$REPO/runs/cluster/data_parallel
 SUITE=dp
-ENTRIES=("lambada:model=flexgen/smollm2-135m" "wikitext:model=flexgen/smollm2-135m,unit=paragraph")
+ENTRIES=("lambada:model=flexgen/smollm2-135m")
 export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH} FLEXGEN_HELM_DTYPE=float32 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export FLEXGEN_HELM_CACHE=$WORK/flexgen-cache   # converted stores: shared; HELM's caches: one per side
 
@@ -23,12 +26,16 @@ rm -rf "$WORK" "$OUT"
 mkdir -p "$WORK/single" "$WORK/dp" "$OUT"
 log() { echo "$(date -u +%FT%TZ) $*" | tee -a "$OUT/commands.txt"; }
 
-# the single process first: it also converts the store both sides then read
-log "1. one process: helm-run -r ${ENTRIES[*]} -m $M --suite $SUITE --runner-class-name flexgen_helm.helm.runner.BatchingRunner"
-start=$SECONDS
-(cd "$WORK/single" && timeout 1800 helm-run -r "${ENTRIES[@]}" -m "$M" --suite $SUITE \
-    --runner-class-name flexgen_helm.helm.runner.BatchingRunner >"$OUT/single.log" 2>&1)
-log "one process: $(( SECONDS - start )) s wall (helm-run start to end)"
+if [ -z "$REFERENCE" ]; then  # the single process first: it also converts the store both sides then read
+    REFERENCE=$WORK/single/benchmark_output/runs/$SUITE
+    log "1. one process: helm-run -r ${ENTRIES[*]} -m $M --suite $SUITE --runner-class-name flexgen_helm.helm.runner.BatchingRunner"
+    start=$SECONDS
+    (cd "$WORK/single" && timeout 1800 helm-run -r "${ENTRIES[@]}" -m "$M" --suite $SUITE \
+        --runner-class-name flexgen_helm.helm.runner.BatchingRunner >"$OUT/single.log" 2>&1)
+    log "one process: $(( SECONDS - start )) s wall (helm-run start to end)"
+else
+    log "1. one process: the suite in $REFERENCE"
+fi
 
 log "2. two node ranks: srun -N 2 --ntasks-per-node 1 --kill-on-bad-exit=1 python -m flexgen_helm.helm.data_parallel -r ${ENTRIES[*]} -m $M --suite $SUITE"
 start=$SECONDS
@@ -36,7 +43,7 @@ start=$SECONDS
     python -m flexgen_helm.helm.data_parallel -r "${ENTRIES[@]}" -m "$M" --suite $SUITE >"$OUT/dp.log" 2>&1)
 log "two node ranks: $(( SECONDS - start )) s wall (srun start to end)"
 log "$(grep -ah 'rank [01] computed' "$OUT/dp.log" | sed 's/.*INFO *//' | tr '\n' ';')"
-log "$(python -m flexgen_helm.tools.suite_diff "$WORK/single/benchmark_output/runs/$SUITE" \
+log "$(python -m flexgen_helm.tools.suite_diff "$REFERENCE" \
     "$WORK/dp/benchmark_output/runs/$SUITE" --json "$OUT/comparison.json")"
 
 port=$(python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")

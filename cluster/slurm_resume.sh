@@ -43,13 +43,18 @@ slurm_run() {
 }
 RUN_CMD="helm-run -r $ENTRY -m $M --suite $SUITE --runner-class-name helm.benchmark.slurm_runner.SlurmRunner"
 
-log "1. $RUN_CMD   (in the background; scancel once $KILL_AFTER requests are in HELM's cache)"
+log "1. one uninterrupted process: helm-run -r $ENTRY -m $M --suite $SUITE --runner-class-name flexgen_helm.helm.runner.BatchingRunner"
+start=$SECONDS
+(cd "$WORK/single" && timeout $WAIT_S helm-run -r "$ENTRY" -m "$M" --suite $SUITE \
+    --runner-class-name flexgen_helm.helm.runner.BatchingRunner >"$OUT/single.log" 2>&1)
+log "one process: $(( SECONDS - start )) s wall (helm-run start to end)"
+log "2. $RUN_CMD   (in the background; scancel once $KILL_AFTER requests are in HELM's cache)"
 slurm_run slurm_killed.log &
 manager=$!
 deadline=$(( SECONDS + WAIT_S ))
 job=""
 while [ $SECONDS -lt $deadline ]; do
-    job=$(timeout 10 squeue -h -n "$ENTRY" -o %i 2>/dev/null | head -1 || true)
+    job=$(timeout 10 squeue -h -o '%i|%Z' 2>/dev/null | awk -F'|' -v d="$WORK/slurm" '$2 == d {print $1}' | head -1 || true)
     [ -n "$job" ] && [ "$(cached)" -ge $KILL_AFTER ] && break
     kill -0 $manager 2>/dev/null || { log "helm-run ended before the kill"; exit 1; }
     sleep 1
@@ -62,15 +67,12 @@ newest_job_log() { ls -t "$WORK"/slurm/slurm/*/logs/*.log | head -1; }
 cp "$(newest_job_log)" "$OUT/jobs/killed_job.log"
 log "killed run: $(grep -o 'Failed runs: .*' "$OUT/slurm_killed.log" | head -1); $(cached) requests cached"
 
-log "2. the same command again: $RUN_CMD"
+log "3. the same command again: $RUN_CMD"
 slurm_run slurm_resumed.log
 cp "$(newest_job_log)" "$OUT/jobs/resumed_job.log"
 log "killed job: $(grep -a 'flexgen: running' "$OUT/jobs/killed_job.log" | tail -1 | sed 's/.*INFO *//')"
 log "resumed job: $(grep -a 'flexgen: running' "$OUT/jobs/resumed_job.log" | tail -1 | sed 's/.*INFO *//')"
 log "resumed job: $(grep -a 'flexgen.sqlite:' "$OUT/jobs/resumed_job.log" | tail -1 | sed 's/.*INFO *//')"
 
-log "3. one uninterrupted process: helm-run -r $ENTRY -m $M --suite $SUITE --runner-class-name flexgen_helm.helm.runner.BatchingRunner"
-(cd "$WORK/single" && timeout $WAIT_S helm-run -r "$ENTRY" -m "$M" --suite $SUITE \
-    --runner-class-name flexgen_helm.helm.runner.BatchingRunner >"$OUT/single.log" 2>&1)
 log "$(python -m flexgen_helm.tools.suite_diff "$WORK/single/benchmark_output/runs/$SUITE" \
     "$WORK/slurm/benchmark_output/runs/$SUITE" --json "$OUT/comparison.json")"
