@@ -4,24 +4,29 @@
 # whose rendezvous cannot be reached.
 #
 #   sudo cluster/local_slurm.sh start && export SLURM_CONF=/tmp/flexgen-slurm/slurm.conf
-#   cluster/data_parallel_srun.sh [MAX_INSTANCES [REFERENCE_SUITE_DIR]]     (default 32: 2 batches of 16)
+#   cluster/data_parallel.sh [MAX_INSTANCES [REFERENCE_SUITE_DIR]]     (default 32: 2 batches of 16)
 #
 # REFERENCE_SUITE_DIR: a one-process suite of the same run spec, -m and dtype to compare with
 # (cluster/slurm_resume.sh's single-process suite is one) instead of running it here again.
+# LAUNCH=torchrun: the same over two torchrun node ranks on 127.0.0.1 (--nnodes 2, static
+# rendezvous), no Slurm needed.
 # Both "nodes" of the local cluster are this host (1 core each): the wall times say what the
-# plumbing costs, not what two machines would gain. Evidence in runs/cluster/data_parallel/.
+# plumbing costs, not what two machines would gain. Evidence in runs/cluster/data_parallel_$LAUNCH/.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 M=${1:-32}
 REFERENCE=${2:-}
-WORK=${FLEXGEN_CLUSTER_WORK:-/tmp/flexgen-cluster-work}/data_parallel
-OUT=$REPO/runs/cluster/data_parallel
+LAUNCH=${LAUNCH:-srun}
+WORK=${FLEXGEN_CLUSTER_WORK:-/tmp/flexgen-cluster-work}/data_parallel_$LAUNCH
+OUT=$REPO/runs/cluster/data_parallel_$LAUNCH
 SUITE=dp
 ENTRIES=("lambada:model=flexgen/smollm2-135m")
 export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH} FLEXGEN_HELM_DTYPE=float32 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-export FLEXGEN_HELM_CACHE=$WORK/flexgen-cache   # converted stores: shared; HELM's caches: one per side
+# converted stores: shared by both sides (and with another script's, if FLEXGEN_HELM_CACHE is set); HELM's
+# caches: one per side
+export FLEXGEN_HELM_CACHE=${FLEXGEN_HELM_CACHE:-$WORK/flexgen-cache}
 
-python -c "from flexgen_helm.helm.slurm import slurm_problem as p; import sys; m = p(); m and sys.exit(m)"
+[ "$LAUNCH" = torchrun ] || python -c "from flexgen_helm.helm.slurm import slurm_problem as p; import sys; m = p(); m and sys.exit(m)"
 rm -rf "$WORK" "$OUT"
 mkdir -p "$WORK/single" "$WORK/dp" "$OUT"
 log() { echo "$(date -u +%FT%TZ) $*" | tee -a "$OUT/commands.txt"; }
@@ -37,20 +42,36 @@ else
     log "1. one process: the suite in $REFERENCE"
 fi
 
-log "2. two node ranks: srun -N 2 --ntasks-per-node 1 --kill-on-bad-exit=1 python -m flexgen_helm.helm.data_parallel -r ${ENTRIES[*]} -m $M --suite $SUITE"
+DP_ARGS=(-m flexgen_helm.helm.data_parallel -r "${ENTRIES[@]}" -m "$M" --suite $SUITE)
 start=$SECONDS
-(cd "$WORK/dp" && timeout 1800 srun -N 2 --ntasks-per-node 1 --kill-on-bad-exit=1 -t 30 -l \
-    python -m flexgen_helm.helm.data_parallel -r "${ENTRIES[@]}" -m "$M" --suite $SUITE >"$OUT/dp.log" 2>&1)
-log "two node ranks: $(( SECONDS - start )) s wall (srun start to end)"
+if [ "$LAUNCH" = torchrun ]; then
+    port=$(python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+    log "2. two node ranks: torchrun --nnodes 2 --node-rank R --nproc-per-node 1 --master-addr 127.0.0.1 --master-port $port ${DP_ARGS[*]}   (R = 0, 1)"
+    pids=()
+    for r in 0 1; do
+        (cd "$WORK/dp" && timeout 1800 torchrun --nnodes 2 --node-rank $r --nproc-per-node 1 --master-addr 127.0.0.1 \
+            --master-port "$port" "${DP_ARGS[@]}" >"$OUT/dp_node$r.log" 2>&1) &
+        pids+=($!)
+    done
+    for p in "${pids[@]}"; do wait "$p"; done
+    cat "$OUT"/dp_node*.log >"$OUT/dp.log"
+else
+    log "2. two node ranks: srun -N 2 --ntasks-per-node 1 --kill-on-bad-exit=1 python ${DP_ARGS[*]}"
+    (cd "$WORK/dp" && timeout 1800 srun -N 2 --ntasks-per-node 1 --kill-on-bad-exit=1 -t 30 -l \
+        python "${DP_ARGS[@]}" >"$OUT/dp.log" 2>&1)
+fi
+log "two node ranks: $(( SECONDS - start )) s wall ($LAUNCH start to end)"
 log "$(grep -ah 'rank [01] computed' "$OUT/dp.log" | sed 's/.*INFO *//' | tr '\n' ';')"
 log "$(python -m flexgen_helm.tools.suite_diff "$REFERENCE" \
     "$WORK/dp/benchmark_output/runs/$SUITE" --json "$OUT/comparison.json")"
 
 port=$(python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
-log "3. a rank whose rendezvous nobody serves: srun -N 1 -n 1 env RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port FLEXGEN_HELM_RENDEZVOUS_TIMEOUT_S=10 python -m flexgen_helm.helm.data_parallel ..."
+SRUN=(srun -N 1 -n 1 -t 5)
+[ "$LAUNCH" = torchrun ] && SRUN=()
+log "3. a rank whose rendezvous nobody serves: ${SRUN[*]} env RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port FLEXGEN_HELM_RENDEZVOUS_TIMEOUT_S=10 python -m flexgen_helm.helm.data_parallel ..."
 start=$SECONDS
 set +e
-(cd "$WORK/dp" && timeout 300 srun -N 1 -n 1 -t 5 env RANK=1 WORLD_SIZE=2 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 \
+(cd "$WORK/dp" && timeout 300 "${SRUN[@]}" env RANK=1 WORLD_SIZE=2 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 \
     MASTER_PORT="$port" FLEXGEN_HELM_RENDEZVOUS_TIMEOUT_S=10 \
     python -m flexgen_helm.helm.data_parallel -r "${ENTRIES[0]}" -m 2 --suite never >"$OUT/unreachable.log" 2>&1)
 rc=$?
