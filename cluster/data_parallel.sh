@@ -78,4 +78,4 @@ rc=$?
 set -e
 log "exit status $rc after $(( SECONDS - start )) s: $(grep -a '^flexgen data-parallel' "$OUT/unreachable.log")"
 sleep 2
-log "data_parallel processes left: $(pgrep -fc 'flexgen_helm.helm.data_parallel' || true)"
+log "python processes of flexgen_helm.helm.data_parallel left: $(ps -eo pid,args | grep -cE '^ *[0-9]+ [^ ]*python[^ ]* -m flexgen_helm.helm.data_parallel' || true)"
