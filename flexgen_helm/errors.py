@@ -41,3 +41,8 @@ class DiskFullError(OffloadDirError):
 class ProfileFormatError(FlexGenError, ValueError):
     """A saved hardware profile of another format than this engine's: it lacks what the cost
     model now needs, so it must be measured again."""
+
+
+class ClusterError(FlexGenError, RuntimeError):
+    """The cluster manager (Slurm) or a process group's rendezvous cannot be used: the message
+    names the command or address that failed and how to start or reach it."""

@@ -26,9 +26,9 @@ ENTRIES = [
 
 
 def helm_run_process(tmp: Path, entries, *extra, fake=False, suite="t", max_instances=3, launcher=None,
-                     output_path=None) -> subprocess.CompletedProcess:
+                     output_path=None, cwd=None, env=None) -> subprocess.CompletedProcess:
     """helm-run with its outputs in tmp/out (or `output_path`) and its prod_env in tmp/prod_env."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env = dict(env or os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.pop("FLEXGEN_HELM_ENGINE_FACTORY", None)
     if fake:
         env["FLEXGEN_HELM_ENGINE_FACTORY"] = "helm_fake_engine:load"
@@ -37,7 +37,7 @@ def helm_run_process(tmp: Path, entries, *extra, fake=False, suite="t", max_inst
     cmd = [*(launcher or [str(helm_run_bin)]), "-r", *entries, "-m", str(max_instances), "--suite", suite,
            "-o", str(output_path or tmp / "out"), "--local-path", str(tmp / "prod_env"), "-n", "4",
            "--exit-on-error", *extra]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=cwd)
 
 
 def helm_run(tmp: Path, entries, *extra, **kwargs) -> str:

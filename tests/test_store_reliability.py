@@ -139,6 +139,38 @@ def test_a_truncated_compressed_store_is_rebuilt(tmp_path, capsys):
     assert all(torch.equal(a, b) for a, b in zip(first.parts, again.parts))
 
 
+def test_jobs_opening_one_compressed_store_at_once_write_it_once(tmp_path):
+    """Slurm jobs (or HELM workers) sharing a cache: the second waits for the first's store
+    instead of deleting its half-written files and writing it again."""
+    import threading
+    import time
+
+    specs = all_store_tensors(family_of(TINY).layer_specs(TINY))
+    source, reads, started = DummyWeights(TINY), [], threading.Event()
+
+    def slow_read(name):
+        reads.append(name)
+        started.set()
+        time.sleep(0.01)  # long enough for the other job to arrive mid-write
+        return source.read(name)
+
+    stores = []
+
+    def job():
+        stores.append(open_compressed_store(tmp_path / "q4", specs, Compression(bits=4, group_size=16),
+                                            torch.float32, torch.device("cpu"), {"name": "tiny"}, slow_read,
+                                            progress=False))
+
+    first = threading.Thread(target=job)
+    first.start()
+    assert started.wait(10)
+    job()
+    first.join(30)
+    assert len(reads) == len(specs)  # written once
+    a, b = (s.read(LAYER, (0, 32)) for s in stores)
+    assert all(torch.equal(x, y) for x, y in zip(a.parts, b.parts))
+
+
 # ----- full disks -------------------------------------------------------------------------
 
 

@@ -14,7 +14,6 @@ is the StageLink that tells it where a step's inputs come from and where its out
 
 from __future__ import annotations
 
-import datetime
 import os
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from flexgen_helm.dist.partition import balanced_bounds, layer_costs
+from flexgen_helm.dist.rendezvous import join_process_group
 from flexgen_helm.engine import Engine, build_runtime
 from flexgen_helm.errors import FlexGenError
 from flexgen_helm.executor.generation import Block, StageLink
@@ -36,11 +36,11 @@ from flexgen_helm.weights.registry import resolve
 
 def init_distributed(timeout_s: float = 300.0) -> tuple[int, int]:
     """Join the process group torchrun describes (NCCL between GPUs, gloo on CPUs)."""
-    if "RANK" not in os.environ:
-        raise FlexGenError("--pipeline needs to be launched by torchrun (e.g. torchrun --nproc-per-node 2 ...)")
+    if "RANK" not in os.environ and "SLURM_PROCID" not in os.environ:
+        raise FlexGenError("--pipeline needs to be launched by torchrun (e.g. torchrun --nproc-per-node 2 ...) "
+                           "or srun (srun -N 2 --ntasks-per-node 1 ...)")
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        join_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout_s)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     if not torch.cuda.is_available():
         # stages on one machine share its cores

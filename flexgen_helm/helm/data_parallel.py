@@ -2,6 +2,11 @@
 torchrun) share the requests of each run, and the results are gathered into one HELM run.
 
     torchrun --nproc-per-node 2 -m flexgen_helm.helm.data_parallel <helm-run arguments>
+    srun -N 2 --ntasks-per-node 1 python -m flexgen_helm.helm.data_parallel <helm-run arguments>
+
+Under srun the ranks come from Slurm's variables (dist/rendezvous.py); either way every
+rank waits at most FLEXGEN_HELM_RENDEZVOUS_TIMEOUT_S (300 s) for the others, then exits with
+one line naming the rendezvous address.
 
 Rank 0 is the real helm-run: its output path, prod_env and cache are the user's. It
 decides which requests still need computing; every rank plans the same batches as a
@@ -25,7 +30,8 @@ import torch.distributed as dist
 from helm.common.cache import create_key_value_store
 from helm.common.hierarchical_logger import hlog
 
-from flexgen_helm.errors import DiskFullError
+from flexgen_helm.dist.rendezvous import join_process_group, rendezvous_timeout_s
+from flexgen_helm.errors import ClusterError, DiskFullError
 from flexgen_helm.helm.batching import run_batches
 from flexgen_helm.helm.runner import BatchingRunner
 from flexgen_helm.helm.scenario_executor import BatchingExecutor
@@ -119,11 +125,10 @@ def _set(args, names, value):
 
 
 def main() -> None:
-    if "RANK" not in os.environ:
-        raise SystemExit("launch with torchrun, e.g. "
-                         "torchrun --nproc-per-node 2 -m flexgen_helm.helm.data_parallel ...")
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    try:
+        rank, _ = join_process_group("gloo", rendezvous_timeout_s())
+    except ClusterError as e:  # one line, and this rank exits: its peers time out the same way
+        raise SystemExit(f"flexgen data-parallel: {e}") from None
     argv = sys.argv[1:] if rank == 0 else _private_folders(sys.argv[1:], rank)
     _set(argv, ("--runner-class-name",), f"{__name__}.DataParallelRunner")
     from helm.benchmark.run import main as helm_run

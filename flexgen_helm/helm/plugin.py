@@ -11,7 +11,8 @@ configs and the local `prod_env/` ones. Registered here:
   * the BatchingExecutor as HELM Runner's executor (scenario_executor.py): each scenario's
     flexgen requests run as one planned set of batches, whatever `-n`;
   * the GuardedOutputsRunner as plain helm-run's Runner (outputs_guard.py): a disk that
-    fills while HELM writes a run's outputs ends helm-run with one line, no partial outputs.
+    fills while HELM writes a run's outputs ends helm-run with one line, no partial outputs;
+  * flexgen workers for HELM's SlurmRunner (slurm.py): its jobs load the plugins and batch.
 Import cost is kept to YAML parsing: torch and the engine load on the first request.
 """
 
@@ -75,10 +76,11 @@ def register() -> None:
         _register_tokenizers()
         _register_deployments()
         import flexgen_helm.helm.run_specs  # noqa: F401  (registers run spec functions)
-        from flexgen_helm.helm import outputs_guard, scenario_executor
+        from flexgen_helm.helm import outputs_guard, scenario_executor, slurm
 
         scenario_executor.use_for_plain_helm_run()
         outputs_guard.use_for_plain_helm_run()
+        slurm.use_for_helm_slurm_runner()
 
         _DONE = True
 

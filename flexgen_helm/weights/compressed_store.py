@@ -52,6 +52,7 @@ from flexgen_helm.weights.convert import (
     STORE_ADVICE,
     atomic_write,
     disk_errors,
+    exclusive_store,
     notice,
     write_tensor_file,
 )
@@ -163,6 +164,16 @@ def open_compressed_store(root: Path, specs: list[TensorSpec], compression: Weig
               # the quantization method too, and which weights keep their source's codes (as JSON reads back)
               "compression": json.loads(json.dumps(dataclasses.asdict(compression))),
               "calibration": None if calibration is None else calibration.settings}
+    with exclusive_store(root):  # another job may be writing it: wait, then find it done
+        _open_or_write(root, header, specs, compression, dtype, device, read_full, progress, calibration,
+                       source_codes)
+    return CompressedStore(root, cfg)
+
+
+def _open_or_write(root: Path, header: dict, specs: list[TensorSpec], compression: WeightCompression,
+                   dtype: torch.dtype, device: torch.device, read_full: Callable[[str], torch.Tensor], progress: bool,
+                   calibration: WeightCalibration | None,
+                   source_codes: Callable[[str], QuantizedTensor] | None) -> None:
     try:
         manifest = json.loads((root / MANIFEST).read_text())
     except (OSError, ValueError):
@@ -177,7 +188,6 @@ def open_compressed_store(root: Path, specs: list[TensorSpec], compression: Weig
             notice(f"{root}: {first_problem(damaged)}; writing the compressed store again")
             _write(root, header, specs, compression, dtype, device, read_full, progress, calibration,
                    source_codes)
-    return CompressedStore(root, cfg)
 
 
 def _write(root: Path, header: dict, specs: list[TensorSpec], compression: WeightCompression, dtype: torch.dtype,

@@ -62,12 +62,15 @@ def convert(source: WeightSource, out_dir: str | os.PathLike, dtype: str = "floa
     the tensors whose checksums match are kept and the others written again. Processes that share a cache (pipeline
     stages, HELM workers) convert one at a time; the others then find the store done.
     """
-    with _exclusive(Path(out_dir)):
+    with exclusive_store(Path(out_dir)):
         return _convert(source, out_dir, dtype, progress, verify)
 
 
 @contextlib.contextmanager
-def _exclusive(out: Path):
+def exclusive_store(out: Path):
+    """Held while a process checks and writes the store `out`: processes sharing a cache
+    (pipeline stages, HELM workers, Slurm jobs on one shared filesystem) take turns, so
+    that none deletes another's files half written; the lock file sits beside `out`."""
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         lock = open(out.parent / f".{out.name}.lock", "w")

@@ -1,0 +1,149 @@
+"""Clusters: HELM's SlurmRunner with flexgen deployments (end to end where Slurm runs),
+Slurm absent or down in one line, and a rank that cannot reach its rendezvous."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import stat
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("helm")
+
+from flexgen_helm.dist import rendezvous
+from flexgen_helm.errors import ClusterError
+from flexgen_helm.helm import slurm
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ----- Slurm absent or down ---------------------------------------------------------------------
+
+
+def _fake_bin(folder: Path, name: str, script: str) -> None:
+    path = folder / name
+    path.write_text("#!/bin/sh\n" + script)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+def test_slurm_not_installed_is_one_line_naming_the_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    problem = slurm.slurm_problem()
+    assert "`sbatch` / `sinfo` not found" in problem and "local_slurm.sh start" in problem and "\n" not in problem
+
+
+def test_slurm_down_is_one_line_with_sinfos_reason(tmp_path, monkeypatch):
+    _fake_bin(tmp_path, "sbatch", "exit 0\n")
+    _fake_bin(tmp_path, "sinfo", "echo 'sinfo: error: Unable to contact slurm controller (connect failure)' >&2\n"
+                                 "exit 1\n")
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    problem = slurm.slurm_problem()
+    assert problem.startswith("`sinfo` failed (sinfo: error: Unable to contact slurm controller")
+    assert "local_slurm.sh start" in problem and "\n" not in problem
+
+
+def test_the_worker_command_is_helms_with_the_plugin_loading_worker():
+    helm_command = (f"{sys.executable} -m helm.benchmark.slurm_runner --slurm-runner-spec-path 'a b.json' "
+                    "--run-spec-path r")
+    assert slurm.worker_command(helm_command) == (
+        f"{sys.executable} -m flexgen_helm.helm.slurm --slurm-runner-spec-path 'a b.json' --run-spec-path r")
+    with pytest.raises(ClusterError, match="unexpected command"):
+        slurm.worker_command("python -m something.else")
+
+
+# ----- rendezvous --------------------------------------------------------------------------------
+
+
+def _rank_env(monkeypatch, rank: int, port: int) -> None:
+    for name, value in dict(RANK=rank, WORLD_SIZE=2, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=port).items():
+        monkeypatch.setenv(name, str(value))
+
+
+def test_a_rank_that_cannot_reach_the_rendezvous_exits_naming_address_and_timeout(monkeypatch):
+    from flexgen_helm.helm import data_parallel
+
+    port = _free_port()  # nobody listens there
+    _rank_env(monkeypatch, 1, port)
+    monkeypatch.setenv(rendezvous.TIMEOUT_ENV, "1")
+    started = time.monotonic()
+    with pytest.raises(SystemExit) as exit_info:
+        data_parallel.main()
+    message = str(exit_info.value.code)
+    assert message.startswith(f"flexgen data-parallel: rank 1 of 2: the process group's rendezvous at 127.0.0.1:{port} "
+                              "did not complete within 1 s")
+    assert time.monotonic() - started < 30
+
+
+def test_rank_0_whose_peer_never_comes_gives_up_after_the_timeout(monkeypatch):
+    port = _free_port()
+    _rank_env(monkeypatch, 0, port)
+    with pytest.raises(ClusterError, match=f"rank 0 of 2: .* at 127.0.0.1:{port} did not complete within 1 s"):
+        rendezvous.join_process_group("gloo", 1.0)
+
+
+def test_a_bad_timeout_is_named(monkeypatch):
+    monkeypatch.setenv(rendezvous.TIMEOUT_ENV, "soon")
+    with pytest.raises(ClusterError, match="FLEXGEN_HELM_RENDEZVOUS_TIMEOUT_S='soon'"):
+        rendezvous.rendezvous_timeout_s()
+
+
+def test_srun_tasks_get_torchs_variables(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    for name, value in dict(SLURM_PROCID=3, SLURM_STEP_NUM_TASKS=4, SLURM_LOCALID=1, SLURM_NODEID=1,
+                            SLURM_STEP_TASKS_PER_NODE="2(x2)", SLURM_JOB_ID=123, MASTER_ADDR="127.0.0.1").items():
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    for name in ("WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert rendezvous.slurm_to_torch_env()
+    env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")}
+    assert env == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": "20123"}
+    assert rendezvous.tasks_on_node("2(x3),1", 3) == 1
+
+
+# ----- HELM's SlurmRunner, end to end on a running Slurm ----------------------------------------
+
+
+def _completions(run_dir: Path) -> list:
+    state = json.loads((run_dir / "scenario_state.json").read_text())
+    return [[(c["text"], [t["logprob"] for t in c["tokens"]]) for c in rs["result"]["completions"]]
+            for rs in state["request_states"]]
+
+
+@pytest.mark.skipif(slurm.slurm_problem() is not None, reason=f"no Slurm here: {slurm.slurm_problem()}")
+def test_helms_slurm_runner_runs_flexgen_jobs_as_one_process_would(tmp_path):
+    from test_helm_e2e import helm_run, run_dirs
+
+    entries = ["synthetic_reasoning:mode=pattern_match,model=flexgen/smollm2-135m"]  # one job: CI time
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    (tmp_path / "slurm" / "prod_env").mkdir(parents=True)
+    shutil.copy(REPO / "cluster" / "runner_config.yaml", tmp_path / "slurm" / "prod_env")
+    # the fake engine keeps this about the plumbing; runs/cluster/ holds the real model's suite
+    with ThreadPoolExecutor(2) as both:  # the reference process runs while the job waits in Slurm's queue
+        through_slurm = both.submit(helm_run, tmp_path / "slurm", entries, "--runner-class-name",
+                                    "helm.benchmark.slurm_runner.SlurmRunner", fake=True, env=env,
+                                    cwd=tmp_path / "slurm")
+        one_process = both.submit(helm_run, tmp_path / "single", entries, "--runner-class-name",
+                                  "flexgen_helm.helm.runner.BatchingRunner", fake=True, env=env)
+        assert "Worker Slurm job submitted" in through_slurm.result()
+        one_process.result()
+    jobs, single = run_dirs(tmp_path / "slurm"), run_dirs(tmp_path / "single")
+    assert set(jobs) == set(single) == {"synthetic_reasoning"}
+    for name in jobs:
+        assert _completions(jobs[name]) == _completions(single[name])
+        assert (jobs[name] / "flexgen_padding.json").exists()  # the BatchingRunner ran inside the job
+    job_logs = list((tmp_path / "slurm" / "slurm").glob("*/logs/*.log"))
+    assert len(job_logs) == 1
