@@ -42,11 +42,11 @@ SCENARIOS = {"lambada": ("lambada", 500), "wikitext": ("wikitext:unit=article", 
              "wikitext-paragraph": ("wikitext:unit=paragraph", 100_000),
              # few-shot (HELM's offline ones: their data is generated, none is downloaded): every
              # prompt of a run starts with the same instructions and in-context examples
-             "synthetic_reasoning-pattern_match": ("synthetic_reasoning:mode=pattern_match", 300),
-             "synthetic_reasoning-variable_substitution": ("synthetic_reasoning:mode=variable_substitution", 300),
-             "synthetic_reasoning-induction": ("synthetic_reasoning:mode=induction", 300),
-             "synthetic_reasoning_natural-easy": ("synthetic_reasoning_natural:difficulty=easy", 300),
-             "dyck_language": ("dyck_language:num_parenthesis_pairs=3", 300)}
+             "synthetic_reasoning-pattern_match": ("synthetic_reasoning:mode=pattern_match", 100),
+             "synthetic_reasoning-variable_substitution": ("synthetic_reasoning:mode=variable_substitution", 100),
+             "synthetic_reasoning-induction": ("synthetic_reasoning:mode=induction", 100),
+             "synthetic_reasoning_natural-easy": ("synthetic_reasoning_natural:difficulty=easy", 100),
+             "dyck_language": ("dyck_language:num_parenthesis_pairs=3", 100)}
 FEW_SHOT = [s for s in SCENARIOS if s.startswith(("synthetic", "dyck"))]
 
 
