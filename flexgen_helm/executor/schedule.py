@@ -315,7 +315,11 @@ class BlockSchedule:
                 t0 = time.perf_counter()
                 self.shared.run_layer(self.family, self.cfg, layer, w)
                 if self.keeps_decode_prefix and layer.kind == "block" and not self.cfg.window(layer.index):
-                    self.decode_prefix[layer.index] = (self.shared.keys.clone(), self.shared.values.clone())
+                    # in the dtype decode attention reads a cache in (float32 on a CPU): converted once,
+                    # not at every step of every layer
+                    read_as = decode_cache_dtype(self.devices.compute, self.devices.dtype)
+                    self.decode_prefix[layer.index] = (self.shared.keys.to(read_as, copy=True),
+                                                       self.shared.values.to(read_as, copy=True))
                 self._time_compute(t0, stage)
                 self.timers["prefill_shared_prefix"] += time.perf_counter() - t0  # of prefill_compute
             cache = cache_ahead or self._submit_cache_ahead(layer, live, prefill)
