@@ -156,13 +156,34 @@ def test_decode_steps_attend_to_the_shared_prefix_once_for_all_sequences(tiny_ll
     assert sum(shape[0] for shape in calls) == engine.config.num_layers * 2 * len(PROMPTS) * engine.config.num_kv_heads
 
 
+def test_bf16_decode_over_the_shared_prefix_stays_within_bf16_rounding(tiny_llama, tmp_path, monkeypatch):
+    """A bfloat16 model's decode steps read the prefix in its bf16 layout (on a CPU with bf16
+    arithmetic): their logprobs stay within bf16's rounding of the run without sharing."""
+    from flexgen_helm.executor import attention
+    from flexgen_helm.memory.devices import cpu_has_bf16_arithmetic
+
+    calls = []
+    real = attention._bf16_prefix_part
+    monkeypatch.setattr(attention, "_bf16_prefix_part", lambda *a: calls.append(1) or real(*a))
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
+    runs = [Engine.load(str(tiny_llama), Policy(gpu_batch_size=16, prefix_sharing=sharing), dtype="bfloat16",
+                        device="cpu", offload_dir=tmp_path, progress=False).generate(PROMPTS, params)
+            for sharing in (False, True)]
+    assert bool(calls) == cpu_has_bf16_arithmetic()
+    for a, b in zip(*(run.results for run in runs)):
+        n = len(a.completions[0].token_ids)
+        first_differs = next((i for i in range(n) if a.completions[0].token_ids[i] != b.completions[0].token_ids[i]), n)
+        same = slice(0, first_differs + 1 if first_differs < n else n)  # up to where greedy choices part
+        assert a.completions[0].logprobs[same] == pytest.approx(b.completions[0].logprobs[same], abs=0.1)
+
+
 @pytest.mark.parametrize("softcap", [0.0, 3.0])
 def test_shared_prefix_attention_is_attention(softcap):
     """One matmul per key-value head over the prefix, the rest per unit, merged: what plain
     decode attention over each whole cache computes."""
     import torch
 
-    from flexgen_helm.executor.attention import attend, attend_past_shared_prefix
+    from flexgen_helm.executor.attention import DecodePrefix, attend, attend_past_shared_prefix
 
     torch.manual_seed(1)
     sequences, kvh, r, d, n = 5, 2, 3, 8, 20
@@ -177,5 +198,48 @@ def test_shared_prefix_attention_is_attention(softcap):
     valid[3, -2] = False  # a key a unit may not see after its prefix
     q = torch.randn(sequences * kvh, r, 1, d)
     want = attend(q, k, v, valid, causal=False, softcap=softcap)
-    got = attend_past_shared_prefix(q, k, v, valid, prefix_k, prefix_v, starts, softcap=softcap)
+    got = attend_past_shared_prefix(q, k, v, valid, DecodePrefix(prefix_k, prefix_v), starts, softcap=softcap)
     assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_shared_prefix_attention_in_bf16_keeps_float32_precision_of_the_keys_shared_part():
+    """The bf16 layout (a bf16 model on a CPU) takes the keys' mean out before rounding: with
+    keys that share a large component, as trained models' do, the output stays as close to
+    float32 attention as bf16 inputs allow, where rounding the plain scores would not."""
+    import torch
+
+    from flexgen_helm.executor.attention import (
+        DecodePrefix,
+        attend,
+        attend_past_shared_prefix,
+        prefix_for_decode,
+    )
+    from flexgen_helm.memory.devices import cpu_has_bf16_arithmetic
+
+    torch.manual_seed(2)
+    sequences, kvh, r, d, n = 4, 2, 3, 64, 300
+    starts = torch.tensor([0, 2, 1, 2])
+    t = int(starts.max()) + n + 5
+    shared = 12 * torch.randn(kvh, 1, d)  # the component every key of a head shares
+    prefix_k, prefix_v = shared + torch.randn(kvh, n, d), torch.randn(kvh, n, d)
+    k, v = torch.randn(sequences * kvh, t, d), torch.randn(sequences * kvh, t, d)
+    valid = torch.ones(sequences * kvh, t, dtype=torch.bool)
+    for unit in range(sequences * kvh):
+        s, h = int(starts[unit // kvh]), unit % kvh
+        k[unit, s:s + n], v[unit, s:s + n], valid[unit, :s] = prefix_k[h], prefix_v[h], False
+        k[unit, :s] += shared[h]
+        k[unit, s + n:] += shared[h]
+    q = torch.randn(sequences * kvh, r, 1, d).bfloat16()
+    want = attend(q.float(), k, v, valid, causal=False)
+    bf16 = prefix_for_decode(prefix_k, prefix_v, torch.device("cpu"), torch.bfloat16)
+    assert (bf16.key_mean is not None) == cpu_has_bf16_arithmetic()
+    if bf16.key_mean is None:
+        pytest.skip("this CPU emulates bf16 matmuls: the float32 layout serves it (checked above)")
+    got = attend_past_shared_prefix(q, k, v, valid, bf16, starts).float()
+    err = (got - want).abs().max().item()
+    assert err < 1e-2, err
+    # what rounding the plain scores to bf16 would have cost: the mean is what keeps it small
+    plain = DecodePrefix(prefix_k.mul(d ** -0.5).bfloat16().transpose(1, 2).contiguous(), prefix_v.bfloat16(),
+                         torch.zeros(kvh, 1, d))
+    rounded = attend_past_shared_prefix(q, k, v, valid, plain, starts).float()
+    assert (rounded - want).abs().max().item() > 3 * err

@@ -7,6 +7,7 @@ computed where it lives (CPU delegation) and the parts joined afterwards."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
 
@@ -337,21 +338,59 @@ def _keep_top(scores: torch.Tensor, visible: torch.Tensor, keep_fraction: float)
     return torch.full_like(scores, -math.inf).scatter_(-1, top.indices, kept_values)
 
 
+@dataclass(frozen=True)
+class DecodePrefix:
+    """A block's shared prefix at one layer, as decode steps read it (attend_past_shared_prefix).
+
+    Exact (float32 on a CPU; the compute dtype elsewhere): keys and values (kv_heads, P, d) as
+    computed. In bfloat16 on a CPU with bf16 arithmetic (prefix_for_decode): keys with their
+    mean taken out and the 1/sqrt(d) scale in, transposed to (kv_heads, d, P), values (kv_heads,
+    P, d), both bfloat16, and key_mean (kv_heads, 1, d) float32 (mean / sqrt(d)), so that the
+    prefix's two matmuls a step run at bf16's rate (3-4x float32's on this project's CPU,
+    runs/prefix_sharing/README.md) while its scores keep float32's precision where it matters:
+    q . mean, the component every key shares, is added back in float32."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_mean: torch.Tensor | None = None  # set: the bf16 layout above
+
+    @property
+    def length(self) -> int:
+        return self.values.shape[1]
+
+
+def prefix_for_decode(keys: torch.Tensor, values: torch.Tensor, device: torch.device, dtype: torch.dtype,
+                      softcap: float = 0.0) -> DecodePrefix:
+    """The prefix keys and values (kv_heads, P, d) of one layer in the layout decode steps of
+    a `dtype` model on `device` read them in (DecodePrefix), converted once per block. The
+    bf16 layout needs scores that a shift leaves the softmax of (no softcap: tanh is not
+    shift-invariant) and native bf16 matmuls (emulated ones are slower than float32)."""
+    device = torch.device(device)
+    if device.type == "cpu" and dtype == torch.bfloat16 and not softcap and _bf16_matmuls_native():
+        kf = keys.to(torch.float32, copy=True)
+        mean = kf.mean(1, keepdim=True).mul_(1 / math.sqrt(kf.shape[-1]))
+        kt = kf.mul_(1 / math.sqrt(kf.shape[-1])).sub_(mean).to(dtype).transpose(1, 2).contiguous()
+        return DecodePrefix(kt, values.to(dtype).contiguous(), mean)
+    read_as = decode_cache_dtype(device, dtype)
+    return DecodePrefix(keys.to(read_as, copy=True), values.to(read_as, copy=True))
+
+
 def attend_past_shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor,
-                              prefix_k: torch.Tensor, prefix_v: torch.Tensor, prefix_start: torch.Tensor,
+                              prefix: DecodePrefix, prefix_start: torch.Tensor,
                               softcap: float = 0.0) -> torch.Tensor:
     """A decode step's attention (one query per unit) where every sequence's cache holds the
     same prefix: the units are whole sequences (kv_heads units each, in order), sequence i's
     prefix at columns [prefix_start[i], + P) of k and v. The prefix part is one matmul per
     key-value head for the queries of every sequence at once against the one copy of its keys
-    (prefix_k, prefix_v: (kv_heads, P, d)), as Hydragen and cascade attention compute it, so
-    the prefix is read once a step instead of once per sequence; the rest attends per unit,
-    leaving out the columns every sequence's prefix covers; the parts merge exactly by their
-    log-sum-exp. q: (u, r, 1, d); k, v: (u, t, d); key_valid: (u, t). Float32, as attend()'s
-    CPU decode path; returns (u, r, 1, d) in q's dtype."""
+    (prefix: DecodePrefix), as Hydragen and cascade attention compute it, so the prefix is
+    read once a step instead of once per sequence; the rest attends per unit, leaving out the
+    columns every sequence's prefix covers; the parts merge exactly by their log-sum-exp.
+    q: (u, r, 1, d); k, v: (u, t, d); key_valid: (u, t). Float32, as attend()'s CPU decode
+    path, but for the prefix's matmuls in DecodePrefix's bf16 layout; returns (u, r, 1, d) in
+    q's dtype."""
     u, r, _, d = q.shape
     t = k.shape[1]
-    kvh, n = prefix_k.shape[0], prefix_k.shape[1]
+    kvh, n = prefix.values.shape[0], prefix.length
     sequences = u // kvh
     qf = q.float().view(u, r, d)
     start = prefix_start.to(q.device).repeat_interleave(kvh)[:, None]  # (u, 1)
@@ -362,12 +401,28 @@ def attend_past_shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     spans = [(0, common_from), (common_to, t)] if common_from < common_to else [(0, t)]
     parts = [_softmax_part(qf, k[:, a:b], v[:, a:b], own[:, a:b], softcap) for a, b in spans if b > a]
     by_head = qf.view(sequences, kvh, r, d).transpose(0, 1).reshape(kvh, sequences * r, d)
-    shared = _softmax_part(by_head, prefix_k, prefix_v, None, softcap)
+    if prefix.key_mean is None:
+        shared = _softmax_part(by_head, prefix.keys, prefix.values, None, softcap)
+    else:
+        shared = _bf16_prefix_part(by_head, prefix)
     parts.append(tuple(x.view(kvh, sequences, r, -1).transpose(0, 1).reshape(u, r, -1) for x in shared))
     peak = torch.stack([m for _, m, _ in parts]).amax(0)
     weights = [torch.exp(m - peak) for _, m, _ in parts]
     out = sum(o * w for (o, _, _), w in zip(parts, weights)) / sum(s * w for (_, _, s), w in zip(parts, weights))
     return out.view(u, r, 1, d).to(q.dtype)
+
+
+def _bf16_prefix_part(q: torch.Tensor, prefix: DecodePrefix) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_softmax_part of float32 queries q (kv_heads, m, d) over a prefix in DecodePrefix's bf16
+    layout: the scores leave their matmul rounded to bf16 relative to the keys' mean, q . mean
+    goes back into each row's largest score in float32; the weights are rounded to bf16 for
+    the product with the values, and their sum is taken of the rounded weights, so that the
+    output is the weighted mean of exactly the weights it used."""
+    scores = torch.bmm(q.to(prefix.values.dtype), prefix.keys).float()
+    peak = scores.amax(-1, keepdim=True)
+    weights = torch.exp(scores.sub_(peak)).to(prefix.values.dtype)
+    out = torch.bmm(weights, prefix.values).float()
+    return out, peak + torch.bmm(q, prefix.key_mean.transpose(1, 2)), weights.float().sum(-1, keepdim=True)
 
 
 def _softmax_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,

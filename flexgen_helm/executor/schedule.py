@@ -55,11 +55,13 @@ from flexgen_helm.compression.quantize import CACHE_GROUP_DIM
 from flexgen_helm.compression.stored import dense, encode
 from flexgen_helm.executor.activations import ActivationHome
 from flexgen_helm.executor.attention import (
+    DecodePrefix,
     attend,
     attend_as_decode,
     attend_past_shared_prefix,
     decode_cache_dtype,
     from_units,
+    prefix_for_decode,
     to_units,
 )
 from flexgen_helm.executor.cache_buffers import CacheBuffers, batches_per_load, buffer_sets, unpacks_on_lane
@@ -172,7 +174,7 @@ class BlockSchedule:
         # reads the cache in place (uncompressed, all on the compute device's tier, no sparsity):
         # they attend to it once for all sequences (attend_past_shared_prefix); each row's
         # prefix starts at prefix_start[k][row] of the block's columns
-        self.decode_prefix: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.decode_prefix: dict[int, DecodePrefix] = {}
         self.keeps_decode_prefix = self.shared is not None and policy.compress_cache is None and \
             policy.attn_sparsity == 1.0 and policy.cache.gpu == 1.0
         self.prefix_start = [first + (~b.valid).sum(1) for b, first in zip(batches, self.prompt_start)]
@@ -315,11 +317,10 @@ class BlockSchedule:
                 t0 = time.perf_counter()
                 self.shared.run_layer(self.family, self.cfg, layer, w)
                 if self.keeps_decode_prefix and layer.kind == "block" and not self.cfg.window(layer.index):
-                    # in the dtype decode attention reads a cache in (float32 on a CPU): converted once,
-                    # not at every step of every layer
-                    read_as = decode_cache_dtype(self.devices.compute, self.devices.dtype)
-                    self.decode_prefix[layer.index] = (self.shared.keys.to(read_as, copy=True),
-                                                       self.shared.values.to(read_as, copy=True))
+                    # in the layout decode attention reads it in: converted once, not at every step of every layer
+                    self.decode_prefix[layer.index] = prefix_for_decode(
+                        self.shared.keys, self.shared.values, self.devices.compute, self.devices.dtype,
+                        self.cfg.attn_softcap)
                 self._time_compute(t0, stage)
                 self.timers["prefill_shared_prefix"] += time.perf_counter() - t0  # of prefill_compute
             cache = cache_ahead or self._submit_cache_ahead(layer, live, prefill)
@@ -647,7 +648,7 @@ class BlockSchedule:
             return None
         rows = self.step_rows[k].rows
         start = self.prefix_start[k] if rows is None else self.prefix_start[k][rows.cpu()]
-        return (*self.decode_prefix[index], start)
+        return self.decode_prefix[index], start
 
     def _decode_attention(self, slot: KVCacheSlot | KiviCacheSlot, cache: dict, qu, ku, vu, rows: StepRows,
                           window: int, prefix: tuple | None = None):
