@@ -202,6 +202,54 @@ def test_shared_prefix_attention_is_attention(softcap):
     assert torch.allclose(got, want, atol=1e-6)
 
 
+def test_shared_prefix_attention_over_a_slot_that_holds_out_the_common_prefix():
+    """A tier's units (any run of them, cutting sequences) over a cache without the positions
+    every sequence's prefix covers: what plain attention over each whole cache computes."""
+    import torch
+
+    from flexgen_helm.executor.attention import DecodePrefix, attend, attend_past_shared_prefix
+
+    torch.manual_seed(3)
+    sequences, kvh, r, d, n = 5, 2, 3, 8, 20
+    starts = torch.tensor([0, 3, 1, 2, 3])
+    t = int(starts.max()) + n + 6
+    prefix_k, prefix_v = torch.randn(kvh, n, d), torch.randn(kvh, n, d)
+    k, v = torch.randn(sequences * kvh, t, d), torch.randn(sequences * kvh, t, d)
+    valid = torch.ones(sequences * kvh, t, dtype=torch.bool)
+    for unit in range(sequences * kvh):
+        s, h = int(starts[unit // kvh]), unit % kvh
+        k[unit, s:s + n], v[unit, s:s + n], valid[unit, :s] = prefix_k[h], prefix_v[h], False
+    q = torch.randn(sequences * kvh, r, 1, d)
+    want = attend(q, k, v, valid, causal=False)
+    a, b = int(starts.max()), int(starts.min()) + n  # held out: every copy covers them
+    held = torch.cat([torch.arange(a), torch.arange(b, t)])
+    for first, last in [(0, 10), (3, 8), (1, 2)]:
+        got = attend_past_shared_prefix(q[first:last], k[first:last, held], v[first:last, held],
+                                        valid[first:last, held], DecodePrefix(prefix_k, prefix_v), starts, (a, b),
+                                        first_unit=first)
+        assert torch.allclose(got, want[first:last], atol=1e-6)
+
+
+def test_a_block_holds_the_shared_prefix_kv_once(tiny_llama, tmp_path):
+    """Its slots leave out the positions every row's copy of the prefix covers: the cache of
+    a block of few-shot prompts takes about its suffixes' and generated tokens' bytes."""
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
+    peaks = []
+    for sharing in (False, True):
+        engine = _engine(tiny_llama, Policy(gpu_batch_size=16, cache=Split(0, 1, 0)), tmp_path, sharing)
+        engine.runtime.usage.reset_peak()
+        weights = engine.runtime.usage.current["cpu"]
+        engine.generate(PROMPTS, params)
+        peaks.append(engine.runtime.usage.peak["cpu"] - weights)
+    cfg = engine.config
+    per_position = 2 * cfg.num_layers * len(PROMPTS) * cfg.num_kv_heads * cfg.head_dim * 4  # K and V, float32
+    longest = max(map(len, PROMPTS))
+    # without sharing, every row holds every position; with it, all but the (len(PREFIX) - 6)
+    # positions where every row's copy of the prefix lies (the rows' paddings differ by 6)
+    assert peaks[0] - peaks[1] >= (len(PREFIX) - (longest - min(map(len, PROMPTS)))) * per_position
+    assert peaks[0] >= (longest + N_NEW) * per_position
+
+
 def test_shared_prefix_attention_in_bf16_keeps_float32_precision_of_the_keys_shared_part():
     """The bf16 layout (a bf16 model on a CPU) takes the keys' mean out before rounding: with
     keys that share a large component, as trained models' do, the output stays as close to

@@ -377,36 +377,44 @@ def prefix_for_decode(keys: torch.Tensor, values: torch.Tensor, device: torch.de
 
 def attend_past_shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor,
                               prefix: DecodePrefix, prefix_start: torch.Tensor,
+                              held_out: tuple[int, int] | None = None, first_unit: int = 0,
                               softcap: float = 0.0) -> torch.Tensor:
     """A decode step's attention (one query per unit) where every sequence's cache holds the
-    same prefix: the units are whole sequences (kv_heads units each, in order), sequence i's
-    prefix at columns [prefix_start[i], + P) of k and v. The prefix part is one matmul per
-    key-value head for the queries of every sequence at once against the one copy of its keys
-    (prefix: DecodePrefix), as Hydragen and cascade attention compute it, so the prefix is
-    read once a step instead of once per sequence; the rest attends per unit, leaving out the
-    columns every sequence's prefix covers; the parts merge exactly by their log-sum-exp.
-    q: (u, r, 1, d); k, v: (u, t, d); key_valid: (u, t). Float32, as attend()'s CPU decode
-    path, but for the prefix's matmuls in DecodePrefix's bf16 layout; returns (u, r, 1, d) in
-    q's dtype."""
+    same prefix. The units are whole sequences' (kv_heads units each, in order), q's the
+    units first_unit, first_unit + 1, ... of them; sequence i's prefix sits at positions
+    [prefix_start[i], + P). k and v hold every position but those in held_out's [a, b)
+    (which every sequence's prefix covers: its slot leaves them out, kv_cache module doc).
+    The prefix part is one matmul per key-value head for the queries of every sequence at
+    once against its one copy (prefix: DecodePrefix), as Hydragen and cascade attention
+    compute it, so it is read once a step instead of once per sequence; the rest attends
+    per unit to the positions it holds outside its own prefix; the parts merge exactly by
+    their log-sum-exp. q: (u, r, 1, d); k, v: (u, t, d); key_valid: (u, t). Float32, as
+    attend()'s CPU decode path, but for the prefix's matmuls in DecodePrefix's bf16 layout;
+    returns (u, r, 1, d) in q's dtype."""
     u, r, _, d = q.shape
-    t = k.shape[1]
     kvh, n = prefix.values.shape[0], prefix.length
-    sequences = u // kvh
     qf = q.float().view(u, r, d)
-    start = prefix_start.to(q.device).repeat_interleave(kvh)[:, None]  # (u, 1)
-    columns = torch.arange(t, device=q.device)[None, :]
-    own = key_valid & ((columns < start) | (columns >= start + n))
-    # the columns in every sequence's prefix are not read at all; the others' prefix columns are masked
-    common_from, common_to = int(prefix_start.max()), int(prefix_start.min()) + n
-    spans = [(0, common_from), (common_to, t)] if common_from < common_to else [(0, t)]
-    parts = [_softmax_part(qf, k[:, a:b], v[:, a:b], own[:, a:b], softcap) for a, b in spans if b > a]
-    by_head = qf.view(sequences, kvh, r, d).transpose(0, 1).reshape(kvh, sequences * r, d)
+    units = torch.arange(first_unit, first_unit + u)
+    start = prefix_start.cpu()[units // kvh].to(q.device)[:, None]  # (u, 1)
+    positions = torch.arange(k.shape[1], device=q.device)[None, :]
+    if held_out is not None:
+        positions = torch.where(positions >= held_out[0], positions + (held_out[1] - held_out[0]), positions)
+    own = key_valid & ((positions < start) | (positions >= start + n))
+    parts = [_softmax_part(qf, k, v, own, softcap)]
+    # the prefix part by key-value head, over the whole sequences q's units lie in (the
+    # units of a sequence outside them ask with zero queries, and are dropped)
+    lead = first_unit % kvh
+    sequences = -(-(lead + u) // kvh)
+    padded = qf.new_zeros(sequences * kvh, r, d)
+    padded[lead:lead + u] = qf
+    by_head = padded.view(sequences, kvh, r, d).transpose(0, 1).reshape(kvh, sequences * r, d)
     if prefix.key_mean is None:
         shared = _softmax_part(by_head, prefix.keys, prefix.values, None, softcap)
     else:
         shared = _bf16_prefix_part(by_head, prefix)
-    parts.append(tuple(x.view(kvh, sequences, r, -1).transpose(0, 1).reshape(u, r, -1) for x in shared))
-    peak = torch.stack([m for _, m, _ in parts]).amax(0)
+    parts.append(tuple(x.view(kvh, sequences, r, -1).transpose(0, 1).reshape(sequences * kvh, r, -1)[lead:lead + u]
+                       for x in shared))
+    peak = torch.maximum(parts[0][1], parts[1][1])
     weights = [torch.exp(m - peak) for _, m, _ in parts]
     out = sum(o * w for (o, _, _), w in zip(parts, weights)) / sum(s * w for (_, _, s), w in zip(parts, weights))
     return out.view(u, r, 1, d).to(q.dtype)

@@ -14,7 +14,13 @@ where attention runs and dequantizes it there, into buffers reused from step to 
 
 A sliding-window block (window w) keeps only its last w positions: its slot has w rows
 (cache_rows) used as a ring, position p in row p % w, and reads return the positions
-held oldest first, so the cache of a local block never grows past its window."""
+held oldest first, so the cache of a local block never grows past its window.
+
+A block whose GPU batch shares a prompt prefix may hold out the positions [a, b) that every
+row's copy of the prefix covers (`held_out`): decode attention reads those from the one copy
+of the block's prefix (attention.DecodePrefix), so the slot keeps the other positions only,
+position p in row p below a and p - (b - a) from b on, and writes of held-out positions are
+dropped. Reads and decode_valid then speak of the held positions, in order."""
 
 from __future__ import annotations
 
@@ -50,9 +56,12 @@ def check_cache_compression(cfg: Compression | None) -> None:
                           f"not dim {cfg.group_dim}: leave the cache's group dim unset")
 
 
-def cache_rows(max_len: int, window: int) -> int:
-    """Positions a block's slot holds: all of a run's, or a sliding window's last `window`."""
-    return min(max_len, window) if window else max_len
+def cache_rows(max_len: int, window: int, held_out: tuple[int, int] | None = None) -> int:
+    """Positions a block's slot holds: all of a run's but those held out (module doc), or a
+    sliding window's last `window`."""
+    if window:
+        return min(max_len, window)
+    return max_len - (held_out[1] - held_out[0] if held_out else 0)
 
 
 def kv_nbytes(positions: int, units: int, head_dim: int, dtype: torch.dtype, cfg: Compression | None) -> int:
@@ -103,13 +112,17 @@ def _parts(x: Stored) -> tuple[torch.Tensor, ...]:
 class KVCacheSlot:
     def __init__(self, units: dict[str, int], max_len: int, head_dim: int, devices: Devices,
                  usage: TierUsage, disk_path: Path | None, pin: bool, compression: Compression | None = None,
-                 window: int = 0):
+                 window: int = 0, held_out: tuple[int, int] | None = None):
         if compression is not None and compression.kivi:
             raise ValueError("a KIVI-grouped cache is a KiviCacheSlot")
+        if held_out is not None and (window or not 0 <= held_out[0] < held_out[1] <= max_len):
+            raise ValueError(f"a slot holds out positions [a, b) within its {max_len}, not in a sliding window: "
+                             f"got {held_out} (window {window})")
         self.units = units
         self.ranges = unit_ranges(units)
         self.max_len, self.head_dim, self.devices, self.usage = max_len, head_dim, devices, usage
-        self.rows = cache_rows(max_len, window)
+        self.window, self.held_out = window, held_out
+        self.rows = cache_rows(max_len, window, held_out)
         self.compression = compression
         self.k: dict[str, Stored] = {}
         self.v: dict[str, Stored] = {}
@@ -126,7 +139,7 @@ class KVCacheSlot:
         self._row_bytes = sum(p.nbytes for p in _parts(self._disk_row))
         self._disk_half = self.rows * self._row_bytes  # K rows, then V rows
         assert 2 * self._disk_half == self.disk_nbytes(units["disk"], max_len, head_dim, devices.dtype, compression,
-                                                       window)
+                                                       window, held_out)
         if units["disk"]:
             self.disk = DiskBuffer(disk_path, 2 * self._disk_half)
             usage.add("disk", 2 * self._disk_half)
@@ -139,10 +152,10 @@ class KVCacheSlot:
 
     @staticmethod
     def disk_nbytes(disk_units: int, max_len: int, head_dim: int, dtype: torch.dtype,
-                    compression: Compression | None, window: int = 0) -> int:
+                    compression: Compression | None, window: int = 0, held_out: tuple[int, int] | None = None) -> int:
         """The size of a slot's disk file (K and V of every position it holds), known before
         it is made."""
-        return kv_nbytes(cache_rows(max_len, window), disk_units, head_dim, dtype, compression)
+        return kv_nbytes(cache_rows(max_len, window, held_out), disk_units, head_dim, dtype, compression)
 
     # ---- writes ----------------------------------------------------------------------------
 
@@ -151,7 +164,7 @@ class KVCacheSlot:
         in which a decode step writes its new position first (no copy of the cache per step).
         Not a sliding window's ring: its positions wrap, so [0, position] is no view of it."""
         return self.compression is None and tier != "disk" and bool(self.units[tier]) and \
-            self.rows == self.max_len and self.k[tier].device == torch.device(device)
+            not self.window and self.k[tier].device == torch.device(device)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int, units: torch.Tensor | None = None,
               tiers: tuple[str, ...] = TIERS) -> None:
@@ -162,7 +175,7 @@ class KVCacheSlot:
         if units is not None:
             total = sum(self.units.values())
             k, v = all_units(k, units, total), all_units(v, units, total)
-        if k.shape[0] > self.rows:
+        if self.window and k.shape[0] > self.rows:
             start, k, v = start + k.shape[0] - self.rows, k[-self.rows:], v[-self.rows:]
         gd = None if self.compression is None else CACHE_GROUP_DIM
         k, v = encode(k, self.compression, gd), encode(v, self.compression, gd)  # quantized where computed
@@ -170,7 +183,24 @@ class KVCacheSlot:
             self._write_rows(k.narrow(0, a, n), v.narrow(0, a, n), row, tiers)
 
     def _row_runs(self, start: int, n: int) -> list[tuple[int, int, int]]:
-        return ring_runs(start, n, self.rows)
+        """(first row, first of the n positions, count) of each run of rows that hold
+        positions [start, start + n): a ring's, or those around the held-out positions."""
+        if self.window:
+            return ring_runs(start, n, self.rows)
+        if self.held_out is None:
+            return [(start, 0, n)]
+        a, b = self.held_out
+        runs = []
+        if start < a:
+            runs.append((start, 0, min(n, a - start)))
+        if start + n > b:
+            first = max(start, b)
+            runs.append((first - (b - a), first - start, start + n - first))
+        return [run for run in runs if run[2] > 0]
+
+    def _row(self, position: int) -> int:
+        """The row that holds `position` (one the slot holds)."""
+        return self._row_runs(position, 1)[0][0]
 
     def _write_rows(self, k: Stored, v: Stored, row: int, tiers: tuple[str, ...]) -> None:
         for tier in tiers:
@@ -193,28 +223,34 @@ class KVCacheSlot:
         of positions [0, position] of those units, (n, t, d): views of the cache when all
         its units compute, else copies of theirs."""
         kt, vt = self.k[tier], self.v[tier]
+        row = self._row(position)
         if local is None:
-            kt[position].copy_(k[:, 0])
-            vt[position].copy_(v[:, 0])
-            return kt[:position + 1].transpose(0, 1), vt[:position + 1].transpose(0, 1)
+            kt[row].copy_(k[:, 0])
+            vt[row].copy_(v[:, 0])
+            return kt[:row + 1].transpose(0, 1), vt[:row + 1].transpose(0, 1)
         local = local.to(kt.device)
-        kt[position].index_copy_(0, local, k[:, 0])
-        vt[position].index_copy_(0, local, v[:, 0])
-        return (kt[:position + 1].index_select(1, local).transpose(0, 1),
-                vt[:position + 1].index_select(1, local).transpose(0, 1))
+        kt[row].index_copy_(0, local, k[:, 0])
+        vt[row].index_copy_(0, local, v[:, 0])
+        return (kt[:row + 1].index_select(1, local).transpose(0, 1),
+                vt[:row + 1].index_select(1, local).transpose(0, 1))
 
     # ---- reads -------------------------------------------------------------------------------
 
     def first_held(self, length: int) -> int:
-        """The oldest of positions [0, length) that the slot still holds."""
-        return max(0, length - self.rows)
+        """The oldest of positions [0, length) that the slot still holds (a ring forgets)."""
+        return max(0, length - self.rows) if self.window else 0
 
     def read(self, tier: str, length: int, values: bool = True) -> tuple[Stored, Stored | None]:
         """Positions [first_held(length), length) of a tier's units as stored, oldest first,
         where they live (disk: into CPU memory). values=False skips V (sparse attention
         reads only the rows it keeps)."""
         first = self.first_held(length)
-        runs = [(r, r + n) for r, _, n in self._row_runs(first, length - first)]
+        runs = []
+        for r, _, n in self._row_runs(first, length - first):
+            if runs and runs[-1][1] == r:  # around held-out positions: rows run on
+                runs[-1] = (runs[-1][0], r + n)
+            else:
+                runs.append((r, r + n))
         if tier != "disk":
             return _runs_of(self.k[tier], runs), _runs_of(self.v[tier], runs) if values else None
         k = self._read_rows(0, runs)
@@ -254,13 +290,16 @@ class KVCacheSlot:
         of the rest each unit may see."""
         first = self.first_held(length)
         drop = max(0, length - first + 1 - window) if window else 0
+        if self.held_out is not None:
+            a, b = self.held_out
+            key_valid = torch.cat([key_valid[:, :a], key_valid[:, b:]], dim=1)
         return drop, key_valid[:, first + drop:]
 
     def read_disk_values(self, positions: list[int]) -> Stored:
         """V of the disk units at the given distinct positions (still held), in that order,
         reading only the runs of rows that hold them (runs closer than a disk page are read
         as one)."""
-        wanted = [p % self.rows for p in positions]
+        wanted = [self._row(p) for p in positions]
         gap = math.ceil(ALIGN / self._row_bytes)
         runs: list[list[int]] = []
         for p in sorted(wanted):

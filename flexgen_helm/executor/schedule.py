@@ -141,13 +141,25 @@ class BlockSchedule:
         # batches skip the columns before, which no row of theirs sees)
         self.prompt_len = max(b.ids.shape[1] for b in batches)
         self.prompt_start = [self.prompt_len - b.ids.shape[1] for b in batches]
+        # per-run constants (the rotary tables), for every position this run will reach
+        self.constants = self.family.run_constants(self.cfg, max_len, self.devices.compute, self.devices.dtype)
+        self.shared = self._shared_prefix(shared_prefix)
+        # the shared prefix's keys and values by block, kept for decode steps whose attention
+        # needs every key exactly once (uncompressed, no sparsity, no sliding window): they
+        # attend to it once for all sequences (attend_past_shared_prefix), and the block's
+        # slots hold out the positions every row's copy covers (kv_cache module doc); each
+        # row's prefix starts at prefix_start[k][row] of the block's columns
+        self.decode_prefix: dict[tuple[int, str], DecodePrefix] = {}
+        self.keeps_decode_prefix = self.shared is not None and policy.compress_cache is None and \
+            policy.attn_sparsity == 1.0
+        self.prefix_start = [first + (~b.valid).sum(1) for b, first in zip(batches, self.prompt_start)]
         blocks = [layer.index for layer in runtime.layers if layer.kind == "block"]
         cache_units = slot_tier_counts(policy.cache, [b.size * self.cfg.num_kv_heads for b in batches], blocks)
         act_rows = slot_tier_counts(policy.activations, [b.size for b in batches])
         # every disk file of the run at once, before any is made: one clear error, not the Nth file's
         planned = sum(KVCacheSlot.disk_nbytes(u["disk"], max_len, self.cfg.head_dim, self.devices.dtype,
-                                              policy.compress_cache, self.cfg.window(index))
-                      for (index, _), u in cache_units.items() if u["disk"])
+                                              policy.compress_cache, self.cfg.window(index), self._held_out(index, k))
+                      for (index, k), u in cache_units.items() if u["disk"])
         planned += sum(ActivationHome.disk_nbytes(r["disk"], max_len, self.cfg.hidden_size, self.devices.dtype)
                        for r in act_rows.values())
         if planned:
@@ -158,7 +170,7 @@ class BlockSchedule:
         self.unit_starts = [((~b.valid).sum(1) + first).repeat_interleave(self.cfg.num_kv_heads)
                             for b, first in zip(batches, self.prompt_start)]
         self.slots: dict[tuple[int, int], KVCacheSlot | KiviCacheSlot] = {
-            (index, k): self._slot(units, max_len, workdir / f"kv-{index}-{k}.bin", self.cfg.window(index), k)
+            (index, k): self._slot(units, max_len, workdir / f"kv-{index}-{k}.bin", self.cfg.window(index), index, k)
             for (index, k), units in cache_units.items()}
         self.unpack_on_lane = unpacks_on_lane(self.devices.is_cuda)
         # what decode steps unpack the cache into, reused
@@ -167,17 +179,6 @@ class BlockSchedule:
         self.load_group = batches_per_load(self._batch_read_bytes(max_len), len(batches))
         self.acts = [ActivationHome(act_rows[0, k], max_len, self.cfg.hidden_size, self.devices, runtime.usage,
                                     workdir / f"act-{k}.bin") for k in range(len(batches))]
-        # per-run constants (the rotary tables), for every position this run will reach
-        self.constants = self.family.run_constants(self.cfg, max_len, self.devices.compute, self.devices.dtype)
-        self.shared = self._shared_prefix(shared_prefix)
-        # the shared prefix's keys and values by block, kept for decode steps whose attention
-        # reads the cache in place (uncompressed, all on the compute device's tier, no sparsity):
-        # they attend to it once for all sequences (attend_past_shared_prefix); each row's
-        # prefix starts at prefix_start[k][row] of the block's columns
-        self.decode_prefix: dict[int, DecodePrefix] = {}
-        self.keeps_decode_prefix = self.shared is not None and policy.compress_cache is None and \
-            policy.attn_sparsity == 1.0 and policy.cache.gpu == 1.0
-        self.prefix_start = [first + (~b.valid).sum(1) for b, first in zip(batches, self.prompt_start)]
         # the columns each GPU batch's prefill computes (the last ones): all, or those after the shared prefix
         shared_len = self.shared.length if self.shared is not None else 0
         self.window = [b.ids.shape[1] - shared_len for b in batches]
@@ -213,13 +214,26 @@ class BlockSchedule:
         return SharedPrefix(torch.tensor(tokens, device=compute)[None],
                             self.family.step_constants(self.constants, positions))
 
-    def _slot(self, units: dict[str, int], max_len: int, disk_path: Path, window: int, k: int):
+    def _attends_to_prefix_apart(self, index: int) -> bool:
+        """Whether block `index`'s decode steps attend to the shared prefix's one copy."""
+        return self.keeps_decode_prefix and not self.cfg.window(index)
+
+    def _held_out(self, index: int, k: int) -> tuple[int, int] | None:
+        """The positions [a, b) of block `index` that every row of GPU batch k holds the
+        shared prefix at (its rows' paddings differ, so each copy starts elsewhere), which
+        its slot leaves to the prefix's one copy; None where there are none."""
+        if not self._attends_to_prefix_apart(index):
+            return None
+        a, b = int(self.prefix_start[k].max()), int(self.prefix_start[k].min()) + self.shared.length
+        return (a, b) if a < b else None
+
+    def _slot(self, units: dict[str, int], max_len: int, disk_path: Path, window: int, index: int, k: int):
         cfg = self.policy.compress_cache
         if cfg is not None and cfg.kivi:
             return KiviCacheSlot(units, max_len, self.cfg.head_dim, self.devices, self.rt.usage, disk_path, pin=True,
                                  compression=cfg, window=window, starts=self.unit_starts[k])
         return KVCacheSlot(units, max_len, self.cfg.head_dim, self.devices, self.rt.usage, disk_path, pin=True,
-                           compression=cfg, window=window)
+                           compression=cfg, window=window, held_out=self._held_out(index, k))
 
     def _anything_to_overlap(self) -> bool:
         """Transfers overlap compute only where another engine does them: a GPU's copy engine,
@@ -316,11 +330,13 @@ class BlockSchedule:
             if prefill and self.shared is not None:
                 t0 = time.perf_counter()
                 self.shared.run_layer(self.family, self.cfg, layer, w)
-                if self.keeps_decode_prefix and layer.kind == "block" and not self.cfg.window(layer.index):
-                    # in the layout decode attention reads it in: converted once, not at every step of every layer
-                    self.decode_prefix[layer.index] = prefix_for_decode(
-                        self.shared.keys, self.shared.values, self.devices.compute, self.devices.dtype,
-                        self.cfg.attn_softcap)
+                if layer.kind == "block" and self._attends_to_prefix_apart(layer.index):
+                    # in the layout decode attention reads it in where it runs: converted once,
+                    # not at every step of every layer
+                    for where in {self._attention_device(t) for t in TIERS}:
+                        self.decode_prefix[layer.index, where.type] = prefix_for_decode(
+                            self.shared.keys.to(where), self.shared.values.to(where), where, self.devices.dtype,
+                            self.cfg.attn_softcap)
                 self._time_compute(t0, stage)
                 self.timers["prefill_shared_prefix"] += time.perf_counter() - t0  # of prefill_compute
             cache = cache_ahead or self._submit_cache_ahead(layer, live, prefill)
@@ -617,7 +633,7 @@ class BlockSchedule:
             out = attend(qu, ku, vu, rows.valid, causal=True, window=window, softcap=softcap)
         else:
             t0 = time.perf_counter()
-            out, unwritten = self._decode_attention(slot, cache, qu, ku, vu, rows, window,
+            out, unwritten = self._decode_attention(slot, cache, qu, ku, vu, rows, window, index,
                                                     self._prefix_of(index, k))
             if self.devices.is_cuda:
                 torch.cuda.current_stream().synchronize()
@@ -641,23 +657,24 @@ class BlockSchedule:
         gd = None if cfg is None else CACHE_GROUP_DIM
         return tuple(dense(encode(x.transpose(0, 1).to(dtype), cfg, gd), read_as).transpose(0, 1) for x in (k, v))
 
-    def _prefix_of(self, index: int, k: int) -> tuple | None:
-        """Block `index`'s shared prefix for GPU batch k's computed rows: its keys, values and
-        where each row's copy starts; None where decode steps do not attend to it apart."""
-        if index not in self.decode_prefix:
+    def _prefix_of(self, index: int, k: int) -> torch.Tensor | None:
+        """Where each of GPU batch k's computed rows holds its copy of the shared prefix in
+        block `index`; None where decode steps do not attend to the prefix apart."""
+        if not self._attends_to_prefix_apart(index) or (index, self.devices.compute.type) not in self.decode_prefix:
             return None
         rows = self.step_rows[k].rows
-        start = self.prefix_start[k] if rows is None else self.prefix_start[k][rows.cpu()]
-        return self.decode_prefix[index], start
+        return self.prefix_start[k] if rows is None else self.prefix_start[k][rows.cpu()]
 
     def _decode_attention(self, slot: KVCacheSlot | KiviCacheSlot, cache: dict, qu, ku, vu, rows: StepRows,
-                          window: int, prefix: tuple | None = None):
+                          window: int, index: int, prefix_start: torch.Tensor | None = None):
         """Attention of one new position per computed unit, tier by tier, to the positions
         the slot holds and to itself; a sliding-window block's to its last `window` positions
         only (slot.decode_valid). Where attention reads a tier in place (never a ring, never
         compressed) the new keys and values are written first and the cache is read as a
         view; elsewhere they fill the column the loaded cache leaves for them. Returns the
-        output and the tiers still to write."""
+        output and the tiers still to write. With prefix_start (block `index` attends to its
+        shared prefix apart), each tier's units attend to the prefix's one copy and to the
+        positions their slot holds (attend_past_shared_prefix)."""
         outs, unwritten = [], []
         for tier in TIERS:
             part, local = rows.tier_part(*slot.ranges[tier])
@@ -668,10 +685,6 @@ class BlockSchedule:
             drop, valid = slot.decode_valid(tier, self.length, window, rows.valid[part], local)
             if slot.in_place(tier, where):
                 keys, values = slot.append_in_place(tier, new_k, new_v, self.length, local)
-                if prefix is not None and part == slice(0, len(qu)):  # every computed unit here, in place
-                    outs.append(attend_past_shared_prefix(qu.to(where), keys, values, valid.to(where), *prefix,
-                                                          softcap=self.cfg.attn_softcap))
-                    continue
             else:
                 unwritten.append(tier)
                 kc, vc = cache[tier]
@@ -681,8 +694,13 @@ class BlockSchedule:
                                                slot.first_held(self.length) + drop)
                 else:
                     values = _with_new(vc, new_v, local)[:, drop:]
-            out = attend(qu[part].to(where), keys, values, valid.to(where), causal=False,
-                         keep_fraction=self.policy.attn_sparsity, softcap=self.cfg.attn_softcap)
+            if prefix_start is not None:
+                out = attend_past_shared_prefix(qu[part].to(where), keys, values, valid.to(where),
+                                                self.decode_prefix[index, where.type], prefix_start, slot.held_out,
+                                                first_unit=part.start, softcap=self.cfg.attn_softcap)
+            else:
+                out = attend(qu[part].to(where), keys, values, valid.to(where), causal=False,
+                             keep_fraction=self.policy.attn_sparsity, softcap=self.cfg.attn_softcap)
             outs.append(out.to(self.devices.compute, non_blocking=True))
         return (outs[0] if len(outs) == 1 else torch.cat(outs)), tuple(unwritten)
 
