@@ -291,3 +291,43 @@ def test_shared_prefix_attention_in_bf16_keeps_float32_precision_of_the_keys_sha
                          torch.zeros(kvh, 1, d))
     rounded = attend_past_shared_prefix(q, k, v, valid, plain, starts).float()
     assert (rounded - want).abs().max().item() > 3 * err
+
+
+def test_the_planner_counts_a_shared_prefix_once_and_fits_bigger_blocks():
+    """Under the same memory budget, prompts whose first 1,000 of 1,024 tokens are the same
+    let the search pick a block of at least twice the sequences (their KV is held once)."""
+    import torch
+
+    from flexgen_helm.models.opt import config_for_size
+    from flexgen_helm.planner.budget import planned_bytes
+    from flexgen_helm.planner.hardware_profile import DeviceSpeeds, HardwareProfile
+    from flexgen_helm.planner.search import SearchOptions, default_budgets, search
+
+    gib = 2**30
+    speeds = DeviceSpeeds(matmul_flops={"bfloat16": {1: 2e9, 16: 30e9, 256: 200e9, 4096: 300e9}},
+                          attn_prefill_flops=100e9, attn_decode_bytes_per_s=5e9)
+    profile = HardwareProfile(devices={"cpu": speeds}, memcpy_bytes_per_s=5e9, disk_read_bytes_per_s=1e9,
+                              disk_write_bytes_per_s=5e8, cpu_mem_bytes=24 * gib, cpu_available_bytes=20 * gib,
+                              disk_free_bytes=100 * gib)
+    cfg = config_for_size("125m")
+    budgets = default_budgets(profile, cpu=3 * gib, disk=0)
+    options = SearchOptions(max_gpu_batch_size=256, max_num_gpu_batches=16)
+    plain, shared = (search(cfg, profile, 1024, 32, budgets, options, shared_prefix=p) for p in (0, 1000))
+    assert shared.policy.block_size >= 2 * plain.policy.block_size
+    # what it counts: a block's cache without the prefix's positions, and the prefix once
+    once = planned_bytes(cfg, shared.policy, 1056, torch.bfloat16, shared_prefix=1000)
+    each = planned_bytes(cfg, shared.policy, 1056, torch.bfloat16)
+    assert sum(each.values()) - sum(once.values()) > 0.9 * (shared.policy.block_size - 1) * 1000 * (
+        2 * cfg.num_layers * cfg.hidden_size * 2)
+    # where the cache cannot hold it once (compressed), nothing changes
+    compressed = dataclasses.replace(shared.policy, compress_cache=Compression(4, 64))
+    assert planned_bytes(cfg, compressed, 1056, torch.bfloat16, shared_prefix=1000) == \
+        planned_bytes(cfg, compressed, 1056, torch.bfloat16)
+
+
+def test_bench_refuses_a_shared_prefix_that_leaves_no_prompt_token(capsys):
+    from flexgen_helm.cli import main
+
+    assert main(["bench", "--model", "facebook/opt-125m", "--dummy", "--prompt-len", "8",
+                 "--shared-prefix", "8"]) == 2
+    assert "--shared-prefix 8 must leave every prompt a token of its own" in capsys.readouterr().err

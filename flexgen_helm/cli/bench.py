@@ -6,6 +6,7 @@ from flexgen_helm.cli.options import (
     add_model_args,
     add_policy_args,
     add_workload_args,
+    check_workload,
     checked_output_file,
     policy_from_args,
 )
@@ -27,5 +28,6 @@ def run(args) -> int:
     from flexgen_helm.tools.bench import run_bench
 
     checked_output_file(args.json)
+    check_workload(args)
     run_bench(args, policy_from_args(args))
     return 0

@@ -81,10 +81,25 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     under these budgets; bench also checks a given policy against them)."""
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--gen-len", type=int, default=32)
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                   help="the first N tokens of every prompt are the same (a few-shot run's instructions and "
+                        "examples): a block computes them, and holds their KV cache, once")
     p.add_argument("--gpu-mem", help="GPU budget, e.g. 16GiB (CPU-only: a pool of host RAM; the search's default: "
                                      "shares --cpu-mem)")
     p.add_argument("--cpu-mem", help="CPU RAM budget, e.g. 4GiB (the search's default: 80%% of the available RAM)")
     p.add_argument("--disk-mem", help="disk budget (the search's default: 90%% of the offload dir's free space)")
+
+
+def check_workload(args) -> None:
+    """A workload that cannot run, named before any work: lengths, and a shared prefix that
+    leaves each prompt a token of its own."""
+    from flexgen_helm.errors import FlexGenError
+
+    if args.prompt_len < 1 or args.gen_len < 1:
+        raise FlexGenError(f"--prompt-len and --gen-len are at least 1, got {args.prompt_len} and {args.gen_len}")
+    if not 0 <= args.shared_prefix < args.prompt_len:
+        raise FlexGenError(f"--shared-prefix {args.shared_prefix} must leave every prompt a token of its own: "
+                           f"0 <= N < --prompt-len ({args.prompt_len})")
 
 
 def pinned_fields(args) -> dict:
@@ -131,7 +146,7 @@ def workload_from_args(args) -> CommandWorkload:
     if prompts:
         return CommandWorkload(max(map(len, prompts)), args.max_new_tokens,
                                len(prompts) * getattr(args, "num_completions", 1))
-    return CommandWorkload(args.prompt_len, args.gen_len)
+    return CommandWorkload(args.prompt_len, args.gen_len, shared_prefix=getattr(args, "shared_prefix", 0))
 
 
 def policy_from_args(args, workload: CommandWorkload | None = None) -> Policy:
@@ -148,7 +163,8 @@ def policy_from_args(args, workload: CommandWorkload | None = None) -> Policy:
         workload = workload or workload_from_args(args)
         cfg = resolve(args.model, path=args.path, dummy=args.dummy).config
         prompt_len = max(1, min(workload.prompt_len, cfg.max_seq_len - workload.gen_len))
-        policy = planned_policy(cfg, CommandWorkload(prompt_len, workload.gen_len, workload.sequences), pinned,
+        shared = min(workload.shared_prefix, prompt_len - 1)
+        policy = planned_policy(cfg, CommandWorkload(prompt_len, workload.gen_len, workload.sequences, shared), pinned,
                                 budgets_from_args(args), profile_when_missing=args.policy == "auto",
                                 offload_dir=args.offload_dir, dtype=pick_devices(args.device, args.dtype).dtype)
     else:

@@ -10,6 +10,7 @@ from flexgen_helm.cli.options import (
     add_model_args,
     add_policy_args,
     add_workload_args,
+    check_workload,
     checked_output_file,
     pinned_fields,
 )
@@ -43,8 +44,10 @@ def cmd_search(args) -> int:
     options = options_for(pinned_fields(args), args.max_latency)  # the flags given fix what they set
     options.max_gpu_batch_size, options.max_num_gpu_batches = args.max_gpu_batch_size, args.max_num_gpu_batches
     dtype = pick_devices(args.device, args.dtype).dtype
+    check_workload(args)
     result = search_for(cfg, args.prompt_len, args.gen_len, budgets_from_args(args), options,
-                        offload_dir=args.offload_dir, profile_path=args.profile, dtype=dtype)
+                        offload_dir=args.offload_dir, profile_path=args.profile, dtype=dtype,
+                        shared_prefix=args.shared_prefix)
     est = result.estimate
     print(f"model: {cfg.name}, prompt {args.prompt_len}, {args.gen_len} new tokens")
     print(f"policy: {result.policy.describe()}")

@@ -430,7 +430,7 @@ def _bf16_prefix_part(q: torch.Tensor, prefix: DecodePrefix) -> tuple[torch.Tens
     peak = scores.amax(-1, keepdim=True)
     weights = torch.exp(scores.sub_(peak)).to(prefix.values.dtype)
     out = torch.bmm(weights, prefix.values).float()
-    return out, peak + torch.bmm(q, prefix.key_mean.transpose(1, 2)), weights.float().sum(-1, keepdim=True)
+    return out, peak + torch.bmm(q, prefix.key_mean.transpose(1, 2)), weights.sum(-1, keepdim=True, dtype=torch.float32)
 
 
 def _softmax_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,

@@ -39,7 +39,7 @@ from flexgen_helm.memory.devices import Devices
 from flexgen_helm.memory.direct_io import ALIGN
 from flexgen_helm.memory.disk_buffer import DiskBuffer
 from flexgen_helm.memory.usage import TierUsage
-from flexgen_helm.policy.policy import TIERS, Compression
+from flexgen_helm.policy.policy import TIERS, Compression, Policy
 
 
 def check_cache_compression(cfg: Compression | None) -> None:
@@ -62,6 +62,20 @@ def cache_rows(max_len: int, window: int, held_out: tuple[int, int] | None = Non
     if window:
         return min(max_len, window)
     return max_len - (held_out[1] - held_out[0] if held_out else 0)
+
+
+def prefix_held_once(policy: Policy) -> bool:
+    """Whether a block's shared prompt prefix is held once under `policy`: its slots hold out
+    the positions every row's copy covers and decode attends to the one copy. An exact cache
+    needs every key once: not where it is compressed (each row's codes are its own) or
+    sparse (top-k ranks a row's keys together)."""
+    return policy.prefix_sharing and policy.compress_cache is None and policy.attn_sparsity == 1.0
+
+
+def held_out_prefix(shared_prefix: int, window: int, policy: Policy) -> tuple[int, int] | None:
+    """What the planner counts a global block's slot to hold out, for prompts of equal length
+    whose first `shared_prefix` tokens are the same (paddings that differ shrink it)."""
+    return (0, shared_prefix) if shared_prefix and not window and prefix_held_once(policy) else None
 
 
 def kv_nbytes(positions: int, units: int, head_dim: int, dtype: torch.dtype, cfg: Compression | None) -> int:

@@ -67,7 +67,7 @@ from flexgen_helm.executor.attention import (
 from flexgen_helm.executor.cache_buffers import CacheBuffers, batches_per_load, buffer_sets, unpacks_on_lane
 from flexgen_helm.executor.expert_weights import load_layer_weights
 from flexgen_helm.executor.kivi_cache import KiviCacheSlot
-from flexgen_helm.executor.kv_cache import KVCacheSlot, cache_rows, kv_nbytes
+from flexgen_helm.executor.kv_cache import KVCacheSlot, cache_rows, kv_nbytes, prefix_held_once
 from flexgen_helm.executor.shared_prefix import SharedPrefix
 from flexgen_helm.executor.step_rows import StepRows, units_of
 from flexgen_helm.executor.working_set import dense_weight_numel, kept_freed_bytes
@@ -76,6 +76,7 @@ from flexgen_helm.memory.disk_buffer import OFFLOAD_ADVICE
 from flexgen_helm.memory.disk_space import check_free_space
 from flexgen_helm.memory.host_allocator import release_freed_host_memory
 from flexgen_helm.memory.placement import slot_tier_counts
+from flexgen_helm.memory.usage import tensor_bytes
 from flexgen_helm.memory.weight_homes import load_nbytes
 from flexgen_helm.policy.policy import TIERS, Policy
 
@@ -150,8 +151,8 @@ class BlockSchedule:
         # slots hold out the positions every row's copy covers (kv_cache module doc); each
         # row's prefix starts at prefix_start[k][row] of the block's columns
         self.decode_prefix: dict[tuple[int, str], DecodePrefix] = {}
-        self.keeps_decode_prefix = self.shared is not None and policy.compress_cache is None and \
-            policy.attn_sparsity == 1.0
+        self._prefix_bytes: list[tuple[str, int]] = []  # (tier, bytes) of each copy, in TierUsage
+        self.keeps_decode_prefix = self.shared is not None and prefix_held_once(policy)
         self.prefix_start = [first + (~b.valid).sum(1) for b, first in zip(batches, self.prompt_start)]
         blocks = [layer.index for layer in runtime.layers if layer.kind == "block"]
         cache_units = slot_tier_counts(policy.cache, [b.size * self.cfg.num_kv_heads for b in batches], blocks)
@@ -334,9 +335,13 @@ class BlockSchedule:
                     # in the layout decode attention reads it in where it runs: converted once,
                     # not at every step of every layer
                     for where in {self._attention_device(t) for t in TIERS}:
-                        self.decode_prefix[layer.index, where.type] = prefix_for_decode(
-                            self.shared.keys.to(where), self.shared.values.to(where), where, self.devices.dtype,
-                            self.cfg.attn_softcap)
+                        kept = prefix_for_decode(self.shared.keys.to(where), self.shared.values.to(where), where,
+                                                 self.devices.dtype, self.cfg.attn_softcap)
+                        self.decode_prefix[layer.index, where.type] = kept
+                        # counted where the cache's compute-side tier is (the planner counts it there)
+                        self._prefix_bytes.append(("gpu" if where == self.devices.compute else "cpu",
+                                                   sum(tensor_bytes(x) for x in vars(kept).values())))
+                        self.rt.usage.add(*self._prefix_bytes[-1])
                 self._time_compute(t0, stage)
                 self.timers["prefill_shared_prefix"] += time.perf_counter() - t0  # of prefill_compute
             cache = cache_ahead or self._submit_cache_ahead(layer, live, prefill)
@@ -725,6 +730,10 @@ class BlockSchedule:
 
     def close(self) -> None:
         self.io.close()
+        for tier, nbytes in self._prefix_bytes:
+            self.rt.usage.remove(tier, nbytes)
+        self._prefix_bytes.clear()
+        self.decode_prefix.clear()
         for slot in self.slots.values():
             slot.close()
         for a in self.acts:

@@ -36,17 +36,19 @@ class CommandWorkload:
     prompt_len: int  # the longest prompt, in tokens (the budgets must hold it)
     gen_len: int  # new tokens per sequence; 1 for scoring (a prefill, and the head on the last position)
     sequences: int | None = None  # how many the command runs (a bigger block would be padding); None: many
+    shared_prefix: int = 0  # tokens every prompt starts with (a block computes them, and holds their KV, once)
 
 
 def search_for(cfg: ModelConfig, prompt_len: int, gen_len: int, budgets: dict | None = None,
                options: SearchOptions | None = None, offload_dir: str | None = None,
-               profile_path: str | None = None, dtype=None, profile: HardwareProfile | None = None) -> SearchResult:
+               profile_path: str | None = None, dtype=None, profile: HardwareProfile | None = None,
+               shared_prefix: int = 0) -> SearchResult:
     """`budgets`: tier -> bytes or text ("4GiB") or None. Without `profile`, the saved one,
     or the machine profiled first when none is saved."""
     profile = profile or load_or_profile(profile_path, offload_dir=offload_dir)
     b = {k: parse_size(v) if isinstance(v, str) else v for k, v in (budgets or {}).items()}
     budget = default_budgets(profile, b.get("gpu"), b.get("cpu"), b.get("disk"))
-    return search(cfg, profile, prompt_len, gen_len, budget, options, dtype=dtype)
+    return search(cfg, profile, prompt_len, gen_len, budget, options, dtype=dtype, shared_prefix=shared_prefix)
 
 
 def options_for(pinned: dict, max_latency_s: float | None = None) -> SearchOptions:
@@ -89,11 +91,13 @@ def planned_policy(cfg: ModelConfig, workload: CommandWorkload, pinned: dict | N
         cap = 1 << max(0, workload.sequences - 1).bit_length()
         options.max_block_size = max(cap, (options.gpu_batch_size or 1) * (options.num_gpu_batches or 1))
         options.max_gpu_batch_size = min(options.max_gpu_batch_size, cap)
+    shared = workload.shared_prefix if pinned.get("prefix_sharing", True) else 0
     result = search_for(cfg, workload.prompt_len, workload.gen_len, budgets, options, offload_dir=offload_dir,
-                        dtype=dtype, profile=profile)
+                        dtype=dtype, profile=profile, shared_prefix=shared)
     policy = Policy.from_dict({**result.policy.to_dict(), **pinned})
     work = "scoring" if workload.gen_len <= 1 else f"{workload.gen_len} new tokens"
-    print(f"planned policy for {cfg.name} (prompts up to {workload.prompt_len} tokens, {work}): "
+    common = f", the first {shared} shared" if shared else ""
+    print(f"planned policy for {cfg.name} (prompts up to {workload.prompt_len} tokens{common}, {work}): "
           f"{policy.describe()}; predicted {result.estimate.throughput:.2f} "
           f"{'sequences' if workload.gen_len <= 1 else 'token'}/s", file=sys.stderr, flush=True)
     return policy

@@ -9,7 +9,7 @@ import torch
 
 from flexgen_helm.compression.grids import WeightCompression, tensor_compression
 from flexgen_helm.errors import PolicyError
-from flexgen_helm.executor.kv_cache import cache_rows, kv_nbytes
+from flexgen_helm.executor.kv_cache import cache_rows, held_out_prefix, kv_nbytes
 from flexgen_helm.memory.placement import place_weights, slot_tier_counts, tier_totals
 from flexgen_helm.memory.weight_homes import segment_nbytes
 from flexgen_helm.models import family_of
@@ -18,12 +18,14 @@ from flexgen_helm.models.spec import all_store_tensors
 from flexgen_helm.policy.policy import TIERS, Policy, Split
 
 
-def planned_components(cfg: ModelConfig, policy: Policy, max_len: int, dtype: torch.dtype, act_len: int | None = None
-                       ) -> dict[str, dict[str, int]]:
+def planned_components(cfg: ModelConfig, policy: Policy, max_len: int, dtype: torch.dtype, act_len: int | None = None,
+                       shared_prefix: int = 0) -> dict[str, dict[str, int]]:
     """Bytes of weights, KV cache and activations on each tier as stored (compressed when the
     policy compresses), before transient buffers. Activations in memory hold one block of
     `act_len` positions (default max_len; a prefill's are the prompt's); on disk, their file
-    is made for max_len (executor/activations.ActivationHome)."""
+    is made for max_len (executor/activations.ActivationHome). shared_prefix: the tokens every
+    prompt of a block starts with, whose KV a block holds once where the policy lets it
+    (executor/kv_cache.held_out_prefix): its one copy is counted on the compute tier."""
     elt = torch.empty((), dtype=dtype).element_size()
     weights = dict(_weight_bytes(cfg, policy.weights, policy.compress_weight, dtype))
     batches = [policy.gpu_batch_size] * policy.num_gpu_batches
@@ -34,11 +36,14 @@ def planned_components(cfg: ModelConfig, policy: Policy, max_len: int, dtype: to
     # rows are stored (and quantized) on their own, so bytes add up over the slots of one length
     units_by_rows: dict[int, dict[str, int]] = {}
     for (layer, _), units in slots.items():
-        total = units_by_rows.setdefault(cache_rows(max_len, cfg.window(layer)), dict.fromkeys(TIERS, 0))
+        held_out = held_out_prefix(shared_prefix, cfg.window(layer), policy)
+        total = units_by_rows.setdefault(cache_rows(max_len, cfg.window(layer), held_out), dict.fromkeys(TIERS, 0))
         for t in TIERS:
             total[t] += units[t]
     cache = {t: sum(kv_nbytes(n, units[t], cfg.head_dim, dtype, policy.compress_cache)
                     for n, units in units_by_rows.items()) for t in TIERS}
+    once = sum(bool(held_out_prefix(shared_prefix, cfg.window(layer), policy)) for layer in range(cfg.num_layers))
+    cache["gpu"] += once * kv_nbytes(shared_prefix, cfg.num_kv_heads, cfg.head_dim, dtype, None)
     positions = {t: max_len if t == "disk" else act_len or max_len for t in TIERS}
     activations = {t: rows[t] * positions[t] * cfg.hidden_size * elt for t in TIERS}
     return {"weights": weights, "cache": cache, "activations": activations}
@@ -57,10 +62,10 @@ def _weight_bytes(cfg: ModelConfig, split: Split, compression: WeightCompression
     return weights
 
 
-def planned_bytes(cfg: ModelConfig, policy: Policy, max_len: int, dtype: torch.dtype, act_len: int | None = None
-                  ) -> dict[str, int]:
+def planned_bytes(cfg: ModelConfig, policy: Policy, max_len: int, dtype: torch.dtype, act_len: int | None = None,
+                  shared_prefix: int = 0) -> dict[str, int]:
     """Weights, KV cache and activations (one block) per tier, before transient buffers."""
-    parts = planned_components(cfg, policy, max_len, dtype, act_len)
+    parts = planned_components(cfg, policy, max_len, dtype, act_len, shared_prefix)
     return {t: sum(p[t] for p in parts.values()) for t in TIERS}
 
 

@@ -51,7 +51,7 @@ from flexgen_helm.errors import ProfileFormatError
 from flexgen_helm.executor.attention import decode_cache_dtype
 from flexgen_helm.executor.cache_buffers import batches_per_load, buffer_sets, unpacks_on_lane
 from flexgen_helm.executor.expert_weights import EXPERTS_IN_FLIGHT, expert_of
-from flexgen_helm.executor.kv_cache import cache_rows, kv_nbytes, kv_nbytes_per_position
+from flexgen_helm.executor.kv_cache import cache_rows, held_out_prefix, kv_nbytes, kv_nbytes_per_position
 from flexgen_helm.executor.working_set import batch_working_bytes, dense_weight_numel, kept_freed_bytes
 from flexgen_helm.memory.devices import DTYPES
 from flexgen_helm.memory.placement import place_weights
@@ -109,10 +109,17 @@ class Fractions:
                 {"gpu": self.hg, "cpu": self.hc, "disk": self.hd})
 
 
+# Bytes a decode step moves per score of a query against the shared prefix besides its two
+# matmuls (attention.attend_past_shared_prefix: the scores widened to float32, their max,
+# exp, the weights narrowed for the second matmul and summed): five passes of 4 bytes or so.
+PREFIX_SCORE_BYTES = 20
+
+
 @dataclass(frozen=True)
 class Workload:
     prompt_len: int
     gen_len: int
+    shared_prefix: int = 0  # tokens every prompt of a block starts with (executor/shared_prefix.py)
 
     @property
     def max_len(self) -> int:
@@ -293,7 +300,9 @@ class CostModel:
         gbs, nb = policy.gpu_batch_size, policy.num_gpu_batches
         _, c, h = fr.splits()
         prefill = phase == "prefill"
-        tokens = self.work.prompt_len if prefill else 1  # new positions per sequence
+        # new positions per sequence: a prefill's after the shared prefix, computed once a block
+        shared = self.work.shared_prefix if policy.prefix_sharing else 0
+        tokens = self.work.prompt_len - shared if prefill else 1
         cuda = hw.is_cuda
         b = {t: 0.0 for t in TERMS}  # bytes per link, seconds for compute
         dev = hw.compute
@@ -313,6 +322,8 @@ class CostModel:
         else:
             b["cpu_gpu"] += lw.assembled
 
+        if prefill and shared and layer.kind != "head":
+            weights_compute += self._weights_compute(lw, *_matmuls(layer, 1, 1, shared, phase))
         b["compute"] += weights_compute
         b["compute"] += nb * self._fixed_per_layer_batch(layer, policy, phase)
         if layer.kind == "block":
@@ -452,12 +463,19 @@ class CostModel:
         if prefill:  # attention over the prompt, on the compute device (the full s x s is computed,
             # a sliding window's too: it is a mask over the same scores)
             s = self.work.prompt_len
-            b["compute"] += nb * 4 * gbs * cfg.num_heads * s * s * cfg.head_dim / dev.attn_prefill_flops
+            b["compute"] += nb * 4 * gbs * cfg.num_heads * tokens * s * cfg.head_dim / dev.attn_prefill_flops
             return
 
         # decode: read the cache of the mean length, a window's at most (V shrinks under sparse
         # attention, the paper's top-k: only the kept values need to move)
         t = min(self.work.mean_decode_len, window) if window else self.work.mean_decode_len
+        if held_out_prefix(self.work.shared_prefix, window, policy):
+            # the shared prefix is not read per sequence: its one copy, on the compute device,
+            # meets the block's queries in one matmul per key-value head (attend_past_shared_prefix)
+            t -= self.work.shared_prefix
+            scores = nb * gbs * cfg.num_heads * self.work.shared_prefix
+            b["compute"] += (scores * 4 * cfg.head_dim / dev.attn_prefill_flops
+                             + scores * PREFIX_SCORE_BYTES / dev.attn_decode_bytes_per_s)
         read = nb * t * stored / 2 * (1 + policy.attn_sparsity)
         b["disk_cpu"] += read * c["disk"]
         if cuda and not delegated:
@@ -529,7 +547,9 @@ class CostModel:
         # (two on a GPU, whose copy lane unpacks the next load while one is in use; one on a
         # CPU, whose compute thread unpacks), and as read, the next load (on a CPU also the
         # one in use until it is unpacked, after the next one's reads went out)
-        held = max(cache_rows(work.max_len, self._window(layer)) for layer, _ in self.groups)
+        held = max(cache_rows(work.max_len, self._window(layer),
+                              held_out_prefix(work.shared_prefix, self._window(layer), policy))
+                   for layer, _ in self.groups)
         units = gbs * cfg.num_kv_heads
         as_read = kv_nbytes(held, units, cfg.head_dim, self.dtype, policy.compress_cache) * moved
         unpacked = kv_nbytes(held, units, cfg.head_dim, decode_cache_dtype(self.hw.compute_device, self.dtype),
@@ -549,7 +569,8 @@ class CostModel:
         for phase in PHASES:
             tokens = work.prompt_len if phase == "prefill" else 1
             keys = work.prompt_len if phase == "prefill" else work.max_len
-            placed = planned_components(cfg, policy, work.max_len, self.dtype, act_len=tokens)
+            placed = planned_components(cfg, policy, work.max_len, self.dtype, act_len=tokens,
+                                        shared_prefix=work.shared_prefix)
             # a decode step's blocks run the block's rows together, and so do a prefill's MoE blocks
             together = phase == "decode" or cfg.is_moe
             inner = batch_working_bytes(cfg, (gbs * nb if together else gbs) * tokens, self.dtype)
@@ -597,7 +618,8 @@ class CostModel:
         """Peak of what the engine's TierUsage records: weight homes on the gpu and cpu tiers (disk
         weights stay in the weight store, which it does not count), the KV cache, one prefill
         hidden state per GPU batch."""
-        comps = planned_components(self.cfg, policy, self.work.max_len, self.dtype, act_len=self.work.prompt_len)
+        comps = planned_components(self.cfg, policy, self.work.max_len, self.dtype, act_len=self.work.prompt_len,
+                                   shared_prefix=self.work.shared_prefix)
         comps["weights"]["disk"] = 0
         return {t: sum(comps[k][t] for k in comps) for t in TIERS}
 

@@ -270,9 +270,12 @@ def shortfalls(est: Estimate, budgets: Budgets) -> dict[str, int]:
 # ---- the search -------------------------------------------------------------------------------
 
 def search(cfg: ModelConfig, profile: HardwareProfile, prompt_len: int, gen_len: int, budgets: Budgets,
-           options: SearchOptions | None = None, dtype=None) -> SearchResult:
+           options: SearchOptions | None = None, dtype=None, shared_prefix: int = 0) -> SearchResult:
+    """shared_prefix: the tokens every prompt of a block starts with (computed once a block,
+    and where the policy lets it, its KV held once: a block of long few-shot prompts fits
+    more sequences)."""
     options = options or SearchOptions()
-    model = CostModel(cfg, profile, Workload(prompt_len, gen_len), dtype)
+    model = CostModel(cfg, profile, Workload(prompt_len, gen_len, shared_prefix), dtype)
     delegation = (False, True) if options.cpu_cache_compute is None else (options.cpu_cache_compute,)
     candidates: list[Candidate] = []
     gbs_list = ([options.gpu_batch_size] if options.gpu_batch_size is not None

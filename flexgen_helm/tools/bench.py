@@ -89,7 +89,9 @@ def run_bench(args, policy: Policy) -> dict:
     resolved = resolve(args.model, path=args.path, dummy=args.dummy)
     cfg = resolved.config
     max_len = args.prompt_len + args.gen_len
-    planned = planned_bytes(cfg, policy, max_len, devices.dtype, act_len=args.prompt_len)  # as the search plans
+    shared = args.shared_prefix if policy.prefix_sharing else 0
+    planned = planned_bytes(cfg, policy, max_len, devices.dtype, act_len=args.prompt_len,  # as the search plans
+                            shared_prefix=shared)
     check_budgets(planned, {t: parse_size(getattr(args, f"{t}_mem", None)) for t in ("gpu", "cpu", "disk")})
 
     engine = engine_class(args.pipeline).load(args.model, policy, path=args.path, dummy=args.dummy,
@@ -97,7 +99,9 @@ def run_bench(args, policy: Policy) -> dict:
                                               progress=not args.quiet)
     g = torch.Generator().manual_seed(0)
     batch = policy.block_size
-    prompts = torch.randint(10, cfg.vocab_size, (batch, args.prompt_len), generator=g).tolist()
+    prompts = torch.randint(10, cfg.vocab_size, (batch, args.prompt_len), generator=g)
+    prompts[:, :args.shared_prefix] = prompts[0, :args.shared_prefix]  # a few-shot run's common instructions
+    prompts = prompts.tolist()
     params = SamplingParams(max_new_tokens=args.gen_len, ignore_eos=True)
     progress = not args.quiet
     for i in range(args.warmup):
