@@ -177,15 +177,13 @@ def test_bf16_decode_over_the_shared_prefix_stays_within_bf16_rounding(tiny_llam
         assert a.completions[0].logprobs[same] == pytest.approx(b.completions[0].logprobs[same], abs=0.1)
 
 
-@pytest.mark.parametrize("softcap", [0.0, 3.0])
-def test_shared_prefix_attention_is_attention(softcap):
-    """One matmul per key-value head over the prefix, the rest per unit, merged: what plain
-    decode attention over each whole cache computes."""
+def _caches_holding_a_prefix(seed: int):
+    """Five sequences' caches (2 kv heads) each holding the same 20-token prefix after its own
+    padding, six positions of their own after it, and queries: (q, k, v, valid, prefix_k,
+    prefix_v, starts)."""
     import torch
 
-    from flexgen_helm.executor.attention import DecodePrefix, attend, attend_past_shared_prefix
-
-    torch.manual_seed(1)
+    torch.manual_seed(seed)
     sequences, kvh, r, d, n = 5, 2, 3, 8, 20
     starts = torch.tensor([0, 3, 1, 2, 3])  # each row's padding, then its copy of the prefix
     t = int(starts.max()) + n + 6
@@ -196,7 +194,18 @@ def test_shared_prefix_attention_is_attention(softcap):
         s, h = int(starts[unit // kvh]), unit % kvh
         k[unit, s:s + n], v[unit, s:s + n], valid[unit, :s] = prefix_k[h], prefix_v[h], False
     valid[3, -2] = False  # a key a unit may not see after its prefix
-    q = torch.randn(sequences * kvh, r, 1, d)
+    return torch.randn(sequences * kvh, r, 1, d), k, v, valid, prefix_k, prefix_v, starts
+
+
+@pytest.mark.parametrize("softcap", [0.0, 3.0])
+def test_shared_prefix_attention_is_attention(softcap):
+    """One matmul per key-value head over the prefix, the rest per unit, merged: what plain
+    decode attention over each whole cache computes."""
+    import torch
+
+    from flexgen_helm.executor.attention import DecodePrefix, attend, attend_past_shared_prefix
+
+    q, k, v, valid, prefix_k, prefix_v, starts = _caches_holding_a_prefix(1)
     want = attend(q, k, v, valid, causal=False, softcap=softcap)
     got = attend_past_shared_prefix(q, k, v, valid, DecodePrefix(prefix_k, prefix_v), starts, softcap=softcap)
     assert torch.allclose(got, want, atol=1e-6)
@@ -209,20 +218,10 @@ def test_shared_prefix_attention_over_a_slot_that_holds_out_the_common_prefix():
 
     from flexgen_helm.executor.attention import DecodePrefix, attend, attend_past_shared_prefix
 
-    torch.manual_seed(3)
-    sequences, kvh, r, d, n = 5, 2, 3, 8, 20
-    starts = torch.tensor([0, 3, 1, 2, 3])
-    t = int(starts.max()) + n + 6
-    prefix_k, prefix_v = torch.randn(kvh, n, d), torch.randn(kvh, n, d)
-    k, v = torch.randn(sequences * kvh, t, d), torch.randn(sequences * kvh, t, d)
-    valid = torch.ones(sequences * kvh, t, dtype=torch.bool)
-    for unit in range(sequences * kvh):
-        s, h = int(starts[unit // kvh]), unit % kvh
-        k[unit, s:s + n], v[unit, s:s + n], valid[unit, :s] = prefix_k[h], prefix_v[h], False
-    q = torch.randn(sequences * kvh, r, 1, d)
+    q, k, v, valid, prefix_k, prefix_v, starts = _caches_holding_a_prefix(3)
     want = attend(q, k, v, valid, causal=False)
-    a, b = int(starts.max()), int(starts.min()) + n  # held out: every copy covers them
-    held = torch.cat([torch.arange(a), torch.arange(b, t)])
+    a, b = int(starts.max()), int(starts.min()) + prefix_k.shape[1]  # held out: every copy covers them
+    held = torch.cat([torch.arange(a), torch.arange(b, k.shape[1])])
     for first, last in [(0, 10), (3, 8), (1, 2)]:
         got = attend_past_shared_prefix(q[first:last], k[first:last, held], v[first:last, held],
                                         valid[first:last, held], DecodePrefix(prefix_k, prefix_v), starts, (a, b),
