@@ -163,13 +163,13 @@ def test_a_bad_timeout_is_named(monkeypatch):
 
 
 def test_srun_tasks_get_torchs_variables(monkeypatch):
-    monkeypatch.delenv("RANK", raising=False)
     for name, value in dict(SLURM_PROCID=3, SLURM_STEP_NUM_TASKS=4, SLURM_LOCALID=1, SLURM_NODEID=1,
                             SLURM_STEP_TASKS_PER_NODE="2(x2)", SLURM_JOB_ID=123, MASTER_ADDR="127.0.0.1").items():
         monkeypatch.setenv(name, str(value))
-    monkeypatch.delenv("MASTER_PORT", raising=False)
-    for name in ("WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+        # set, then removed: monkeypatch then removes what slurm_to_torch_env sets, after the test
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     assert rendezvous.slurm_to_torch_env()
     env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")}
     assert env == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": "20123"}
@@ -209,3 +209,19 @@ def test_helms_slurm_runner_runs_flexgen_jobs_as_one_process_would(tmp_path):
         assert (jobs[name] / "flexgen_padding.json").exists()  # the BatchingRunner ran inside the job
     job_logs = list((tmp_path / "slurm" / "slurm").glob("*/logs/*.log"))
     assert len(job_logs) == 1
+
+
+@pytest.mark.skipif(slurm.slurm_problem() is not None, reason=f"no Slurm here: {slurm.slurm_problem()}")
+def test_a_pipeline_launched_by_srun_over_two_nodes_gives_the_single_process_tokens(tiny_llama, tmp_path):
+    from test_pipeline import ARGS, PROMPTS, completion_tokens, run_generate
+
+    single = run_generate(tiny_llama, tmp_path / "single.json", tmp_path, None)
+    assert single.returncode == 0, single.stderr[-2000:]
+    out = tmp_path / "srun.json"
+    # the stages' process group from Slurm's variables (dist/rendezvous.py), one stage per node
+    run = subprocess.run(["srun", "-N", "2", "--ntasks-per-node", "1", "--kill-on-bad-exit=1", "-t", "5",
+                          sys.executable, "-m", "flexgen_helm", "generate", "--pipeline", "--model", str(tiny_llama),
+                          "--prompt", *PROMPTS, *ARGS, "--offload-dir", str(tmp_path / "offload"), "--json", str(out)],
+                         capture_output=True, text=True, timeout=300, env=_pythonpath_env(), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert completion_tokens(out) == completion_tokens(tmp_path / "single.json")
