@@ -8,6 +8,7 @@ import os
 import shutil
 import socket
 import stat
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -94,6 +95,67 @@ def test_rank_0_whose_peer_never_comes_gives_up_after_the_timeout(monkeypatch):
         rendezvous.join_process_group("gloo", 1.0)
 
 
+def _pythonpath_env(**extra) -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+                **{k: str(v) for k, v in extra.items()})
+
+
+def test_a_pipeline_rank_that_cannot_reach_the_rendezvous_exits_leaving_no_process(tmp_path):
+    port = _free_port()  # nobody listens there
+    env = _pythonpath_env(RANK=1, WORLD_SIZE=2, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                          **{rendezvous.TIMEOUT_ENV: 1})
+    run = subprocess.Popen([sys.executable, "-m", "flexgen_helm", "generate", "--pipeline", "--prompt", "hi",
+                            "--offload-dir", str(tmp_path)], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 2
+    assert (f"flexgen-helm: error: rank 1 of 2: the process group's rendezvous at 127.0.0.1:{port} did not "
+            "complete within 1 s") in err
+    with pytest.raises(ProcessLookupError):  # nothing of its session is left behind
+        os.killpg(run.pid, 0)
+
+
+_RANK_SCRIPT = """
+import os, sys, time
+import torch, torch.distributed as dist
+from flexgen_helm.dist.rendezvous import join_process_group
+ready, go = sys.argv[1:]
+open(ready, "w").close()
+while not os.path.exists(go):  # both ranks start joining together, whatever their import times
+    time.sleep(0.05)
+join_process_group("gloo", 2.0)
+if dist.get_rank() == 1:
+    time.sleep(4)  # a batch longer than the rendezvous timeout
+t = torch.ones(1)
+dist.all_reduce(t)
+print(int(t.item()))
+dist.destroy_process_group()
+"""
+
+
+def test_a_collective_may_wait_longer_than_the_rendezvous_timeout(tmp_path):
+    port = _free_port()
+    ranks = [subprocess.Popen([sys.executable, "-c", _RANK_SCRIPT, str(tmp_path / f"ready{r}"), str(tmp_path / "go")],
+                              env=_pythonpath_env(RANK=r, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"ready{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (tmp_path / "go").touch()
+    outs = [rank.communicate(timeout=120) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], [err[-1500:] for _, err in outs]
+    assert [out.strip() for out, _ in outs] == ["2", "2"]
+
+
+def test_a_rank_without_the_rendezvous_address_is_told_which_variable(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with pytest.raises(ClusterError, match="RANK is set but not MASTER_ADDR"):
+        rendezvous.join_process_group("gloo", 1.0)
+
+
 def test_a_bad_timeout_is_named(monkeypatch):
     monkeypatch.setenv(rendezvous.TIMEOUT_ENV, "soon")
     with pytest.raises(ClusterError, match="FLEXGEN_HELM_RENDEZVOUS_TIMEOUT_S='soon'"):
@@ -101,13 +163,13 @@ def test_a_bad_timeout_is_named(monkeypatch):
 
 
 def test_srun_tasks_get_torchs_variables(monkeypatch):
-    monkeypatch.delenv("RANK", raising=False)
     for name, value in dict(SLURM_PROCID=3, SLURM_STEP_NUM_TASKS=4, SLURM_LOCALID=1, SLURM_NODEID=1,
                             SLURM_STEP_TASKS_PER_NODE="2(x2)", SLURM_JOB_ID=123, MASTER_ADDR="127.0.0.1").items():
         monkeypatch.setenv(name, str(value))
-    monkeypatch.delenv("MASTER_PORT", raising=False)
-    for name in ("WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+        # set, then removed: monkeypatch then removes what slurm_to_torch_env sets, after the test
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     assert rendezvous.slurm_to_torch_env()
     env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")}
     assert env == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": "20123"}
@@ -147,3 +209,19 @@ def test_helms_slurm_runner_runs_flexgen_jobs_as_one_process_would(tmp_path):
         assert (jobs[name] / "flexgen_padding.json").exists()  # the BatchingRunner ran inside the job
     job_logs = list((tmp_path / "slurm" / "slurm").glob("*/logs/*.log"))
     assert len(job_logs) == 1
+
+
+@pytest.mark.skipif(slurm.slurm_problem() is not None, reason=f"no Slurm here: {slurm.slurm_problem()}")
+def test_a_pipeline_launched_by_srun_over_two_nodes_gives_the_single_process_tokens(tiny_llama, tmp_path):
+    from test_pipeline import ARGS, PROMPTS, completion_tokens, run_generate
+
+    single = run_generate(tiny_llama, tmp_path / "single.json", tmp_path, None)
+    assert single.returncode == 0, single.stderr[-2000:]
+    out = tmp_path / "srun.json"
+    # the stages' process group from Slurm's variables (dist/rendezvous.py), one stage per node
+    run = subprocess.run(["srun", "-N", "2", "--ntasks-per-node", "1", "--kill-on-bad-exit=1", "-t", "5",
+                          sys.executable, "-m", "flexgen_helm", "generate", "--pipeline", "--model", str(tiny_llama),
+                          "--prompt", *PROMPTS, *ARGS, "--offload-dir", str(tmp_path / "offload"), "--json", str(out)],
+                         capture_output=True, text=True, timeout=300, env=_pythonpath_env(), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert completion_tokens(out) == completion_tokens(tmp_path / "single.json")

@@ -22,7 +22,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _generate(model, out, tmp_path, procs: int | None, extra=(), timeout=240):
+def run_generate(model, out, tmp_path, procs: int | None, extra=(), timeout=240):
     cmd = [sys.executable, "-m", "flexgen_helm", "generate", "--model", str(model), "--prompt", *PROMPTS,
            *ARGS, "--offload-dir", str(tmp_path / "offload"), "--json", str(out), *extra]
     if procs is not None:
@@ -32,7 +32,7 @@ def _generate(model, out, tmp_path, procs: int | None, extra=(), timeout=240):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ})
 
 
-def _tokens(path):
+def completion_tokens(path):
     return [[c["token_ids"] for c in r["completions"]] for r in json.loads(path.read_text())["results"]]
 
 
@@ -40,17 +40,17 @@ def _tokens(path):
 def single(tiny_llama, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("single")
     out = tmp / "single.json"
-    run = _generate(tiny_llama, out, tmp, None)
+    run = run_generate(tiny_llama, out, tmp, None)
     assert run.returncode == 0, run.stderr[-2000:]
-    return _tokens(out)
+    return completion_tokens(out)
 
 
 @pytest.mark.parametrize("procs", [2, 3])
 def test_pipeline_matches_single_process(tiny_llama, single, tmp_path, procs):
     out = tmp_path / "pipe.json"
-    run = _generate(tiny_llama, out, tmp_path, procs)
+    run = run_generate(tiny_llama, out, tmp_path, procs)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert _tokens(out) == single
+    assert completion_tokens(out) == single
     assert not any((tmp_path / "offload").rglob("run-*"))  # every stage cleaned up
 
 
@@ -59,7 +59,7 @@ def test_failing_stage_stops_every_rank(tiny_llama, tmp_path):
     # while stage 0 waits to hear from it
     (tmp_path / "offload").mkdir()
     (tmp_path / "offload" / "stage-1").write_text("not a directory")
-    run = _generate(tiny_llama, tmp_path / "x.json", tmp_path, 2, timeout=200)
+    run = run_generate(tiny_llama, tmp_path / "x.json", tmp_path, 2, timeout=200)
     assert run.returncode != 0
     assert "offload directory" in run.stderr
     assert not (tmp_path / "x.json").exists()

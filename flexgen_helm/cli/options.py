@@ -34,7 +34,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weights and compute (default: float16 on GPU; on CPU bfloat16 where the CPU "
                         "computes it natively, else float32)")
     p.add_argument("--pipeline", action="store_true",
-                   help="run as one stage of a pipeline over the processes torchrun started")
+                   help="run as one stage of a pipeline over the processes torchrun or srun started")
 
 
 def add_policy_args(p: argparse.ArgumentParser) -> None:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from flexgen_helm.dist.partition import balanced_bounds, layer_costs
-from flexgen_helm.dist.rendezvous import join_process_group
+from flexgen_helm.dist.rendezvous import join_process_group, rendezvous_timeout_s
 from flexgen_helm.engine import Engine, build_runtime
 from flexgen_helm.errors import FlexGenError
 from flexgen_helm.executor.generation import Block, StageLink
@@ -34,13 +34,16 @@ from flexgen_helm.policy.policy import Policy
 from flexgen_helm.weights.registry import resolve
 
 
-def init_distributed(timeout_s: float = 300.0) -> tuple[int, int]:
-    """Join the process group torchrun describes (NCCL between GPUs, gloo on CPUs)."""
+def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
+    """Join the process group torchrun (or srun) describes (NCCL between GPUs, gloo on CPUs),
+    waiting at most `timeout_s` for the other ranks (default: $FLEXGEN_HELM_RENDEZVOUS_TIMEOUT_S,
+    else 300 s)."""
     if "RANK" not in os.environ and "SLURM_PROCID" not in os.environ:
         raise FlexGenError("--pipeline needs to be launched by torchrun (e.g. torchrun --nproc-per-node 2 ...) "
                            "or srun (srun -N 2 --ntasks-per-node 1 ...)")
     if not dist.is_initialized():
-        join_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout_s)
+        join_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                           rendezvous_timeout_s() if timeout_s is None else timeout_s)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     if not torch.cuda.is_available():
         # stages on one machine share its cores
@@ -104,7 +107,7 @@ class PipelineEngine(Engine):
     @classmethod
     def load(cls, model: str, policy: Policy | None = None, path: str | None = None, dummy: bool = False,
              offload_dir=None, device: str | None = None, dtype: str | None = None, progress: bool = True,
-             timeout_s: float = 300.0) -> "PipelineEngine":
+             timeout_s: float | None = None) -> "PipelineEngine":
         rank, world = init_distributed(timeout_s)
         policy = policy or Policy()
         resolved = resolve(model, path=path, dummy=dummy)

@@ -78,19 +78,32 @@ def _first_node_address(nodelist: str) -> str:
 def join_process_group(backend: str, timeout_s: float) -> tuple[int, int]:
     """init_process_group from the environment, waiting at most `timeout_s` for the other
     ranks; (rank, world size). A rank that cannot reach the rendezvous, or a rank 0 whose
-    peers never come, ends with a ClusterError naming the address and the timeout."""
+    peers never come, ends with a ClusterError naming the address and the timeout.
+
+    `timeout_s` bounds the joining only: the group's collectives afterwards (a gather after a
+    round of batches, a pipeline stage waiting for the one before) keep torch's default, since
+    a batch can take far longer than a peer needs to start."""
     slurm_to_torch_env()
     if "RANK" not in os.environ:
         raise ClusterError("launch with torchrun (e.g. torchrun --nproc-per-node 2 ...) or srun "
                            "(e.g. srun -N 2 --ntasks-per-node 1 python -m ...)")
+    missing = [name for name in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        raise ClusterError(f"RANK is set but not {', '.join(missing)}: launch with torchrun or srun, or set them all")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    host, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+    if not port.isdigit():
+        raise ClusterError(f"MASTER_PORT={port!r}: expected the port number of rank 0's rendezvous")
     try:
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        # rank 0 serves the store and waits for every other rank to connect to it; the others
+        # connect, retrying until the timeout
+        store = dist.TCPStore(host, int(port), world, is_master=rank == 0,
+                              timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=True)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
     except (RuntimeError, TimeoutError, OSError) as e:  # torch's DistStoreError is a RuntimeError
         cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ClusterError(
-            f"rank {rank} of {world}: the process group's rendezvous at {where} did not complete within "
+            f"rank {rank} of {world}: the process group's rendezvous at {host}:{port} did not complete within "
             f"{timeout_s:g} s ({cause}); check that every rank was started and that rank 0's host and port are "
             f"reachable from here ({TIMEOUT_ENV} sets the wait)") from e
     return rank, world
