@@ -11,6 +11,13 @@ Paths timed (all in bfloat16 activations, summed over one block's linears of the
 - int8pack (per channel): torch.ops.aten._weight_int8pack_mm on int8 codes with one bfloat16
   scale per output channel (symmetric, the grid that op takes: NOT the g64 grid), the affine
   minimum added back as one outer product (w = (q - 128) s + z per row: y = int8mm + x.sum z).
+- w8a8 int_mm (per channel): the same per-channel codes times int8 activations (each row
+  quantized symmetrically on its own max |x| after a per-channel smoothing multiply, as
+  SmoothQuant's x / s), torch._int_mm (int8 x int8 -> int32) and a float32 epilogue
+  acc * a * scale + sum(x / s) * zero: the W8A8 path w8a8_accuracy.py simulates, on every linear.
+- w8a8, last weight-only: the block's last linear (down_proj / fc2) left to bf16's F.linear
+  (the ceiling of a weight-only path there: a dense copy), the others as w8a8 int_mm; the
+  configuration that kept WikiText within 1% of weight-only 8-bit on SmolLM2 (README).
 The grids' errors are printed beside (max |w - w_hat| / max |w| on random normal weights), as
 the per-channel grid is coarser than g64.
 
@@ -68,6 +75,17 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: tor
     return torch.ops.aten._weight_int8pack_mm(x, q, scale) + x.sum(-1, keepdim=True) * zero
 
 
+def w8a8_linear(x: torch.Tensor, q_t: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                inv_s: torch.Tensor) -> torch.Tensor:
+    """W8A8 (module doc): q_t the (in, out) int8 codes, scale and zero float32 per output row,
+    inv_s the smoothing's 1 / s per input channel."""
+    xs = x.float().mul_(inv_s)
+    a = xs.abs().amax(-1, keepdim=True).clamp_min_(1e-8).div_(127)
+    qx = (xs / a).round_().clamp_(-127, 127).to(torch.int8)
+    acc = torch._int_mm(qx, q_t).float()
+    return acc.mul_(a).mul_(scale).addcmul_(xs.sum(-1, keepdim=True), zero).to(x.dtype)
+
+
 def measure(model: str, rows: list[int], repeats: int) -> dict:
     torch.manual_seed(0)
     dense = [torch.randn(n, k, dtype=torch.bfloat16) for n, k in LAYERS[model]]
@@ -77,6 +95,9 @@ def measure(model: str, rows: list[int], repeats: int) -> dict:
     errors = {"g64": max(rel(dequantize(q, torch.float32), w) for q, w in zip(g64, dense)),
               "per_channel": max(rel(c[3], w) for c, w in zip(chan, dense))}
     copies = [dequantize(q, torch.bfloat16) for q in g64]
+    # int8 x int8: codes transposed once (as a store would keep them), epilogue factors in float32
+    w8a8 = [(c[0].t().contiguous().t(), c[1].float(), c[2].float(), torch.rand(w.shape[1]) + 0.5)
+            for c, w in zip(chan, dense)]
     out = {}
     for m in rows:
         xs = [torch.randn(m, w.shape[1], dtype=torch.bfloat16) for w in dense]
@@ -88,6 +109,11 @@ def measure(model: str, rows: list[int], repeats: int) -> dict:
             "int8pack_per_channel": sum(median_s(lambda c=c, x=x: int8_linear(x, c[0], c[1], c[2]), repeats)
                                         for c, x in zip(chan, xs)),
         }
+        w8a8_each = [median_s(lambda c=c, x=x: w8a8_linear(x, c[0].t(), c[1], c[2], c[3]), repeats)
+                     for c, x in zip(w8a8, xs)]
+        row["w8a8_int_mm"] = sum(w8a8_each)
+        row["w8a8_last_weight_only"] = sum(w8a8_each[:-1]) + median_s(
+            lambda x=xs[-1], w=dense[-1]: F.linear(x, w), repeats)
         row.update({f"{k}_vs_bf16": row["bf16"] / row[k] for k in list(row) if k != "bf16"})
         out[m] = row
         print(f"{model} rows {m:5d}: " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in row.items()
