@@ -340,16 +340,19 @@ def _keep_top(scores: torch.Tensor, visible: torch.Tensor, keep_fraction: float)
 
 @dataclass(frozen=True)
 class DecodePrefix:
-    """A block's shared prefix at one layer, as decode steps read it (attend_past_shared_prefix):
-    keys and values (kv_heads, P, d) in the dtype its attention reads them in, and whether
-    that attention is torch's fused CPU kernel (`fused`), which gives each query's
-    log-sum-exp with its output (the merge needs both) and never writes the scores out:
-    on a CPU the prefix part's cost is its two matmuls, at the kernel's rate, instead of
-    passes over a (kv_heads, queries, P) score tensor (runs/prefix_sharing/README.md)."""
+    """A block's shared prefix at one layer, as decode steps read it (attend_past_shared_prefix).
+
+    Exact (float32 on a CPU; the compute dtype elsewhere): keys and values (kv_heads, P, d) as
+    computed. In bfloat16 on a CPU with bf16 arithmetic (prefix_for_decode): keys with their
+    mean taken out and the 1/sqrt(d) scale in, transposed to (kv_heads, d, P), values (kv_heads,
+    P, d), both bfloat16, and key_mean (kv_heads, 1, d) float32 (mean / sqrt(d)), so that the
+    prefix's two matmuls a step run at bf16's rate (3-4x float32's on this project's CPU,
+    runs/prefix_sharing/README.md) while its scores keep float32's precision where it matters:
+    q . mean, the component every key shares, is added back in float32."""
 
     keys: torch.Tensor
     values: torch.Tensor
-    fused: bool = False
+    key_mean: torch.Tensor | None = None  # set: the bf16 layout above
 
     @property
     def length(self) -> int:
@@ -358,16 +361,18 @@ class DecodePrefix:
 
 def prefix_for_decode(keys: torch.Tensor, values: torch.Tensor, device: torch.device, dtype: torch.dtype,
                       softcap: float = 0.0) -> DecodePrefix:
-    """The prefix keys and values (kv_heads, P, d) of one layer as decode steps of a `dtype`
-    model on `device` read them (DecodePrefix), converted once per block. On a CPU the fused
-    kernel takes them, in bf16 where the CPU computes it natively (a bf16 model's own
-    precision; the kernel accumulates in float32), else in float32; it has no softcap
-    (Gemma 2), which the float32 path then applies."""
+    """The prefix keys and values (kv_heads, P, d) of one layer in the layout decode steps of
+    a `dtype` model on `device` read them in (DecodePrefix), converted once per block. The
+    bf16 layout needs scores that a shift leaves the softmax of (no softcap: tanh is not
+    shift-invariant) and native bf16 matmuls (emulated ones are slower than float32)."""
     device = torch.device(device)
-    fused = device.type == "cpu" and not softcap
-    read_as = dtype if fused and dtype == torch.bfloat16 and _bf16_matmuls_native() else \
-        decode_cache_dtype(device, dtype)
-    return DecodePrefix(keys.to(read_as, copy=True).contiguous(), values.to(read_as, copy=True).contiguous(), fused)
+    if device.type == "cpu" and dtype == torch.bfloat16 and not softcap and _bf16_matmuls_native():
+        kf = keys.to(torch.float32, copy=True)
+        mean = kf.mean(1, keepdim=True).mul_(1 / math.sqrt(kf.shape[-1]))
+        kt = kf.mul_(1 / math.sqrt(kf.shape[-1])).sub_(mean).to(dtype).transpose(1, 2).contiguous()
+        return DecodePrefix(kt, values.to(dtype).contiguous(), mean)
+    read_as = decode_cache_dtype(device, dtype)
+    return DecodePrefix(keys.to(read_as, copy=True), values.to(read_as, copy=True))
 
 
 def attend_past_shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor,
@@ -403,10 +408,10 @@ def attend_past_shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     padded = qf.new_zeros(sequences * kvh, r, d)
     padded[lead:lead + u] = qf
     by_head = padded.view(sequences, kvh, r, d).transpose(0, 1).reshape(kvh, sequences * r, d)
-    if prefix.fused:
-        shared = _fused_prefix_part(by_head, prefix)
-    else:
+    if prefix.key_mean is None:
         shared = _softmax_part(by_head, prefix.keys, prefix.values, None, softcap)
+    else:
+        shared = _bf16_prefix_part(by_head, prefix)
     parts.append(tuple(x.view(kvh, sequences, r, -1).transpose(0, 1).reshape(sequences * kvh, r, -1)[lead:lead + u]
                        for x in shared))
     peak = torch.maximum(parts[0][1], parts[1][1])
@@ -415,13 +420,17 @@ def attend_past_shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.view(u, r, 1, d).to(q.dtype)
 
 
-def _fused_prefix_part(q: torch.Tensor, prefix: DecodePrefix) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """_softmax_part of float32 queries q (kv_heads, m, d) over the whole prefix, by torch's
-    fused CPU attention kernel: its normalised output and log-sum-exp are the parts with a
-    largest score of the log-sum-exp and a sum of one."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.to(prefix.keys.dtype)[None], prefix.keys[None], prefix.values[None])
-    return out[0].float(), lse[0, ..., None], torch.ones_like(lse[0, ..., None])
+def _bf16_prefix_part(q: torch.Tensor, prefix: DecodePrefix) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_softmax_part of float32 queries q (kv_heads, m, d) over a prefix in DecodePrefix's bf16
+    layout: the scores leave their matmul rounded to bf16 relative to the keys' mean, q . mean
+    goes back into each row's largest score in float32; the weights are rounded to bf16 for
+    the product with the values, and their sum is taken of the rounded weights, so that the
+    output is the weighted mean of exactly the weights it used."""
+    scores = torch.bmm(q.to(prefix.values.dtype), prefix.keys).float()
+    peak = scores.amax(-1, keepdim=True)
+    weights = torch.exp(scores.sub_(peak)).to(prefix.values.dtype)
+    out = torch.bmm(weights, prefix.values).float()
+    return out, peak + torch.bmm(q, prefix.key_mean.transpose(1, 2)), weights.sum(-1, keepdim=True, dtype=torch.float32)
 
 
 def _softmax_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,

@@ -340,7 +340,8 @@ class BlockSchedule:
                         self.decode_prefix[layer.index, where.type] = kept
                         # counted where the cache's compute-side tier is (the planner counts it there)
                         self._prefix_bytes.append(("gpu" if where == self.devices.compute else "cpu",
-                                                   tensor_bytes(kept.keys) + tensor_bytes(kept.values)))
+                                                   tensor_bytes(kept.keys) + tensor_bytes(kept.values)
+                                                   + tensor_bytes(kept.key_mean)))
                         self.rt.usage.add(*self._prefix_bytes[-1])
                 self._time_compute(t0, stage)
                 self.timers["prefill_shared_prefix"] += time.perf_counter() - t0  # of prefill_compute

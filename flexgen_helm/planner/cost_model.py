@@ -109,6 +109,12 @@ class Fractions:
                 {"gpu": self.hg, "cpu": self.hc, "disk": self.hd})
 
 
+# Bytes a decode step moves per score of a query against the shared prefix besides its two
+# matmuls (attention.attend_past_shared_prefix: the scores widened to float32, their max,
+# exp, the weights narrowed for the second matmul and summed): five passes of 4 bytes or so.
+PREFIX_SCORE_BYTES = 20
+
+
 @dataclass(frozen=True)
 class Workload:
     prompt_len: int
@@ -467,9 +473,9 @@ class CostModel:
             # the shared prefix is not read per sequence: its one copy, on the compute device,
             # meets the block's queries in one matmul per key-value head (attend_past_shared_prefix)
             t -= self.work.shared_prefix
-            # (the fused attention kernel a prefill runs, at its profiled rate)
             scores = nb * gbs * cfg.num_heads * self.work.shared_prefix
-            b["compute"] += scores * 4 * cfg.head_dim / dev.attn_prefill_flops
+            b["compute"] += (scores * 4 * cfg.head_dim / dev.attn_prefill_flops
+                             + scores * PREFIX_SCORE_BYTES / dev.attn_decode_bytes_per_s)
         read = nb * t * stored / 2 * (1 + policy.attn_sparsity)
         b["disk_cpu"] += read * c["disk"]
         if cuda and not delegated:
