@@ -665,8 +665,9 @@ class BlockSchedule:
 
     def _prefix_of(self, index: int, k: int) -> torch.Tensor | None:
         """Where each of GPU batch k's computed rows holds its copy of the shared prefix in
-        block `index`; None where decode steps do not attend to the prefix apart."""
-        if not self._attends_to_prefix_apart(index) or (index, self.devices.compute.type) not in self.decode_prefix:
+        block `index`; None where decode steps do not attend to the prefix apart (its slots
+        then hold every position; where they hold the prefix out, its copy must be there)."""
+        if not self._attends_to_prefix_apart(index):
             return None
         rows = self.step_rows[k].rows
         return self.prefix_start[k] if rows is None else self.prefix_start[k][rows.cpu()]
