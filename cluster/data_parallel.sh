@@ -10,8 +10,10 @@
 # (cluster/slurm_resume.sh's single-process suite is one) instead of running it here again.
 # LAUNCH=torchrun: the same over two torchrun node ranks on 127.0.0.1 (--nnodes 2, static
 # rendezvous), no Slurm needed.
-# Both "nodes" of the local cluster are this host (1 core each): the wall times say what the
-# plumbing costs, not what two machines would gain. Evidence in runs/cluster/data_parallel_$LAUNCH/.
+# Both "nodes" of the local cluster are this host (1 core each), so every process here runs with
+# THREADS_PER_NODE threads (default 1: a node's share of the cores): the one process is one such
+# node, and two ranks are two. Run it alone for its times: it records the host and the load
+# average beside them. Evidence in runs/cluster/data_parallel_$LAUNCH/.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 M=${1:-32}
@@ -25,19 +27,28 @@ export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH} FLEXGEN_HELM_DTYPE=float32 HF
 # converted stores: shared by both sides (and with another script's, if FLEXGEN_HELM_CACHE is set); HELM's
 # caches: one per side
 export FLEXGEN_HELM_CACHE=${FLEXGEN_HELM_CACHE:-$WORK/flexgen-cache}
+# task/none binds no cores, so torch would start a thread per core of the host in every rank
+export OMP_NUM_THREADS=${THREADS_PER_NODE:-1}
 
 [ "$LAUNCH" = torchrun ] || python -c "from flexgen_helm.helm.slurm import slurm_problem as p; import sys; m = p(); m and sys.exit(m)"
 rm -rf "$WORK" "$OUT"
 mkdir -p "$WORK/single" "$WORK/dp" "$OUT"
 log() { echo "$(date -u +%FT%TZ) $*" | tee -a "$OUT/commands.txt"; }
+load() { cut -d' ' -f1-3 /proc/loadavg; }
+log "host: $(python -c 'from flexgen_helm.memory.machine import machine_label; print(machine_label())'); $OMP_NUM_THREADS thread(s) per process; load average $(load)"
 
-if [ -z "$REFERENCE" ]; then  # the single process first: it also converts the store both sides then read
+if [ -z "$REFERENCE" ]; then
+    # a warm-up, untimed: converts the store both sides then read, and fills the page cache
+    log "0. warm-up (not timed): helm-run -r ${ENTRIES[*]} -m 1 --suite warmup"
+    mkdir -p "$WORK/warmup"
+    (cd "$WORK/warmup" && timeout 1800 helm-run -r "${ENTRIES[@]}" -m 1 --suite warmup \
+        --runner-class-name flexgen_helm.helm.runner.BatchingRunner >"$OUT/warmup.log" 2>&1)
     REFERENCE=$WORK/single/benchmark_output/runs/$SUITE
     log "1. one process: helm-run -r ${ENTRIES[*]} -m $M --suite $SUITE --runner-class-name flexgen_helm.helm.runner.BatchingRunner"
     start=$SECONDS
     (cd "$WORK/single" && timeout 1800 helm-run -r "${ENTRIES[@]}" -m "$M" --suite $SUITE \
         --runner-class-name flexgen_helm.helm.runner.BatchingRunner >"$OUT/single.log" 2>&1)
-    log "one process: $(( SECONDS - start )) s wall (helm-run start to end)"
+    log "one process: $(( SECONDS - start )) s wall (helm-run start to end); load average $(load)"
 else
     log "1. one process: the suite in $REFERENCE"
 fi
@@ -60,7 +71,7 @@ else
     (cd "$WORK/dp" && timeout 1800 srun -N 2 --ntasks-per-node 1 --kill-on-bad-exit=1 -t 30 -l \
         python "${DP_ARGS[@]}" >"$OUT/dp.log" 2>&1)
 fi
-log "two node ranks: $(( SECONDS - start )) s wall ($LAUNCH start to end)"
+log "two node ranks: $(( SECONDS - start )) s wall ($LAUNCH start to end); load average $(load)"
 log "$(grep -ah 'rank [01] computed' "$OUT/dp.log" | sed 's/.*INFO *//' | tr '\n' ';')"
 log "$(python -m flexgen_helm.tools.suite_diff "$REFERENCE" \
     "$WORK/dp/benchmark_output/runs/$SUITE" --json "$OUT/comparison.json")"
