@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from flexgen_helm.compression.stored import check_weight_compression
-from flexgen_helm.errors import FlexGenError, PromptTooLongError
+from flexgen_helm.errors import FlexGenError, PolicyError, PromptTooLongError
 from flexgen_helm.executor.calibration_text import CalibrationText
 from flexgen_helm.executor.generation import BlockDriver, LocalStage, Sequence, StageLink, StepCallback
 from flexgen_helm.executor.kv_cache import check_cache_compression
@@ -252,6 +252,9 @@ def build_runtime(resolved: ResolvedModel, policy: Policy, devices: Devices, off
     family = family_of(cfg)
     layers = layers if layers is not None else family.layer_specs(cfg)
     check_cache_compression(policy.compress_cache)
+    if policy.keep_dense_weights and cfg.is_moe:
+        raise PolicyError(f"keep_dense_weights: {cfg.name} is a mixture of experts, whose experts load as its router "
+                          "picks them; keeping every layer dense is for dense models")
     specs = all_store_tensors(layers)
     # each weight's own setting: a GGUF's codes where the policy keeps them (weights/source_grids.py)
     compression = weight_grids(policy.compress_weight, resolved.source, specs)

@@ -17,14 +17,14 @@ from flexgen_helm.tools.compare.random_moe_gguf import file_bytes, main, moe_con
 from flexgen_helm.weights.gguf_file import GGUFFile
 
 
-def _tiny_olmoe():
+def tiny_olmoe_config():
     return dataclasses.replace(moe_config("olmoe-1b-7b", 2), vocab_size=96, hidden_size=64, num_heads=4,
                                num_kv_heads=4, head_dim=16, num_experts=8, experts_per_token=2, expert_ffn_size=32,
                                ffn_size=32, max_seq_len=256)
 
 
 def test_written_geometry_reads_back_and_runs(tmp_path):
-    cfg = _tiny_olmoe()
+    cfg = tiny_olmoe_config()
     path = tmp_path / "tiny-olmoe.gguf"
     write(cfg, path)
     read = GGUFFile(path, cache_dir=tmp_path / "meta").config

@@ -71,6 +71,10 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                         "tokens, values per token, a sequence's newest tokens of an unfinished group kept in full "
                         f"precision (default: {DEFAULT_CACHE_GROUPING}, the better measured, runs/accuracy)")
     g.add_argument("--attn-sparsity", type=float, default=1.0, help="fraction of keys kept in decode attention")
+    g.add_argument("--keep-dense-weights", action=argparse.BooleanOptionalAction, default=None,
+                   help="a block keeps its compressed weights dequantized from their first use to its end, so decode "
+                        "steps multiply dense copies instead of the int4/int8 kernels (uncompressed speed, the "
+                        "memory of both); default: the planner's choice where it plans, else off")
     g.add_argument("--no-prefix-sharing", dest="prefix_sharing", action="store_false", default=True,
                    help="compute every prompt whole, even where a block's prompts start with the same tokens "
                         "(by default their common prefix is computed once per block: for A/B measurements)")
@@ -132,6 +136,8 @@ def pinned_fields(args) -> dict:
         pinned["attn_sparsity"] = args.attn_sparsity
     if not args.prefix_sharing:
         pinned["prefix_sharing"] = False
+    if args.keep_dense_weights is not None:
+        pinned["keep_dense_weights"] = args.keep_dense_weights
     Policy.from_dict(pinned)  # a bad field or value fails here, before any work
     return pinned
 

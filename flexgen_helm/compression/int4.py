@@ -304,6 +304,16 @@ class CompressedWeight:
     def packed(self) -> bool:
         return all(isinstance(p, Packed) for _, p in self.parts)
 
+    def keep_dense(self) -> None:
+        """Multiply on the dense copy at every row count from now on (made at the first
+        multiply, then reused): a weight a block keeps for all its steps (executor/kept_weights.py)."""
+        self.max_kernel_rows = 0
+
+    @property
+    def dense_nbytes(self) -> int:
+        """Bytes of the dense copy, once made (0 before)."""
+        return 0 if self._dense is None else self._dense.numel() * self._dense.element_size()
+
     def uses_kernel(self, rows: int) -> bool:
         return self.packed and (self.max_kernel_rows is None or rows <= self.max_kernel_rows)
 

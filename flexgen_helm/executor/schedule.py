@@ -66,6 +66,7 @@ from flexgen_helm.executor.attention import (
 )
 from flexgen_helm.executor.cache_buffers import CacheBuffers, batches_per_load, buffer_sets, unpacks_on_lane
 from flexgen_helm.executor.expert_weights import load_layer_weights
+from flexgen_helm.executor.kept_weights import KeptDenseWeights
 from flexgen_helm.executor.kivi_cache import KiviCacheSlot
 from flexgen_helm.executor.kv_cache import KVCacheSlot, cache_rows, kv_nbytes, prefix_held_once
 from flexgen_helm.executor.shared_prefix import SharedPrefix
@@ -194,6 +195,8 @@ class BlockSchedule:
         self.active: list[list[int] | None] = [None] * len(batches)
         self.step_rows: list[StepRows | None] = [None] * len(batches)
         self._weights_ahead = None
+        # each layer's weights loaded once for the block, compressed ones kept dense (policy.keep_dense_weights)
+        self.kept = KeptDenseWeights(runtime.usage) if policy.keep_dense_weights else None
         self.prefill_as_decode = False
         self.stores_prefill_cache = True
         # freed host memory kept for reuse beyond this is handed back (memory/host_allocator.py)
@@ -315,6 +318,8 @@ class BlockSchedule:
         # taken, not kept: held past its layer, a prefetched layer's weights stayed resident all step
         # a layer's disk reads at once; a sparse block's experts as its router picks them
         load_layer = functools.partial(load_layer_weights, self.rt, io, self.timers, stage)
+        if self.kept is not None:
+            load_layer = functools.partial(self.kept, load_layer)
         weights = self._weights_ahead or io.submit(load_layer, layers[0], kind=f"{stage}_load_weight",
                                                    lane="weights")
         self._weights_ahead = None
@@ -378,6 +383,8 @@ class BlockSchedule:
             del w
             self._bound_freed_memory()
         self._weights_ahead = weights
+        if self.kept is not None:
+            self.kept.count_dense_copies()
         if layers[-1].kind != "head":
             results = [self._wait(io.submit(a.load, kind=f"{stage}_load_hidden"), "load_hidden") for a in self.acts]
         return results
@@ -732,6 +739,8 @@ class BlockSchedule:
 
     def close(self) -> None:
         self.io.close()
+        if self.kept is not None:
+            self.kept.release()
         for tier, nbytes in self._prefix_bytes:
             self.rt.usage.remove(tier, nbytes)
         self._prefix_bytes.clear()

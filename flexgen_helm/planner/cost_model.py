@@ -191,6 +191,7 @@ class LayerWeights:
     packed_matmul_numel: int = 0  # multiplied, in the int4 kernel's layout: the kernel may take them
     packed_numel: int = 0  # in the kernel's layout, lookups too: dequantized where the kernel is not used
     grouped_numel: int = 0  # in the group layout (QuantizedTensor): dequantized at every load
+    grouped_matmul_numel: int = 0  # of those, multiplied (not looked up)
     # elements of a row of the tables in the CPU's packed layout, of which a lookup dequantizes
     # only the rows it looks up (CompressedWeight.embedding); not in packed_numel
     row_lookup_width: int = 0
@@ -213,7 +214,7 @@ class LayerWeights:
 
 
 _AMOUNTS = ("disk_reads", "assembled", "matmul_numel", "packed_matmul_numel", "packed_numel", "grouped_numel",
-            "row_lookup_width")
+            "grouped_matmul_numel", "row_lookup_width")
 
 
 def layer_weights(layer: LayerSpec, placement: dict, weight_compression: WeightCompression, dtype: torch.dtype,
@@ -245,6 +246,7 @@ def layer_weights(layer: LayerSpec, placement: dict, weight_compression: WeightC
             lw.packed_matmul_numel += t.numel * multiplied
         else:  # the int8 kernel's rate is not profiled yet: costed as a dequantization per load
             lw.grouped_numel += t.numel
+            lw.grouped_matmul_numel += t.numel * multiplied
     experts = tuple(t for t in layer.tensors if expert_of(t.key) is not None)
     if experts and len(experts) < len(layer.tensors):
         lw.experts = layer_weights(dataclasses.replace(layer, tensors=experts), placement, compression, dtype, device)
@@ -312,20 +314,22 @@ class CostModel:
         # weights: once per step for the whole block; of a sparse MoE block's experts, those the
         # block's tokens are expected to choose (each row multiplies k of them)
         rows, calls = _matmuls(layer, gbs, nb, tokens, phase)
-        weights_compute = self._weights_compute(lw, rows, calls)
+        kept = phase if policy.keep_dense_weights else None
+        weights_compute = self._weights_compute(lw, rows, calls, kept)
         if lw.experts is not None:
             touched = expected_experts_touched(cfg.num_experts, cfg.experts_per_token, gbs * nb * tokens)
             weights_compute += self._experts_compute(lw.experts, rows, calls) - self._weights_compute(
                 lw.experts, rows, calls)
             lw = lw.plus(lw.experts.scaled(touched / cfg.num_experts - 1.0))
-        b["disk_cpu"] += lw.stored["disk"]
-        if cuda:
-            b["cpu_gpu"] += lw.stored["cpu"] + lw.stored["disk"]
-        else:
-            b["cpu_gpu"] += lw.assembled
+        if kept != "decode":  # a block that keeps its weights loads each layer once, in its prefill
+            b["disk_cpu"] += lw.stored["disk"]
+            if cuda:
+                b["cpu_gpu"] += lw.stored["cpu"] + lw.stored["disk"]
+            else:
+                b["cpu_gpu"] += lw.assembled
 
         if prefill and shared and layer.kind != "head":
-            weights_compute += self._weights_compute(lw, *_matmuls(layer, 1, 1, shared, phase))
+            weights_compute += self._weights_compute(lw, *_matmuls(layer, 1, 1, shared, phase), kept)
         b["compute"] += weights_compute
         b["compute"] += nb * self._fixed_per_layer_batch(layer, policy, phase)
         if layer.kind == "block":
@@ -358,17 +362,21 @@ class CostModel:
         most = self.hw.compute.int4_kernel_max_rows(self.hw.dtype)
         return most is None or rows <= most
 
-    def _weights_compute(self, lw: LayerWeights, rows: int, nb: int) -> float:
+    def _weights_compute(self, lw: LayerWeights, rows: int, nb: int, kept: str | None = None) -> float:
         """Seconds of one layer's matmuls for nb GPU batches of `rows` activation rows, with
         compressed weights dequantized once per load (the copy the layer's GPU batches share)
         where the int4 kernel does not take them, and on the kernel, at its profiled speed for
-        that row count, where it does."""
+        that row count, where it does. kept: the phase of a block that keeps its dense copies
+        (Policy.keep_dense_weights): its prefill dequantizes every compressed weight, its decode
+        steps multiply the copies the prefill made."""
         dev, dtype = self.hw.compute, self.hw.dtype
         dense = lw.matmul_numel - lw.packed_matmul_numel
-        seconds = lw.grouped_numel / dev.dequant_elems_per_s
+        seconds = 0.0 if kept == "decode" else lw.grouped_numel / dev.dequant_elems_per_s
         if lw.row_lookup_width:  # one table row per looked-up position
             seconds += nb * rows * lw.row_lookup_width / dev.int4_dequant_elems_per_s
-        if lw.packed_numel and self.kernel_takes(rows):
+        if kept == "decode":
+            dense = lw.matmul_numel
+        elif lw.packed_numel and kept is None and self.kernel_takes(rows):
             seconds += nb * 2 * rows * lw.packed_matmul_numel / dev.int4_flops(rows)
             seconds += (lw.packed_numel - lw.packed_matmul_numel) / dev.int4_dequant_elems_per_s  # lookups
         elif lw.packed_numel:
@@ -567,6 +575,9 @@ class CostModel:
         kept = kept_freed_bytes(cfg, gbs, work.prompt_len, self.dtype,
                                 dense_weight_numel([layer for layer, _ in self.groups], policy.compress_weight),
                                 head_rows=gbs)  # the schedule's default: a generation step's last positions
+        # the dense copies a block keeps of every compressed weight it multiplies (Policy.keep_dense_weights)
+        kept_dense = (sum(n * (lw.packed_matmul_numel + lw.grouped_matmul_numel) for n, lw in zip(self.counts, lws))
+                      * elt if policy.keep_dense_weights else 0)
         out = {}
         for phase in PHASES:
             tokens = work.prompt_len if phase == "prefill" else 1
@@ -585,6 +596,8 @@ class CostModel:
             # the dense copy of a compressed layer's weights, made where it computes (only the one in use)
             dequantized = max(self.dequantized_numel(lw, _matmuls(layer, gbs, nb, tokens, phase)[0])
                               for (layer, _), lw in zip(self.groups, lws)) * elt
+            if policy.keep_dense_weights:  # the one in use is one of the kept copies
+                dequantized = kept_dense
             tiers["gpu"] += (loaded_weights + dequantized + inner + kept + scores + logits + storing
                              + (loaded_cache if phase == "decode" else 0.0))
             tiers[host] += load_buffers

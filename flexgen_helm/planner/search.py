@@ -18,6 +18,7 @@ value at the origin is the constant, its value at each unit vector minus that th
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -102,6 +103,8 @@ class SearchOptions:
     compress_weight: Compression | None = None  # compression changes the numbers: the user's choice
     compress_cache: Compression | None = None
     cpu_cache_compute: bool | None = None  # None: try both
+    # None: try both where weights are compressed (not for MoE, whose experts load on demand)
+    keep_dense_weights: bool | None = None
     max_latency_s: float | None = None  # on the block latency (prefill + all decode steps)
     max_gpu_batch_size: int = 64
     max_num_gpu_batches: int = 16
@@ -277,6 +280,8 @@ def search(cfg: ModelConfig, profile: HardwareProfile, prompt_len: int, gen_len:
     options = options or SearchOptions()
     model = CostModel(cfg, profile, Workload(prompt_len, gen_len, shared_prefix), dtype)
     delegation = (False, True) if options.cpu_cache_compute is None else (options.cpu_cache_compute,)
+    keeping = ((False, True) if options.compress_weight is not None and not cfg.is_moe else (False,)
+               ) if options.keep_dense_weights is None else (options.keep_dense_weights,)
     candidates: list[Candidate] = []
     gbs_list = ([options.gpu_batch_size] if options.gpu_batch_size is not None
                 else [2**i for i in range(int(math.log2(options.max_gpu_batch_size)) + 1)])
@@ -287,14 +292,10 @@ def search(cfg: ModelConfig, profile: HardwareProfile, prompt_len: int, gen_len:
             if options.max_block_size is not None and gbs * nb > options.max_block_size:
                 continue
             best = None
-            for deleg in delegation:
+            for deleg, keep in itertools.product(delegation, keeping):
                 shape = Policy(gbs, nb, overlap=options.overlap, cpu_cache_compute=deleg,
                                compress_weight=options.compress_weight, compress_cache=options.compress_cache)
-                if options.placement is not None:
-                    found = _placed(model, shape, options.placement, budgets, options.max_latency_s)
-                else:  # everything on the top tier is the fastest placement, where it fits (no LP needed)
-                    found = (_placed(model, shape, (_ONE_TIER["gpu"],) * 3, budgets, options.max_latency_s)
-                             or _best_rounded(model, shape, budgets, options.max_latency_s))
+                found = _found(model, shape, keep, budgets, options)
                 if found is not None and (best is None or found.estimate.throughput > best.estimate.throughput):
                     best = found
             if best is not None:
@@ -306,6 +307,24 @@ def search(cfg: ModelConfig, profile: HardwareProfile, prompt_len: int, gen_len:
     candidates.sort(key=lambda c: -c.estimate.throughput)
     best = _smallest_near_best(candidates)
     return SearchResult(best.policy, best.estimate, candidates)
+
+
+def _found(model: CostModel, shape: Policy, keep: bool, budgets: Budgets, options: SearchOptions
+           ) -> Candidate | None:
+    """The best candidate of one block shape: with the user's placement, else everything on the
+    top tier where it fits (the fastest, no LP needed), else the LP's. A block that keeps dense
+    copies of its weights (keep) holds them in memory: placements with weights on disk are not
+    its."""
+    if keep:
+        placement = options.placement or (_ONE_TIER["gpu"],) * 3
+        if placement[0].disk > 0:
+            return None
+        return _placed(model, replace(shape, keep_dense_weights=True),
+                       placement, budgets, options.max_latency_s)
+    if options.placement is not None:
+        return _placed(model, shape, options.placement, budgets, options.max_latency_s)
+    return (_placed(model, shape, (_ONE_TIER["gpu"],) * 3, budgets, options.max_latency_s)
+            or _best_rounded(model, shape, budgets, options.max_latency_s))
 
 
 def _smallest_near_best(candidates: list[Candidate]) -> Candidate:

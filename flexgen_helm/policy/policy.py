@@ -111,6 +111,12 @@ class Policy:
     attn_sparsity: float = 1.0  # fraction of keys kept in decode attention; 1 = dense
     # a block computes the prompt tokens all its sequences start with once (executor/shared_prefix.py)
     prefix_sharing: bool = True
+    # a block keeps each layer's compressed weights dequantized from their first use to its end,
+    # so that its decode steps multiply dense copies (the speed of uncompressed weights, at their
+    # memory) instead of the int4/int8 kernels, which are slower than a dense matmul at a decode
+    # step's few rows on some CPUs (runs/compression_8bit/README.md); the planner turns it on where
+    # the compute tier holds every dense copy (executor/schedule.py)
+    keep_dense_weights: bool = False
 
     def __post_init__(self):
         self.validate()
@@ -145,6 +151,12 @@ class Policy:
             raise PolicyError(f"compress_cache: {self.compress_cache.method} quantizes weights against calibration "
                               "inputs; a KV cache is quantized as it is written: give it rtn or hqq (a policy "
                               "file sets the weights' and the cache's methods apart)")
+        if self.keep_dense_weights and self.compress_weight is None:
+            raise PolicyError("keep_dense_weights keeps the dense copies of compressed weights, but compress_weight is "
+                              "not set")
+        if self.keep_dense_weights and self.weights.disk > 0:
+            raise PolicyError(f"keep_dense_weights: the weights are {100 * self.weights.disk:g}% on disk; dense copies "
+                              "kept for a whole block are for weights held in memory (place them on the gpu/cpu tiers)")
         if not 0.0 < self.attn_sparsity <= 1.0:
             raise PolicyError(f"attn_sparsity must be in (0, 1], got {self.attn_sparsity}")
 
@@ -186,6 +198,7 @@ class Policy:
             f"gbs={self.gpu_batch_size} x nb={self.num_gpu_batches}, weights {pct(self.weights)}, "
             f"cache {pct(self.cache)}, act {pct(self.activations)} (gpu/cpu/disk %), "
             f"overlap={'on' if self.overlap else 'off'}, cpu_cache_compute={'on' if self.cpu_cache_compute else 'off'}"
+            + (", dense copies of the weights kept for the block" if self.keep_dense_weights else "")
         )
 
     def to_json(self) -> str:

@@ -1,0 +1,66 @@
+"""A block's compressed weights kept dense from their first use to the block's end
+(Policy.keep_dense_weights).
+
+Without it, a layer's weights are loaded again at every step of the block, and a decode
+step multiplies its few rows on the packed bytes (the int4/int8 kernels), which on this
+project's CPUs is slower than a dense matmul at those rows (runs/compression_8bit/README.md:
+SmolLM2's decode step at 10 rows, 35.6 ms in bfloat16, 38.0 ms on the int8 kernel, 61.5 ms on
+the int4 kernel). With it, each layer is loaded once a block, every compressed weight it
+multiplies is dequantized once, and the block's later steps reuse the same dense copies: the
+speed of uncompressed weights for the memory of both (the planner turns it on only where
+the compute tier holds every dense copy). A sparse MoE block's experts load as its router
+picks them, so such a block is loaded at every step as before."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from flexgen_helm.compression.int4 import CompressedWeight
+from flexgen_helm.memory.usage import TierUsage
+
+
+class KeptDenseWeights:
+    """The loaded weights of each layer of one block."""
+
+    def __init__(self, usage: TierUsage, tier: str = "gpu"):
+        self._usage = usage
+        self._tier = tier  # where the dense copies live: the compute device's
+        self._layers: dict[tuple[str, int], dict] = {}  # by (kind, index): the head's index is not a block's
+        self._counted = 0  # bytes of dense copies in `usage` so far
+
+    def __call__(self, load: Callable, layer, loaded: dict | None = None):
+        """The layer's weights: kept ones, else `load(layer, loaded)`'s (the schedule's loading),
+        kept from now on."""
+        kept = self._layers.get((layer.kind, layer.index))
+        if kept is not None:
+            return kept
+        weights = load(layer, loaded)
+        if isinstance(weights, dict):  # not a sparse block's experts on demand
+            for w in weights.values():
+                if isinstance(w, CompressedWeight):
+                    w.keep_dense()
+            self._layers[layer.kind, layer.index] = weights
+        return weights
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the dense copies counted so far."""
+        return self._counted
+
+    def count_dense_copies(self) -> None:
+        """Bring the dense copies made so far into the usage account (they are made at a
+        weight's first multiply, inside the layer's compute)."""
+        seen, total = set(), 0
+        for weights in self._layers.values():
+            for w in weights.values():
+                if isinstance(w, CompressedWeight) and id(w) not in seen:
+                    seen.add(id(w))
+                    total += w.dense_nbytes
+        if total != self._counted:
+            self._usage.add(self._tier, total - self._counted)
+            self._counted = total
+
+    def release(self) -> None:
+        self._layers.clear()
+        self._usage.remove(self._tier, self._counted)
+        self._counted = 0

@@ -1,0 +1,118 @@
+"""A block that keeps its compressed weights dense (Policy.keep_dense_weights): it loads each
+layer once, computes with the dense copies a dequantization per use would make (bitwise), the
+memory it accounts is the copies the cost model counts, and the search turns it on only where
+the copies fit and pay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_random_moe_gguf import tiny_olmoe_config
+
+from flexgen_helm.compression import int4, int8
+from flexgen_helm.engine import Engine
+from flexgen_helm.errors import PolicyError
+from flexgen_helm.executor.kept_weights import KeptDenseWeights
+from flexgen_helm.executor.sampling import SamplingParams
+from flexgen_helm.memory.machine import machine_info
+from flexgen_helm.models.opt import config_for_size
+from flexgen_helm.planner.cost_model import CostModel, Workload
+from flexgen_helm.planner.hardware_profile import DeviceSpeeds, HardwareProfile
+from flexgen_helm.planner.search import Budgets, SearchOptions, default_budgets, search
+from flexgen_helm.policy import Compression, Policy, Split
+from flexgen_helm.policy.policy import PER_CHANNEL
+from flexgen_helm.tools.compare.random_moe_gguf import write
+
+GIB = 2**30
+PROMPTS = [[5, 17, 42, 7, 99], [3, 8, 1], [9, 9, 4, 2]]
+GRIDS = {"8-bit per channel": Compression(8, PER_CHANNEL), "4-bit g16": Compression(4, 16)}
+BF16 = dict(dtype="bfloat16", device="cpu", progress=False)
+
+
+def _generate(engine: Engine) -> list:
+    run = engine.generate(PROMPTS, SamplingParams(max_new_tokens=4))
+    return [(c.token_ids, c.logprobs) for r in run.results for c in r.completions]
+
+
+@pytest.mark.parametrize("grid", GRIDS.values(), ids=GRIDS.keys())
+def test_kept_copies_compute_what_a_dequantization_per_use_computes(tiny_llama, tmp_path, monkeypatch, grid):
+    """bfloat16, so that the kernels would round differently: with every kernel off, each use
+    dequantizes (the reference); keeping the copies gives the same bits, and loads each layer
+    once for the block instead of at every step."""
+    policy = Policy(4, 1, compress_weight=grid)
+    monkeypatch.setitem(int4.MAX_KERNEL_ROWS, "cpu", 0)
+    monkeypatch.setitem(int8.MAX_KERNEL_ROWS, "cpu", 0)
+    per_use = Engine.load(str(tiny_llama), policy, offload_dir=tmp_path / "a", **BF16)
+    want = _generate(per_use)
+    kept = Engine.load(str(tiny_llama), Policy(4, 1, compress_weight=grid, keep_dense_weights=True),
+                       offload_dir=tmp_path / "b", **BF16)
+    loads = []
+    real_load = kept.runtime.load_layer
+    monkeypatch.setattr(kept.runtime, "load_layer", lambda layer, *a, **k: loads.append(layer) or real_load(
+        layer, *a, **k))
+    assert _generate(kept) == want
+    assert len(loads) == len(kept.runtime.layers)  # one block: each layer once
+    assert kept.runtime.usage.current["gpu"] == per_use.runtime.usage.current["gpu"]  # the copies released
+
+
+def test_the_cost_model_counts_the_copies_the_engine_keeps(tiny_llama, tmp_path, monkeypatch):
+    grid = Compression(8, PER_CHANNEL)
+    seen = []
+    real_release = KeptDenseWeights.release
+    monkeypatch.setattr(KeptDenseWeights, "release", lambda self: seen.append(self.nbytes) or real_release(self))
+    engine = Engine.load(str(tiny_llama), Policy(4, 1, compress_weight=grid, keep_dense_weights=True),
+                         offload_dir=tmp_path, **BF16)
+    _generate(engine)
+    assert len(seen) == 1 and seen[0] > 0
+    assert engine.runtime.usage.peak["gpu"] >= seen[0]
+    cpu = DeviceSpeeds({"bfloat16": {1: 1e9, 512: 1e11}}, int8_matmul_flops={1: 1e9, 512: 1e10},
+                       int8_dequant_elems_per_s=1e9)
+    model = CostModel(engine.config, HardwareProfile(devices={"cpu": cpu}, machine=machine_info()), Workload(5, 4),
+                      torch.bfloat16)
+    lws = model.weights_per_layer(Policy(4, 1, compress_weight=grid))
+    counted = sum(n * (lw.packed_matmul_numel + lw.grouped_matmul_numel) for n, lw in zip(model.counts, lws)) * 2
+    assert counted == seen[0]
+
+
+OPT13 = config_for_size("1.3b")
+W4 = Compression(4, 64)
+DENSE = {1: 2e9, 8: 15e9, 32: 60e9, 128: 200e9, 512: 300e9}
+SLOW_KERNEL = {r: f / 4 for r, f in DENSE.items()}  # slower than a dense matmul at every row count
+
+
+def _profile() -> HardwareProfile:
+    cpu = DeviceSpeeds({"bfloat16": DENSE}, int4_matmul_flops=SLOW_KERNEL, int4_dequant_elems_per_s=2e9)
+    return HardwareProfile(devices={"cpu": cpu}, memcpy_bytes_per_s=5e9, disk_read_bytes_per_s=1e9,
+                           disk_write_bytes_per_s=5e8, cpu_mem_bytes=24 * GIB, cpu_available_bytes=20 * GIB,
+                           disk_free_bytes=100 * GIB)
+
+
+def test_the_search_keeps_dense_copies_only_where_they_fit_and_pay():
+    """A kernel slower than dequantize-then-matmul at every row count: each decode step
+    dequantizes every layer again, unless the block keeps the copies its prefill made. With
+    room for them the search keeps them; with a compute pool that holds the 4-bit weights but
+    not their dense copies, it cannot."""
+    prof = _profile()
+    options = SearchOptions(max_block_size=8, compress_weight=W4)
+    roomy = search(OPT13, prof, 64, 64, default_budgets(prof), options)
+    assert roomy.policy.keep_dense_weights
+    model = CostModel(OPT13, prof, Workload(64, 64))
+    without = model.estimate(Policy(roomy.policy.gpu_batch_size, roomy.policy.num_gpu_batches, compress_weight=W4))
+    assert roomy.estimate.decode_step_s < without.decode_step_s
+    assert roomy.estimate.peak_bytes["decode"]["gpu"] > without.peak_bytes["decode"]["gpu"] + GIB  # 2.6 GB of copies
+    tight = Budgets(gpu=int(1.5 * GIB), cpu=8 * GIB, disk=100 * GIB)
+    assert not search(OPT13, prof, 64, 64, tight, options).policy.keep_dense_weights
+    with pytest.raises(PolicyError):  # asked for, where the copies cannot fit
+        search(OPT13, prof, 64, 64, tight, SearchOptions(max_block_size=8, compress_weight=W4,
+                                                         keep_dense_weights=True, placement=(Split(),) * 3))
+
+
+def test_what_keeping_dense_copies_cannot_do_is_refused(tmp_path):
+    with pytest.raises(PolicyError, match="compress_weight is not set"):
+        Policy(keep_dense_weights=True)
+    with pytest.raises(PolicyError, match="on disk"):
+        Policy(weights=Split(0.5, 0.2, 0.3), compress_weight=W4, keep_dense_weights=True)
+    path = tmp_path / "moe.gguf"
+    write(tiny_olmoe_config(), path)
+    with pytest.raises(PolicyError, match="mixture of experts"):
+        Engine.load(str(path), Policy(compress_weight=W4, keep_dense_weights=True), offload_dir=tmp_path, **BF16)
