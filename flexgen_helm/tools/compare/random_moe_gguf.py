@@ -10,7 +10,8 @@ The geometry is one of models/moe.GEOMETRIES (the OLMoE one: llama.cpp's `olmoe`
 optionally cut to fewer layers (each layer keeps its full size: experts, heads, widths), so the
 file fits a disk and RAM next to both programs. Weights are bfloat16 (both sides multiply it
 natively on a CPU with bf16 arithmetic), normal with a small standard deviation so that
-activations stay finite through the layers; norms are ones. The vocabulary is placeholder
+activations stay finite through the layers; the norms (ones) and the routers are float32, as
+llama.cpp's converter keeps them (its CPU ops multiply float32 activations by float32 norms). The vocabulary is placeholder
 tokens: both benchmarks feed token ids, not text."""
 
 from __future__ import annotations
@@ -49,11 +50,12 @@ def moe_config(name: str, layers: int | None) -> ModelConfig:
 
 
 def file_bytes(cfg: ModelConfig) -> int:
-    """The tensor bytes of the file (bfloat16), to check the disk before writing."""
+    """The tensor bytes of the file, to check the disk before writing: bfloat16 matrices,
+    float32 norms and routers."""
     h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    per_layer = (h * q * 2 + h * kv * 2 + cfg.num_experts * h + 3 * cfg.num_experts * h * cfg.expert_ffn_size
-                 + 2 * h + q + kv)
-    return 2 * (cfg.num_layers * per_layer + 2 * cfg.vocab_size * h + h)
+    matrices = h * q * 2 + h * kv * 2 + 3 * cfg.num_experts * h * cfg.expert_ffn_size
+    f32 = cfg.num_experts * h + 2 * h + q + kv
+    return cfg.num_layers * (2 * matrices + 4 * f32) + 2 * 2 * cfg.vocab_size * h + 4 * h
 
 
 def _bf16(shape: tuple[int, ...], gen: torch.Generator, std: float = WEIGHT_STD) -> np.ndarray:
@@ -62,7 +64,11 @@ def _bf16(shape: tuple[int, ...], gen: torch.Generator, std: float = WEIGHT_STD)
 
 
 def _ones(n: int) -> np.ndarray:
-    return torch.ones(n, dtype=torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    return np.ones(n, dtype=np.float32)
+
+
+def _f32(shape: tuple[int, ...], gen: torch.Generator, std: float) -> np.ndarray:
+    return (torch.randn(shape, generator=gen) * std).numpy()
 
 
 def write(cfg: ModelConfig, out: Path, seed: int = 0) -> None:
@@ -100,12 +106,12 @@ def write(cfg: ModelConfig, out: Path, seed: int = 0) -> None:
             b + "attn_output.weight": _bf16((h, q), gen),
             # OLMoE normalises the whole query and key vectors (not per head)
             b + "attn_q_norm.weight": _ones(q), b + "attn_k_norm.weight": _ones(kv),
-            b + "ffn_norm.weight": _ones(h), b + "ffn_gate_inp.weight": _bf16((e, h), gen, 1.0 / h ** 0.5),
+            b + "ffn_norm.weight": _ones(h), b + "ffn_gate_inp.weight": _f32((e, h), gen, 1.0 / h ** 0.5),
             b + "ffn_gate_exps.weight": _bf16((e, f, h), gen), b + "ffn_up_exps.weight": _bf16((e, f, h), gen),
             b + "ffn_down_exps.weight": _bf16((e, h, f), gen),
         })
     for name, data in tensors.items():
-        w.add_tensor(name, data, raw_dtype=bf16)
+        w.add_tensor(name, data, raw_dtype=bf16 if data.dtype == np.uint16 else None)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
