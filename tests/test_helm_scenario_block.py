@@ -15,6 +15,7 @@ from flexgen_helm.helm import engines
 from flexgen_helm.helm.block_planning import scenario_workload
 from flexgen_helm.planner.hardware_profile import DeviceSpeeds, HardwareProfile, default_profile_path
 from flexgen_helm.planner.scenario_block import block_for_requests
+from flexgen_helm.policy import Policy
 
 DEPLOYMENT = "flexgen/tiny-llama"
 # the weights, cache and activations on the top tier, pinned: the load and each scenario plan
@@ -117,3 +118,37 @@ def test_a_scenario_sharing_a_long_prefix_gets_a_bigger_block_under_the_same_bud
     assert {r.batch_size for r in results[True]} == {big} and {r.batch_size for r in results[False]} == {small}
     batch = results[True][0].completions[0].finish_reason["flexgen"]["batch"]
     assert batch["computed_prompt_tokens"] < batch["padded_prompt_tokens"]  # the prefix computed once
+
+
+def test_the_weights_stay_where_loading_put_them():
+    """Where the planner would place a scenario's weights otherwise, the block is planned under
+    the loaded placement and the planner's other choice is returned for the log line."""
+    import torch
+
+    from flexgen_helm.models.opt import config_for_size
+    from flexgen_helm.planner.auto import CommandWorkload
+    from flexgen_helm.policy import Split
+
+    cfg = config_for_size("125m")
+    loaded = Policy(weights=Split(0.5, 0.5), cache=Split(0.5, 0.5))  # as a smaller budget had it at load
+    work = CommandWorkload(prompt_len=200, gen_len=8, sequences=32, shared_prefix=180)
+    block = block_for_requests(cfg, loaded, {}, work, _profile(8 << 30), torch.float32)
+    assert block.moved_weights is not None and block.moved_weights.weights != loaded.weights
+    assert (block.policy.weights, block.policy.cache, block.policy.activations) == \
+        (loaded.weights, loaded.cache, loaded.activations)
+    free = block_for_requests(cfg, block.moved_weights, {}, work, _profile(8 << 30), torch.float32)
+    assert free.moved_weights is None and free.policy == block.moved_weights
+
+
+def test_a_loaded_engine_refuses_a_policy_that_moves_its_weights(tiny_llama, tmp_path):
+    from flexgen_helm.engine import Engine
+    from flexgen_helm.errors import FlexGenError
+    from flexgen_helm.policy import Split
+
+    engine = Engine.load(str(tiny_llama), Policy(gpu_batch_size=2), dtype="float32", offload_dir=tmp_path,
+                         progress=False)
+    engine.set_policy(Policy(gpu_batch_size=8, num_gpu_batches=2, prefix_sharing=False))  # a block: fine
+    assert engine.policy.block_size == 16
+    with pytest.raises(FlexGenError, match="keeps its weights .* needs the model loaded again"):
+        engine.set_policy(Policy(gpu_batch_size=8, weights=Split(0.5, 0.5)))
+    assert engine.policy.block_size == 16
