@@ -89,6 +89,9 @@ def main() -> None:
     p.add_argument("--system", default="ours-float32", choices=[s.name for s in SYSTEMS if s.runner])
     p.add_argument("--scenario", default="synthetic_reasoning-pattern_match", choices=list(SCENARIOS))
     p.add_argument("--max-instances", type=int, default=None, help="default: the scenario's in runs/helm_vs_hf")
+    p.add_argument("--max-batch-share", type=float, default=None,
+                   help="the flexgen deployments' max_batch_share (helm/batching.batch_cap; default theirs, 1/16): "
+                        "1 lets a scenario's planned block hold all of its requests")
     p.add_argument("--label", default="", help="a tag for the record's file name (e.g. before / after)")
     p.add_argument("--out", default="runs/prefix_sharing/helm_shares")
     args = p.parse_args()
@@ -103,6 +106,9 @@ def main() -> None:
     local.mkdir(parents=True)
     out.mkdir(parents=True, exist_ok=True)
     for name, text in prod_env_yaml(export_checkpoint()).items():
+        if args.max_batch_share is not None:  # one more client arg under each flexgen deployment's own
+            text = text.replace("        deployment: flexgen/", f"        max_batch_share: {args.max_batch_share}\n"
+                                                                 "        deployment: flexgen/")
         (local / name).write_text(text)
     name, _, spec_args = entry.partition(":")
     run_entry = f"{name}:{spec_args + ',' if spec_args else ''}model={system.deployment}"
@@ -119,7 +125,8 @@ def main() -> None:
     helm_run()
     wall = time.perf_counter() - t0
     record = {"host": machine_label(), "system": system.name, "scenario": args.scenario, "instances": instances,
-              "label": args.label, "loadavg_1m_before": load, "loadavg_1m_after": loadavg(),
+              "label": args.label, "max_batch_share": args.max_batch_share, "loadavg_1m_before": load,
+              "loadavg_1m_after": loadavg(),
               **shares(wall), "command": " ".join(["python", *map(str, sys.orig_argv[1:])])}
     (out / f"{tag}.json").write_text(json.dumps(record, indent=1))
     print(json.dumps({k: record[k] for k in ("wall_s", "seconds", "share", "block_sizes", "batch_sequences")}))
