@@ -53,6 +53,9 @@ from flexgen_helm.weights.registry import ResolvedModel, resolve
 from flexgen_helm.weights.source_grids import weight_grids
 
 _seed_counter = itertools.count()
+# What placing the weights fixed (build_runtime), and what changes the numbers a loaded model
+# computes (HELM's cache key, helm/engines.LoadArgs.numerics_key): a loaded engine keeps these.
+FIXED_AT_LOAD = ("weights", "pin_weight", "compress_weight", "compress_cache", "attn_sparsity")
 
 
 class EngineCore(Protocol):
@@ -114,6 +117,18 @@ class Engine:
         offload = usable_offload_dir(offload_dir)  # before anything is loaded
         runtime = build_runtime(resolved, policy, devices, offload, progress)
         return cls(resolved, runtime, policy, offload)
+
+    def set_policy(self, policy: Policy) -> None:
+        """Run the next blocks under `policy` (a block planned for the requests at hand: its
+        batch sizes, the cache's and activations' placement, overlap, delegation, prefix
+        sharing). What loading fixed (FIXED_AT_LOAD) must stay as loaded: changing it would
+        mean loading the model again."""
+        changed = [f for f in FIXED_AT_LOAD if getattr(policy, f) != getattr(self.policy, f)]
+        if changed:
+            raise FlexGenError(f"a loaded engine keeps its {', '.join(changed)} ({self.policy.describe()}); "
+                               f"{policy.describe()} needs the model loaded again")
+        with self._lock:
+            self.policy = policy
 
     # ---- inputs ---------------------------------------------------------------------
 

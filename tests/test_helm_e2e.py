@@ -112,15 +112,32 @@ def test_batching_runner_hands_the_whole_run_to_the_engine(tmp_path):
 def test_a_few_shot_run_computes_its_shared_examples_once(tmp_path, monkeypatch):
     """synthetic_reasoning puts the same instructions and five examples before every
     question: with prefix sharing each batch computes them once, and every completion is
-    the one computed without sharing (float32)."""
+    the one computed without sharing (float32). The block is left to the planner (a saved
+    profile), which plans it for the scenario's requests, shared prefix included, and says so."""
+    from flexgen_helm.planner.hardware_profile import DeviceSpeeds, HardwareProfile
+
     entry = ["synthetic_reasoning:mode=pattern_match,model=flexgen/smollm2-135m"]
     monkeypatch.setenv("FLEXGEN_HELM_DTYPE", "float32")
+    # the planner's profile in a cache of this test's own (the stores already converted reused)
+    session_cache = Path(os.environ["FLEXGEN_HELM_CACHE"])
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for entry_dir in session_cache.glob("*"):
+        if entry_dir.is_dir():
+            (cache / entry_dir.name).symlink_to(entry_dir)
+    speeds = DeviceSpeeds(matmul_flops={"float32": {1: 2e9, 16: 30e9, 256: 100e9}}, attn_prefill_flops=50e9,
+                          attn_decode_bytes_per_s=5e9)
+    HardwareProfile(devices={"cpu": speeds}, cpu_mem_bytes=8 << 30, cpu_available_bytes=8 << 30,
+                    disk_free_bytes=0).save(cache / "hardware.json")
+    monkeypatch.setenv("FLEXGEN_HELM_CACHE", str(cache))
     outputs = {}
     for sharing in (True, False):
-        monkeypatch.setenv("FLEXGEN_HELM_POLICY", json.dumps({"gpu_batch_size": 4, "prefix_sharing": sharing}))
+        monkeypatch.setenv("FLEXGEN_HELM_POLICY", json.dumps({"prefix_sharing": sharing}))
         suite = f"sharing-{sharing}"
-        helm_run(tmp_path / suite, entry, "--runner-class-name", "flexgen_helm.helm.runner.BatchingRunner",
-                 suite=suite, max_instances=3)
+        log = helm_run(tmp_path / suite, entry, "--runner-class-name", "flexgen_helm.helm.runner.BatchingRunner",
+                       suite=suite, max_instances=3)
+        planned = [line for line in log.splitlines() if "block for this scenario" in line]
+        assert len(planned) == 1 and ("shared prefix" if sharing else "prefix sharing off") in planned[0], planned
         run = run_dirs(tmp_path / suite, suite)["synthetic_reasoning"]
         state = json.loads((run / "scenario_state.json").read_text())
         outputs[sharing] = ([rs["result"]["completions"][0]["text"] for rs in state["request_states"]],

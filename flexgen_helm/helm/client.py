@@ -48,6 +48,7 @@ from flexgen_helm.helm.batching import (
     get_batcher,
     run_batches,
 )
+from flexgen_helm.helm.block_planning import plan_block
 from flexgen_helm.helm.engines import EngineHandle, LoadArgs, get_engine, resolve_load_args
 from flexgen_helm.helm.scenario_plan import PlannedRequest, ScenarioPlan, plan_scenario
 from flexgen_helm.helm.tokens import helm_texts
@@ -107,10 +108,12 @@ class FlexGenClient(CachingClient):
     def handle(self) -> EngineHandle:
         return get_engine(self.load_args)
 
-    def max_batch(self, handle: EngineHandle) -> int:
+    def max_batch(self, handle: EngineHandle, policy: Any = None) -> int:
+        """The most requests a batch holds: the deployment's max_batch_size, else the block of
+        `policy` (a scenario's, helm/block_planning.py) or of the engine's loaded policy."""
         if self.max_batch_size:
             return int(self.max_batch_size)
-        policy = getattr(handle.engine, "policy", None)
+        policy = policy or getattr(handle.engine, "policy", None)
         block = getattr(policy, "block_size", None)
         return int(block) if block and block > 1 else DEFAULT_MAX_BATCH
 
@@ -269,8 +272,9 @@ class FlexGenClient(CachingClient):
                 return 0  # everything cached: no need to load the engine
             plan = self.plan(unique, cached)
             self.log_plan(plan)
-            run_batches(self.handle, plan.batches, progress=f"flexgen {self.deployment}",
-                        on_batch=lambda batch: self.publish(store, plan, self.new_responses(plan, batch)))
+            with self.handle.running_under(plan.policy):
+                run_batches(self.handle, plan.batches, progress=f"flexgen {self.deployment}",
+                            on_batch=lambda batch: self.publish(store, plan, self.new_responses(plan, batch)))
         return plan.requests_to_run
 
     def unique_requests(self, requests: List[Request]) -> Dict[str, tuple[Request, Dict[str, Any]]]:
@@ -287,7 +291,9 @@ class FlexGenClient(CachingClient):
 
     def plan(self, unique: Dict[str, tuple[Request, Dict[str, Any]]], cached: set[str]) -> ScenarioPlan:
         """The planned batches of `unique` (see unique_requests), `cached` being the keys in
-        HELM's cache; a request that cannot run gets its error now (held for make_request)."""
+        HELM's cache, in the block planned for them all (helm/block_planning.py: once per
+        scenario, cached requests included, so that a resumed run forms the same batches); a
+        request that cannot run gets its error now (held for make_request)."""
         handle = self.handle
         planned: Dict[str, PlannedRequest] = {}
         for key, (request, raw) in unique.items():
@@ -298,7 +304,9 @@ class FlexGenClient(CachingClient):
                     self.keep(key, {"error": str(exc)})
                 continue
             planned[key] = PlannedRequest(request, raw, job, n_prefix)
-        return plan_scenario(planned, cached, self.max_batch(handle), self.pad_tolerance, self.max_batch_share)
+        policy = plan_block(handle, [p.job for p in planned.values()])
+        return plan_scenario(planned, cached, self.max_batch(handle, policy), self.pad_tolerance,
+                             self.max_batch_share, policy)
 
     def log_plan(self, plan: ScenarioPlan) -> None:
         largest = max(map(len, plan.batches), default=0)

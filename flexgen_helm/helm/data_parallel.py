@@ -63,7 +63,8 @@ def prefetch_data_parallel(client, requests) -> int:
     with create_key_value_store(client.cache.config) as store:
         for first in range(0, len(plan.batches), world):
             mine = plan.batches[first + rank] if first + rank < len(plan.batches) else []
-            error = _disk_full_message(run_batches, client.handle, [mine] if mine else [])
+            with client.handle.running_under(plan.policy):
+                error = _disk_full_message(run_batches, client.handle, [mine] if mine else [])
             computed += len(mine)
             gathered = [None] * world  # (responses, a full disk's message) of every rank
             dist.all_gather_object(gathered, (client.new_responses(plan, mine), error))

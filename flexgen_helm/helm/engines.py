@@ -32,6 +32,8 @@ import importlib
 import json
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,11 +162,29 @@ class EngineHandle:
     The engine itself is not assumed thread-safe: every call goes through `lock`.
     """
 
-    def __init__(self, args: LoadArgs, engine: Any):
+    def __init__(self, args: LoadArgs, engine: Any, planned_fields: dict | None = None):
         self.args = args
         self.engine = engine
         self.lock = threading.Lock()
         self.batcher = None  # set by batching.get_batcher (one request queue per engine)
+        # the deployment's Policy fields where the planner chose the rest: each scenario's block
+        # is planned again for its requests (helm/block_planning.py); None: nothing to plan
+        self.planned_fields = planned_fields
+
+    @contextmanager
+    def running_under(self, policy: Any) -> Iterator[None]:
+        """The engine runs under `policy` (planned for a scenario's requests, the weights as
+        loaded: Engine.set_policy) until the block ends, then under its loaded policy again;
+        None: the loaded policy throughout."""
+        if policy is None:
+            yield
+            return
+        loaded = self.engine.policy
+        self.engine.set_policy(policy)
+        try:
+            yield
+        finally:
+            self.engine.set_policy(loaded)
 
     @property
     def tokenizer(self):
@@ -187,8 +207,20 @@ def get_engine(args: LoadArgs) -> EngineHandle:
     with _REGISTRY_LOCK:
         handle = _REGISTRY.get(args)
         if handle is None:
-            handle = _REGISTRY[args] = EngineHandle(args, _load(args))
+            handle = _REGISTRY[args] = EngineHandle(args, _load(args), _planned_fields(args))
     return handle
+
+
+def _planned_fields(args: LoadArgs) -> dict | None:
+    """The deployment's Policy fields where the planner chooses the rest (a block or the
+    placement left open) for the real engine; None for a policy pinned whole or a stand-in
+    engine (FLEXGEN_HELM_ENGINE_FACTORY, which gets the deployment's fields alone)."""
+    from flexgen_helm.planner.auto import leaves_open
+
+    if os.environ.get("FLEXGEN_HELM_ENGINE_FACTORY"):
+        return None
+    fields = json.loads(args.policy_json) if args.policy_json else {}
+    return fields if leaves_open(fields) else None
 
 
 def get_tokenizer(args: LoadArgs):

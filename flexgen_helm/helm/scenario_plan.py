@@ -29,6 +29,7 @@ class ScenarioPlan:
     cached: set[str]  # the keys already in HELM's cache
     batches: list[list[Job]]  # the batches to run, in order
     key_of_job: dict[int, str]  # id(job) -> its cache key
+    policy: Any = None  # the engine policy the batches were planned for (helm/block_planning.py); None: loaded
 
     @property
     def requests_to_run(self) -> int:
@@ -42,11 +43,11 @@ class ScenarioPlan:
 
 
 def plan_scenario(planned: dict[str, PlannedRequest], cached: set[str], max_batch: int, pad_tolerance: float,
-                  max_batch_share: float) -> ScenarioPlan:
+                  max_batch_share: float, policy: Any = None) -> ScenarioPlan:
     """The batches of `planned` (every request of the scenario that can run) that hold an
-    uncached request; `max_batch`: the engine's block."""
+    uncached request; `max_batch`: the block of `policy`, the engine's for these requests."""
     key_of_job = {id(p.job): key for key, p in planned.items()}
     jobs = [p.job for p in planned.values()]
     batches = plan_batches(jobs, batch_cap(len(jobs), max_batch, max_batch_share), pad_tolerance)
     to_run = [b for b in batches if any(key_of_job[id(j)] not in cached for j in b)]
-    return ScenarioPlan(planned, cached, to_run, key_of_job)
+    return ScenarioPlan(planned, cached, to_run, key_of_job, policy)

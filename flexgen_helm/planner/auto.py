@@ -87,7 +87,25 @@ def planned_policy(cfg: ModelConfig, workload: CommandWorkload, pinned: dict | N
               f"not set ({policy.describe()}); `flexgen-helm profile` (under a minute) lets it pick the fastest "
               "block for this machine", file=sys.stderr, flush=True)
         return policy
+    shared = workload.shared_prefix if pinned.get("prefix_sharing", True) else 0
+    policy, result = searched_policy(cfg, workload, pinned, profile, budgets, max_latency_s, offload_dir, dtype)
+    work = "scoring" if workload.gen_len <= 1 else f"{workload.gen_len} new tokens"
+    common = f", the first {shared} shared" if shared else ""
+    print(f"planned policy for {cfg.name} (prompts up to {workload.prompt_len} tokens{common}, {work}): "
+          f"{policy.describe()}; predicted {result.estimate.throughput:.2f} "
+          f"{'sequences' if workload.gen_len <= 1 else 'token'}/s", file=sys.stderr, flush=True)
+    return policy
+
+
+def searched_policy(cfg: ModelConfig, workload: CommandWorkload, pinned: dict, profile: HardwareProfile | None,
+                    budgets: dict | None = None, max_latency_s: float | None = None, offload_dir: str | None = None,
+                    dtype=None, placement: tuple | None = None) -> tuple[Policy, SearchResult]:
+    """The search's policy for `workload` with `pinned` kept (and `placement`, the weights',
+    cache's and activations' Splits, where given), said nothing about; and the search's result.
+    The shared prefix counts where the policy shares prefixes (`prefix_sharing`, default on)."""
     options = options_for(pinned, max_latency_s)
+    if placement is not None:
+        options.placement = placement
     if workload.sequences is not None:  # a bigger block than the sequences is padding, unless the user set it
         cap = 1 << max(0, workload.sequences - 1).bit_length()
         options.max_block_size = max(cap, (options.gpu_batch_size or 1) * (options.num_gpu_batches or 1))
@@ -95,13 +113,7 @@ def planned_policy(cfg: ModelConfig, workload: CommandWorkload, pinned: dict | N
     shared = workload.shared_prefix if pinned.get("prefix_sharing", True) else 0
     result = search_for(cfg, workload.prompt_len, workload.gen_len, budgets, options, offload_dir=offload_dir,
                         dtype=dtype, profile=profile, shared_prefix=shared)
-    policy = Policy.from_dict({**result.policy.to_dict(), **pinned})
-    work = "scoring" if workload.gen_len <= 1 else f"{workload.gen_len} new tokens"
-    common = f", the first {shared} shared" if shared else ""
-    print(f"planned policy for {cfg.name} (prompts up to {workload.prompt_len} tokens{common}, {work}): "
-          f"{policy.describe()}; predicted {result.estimate.throughput:.2f} "
-          f"{'sequences' if workload.gen_len <= 1 else 'token'}/s", file=sys.stderr, flush=True)
-    return policy
+    return Policy.from_dict({**result.policy.to_dict(), **pinned}), result
 
 
 def budgets_from_args(args) -> dict:

@@ -1,0 +1,48 @@
+"""The block a known list of requests runs in, planned for them under weights already placed.
+
+A HELM deployment's engine is loaded (its weights placed) before any request is known, with
+a block planned for requests in general (planner/auto.py). A scenario's requests are known
+before any of them runs (helm/scenario_executor.py): their longest prompt, their new tokens,
+how many they are, and the tokens all of their prompts start with (a few-shot run's
+instructions and examples, whose KV a block holds once: executor/shared_prefix.py). This
+plans the block for them. Moving the weights would mean loading them again, so the weights'
+placement stays the loaded one: where the planner would have placed them otherwise, the
+block is planned under the loaded placement (cache and activations included) and the caller
+says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from flexgen_helm.models.config import ModelConfig
+from flexgen_helm.planner.auto import CommandWorkload, searched_policy
+from flexgen_helm.planner.hardware_profile import HardwareProfile
+from flexgen_helm.policy.policy import Policy
+
+
+@dataclass(frozen=True)
+class ScenarioBlock:
+    policy: Policy  # what the requests run under: the loaded weights' placement, the block planned for them
+    unshared: Policy  # the planner's choice for the same requests without a shared prefix, same constraints
+    # the planner's choice had it been free to place the weights again (None: it keeps the loaded placement)
+    moved_weights: Policy | None
+
+
+def block_for_requests(cfg: ModelConfig, loaded: Policy, pinned: dict, workload: CommandWorkload,
+                       profile: HardwareProfile, dtype=None) -> ScenarioBlock:
+    """The block for `workload` (the requests' lengths, count and shared prefix), `pinned`
+    (the deployment's Policy fields) kept as given, the weights where `loaded` placed them.
+    A PolicyError where nothing fits the budgets (the caller keeps the loaded policy)."""
+    free, _ = searched_policy(cfg, workload, pinned, profile, dtype=dtype)
+    placement, moved = None, None
+    if free.weights != loaded.weights:
+        placement, moved = (loaded.weights, loaded.cache, loaded.activations), free
+        policy, _ = searched_policy(cfg, workload, pinned, profile, dtype=dtype, placement=placement)
+    else:
+        policy = free
+    unshared = policy
+    if workload.shared_prefix and policy.prefix_sharing:
+        unshared, _ = searched_policy(cfg, replace(workload, shared_prefix=0), pinned, profile, dtype=dtype,
+                                      placement=placement)
+    return ScenarioBlock(policy, unshared, moved)
