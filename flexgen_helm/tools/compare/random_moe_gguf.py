@@ -11,8 +11,8 @@ optionally cut to fewer layers (each layer keeps its full size: experts, heads, 
 file fits a disk and RAM next to both programs. Weights are bfloat16 (both sides multiply it
 natively on a CPU with bf16 arithmetic), normal with a small standard deviation so that
 activations stay finite through the layers; the norms (ones) and the routers are float32, as
-llama.cpp's converter keeps them (its CPU ops multiply float32 activations by float32 norms). The vocabulary is placeholder
-tokens: both benchmarks feed token ids, not text."""
+llama.cpp's converter keeps them (its CPU ops multiply float32 activations by float32 norms).
+The vocabulary is placeholder tokens: both benchmarks feed token ids, not text."""
 
 from __future__ import annotations
 
