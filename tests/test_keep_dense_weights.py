@@ -116,3 +116,25 @@ def test_what_keeping_dense_copies_cannot_do_is_refused(tmp_path):
     write(tiny_olmoe_config(), path)
     with pytest.raises(PolicyError, match="mixture of experts"):
         Engine.load(str(path), Policy(compress_weight=W4, keep_dense_weights=True), offload_dir=tmp_path, **BF16)
+
+
+KEEP_POLICIES = {
+    "merged-batches": dict(gpu_batch_size=1, num_gpu_batches=3),
+    "weights-cpu-delegated-no-overlap": dict(gpu_batch_size=2, num_gpu_batches=2, weights=Split(0.4, 0.6, 0),
+                                             cache=Split(0, 1, 0), cpu_cache_compute=True, overlap=False),
+    "cache-disk": dict(gpu_batch_size=2, num_gpu_batches=2, cache=Split(0.5, 0, 0.5)),
+}
+
+
+@pytest.mark.parametrize("name", list(KEEP_POLICIES))
+def test_float32_results_are_the_same_kept_or_not(tiny_llama, tmp_path, name):
+    """float32 dequantizes at every use without keeping (no kernel computes float32): keeping
+    the copies changes no bit, under merged decode steps, CPU delegation, a cache on disk."""
+    grid = Compression(4, 16)
+    runs = []
+    for keep in (False, True):
+        policy = Policy(**KEEP_POLICIES[name], compress_weight=grid, keep_dense_weights=keep)
+        engine = Engine.load(str(tiny_llama), policy, offload_dir=tmp_path / str(keep), dtype="float32", device="cpu",
+                             progress=False)
+        runs.append(_generate(engine))
+    assert runs[0] == runs[1]
