@@ -386,8 +386,18 @@ class CostModel:
 
     def dequantized_numel(self, lw: LayerWeights, rows: int) -> int:
         """Elements of the dense copy a loaded layer makes of its compressed weights for
-        `rows` activation rows (held while the layer computes)."""
-        return lw.grouped_numel + lw.packed_numel - (lw.packed_matmul_numel if self.kernel_takes(rows) else 0)
+        `rows` activation rows (held while the layer computes). A sparse MoE block's experts
+        make theirs one expert at a time, each dropped once its rows are done
+        (models/moe.expert_mlp, executor/expert_weights.py): the block holds its other
+        weights' copy and one expert's (an expert takes at most the call's rows, so where the
+        kernel takes `rows` it takes every expert's)."""
+        if lw.experts is None:
+            return self._dense_numel(lw, rows)
+        one_expert = lw.experts.scaled(1.0 / self.cfg.num_experts)
+        return self._dense_numel(lw.plus(lw.experts.scaled(-1.0)), rows) + self._dense_numel(one_expert, rows)
+
+    def _dense_numel(self, lw: LayerWeights, rows: int) -> int:
+        return round(lw.grouped_numel + lw.packed_numel - (lw.packed_matmul_numel if self.kernel_takes(rows) else 0))
 
     def _fixed_per_layer_batch(self, layer: LayerSpec, policy: Policy, phase: str) -> float:
         """What one layer costs one GPU batch besides its arithmetic and data: the profiled fixed
