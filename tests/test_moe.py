@@ -177,3 +177,37 @@ def test_a_prefill_reads_each_chosen_expert_once_for_the_whole_block(tmp_path):
     chosen = [set(torch.topk(logits, k, dim=-1).indices.flatten().tolist()) for logits in router_logits]
     timers = engine.generate(prompts, SamplingParams(max_new_tokens=1, ignore_eos=True)).stats.timers
     assert timers["prefill_experts_loaded"] == sum(map(len, chosen))
+
+
+@pytest.mark.parametrize(("kind", "overrides"), [("olmoe", dict(num_experts=8, intermediate_size=64)),
+                                                 ("qwen2_moe", dict(num_experts=8, moe_intermediate_size=64))])
+@pytest.mark.parametrize("weights", [(1, 0, 0), (0, 0, 1)])
+def test_compressed_experts_hold_one_dense_copy_as_the_planner_counts(kind, overrides, weights, tmp_path):
+    """4-bit weights dequantized for their matmuls (the group layout: float32 takes no
+    kernel): a sparse block holds its attention's, router's (and shared expert's) dense
+    copies and one expert's at a time, whether its experts are used in place or read off
+    disk, and the planner's peak counts exactly that, not every expert's copy."""
+    from test_policy_search import cpu_profile
+
+    from flexgen_helm.compression.dense_copies import DENSE_COPIES
+    from flexgen_helm.engine import Engine
+    from flexgen_helm.executor.sampling import SamplingParams
+    from flexgen_helm.planner.cost_model import CostModel, Workload
+    from flexgen_helm.policy import Policy, Split
+    from flexgen_helm.policy.policy import Compression
+
+    path = save_tiny(kind, tmp_path / "m", **overrides)
+    policy = Policy(gpu_batch_size=2, num_gpu_batches=2, weights=Split(*weights), compress_weight=Compression(4, 16))
+    engine = Engine.load(str(path), policy, offload_dir=tmp_path, dtype="float32", device="cpu", progress=False)
+    prompts = [[5, 17, 3, 44, 9], [12, 7], [30, 31, 32], [40, 41, 42]]
+    DENSE_COPIES.reset_peak()
+    engine.generate(prompts, SamplingParams(max_new_tokens=3, ignore_eos=True))
+    cfg = engine.runtime.config
+    model = CostModel(cfg, cpu_profile(), Workload(5, 3), torch.float32)
+    planned = {}  # the largest copy of each kind of layer (Qwen2-MoE's tiny model has a dense block too)
+    for (layer, _), lw in zip(model.groups, model.weights_per_layer(policy)):
+        planned[layer.kind] = max(planned.get(layer.kind, 0), model.dequantized_numel(lw, 2) * 4)
+    every_expert = 3 * cfg.num_experts * cfg.expert_ffn_size * cfg.hidden_size * 4
+    assert planned["block"] > planned["head"]  # the block's copy is the peak here
+    assert DENSE_COPIES.peak == planned["block"] < every_expert
+    assert DENSE_COPIES.current == 0  # every copy dropped with its layer

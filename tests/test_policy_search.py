@@ -208,6 +208,40 @@ def test_policy_auto_is_accepted_by_the_engine(tmp_path, capsys):
     assert len(out[0].completions[0].token_ids) == 4
 
 
+def test_a_rounding_that_falls_short_is_solved_again_though_all_on_disk_fits():
+    """4 blocks of Qwen3-30B-A3B, 4-bit weights (1.75 GB), a 1.5 GiB pool and 1 GiB of RAM:
+    the LP's placement falls short once rounded, and the all-on-disk variant fits; the search
+    still solves again with the budget tightened and keeps the weights in RAM, the faster."""
+    from flexgen_helm.models.moe import geometry
+
+    cfg = replace(geometry("qwen3-30b-a3b"), num_layers=4)
+    prof = cpu_profile()
+    opts = SearchOptions(compress_weight=Compression(4, 64), max_gpu_batch_size=1, max_num_gpu_batches=1)
+    found = search(cfg, prof, 24, 8, default_budgets(prof, int(1.5 * GIB), GIB), opts)
+    on_disk = CostModel(cfg, prof, Workload(24, 8)).estimate(replace(found.policy, weights=Split(0, 0, 1)))
+    assert found.policy.weights.disk == 0
+    assert found.estimate.throughput > 1.2 * on_disk.throughput
+
+
+def test_generate_plans_under_its_memory_budgets(capsys):
+    """`generate --policy auto --cpu-mem ...` searches under the budgets given (a 30B
+    mixture of experts in 24 GiB of RAM: issue 49); budgets beside a policy that leaves
+    nothing to plan are refused, not ignored."""
+    from flexgen_helm.cli.options import check_budgets_steer
+    from flexgen_helm.errors import FlexGenError
+
+    cpu_profile().save(default_profile_path())
+    argv = ["generate", "--model", "facebook/opt-1.3b", "--dummy", "--policy", "auto", "--prompt", "hello",
+            "--max-new-tokens", "4"]
+    roomy = policy_from_args(build_parser().parse_args(argv))
+    tight = policy_from_args(build_parser().parse_args([*argv, "--gpu-mem", "512MiB", "--cpu-mem", "1GiB"]))
+    assert roomy.weights.disk == 0 < tight.weights.disk
+    pinned = build_parser().parse_args(["generate", "--prompt", "x", "--percent", "100", "0", "100", "0", "100", "0",
+                                        "--gpu-batch-size", "1", "--num-gpu-batches", "1", "--cpu-mem", "1GiB"])
+    with pytest.raises(FlexGenError, match="--cpu-mem steer the planner"):
+        check_budgets_steer(pinned)
+
+
 def test_search_command_prints_breakdown(tmp_path, capsys):
     prof = cpu_profile().save(tmp_path / "hw.json")
     rc = main(["search", "--model", "facebook/opt-1.3b", "--dummy", "--prompt-len", "128", "--gen-len", "8",

@@ -6,7 +6,14 @@ import dataclasses
 import json
 import sys
 
-from flexgen_helm.cli.options import add_model_args, add_policy_args, checked_output_file, policy_from_args
+from flexgen_helm.cli.options import (
+    add_budget_args,
+    add_model_args,
+    add_policy_args,
+    check_budgets_steer,
+    checked_output_file,
+    policy_from_args,
+)
 from flexgen_helm.dist.launch import engine_class, is_reporting_rank
 
 
@@ -14,6 +21,7 @@ def add_command(sub) -> None:
     g = sub.add_parser("generate", help="generate text for prompts")
     add_model_args(g)
     add_policy_args(g)
+    add_budget_args(g)
     g.add_argument("--prompt", nargs="+", action="extend", required=True,
                    help="one or more prompts; the flag may be repeated, and every prompt given is kept")
     g.add_argument("--max-new-tokens", type=int, default=32)
@@ -32,6 +40,7 @@ def run(args) -> int:
     from flexgen_helm.text import TextEngine
 
     json_out = checked_output_file(args.json)
+    check_budgets_steer(args)
     engine = engine_class(args.pipeline).load(args.model, policy_from_args(args), path=args.path, dummy=args.dummy,
                                               offload_dir=args.offload_dir, device=args.device, dtype=args.dtype)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,

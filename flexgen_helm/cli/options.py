@@ -88,10 +88,27 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shared-prefix", type=int, default=0, metavar="N",
                    help="the first N tokens of every prompt are the same (a few-shot run's instructions and "
                         "examples): a block computes them, and holds their KV cache, once")
+    add_budget_args(p)
+
+
+def add_budget_args(p: argparse.ArgumentParser) -> None:
+    """The memory budgets a planned policy (--policy auto, or flags that leave fields open) is
+    searched under; `generate` takes them too."""
     p.add_argument("--gpu-mem", help="GPU budget, e.g. 16GiB (CPU-only: a pool of host RAM; the search's default: "
                                      "shares --cpu-mem)")
     p.add_argument("--cpu-mem", help="CPU RAM budget, e.g. 4GiB (the search's default: 80%% of the available RAM)")
     p.add_argument("--disk-mem", help="disk budget (the search's default: 90%% of the offload dir's free space)")
+
+
+def check_budgets_steer(args) -> None:
+    """Budgets given with a policy that leaves the planner nothing to choose would be ignored:
+    an error saying so, before any work."""
+    from flexgen_helm.planner.auto import leaves_open
+
+    given = [f"--{name.replace('_', '-')}" for name in ("gpu_mem", "cpu_mem", "disk_mem") if getattr(args, name, None)]
+    if given and not leaves_open(pinned_fields(args)):
+        raise FlexGenError(f"{', '.join(given)} steer the planner, but the policy given sets the block and the "
+                           "placement: leave one of them open (e.g. --policy auto) or drop the budgets")
 
 
 def check_workload(args) -> None:

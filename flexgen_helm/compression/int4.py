@@ -54,6 +54,7 @@ import torch.nn.functional as F
 
 from flexgen_helm.compression import int8
 from flexgen_helm.compression.bundle import TensorBundle
+from flexgen_helm.compression.dense_copies import DENSE_COPIES
 from flexgen_helm.compression.quantize import QuantizedTensor, codes_of, dequantize
 from flexgen_helm.policy.policy import Compression
 
@@ -335,6 +336,7 @@ class CompressedWeight:
                     self._dense = self._dense.t()
                 for start, p in self.parts:
                     self._dense[start:start + p.shape[0]].copy_(_dequantize_stored(p, self.dtype, by_column))
+            DENSE_COPIES.track(self, self._dense.numel() * self._dense.element_size())
         return self._dense
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ import torch
 
 from flexgen_helm.compression.int4 import DEQUANTIZE_CHUNK_ELEMENTS
 from flexgen_helm.compression.quantize import should_compress
+from flexgen_helm.executor.expert_weights import expert_of
 from flexgen_helm.models.config import ModelConfig
 
 # freed memory kept resident, in what a layer frees (kept_freed_bytes): one is what the next
@@ -61,8 +62,22 @@ def kept_freed_bytes(cfg: ModelConfig, gpu_batch_size: int, prompt_len: int, dty
 
 def dense_weight_numel(layers, compression) -> int:
     """Elements of the largest dense copy a block layer makes of its compressed weights (0
-    without weight compression)."""
+    without weight compression). A sparse MoE block dequantizes its experts one at a time,
+    each copy dropped once the expert's rows are done (models/moe.expert_mlp): its copy is
+    the other weights' and one expert's, the largest."""
     if compression is None:
         return 0
-    return max((sum(t.numel for t in layer.tensors if should_compress(t.shape)) for layer in layers
-                if layer.kind == "block"), default=0)
+    return max((_block_dense_numel(layer) for layer in layers if layer.kind == "block"), default=0)
+
+
+def _block_dense_numel(layer) -> int:
+    rest, experts = 0, {}
+    for t in layer.tensors:
+        if not should_compress(t.shape):
+            continue
+        e = expert_of(t.key)
+        if e is None:
+            rest += t.numel
+        else:
+            experts[e] = experts.get(e, 0) + t.numel
+    return rest + max(experts.values(), default=0)

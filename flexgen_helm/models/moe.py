@@ -214,6 +214,14 @@ def expert_mlp(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     experts as one (E, out, in) tensor, which the store keeps apart (placed and compressed per
     expert), and a compressed expert multiplies itself; one matmul per expert it is."""
     flat = x.reshape(-1, x.shape[-1])
+    # the shared expert first: its weights' dense copies (compressed weights) are held to the
+    # layer's end anyway, so the block's peak is the rest of its copies and one routed
+    # expert's, as the planner counts it (planner/cost_model.dequantized_numel)
+    shared = None
+    if cfg.shared_expert_ffn_size:
+        shared = torch.sigmoid(linear(flat, w["shared_expert_gate.weight"])) * gated_mlp(
+            flat, w["shared_expert.gate_proj.weight"], w["shared_expert.up_proj.weight"],
+            w["shared_expert.down_proj.weight"], cfg.mlp_activation)
     weights, chosen = route(cfg, w["router.weight"], flat)
     k = cfg.experts_per_token
     order = torch.argsort(chosen.reshape(-1), stable=True)
@@ -235,10 +243,8 @@ def expert_mlp(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
         start += count
         if hasattr(w, "release"):  # its rows are done: one expert read off its tier held at a time
             w.release(e)
-    if cfg.shared_expert_ffn_size:
-        shared = gated_mlp(flat, w["shared_expert.gate_proj.weight"], w["shared_expert.up_proj.weight"],
-                           w["shared_expert.down_proj.weight"], cfg.mlp_activation)
-        out = out + torch.sigmoid(linear(flat, w["shared_expert_gate.weight"])) * shared
+    if shared is not None:
+        out = out + shared
     return out.reshape(x.shape)
 
 

@@ -392,10 +392,22 @@ class CostModel:
         return self._weights_compute(experts.scaled(touched / self.cfg.num_experts),
                                      rows * self.cfg.experts_per_token / touched, nb)
 
-    def dequantized_numel(self, lw: LayerWeights, rows: int) -> int:
+    def dequantized_numel(self, lw: LayerWeights, rows: int, expert_rows: int | None = None) -> int:
         """Elements of the dense copy a loaded layer makes of its compressed weights for
-        `rows` activation rows (held while the layer computes)."""
-        return lw.grouped_numel + lw.packed_numel - (lw.packed_matmul_numel if self.kernel_takes(rows) else 0)
+        `rows` activation rows (held while the layer computes). A sparse MoE block's experts
+        make theirs one expert at a time, each dropped once its rows are done
+        (models/moe.expert_mlp, executor/expert_weights.py): the block holds its other
+        weights' copy and one expert's. `expert_rows`: the rows of the experts' call (the
+        block's, gathered), of which an expert takes at most all: where the kernel takes
+        them it takes every expert's."""
+        if lw.experts is None:
+            return self._dense_numel(lw, rows)
+        one_expert = lw.experts.scaled(1.0 / self.cfg.num_experts)
+        return (self._dense_numel(lw.plus(lw.experts.scaled(-1.0)), rows)
+                + self._dense_numel(one_expert, rows if expert_rows is None else expert_rows))
+
+    def _dense_numel(self, lw: LayerWeights, rows: int) -> int:
+        return round(lw.grouped_numel + lw.packed_numel - (lw.packed_matmul_numel if self.kernel_takes(rows) else 0))
 
     def _fixed_per_layer_batch(self, layer: LayerSpec, policy: Policy, phase: str) -> float:
         """What one layer costs one GPU batch besides its arithmetic and data: the profiled fixed
@@ -594,7 +606,8 @@ class CostModel:
             storing = 2 * 2 * gbs * tokens * cfg.num_kv_heads * cfg.head_dim * elt * c["disk"]
             tiers = {t: float(sum(part[t] for part in placed.values())) for t in TIERS}
             # the dense copy of a compressed layer's weights, made where it computes (only the one in use)
-            dequantized = max(self.dequantized_numel(lw, _matmuls(layer, gbs, nb, tokens, phase)[0])
+            dequantized = max(self.dequantized_numel(lw, _matmuls(layer, gbs, nb, tokens, phase)[0],
+                                                     expert_rows=gbs * nb * tokens)
                               for (layer, _), lw in zip(self.groups, lws)) * elt
             if policy.keep_dense_weights:  # the one in use is one of the kept copies
                 dequantized = kept_dense
