@@ -91,6 +91,22 @@ def test_a_rerun_follows_its_runs_live_job_and_cancels_other_versions_of_it(tmp_
     assert slurm_orphans.follow_or_cancel(tag, [(3, other_run), (4, "(null)")]) == (None, [])
 
 
+def test_take_over_cancels_the_runs_other_jobs_waits_for_them_and_follows_the_same(tmp_path, monkeypatch):
+    tag = slurm_orphans.job_tag(str(tmp_path), *_specs(), env={})
+    other_version = slurm_orphans.job_tag(str(tmp_path), *_specs(max_instances=8), env={})
+    calls = tmp_path / "calls"
+    _fake_bin(tmp_path, "squeue", f"echo \"squeue $*\" >> {calls}\nprintf '5|{other_version}\\n7|{tag}\\n'\n")
+    _fake_bin(tmp_path, "scancel", f"echo \"scancel $*\" >> {calls}\n")
+    _fake_bin(tmp_path, "scontrol", "echo \"JobId=$4 JobState=CANCELLED Reason=None StdOut=/x/$4.log\"\n")
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert slurm_orphans.take_over(tag, "lambada:model=flexgen_tiny") == 7
+    squeue, scancel = calls.read_text().splitlines()
+    assert squeue.startswith("squeue --me -h -t PENDING,RUNNING") and scancel == "scancel 5"
+    _fake_bin(tmp_path, "squeue", "echo 'squeue: error: Unable to contact slurm controller' >&2; exit 1\n")
+    with pytest.raises(ClusterError, match="`squeue --me .*` failed \\(squeue: error: Unable to contact"):
+        slurm_orphans.take_over(tag, "lambada:model=flexgen_tiny")
+
+
 def test_kill9_kills_every_process_of_a_job_and_names_a_job_without_any(tmp_path):
     from flexgen_helm.tools.slurm_faults import cached_completions, job_processes, kill9_job
 
