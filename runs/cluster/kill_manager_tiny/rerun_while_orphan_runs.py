@@ -4,13 +4,14 @@ are computed. The tests' tiny Llama on 6 short local passages, float32, batches 
 is held before its second batch (tests/held_engine.py) until the rerun's job has ended, or
 until the rerun follows it (then released).
 
-    REPO=/work/main|/work/wt-50 python runs/cluster/kill_manager/rerun_while_orphan_runs.py OUT_DIR
+    REPO=/work/main|/work/wt-50 python runs/cluster/kill_manager_tiny/rerun_while_orphan_runs.py OUT_DIR
 
 REPO: whose flexgen_helm the helm-runs and jobs import (PYTHONPATH); the helpers are this
 checkout's tests/. Prints the counts.
 """
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -53,8 +54,12 @@ print("rerun's helm-run exit status:", rerun.returncode)
 tc._wait_for("the first job to end", lambda: not subprocess.run(["squeue", "-h", "-j", str(job)], capture_output=True,
                                                                  text=True).stdout.strip(), 120)
 print("jobs seen running during the rerun:", "; ".join(sorted(seen)))
-print("jobs submitted:", sum(log.read_text().count("Worker Slurm job submitted") for log in
-                             (tmp / "killed.log", tmp / "rerun.log")))
+manager_logs = (tmp / "killed.log").read_text() + (tmp / "rerun.log").read_text()
+# HELM's manager logs a followed job as "submitted" too: count the distinct ids
+print("jobs of the run (ids in the helm-runs' logs):",
+      sorted(set(re.findall(r"Worker Slurm job submitted .* Slurm job ID: (\d+)", manager_logs))))
+print("the rerun:", "; ".join(line.split("INFO")[-1].strip().split(" (log:")[0]
+                              for line in (tmp / "rerun.log").read_text().splitlines() if "flexgen:" in line) or "-")
 logs = tc._job_logs(tmp)
 print("jobs' plans:", "; ".join(line.split("INFO")[-1].strip() for line in logs.splitlines()
                                 if "flexgen: running" in line))
