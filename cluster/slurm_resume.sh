@@ -45,7 +45,7 @@ export FLEXGEN_HELM_CACHE=${FLEXGEN_HELM_CACHE:-$WORK/flexgen-cache}   # convert
 log() { echo "$(date -u +%FT%TZ) $*" | tee -a "$OUT/commands.txt"; }
 CACHE=$WORK/slurm/prod_env/cache/flexgen.sqlite
 cached() { python -m flexgen_helm.tools.slurm_faults cached "$CACHE"; }  # completions in the Slurm side's HELM cache
-slurm_run() {  # exec: in the background, $! is timeout's pid, and helm-run its one child
+slurm_run() {
     (cd "$WORK/slurm" && exec timeout $WAIT_S helm-run -r "$ENTRY" -m "$M" --suite $SUITE \
         --runner-class-name helm.benchmark.slurm_runner.SlurmRunner >"$OUT/$1" 2>&1)
 }
@@ -74,8 +74,8 @@ kill_job() {
         log "job $1 after the kill: $(job_state "$1")"
         log "job $1's processes left: $(python -m flexgen_helm.tools.slurm_faults processes "$1" | wc -l)" ;;
     manager)
-        local helm_run
-        helm_run=$(pgrep -P "$manager")
+        local helm_run  # $manager: slurm_run's subshell; its child: timeout; timeout's child: helm-run
+        helm_run=$(pgrep -P "$(pgrep -P "$manager")")
         log "kill -9 $helm_run (helm-run, the manager: $(ps -o args= -p "$helm_run" | cut -c1-80)...; job $1 on $(squeue -h -j "$1" -o %N); $(cached) requests cached)"
         kill -9 "$helm_run"
         sleep 5
@@ -105,8 +105,11 @@ fi
 log "3. the same command again: $RUN_CMD"
 slurm_run slurm_resumed.log
 if [ "$KILL" = manager ]; then
+    grep -aq 'still running as Slurm job' "$OUT/slurm_resumed.log" \
+        || log "the job had ended before the rerun looked for it: nothing to follow (a larger MAX_INSTANCES keeps it running longer)"
     log "the rerun: $(grep -ao 'flexgen: .*still running as Slurm job.*' "$OUT/slurm_resumed.log" | sed 's/ (log: [^)]*)//' | head -1)"
-    log "jobs submitted: $(grep -ac 'Worker Slurm job submitted' "$OUT/slurm_killed.log") by the killed helm-run, $(grep -ac 'Worker Slurm job submitted' "$OUT/slurm_resumed.log") by the rerun; job logs: $(job_logs | wc -l); jobs cancelled by the rerun: $(grep -ac 'flexgen: cancelling' "$OUT/slurm_resumed.log")"
+    # HELM's manager logs a followed job as "submitted" too: the ids say which
+    log "jobs of the run: $(cat "$OUT"/slurm_*.log | grep -ao 'Worker Slurm job submitted .* ID: [0-9]*' | grep -o '[0-9]*$' | sort -u | paste -sd ' '); job logs: $(job_logs | wc -l); jobs cancelled by the rerun: $(grep -ac 'flexgen: cancelling' "$OUT/slurm_resumed.log")"
     cp "$(job_logs | tail -1)" "$OUT/jobs/job.log"
     log "the job: $(grep -a 'flexgen: running' "$OUT/jobs/job.log" | sed 's/.*INFO *//' | paste -sd ';')"
     log "the job: $(grep -a 'flexgen.sqlite:' "$OUT/jobs/job.log" | tail -1 | sed 's/.*INFO *//')"
