@@ -107,6 +107,40 @@ def test_take_over_cancels_the_runs_other_jobs_waits_for_them_and_follows_the_sa
         slurm_orphans.take_over(tag, "lambada:model=flexgen_tiny")
 
 
+def test_each_job_is_submitted_tagged_and_a_live_one_is_followed_not_submitted_again(tmp_path, monkeypatch):
+    import helm.benchmark.slurm_runner as helm_slurm
+    from helm.benchmark.runner_config_registry import RUNNER_CONFIG
+
+    runner_json, run_json = _specs()
+    (tmp_path / "specs").mkdir()
+    (tmp_path / "specs" / "runner.json").write_text(runner_json)
+    (tmp_path / "specs" / "run.json").write_text(run_json)
+    tag = slurm_orphans.job_tag(str(tmp_path), runner_json, run_json)
+    bin_dir, live = tmp_path / "bin", tmp_path / "live"
+    bin_dir.mkdir()
+    live.write_text("")
+    _fake_bin(bin_dir, "sinfo", "echo idle\n")
+    _fake_bin(bin_dir, "squeue", f"cat {live}\n")
+    _fake_bin(bin_dir, "sbatch", f"cat > {tmp_path}/script.$$\necho 'Submitted batch job 12'\n")
+    _fake_bin(bin_dir, "scontrol", "echo \"JobId=$4 JobState=RUNNING StdOut=/x.log\"\n")
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(RUNNER_CONFIG, "slurm_args", {"partition": "local"})
+    monkeypatch.chdir(tmp_path)
+    slurm.use_for_helm_slurm_runner()
+    command = f"{sys.executable} -m helm.benchmark.slurm_runner --slurm-runner-spec-path specs/runner.json " \
+              "--run-spec-path specs/run.json"
+    args = {"partition": "local", "job_name": "'lambada:model=flexgen_tiny'", "chdir": str(tmp_path)}
+    assert helm_slurm.submit_slurm_job(command, args) == 12
+    (script,) = [p.read_text() for p in tmp_path.glob("script.*")]
+    assert re.search(rf"#SBATCH --comment\s+{tag}\n", script) and "-m flexgen_helm.helm.slurm " in script
+    live.write_text(f"12|{tag}\n")  # job 12 still runs, its helm-run killed: the same command again
+    assert helm_slurm.submit_slurm_job(command, args) == 12
+    assert len(list(tmp_path.glob("script.*"))) == 1  # followed, not submitted
+    monkeypatch.setattr(RUNNER_CONFIG, "slurm_args", {"partition": "local", "comment": "mine"})
+    with pytest.raises(ClusterError, match="slurm_args sets `comment`, which flexgen-helm sets itself"):
+        helm_slurm.submit_slurm_job(command, args)
+
+
 def test_kill9_kills_every_process_of_a_job_and_names_a_job_without_any(tmp_path):
     from flexgen_helm.tools.slurm_faults import cached_completions, job_processes, kill9_job
 
