@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "cached":
         print(cached_completions(args.cache))
     elif args.what == "processes":
-        print("\n".join(map(str, job_processes(args.job))))
+        for pid in job_processes(args.job):  # one a line, none: no line (the script counts lines)
+            print(pid)
     else:
         try:
             killed = kill9_job(args.job)
