@@ -141,14 +141,16 @@ def test_each_job_is_submitted_tagged_and_a_live_one_is_followed_not_submitted_a
         helm_slurm.submit_slurm_job(command, args)
 
 
-def test_kill9_kills_every_process_of_a_job_and_names_a_job_without_any(tmp_path):
-    from flexgen_helm.tools.slurm_faults import cached_completions, job_processes, kill9_job
+def test_kill9_kills_every_process_of_a_job_and_names_a_job_without_any(tmp_path, capsys):
+    from flexgen_helm.tools.slurm_faults import cached_completions, job_processes, kill9_job, main
 
     job_id = f"test{os.getpid()}"
     procs = [subprocess.Popen(["sleep", "60"], env=dict(os.environ, SLURM_JOB_ID=job_id)) for _ in range(2)]
     assert job_processes(job_id) == sorted(p.pid for p in procs)
     assert set(kill9_job(job_id)) == {p.pid for p in procs}
     assert [p.wait(timeout=10) for p in procs] == [-9, -9]
+    capsys.readouterr()
+    assert main(["processes", job_id]) == 0 and capsys.readouterr().out == ""  # scripts count its lines
     with pytest.raises(ClusterError, match=f"Slurm job {job_id} has no process on this host"):
         kill9_job(job_id)
     assert cached_completions(tmp_path / "none.sqlite") == 0
