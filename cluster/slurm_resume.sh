@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Kill and resubmit: a SlurmRunner job is killed after its first batches are in HELM's cache;
-# the same helm-run again computes only what is missing, and the suite equals one
-# uninterrupted helm-run process (float32).
+# Kill and resubmit: a SlurmRunner job (or helm-run, its manager) is killed after the job's first
+# batches are in HELM's cache; the same helm-run again computes only what is missing, and the
+# suite equals one uninterrupted helm-run process (float32).
 #
 #   sudo cluster/local_slurm.sh start && export SLURM_CONF=/tmp/flexgen-slurm/slurm.conf
 #   cluster/slurm_resume.sh [MAX_INSTANCES [REFERENCE_SUITE_DIR]]   (default 32: 3 batches of up to 16)
@@ -10,10 +10,14 @@
 # KILL=kill9: every process of the job on its node (the batch shell and the Python worker, found
 # by SLURM_JOB_ID in their environment) gets SIGKILL at once, as an OOM killer or a crash would
 # leave it: nothing of the job can clean up; Slurm sees the batch script die and fails the job.
+# KILL=manager: helm-run itself (HELM's SlurmRunner, the manager) gets SIGKILL while its job runs:
+# its `finally` that cancels its jobs does not run, so the job goes on; the same command again,
+# started at once, finds that job (flexgen_helm/helm/slurm_orphans.py) and follows it instead of
+# submitting a second one.
 # REFERENCE_SUITE_DIR: a one-process suite of the same run spec, -m and dtype to compare with,
 # instead of running it here first.
-# Evidence in runs/cluster/resume/ (scancel) or runs/cluster/kill9/: commands.txt (with the
-# counts), the logs of both helm-runs and both jobs, comparison.json.
+# Evidence in runs/cluster/resume/ (scancel), runs/cluster/kill9/ or runs/cluster/kill_manager/:
+# commands.txt (with the counts), the logs of both helm-runs and of the jobs, comparison.json.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 M=${1:-32}
@@ -22,7 +26,8 @@ KILL=${KILL:-scancel}
 case $KILL in
     scancel) NAME=resume ;;
     kill9) NAME=kill9 ;;
-    *) echo "slurm_resume: KILL=$KILL: expected scancel or kill9" >&2; exit 2 ;;
+    manager) NAME=kill_manager ;;
+    *) echo "slurm_resume: KILL=$KILL: expected scancel, kill9 or manager" >&2; exit 2 ;;
 esac
 WORK=${FLEXGEN_CLUSTER_WORK:-/tmp/flexgen-cluster-work}/$NAME
 OUT=$REPO/runs/cluster/$NAME
@@ -38,22 +43,10 @@ mkdir -p "$WORK/single/prod_env" "$WORK/slurm/prod_env" "$OUT/jobs"
 cp "$REPO/cluster/runner_config.yaml" "$WORK/slurm/prod_env/"
 export FLEXGEN_HELM_CACHE=${FLEXGEN_HELM_CACHE:-$WORK/flexgen-cache}   # converted stores shared by both sides: HELM's caches are not
 log() { echo "$(date -u +%FT%TZ) $*" | tee -a "$OUT/commands.txt"; }
-cached() {  # completions in the Slurm side's HELM cache (tokenizer calls are cached there too)
-    python - "$WORK/slurm/prod_env/cache/flexgen.sqlite" <<'P'
-import sqlite3, sys, os
-path = sys.argv[1]
-if not os.path.exists(path):
-    print(0)
-else:
-    try:
-        print(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5).execute(
-            "select count(*) from unnamed where key like '%\"max_tokens\"%'").fetchone()[0])
-    except sqlite3.Error:
-        print(0)
-P
-}
+CACHE=$WORK/slurm/prod_env/cache/flexgen.sqlite
+cached() { python -m flexgen_helm.tools.slurm_faults cached "$CACHE"; }  # completions in the Slurm side's HELM cache
 slurm_run() {
-    (cd "$WORK/slurm" && timeout $WAIT_S helm-run -r "$ENTRY" -m "$M" --suite $SUITE \
+    (cd "$WORK/slurm" && exec timeout $WAIT_S helm-run -r "$ENTRY" -m "$M" --suite $SUITE \
         --runner-class-name helm.benchmark.slurm_runner.SlurmRunner >"$OUT/$1" 2>&1)
 }
 RUN_CMD="helm-run -r $ENTRY -m $M --suite $SUITE --runner-class-name helm.benchmark.slurm_runner.SlurmRunner"
@@ -68,28 +61,26 @@ if [ -z "$REFERENCE" ]; then
 else
     log "1. one uninterrupted process: the suite in $REFERENCE"
 fi
-job_processes() {  # the job's processes on its node: those whose environment names the job (not slurmstepd:
-    local p          # Slurm's own agent stays, to report the job's end, as it would on a node that survives)
-    for p in /proc/[0-9]*; do
-        [ "$(cat "$p/comm" 2>/dev/null)" = slurmstepd ] && continue
-        tr '\0' '\n' 2>/dev/null <"$p/environ" | grep -qx "SLURM_JOB_ID=$1" && echo "${p#/proc/}"
-    done
-    return 0
-}
+job_state() { scontrol show job "$1" 2>/dev/null | grep -o 'JobState=[A-Z_]* Reason=[^ ]*\|ExitCode=[0-9:]*' | tr '\n' ' '; }
+wait_job_gone() { timeout 60 bash -c "while [ -n \"\$(squeue -h -j $1 -o %i 2>/dev/null)\" ]; do sleep 0.5; done" || true; }
 kill_job() {
-    if [ "$KILL" = scancel ]; then
+    case $KILL in
+    scancel)
         log "scancel $1   ($(cached) requests cached)"
-        scancel "$1"
-        return
-    fi
-    local pids
-    pids=$(job_processes "$1" | paste -sd ' ')
-    [ -n "$pids" ] || { log "job $1 has no process on this host to kill"; exit 1; }
-    log "kill -9 $pids  (job $1 on $(squeue -h -j "$1" -o %N); $(cached) requests cached): $(ps -o pid=,args= -p "${pids// /,}" | cut -c1-110 | tr -s ' ' | paste -sd ';')"
-    kill -9 $pids
-    timeout 60 bash -c "while [ -n \"\$(squeue -h -j $1 -o %i 2>/dev/null)\" ]; do sleep 0.5; done" || true
-    log "job $1 after the kill: $(scontrol show job "$1" 2>/dev/null | grep -o 'JobState=[A-Z_]* Reason=[^ ]*\|ExitCode=[0-9:]*' | tr '\n' ' ')"
-    log "job $1's processes left: $(job_processes "$1" | wc -l)"
+        scancel "$1" ;;
+    kill9)
+        log "kill -9 of every process of job $1 on $(squeue -h -j "$1" -o %N) ($(cached) requests cached): $(python -m flexgen_helm.tools.slurm_faults kill9 "$1")"
+        wait_job_gone "$1"
+        log "job $1 after the kill: $(job_state "$1")"
+        log "job $1's processes left: $(python -m flexgen_helm.tools.slurm_faults processes "$1" | wc -l)" ;;
+    manager)
+        local helm_run  # $manager: slurm_run's subshell; its child: timeout; timeout's child: helm-run
+        helm_run=$(pgrep -P "$(pgrep -P "$manager")")
+        log "kill -9 $helm_run (helm-run, the manager: $(ps -o args= -p "$helm_run" | cut -c1-80)...; job $1 on $(squeue -h -j "$1" -o %N); $(cached) requests cached)"
+        kill -9 "$helm_run"
+        sleep 5
+        log "5 s later: job $1 $(job_state "$1"); its processes: $(python -m flexgen_helm.tools.slurm_faults processes "$1" | wc -l); $(cached) requests cached" ;;
+    esac
 }
 log "2. $RUN_CMD   (in the background; KILL=$KILL once $KILL_AFTER requests are in HELM's cache)"
 slurm_run slurm_killed.log &
@@ -104,17 +95,31 @@ while [ $SECONDS -lt $deadline ]; do
 done
 [ -n "$job" ] || { log "no job to kill within $WAIT_S s"; kill $manager; exit 1; }
 kill_job "$job"
-wait $manager && { log "the killed run's helm-run exited 0: expected it to report the failed run"; exit 1; } || true
-newest_job_log() { ls -t "$WORK"/slurm/slurm/*/logs/*.log | head -1; }
-cp "$(newest_job_log)" "$OUT/jobs/killed_job.log"
-log "killed run: $(grep -ao 'RunnerError: Failed runs: .*' "$OUT/slurm_killed.log" | head -1); $(cached) requests cached"
+wait $manager && { log "the killed run's helm-run exited 0: expected it to report the failed run or be killed"; exit 1; } || true
+job_logs() { ls -tr "$WORK"/slurm/slurm/*/logs/*.log; }
+if [ "$KILL" != manager ]; then
+    cp "$(job_logs | tail -1)" "$OUT/jobs/killed_job.log"
+    log "killed run: $(grep -ao 'RunnerError: Failed runs: .*' "$OUT/slurm_killed.log" | head -1); $(cached) requests cached"
+fi
 
 log "3. the same command again: $RUN_CMD"
 slurm_run slurm_resumed.log
-cp "$(newest_job_log)" "$OUT/jobs/resumed_job.log"
-log "killed job: $(grep -a 'flexgen: running' "$OUT/jobs/killed_job.log" | tail -1 | sed 's/.*INFO *//')"
-log "resumed job: $(grep -a 'flexgen: running' "$OUT/jobs/resumed_job.log" | tail -1 | sed 's/.*INFO *//')"
-log "resumed job: $(grep -a 'flexgen.sqlite:' "$OUT/jobs/resumed_job.log" | tail -1 | sed 's/.*INFO *//')"
+if [ "$KILL" = manager ]; then
+    grep -aq 'still running as Slurm job' "$OUT/slurm_resumed.log" \
+        || log "the job had ended before the rerun looked for it: nothing to follow (a larger MAX_INSTANCES keeps it running longer)"
+    log "the rerun: $(grep -ao 'flexgen: .*still running as Slurm job.*' "$OUT/slurm_resumed.log" | sed 's/ (log: [^)]*)//' | head -1)"
+    # HELM's manager logs a followed job as "submitted" too: the ids say which
+    log "jobs of the run: $(cat "$OUT"/slurm_*.log | grep -ao 'Worker Slurm job submitted .* ID: [0-9]*' | grep -o '[0-9]*$' | sort -u | paste -sd ' '); job logs: $(job_logs | wc -l); jobs cancelled by the rerun: $(grep -ac 'flexgen: cancelling' "$OUT/slurm_resumed.log")"
+    cp "$(job_logs | tail -1)" "$OUT/jobs/job.log"
+    log "the job: $(grep -a 'flexgen: running' "$OUT/jobs/job.log" | sed 's/.*INFO *//' | paste -sd ';')"
+    log "the job: $(grep -a 'flexgen.sqlite:' "$OUT/jobs/job.log" | tail -1 | sed 's/.*INFO *//')"
+    log "after the rerun: job $job $(job_state "$job")"
+else
+    cp "$(job_logs | tail -1)" "$OUT/jobs/resumed_job.log"
+    log "killed job: $(grep -a 'flexgen: running' "$OUT/jobs/killed_job.log" | tail -1 | sed 's/.*INFO *//')"
+    log "resumed job: $(grep -a 'flexgen: running' "$OUT/jobs/resumed_job.log" | tail -1 | sed 's/.*INFO *//')"
+    log "resumed job: $(grep -a 'flexgen.sqlite:' "$OUT/jobs/resumed_job.log" | tail -1 | sed 's/.*INFO *//')"
+fi
 
 log "$(python -m flexgen_helm.tools.suite_diff "$REFERENCE" \
     "$WORK/slurm/benchmark_output/runs/$SUITE" --json "$OUT/comparison.json")"

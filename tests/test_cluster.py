@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import stat
@@ -20,7 +21,7 @@ pytest.importorskip("helm")
 
 from flexgen_helm.dist import rendezvous
 from flexgen_helm.errors import ClusterError
-from flexgen_helm.helm import slurm
+from flexgen_helm.helm import slurm, slurm_orphans
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,6 +64,96 @@ def test_the_worker_command_is_helms_with_the_plugin_loading_worker():
         f"{sys.executable} -m flexgen_helm.helm.slurm --slurm-runner-spec-path 'a b.json' --run-spec-path r")
     with pytest.raises(ClusterError, match="unexpected command"):
         slurm.worker_command("python -m something.else")
+
+
+# ----- a helm-run killed outright: its jobs found again by the next -----------------------------
+
+
+def _specs(max_instances=6, skip_completed_runs=False) -> tuple[str, str]:
+    runner = {"execution_spec": {"local_path": "prod_env", "parallelism": 4}, "output_path": "benchmark_output",
+              "suite": "s", "skip_instances": False, "cache_instances": False, "cache_instances_only": False,
+              "skip_completed_runs": skip_completed_runs, "exit_on_error": True}
+    run = {"name": "lambada:model=flexgen_tiny", "adapter_spec": {"max_eval_instances": max_instances}}
+    return json.dumps(runner), json.dumps(run)
+
+
+def test_a_rerun_follows_its_runs_live_job_and_cancels_other_versions_of_it(tmp_path):
+    tag = slurm_orphans.job_tag(str(tmp_path), *_specs(), env={})
+    assert re.fullmatch(r"flexgen-helm-run=\w+,work=\w+", tag)  # no quoting needed in an sbatch script
+    # --skip-completed-runs acts in the manager: the same job's work
+    assert slurm_orphans.job_tag(str(tmp_path), *_specs(skip_completed_runs=True), env={}) == tag
+    other_version = slurm_orphans.job_tag(str(tmp_path), *_specs(max_instances=8), env={})
+    assert other_version.split(",")[0] == tag.split(",")[0] and other_version != tag
+    dtype = slurm_orphans.job_tag(str(tmp_path), *_specs(), env={"FLEXGEN_HELM_DTYPE": "float32"})
+    other_run = slurm_orphans.job_tag(str(tmp_path / "elsewhere"), *_specs(), env={})
+    jobs = [(5, other_version), (9, tag), (7, tag + "\n"), (3, other_run), (4, "(null)"), (6, dtype)]
+    assert slurm_orphans.follow_or_cancel(tag, jobs) == (7, [5, 6, 9])  # the oldest same job; the run's others
+    assert slurm_orphans.follow_or_cancel(tag, [(3, other_run), (4, "(null)")]) == (None, [])
+
+
+def test_take_over_cancels_the_runs_other_jobs_waits_for_them_and_follows_the_same(tmp_path, monkeypatch):
+    tag = slurm_orphans.job_tag(str(tmp_path), *_specs(), env={})
+    other_version = slurm_orphans.job_tag(str(tmp_path), *_specs(max_instances=8), env={})
+    calls = tmp_path / "calls"
+    _fake_bin(tmp_path, "squeue", f"echo \"squeue $*\" >> {calls}\nprintf '5|{other_version}\\n7|{tag}\\n'\n")
+    _fake_bin(tmp_path, "scancel", f"echo \"scancel $*\" >> {calls}\n")
+    _fake_bin(tmp_path, "scontrol", "echo \"JobId=$4 JobState=CANCELLED Reason=None StdOut=/x/$4.log\"\n")
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert slurm_orphans.take_over(tag, "lambada:model=flexgen_tiny") == 7
+    squeue, scancel = calls.read_text().splitlines()
+    assert squeue.startswith("squeue --me -h -t PENDING,RUNNING") and scancel == "scancel 5"
+    _fake_bin(tmp_path, "squeue", "echo 'squeue: error: Unable to contact slurm controller' >&2; exit 1\n")
+    with pytest.raises(ClusterError, match="`squeue --me .*` failed \\(squeue: error: Unable to contact"):
+        slurm_orphans.take_over(tag, "lambada:model=flexgen_tiny")
+
+
+def test_each_job_is_submitted_tagged_and_a_live_one_is_followed_not_submitted_again(tmp_path, monkeypatch):
+    import helm.benchmark.slurm_runner as helm_slurm
+    from helm.benchmark.runner_config_registry import RUNNER_CONFIG
+
+    runner_json, run_json = _specs()
+    (tmp_path / "specs").mkdir()
+    (tmp_path / "specs" / "runner.json").write_text(runner_json)
+    (tmp_path / "specs" / "run.json").write_text(run_json)
+    tag = slurm_orphans.job_tag(str(tmp_path), runner_json, run_json)
+    bin_dir, live = tmp_path / "bin", tmp_path / "live"
+    bin_dir.mkdir()
+    live.write_text("")
+    _fake_bin(bin_dir, "sinfo", "echo idle\n")
+    _fake_bin(bin_dir, "squeue", f"cat {live}\n")
+    _fake_bin(bin_dir, "sbatch", f"cat > {tmp_path}/script.$$\necho 'Submitted batch job 12'\n")
+    _fake_bin(bin_dir, "scontrol", "echo \"JobId=$4 JobState=RUNNING StdOut=/x.log\"\n")
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(RUNNER_CONFIG, "slurm_args", {"partition": "local"})
+    monkeypatch.chdir(tmp_path)
+    slurm.use_for_helm_slurm_runner()
+    command = f"{sys.executable} -m helm.benchmark.slurm_runner --slurm-runner-spec-path specs/runner.json " \
+              "--run-spec-path specs/run.json"
+    args = {"partition": "local", "job_name": "'lambada:model=flexgen_tiny'", "chdir": str(tmp_path)}
+    assert helm_slurm.submit_slurm_job(command, args) == 12
+    (script,) = [p.read_text() for p in tmp_path.glob("script.*")]
+    assert re.search(rf"#SBATCH --comment\s+{tag}\n", script) and "-m flexgen_helm.helm.slurm " in script
+    live.write_text(f"12|{tag}\n")  # job 12 still runs, its helm-run killed: the same command again
+    assert helm_slurm.submit_slurm_job(command, args) == 12
+    assert len(list(tmp_path.glob("script.*"))) == 1  # followed, not submitted
+    monkeypatch.setattr(RUNNER_CONFIG, "slurm_args", {"partition": "local", "comment": "mine"})
+    with pytest.raises(ClusterError, match="slurm_args sets `comment`, which flexgen-helm sets itself"):
+        helm_slurm.submit_slurm_job(command, args)
+
+
+def test_kill9_kills_every_process_of_a_job_and_names_a_job_without_any(tmp_path, capsys):
+    from flexgen_helm.tools.slurm_faults import cached_completions, job_processes, kill9_job, main
+
+    job_id = f"test{os.getpid()}"
+    procs = [subprocess.Popen(["sleep", "60"], env=dict(os.environ, SLURM_JOB_ID=job_id)) for _ in range(2)]
+    assert job_processes(job_id) == sorted(p.pid for p in procs)
+    assert set(kill9_job(job_id)) == {p.pid for p in procs}
+    assert [p.wait(timeout=10) for p in procs] == [-9, -9]
+    capsys.readouterr()
+    assert main(["processes", job_id]) == 0 and capsys.readouterr().out == ""  # scripts count its lines
+    with pytest.raises(ClusterError, match=f"Slurm job {job_id} has no process on this host"):
+        kill9_job(job_id)
+    assert cached_completions(tmp_path / "none.sqlite") == 0
 
 
 # ----- rendezvous --------------------------------------------------------------------------------
@@ -225,3 +316,133 @@ def test_a_pipeline_launched_by_srun_over_two_nodes_gives_the_single_process_tok
                          capture_output=True, text=True, timeout=300, env=_pythonpath_env(), cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert completion_tokens(out) == completion_tokens(tmp_path / "single.json")
+
+
+# ----- kill -9 of a job, or of helm-run itself, and the same command again ----------------------
+
+# short passages (the tiny model's context is 64 byte tokens), alike in length: 3 batches of 2
+_PASSAGES = ["the cat sat on the warm mat", "a dog ran along the old road", "she read the long red book",
+             "we sailed over the calm sea", "he sang a song for the king", "they built a house of stone"]
+_TINY_ENTRY = "lambada:model=flexgen/tiny"
+
+
+def _tiny_lambada(tmp_path: Path, tiny_llama: Path, hold: Path | None = None) -> dict:
+    """helm_run's keyword arguments for lambada on the tiny Llama (local data, float32, batches of
+    2) in tmp_path/slurm and tmp_path/single; `hold`: the held engine's folder (held_engine.py)."""
+    from flexgen_helm.tools.helm_deployment import write_deployment
+
+    data = tmp_path / "data"
+    (data / "lambada").mkdir(parents=True, exist_ok=True)
+    (data / "lambada" / "lambada_openai_test.jsonl").write_text("".join(json.dumps({"text": t}) + "\n"
+                                                                         for t in _PASSAGES))
+    for side in ("slurm", "single"):
+        if not (tmp_path / side / "prod_env" / "model_deployments.yaml").exists():
+            write_deployment("tiny", str(tiny_llama), str(tmp_path / side / "prod_env"),
+                             {"gpu_batch_size": 2, "num_gpu_batches": 1})
+    shutil.copy(REPO / "cluster" / "runner_config.yaml", tmp_path / "slurm" / "prod_env")
+    extra = dict(FLEXGEN_HELM_DATA=data, FLEXGEN_HELM_DTYPE="float32", FLEXGEN_HELM_CACHE=tmp_path / "stores",
+                 FLEXGEN_HELM_OFFLOAD_DIR=tmp_path / "offload")
+    if hold is not None:
+        hold.mkdir(exist_ok=True)
+        extra["FLEXGEN_TEST_HOLD"] = hold
+    return dict(engine_factory="held_engine:load", max_instances=len(_PASSAGES), env=_pythonpath_env(**extra))
+
+
+_SLURM_RUNNER = ("--runner-class-name", "helm.benchmark.slurm_runner.SlurmRunner")
+
+
+def _start_slurm_helm_run(tmp_path: Path, log: Path, **kwargs) -> subprocess.Popen:
+    from test_helm_e2e import helm_run_args
+
+    cmd, env = helm_run_args(tmp_path / "slurm", [_TINY_ENTRY], *_SLURM_RUNNER, **kwargs)
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path / "slurm")
+
+
+def _wait_for(what: str, done, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
+        time.sleep(0.2)
+
+
+def _submitted_job(tmp_path: Path) -> int:
+    """The id of the one job HELM's SlurmRunner recorded (slurm/<time>/worker_slurm_jobs.json)."""
+    recorded = [json.loads(p.read_text()) for p in (tmp_path / "slurm" / "slurm").glob("*/worker_slurm_jobs.json")]
+    (job,) = [info["id"] for jobs in recorded for info in jobs.values()]
+    return job
+
+
+def _job_logs(tmp_path: Path) -> str:
+    return "".join(p.read_text(errors="replace") for p in sorted((tmp_path / "slurm" / "slurm").glob("*/logs/*.log")))
+
+
+def _reference_run(tmp_path: Path, kwargs: dict) -> list:
+    from test_helm_e2e import helm_run, run_dirs
+
+    kwargs = dict(kwargs, env={k: v for k, v in kwargs["env"].items() if k != "FLEXGEN_TEST_HOLD"})
+    helm_run(tmp_path / "single", [_TINY_ENTRY], "--runner-class-name", "flexgen_helm.helm.runner.BatchingRunner",
+             **kwargs)
+    return _completions(run_dirs(tmp_path / "single")["lambada"])
+
+
+@pytest.mark.skipif(slurm.slurm_problem() is not None, reason=f"no Slurm here: {slurm.slurm_problem()}")
+def test_a_job_killed_with_sigkill_and_resubmitted_computes_only_what_is_missing(tiny_llama, tmp_path):
+    from test_helm_e2e import helm_run, run_dirs
+
+    from flexgen_helm.tools.slurm_faults import cached_completions, job_processes, kill9_job
+
+    hold = tmp_path / "hold"
+    kwargs = _tiny_lambada(tmp_path, tiny_llama, hold)
+    cache = tmp_path / "slurm" / "prod_env" / "cache" / "flexgen.sqlite"
+    with ThreadPoolExecutor(1) as pool:  # the reference process runs while the job is in Slurm
+        reference = pool.submit(_reference_run, tmp_path, kwargs)
+        manager = _start_slurm_helm_run(tmp_path, tmp_path / "killed.log", **kwargs)
+        _wait_for("job held in its second batch", lambda: (hold / "held").exists() or manager.poll() is not None)
+        job = _submitted_job(tmp_path)
+        cached_at_kill = cached_completions(cache)
+        assert cached_at_kill == 2  # the first batch; the job waits before its second
+        kill9_job(job)  # every process of the job at once: nothing of it can clean up
+        assert manager.wait(timeout=120) != 0  # HELM's SlurmRunner reports the failed run
+        assert "Failed runs" in (tmp_path / "killed.log").read_text()
+        assert job_processes(job) == []
+        expected = reference.result()
+    assert cached_completions(cache) == cached_at_kill
+
+    kwargs["env"].pop("FLEXGEN_TEST_HOLD")
+    helm_run(tmp_path / "slurm", [_TINY_ENTRY], *_SLURM_RUNNER, cwd=tmp_path / "slurm", **kwargs)
+    missing = len(_PASSAGES) - cached_at_kill
+    logs = _job_logs(tmp_path)
+    assert (f"running {missing} requests in 2 batches of up to 2 ({cached_at_kill} of {len(_PASSAGES)} cached)"
+            in logs), logs[-3000:]
+    assert re.search(rf"flexgen\.sqlite: \d+ queries, {missing} computes", logs), logs[-3000:]
+    assert _completions(run_dirs(tmp_path / "slurm")["lambada"]) == expected
+
+
+@pytest.mark.skipif(slurm.slurm_problem() is not None, reason=f"no Slurm here: {slurm.slurm_problem()}")
+def test_helm_run_killed_with_sigkill_then_rerun_follows_its_job_not_a_second(tiny_llama, tmp_path):
+    from test_helm_e2e import run_dirs
+
+    hold = tmp_path / "hold"
+    kwargs = _tiny_lambada(tmp_path, tiny_llama, hold)
+    with ThreadPoolExecutor(1) as pool:
+        reference = pool.submit(_reference_run, tmp_path, kwargs)
+        manager = _start_slurm_helm_run(tmp_path, tmp_path / "killed.log", **kwargs)
+        _wait_for("job held in its second batch", lambda: (hold / "held").exists() or manager.poll() is not None)
+        job = _submitted_job(tmp_path)
+        manager.kill()  # SIGKILL: HELM's `finally` that cancels its jobs does not run
+        manager.wait()
+        assert slurm_orphans.live_jobs() and job in dict(slurm_orphans.live_jobs())  # the job is left running
+        rerun = _start_slurm_helm_run(tmp_path, tmp_path / "rerun.log", **kwargs)
+        _wait_for("the rerun to follow the job", lambda: "following it" in (tmp_path / "rerun.log").read_text()
+                  or rerun.poll() is not None)
+        (hold / "release").touch()
+        assert rerun.wait(timeout=180) == 0, (tmp_path / "rerun.log").read_text()[-3000:]
+        expected = reference.result()
+    rerun_log = (tmp_path / "rerun.log").read_text()
+    assert f"still running as Slurm job {job}" in rerun_log
+    # HELM's manager logs the followed job as "submitted": no other job
+    assert set(re.findall(r"Worker Slurm job submitted .* Slurm job ID: (\d+)", rerun_log)) == {str(job)}
+    logs = _job_logs(tmp_path)  # one job ran, once: the rerun submitted none
+    assert logs.count("flexgen: running") == 1 and f"running {len(_PASSAGES)} requests" in logs
+    assert _completions(run_dirs(tmp_path / "slurm")["lambada"]) == expected

@@ -25,18 +25,27 @@ ENTRIES = [
 ]
 
 
-def helm_run_process(tmp: Path, entries, *extra, fake=False, suite="t", max_instances=3, launcher=None,
-                     output_path=None, cwd=None, env=None) -> subprocess.CompletedProcess:
-    """helm-run with its outputs in tmp/out (or `output_path`) and its prod_env in tmp/prod_env."""
+def helm_run_args(tmp: Path, entries, *extra, fake=False, engine_factory=None, suite="t", max_instances=3,
+                  launcher=None, output_path=None, env=None) -> tuple[list[str], dict]:
+    """helm-run's command line and environment: its outputs in tmp/out (or `output_path`), its
+    prod_env in tmp/prod_env; `fake`: the fake engine, `engine_factory` ("module:function" in
+    tests/): another loader."""
     env = dict(env or os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.pop("FLEXGEN_HELM_ENGINE_FACTORY", None)
-    if fake:
-        env["FLEXGEN_HELM_ENGINE_FACTORY"] = "helm_fake_engine:load"
+    engine_factory = "helm_fake_engine:load" if fake else engine_factory
+    if engine_factory:
+        env["FLEXGEN_HELM_ENGINE_FACTORY"] = engine_factory
         env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
     helm_run_bin = Path(sys.executable).parent / "helm-run"
     cmd = [*(launcher or [str(helm_run_bin)]), "-r", *entries, "-m", str(max_instances), "--suite", suite,
            "-o", str(output_path or tmp / "out"), "--local-path", str(tmp / "prod_env"), "-n", "4",
            "--exit-on-error", *extra]
+    return cmd, env
+
+
+def helm_run_process(tmp: Path, entries, *extra, cwd=None, **kwargs) -> subprocess.CompletedProcess:
+    """helm-run (see helm_run_args), to its end."""
+    cmd, env = helm_run_args(tmp, entries, *extra, **kwargs)
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=cwd)
 
 

@@ -10,7 +10,8 @@ plugins as helm-run does, and runs its run spec with the BatchingRunner (batches
 the scenario's request list, each batch cached as it ends, `flexgen_padding.json`). Each job
 is one process, so it loads its deployment's model once. Before the first submission it
 checks that Slurm answers and that `runner_config.yaml` names this cluster's partition (HELM's
-built-in defaults are Stanford's), and says in one line what to do if not.
+built-in defaults are Stanford's), and says in one line what to do if not. A run whose job a
+killed helm-run left running is followed, not submitted twice (slurm_orphans.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import subprocess
 from helm.common.hierarchical_logger import setup_default_logging
 
 from flexgen_helm.errors import ClusterError
+from flexgen_helm.helm import slurm_orphans
 
 HELM_WORKER = "helm.benchmark.slurm_runner"
 START_HINT = ("start one here with `sudo cluster/local_slurm.sh start` and `export SLURM_CONF=...` as it prints, "
@@ -71,7 +73,13 @@ def use_for_helm_slurm_runner() -> None:
         problem = slurm_problem() or _runner_config_problem()
         if problem:
             raise ClusterError(problem)
-        return helm_submit(worker_command(command), slurm_args)
+        # HELM sets chdir (its cwd) and job_name (the run's name), each through shlex.quote
+        chdir, run_name = (shlex.split(slurm_args[key])[0] for key in ("chdir", "job_name"))
+        tag = slurm_orphans.tag_of_worker(command, chdir)
+        followed = slurm_orphans.take_over(tag, run_name)
+        if followed is not None:
+            return followed
+        return helm_submit(worker_command(command), {**slurm_args, "comment": tag})
 
     submit_worker.__module__ = __name__
     helm_slurm.submit_slurm_job = submit_worker
@@ -84,6 +92,9 @@ def _runner_config_problem() -> str | None:
         return ("HELM's SlurmRunner has no slurm_args: its built-in ones are Stanford's cluster (account nlp, "
                 "partition john); write <local path>/runner_config.yaml with this cluster's (e.g. "
                 "cluster/runner_config.yaml, copied into prod_env/)")
+    if "comment" in runner_config_registry.RUNNER_CONFIG.slurm_args:
+        return ("runner_config.yaml's slurm_args sets `comment`, which flexgen-helm sets itself on each job (to find a "
+                "run's job left by a helm-run that did not end, see slurm_orphans.py): remove it")
     return None
 
 
