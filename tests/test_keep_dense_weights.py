@@ -138,3 +138,25 @@ def test_float32_results_are_the_same_kept_or_not(tiny_llama, tmp_path, name):
                              progress=False)
         runs.append(_generate(engine))
     assert runs[0] == runs[1]
+
+
+W8 = Compression(8, PER_CHANNEL)
+
+
+@pytest.mark.parametrize("int8_faster", [True, False], ids=["int8-kernel-faster", "int8-kernel-slower"])
+def test_8bit_decode_is_costed_on_the_int8_kernel_where_the_engine_takes_it(int8_faster):
+    """Per output channel, 8-bit weights multiply decode rows on the int8 kernel up to its
+    profiled crossover (compression/int8.py): the cost model charges that kernel's speed there,
+    so the search keeps dense copies only where they beat it."""
+    kernel = {r: f * (2 if int8_faster else 0.25) for r, f in DENSE.items()}
+    cpu = DeviceSpeeds({"bfloat16": DENSE}, int8_matmul_flops=kernel, int8_dequant_elems_per_s=2e9)
+    prof = HardwareProfile(devices={"cpu": cpu}, memcpy_bytes_per_s=5e9, disk_read_bytes_per_s=1e9,
+                           disk_write_bytes_per_s=5e8, cpu_mem_bytes=24 * GIB, cpu_available_bytes=20 * GIB,
+                           disk_free_bytes=100 * GIB)
+    model = CostModel(OPT13, prof, Workload(64, 64))
+    assert model.int8_kernel_takes(8) == int8_faster
+    on_kernel = model.estimate(Policy(8, 1, compress_weight=W8))
+    kept = model.estimate(Policy(8, 1, compress_weight=W8, keep_dense_weights=True))
+    assert (on_kernel.decode_step_s < kept.decode_step_s) == int8_faster
+    chosen = search(OPT13, prof, 64, 64, default_budgets(prof), SearchOptions(max_block_size=8, compress_weight=W8))
+    assert chosen.policy.keep_dense_weights != int8_faster

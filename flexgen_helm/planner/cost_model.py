@@ -192,6 +192,8 @@ class LayerWeights:
     packed_numel: int = 0  # in the kernel's layout, lookups too: dequantized where the kernel is not used
     grouped_numel: int = 0  # in the group layout (QuantizedTensor): dequantized at every load
     grouped_matmul_numel: int = 0  # of those, multiplied (not looked up)
+    # of those, in the int8 kernel's layout (8 bits per output channel): the int8 kernel may take them
+    int8_matmul_numel: int = 0
     # elements of a row of the tables in the CPU's packed layout, of which a lookup dequantizes
     # only the rows it looks up (CompressedWeight.embedding); not in packed_numel
     row_lookup_width: int = 0
@@ -214,7 +216,7 @@ class LayerWeights:
 
 
 _AMOUNTS = ("disk_reads", "assembled", "matmul_numel", "packed_matmul_numel", "packed_numel", "grouped_numel",
-            "grouped_matmul_numel", "row_lookup_width")
+            "grouped_matmul_numel", "int8_matmul_numel", "row_lookup_width")
 
 
 def layer_weights(layer: LayerSpec, placement: dict, weight_compression: WeightCompression, dtype: torch.dtype,
@@ -244,9 +246,10 @@ def layer_weights(layer: LayerSpec, placement: dict, weight_compression: WeightC
         elif layout is not None and layout != INT8_LAYOUT:
             lw.packed_numel += t.numel
             lw.packed_matmul_numel += t.numel * multiplied
-        else:  # the int8 kernel's rate is not profiled yet: costed as a dequantization per load
+        else:  # groups (dequantized per load) or the int8 layout, which the int8 kernel may take
             lw.grouped_numel += t.numel
             lw.grouped_matmul_numel += t.numel * multiplied
+            lw.int8_matmul_numel += t.numel * multiplied * (layout == INT8_LAYOUT)
     experts = tuple(t for t in layer.tensors if expert_of(t.key) is not None)
     if experts and len(experts) < len(layer.tensors):
         lw.experts = layer_weights(dataclasses.replace(layer, tensors=experts), placement, compression, dtype, device)
@@ -362,6 +365,16 @@ class CostModel:
         most = self.hw.compute.int4_kernel_max_rows(self.hw.dtype)
         return most is None or rows <= most
 
+    def int8_kernel_takes(self, rows: int) -> bool:
+        """Whether an 8-bit weight in the int8 kernel's layout multiplies `rows` activation rows
+        on the int8 kernel (the profile's crossover, as the engine takes it: compression/int8.py)
+        rather than dequantized."""
+        dev = self.hw.compute
+        if not dev.int8_matmul_flops:
+            return False
+        most = dev.int8_kernel_max_rows(self.hw.dtype)
+        return most is None or rows <= most
+
     def _weights_compute(self, lw: LayerWeights, rows: int, nb: int, kept: str | None = None) -> float:
         """Seconds of one layer's matmuls for nb GPU batches of `rows` activation rows, with
         compressed weights dequantized once per load (the copy the layer's GPU batches share)
@@ -371,7 +384,12 @@ class CostModel:
         steps multiply the copies the prefill made."""
         dev, dtype = self.hw.compute, self.hw.dtype
         dense = lw.matmul_numel - lw.packed_matmul_numel
-        seconds = 0.0 if kept == "decode" else lw.grouped_numel / dev.dequant_elems_per_s
+        # 8-bit weights the int8 kernel takes at these rows: multiplied on their codes, not dequantized
+        int8 = lw.int8_matmul_numel if kept is None and self.int8_kernel_takes(rows) else 0
+        seconds = 0.0 if kept == "decode" else (lw.grouped_numel - int8) / dev.dequant_elems_per_s
+        if int8:
+            seconds += nb * 2 * rows * int8 / dev.int8_flops(rows)
+            dense -= int8
         if lw.row_lookup_width:  # one table row per looked-up position
             seconds += nb * rows * lw.row_lookup_width / dev.int4_dequant_elems_per_s
         if kept == "decode":
@@ -407,7 +425,8 @@ class CostModel:
                 + self._dense_numel(one_expert, rows if expert_rows is None else expert_rows))
 
     def _dense_numel(self, lw: LayerWeights, rows: int) -> int:
-        return round(lw.grouped_numel + lw.packed_numel - (lw.packed_matmul_numel if self.kernel_takes(rows) else 0))
+        return round(lw.grouped_numel + lw.packed_numel - (lw.packed_matmul_numel if self.kernel_takes(rows) else 0)
+                     - (lw.int8_matmul_numel if self.int8_kernel_takes(rows) else 0))
 
     def _fixed_per_layer_batch(self, layer: LayerSpec, policy: Policy, phase: str) -> float:
         """What one layer costs one GPU batch besides its arithmetic and data: the profiled fixed

@@ -86,6 +86,10 @@ class DeviceSpeeds:
         """FLOP/s of the int4 kernel multiplying `rows` activation rows (int4_matmul_flops)."""
         return _interpolate_log(self.int4_matmul_flops, rows)
 
+    def int8_flops(self, rows: int) -> float:
+        """FLOP/s of the int8 kernel multiplying `rows` activation rows (int8_matmul_flops)."""
+        return _interpolate_log(self.int8_matmul_flops, rows)
+
     def int4_kernel_max_rows(self, dtype: str) -> int | None:
         """The most activation rows at which the int4 kernel was measured faster than
         dequantizing the weight and multiplying in `dtype` (per call, as
