@@ -81,18 +81,18 @@ def test_the_search_keeps_gpu_batches_within_the_kernels_crossover():
 def test_a_dense_copy_is_budgeted_only_where_the_kernel_does_not_take_the_rows():
     """The peak memory counts the dequantized copy of the layer in use (not of the one
     prefetched): in prefill (rows above the crossover) a block's weights, in decode (on the
-    kernel) only the position table, which takes no packed layout (2050 rows); the token
-    embedding dequantizes only the rows it looks up, and so makes no copy. In both phases the
+    kernel) none: the token embedding and the position table (no packed layout at 2050 rows,
+    so groups along its rows) dequantize only the rows they look up. In both phases the
     freed memory kept for reuse holds a block layer's dense copy and its dequantization's
     working copies, KEPT_WORKING_SETS times (executor/working_set.py)."""
     model = CostModel(OPT13, profile(FAST_KERNEL), Workload(128, 8))
     peak = model.estimate(Policy(4, 1, weights=Split(0, 1, 0), compress_weight=W4)).peak_bytes
     plain = model.estimate(Policy(4, 1, weights=Split(0, 1, 0))).peak_bytes
     h, f = OPT13.hidden_size, OPT13.ffn_size
-    block, positions = (4 * h * h + 2 * h * f) * 2, (OPT13.max_seq_len + 2) * h * 2
+    block = (4 * h * h + 2 * h * f) * 2
     kept = KEPT_WORKING_SETS * (block + DEQUANTIZE_WORKING_BYTES)
     assert peak["prefill"]["gpu"] - plain["prefill"]["gpu"] == block + kept
-    assert peak["decode"]["gpu"] - plain["decode"]["gpu"] == positions + kept
+    assert peak["decode"]["gpu"] - plain["decode"]["gpu"] == kept
 
 
 def test_a_profile_of_the_old_format_is_refused_with_what_to_do(tmp_path, monkeypatch, capsys):

@@ -197,6 +197,8 @@ class LayerWeights:
     # elements of a row of the tables in the CPU's packed layout, of which a lookup dequantizes
     # only the rows it looks up (CompressedWeight.embedding); not in packed_numel
     row_lookup_width: int = 0
+    # the same for tables in the int8 layout or in groups along their rows: not in grouped_numel
+    grouped_lookup_width: int = 0
     # a sparse MoE block's experts alone (included in the fields above): a step loads only those
     # its tokens choose (executor/expert_weights.py), and each row multiplies k of them
     experts: "LayerWeights | None" = None
@@ -216,7 +218,7 @@ class LayerWeights:
 
 
 _AMOUNTS = ("disk_reads", "assembled", "matmul_numel", "packed_matmul_numel", "packed_numel", "grouped_numel",
-            "grouped_matmul_numel", "int8_matmul_numel", "row_lookup_width")
+            "grouped_matmul_numel", "int8_matmul_numel", "row_lookup_width", "grouped_lookup_width")
 
 
 def layer_weights(layer: LayerSpec, placement: dict, weight_compression: WeightCompression, dtype: torch.dtype,
@@ -243,6 +245,10 @@ def layer_weights(layer: LayerSpec, placement: dict, weight_compression: WeightC
         layout = weight_layout(compression, t.shape, dtype, device)
         if layout == "cpu" and not multiplied:
             lw.row_lookup_width += t.row_numel
+        elif not multiplied and (layout == INT8_LAYOUT or (layout is None and weight_groups(compression, t.shape))):
+            # the int8 layout and groups along a row decode a row apart: a lookup dequantizes
+            # only the rows it looks up (CompressedWeight.embedding)
+            lw.grouped_lookup_width += t.row_numel
         elif layout is not None and layout != INT8_LAYOUT:
             lw.packed_numel += t.numel
             lw.packed_matmul_numel += t.numel * multiplied
@@ -392,6 +398,7 @@ class CostModel:
             dense -= int8
         if lw.row_lookup_width:  # one table row per looked-up position
             seconds += nb * rows * lw.row_lookup_width / dev.int4_dequant_elems_per_s
+        seconds += nb * rows * lw.grouped_lookup_width / dev.dequant_elems_per_s
         if kept == "decode":
             dense = lw.matmul_numel
         elif lw.packed_numel and kept is None and self.kernel_takes(rows):
