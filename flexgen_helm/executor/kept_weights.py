@@ -2,10 +2,9 @@
 (Policy.keep_dense_weights).
 
 Without it, a layer's weights are loaded again at every step of the block, and a decode
-step multiplies its few rows on the packed bytes (the int4/int8 kernels), which on this
-project's CPUs is slower than a dense matmul at those rows (runs/compression_8bit/README.md:
-SmolLM2's decode step at 10 rows, 35.6 ms in bfloat16, 38.0 ms on the int8 kernel, 61.5 ms on
-the int4 kernel). With it, each layer is loaded once a block, every compressed weight it
+step multiplies its few rows on the packed bytes (the int4/int8 kernels), which can be slower
+than a dense matmul at those rows (runs/compression_8bit/decode_paths/: SmolLM2 at 10 rows,
+decode on the int4 kernel 0.76x bf16's, on kept copies 0.95x). With it, each layer is loaded once a block, every compressed weight it
 multiplies is dequantized once, and the block's later steps reuse the same dense copies: the
 speed of uncompressed weights for the memory of both (the planner turns it on only where
 the compute tier holds every dense copy). A sparse MoE block's experts load as its router

@@ -114,7 +114,7 @@ class Policy:
     # a block keeps each layer's compressed weights dequantized from their first use to its end,
     # so that its decode steps multiply dense copies (the speed of uncompressed weights, at their
     # memory) instead of the int4/int8 kernels, which are slower than a dense matmul at a decode
-    # step's few rows on some CPUs (runs/compression_8bit/README.md); the planner turns it on where
+    # step's few rows on some CPUs (runs/compression_8bit/decode_paths/); the planner turns it on where
     # the compute tier holds every dense copy (executor/schedule.py)
     keep_dense_weights: bool = False
 
