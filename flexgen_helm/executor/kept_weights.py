@@ -5,10 +5,11 @@ Without it, a layer's weights are loaded again at every step of the block, and a
 step multiplies its few rows on the packed bytes (the int4/int8 kernels), which can be slower
 than a dense matmul at those rows (runs/compression_8bit/decode_paths/: SmolLM2 at 10 rows,
 decode on the int4 kernel 0.76x bf16's, on kept copies 0.95x). With it, each layer is loaded
-once a block, every compressed weight it multiplies is dequantized once, and the block's later steps reuse the same dense copies: the
-speed of uncompressed weights for the memory of both (the planner turns it on only where
-the compute tier holds every dense copy). A sparse MoE block's experts load as its router
-picks them, so such a block is loaded at every step as before."""
+once a block, every compressed weight it multiplies is dequantized once, and the block's
+later steps reuse the same dense copies: the speed of uncompressed weights for the memory of
+both (the planner turns it on only where the compute tier holds every dense copy). A sparse
+MoE block's experts load as its router picks them, so such a block is loaded at every step as
+before."""
 
 from __future__ import annotations
 
