@@ -123,6 +123,7 @@ class Engine:
         batch sizes, the cache's and activations' placement, overlap, delegation, prefix
         sharing). What loading fixed (FIXED_AT_LOAD) must stay as loaded: changing it would
         mean loading the model again."""
+        check_keep_dense(policy, self.config)
         changed = [f for f in FIXED_AT_LOAD if getattr(policy, f) != getattr(self.policy, f)]
         if changed:
             raise FlexGenError(f"a loaded engine keeps its {', '.join(changed)} ({self.policy.describe()}); "
@@ -260,6 +261,13 @@ class Engine:
         self.runtime.homes.clear()
 
 
+def check_keep_dense(policy: Policy, cfg) -> None:
+    """keep_dense_weights is for dense models: an MoE block's experts load as its router picks them."""
+    if policy.keep_dense_weights and cfg.is_moe:
+        raise PolicyError(f"keep_dense_weights: {cfg.name} is a mixture of experts, whose experts load as its router "
+                          "picks them; keeping every layer dense is for dense models")
+
+
 def build_runtime(resolved: ResolvedModel, policy: Policy, devices: Devices, offload_dir: Path,
                   progress: bool, layers: list | None = None) -> ModelRuntime:
     """`layers`: the part of the model this runtime runs (a pipeline stage); all by default."""
@@ -267,9 +275,7 @@ def build_runtime(resolved: ResolvedModel, policy: Policy, devices: Devices, off
     family = family_of(cfg)
     layers = layers if layers is not None else family.layer_specs(cfg)
     check_cache_compression(policy.compress_cache)
-    if policy.keep_dense_weights and cfg.is_moe:
-        raise PolicyError(f"keep_dense_weights: {cfg.name} is a mixture of experts, whose experts load as its router "
-                          "picks them; keeping every layer dense is for dense models")
+    check_keep_dense(policy, cfg)
     specs = all_store_tensors(layers)
     # each weight's own setting: a GGUF's codes where the policy keeps them (weights/source_grids.py)
     compression = weight_grids(policy.compress_weight, resolved.source, specs)

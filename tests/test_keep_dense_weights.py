@@ -55,8 +55,11 @@ def test_kept_copies_compute_what_a_dequantization_per_use_computes(tiny_llama, 
     assert kept.runtime.usage.current["gpu"] == per_use.runtime.usage.current["gpu"]  # the copies released
 
 
-def test_the_cost_model_counts_the_copies_the_engine_keeps(tiny_llama, tmp_path, monkeypatch):
-    grid = Compression(8, PER_CHANNEL)
+@pytest.mark.parametrize("grid", [Compression(8, PER_CHANNEL), Compression(4, 4, group_dim=0)],
+                         ids=["8-bit per channel", "4-bit groups along dim 0"])
+def test_the_cost_model_counts_the_copies_the_engine_keeps(tiny_llama, tmp_path, monkeypatch, grid):
+    """Every compressed weight multiplied, and a table whose groups run down its columns (it
+    dequantizes whole to look rows up), as the engine's account of the block says."""
     seen = []
     real_release = KeptDenseWeights.release
     monkeypatch.setattr(KeptDenseWeights, "release", lambda self: seen.append(self.nbytes) or real_release(self))
@@ -69,9 +72,7 @@ def test_the_cost_model_counts_the_copies_the_engine_keeps(tiny_llama, tmp_path,
                        int8_dequant_elems_per_s=1e9)
     model = CostModel(engine.config, HardwareProfile(devices={"cpu": cpu}, machine=machine_info()), Workload(5, 4),
                       torch.bfloat16)
-    lws = model.weights_per_layer(Policy(4, 1, compress_weight=grid))
-    counted = sum(n * (lw.packed_matmul_numel + lw.grouped_matmul_numel) for n, lw in zip(model.counts, lws)) * 2
-    assert counted == seen[0]
+    assert model.kept_dense_bytes(Policy(4, 1, compress_weight=grid, keep_dense_weights=True)) == seen[0]
 
 
 OPT13 = config_for_size("1.3b")
@@ -102,9 +103,9 @@ def test_the_search_keeps_dense_copies_only_where_they_fit_and_pay():
     assert roomy.estimate.peak_bytes["decode"]["gpu"] > without.peak_bytes["decode"]["gpu"] + GIB  # 2.6 GB of copies
     tight = Budgets(gpu=int(1.5 * GIB), cpu=8 * GIB, disk=100 * GIB)
     assert not search(OPT13, prof, 64, 64, tight, options).policy.keep_dense_weights
-    with pytest.raises(PolicyError):  # asked for, where the copies cannot fit
+    with pytest.raises(PolicyError, match=r"keep_dense_weights: no block fits the budgets \(gpu tier 1.50 GiB"):
         search(OPT13, prof, 64, 64, tight, SearchOptions(max_block_size=8, compress_weight=W4,
-                                                         keep_dense_weights=True, placement=(Split(),) * 3))
+                                                         keep_dense_weights=True))
 
 
 def test_what_keeping_dense_copies_cannot_do_is_refused(tmp_path):
@@ -116,6 +117,12 @@ def test_what_keeping_dense_copies_cannot_do_is_refused(tmp_path):
     write(tiny_olmoe_config(), path)
     with pytest.raises(PolicyError, match="mixture of experts"):
         Engine.load(str(path), Policy(compress_weight=W4, keep_dense_weights=True), offload_dir=tmp_path, **BF16)
+    engine = Engine.load(str(path), Policy(), offload_dir=tmp_path, **BF16)
+    with pytest.raises(PolicyError, match="mixture of experts"):  # nor for a later block
+        engine.set_policy(Policy(compress_weight=W4, keep_dense_weights=True))
+    with pytest.raises(PolicyError, match="mixture of experts"):  # nor planned
+        search(engine.config, _profile(), 8, 4, default_budgets(_profile()),
+               SearchOptions(compress_weight=W4, keep_dense_weights=True))
 
 
 KEEP_POLICIES = {

@@ -7,15 +7,21 @@ than a dense matmul at those rows (runs/compression_8bit/decode_paths/: SmolLM2 
 decode on the int4 kernel 0.76x bf16's, on kept copies 0.95x). With it, each layer is loaded
 once a block, every compressed weight it multiplies is dequantized once, and the block's
 later steps reuse the same dense copies: the speed of uncompressed weights for the memory of
-both (the planner turns it on only where the compute tier holds every dense copy). A sparse
-MoE block's experts load as its router picks them, so such a block is loaded at every step as
-before."""
+both (the planner turns it on only where the compute tier holds every dense copy). Not for
+MoE models, whose experts load as their router picks them (refused).
+
+The layers are written on the copy thread (loads) and read on the compute thread
+(count_dense_copies) without a lock: every load that adds a layer is waited for before a
+step's count, and the one load still in flight then (the next step's first layer) finds its
+layer kept."""
 
 from __future__ import annotations
 
 from typing import Callable
 
 from flexgen_helm.compression.int4 import CompressedWeight
+from flexgen_helm.errors import PolicyError
+from flexgen_helm.executor.expert_weights import ExpertsOnDemand
 from flexgen_helm.memory.usage import TierUsage
 
 
@@ -35,11 +41,12 @@ class KeptDenseWeights:
         if kept is not None:
             return kept
         weights = load(layer, loaded)
-        if isinstance(weights, dict):  # not a sparse block's experts on demand
-            for w in weights.values():
-                if isinstance(w, CompressedWeight):
-                    w.keep_dense()
-            self._layers[layer.kind, layer.index] = weights
+        if isinstance(weights, ExpertsOnDemand):  # the engine refuses keeping for MoE models
+            raise PolicyError("keep_dense_weights: a sparse MoE block's experts load as its router picks them")
+        for w in weights.values():
+            if isinstance(w, CompressedWeight):
+                w.keep_dense()
+        self._layers[layer.kind, layer.index] = weights
         return weights
 
     @property

@@ -245,7 +245,8 @@ def layer_weights(layer: LayerSpec, placement: dict, weight_compression: WeightC
         layout = weight_layout(compression, t.shape, dtype, device)
         if layout == "cpu" and not multiplied:
             lw.row_lookup_width += t.row_numel
-        elif not multiplied and (layout == INT8_LAYOUT or (layout is None and weight_groups(compression, t.shape))):
+        elif not multiplied and (layout == INT8_LAYOUT
+                                 or (layout is None and weight_groups(compression, t.shape) == 1)):
             # the int8 layout and groups along a row decode a row apart: a lookup dequantizes
             # only the rows it looks up (CompressedWeight.embedding)
             lw.grouped_lookup_width += t.row_numel
@@ -375,10 +376,7 @@ class CostModel:
         """Whether an 8-bit weight in the int8 kernel's layout multiplies `rows` activation rows
         on the int8 kernel (the profile's crossover, as the engine takes it: compression/int8.py)
         rather than dequantized."""
-        dev = self.hw.compute
-        if not dev.int8_matmul_flops:
-            return False
-        most = dev.int8_kernel_max_rows(self.hw.dtype)
+        most = self.hw.compute.int8_kernel_max_rows(self.hw.dtype)  # 0 where not measured
         return most is None or rows <= most
 
     def _weights_compute(self, lw: LayerWeights, rows: int, nb: int, kept: str | None = None) -> float:
@@ -585,7 +583,9 @@ class CostModel:
         cfg, elt, work = self.cfg, self.elt, self.work
         gbs, nb = policy.gpu_batch_size, policy.num_gpu_batches
         lws = self.weights_per_layer(policy)
-        loaded_weights = self._most_loaded_at_once(lws)
+        # a block that keeps its weights holds every layer's load (copies where a load makes one)
+        loaded_weights = (sum(n * sum(lw.loaded.values()) for n, lw in zip(self.counts, lws))
+                          if policy.keep_dense_weights else self._most_loaded_at_once(lws))
         _, c, _ = Fractions.of(policy).splits()
         moved = c["disk"] + (c["cpu"] if self.hw.is_cuda and not policy.cpu_cache_compute else 0.0)
         # a GPU batch's KV cache of one layer read off its tier (the longest a slot holds: a
@@ -613,9 +613,7 @@ class CostModel:
         kept = kept_freed_bytes(cfg, gbs, work.prompt_len, self.dtype,
                                 dense_weight_numel([layer for layer, _ in self.groups], policy.compress_weight),
                                 head_rows=gbs)  # the schedule's default: a generation step's last positions
-        # the dense copies a block keeps of every compressed weight it multiplies (Policy.keep_dense_weights)
-        kept_dense = (sum(n * (lw.packed_matmul_numel + lw.grouped_matmul_numel) for n, lw in zip(self.counts, lws))
-                      * elt if policy.keep_dense_weights else 0)
+        kept_dense = self.kept_dense_bytes(policy)
         out = {}
         for phase in PHASES:
             tokens = work.prompt_len if phase == "prefill" else 1
@@ -671,11 +669,22 @@ class CostModel:
     def accounted_bytes(self, policy: Policy) -> dict[str, int]:
         """Peak of what the engine's TierUsage records: weight homes on the gpu and cpu tiers (disk
         weights stay in the weight store, which it does not count), the KV cache, one prefill
-        hidden state per GPU batch."""
+        hidden state per GPU batch, and the dense copies a block keeps (kept_dense_bytes)."""
         comps = planned_components(self.cfg, policy, self.work.max_len, self.dtype, act_len=self.work.prompt_len,
                                    shared_prefix=self.work.shared_prefix)
         comps["weights"]["disk"] = 0
-        return {t: sum(comps[k][t] for k in comps) for t in TIERS}
+        out = {t: sum(comps[k][t] for k in comps) for t in TIERS}
+        out["gpu"] += self.kept_dense_bytes(policy)
+        return out
+
+    def kept_dense_bytes(self, policy: Policy) -> int:
+        """The dense copies a block keeps (Policy.keep_dense_weights; executor/kept_weights.py):
+        one of every compressed weight it multiplies, and of every compressed table that
+        dequantizes whole to look rows up (those whose rows decode apart make none)."""
+        if not policy.keep_dense_weights:
+            return 0
+        lws = self.weights_per_layer(policy)
+        return round(sum(n * (lw.packed_numel + lw.grouped_numel) for n, lw in zip(self.counts, lws)) * self.elt)
 
     def estimate(self, policy: Policy) -> Estimate:
         phase_s, terms, bottleneck = {}, {}, {}

@@ -278,6 +278,9 @@ def search(cfg: ModelConfig, profile: HardwareProfile, prompt_len: int, gen_len:
     and where the policy lets it, its KV held once: a block of long few-shot prompts fits
     more sequences)."""
     options = options or SearchOptions()
+    if options.keep_dense_weights and cfg.is_moe:
+        raise PolicyError(f"keep_dense_weights: {cfg.name} is a mixture of experts, whose experts load as its router "
+                          "picks them; keeping every layer dense is for dense models")
     model = CostModel(cfg, profile, Workload(prompt_len, gen_len, shared_prefix), dtype)
     delegation = (False, True) if options.cpu_cache_compute is None else (options.cpu_cache_compute,)
     keeping = ((False, True) if options.compress_weight is not None and not cfg.is_moe else (False,)
@@ -300,6 +303,12 @@ def search(cfg: ModelConfig, profile: HardwareProfile, prompt_len: int, gen_len:
                     best = found
             if best is not None:
                 candidates.append(best)
+    if not candidates and options.keep_dense_weights:
+        where = "the given placement" if options.placement is not None else "every weight on the top tier"
+        gpu = size_text(budgets.gpu) if budgets.gpu is not None else "unbounded"
+        raise PolicyError(f"keep_dense_weights: no block fits the budgets (gpu tier {gpu}) with {where} and "
+                          "a dense copy of every compressed weight held for the block; drop --keep-dense-weights "
+                          "(--no-keep-dense-weights) or give the gpu tier more memory (--gpu-mem)")
     if not candidates:
         pinned = options.placement is not None or options.gpu_batch_size or options.num_gpu_batches
         raise PolicyError(_pinned_message(model, budgets, options) if pinned

@@ -72,6 +72,9 @@ def _f32(shape: tuple[int, ...], gen: torch.Generator, std: float) -> np.ndarray
 
 
 def write(cfg: ModelConfig, out: Path, seed: int = 0) -> None:
+    if cfg.moe_type not in ARCHITECTURES:
+        raise FlexGenError(f"{cfg.name}: writing a GGUF of the {cfg.moe_type!r} family is not supported "
+                           f"(supported: {', '.join(ARCHITECTURES)})")
     arch = ARCHITECTURES[cfg.moe_type]
     h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     e, f = cfg.num_experts, cfg.expert_ffn_size
