@@ -22,9 +22,10 @@ from typing import Any, Protocol
 import torch
 
 from flexgen_helm.compression.stored import check_weight_compression
-from flexgen_helm.errors import FlexGenError, PolicyError, PromptTooLongError
+from flexgen_helm.errors import FlexGenError, PromptTooLongError
 from flexgen_helm.executor.calibration_text import CalibrationText
 from flexgen_helm.executor.generation import BlockDriver, LocalStage, Sequence, StageLink, StepCallback
+from flexgen_helm.executor.kept_weights import check_keep_dense
 from flexgen_helm.executor.kv_cache import check_cache_compression
 from flexgen_helm.executor.layerwise_gptq import LayerwiseGPTQ
 from flexgen_helm.executor.runtime import ModelRuntime
@@ -123,7 +124,7 @@ class Engine:
         batch sizes, the cache's and activations' placement, overlap, delegation, prefix
         sharing). What loading fixed (FIXED_AT_LOAD) must stay as loaded: changing it would
         mean loading the model again."""
-        check_keep_dense(policy, self.config)
+        check_keep_dense(policy.keep_dense_weights, self.config)
         changed = [f for f in FIXED_AT_LOAD if getattr(policy, f) != getattr(self.policy, f)]
         if changed:
             raise FlexGenError(f"a loaded engine keeps its {', '.join(changed)} ({self.policy.describe()}); "
@@ -261,13 +262,6 @@ class Engine:
         self.runtime.homes.clear()
 
 
-def check_keep_dense(policy: Policy, cfg) -> None:
-    """keep_dense_weights is for dense models: an MoE block's experts load as its router picks them."""
-    if policy.keep_dense_weights and cfg.is_moe:
-        raise PolicyError(f"keep_dense_weights: {cfg.name} is a mixture of experts, whose experts load as its router "
-                          "picks them; keeping every layer dense is for dense models")
-
-
 def build_runtime(resolved: ResolvedModel, policy: Policy, devices: Devices, offload_dir: Path,
                   progress: bool, layers: list | None = None) -> ModelRuntime:
     """`layers`: the part of the model this runtime runs (a pipeline stage); all by default."""
@@ -275,7 +269,7 @@ def build_runtime(resolved: ResolvedModel, policy: Policy, devices: Devices, off
     family = family_of(cfg)
     layers = layers if layers is not None else family.layer_specs(cfg)
     check_cache_compression(policy.compress_cache)
-    check_keep_dense(policy, cfg)
+    check_keep_dense(policy.keep_dense_weights, cfg)
     specs = all_store_tensors(layers)
     # each weight's own setting: a GGUF's codes where the policy keeps them (weights/source_grids.py)
     compression = weight_grids(policy.compress_weight, resolved.source, specs)

@@ -25,6 +25,14 @@ from flexgen_helm.executor.expert_weights import ExpertsOnDemand
 from flexgen_helm.memory.usage import TierUsage
 
 
+def check_keep_dense(keep: bool, cfg) -> None:
+    """Keeping dense copies is for dense models: an MoE block's experts load as its router
+    picks them. One error, wherever a policy asks for it (load, a later block, the search)."""
+    if keep and cfg.is_moe:
+        raise PolicyError(f"keep_dense_weights: {cfg.name} is a mixture of experts, whose experts load as its router "
+                          "picks them; keeping every layer dense is for dense models")
+
+
 class KeptDenseWeights:
     """The loaded weights of each layer of one block."""
 
@@ -41,7 +49,7 @@ class KeptDenseWeights:
         if kept is not None:
             return kept
         weights = load(layer, loaded)
-        if isinstance(weights, ExpertsOnDemand):  # the engine refuses keeping for MoE models
+        if isinstance(weights, ExpertsOnDemand):  # check_keep_dense refuses MoE models before any block
             raise PolicyError("keep_dense_weights: a sparse MoE block's experts load as its router picks them")
         for w in weights.values():
             if isinstance(w, CompressedWeight):

@@ -26,6 +26,7 @@ import numpy as np
 from scipy.optimize import linprog
 
 from flexgen_helm.errors import PolicyError
+from flexgen_helm.executor.kept_weights import check_keep_dense
 from flexgen_helm.memory.disk_space import size_text
 from flexgen_helm.models.config import ModelConfig
 from flexgen_helm.planner.budget import planned_components
@@ -278,9 +279,7 @@ def search(cfg: ModelConfig, profile: HardwareProfile, prompt_len: int, gen_len:
     and where the policy lets it, its KV held once: a block of long few-shot prompts fits
     more sequences)."""
     options = options or SearchOptions()
-    if options.keep_dense_weights and cfg.is_moe:
-        raise PolicyError(f"keep_dense_weights: {cfg.name} is a mixture of experts, whose experts load as its router "
-                          "picks them; keeping every layer dense is for dense models")
+    check_keep_dense(bool(options.keep_dense_weights), cfg)
     model = CostModel(cfg, profile, Workload(prompt_len, gen_len, shared_prefix), dtype)
     delegation = (False, True) if options.cpu_cache_compute is None else (options.cpu_cache_compute,)
     keeping = ((False, True) if options.compress_weight is not None and not cfg.is_moe else (False,)
