@@ -16,6 +16,8 @@ import torch.nn.functional as F
 
 from flexgen_helm.memory.devices import cpu_has_bf16_arithmetic
 
+LOG2_E = math.log2(math.e)
+
 
 def to_units(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """(b, heads, s, d) -> (b * kv_heads, heads_per_kv, s, d)."""
@@ -400,23 +402,25 @@ def attend_past_shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if held_out is not None:
         positions = torch.where(positions >= held_out[0], positions + (held_out[1] - held_out[0]), positions)
     own = key_valid & ((positions < start) | (positions >= start + n))
-    parts = [_softmax_part(qf, k, v, own, softcap)]
+    own_out, own_lse = _normalized_part(qf, k, v, own, softcap)
     # the prefix part by key-value head, over the whole sequences q's units lie in (the
     # units of a sequence outside them ask with zero queries, and are dropped)
     lead = first_unit % kvh
     sequences = -(-(lead + u) // kvh)
-    padded = qf.new_zeros(sequences * kvh, r, d)
-    padded[lead:lead + u] = qf
-    by_head = padded.view(sequences, kvh, r, d).transpose(0, 1).reshape(kvh, sequences * r, d)
+    if lead or u != sequences * kvh:
+        qf = torch.cat([qf.new_zeros(lead, r, d), qf, qf.new_zeros(sequences * kvh - lead - u, r, d)])
+    by_head = qf.view(sequences, kvh, r, d).transpose(0, 1).reshape(kvh, sequences * r, d)
     if prefix.key_mean is None:
-        shared = _softmax_part(by_head, prefix.keys, prefix.values, None, softcap)
+        shared = _normalized_part(by_head, prefix.keys, prefix.values, None, softcap)
     else:
-        shared = _bf16_prefix_part(by_head, prefix)
-    parts.append(tuple(x.view(kvh, sequences, r, -1).transpose(0, 1).reshape(sequences * kvh, r, -1)[lead:lead + u]
-                       for x in shared))
-    peak = torch.maximum(parts[0][1], parts[1][1])
-    weights = [torch.exp(m - peak) for _, m, _ in parts]
-    out = sum(o * w for (o, _, _), w in zip(parts, weights)) / sum(s * w for (_, _, s), w in zip(parts, weights))
+        out, peak, total = _bf16_prefix_part(by_head, prefix)
+        shared = out / total, peak + total.log()
+    prefix_out, prefix_lse = (x.view(kvh, sequences, r, -1).transpose(0, 1).reshape(sequences * kvh, r, -1)
+                              [lead:lead + u] for x in shared)
+    # each part is normalised over its own keys; its weight in the whole softmax is its share
+    # of the two parts' exp-sums: the own part's is sigmoid(own_lse - prefix_lse), 0 where a
+    # unit has no key of its own (-inf)
+    out = torch.lerp(prefix_out, own_out, torch.sigmoid(own_lse - prefix_lse))
     return out.view(u, r, 1, d).to(q.dtype)
 
 
@@ -433,14 +437,27 @@ def _bf16_prefix_part(q: torch.Tensor, prefix: DecodePrefix) -> tuple[torch.Tens
     return out, peak + torch.bmm(q, prefix.key_mean.transpose(1, 2)), weights.sum(-1, keepdim=True, dtype=torch.float32)
 
 
-def _softmax_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
-                  softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Attention of q (g, m, d) over k, v (g, t, d) as the parts a softmax merges from: the
-    unnormalised output (g, m, d), each row's largest score (g, m, 1; -inf where it may see no
-    key) and its sum of exp(score - largest) (g, m, 1)."""
-    scores = _capped(torch.bmm(q, k.float().transpose(1, 2)) / math.sqrt(q.shape[-1]), softcap)
+def _normalized_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
+                     softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q (g, m, d) over k, v (g, t, d), normalised over these keys alone, as the
+    part a two-part softmax merges from: the output (g, m, d) and each row's log-sum-exp of
+    its scores (g, m, 1); a row that may see no key gives 0 and -inf.
+
+    A shared prefix's scores are every sequence's queries against all of its keys, so each
+    pass over them costs a good part of its matmuls: the scale goes on the (few) queries, the
+    scores are taken in base 2, and the passes run in place. torch's exp2 ran 2x its exp on
+    this project's AVX2 CPU, and faster than its fused softmax (which gives no log-sum-exp):
+    runs/prefix_sharing/README.md."""
+    scale = 1 / math.sqrt(q.shape[-1])
+    if softcap:
+        scores = _capped(torch.bmm(q * scale, k.float().transpose(1, 2)), softcap).mul_(LOG2_E)
+    else:
+        scores = torch.bmm(q * (scale * LOG2_E), k.float().transpose(1, 2))
     if valid is not None:
         scores = scores.masked_fill_(~valid[:, None, :], -math.inf)
     peak = scores.amax(-1, keepdim=True)
-    weights = torch.exp(scores - torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak)))
-    return torch.bmm(weights, v.float()), peak, weights.sum(-1, keepdim=True)
+    if valid is not None:  # a row that sees no key: every weight exp2(-inf) = 0
+        peak = peak.masked_fill_(torch.isneginf(peak), 0)
+    weights = scores.sub_(peak).exp2_()
+    total = weights.sum(-1, keepdim=True)  # >= 1 (its largest score's weight) where a row sees a key
+    return torch.bmm(weights, v.float()).div_(total.clamp(min=1)), (peak + total.log2()) * math.log(2)
