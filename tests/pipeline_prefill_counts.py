@@ -1,0 +1,42 @@
+"""One pipeline stage, run under torchrun by tests/test_pipeline.py: generates a token for
+each prompt while counting the token positions that reach this stage's transformer blocks
+(all at the prefill), and writes what it saw to OUT/rank-R.json.
+
+    torchrun --nproc-per-node N pipeline_prefill_counts.py MODEL PROMPTS.json OUT
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from flexgen_helm.policy import Policy
+
+# a block of 6 prompts, three GPU batches of two: three stages run it as three micro-batches
+POLICY = Policy(gpu_batch_size=2, num_gpu_batches=3)
+
+
+def main(model: str, prompts_path: str, out: str) -> None:
+    from flexgen_helm.dist.pipeline import PipelineEngine
+    from flexgen_helm.executor.sampling import SamplingParams
+    from flexgen_helm.models import llama
+
+    seen = []
+    real = llama.finish_block
+    llama.finish_block = lambda cfg, w, h, a: seen.append(h.shape[0] * h.shape[1]) or real(cfg, w, h, a)
+    engine = PipelineEngine.load(model, POLICY, dtype="float32", device="cpu", offload_dir=Path(out) / "offload",
+                                 progress=False)
+    run = engine.generate(json.loads(Path(prompts_path).read_text()),
+                          SamplingParams(max_new_tokens=1, ignore_eos=True))
+    engine.close()
+    Path(out, f"rank-{engine.rank}.json").write_text(json.dumps({
+        "blocks": sum(layer.kind == "block" for layer in engine.runtime.layers),
+        "prefill_tokens": sum(seen),
+        "stats": run.stats.as_dict(),
+        "tokens": [r.completions[0].token_ids for r in run.results],
+    }))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
