@@ -126,10 +126,12 @@ def test_a_pipeline_shares_prefixes_as_one_process_does(tiny_llama, single_share
     assert not any((tmp_path / "offload").rglob("run-*"))
 
 
-def test_every_stage_prefill_computes_the_windows_and_the_prefix_once(tiny_llama, tmp_path, monkeypatch):
+def test_every_stage_computes_the_windows_and_the_prefix_once_and_decodes_over_its_one_copy(
+        tiny_llama, tmp_path, monkeypatch):
     """Each stage's transformer blocks see at the prefill exactly the prompt tokens one
     process computes (the shared prefix once a block, then each GPU batch's window): a
-    later stage gets the prefix's hidden states and the windows, not whole prompts."""
+    later stage gets the prefix's hidden states and the windows, not whole prompts. Its
+    decode steps attend to the prefix's one copy for every sequence, as one process's do."""
     from pipeline_prefill_counts import POLICY
 
     from flexgen_helm.models import llama
@@ -141,20 +143,29 @@ def test_every_stage_prefill_computes_the_windows_and_the_prefix_once(tiny_llama
                         real(cfg, w, h, a))
     one = Engine.load(str(tiny_llama), POLICY, dtype="float32", device="cpu", offload_dir=tmp_path / "single",
                       progress=False)
-    single = one.generate(prompts, SamplingParams(max_new_tokens=1, ignore_eos=True))
-    assert single.stats.computed_prompt_tokens < single.stats.padded_prompt_tokens
-    assert sum(seen) == one.config.num_layers * single.stats.computed_prompt_tokens
+    prefill_calls = []
+
+    def on_step(done: int, total: int) -> None:
+        if done == 1:  # the prefill's step
+            prefill_calls.append(len(seen))
+
+    single = one.generate(prompts, SamplingParams(max_new_tokens=3, ignore_eos=True), on_step=on_step)
+    cfg, stats = one.config, single.stats
+    assert stats.computed_prompt_tokens < stats.padded_prompt_tokens
+    assert sum(seen[:prefill_calls[0]]) == cfg.num_layers * stats.computed_prompt_tokens
 
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port",
            str(_free_port()), str(Path(__file__).parent / "pipeline_prefill_counts.py"), str(tiny_llama),
-           str(tmp_path / "prompts.json"), str(tmp_path / "out")]
+           str(tmp_path / "prompts.json"), "3", str(tmp_path / "out")]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ})
     assert run.returncode == 0, run.stderr[-3000:]
     stages = [json.loads((tmp_path / "out" / f"rank-{r}.json").read_text()) for r in range(3)]
-    assert sum(stage["blocks"] for stage in stages) == one.config.num_layers
+    assert sum(stage["blocks"] for stage in stages) == cfg.num_layers
     assert any(stage["blocks"] for stage in stages[1:])  # a later stage holds transformer blocks
     for stage in stages:
-        assert stage["stats"]["computed_prompt_tokens"] == single.stats.computed_prompt_tokens
-        assert stage["prefill_tokens"] == stage["blocks"] * single.stats.computed_prompt_tokens
+        assert stage["stats"]["computed_prompt_tokens"] == stats.computed_prompt_tokens
+        assert stage["prefill_tokens"] == stage["blocks"] * stats.computed_prompt_tokens
+        # the two decode steps after the prefill's token, every sequence's kv heads, in each block
+        assert stage["decode_prefix_units"] == stage["blocks"] * 2 * len(prompts) * cfg.num_kv_heads
         assert stage["tokens"] == [r.completions[0].token_ids for r in single.results]
