@@ -1,5 +1,6 @@
 """Pipeline parallelism over processes (torchrun, gloo): the same tokens as one process,
-and a failing stage ends every rank instead of hanging."""
+prompts that share a prefix computed as one process computes them (the prefix once per
+block in every stage), and a failing stage ends every rank instead of hanging."""
 
 from __future__ import annotations
 
@@ -8,8 +9,12 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+from flexgen_helm.engine import Engine
+from flexgen_helm.executor.sampling import SamplingParams
 
 PROMPTS = ["hello world", "abc", "a much longer prompt here", "xyz", "0123456789"]
 ARGS = ["--dtype", "float32", "--max-new-tokens", "5", "--gpu-batch-size", "1", "--num-gpu-batches", "2",
@@ -22,8 +27,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_generate(model, out, tmp_path, procs: int | None, extra=(), timeout=240):
-    cmd = [sys.executable, "-m", "flexgen_helm", "generate", "--model", str(model), "--prompt", *PROMPTS,
+def run_generate(model, out, tmp_path, procs: int | None, extra=(), timeout=240, prompts=PROMPTS):
+    cmd = [sys.executable, "-m", "flexgen_helm", "generate", "--model", str(model), "--prompt", *prompts,
            *ARGS, "--offload-dir", str(tmp_path / "offload"), "--json", str(out), *extra]
     if procs is not None:
         cmd[1:3] = ["-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--master-port",
@@ -34,6 +39,15 @@ def run_generate(model, out, tmp_path, procs: int | None, extra=(), timeout=240)
 
 def completion_tokens(path):
     return [[c["token_ids"] for c in r["completions"]] for r in json.loads(path.read_text())["results"]]
+
+
+def completion_logprobs(path):
+    return [lp for r in json.loads(path.read_text())["results"] for c in r["completions"] for lp in c["logprobs"]]
+
+
+def prompt_stats(path) -> dict:
+    stats = json.loads(path.read_text())["stats"]
+    return {k: stats[k] for k in ("prompt_tokens", "padded_prompt_tokens", "computed_prompt_tokens", "blocks")}
 
 
 @pytest.fixture(scope="module")
@@ -63,3 +77,95 @@ def test_failing_stage_stops_every_rank(tiny_llama, tmp_path):
     assert run.returncode != 0
     assert "offload directory" in run.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+# ---- prompts that share a prefix (executor/shared_prefix.py) ----------------------------
+
+# a few-shot run: the same examples, then each instance's own question (a byte-level
+# tokenizer: a token a character); blocks of three GPU batches of one (5 prompts: a block of
+# 3, one of 2): two stages run the first block as micro-batches of two batches and one
+FEW_SHOT = [f"Q: 12+30=42. Q: 7+5=12. Q: 40+2=42. Q: {q}=" for q in ("3+4", "10+1", "8+18", "2+9", "6+0")]
+FEW_SHOT_ARGS = ["--num-gpu-batches", "3"]
+
+
+@pytest.fixture(scope="module")
+def single_shared(tiny_llama, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("single-shared")
+    out = tmp / "single.json"
+    run = run_generate(tiny_llama, out, tmp, None, FEW_SHOT_ARGS, prompts=FEW_SHOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    stats = prompt_stats(out)
+    assert stats["computed_prompt_tokens"] < stats["padded_prompt_tokens"]  # the prefix was shared
+    return out
+
+
+@pytest.fixture(scope="module")
+def pipeline_unshared(tiny_llama, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pipeline-unshared")
+    out = tmp / "pipe.json"
+    run = run_generate(tiny_llama, out, tmp, 2, [*FEW_SHOT_ARGS, "--no-prefix-sharing"], prompts=FEW_SHOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    stats = prompt_stats(out)
+    assert stats["computed_prompt_tokens"] == stats["padded_prompt_tokens"]
+    return out
+
+
+@pytest.mark.parametrize("procs", [2, 3])
+def test_a_pipeline_shares_prefixes_as_one_process_does(tiny_llama, single_shared, pipeline_unshared, tmp_path,
+                                                        procs):
+    """The same tokens and (float32) log-probs as one process sharing the prefix, and as the
+    pipeline computing every prompt whole; the stats count the same prompt tokens as one
+    process (the prefix once a block)."""
+    out = tmp_path / "pipe.json"
+    run = run_generate(tiny_llama, out, tmp_path, procs, FEW_SHOT_ARGS, prompts=FEW_SHOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert completion_tokens(out) == completion_tokens(single_shared) == completion_tokens(pipeline_unshared)
+    assert completion_logprobs(out) == pytest.approx(completion_logprobs(single_shared), abs=1e-5)
+    assert completion_logprobs(out) == pytest.approx(completion_logprobs(pipeline_unshared), abs=1e-5)
+    assert prompt_stats(out) == prompt_stats(single_shared)
+    assert not any((tmp_path / "offload").rglob("run-*"))
+
+
+def test_every_stage_computes_the_windows_and_the_prefix_once_and_decodes_over_its_one_copy(
+        tiny_llama, tmp_path, monkeypatch):
+    """Each stage's transformer blocks see at the prefill exactly the prompt tokens one
+    process computes (the shared prefix once a block, then each GPU batch's window): a
+    later stage gets the prefix's hidden states and the windows, not whole prompts. Its
+    decode steps attend to the prefix's one copy for every sequence, as one process's do."""
+    from pipeline_prefill_counts import POLICY
+
+    from flexgen_helm.models import llama
+
+    prompts = [[3, *range(40, 70), 7 + i, *range(100, 100 + i)] for i in range(6)]  # 31 shared, 1 to 6 own
+    seen = []
+    real = llama.finish_block
+    monkeypatch.setattr(llama, "finish_block", lambda cfg, w, h, a: seen.append(h.shape[0] * h.shape[1]) or
+                        real(cfg, w, h, a))
+    one = Engine.load(str(tiny_llama), POLICY, dtype="float32", device="cpu", offload_dir=tmp_path / "single",
+                      progress=False)
+    prefill_calls = []
+
+    def on_step(done: int, total: int) -> None:
+        if done == 1:  # the prefill's step
+            prefill_calls.append(len(seen))
+
+    single = one.generate(prompts, SamplingParams(max_new_tokens=3, ignore_eos=True), on_step=on_step)
+    cfg, stats = one.config, single.stats
+    assert stats.computed_prompt_tokens < stats.padded_prompt_tokens
+    assert sum(seen[:prefill_calls[0]]) == cfg.num_layers * stats.computed_prompt_tokens
+
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port",
+           str(_free_port()), str(Path(__file__).parent / "pipeline_prefill_counts.py"), str(tiny_llama),
+           str(tmp_path / "prompts.json"), "3", str(tmp_path / "out")]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ})
+    assert run.returncode == 0, run.stderr[-3000:]
+    stages = [json.loads((tmp_path / "out" / f"rank-{r}.json").read_text()) for r in range(3)]
+    assert sum(stage["blocks"] for stage in stages) == cfg.num_layers
+    assert any(stage["blocks"] for stage in stages[1:])  # a later stage holds transformer blocks
+    for stage in stages:
+        assert stage["stats"]["computed_prompt_tokens"] == stats.computed_prompt_tokens
+        assert stage["prefill_tokens"] == stage["blocks"] * stats.computed_prompt_tokens
+        # the two decode steps after the prefill's token, every sequence's kv heads, in each block
+        assert stage["decode_prefix_units"] == stage["blocks"] * 2 * len(prompts) * cfg.num_kv_heads
+        assert stage["tokens"] == [r.completions[0].token_ids for r in single.results]

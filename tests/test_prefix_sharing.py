@@ -129,17 +129,61 @@ def test_how_much_is_shared():
     assert shared_prefix_len([[long]], [99]) == 0  # one sequence: nothing to share with
 
 
-def test_a_pipeline_stage_computes_prompts_whole(tmp_path):
-    """(A stage's prefill would have to hand on the prefix's hidden states apart.)"""
+def test_a_stage_decides_the_prefix_and_counts_the_tokens_one_process_does(tiny_llama, tmp_path):
+    """Every pipeline stage holds the block's prompts and policy: a stage without the
+    embedding or the head decides the same shared prefix and counts the same tokens."""
     from flexgen_helm.executor.generation import BlockDriver
     from flexgen_helm.executor.sampling import RunStats
 
-    path = save_tiny("llama", tmp_path / "m")
-    engine = _engine(path, Policy(), tmp_path, True)
-    driver = BlockDriver(engine.runtime, engine.policy, tmp_path, RunStats())
-    assert driver.shares_prefixes()
-    driver.rt = SimpleNamespace(layers=engine.runtime.layers[:-1])  # no head: a first stage
-    assert not driver.shares_prefixes()
+    rt = _engine(tiny_llama, Policy(), tmp_path, True).runtime
+    batches, last = [PROMPTS[:4], PROMPTS[4:8], PROMPTS[8:]], [len(p) - 1 for p in PROMPTS]
+    whole = BlockDriver(rt, Policy(), tmp_path, RunStats())
+    stage = BlockDriver(SimpleNamespace(layers=rt.layers[1:-1], devices=rt.devices, config=rt.config), Policy(),
+                        tmp_path, RunStats())
+    assert whole.start_block(batches, last).length == stage.start_block(batches, last, 2).length == len(PREFIX)
+    assert whole.stats == stage.stats
+    assert whole.stats.computed_prompt_tokens < whole.stats.padded_prompt_tokens
+
+
+def test_micro_batches_share_one_run_of_the_prefix_and_a_later_stage_starts_from_hidden_states(
+        tiny_llama, tmp_path, monkeypatch):
+    """A pipeline stage's block runs as micro-batches, a schedule each: the first to reach a
+    layer runs the prefix through it, the others get the same keys and values. A stage after
+    the embedding, started from the hidden states the stage before hands on, makes the keys
+    and values the whole model makes."""
+    import torch
+
+    from flexgen_helm.executor.shared_prefix import SharedPrefix
+    from flexgen_helm.models import llama
+
+    rt = _engine(tiny_llama, Policy(), tmp_path, True).runtime
+    family, cfg, layers = rt.family, rt.config, rt.layers
+    weights = [rt.load_layer(layer) for layer in layers]
+    ids = torch.tensor(PREFIX)[None]
+    at = family.step_constants(family.run_constants(cfg, len(PREFIX), torch.device("cpu"), torch.float32),
+                               torch.arange(len(PREFIX))[None])
+    whole = SharedPrefix(ids)
+    alone = [whole.run_layer(family, cfg, layer, w, at) for layer, w in zip(layers, weights)]
+
+    runs = []
+    real = llama.finish_block
+    monkeypatch.setattr(llama, "finish_block", lambda cfg, w, h, a: runs.append(h.shape[1]) or real(cfg, w, h, a))
+    cut = 2  # stage 0: the embedding and block 0; stage 1: the other blocks and the head
+    first, later = SharedPrefix(ids, micro_batches=3), SharedPrefix(ids, micro_batches=3)
+    for _ in range(3):
+        for layer, w in zip(layers[:cut], weights[:cut]):
+            first.run_layer(family, cfg, layer, w, at)
+    with pytest.raises(ValueError, match="start_from"):
+        SharedPrefix(ids).run_layer(family, cfg, layers[cut], weights[cut], at)
+    later.start_from(first.hidden)
+    made = [[later.run_layer(family, cfg, layer, w, at) for layer, w in zip(layers[cut:], weights[cut:])]
+            for _ in range(3)]
+    assert runs == [len(PREFIX)] * cfg.num_layers  # each block once, for all three micro-batches
+    assert all(a is b is c for a, b, c in zip(*made))  # the same layer results, not recomputed
+    for m, want in zip(made[0], alone[cut:]):
+        assert (m is None) == (want is None)
+        if want is not None:
+            assert torch.allclose(m.keys, want.keys, atol=1e-6) and torch.allclose(m.values, want.values, atol=1e-6)
 
 
 def test_decode_steps_attend_to_the_shared_prefix_once_for_all_sequences(tiny_llama, tmp_path, monkeypatch):

@@ -8,6 +8,12 @@ group g-1. The last stage samples and sends the new tokens back to the first. Se
 asynchronous, so that a stage sending forward and a stage sending back never wait on
 each other.
 
+A block whose prompts share a prefix computes it once in every stage, as one process does
+(executor/shared_prefix.py): each stage decides the same prefix from the prompts it holds,
+runs it with the block's first group's prefill, and hands its hidden states on ahead of
+that group's GPU batches, whose prefill sends only their windows (the columns after the
+prefix).
+
 Every stage runs the engine's one block driver (executor/generation.py); `PipelineStage`
 is the StageLink that tells it where a step's inputs come from and where its outputs go.
 """
@@ -76,14 +82,23 @@ class PipelineStage:
             if self.world == 1:
                 return chosen
             return [self._recv((len(b),), torch.long, self.world - 1) for b in group]
-        return [self._recv((len(b), sb.ids.shape[1] if step == 0 else 1, self.hidden_size), self.dtype, self.rank - 1)
-                for b, sb in zip(group, sched.batches)]
+        return [self._recv((len(b), window if step == 0 else 1, self.hidden_size), self.dtype, self.rank - 1)
+                for b, window in zip(group, sched.window)]
 
     def step_output(self, outputs: list[torch.Tensor], more_steps: bool) -> None:
         if not self.samples:
             self._pending += [self._send(h, self.rank + 1) for h in outputs]
         elif more_steps and self.world > 1:
             self._pending += [self._send(t, 0) for t in outputs]
+
+    def prefix_input(self, length: int) -> torch.Tensor | None:
+        if self.rank == 0:
+            return None  # the embedding is here
+        return self._recv((1, length, self.hidden_size), self.dtype, self.rank - 1)
+
+    def prefix_output(self, hidden: torch.Tensor) -> None:
+        if not self.samples:
+            self._pending.append(self._send(hidden, self.rank + 1))
 
     def drain(self) -> None:
         for p in self._pending:

@@ -6,7 +6,6 @@ from and where its outputs go)."""
 from __future__ import annotations
 
 import itertools
-import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -19,14 +18,12 @@ import torch.nn.functional as F
 from flexgen_helm.executor.length_buckets import cut_by_length
 from flexgen_helm.executor.sampling import Completion, RunStats, SamplingParams, ScoreResult, select_tokens
 from flexgen_helm.executor.schedule import BlockSchedule, GpuBatch
-from flexgen_helm.executor.shared_prefix import common_prefix_len, shared_prefix_len
+from flexgen_helm.executor.shared_prefix import SharedPrefix, common_prefix_len, shared_prefix_len
 from flexgen_helm.memory.copy_engine import without_autograd
 from flexgen_helm.policy.policy import Policy
 
 __all__ = ["BlockDriver", "LocalStage", "RunStats", "Sequence", "StageLink", "StepCallback", "left_pad",
            "plan_blocks"]
-
-log = logging.getLogger(__name__)
 
 # a scored prompt's positions go through the vocabulary-wide head this many at a time, so
 # that its (positions x vocabulary) logits never exist all at once
@@ -94,9 +91,6 @@ def left_pad(prompts: list[list[int]], length: int, pad_id: int) -> GpuBatch:
 Block = list[list[Sequence]]
 
 
-_said = {"pipeline": False}
-
-
 class StageLink(Protocol):
     """How the driver's token steps meet the rest of the model.
 
@@ -124,6 +118,17 @@ class StageLink(Protocol):
         """What `step` produced per GPU batch: the chosen tokens where this stage samples,
         else its hidden states. more_steps: another step follows."""
 
+    def prefix_input(self, length: int) -> torch.Tensor | None:
+        """A block's shared prefix (executor/shared_prefix.py) as the stage before hands it on:
+        its hidden states (1, length, hidden) after that stage's layers; None where this
+        stage embeds the prefix's tokens itself. Asked before the block's first micro-batch's
+        step_input at the prefill."""
+
+    def prefix_output(self, hidden: torch.Tensor) -> None:
+        """The shared prefix's hidden states (1, length, hidden) after this stage's layers,
+        for the stage after (nothing where this stage holds the head). Given after the block's
+        first micro-batch's prefill, before its step_output."""
+
     def drain(self) -> None:
         """Wait until every output handed on has left (at the end of a block)."""
 
@@ -145,6 +150,12 @@ class LocalStage:
     def step_output(self, outputs: list[torch.Tensor], more_steps: bool) -> None:
         """Nothing to send: the driver feeds the chosen tokens back itself."""
 
+    def prefix_input(self, length: int) -> torch.Tensor | None:
+        return None  # the embedding is here
+
+    def prefix_output(self, hidden: torch.Tensor) -> None:
+        """Nothing to send: the head is here."""
+
     def drain(self) -> None:
         """Nothing was sent."""
 
@@ -160,35 +171,36 @@ class BlockDriver:
         self._steps_done = self._steps_total = 0
         self.pad_id = runtime.config.pad_token_id if runtime.config.pad_token_id is not None else 0
 
+    def start_block(self, groups: list[list[list[int]]], last_shared: list[int] | None,
+                    micro_batches: int = 1) -> SharedPrefix | None:
+        """Counts a block's prompt tokens (its GPU batches' prompts, each batch padded to its
+        longest) in the stats, and gives the prefix it computes once, or None. last_shared
+        (one per prompt, in order): the most of its first tokens each prompt may share with
+        the others (shared_prefix_len); None: none. micro_batches: the schedules the block
+        runs as (StageLink.micro_batches), which share the prefix.
+
+        Every stage of a pipeline holds the block's prompts and policy, so each decides the
+        same prefix here and counts the same tokens."""
+        lengths = [max(map(len, g)) for g in groups]
+        shared = shared_prefix_len(groups, last_shared) if last_shared is not None and self.policy.prefix_sharing \
+            else 0
+        self.stats.prompt_tokens += sum(len(p) for g in groups for p in g)
+        self.stats.padded_prompt_tokens += sum(n * len(g) for n, g in zip(lengths, groups))
+        self.stats.computed_prompt_tokens += shared + sum((n - shared) * len(g) for n, g in zip(lengths, groups))
+        self.stats.blocks += 1
+        if not shared:
+            return None
+        return SharedPrefix(torch.tensor(groups[0][0][:shared], device=self.rt.devices.compute)[None], micro_batches)
+
     def schedule(self, groups: list[list[list[int]]], max_len: int, name: str = "",
-                 head_rows: int | None = None, last_shared: list[int] | None = None) -> BlockSchedule:
+                 head_rows: int | None = None, prefix: SharedPrefix | None = None) -> BlockSchedule:
         """A schedule for GPU batches of prompts, each padded to its own longest; schedules
         alive at once need distinct names (their disk files live in a folder of that name);
-        head_rows: see BlockSchedule. last_shared (one per prompt, in order): the most of
-        its first tokens each prompt may share with the others (shared_prefix_len); None:
-        none."""
+        head_rows: see BlockSchedule; prefix: the block's (start_block)."""
         workdir = self.workdir / name if name else self.workdir
         workdir.mkdir(exist_ok=True)
         batches = [left_pad(g, max(map(len, g)), self.pad_id) for g in groups]
-        shared = shared_prefix_len(groups, last_shared) if last_shared is not None and self.shares_prefixes() else 0
-        self.stats.prompt_tokens += sum(len(p) for g in groups for p in g)
-        self.stats.padded_prompt_tokens += sum(b.ids.numel() for b in batches)
-        self.stats.computed_prompt_tokens += shared + sum(b.ids.numel() - shared * b.size for b in batches)
-        self.stats.blocks += 1
-        return BlockSchedule(self.rt, self.policy, batches, max_len, workdir, head_rows,
-                             shared_prefix=groups[0][0][:shared] if shared else None)
-
-    def shares_prefixes(self) -> bool:
-        """Whether this driver's blocks compute their prompts' common prefix once: where the
-        policy says so and the runtime holds the whole model (a pipeline stage's prefill
-        would have to hand the prefix's hidden states on apart from the batches')."""
-        if not self.policy.prefix_sharing:
-            return False
-        whole = self.rt.layers[0].kind == "embed" and self.rt.layers[-1].kind == "head"
-        if not whole and not _said["pipeline"]:
-            _said["pipeline"] = True
-            log.info("prefix sharing is off in a pipeline stage: every prompt is computed whole")
-        return whole
+        return BlockSchedule(self.rt, self.policy, batches, max_len, workdir, head_rows, shared_prefix=prefix)
 
     # ---- generation ------------------------------------------------------------------
 
@@ -212,12 +224,14 @@ class BlockDriver:
             return
         longest = max(len(s.prompt) for g in block for s in g)
         groups = self.link.micro_batches(block)
+        prefix = self.start_block([[s.prompt for s in batch] for batch in block],
+                                  [len(s.prompt) - 1 for batch in block for s in batch], len(groups))
         scheds = [self.schedule([[s.prompt for s in batch] for batch in group], longest + steps, name=f"group-{g}",
-                                last_shared=[len(s.prompt) - 1 for batch in group for s in batch])
+                                prefix=prefix)
                   for g, group in enumerate(groups)]
         done_before = self._steps_done
         try:
-            self._run_steps(block, groups, scheds, steps)
+            self._run_steps(block, groups, scheds, steps, prefix)
         finally:
             self.link.drain()
             for sched in scheds:
@@ -234,9 +248,12 @@ class BlockDriver:
             if self.on_step is not None:
                 self.on_step(done, max(self._steps_total, done))
 
-    def _run_steps(self, block: Block, groups: list[Block], scheds: list[BlockSchedule], steps: int) -> None:
+    def _run_steps(self, block: Block, groups: list[Block], scheds: list[BlockSchedule], steps: int,
+                   prefix: SharedPrefix | None = None) -> None:
         """Step 0 is the prefill, every later step one decode; within a step the groups take
-        turns (in a pipeline, stage s runs group g while stage s+1 runs group g-1).
+        turns (in a pipeline, stage s runs group g while stage s+1 runs group g-1). The
+        block's shared prefix (if any) runs with the first group's prefill, and travels
+        between stages ahead of that group's windows.
 
         Where the driver knows which sequences are done (it stops early), a finished
         sequence leaves its GPU batch's compute from the next step on (compute_only): the
@@ -249,9 +266,14 @@ class BlockDriver:
             if step > 0 and self.link.stops_early and all(s.done for g in block for s in g):
                 break
             for g, (group, sched) in enumerate(zip(groups, scheds)):
+                carries_prefix = prefix is not None and step == 0 and g == 0
+                if carries_prefix:
+                    self._receive_prefix(prefix)
                 inputs = self.link.step_input(group, sched, step, chosen[g])
                 outputs = sched.prefill(head, hidden=inputs, decode_follows=steps > 1) if step == 0 \
                     else sched.decode(inputs, head)
+                if carries_prefix:
+                    self.link.prefix_output(prefix.hidden)
                 if self.link.samples:
                     outputs = chosen[g] = [self.choose(batch, lp, rows)
                                            for batch, lp, rows in zip(group, outputs, computing[g])]
@@ -267,6 +289,12 @@ class BlockDriver:
             if step == 0:
                 t0 = time.perf_counter()
         self.stats.decode_s += time.perf_counter() - t0
+
+    def _receive_prefix(self, prefix: SharedPrefix) -> None:
+        """Where the stage before computed the prefix's first layers, start from its output."""
+        hidden = self.link.prefix_input(prefix.length)
+        if hidden is not None:
+            prefix.start_from(hidden.to(self.rt.devices.compute))
 
     def last_position_head(self, k: int, w: dict, h: torch.Tensor) -> torch.Tensor:
         logits = self.rt.family.head(self.rt.config, w, h[:, -1])
@@ -334,14 +362,14 @@ class BlockDriver:
         # holds then predicts a token all prompts share, scored once for all (_shared_positions_head).
         # as_decode attends position by position as the cache returns it: no shared prefix there.
         common = common_prefix_len(prompts)
-        sched = self.schedule([[prompts[i] for i in g] for g in groups], max(len(p) for p in prompts),
-                              head_rows=head_rows,
-                              last_shared=None if as_decode else [min(len(p), common) - 1 for p in prompts])
+        batches = [[prompts[i] for i in g] for g in groups]
+        prefix = self.start_block(batches, None if as_decode else [min(len(p), common) - 1 for p in prompts])
+        sched = self.schedule(batches, max(len(p) for p in prompts), head_rows=head_rows, prefix=prefix)
         shared_scores = []
 
         def head(k: int, w: dict, h: torch.Tensor):
-            if sched.shared is not None and not shared_scores:  # the first GPU batch's head: the prefix's too
-                shared_scores.append(self._shared_positions_head(w, sched.shared.hidden[0], prompts[0],
+            if prefix is not None and not shared_scores:  # the first GPU batch's head: the prefix's too
+                shared_scores.append(self._shared_positions_head(w, prefix.hidden[0], prompts[0],
                                                                  min(first_scored) - 1, top_k))
             return self._scored_positions_head(sched.batches[k], w, h, top_k, wanted[k],
                                                shared_scores[0] if shared_scores else None)

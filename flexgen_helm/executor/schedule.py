@@ -69,7 +69,7 @@ from flexgen_helm.executor.expert_weights import load_layer_weights
 from flexgen_helm.executor.kept_weights import KeptDenseWeights
 from flexgen_helm.executor.kivi_cache import KiviCacheSlot
 from flexgen_helm.executor.kv_cache import KVCacheSlot, cache_rows, kv_nbytes, prefix_held_once
-from flexgen_helm.executor.shared_prefix import SharedPrefix
+from flexgen_helm.executor.shared_prefix import PrefixLayer, SharedPrefix
 from flexgen_helm.executor.step_rows import StepRows, units_of
 from flexgen_helm.executor.working_set import dense_weight_numel, kept_freed_bytes
 from flexgen_helm.memory.copy_engine import CopyEngine, consume
@@ -124,12 +124,13 @@ def shared_weights(layer, loaded: dict, following) -> dict:
 
 class BlockSchedule:
     def __init__(self, runtime, policy: Policy, batches: list[GpuBatch], max_len: int, workdir: Path,
-                 head_rows: int | None = None, shared_prefix: list[int] | None = None):
+                 head_rows: int | None = None, shared_prefix: SharedPrefix | None = None):
         """head_rows: the most positions a call of the head turns into log-probs (default: the
         last position of each sequence of the largest GPU batch); its working set is kept
         resident with the layers' (working_set.kept_freed_bytes). shared_prefix: the tokens
-        every prompt of the block starts with, computed once (executor/shared_prefix.py),
-        leaving each prompt one token of its own at least; None: each prompt whole."""
+        every prompt of the block starts with, computed once (executor/shared_prefix.py; a
+        pipeline stage's block runs as micro-batches whose schedules share one), leaving each
+        prompt one token of its own at least; None: each prompt whole."""
         self.rt = runtime
         self.cfg = runtime.config
         self.family = runtime.family
@@ -146,6 +147,7 @@ class BlockSchedule:
         # per-run constants (the rotary tables), for every position this run will reach
         self.constants = self.family.run_constants(self.cfg, max_len, self.devices.compute, self.devices.dtype)
         self.shared = self._shared_prefix(shared_prefix)
+        self.prefix_here = None  # the shared prefix at the layer a prefill is running (PrefixLayer)
         # the shared prefix's keys and values by block, kept for decode steps whose attention
         # needs every key exactly once (uncompressed, no sparsity, no sliding window): they
         # attend to it once for all sequences (attend_past_shared_prefix), and the block's
@@ -208,15 +210,32 @@ class BlockSchedule:
         self._freed_checked_at = 0.0
         self._freed_check_every = RELEASE_CHECK_S
 
-    def _shared_prefix(self, tokens: list[int] | None) -> SharedPrefix | None:
-        if not tokens:
+    def _shared_prefix(self, prefix: SharedPrefix | None) -> SharedPrefix | None:
+        """The prefix, checked; its positions' step constants in prefix_at."""
+        self.prefix_at = None
+        if prefix is None:
             return None
-        if min(int(b.valid.sum(1).min()) for b in self.batches) <= len(tokens):
+        if min(int(b.valid.sum(1).min()) for b in self.batches) <= prefix.length:
             raise ValueError("a shared prefix must leave every prompt a token of its own")
-        compute = self.devices.compute
-        positions = torch.arange(len(tokens), device=compute)[None]
-        return SharedPrefix(torch.tensor(tokens, device=compute)[None],
-                            self.family.step_constants(self.constants, positions))
+        positions = torch.arange(prefix.length, device=self.devices.compute)[None]
+        self.prefix_at = self.family.step_constants(self.constants, positions)
+        return prefix
+
+    def _keep_decode_prefix(self, index: int, here: PrefixLayer) -> None:
+        """Block `index`'s prefix in the layout decode attention reads it in where it runs:
+        converted once (by the block's first micro-batch), not at every step of every layer."""
+        for where in {self._attention_device(t) for t in TIERS}:
+            kept = here.decode.get(where.type)
+            if kept is None:
+                kept = here.decode[where.type] = prefix_for_decode(
+                    here.keys.to(where), here.values.to(where), where, self.devices.dtype, self.cfg.attn_softcap)
+                # counted where the cache's compute-side tier is (the planner counts it there), by
+                # the schedule that made it
+                self._prefix_bytes.append(("gpu" if where == self.devices.compute else "cpu",
+                                           tensor_bytes(kept.keys) + tensor_bytes(kept.values)
+                                           + tensor_bytes(kept.key_mean)))
+                self.rt.usage.add(*self._prefix_bytes[-1])
+            self.decode_prefix[index, where.type] = kept
 
     def _attends_to_prefix_apart(self, index: int) -> bool:
         """Whether block `index`'s decode steps attend to the shared prefix's one copy."""
@@ -263,15 +282,15 @@ class BlockSchedule:
         # without cache compression or sparsity a decode step attends exactly as the prefill does
         self.prefill_as_decode = as_decode and (self.policy.compress_cache is not None or self.policy.attn_sparsity < 1)
         self.stores_prefill_cache = decode_follows
-        if self.shared is not None and (hidden is not None or self.prefill_as_decode):
-            raise ValueError("a shared prefix runs from token ids, with plain prompt attention")
+        if self.shared is not None and self.prefill_as_decode:
+            raise ValueError("a shared prefix runs with plain prompt attention")
         for k, b in enumerate(self.batches):
             positions = (b.valid.long().cumsum(1) - 1).clamp(min=0)[:, -self.window[k]:]
             self.step_rows[k] = self._step_rows(k, None, positions, self.prompt_len, first=self.prompt_start[k])
         out = self._step([b.ids[:, -w:] for b, w in zip(self.batches, self.window)] if hidden is None else hidden,
                          head, prefill=True)
         self.length = self.prompt_len
-        self.shared = None  # its keys and values are in every row's cache now
+        self.shared = self.prefix_here = None  # its keys and values are in every row's cache now
         return out
 
     def compute_only(self, k: int, rows: list[int]) -> None:
@@ -335,19 +354,9 @@ class BlockSchedule:
                 continue
             if prefill and self.shared is not None:
                 t0 = time.perf_counter()
-                self.shared.run_layer(self.family, self.cfg, layer, w)
+                self.prefix_here = self.shared.run_layer(self.family, self.cfg, layer, w, self.prefix_at)
                 if layer.kind == "block" and self._attends_to_prefix_apart(layer.index):
-                    # in the layout decode attention reads it in where it runs: converted once,
-                    # not at every step of every layer
-                    for where in {self._attention_device(t) for t in TIERS}:
-                        kept = prefix_for_decode(self.shared.keys.to(where), self.shared.values.to(where), where,
-                                                 self.devices.dtype, self.cfg.attn_softcap)
-                        self.decode_prefix[layer.index, where.type] = kept
-                        # counted where the cache's compute-side tier is (the planner counts it there)
-                        self._prefix_bytes.append(("gpu" if where == self.devices.compute else "cpu",
-                                                   tensor_bytes(kept.keys) + tensor_bytes(kept.values)
-                                                   + tensor_bytes(kept.key_mean)))
-                        self.rt.usage.add(*self._prefix_bytes[-1])
+                    self._keep_decode_prefix(layer.index, self.prefix_here)
                 self._time_compute(t0, stage)
                 self.timers["prefill_shared_prefix"] += time.perf_counter() - t0  # of prefill_compute
             cache = cache_ahead or self._submit_cache_ahead(layer, live, prefill)
@@ -641,7 +650,7 @@ class BlockSchedule:
         elif prefill:
             if self.shared is not None:  # the columns before the window: the shared prefix's keys and values
                 pad = (~self.batches[k].valid).sum(1)
-                before_k, before_v = self.shared.context(pad, self.shared.length)
+                before_k, before_v = self.prefix_here.context(pad, self.shared.length)
                 ku, vu = torch.cat([before_k, ku], dim=1), torch.cat([before_v, vu], dim=1)
             out = attend(qu, ku, vu, rows.valid, causal=True, window=window, softcap=softcap)
         else:

@@ -14,13 +14,24 @@ values of the columns before the window from the shared prefix, each row's at it
 offset. A row shorter than the batch's longest thus recomputes the last few tokens of its
 prefix inside the window, as it would without sharing. Decode steps, the cache's tiers,
 its compression (KIVI groups count from a row's first real token, as before) and sparse
-attention see exactly the cache they saw before; only rounding differs (the prefix's
-matmuls run with one row instead of many).
+attention see the cache they saw before, except that a dense exact cache holds the
+prefix once (kv_cache module doc: its slots hold out the positions every row's copy
+covers, and decode attends to the one copy); only rounding differs (the prefix's matmuls
+run with one row instead of many).
+
+In a pipeline (dist/pipeline.py) every stage decides the same prefix from the block's
+prompts, which every stage holds, and a block runs as micro-batches, one schedule each,
+taking turns: the first micro-batch's prefill runs the prefix through each of the stage's
+layers, and the later ones take that layer's keys and values, so that each stage computes
+the prefix once per block, as one process does (each layer's prefix keys and values are
+kept until the stage's last micro-batch has run that layer's prefill). A stage after the
+first starts the prefix from the hidden states the stage before hands on (after its last
+layer) ahead of its GPU batches' windows.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -61,38 +72,19 @@ def shared_prefix_len(batches: list[list[list[int]]], last_shared: list[int]) ->
 
 
 @dataclass
-class SharedPrefix:
-    """The prefix's state while a prefill walks the layers: its hidden state after the
-    last layer run, and that layer's keys and values (kv_heads, length, head_dim)."""
+class PrefixLayer:
+    """The shared prefix at one transformer block: its keys and values (kv_heads, length,
+    head_dim), and the layout decode steps read them in, by the device type where they
+    attend (BlockSchedule), converted once for every micro-batch of the block."""
 
-    ids: torch.Tensor  # (1, length) on the compute device
-    at: object  # family.step_constants at positions 0..length-1
-    hidden: torch.Tensor | None = None
-    keys: torch.Tensor | None = None
-    values: torch.Tensor | None = None
-
-    @property
-    def length(self) -> int:
-        return self.ids.shape[1]
-
-    def run_layer(self, family, cfg, layer, w: dict) -> None:
-        """The prefix through one layer (the head's output is nobody's: skipped)."""
-        if layer.kind == "embed":
-            positions = torch.arange(self.length, device=self.ids.device)[None]
-            self.hidden = family.embed(cfg, w, self.ids, positions)
-        elif layer.kind == "block":
-            q, k, v = family.qkv(cfg, w, self.hidden, self.at, layer.index)
-            kvh, d = cfg.num_kv_heads, k.shape[-1]
-            self.keys, self.values = k.reshape(kvh, self.length, d), v.reshape(kvh, self.length, d)
-            valid = torch.ones(kvh, self.length, dtype=torch.bool, device=k.device)
-            out = attend(to_units(q, kvh), self.keys, self.values, valid, causal=True, window=cfg.window(layer.index),
-                         softcap=cfg.attn_softcap)
-            self.hidden = family.finish_block(cfg, w, self.hidden, from_units(out, 1))
+    keys: torch.Tensor
+    values: torch.Tensor
+    decode: dict = field(default_factory=dict)  # device type -> attention.DecodePrefix
 
     def context(self, pad: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values of a GPU batch's columns before its window, (b * kv_heads,
-        width, head_dim), from this layer's prefix: row r's prefix starts after its
-        `pad[r]` padding columns (zeros there: padding is never a valid key)."""
+        width, head_dim): row r's prefix starts after its `pad[r]` padding columns (zeros
+        there: padding is never a valid key)."""
         index = torch.arange(width, device=self.keys.device)[None, :] - pad.to(self.keys.device)[:, None]  # (b, w)
         real = (index >= 0)[:, None, :, None]  # (b, 1, w, 1)
         b, (kvh, _, d) = len(pad), self.keys.shape
@@ -103,3 +95,65 @@ class SharedPrefix:
             return rows.masked_fill(~real, 0).reshape(b * kvh, width, d)
 
         return gathered(self.keys), gathered(self.values)
+
+
+class SharedPrefix:
+    """A block's shared prefix while its prefills walk the layers: its hidden state after
+    the last layer run, and what each layer made of it for the micro-batches still to run
+    that layer.
+
+    ids (1, length) on the compute device; micro_batches: the schedules the block's GPU
+    batches are split into (one in a single process), each of which asks for every layer."""
+
+    def __init__(self, ids: torch.Tensor, micro_batches: int = 1):
+        self.ids = ids
+        self.micro_batches = micro_batches
+        # before the first layer: None where the runtime embeds the tokens; a pipeline stage
+        # after the first sets the stage before's output here (start_from)
+        self.hidden: torch.Tensor | None = None
+        self._kept: dict[str, tuple[PrefixLayer | None, int]] = {}  # layer name -> (its result, askers to come)
+
+    @property
+    def length(self) -> int:
+        return self.ids.shape[1]
+
+    def start_from(self, hidden: torch.Tensor) -> None:
+        """The prefix's hidden states (1, length, hidden) after the layers before this runtime's."""
+        if hidden.shape[:2] != (1, self.length):
+            raise ValueError(f"a shared prefix of {self.length} tokens cannot start from hidden states of shape "
+                             f"{tuple(hidden.shape)}")
+        self.hidden = hidden
+
+    def run_layer(self, family, cfg, layer, w: dict, at) -> PrefixLayer | None:
+        """The prefix through one layer, once for the block: the first micro-batch to ask runs
+        it, the others get what it made (kept until the last has asked). `at`:
+        family.step_constants at positions 0..length-1. Returns the layer's keys and values
+        (a transformer block), else None (the head's output is nobody's: skipped)."""
+        if layer.name in self._kept:
+            made, askers = self._kept.pop(layer.name)
+            if askers > 1:
+                self._kept[layer.name] = (made, askers - 1)
+            return made
+        made = self._run(family, cfg, layer, w, at)
+        if self.micro_batches > 1:
+            self._kept[layer.name] = (made, self.micro_batches - 1)
+        return made
+
+    def _run(self, family, cfg, layer, w: dict, at) -> PrefixLayer | None:
+        if layer.kind == "embed":
+            positions = torch.arange(self.length, device=self.ids.device)[None]
+            self.hidden = family.embed(cfg, w, self.ids, positions)
+            return None
+        if layer.kind != "block":
+            return None
+        if self.hidden is None:
+            raise ValueError("a shared prefix after the embedding starts from the stage before's hidden states "
+                             "(start_from), and none were given")
+        q, k, v = family.qkv(cfg, w, self.hidden, at, layer.index)
+        kvh, d = cfg.num_kv_heads, k.shape[-1]
+        made = PrefixLayer(k.reshape(kvh, self.length, d), v.reshape(kvh, self.length, d))
+        valid = torch.ones(kvh, self.length, dtype=torch.bool, device=k.device)
+        out = attend(to_units(q, kvh), made.keys, made.values, valid, causal=True, window=cfg.window(layer.index),
+                     softcap=cfg.attn_softcap)
+        self.hidden = family.finish_block(cfg, w, self.hidden, from_units(out, 1))
+        return made
