@@ -23,8 +23,25 @@ from flexgen_helm.compression.kivi import KiviGroups, quantize_groups
 from flexgen_helm.compression.quantize import CACHE_GROUP_DIM
 from flexgen_helm.compression.stored import Stored, dense_into, encode
 from flexgen_helm.executor.cache_buffers import CacheBuffers
-from flexgen_helm.executor.kv_cache import held_prefix_len
-from flexgen_helm.policy.policy import Compression
+from flexgen_helm.executor.kv_cache import held_prefix_len, kv_nbytes
+from flexgen_helm.policy.policy import Compression, Policy
+
+
+def reads_prefix_as_stored(policy: Policy) -> bool:
+    """Whether decode steps read a block's held prefix as the slots store it (HeldPrefix):
+    under cache compression (its values are each row's dequantized ones) or sparse attention
+    (its keys ranked with each row's own); a plain cache's dense attention reads the copy as
+    computed (attention.DecodePrefix)."""
+    return policy.compress_cache is not None or policy.attn_sparsity < 1.0
+
+
+def unpacked_nbytes(positions: int, kv_heads: int, head_dim: int, dtype: torch.dtype, read_as: torch.dtype,
+                    cfg: Compression | None) -> int:
+    """Bytes of what a decode step unpacks a HeldPrefix of `positions` into, to read in
+    `read_as` (HeldPrefix.unpack): none where a plain copy is stored in that dtype."""
+    if cfg is None and read_as == dtype:
+        return 0
+    return kv_nbytes(positions, kv_heads, head_dim, read_as, None)
 
 
 class HeldPrefix:
@@ -49,8 +66,8 @@ class HeldPrefix:
 
     def unpack(self, dtype: torch.dtype, buffers: CacheBuffers) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (kv_heads, n, d) in `dtype`, where it lives, as a slot's unpack
-        gives every row's copy: in `buffers` (the last unpack's are overwritten), or a plain
-        copy's own storage where it is in `dtype` already."""
+        gives every row's copy: in `buffers` (the last unpack's are overwritten: unpacked_nbytes),
+        or a plain copy's own storage where it is in `dtype` already."""
         if isinstance(self.stored, KiviGroups):
             n, units, d = self.length, self.stored.key.shape[1], self.stored.key.shape[2]
             keys, values = self._buffers(buffers, (units, n, d), dtype, self.stored.device)

@@ -67,7 +67,7 @@ from flexgen_helm.executor.attention import (
 )
 from flexgen_helm.executor.cache_buffers import CacheBuffers, batches_per_load, buffer_sets, unpacks_on_lane
 from flexgen_helm.executor.expert_weights import load_layer_weights
-from flexgen_helm.executor.held_prefix import HeldPrefix
+from flexgen_helm.executor.held_prefix import HeldPrefix, reads_prefix_as_stored
 from flexgen_helm.executor.kept_weights import KeptDenseWeights
 from flexgen_helm.executor.kivi_cache import KiviCacheSlot
 from flexgen_helm.executor.kv_cache import KVCacheSlot, cache_rows, held_prefix_len, kv_nbytes, prefix_held_once
@@ -161,7 +161,7 @@ class BlockSchedule:
         shared_len = self.shared.length if self.shared is not None else 0
         self.held_prefix_len = held_prefix_len(shared_len, policy.compress_cache)
         self.keeps_decode_prefix = self.held_prefix_len > 0 and prefix_held_once(policy)
-        self.prefix_as_stored = policy.compress_cache is not None or policy.attn_sparsity < 1.0
+        self.prefix_as_stored = reads_prefix_as_stored(policy)
         # a HeldPrefix's dequantized keys and values, by device type: (layer, step) and them
         self._prefix_unpacked: dict[str, tuple[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]] = {}
         self._prefix_buffers = CacheBuffers(1)  # what they are unpacked into (the compute thread's own)
@@ -193,7 +193,6 @@ class BlockSchedule:
         self.acts = [ActivationHome(act_rows[0, k], max_len, self.cfg.hidden_size, self.devices, runtime.usage,
                                     workdir / f"act-{k}.bin") for k in range(len(batches))]
         # the columns each GPU batch's prefill computes (the last ones): all, or those after the shared prefix
-        shared_len = self.shared.length if self.shared is not None else 0
         self.window = [b.ids.shape[1] - shared_len for b in batches]
         # keys each row may see, for every position of the run: the prompt's real tokens,
         # then every generated one (a step takes a view, instead of growing it by a cat)
