@@ -391,8 +391,9 @@ class KVCacheSlot:
         for p in _parts(self._disk_row):
             chunk = raw[:, offset:offset + p.nbytes]
             offset += p.nbytes
-            if p.dtype != torch.uint8 and not chunk.is_contiguous():
-                # a fresh, aligned copy: a slice of each row's bytes cannot be viewed as floats
+            if p.dtype != torch.uint8 and (not chunk.is_contiguous() or chunk.storage_offset() % p.element_size()):
+                # a fresh, aligned copy: a slice of each row's bytes (of one row: at an offset
+                # that is no multiple of a float's size) cannot be viewed as floats
                 chunk = chunk.clone(memory_format=torch.contiguous_format)
             chunk = chunk.view(p.dtype)
             parts.append(chunk.reshape(n, *p.shape[1:]))
