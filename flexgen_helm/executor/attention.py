@@ -450,8 +450,9 @@ def attend_past_shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               held_out: tuple[int, int] | None = None, first_unit: int = 0,
                               softcap: float = 0.0) -> torch.Tensor:
     """A decode step's attention (one query per unit) where every sequence's cache holds the
-    same prefix. The units are whole sequences' (kv_heads units each, in order), q's the
-    units first_unit, first_unit + 1, ... of them; sequence i's prefix sits at positions
+    same prefix, under dense attention over a plain cache (a compressed cache's, or sparse
+    attention's: attend_past_held_prefix). The units are whole sequences' (kv_heads units
+    each, in order), q's the units first_unit, first_unit + 1, ... of them; sequence i's prefix sits at positions
     [prefix_start[i], + P). k and v hold every position but those in held_out's [a, b)
     (which every sequence's prefix covers: its slot leaves them out, kv_cache module doc).
     The prefix part is one matmul per key-value head for the queries of every sequence at

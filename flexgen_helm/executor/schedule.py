@@ -36,7 +36,9 @@ the transfers run beside compute, so their times overlap it. Two parts of those:
 "decode_attention" (of decode_compute: attention over the cache, its new column and mask
 included) and "decode_unpack_cache" (copying, or dequantizing, the cache read into the
 buffers attention reads: of decode_compute on a CPU, of decode_load_cache on a GPU), and
-"prefill_shared_prefix" (of prefill_compute: the block's shared prompt prefix, run once).
+"prefill_shared_prefix" (of prefill_compute: the block's shared prompt prefix, run once),
+"decode_unpack_prefix" (of decode_attention: its one copy, where a compressed cache or sparse
+attention holds it as stored, made ready for attention once a layer a step: held_prefix.py).
 """
 
 from __future__ import annotations
