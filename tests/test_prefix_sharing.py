@@ -84,6 +84,23 @@ def test_same_tokens_and_logprobs_with_and_without_sharing(model_path, name, tmp
         assert a.completions[0].logprobs == pytest.approx(b.completions[0].logprobs, abs=1e-4)
 
 
+@pytest.mark.parametrize("name", ["all-in-one-batch", "compressed-cache-split-delegated",
+                                  "kivi-cache-split-delegated-no-overlap"])
+def test_sequences_that_finish_early_leave_a_block_that_holds_its_prefix_once(tiny_llama, name, tmp_path):
+    """A finished sequence's units leave the steps (a tier's computed units are then some of
+    its own, not a run of whole GPU batches): the others still attend to the prefix's one
+    copy, and give what they give without sharing."""
+    plain = _engine(tiny_llama, POLICIES[name], tmp_path, False).generate(
+        PROMPTS, SamplingParams(max_new_tokens=N_NEW, ignore_eos=True))
+    limits = [1 + i % N_NEW for i in range(len(PROMPTS))]
+    shared = _engine(tiny_llama, POLICIES[name], tmp_path, True).generate(
+        PROMPTS, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in limits])
+    assert shared.stats.padded_generated_tokens == sum(limits)
+    for a, b, n in zip(plain.results, shared.results, limits):
+        assert b.completions[0].token_ids == a.completions[0].token_ids[:n]
+        assert b.completions[0].logprobs == pytest.approx(a.completions[0].logprobs[:n], abs=1e-4)
+
+
 @pytest.mark.parametrize("scored_from", ["every-token", "last-tokens", "mixed"])
 def test_scoring_is_the_same_with_and_without_sharing(tiny_llama, tmp_path, scored_from):
     """Scored positions inside the shared prefix (HELM's echo scores every token) are scored
