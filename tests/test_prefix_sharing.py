@@ -259,6 +259,37 @@ def test_shared_prefix_attention_over_a_slot_that_holds_out_the_common_prefix():
         assert torch.allclose(got, want[first:last], atol=1e-6)
 
 
+def _value_rows(values, asked: list):
+    """A ValueRows over values (u, t, d) that notes the columns it is asked for."""
+    def rows(columns: list[int]):
+        asked.append(columns)
+        return values[:, columns]
+    return rows
+
+
+@pytest.mark.parametrize("keep_fraction", [1.0, 0.3])
+def test_held_prefix_attention_is_attention_over_each_whole_cache(keep_fraction):
+    """The prefix's one copy and each unit's own keys (its copy masked out), for any run of
+    units: what attend() computes over each whole cache, sparse top-k included (global over
+    both parts: the keys a unit may see count the prefix's), the values of kept prefix keys
+    read from its copy, the units' own asked for (a ValueRows) at their own columns only."""
+    from flexgen_helm.executor.attention import attend, attend_past_held_prefix
+
+    q, k, v, valid, prefix_k, prefix_v, starts = _caches_holding_a_prefix(4)
+    want = attend(q, k, v, valid, causal=False, keep_fraction=keep_fraction)
+    kvh, n = prefix_k.shape[:2]
+    positions = torch.arange(k.shape[1])[None, :]
+    for first, last in [(0, 10), (3, 8), (1, 2)]:
+        unit_starts = starts[torch.arange(first, last) // kvh][:, None]
+        own = valid[first:last] & ((positions < unit_starts) | (positions >= unit_starts + n))
+        asked = []
+        got = attend_past_held_prefix(q[first:last], k[first:last], _value_rows(v[first:last], asked), own,
+                                      prefix_k, prefix_v, first_unit=first, keep_fraction=keep_fraction)
+        assert torch.allclose(got, want[first:last], atol=1e-6)
+        if keep_fraction < 1:  # kept own keys' columns, never the copies of the prefix the slot still holds
+            assert asked and set(asked[0]) <= set(own.any(0).nonzero().flatten().tolist())
+
+
 def test_a_block_holds_the_shared_prefix_kv_once(tiny_llama, tmp_path):
     """Its slots leave out the positions every row's copy of the prefix covers: the cache of
     a block of few-shot prompts takes about its suffixes' and generated tokens' bytes."""

@@ -295,13 +295,14 @@ def attend_past_held_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | 
     holds its own copy of the prefix, those are masked out).
 
     The prefix's scores are one matmul per key-value head for the queries of every sequence
-    at once (Hydragen, cascade attention). keep_fraction 1: the two parts are softmax parts
-    merged exactly by their log-sum-exp, as attend_past_shared_prefix. keep_fraction < 1: the
-    top-k stays global, as attend()'s over each whole cache: a unit's n + own_valid keys are
-    its visible ones, each query keeps its top ceil(keep_fraction * (n + own)) of the prefix's
-    scores and its own side by side, the softmax is taken over those, and only the kept
-    values are read (v, a ValueRows, is asked for its kept columns only). Float32, as
-    attend()'s CPU decode path; returns (u, r, 1, d) in q's dtype."""
+    at once (Hydragen, cascade attention). keep_fraction 1: each part is normalised over its
+    own keys and the two merge exactly by their log-sum-exps, as attend_past_shared_prefix's
+    float32 parts. keep_fraction < 1: the top-k stays global, as attend()'s over each whole
+    cache: a unit's n + own_valid keys are its visible ones, each query keeps its top
+    ceil(keep_fraction * (n + own)) of the prefix's scores and its own side by side (scored
+    as attend() scores them), the softmax is taken over those, and only the kept values are
+    read (v, a ValueRows, is asked for its kept columns only). Float32, as attend()'s CPU
+    decode path; returns (u, r, 1, d) in q's dtype."""
     u, r, _, d = q.shape
     kvh, n = prefix_keys.shape[0], prefix_keys.shape[1]
     qf = q.float().view(u, r, d)
@@ -309,8 +310,9 @@ def attend_past_held_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | 
     # units of a sequence outside them ask with zero queries, and are dropped)
     lead = first_unit % kvh
     sequences = -(-(lead + u) // kvh)
-    padded = qf.new_zeros(sequences * kvh, r, d)
-    padded[lead:lead + u] = qf
+    padded = qf
+    if lead or u != sequences * kvh:
+        padded = torch.cat([qf.new_zeros(lead, r, d), qf, qf.new_zeros(sequences * kvh - lead - u, r, d)])
     by_head = padded.view(sequences, kvh, r, d).transpose(0, 1).reshape(kvh, sequences * r, d)
 
     def per_unit(x: torch.Tensor) -> torch.Tensor:  # (kv_heads, sequences * r, m) -> (u, r, m)
@@ -318,11 +320,11 @@ def attend_past_held_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | 
 
     if keep_fraction == 1.0:
         v = v(list(range(k.shape[1]))) if callable(v) else v
-        parts = [_softmax_part(qf, k, v, own_valid, softcap),
-                 tuple(per_unit(x) for x in _softmax_part(by_head, prefix_keys, prefix_values, None, softcap))]
-        peak = torch.maximum(parts[0][1], parts[1][1])
-        weights = [torch.exp(m - peak) for _, m, _ in parts]
-        out = sum(o * w for (o, _, _), w in zip(parts, weights)) / sum(s * w for (_, _, s), w in zip(parts, weights))
+        own_out, own_lse = _normalized_part(qf, k, v, own_valid, softcap)
+        prefix_out, prefix_lse = (per_unit(x) for x in _normalized_part(by_head, prefix_keys, prefix_values, None,
+                                                                        softcap))
+        # each part's weight in the whole softmax: its share of the two parts' exp-sums
+        out = torch.lerp(prefix_out, own_out, torch.sigmoid(own_lse - prefix_lse))
         return out.view(u, r, 1, d).to(q.dtype)
     # the scores attend() computes over each whole cache, the prefix's first
     own = _capped(torch.bmm(qf, k.float().transpose(1, 2)) / math.sqrt(d), softcap)
