@@ -50,7 +50,6 @@ class HeldPrefix:
         """keys, values: (kv_heads, P, d) of one layer, as computed; stored in `dtype` (the
         cache's) as the slots store them, quantized where they were computed (as a slot's
         write quantizes), then moved to `device`."""
-        self.cfg = cfg
         self.length = held_prefix_len(keys.shape[1], cfg)
         k, v = (x[:, :self.length].transpose(0, 1).to(dtype) for x in (keys, values))  # (n, kv_heads, d), a slot's
         if cfg is not None and cfg.kivi:
