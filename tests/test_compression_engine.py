@@ -167,6 +167,19 @@ def test_cache_reads_back_fake_quantized(cfg, tmp_path):
     assert all(n == 0 for n in usage.current.values())
 
 
+def test_one_disk_row_reads_back_whose_scales_lie_off_a_floats_alignment(tmp_path):
+    """One disk unit of head_dim 12 in 4-bit groups of 4: a row's codes take 6 bytes, so its
+    scales start 6 bytes in; read alone (sparse attention keeping one row), it still views them."""
+    cfg = Compression(4, 4, cache_grouping="per-token")
+    slot = KVCacheSlot({"gpu": 1, "cpu": 0, "disk": 1}, 8, 12, Devices(torch.device("cpu"), torch.float32),
+                       TierUsage(), tmp_path / "kv.bin", pin=False, compression=cfg)
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(8, 2, 12, generator=g), torch.randn(8, 2, 12, generator=g)
+    slot.write(k, v, 0)
+    assert torch.equal(dense(slot.read_disk_values([5])), fake_quantize(v[[5], 1:], cfg, 2))
+    slot.close()
+
+
 # ---- (c) sparse attention ------------------------------------------------------------------
 
 def test_sparse_attend_is_hand_computed_top_k():

@@ -18,6 +18,7 @@ from flexgen_helm.engine import Engine
 from flexgen_helm.errors import FlexGenError, PolicyError
 from flexgen_helm.executor import schedule
 from flexgen_helm.executor.cache_buffers import CacheBuffers
+from flexgen_helm.executor.held_prefix import HeldPrefix
 from flexgen_helm.executor.kivi_cache import KiviCacheSlot
 from flexgen_helm.executor.kv_cache import kv_nbytes
 from flexgen_helm.executor.sampling import SamplingParams
@@ -84,6 +85,48 @@ def test_slot_returns_each_sequence_quantized_in_its_own_groups(window, bits, gr
         slot.write(k[length:length + 1], v[length:length + 1], length)
     slot.close()
     assert all(n == 0 for n in usage.current.values())
+
+
+@pytest.mark.parametrize("bits, group", [(4, 4), (3, 3)])
+def test_a_slot_holding_out_a_shared_prefix_keeps_the_rest_and_its_copy_the_prefix(bits, group, tmp_path):
+    """Sequences whose prompts start with the same P tokens: every unit's first P // G groups
+    are the prefix's, alike in every row, so the slot holds them out (that much smaller) and
+    the block's one copy (HeldPrefix) gives them back exactly; together, a decode step sees
+    each unit's cache quantized as before, the prefix's partial group the unit's own."""
+    cfg, kvh, held_groups = Compression(bits, group, cache_grouping="kivi"), 2, 2
+    P = held_groups * group + 1  # the prefix's last token: in each row's own, partial group
+    units, max_len = {"gpu": 3, "cpu": 2, "disk": 3}, 24
+    starts = torch.tensor([0, 2, 5, 1]).repeat_interleave(kvh)  # each sequence's padding, for its kv heads
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(max_len, 8, D, generator=g), torch.randn(max_len, 8, D, generator=g) * 3 + 1
+    prefix_k, prefix_v = torch.randn(kvh, P, D, generator=g), torch.randn(kvh, P, D, generator=g)
+    for u in range(8):
+        k[starts[u]:starts[u] + P, u], v[starts[u]:starts[u] + P, u] = prefix_k[u % kvh], prefix_v[u % kvh]
+    usage = TierUsage()
+    slot = KiviCacheSlot(units, max_len, D, Devices(torch.device("cpu"), torch.float32), usage, tmp_path / "kv.bin",
+                         pin=False, compression=cfg, window=0, starts=starts, held_out_groups=held_groups)
+    for tier, n in units.items():
+        assert usage.current[tier] == kv_nbytes(max_len - held_groups * group, n, D, torch.float32, cfg)
+    held = HeldPrefix(prefix_k, prefix_v, cfg, torch.float32, torch.device("cpu"))
+    assert held.length == held_groups * group
+    held_k, held_v = held.unpack(torch.float32, CacheBuffers(sets=1))
+    prompt = int(starts.max()) + P + 1
+    slot.write(k[:prompt], v[:prompt], 0)
+    buffers = CacheBuffers(sets=1)
+    for length in range(prompt, max_len):
+        for tier, (a, b) in slot.ranges.items():
+            keys, values = slot.unpack(tier, slot.read(tier, length), torch.device("cpu"), torch.float32, buffers)
+            keys[:, -1], values[:, -1] = k[length, a:b], v[length, a:b]
+            _, valid = slot.decode_valid(tier, length, 0, torch.ones(b - a, length + 1, dtype=torch.bool), None)
+            q = torch.randn(b - a, 2, D, generator=g)
+            for i, u in enumerate(range(a, b)):
+                ref_k, ref_v = _reference(k[:, u], v[:, u], int(starts[u]), length - int(starts[u]), cfg, 0)
+                got = _attention(q[i], torch.cat([held_k[u % kvh], keys[i][valid[i]]]),
+                                 torch.cat([held_v[u % kvh], values[i][valid[i]]]))
+                want = _attention(q[i], torch.cat([ref_k, k[length, u][None]]), torch.cat([ref_v, v[length, u][None]]))
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        slot.write(k[length:length + 1], v[length:length + 1], length)
+    slot.close()
 
 
 def test_batches_unpacked_together_equal_each_alone(tmp_path):

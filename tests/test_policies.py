@@ -195,6 +195,40 @@ def test_budget_plans_the_cache_and_activations_the_schedule_allocates(tiny_llam
     assert planned["activations"] == {t: act_rows[t] * row_bytes for t in TIERS} and all(act_rows.values())
 
 
+@pytest.mark.parametrize("policy", [
+    Policy(gpu_batch_size=3, num_gpu_batches=3, cache=Split(0.3, 0.45, 0.25)),
+    Policy(gpu_batch_size=2, num_gpu_batches=2, cache=Split(0.25, 0.5, 0.25), cpu_cache_compute=True,
+           compress_cache=Compression(4, 4, cache_grouping="per-token")),
+    Policy(gpu_batch_size=2, num_gpu_batches=3, cache=Split(0.3, 0.3, 0.4),
+           compress_cache=Compression(4, 4, cache_grouping="kivi")),
+    Policy(gpu_batch_size=1, num_gpu_batches=5, cache=Split(0.2, 0.2, 0.6), compress_cache=Compression(8, 4),
+           attn_sparsity=0.5),
+    Policy(gpu_batch_size=2, num_gpu_batches=2, cache=Split(0.5, 0.5, 0), attn_sparsity=0.5),
+], ids=["plain", "per-token-delegated", "kivi", "kivi-8bit-sparse", "sparse"])
+def test_budget_plans_a_shared_prefix_block_as_the_schedule_allocates(tiny_llama, tmp_path, policy):
+    """A block whose prompts share a prefix holds it once, as its cache stores it (compressed
+    too; under KIVI its complete groups): the planned cache bytes per tier, the one copy
+    included, are what the slots and the prefill's copy take, to the byte."""
+    engine = Engine.load(str(tiny_llama), Policy(), dtype="float32", device="cpu", offload_dir=tmp_path,
+                         progress=False)
+    rt, max_len, prefix = engine.runtime, 20, list(range(3, 12))  # KIVI's groups of 4: 8 held, 1 the rows'
+    batches = [GpuBatch(torch.tensor([prefix + [20 + i, 30 + k, 40]] * policy.gpu_batch_size),
+                        torch.ones(policy.gpu_batch_size, len(prefix) + 3, dtype=torch.bool))
+               for k, i in enumerate(range(policy.num_gpu_batches))]
+    before = dict(rt.usage.current)
+    sched = BlockSchedule(rt, policy, batches, max_len, tmp_path, shared_prefix=prefix)
+    try:
+        sched.prefill(lambda k, w, h: None)
+        for a in sched.acts:  # the prefill's hidden states: not the cache's
+            a.close()
+        allocated = {t: rt.usage.current.get(t, 0) - before.get(t, 0) for t in TIERS}  # the slots, the copy
+    finally:
+        sched.close()
+    planned = planned_components(rt.config, policy, max_len, torch.float32, shared_prefix=len(prefix))
+    assert planned["cache"] == allocated
+    assert planned["cache"] != planned_components(rt.config, policy, max_len, torch.float32)["cache"]
+
+
 def test_groups_split_in_turn_keep_the_totals_near_the_fractions():
     rng = random.Random(0)
     for _ in range(200):

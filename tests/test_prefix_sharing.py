@@ -10,9 +10,12 @@ import random
 from types import SimpleNamespace
 
 import pytest
+import torch
 from conftest import save_tiny
 
 from flexgen_helm.engine import Engine
+from flexgen_helm.executor.generation import plan_blocks
+from flexgen_helm.executor.kv_cache import kv_nbytes
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.executor.shared_prefix import MIN_SHARED_TOKENS, common_prefix_len, shared_prefix_len
 from flexgen_helm.policy import Compression, Policy, Split
@@ -37,6 +40,19 @@ POLICIES = {
     "per-token-cache-compressed-weights": Policy(gpu_batch_size=4, num_gpu_batches=2,
                                                  compress_cache=Compression(4, 8, cache_grouping="per-token"),
                                                  compress_weight=Compression(4, 16)),
+    # KIVI's groups of 20: the prefix's first 40 tokens are every row's first two groups, held
+    # once; its last 8 fill up a group with each row's own tokens
+    "kivi-cache": Policy(gpu_batch_size=4, num_gpu_batches=2, compress_cache=Compression(4, 20, cache_grouping="kivi")),
+    "per-token-cache-8bit": Policy(gpu_batch_size=4, num_gpu_batches=2,
+                                   compress_cache=Compression(8, 4, cache_grouping="per-token")),
+    "sparse": Policy(gpu_batch_size=4, num_gpu_batches=2, attn_sparsity=0.3),
+    # (sparse attention reads the disk tier's values apart, only those of the keys it keeps)
+    "compressed-cache-split-delegated": Policy(gpu_batch_size=2, num_gpu_batches=3, cache=Split(0.25, 0.5, 0.25),
+                                               cpu_cache_compute=True, attn_sparsity=0.5,
+                                               compress_cache=Compression(4, 4, cache_grouping="per-token")),
+    "kivi-cache-split-delegated-no-overlap": Policy(gpu_batch_size=2, num_gpu_batches=3, cache=Split(0.3, 0.3, 0.4),
+                                                    cpu_cache_compute=True, overlap=False,
+                                                    compress_cache=Compression(4, 16, cache_grouping="kivi")),
 }
 
 
@@ -66,6 +82,23 @@ def test_same_tokens_and_logprobs_with_and_without_sharing(model_path, name, tmp
     for a, b in zip(plain.results, shared.results):
         assert a.completions[0].token_ids == b.completions[0].token_ids
         assert a.completions[0].logprobs == pytest.approx(b.completions[0].logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("name", ["all-in-one-batch", "compressed-cache-split-delegated",
+                                  "kivi-cache-split-delegated-no-overlap"])
+def test_sequences_that_finish_early_leave_a_block_that_holds_its_prefix_once(tiny_llama, name, tmp_path):
+    """A finished sequence's units leave the steps (a tier's computed units are then some of
+    its own, not a run of whole GPU batches): the others still attend to the prefix's one
+    copy, and give what they give without sharing."""
+    plain = _engine(tiny_llama, POLICIES[name], tmp_path, False).generate(
+        PROMPTS, SamplingParams(max_new_tokens=N_NEW, ignore_eos=True))
+    limits = [1 + i % N_NEW for i in range(len(PROMPTS))]
+    shared = _engine(tiny_llama, POLICIES[name], tmp_path, True).generate(
+        PROMPTS, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in limits])
+    assert shared.stats.padded_generated_tokens == sum(limits)
+    for a, b, n in zip(plain.results, shared.results, limits):
+        assert b.completions[0].token_ids == a.completions[0].token_ids[:n]
+        assert b.completions[0].logprobs == pytest.approx(a.completions[0].logprobs[:n], abs=1e-4)
 
 
 @pytest.mark.parametrize("scored_from", ["every-token", "last-tokens", "mixed"])
@@ -225,7 +258,6 @@ def _caches_holding_a_prefix(seed: int):
     """Five sequences' caches (2 kv heads) each holding the same 20-token prefix after its own
     padding, six positions of their own after it, and queries: (q, k, v, valid, prefix_k,
     prefix_v, starts)."""
-    import torch
 
     torch.manual_seed(seed)
     sequences, kvh, r, d, n = 5, 2, 3, 8, 20
@@ -245,7 +277,6 @@ def _caches_holding_a_prefix(seed: int):
 def test_shared_prefix_attention_is_attention(softcap):
     """One matmul per key-value head over the prefix, the rest per unit, merged: what plain
     decode attention over each whole cache computes."""
-    import torch
 
     from flexgen_helm.executor.attention import DecodePrefix, attend, attend_past_shared_prefix
 
@@ -258,7 +289,6 @@ def test_shared_prefix_attention_is_attention(softcap):
 def test_shared_prefix_attention_over_a_slot_that_holds_out_the_common_prefix():
     """A tier's units (any run of them, cutting sequences) over a cache without the positions
     every sequence's prefix covers: what plain attention over each whole cache computes."""
-    import torch
 
     from flexgen_helm.executor.attention import DecodePrefix, attend, attend_past_shared_prefix
 
@@ -271,6 +301,37 @@ def test_shared_prefix_attention_over_a_slot_that_holds_out_the_common_prefix():
                                         valid[first:last, held], DecodePrefix(prefix_k, prefix_v), starts, (a, b),
                                         first_unit=first)
         assert torch.allclose(got, want[first:last], atol=1e-6)
+
+
+def _value_rows(values, asked: list):
+    """A ValueRows over values (u, t, d) that notes the columns it is asked for."""
+    def rows(columns: list[int]):
+        asked.append(columns)
+        return values[:, columns]
+    return rows
+
+
+@pytest.mark.parametrize("keep_fraction", [1.0, 0.3])
+def test_held_prefix_attention_is_attention_over_each_whole_cache(keep_fraction):
+    """The prefix's one copy and each unit's own keys (its copy masked out), for any run of
+    units: what attend() computes over each whole cache, sparse top-k included (global over
+    both parts: the keys a unit may see count the prefix's), the values of kept prefix keys
+    read from its copy, the units' own asked for (a ValueRows) at their own columns only."""
+    from flexgen_helm.executor.attention import attend, attend_past_held_prefix
+
+    q, k, v, valid, prefix_k, prefix_v, starts = _caches_holding_a_prefix(4)
+    want = attend(q, k, v, valid, causal=False, keep_fraction=keep_fraction)
+    kvh, n = prefix_k.shape[:2]
+    positions = torch.arange(k.shape[1])[None, :]
+    for first, last in [(0, 10), (3, 8), (1, 2)]:
+        unit_starts = starts[torch.arange(first, last) // kvh][:, None]
+        own = valid[first:last] & ((positions < unit_starts) | (positions >= unit_starts + n))
+        asked = []
+        got = attend_past_held_prefix(q[first:last], k[first:last], _value_rows(v[first:last], asked), own,
+                                      prefix_k, prefix_v, first_unit=first, keep_fraction=keep_fraction)
+        assert torch.allclose(got, want[first:last], atol=1e-6)
+        if keep_fraction < 1:  # kept own keys' columns, never the copies of the prefix the slot still holds
+            assert asked and set(asked[0]) <= set(own.any(0).nonzero().flatten().tolist())
 
 
 def test_a_block_holds_the_shared_prefix_kv_once(tiny_llama, tmp_path):
@@ -293,11 +354,42 @@ def test_a_block_holds_the_shared_prefix_kv_once(tiny_llama, tmp_path):
     assert peaks[0] >= (longest + N_NEW) * per_position
 
 
+@pytest.mark.parametrize("name", ["kivi-cache", "per-token-cache-8bit", "sparse", "compressed-cache-split-delegated"])
+def test_a_compressed_or_sparse_block_holds_the_shared_prefix_once(tiny_llama, tmp_path, name):
+    """Under cache compression and sparse attention too, a block's slots leave out the prefix
+    positions every row's copy covers (KIVI: the prefix's complete groups, every row's first
+    ones whatever its padding): its cache, here on the cpu and disk tiers, takes exactly
+    their bytes less (the one copy, stored as the slots store it, is the compute tier's)."""
+    policy = dataclasses.replace(POLICIES[name], gpu_batch_size=16, num_gpu_batches=1, cache=Split(0, 0.5, 0.5))
+    taken = []
+    for sharing in (False, True):
+        engine = _engine(tiny_llama, policy, tmp_path, sharing)
+        usage = engine.runtime.usage
+        usage.reset_peak()
+        before = usage.current["cpu"] + usage.current["disk"]
+        engine.generate(PROMPTS, SamplingParams(max_new_tokens=N_NEW, ignore_eos=True))
+        taken.append(usage.peak["cpu"] + usage.peak["disk"] - before)
+    cfg, cc = engine.config, policy.compress_cache
+    (block,) = plan_blocks([len(p) for p in PROMPTS], policy)  # one block, of GPU batches of similar lengths
+    longest = max(map(len, PROMPTS)) + N_NEW  # the positions each slot is made for
+
+    def slot_saves(batch: list[int]) -> int:
+        lengths = [len(PROMPTS[i]) for i in batch]
+        # the positions every row's copy covers: the rows' paddings differ by max - min
+        held = len(PREFIX) // cc.group_size * cc.group_size if cc is not None and cc.kivi else \
+            len(PREFIX) - (max(lengths) - min(lengths))
+        assert held > 0
+        units = len(batch) * cfg.num_kv_heads
+        return (kv_nbytes(longest, units, cfg.head_dim, torch.float32, cc)
+                - kv_nbytes(longest - held, units, cfg.head_dim, torch.float32, cc))
+
+    assert taken[0] - taken[1] == cfg.num_layers * sum(map(slot_saves, block))
+
+
 def test_shared_prefix_attention_in_bf16_keeps_float32_precision_of_the_keys_shared_part():
     """The bf16 layout (a bf16 model on a CPU) takes the keys' mean out before rounding: with
     keys that share a large component, as trained models' do, the output stays as close to
     float32 attention as bf16 inputs allow, where rounding the plain scores would not."""
-    import torch
 
     from flexgen_helm.executor.attention import (
         DecodePrefix,
@@ -339,7 +431,6 @@ def test_shared_prefix_attention_in_bf16_keeps_float32_precision_of_the_keys_sha
 def test_the_planner_counts_a_shared_prefix_once_and_fits_bigger_blocks():
     """Under the same memory budget, prompts whose first 1,000 of 1,024 tokens are the same
     let the search pick a block of at least twice the sequences (their KV is held once)."""
-    import torch
 
     from flexgen_helm.models.opt import config_for_size
     from flexgen_helm.planner.budget import planned_bytes
@@ -362,10 +453,15 @@ def test_the_planner_counts_a_shared_prefix_once_and_fits_bigger_blocks():
     each = planned_bytes(cfg, shared.policy, 1056, torch.bfloat16)
     assert sum(each.values()) - sum(once.values()) > 0.9 * (shared.policy.block_size - 1) * 1000 * (
         2 * cfg.num_layers * cfg.hidden_size * 2)
-    # where the cache cannot hold it once (compressed), nothing changes
-    compressed = dataclasses.replace(shared.policy, compress_cache=Compression(4, 64))
-    assert planned_bytes(cfg, compressed, 1056, torch.bfloat16, shared_prefix=1000) == \
-        planned_bytes(cfg, compressed, 1056, torch.bfloat16)
+    # a compressed cache holds it once too, in its compressed bytes (KIVI: its 960 tokens of whole groups of 64)
+    for grouping, held in (("kivi", 960), ("per-token", 1000)):
+        cc = Compression(4, 64, cache_grouping=grouping)
+        compressed = dataclasses.replace(shared.policy, compress_cache=cc)
+        saved = sum(planned_bytes(cfg, compressed, 1056, torch.bfloat16).values()) - \
+            sum(planned_bytes(cfg, compressed, 1056, torch.bfloat16, shared_prefix=1000).values())
+        per_sequence = cfg.num_layers * (kv_nbytes(64, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, cc)
+                                         - kv_nbytes(0, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, cc)) / 64
+        assert saved > 0.9 * (compressed.block_size - 1) * held * per_sequence
 
 
 def test_bench_refuses_a_shared_prefix_that_leaves_no_prompt_token(capsys):

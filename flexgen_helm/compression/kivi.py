@@ -171,8 +171,13 @@ def kivi_nbytes(positions: int, units: int, head_dim: int, dtype: torch.dtype, c
     """Bytes of a KIVI cache of `positions` x `units`: the groups that hold them, and the
     residual (G positions of K and V in full precision)."""
     G = cfg.group_size
-    groups = KiviGroups.zeros(-(-positions // G), units, head_dim, dtype, cfg, device="meta").nbytes
+    groups = kivi_groups_nbytes(-(-positions // G), units, head_dim, dtype, cfg)
     return groups + 2 * G * units * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def kivi_groups_nbytes(groups: int, units: int, head_dim: int, dtype: torch.dtype, cfg: Compression) -> int:
+    """Bytes of `groups` complete groups of `units` units (KiviGroups)."""
+    return KiviGroups.zeros(groups, units, head_dim, dtype, cfg, device="meta").nbytes
 
 
 def as_stored(k: torch.Tensor, v: torch.Tensor, cfg: Compression, starts: torch.Tensor,

@@ -283,6 +283,76 @@ def _top_k_attention(scores: torch.Tensor, v: torch.Tensor | ValueRows, key_vali
     return torch.matmul(weights, v_kept)
 
 
+def attend_past_held_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | ValueRows, own_valid: torch.Tensor,
+                            prefix_keys: torch.Tensor, prefix_values: torch.Tensor, first_unit: int = 0,
+                            keep_fraction: float = 1.0, softcap: float = 0.0) -> torch.Tensor:
+    """A decode step's attention (one query per unit) where every sequence's cache holds the
+    same first n positions of its prompt once for all (held_prefix.HeldPrefix: a compressed
+    cache, or sparse attention): prefix_keys and prefix_values (kv_heads, n, d), as each
+    row's copy of them reads. The units are whole sequences' (kv_heads units each, in order),
+    q's the units first_unit, first_unit + 1, ... of them; k, v (u, t, d) hold the rest of
+    each unit's cache, of which it may see those own_valid (u, t) says (where its slot still
+    holds its own copy of the prefix, those are masked out).
+
+    The prefix's scores are one matmul per key-value head for the queries of every sequence
+    at once (Hydragen, cascade attention). keep_fraction 1: each part is normalised over its
+    own keys and the two merge exactly by their log-sum-exps, as attend_past_shared_prefix's
+    float32 parts. keep_fraction < 1: the top-k stays global, as attend()'s over each whole
+    cache: a unit's n + own_valid keys are its visible ones, each query keeps its top
+    ceil(keep_fraction * (n + own)) of the prefix's scores and its own side by side (scored
+    as attend() scores them), the softmax is taken over those, and only the kept values are
+    read (v, a ValueRows, is asked for its kept columns only). Float32, as attend()'s CPU
+    decode path; returns (u, r, 1, d) in q's dtype."""
+    u, r, _, d = q.shape
+    kvh, n = prefix_keys.shape[0], prefix_keys.shape[1]
+    qf = q.float().view(u, r, d)
+    # the prefix's queries by key-value head, over the whole sequences q's units lie in (the
+    # units of a sequence outside them ask with zero queries, and are dropped)
+    lead = first_unit % kvh
+    sequences = -(-(lead + u) // kvh)
+    padded = qf
+    if lead or u != sequences * kvh:
+        padded = torch.cat([qf.new_zeros(lead, r, d), qf, qf.new_zeros(sequences * kvh - lead - u, r, d)])
+    by_head = padded.view(sequences, kvh, r, d).transpose(0, 1).reshape(kvh, sequences * r, d)
+
+    def per_unit(x: torch.Tensor) -> torch.Tensor:  # (kv_heads, sequences * r, m) -> (u, r, m)
+        return x.view(kvh, sequences, r, -1).transpose(0, 1).reshape(sequences * kvh, r, -1)[lead:lead + u]
+
+    if keep_fraction == 1.0:
+        v = v(list(range(k.shape[1]))) if callable(v) else v
+        own_out, own_lse = _normalized_part(qf, k, v, own_valid, softcap)
+        prefix_out, prefix_lse = (per_unit(x) for x in _normalized_part(by_head, prefix_keys, prefix_values, None,
+                                                                        softcap))
+        # each part's weight in the whole softmax: its share of the two parts' exp-sums
+        out = torch.lerp(prefix_out, own_out, torch.sigmoid(own_lse - prefix_lse))
+        return out.view(u, r, 1, d).to(q.dtype)
+    # the scores attend() computes over each whole cache, the prefix's first
+    own = _capped(torch.bmm(qf, k.float().transpose(1, 2)) / math.sqrt(d), softcap)
+    own = own.masked_fill_(~own_valid[:, None, :], -math.inf)
+    shared = per_unit(_capped(torch.bmm(by_head, prefix_keys.float().transpose(1, 2)) / math.sqrt(d), softcap))
+    scores = torch.cat([shared, own], dim=-1)  # (u, r, n + t)
+    # per unit, in Python floats, as _top_k_attention rounds them
+    keeps = [max(1, math.ceil(keep_fraction * (n + c))) for c in own_valid.sum(-1).tolist()]
+    top = scores.topk(max(keeps), dim=-1)  # sorted, best first: (u, r, K)
+    rank = torch.arange(top.indices.shape[-1], device=q.device)
+    kept = (rank < torch.tensor(keeps, device=q.device)[:, None])[:, None, :]  # (u, 1, K)
+    weights = top.values.masked_fill(~kept, -math.inf).softmax(-1)  # renormalised over the kept keys
+    index = top.indices  # (u, r, K): the prefix's keys first, then the unit's own
+    heads = (torch.arange(first_unit, first_unit + u, device=q.device) % kvh)[:, None, None]
+    from_prefix = prefix_values.float()[heads, index.clamp(max=n - 1)]  # (u, r, K, d)
+    columns = (index - n).clamp_(min=0)
+    if callable(v):
+        wanted = columns[kept.expand_as(index) & (index >= n)].unique()  # sorted
+        if len(wanted) == 0:  # every query kept prefix keys only
+            return torch.matmul(weights[:, :, None, :], from_prefix).to(q.dtype)
+        v = v(wanted.tolist())  # (u, m, d): the kept columns only
+        columns = torch.searchsorted(wanted, columns).clamp_(max=len(wanted) - 1)  # dropped ones: weight 0
+    own_v = torch.gather(v.float()[:, None].expand(u, r, v.shape[1], d), 2,
+                         columns[..., None].expand(*columns.shape, d))
+    kept_values = torch.where((index < n)[..., None], from_prefix, own_v)
+    return torch.matmul(weights[:, :, None, :], kept_values).to(q.dtype)
+
+
 def attend_as_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor,
                      as_stored: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
                      keep_fraction: float = 1.0, chunk: int = 128, window: int = 0, softcap: float = 0.0,
@@ -382,8 +452,9 @@ def attend_past_shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               held_out: tuple[int, int] | None = None, first_unit: int = 0,
                               softcap: float = 0.0) -> torch.Tensor:
     """A decode step's attention (one query per unit) where every sequence's cache holds the
-    same prefix. The units are whole sequences' (kv_heads units each, in order), q's the
-    units first_unit, first_unit + 1, ... of them; sequence i's prefix sits at positions
+    same prefix, under dense attention over a plain cache (a compressed cache's, or sparse
+    attention's: attend_past_held_prefix). The units are whole sequences' (kv_heads units
+    each, in order), q's the units first_unit, first_unit + 1, ... of them; sequence i's prefix sits at positions
     [prefix_start[i], + P). k and v hold every position but those in held_out's [a, b)
     (which every sequence's prefix covers: its slot leaves them out, kv_cache module doc).
     The prefix part is one matmul per key-value head for the queries of every sequence at

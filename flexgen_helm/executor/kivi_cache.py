@@ -14,6 +14,13 @@ When a unit's count of real positions reaches a multiple of G, its last G positi
 quantized as one group and written to their slot. Groups count from each unit's first real
 position (`starts`: the padding before it), so no number depends on the batch it shares.
 
+A block whose prompts start with a shared prefix of P tokens may hold out every unit's
+first `held_out_groups` groups (P // G: every row's are the prefix's tokens, the same keys
+and values, quantized alike): decode attends to the block's one copy of them
+(held_prefix.HeldPrefix), so group g of a unit is its (g - held_out_groups)-th held group,
+and a write drops the groups held out. The prefix's last, partial group fills up with the
+row's own tokens: it is the row's own, as is everything after it.
+
 On disk: `held` rows of (units, block) bytes, one block per (group, unit) (a unit's new
 group is one write, the groups [0, n) of all units one read), then the residual's G rows.
 
@@ -43,13 +50,18 @@ class KiviCacheSlot:
     values_apart = False
 
     def __init__(self, units: dict[str, int], max_len: int, head_dim: int, devices: Devices, usage: TierUsage,
-                 disk_path: Path | None, pin: bool, compression: Compression, window: int, starts: torch.Tensor):
+                 disk_path: Path | None, pin: bool, compression: Compression, window: int, starts: torch.Tensor,
+                 held_out_groups: int = 0):
         if len(starts) != sum(units.values()):
             raise ValueError(f"{len(starts)} unit starts for {sum(units.values())} units")
+        if held_out_groups and (window or held_out_groups * compression.group_size > max_len):
+            raise ValueError(f"a slot holds out groups within its {max_len} positions, not in a sliding window: "
+                             f"got {held_out_groups} groups of {compression.group_size} (window {window})")
         self.units, self.ranges = units, unit_ranges(units)
         self.head_dim, self.devices, self.usage, self.cfg = head_dim, devices, usage, compression
         self.G = compression.group_size
-        self.held = -(-cache_rows(max_len, window) // self.G)  # group slots per unit
+        self.held_out_groups = held_out_groups
+        self.held = -(-cache_rows(max_len, window) // self.G) - held_out_groups  # group slots per unit
         self.starts = starts.to("cpu", torch.long)
         # what a decode step asks of the starts, in integers (tensor ops cost more than the answer
         # at one position a step): a tier's units' starts, the earliest, and the earliest per
@@ -79,7 +91,8 @@ class KiviCacheSlot:
         self._residual_at = self.held * self._disk_row.nbytes
         if units["disk"]:
             nbytes = self._residual_at + self.G * self._residual_row
-            assert nbytes == kivi_nbytes(cache_rows(max_len, window), units["disk"], head_dim, dtype, compression)
+            assert nbytes == kivi_nbytes(cache_rows(max_len, window) - held_out_groups * self.G, units["disk"],
+                                         head_dim, dtype, compression)
             self.disk = DiskBuffer(disk_path, nbytes)
             usage.add("disk", nbytes)
 
@@ -104,12 +117,13 @@ class KiviCacheSlot:
 
     def _write_groups(self, tier: str, k: torch.Tensor, v: torch.Tensor, start: int, starts: torch.Tensor) -> None:
         """Quantize and store the groups that positions [start, start + s) complete (a unit's
-        last `held` of them), taking their earlier positions from the residual."""
+        last `held` of them, none held out), taking their earlier positions from the residual."""
         G, s = self.G, k.shape[0]
         if s == 1 and not self._completes_group(tier, start):
             return
         done = (start + s - starts).clamp(min=0) // G  # complete groups of each unit after the write
         first = torch.maximum((start - starts).clamp(min=0) // G, done - self.held)  # the first one it completes
+        first = first.clamp(min=self.held_out_groups)
         count = (done - first).clamp(min=0)
         if not bool(count.any()):
             return
@@ -130,7 +144,7 @@ class KiviCacheSlot:
         i = torch.arange(m)[:, None].expand(m, len(starts))
         keep = i < count[None, :]
         picked, unit = i[keep], torch.arange(len(starts))[None, :].expand(m, -1)[keep]
-        slot = (first[unit] + picked) % self.held
+        slot = (first[unit] + picked - self.held_out_groups) % self.held
         if tier != "disk":
             self.groups[tier].put(slot, unit, new, picked)
             return
@@ -176,7 +190,8 @@ class KiviCacheSlot:
 
     def _groups_read(self, tier: str, length: int) -> int:
         """Group slots a read at `length` returns: those some unit of the tier has filled."""
-        return min(self.held, max(0, length - self._earliest_start[tier]) // self.G)
+        done = max(0, length - self._earliest_start[tier]) // self.G
+        return min(self.held, max(0, done - self.held_out_groups))
 
     def read(self, tier: str, length: int, values: bool = True) -> KiviStored:
         """The groups held by the tier's units and the residual, as stored, where they live
@@ -237,13 +252,19 @@ class KiviCacheSlot:
         computed units of the tier (`local`, None: all): a unit's own complete groups and its
         unfinished positions in the residual, within a sliding window's last `window`
         positions, and the new token. (No column is dropped; key_valid is not needed: a unit's
-        padding is never stored.) The same for every layer of a GPU batch, so a step computes
-        it once (read-only: the layers share it)."""
+        padding is never stored; nor are the groups held out.) The same for every layer of a
+        GPU batch, so a step computes it once (read-only: the layers share it)."""
         a, b = self.ranges[tier]
         starts = self._tier_starts[tier] if local is None else tuple(self.starts[a:b][local.cpu()].tolist())
         valid = _decode_valid(starts, length, window, self.G, self.held,
-                              self._groups_read(tier, length))
+                              self._groups_read(tier, length), self.held_out_groups)
         return 0, valid.to(key_valid.device)
+
+    def outside_prefix(self, valid: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Tensor:
+        """Of decode_valid's columns, those each unit may see outside the part of the block's
+        shared prefix that decode attends to apart (its complete groups): all it holds, since
+        those are the groups held out."""
+        return valid
 
     def close(self) -> None:
         for tier in self.groups:
@@ -266,15 +287,17 @@ def _earliest_start_by_residue(starts: list[int], G: int) -> dict[int, int]:
 
 @functools.lru_cache(maxsize=256)  # a step of up to 256 GPU batches reuses its masks across layers
 def _decode_valid(starts: tuple[int, ...], length: int, window: int, G: int, held: int,
-                  n_groups: int) -> torch.Tensor:
+                  n_groups: int, held_out_groups: int) -> torch.Tensor:
     """KiviCacheSlot.decode_valid's mask for units starting at `starts` (their left padding)."""
     starts = torch.tensor(starts, dtype=torch.long)
     have = length - starts  # real positions held; the new token is real position `have`
     done = have.clamp(min=0) // G
-    # group slot j holds the unit's latest complete group g with g % held == j
+    # group slot j holds the unit's latest complete group g with (g - held_out_groups) % held == j
     slot = torch.arange(n_groups)
-    filled = done[:, None] > slot[None, :]
-    group = slot[None, :] + held * ((done[:, None] - 1 - slot[None, :]).div(held, rounding_mode="floor"))
+    kept = (done - held_out_groups).clamp(min=0)  # complete groups the slot keeps
+    filled = kept[:, None] > slot[None, :]
+    group = held_out_groups + slot[None, :] + held * ((kept[:, None] - 1 - slot[None, :]).div(
+        held, rounding_mode="floor"))
     pos = group[..., None] * G + torch.arange(G)  # (units, slots, G) real positions
     in_groups = filled[..., None].expand_as(pos)
     # residual row r holds the latest position q < length with q % G == r

@@ -18,9 +18,12 @@ held oldest first, so the cache of a local block never grows past its window.
 
 A block whose GPU batch shares a prompt prefix may hold out the positions [a, b) that every
 row's copy of the prefix covers (`held_out`): decode attention reads those from the one copy
-of the block's prefix (attention.DecodePrefix), so the slot keeps the other positions only,
-position p in row p below a and p - (b - a) from b on, and writes of held-out positions are
-dropped. Reads and decode_valid then speak of the held positions, in order."""
+of the block's prefix (attention.DecodePrefix; under cache compression or sparse attention
+held_prefix.HeldPrefix, which stores it as the slots would: a per-token group is one
+position's row, so the prefix quantized once is every row's copy), so the slot keeps the
+other positions only, position p in row p below a and p - (b - a) from b on, and writes of
+held-out positions are dropped. Reads and decode_valid then speak of the held positions, in
+order. (A KIVI slot holds out the prefix's complete groups instead: kivi_cache.py.)"""
 
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from flexgen_helm.compression.kivi import kivi_nbytes
+from flexgen_helm.compression.kivi import kivi_groups_nbytes, kivi_nbytes
 from flexgen_helm.compression.quantize import CACHE_GROUP_DIM, QuantizedTensor, cache_group_dim
 from flexgen_helm.compression.stored import Stored, dense_into, encode, stored_nbytes
 from flexgen_helm.errors import PolicyError
@@ -66,16 +69,40 @@ def cache_rows(max_len: int, window: int, held_out: tuple[int, int] | None = Non
 
 def prefix_held_once(policy: Policy) -> bool:
     """Whether a block's shared prompt prefix is held once under `policy`: its slots hold out
-    the positions every row's copy covers and decode attends to the one copy. An exact cache
-    needs every key once: not where it is compressed (each row's codes are its own) or
-    sparse (top-k ranks a row's keys together)."""
-    return policy.prefix_sharing and policy.compress_cache is None and policy.attn_sparsity == 1.0
+    the positions every row's copy covers and decode attends to the one copy. Every row's
+    copy of the prefix is the same keys and values at the same offset from its first real
+    token, so it is stored alike in every row under any cache compression (held_prefix_len
+    says how much of it), and sparse attention's top-k can rank the one copy's keys with each
+    row's own (attention.attend_past_held_prefix)."""
+    return policy.prefix_sharing
+
+
+def held_prefix_len(shared_prefix: int, cfg: Compression | None) -> int:
+    """The positions of a `shared_prefix` that a block holds once: all of them, where each
+    position is stored on its own (no compression, per-token groups); under KIVI the
+    complete groups of G that each row's groups make of them (its first floor(P / G) * G):
+    the last, partial group fills up with each row's own tokens."""
+    if cfg is not None and cfg.kivi:
+        return shared_prefix // cfg.group_size * cfg.group_size
+    return shared_prefix
 
 
 def held_out_prefix(shared_prefix: int, window: int, policy: Policy) -> tuple[int, int] | None:
     """What the planner counts a global block's slot to hold out, for prompts of equal length
-    whose first `shared_prefix` tokens are the same (paddings that differ shrink it)."""
-    return (0, shared_prefix) if shared_prefix and not window and prefix_held_once(policy) else None
+    whose first `shared_prefix` tokens are the same (paddings that differ shrink it, but for
+    KIVI's groups, which count from each row's first token)."""
+    held = held_prefix_len(shared_prefix, policy.compress_cache)
+    return (0, held) if held and not window and prefix_held_once(policy) else None
+
+
+def held_prefix_nbytes(positions: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                       cfg: Compression | None) -> int:
+    """Bytes of a block's one copy of the `positions` it holds of its shared prefix (K and V
+    of kv_heads units), stored as the slots store them: quantized as each position's row, or
+    as KIVI's complete groups (no residual: it holds no unfinished group)."""
+    if cfg is not None and cfg.kivi:
+        return kivi_groups_nbytes(positions // cfg.group_size, kv_heads, head_dim, dtype, cfg)
+    return kv_nbytes(positions, kv_heads, head_dim, dtype, cfg)
 
 
 def kv_nbytes(positions: int, units: int, head_dim: int, dtype: torch.dtype, cfg: Compression | None) -> int:
@@ -309,6 +336,25 @@ class KVCacheSlot:
             key_valid = torch.cat([key_valid[:, :a], key_valid[:, b:]], dim=1)
         return drop, key_valid[:, first + drop:]
 
+    def outside_prefix(self, valid: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Tensor:
+        """Of decode_valid's columns (valid: (units, columns), a global block's), those each
+        unit may see outside its copy of the block's shared prefix, positions [starts[u],
+        starts[u] + length): decode attends to the prefix's one copy instead."""
+        positions = torch.arange(valid.shape[1], device=valid.device)[None, :]
+        if self.held_out is not None:
+            a, b = self.held_out
+            positions = torch.where(positions >= a, positions + (b - a), positions)
+        starts = starts.to(valid.device)[:, None]
+        return valid & ((positions < starts) | (positions >= starts + length))
+
+    def positions_of(self, first: int, columns: list[int]) -> list[int]:
+        """The positions of `columns` of the positions held from position `first` on, in order
+        (decode's keys: a read's, after the columns it drops): the held-out ones skipped."""
+        if self.held_out is None:
+            return [first + c for c in columns]
+        a, b = self.held_out
+        return [first + c + (b - a if first + c >= a else 0) for c in columns]
+
     def read_disk_values(self, positions: list[int]) -> Stored:
         """V of the disk units at the given distinct positions (still held), in that order,
         reading only the runs of rows that hold them (runs closer than a disk page are read
@@ -345,8 +391,9 @@ class KVCacheSlot:
         for p in _parts(self._disk_row):
             chunk = raw[:, offset:offset + p.nbytes]
             offset += p.nbytes
-            if p.dtype != torch.uint8 and not chunk.is_contiguous():
-                # a fresh, aligned copy: a slice of each row's bytes cannot be viewed as floats
+            if p.dtype != torch.uint8 and (not chunk.is_contiguous() or chunk.storage_offset() % p.element_size()):
+                # a fresh, aligned copy: a slice of each row's bytes (of one row: at an offset
+                # that is no multiple of a float's size) cannot be viewed as floats
                 chunk = chunk.clone(memory_format=torch.contiguous_format)
             chunk = chunk.view(p.dtype)
             parts.append(chunk.reshape(n, *p.shape[1:]))

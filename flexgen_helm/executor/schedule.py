@@ -36,7 +36,9 @@ the transfers run beside compute, so their times overlap it. Two parts of those:
 "decode_attention" (of decode_compute: attention over the cache, its new column and mask
 included) and "decode_unpack_cache" (copying, or dequantizing, the cache read into the
 buffers attention reads: of decode_compute on a CPU, of decode_load_cache on a GPU), and
-"prefill_shared_prefix" (of prefill_compute: the block's shared prompt prefix, run once).
+"prefill_shared_prefix" (of prefill_compute: the block's shared prompt prefix, run once),
+"decode_unpack_prefix" (of decode_attention: its one copy, where a compressed cache or sparse
+attention holds it as stored, made ready for attention once a layer a step: held_prefix.py).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from flexgen_helm.executor.attention import (
     DecodePrefix,
     attend,
     attend_as_decode,
+    attend_past_held_prefix,
     attend_past_shared_prefix,
     decode_cache_dtype,
     from_units,
@@ -66,9 +69,10 @@ from flexgen_helm.executor.attention import (
 )
 from flexgen_helm.executor.cache_buffers import CacheBuffers, batches_per_load, buffer_sets, unpacks_on_lane
 from flexgen_helm.executor.expert_weights import load_layer_weights
+from flexgen_helm.executor.held_prefix import HeldPrefix, reads_prefix_as_stored
 from flexgen_helm.executor.kept_weights import KeptDenseWeights
 from flexgen_helm.executor.kivi_cache import KiviCacheSlot
-from flexgen_helm.executor.kv_cache import KVCacheSlot, cache_rows, kv_nbytes, prefix_held_once
+from flexgen_helm.executor.kv_cache import KVCacheSlot, cache_rows, held_prefix_len, kv_nbytes, prefix_held_once
 from flexgen_helm.executor.shared_prefix import PrefixLayer, SharedPrefix
 from flexgen_helm.executor.step_rows import StepRows, units_of
 from flexgen_helm.executor.working_set import dense_weight_numel, kept_freed_bytes
@@ -148,14 +152,23 @@ class BlockSchedule:
         self.constants = self.family.run_constants(self.cfg, max_len, self.devices.compute, self.devices.dtype)
         self.shared = self._shared_prefix(shared_prefix)
         self.prefix_here = None  # the shared prefix at the layer a prefill is running (PrefixLayer)
-        # the shared prefix's keys and values by block, kept for decode steps whose attention
-        # needs every key exactly once (uncompressed, no sparsity, no sliding window): they
-        # attend to it once for all sequences (attend_past_shared_prefix), and the block's
+        # the shared prefix's keys and values by block, kept for decode steps of global blocks
+        # (no sliding window): they attend to it once for all sequences, and the block's
         # slots hold out the positions every row's copy covers (kv_cache module doc); each
-        # row's prefix starts at prefix_start[k][row] of the block's columns
-        self.decode_prefix: dict[tuple[int, str], DecodePrefix] = {}
+        # row's prefix starts at prefix_start[k][row] of the block's columns. A plain cache's
+        # dense attention reads it as computed (DecodePrefix, attend_past_shared_prefix); a
+        # compressed cache, or sparse attention, as the slots store it (HeldPrefix, its part
+        # held_prefix_len: under KIVI the prefix's complete groups), dequantized once a layer
+        # a step where attention runs (attend_past_held_prefix)
+        self.decode_prefix: dict[tuple[int, str], DecodePrefix | HeldPrefix] = {}
         self._prefix_bytes: list[tuple[str, int]] = []  # (tier, bytes) of each copy, in TierUsage
-        self.keeps_decode_prefix = self.shared is not None and prefix_held_once(policy)
+        shared_len = self.shared.length if self.shared is not None else 0
+        self.held_prefix_len = held_prefix_len(shared_len, policy.compress_cache)
+        self.keeps_decode_prefix = self.held_prefix_len > 0 and prefix_held_once(policy)
+        self.prefix_as_stored = reads_prefix_as_stored(policy)
+        # a HeldPrefix's dequantized keys and values, by device type: (layer, step) and them
+        self._prefix_unpacked: dict[str, tuple[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._prefix_buffers = CacheBuffers(1)  # what they are unpacked into (the compute thread's own)
         self.prefix_start = [first + (~b.valid).sum(1) for b, first in zip(batches, self.prompt_start)]
         blocks = [layer.index for layer in runtime.layers if layer.kind == "block"]
         cache_units = slot_tier_counts(policy.cache, [b.size * self.cfg.num_kv_heads for b in batches], blocks)
@@ -184,7 +197,6 @@ class BlockSchedule:
         self.acts = [ActivationHome(act_rows[0, k], max_len, self.cfg.hidden_size, self.devices, runtime.usage,
                                     workdir / f"act-{k}.bin") for k in range(len(batches))]
         # the columns each GPU batch's prefill computes (the last ones): all, or those after the shared prefix
-        shared_len = self.shared.length if self.shared is not None else 0
         self.window = [b.ids.shape[1] - shared_len for b in batches]
         # keys each row may see, for every position of the run: the prompt's real tokens,
         # then every generated one (a step takes a view, instead of growing it by a cat)
@@ -222,18 +234,24 @@ class BlockSchedule:
         return prefix
 
     def _keep_decode_prefix(self, index: int, here: PrefixLayer) -> None:
-        """Block `index`'s prefix in the layout decode attention reads it in where it runs:
-        converted once (by the block's first micro-batch), not at every step of every layer."""
+        """Block `index`'s prefix as decode attention reads it where it runs, made once (by
+        the block's first micro-batch), not at every step of every layer: in the layout a
+        plain cache's dense attention reads (DecodePrefix), or, under cache compression or
+        sparse attention, stored as the slots store it (HeldPrefix). Counted where the
+        cache's compute-side tier is (the planner counts it there), by the schedule that
+        made it."""
         for where in {self._attention_device(t) for t in TIERS}:
             kept = here.decode.get(where.type)
             if kept is None:
-                kept = here.decode[where.type] = prefix_for_decode(
-                    here.keys.to(where), here.values.to(where), where, self.devices.dtype, self.cfg.attn_softcap)
-                # counted where the cache's compute-side tier is (the planner counts it there), by
-                # the schedule that made it
-                self._prefix_bytes.append(("gpu" if where == self.devices.compute else "cpu",
-                                           tensor_bytes(kept.keys) + tensor_bytes(kept.values)
-                                           + tensor_bytes(kept.key_mean)))
+                if self.prefix_as_stored:
+                    kept = HeldPrefix(here.keys, here.values, self.policy.compress_cache, self.devices.dtype, where)
+                    nbytes = kept.nbytes
+                else:
+                    kept = prefix_for_decode(here.keys.to(where), here.values.to(where), where, self.devices.dtype,
+                                             self.cfg.attn_softcap)
+                    nbytes = tensor_bytes(kept.keys) + tensor_bytes(kept.values) + tensor_bytes(kept.key_mean)
+                here.decode[where.type] = kept
+                self._prefix_bytes.append(("gpu" if where == self.devices.compute else "cpu", nbytes))
                 self.rt.usage.add(*self._prefix_bytes[-1])
             self.decode_prefix[index, where.type] = kept
 
@@ -244,17 +262,23 @@ class BlockSchedule:
     def _held_out(self, index: int, k: int) -> tuple[int, int] | None:
         """The positions [a, b) of block `index` that every row of GPU batch k holds the
         shared prefix at (its rows' paddings differ, so each copy starts elsewhere), which
-        its slot leaves to the prefix's one copy; None where there are none."""
+        its slot leaves to the prefix's one copy; None where there are none. A KIVI slot's
+        (0, b): b = the prefix's complete groups' positions, counted from each row's first
+        real token, whatever the paddings."""
         if not self._attends_to_prefix_apart(index):
             return None
+        if self.policy.compress_cache is not None and self.policy.compress_cache.kivi:
+            return 0, self.held_prefix_len
         a, b = int(self.prefix_start[k].max()), int(self.prefix_start[k].min()) + self.shared.length
         return (a, b) if a < b else None
 
     def _slot(self, units: dict[str, int], max_len: int, disk_path: Path, window: int, index: int, k: int):
         cfg = self.policy.compress_cache
         if cfg is not None and cfg.kivi:
+            held_out = self._held_out(index, k)
             return KiviCacheSlot(units, max_len, self.cfg.head_dim, self.devices, self.rt.usage, disk_path, pin=True,
-                                 compression=cfg, window=window, starts=self.unit_starts[k])
+                                 compression=cfg, window=window, starts=self.unit_starts[k],
+                                 held_out_groups=held_out[1] // cfg.group_size if held_out else 0)
         return KVCacheSlot(units, max_len, self.cfg.head_dim, self.devices, self.rt.usage, disk_path, pin=True,
                            compression=cfg, window=window, held_out=self._held_out(index, k))
 
@@ -669,6 +693,19 @@ class BlockSchedule:
             ku, vu = (torch.nn.functional.pad(x, (0, 0, self.prompt_start[k], 0)) for x in (ku, vu))
         return out, (ku.transpose(0, 1), vu.transpose(0, 1), 0 if prefill else self.length, rows.unit_index, unwritten)
 
+    def _unpacked_prefix(self, index: int, where: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block `index`'s HeldPrefix, dequantized on `where` once a step: every GPU batch and
+        tier attending there at this step reads the same (timed as "decode_unpack_prefix", of
+        decode_attention)."""
+        done = self._prefix_unpacked.get(where.type)
+        if done is None or done[0] != (index, self.length):
+            t0 = time.perf_counter()
+            kv = self.decode_prefix[index, where.type].unpack(decode_cache_dtype(where, self.devices.dtype),
+                                                                self._prefix_buffers)
+            done = self._prefix_unpacked[where.type] = ((index, self.length), kv)
+            self.timers["decode_unpack_prefix"] += time.perf_counter() - t0
+        return done[1]
+
     def _as_stored(self, starts: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(units, t, d) keys and values (units starting at `starts`) -> what the cache returns
         for them (a slot's write then read: the same encoding, in the cache's layout)."""
@@ -697,7 +734,8 @@ class BlockSchedule:
         view; elsewhere they fill the column the loaded cache leaves for them. Returns the
         output and the tiers still to write. With prefix_start (block `index` attends to its
         shared prefix apart), each tier's units attend to the prefix's one copy and to the
-        positions their slot holds (attend_past_shared_prefix)."""
+        positions their slot holds outside it (attend_past_shared_prefix; a compressed cache's
+        or sparse attention's: attend_past_held_prefix, the top-k over both)."""
         outs, unwritten = [], []
         for tier in TIERS:
             part, local = rows.tier_part(*slot.ranges[tier])
@@ -717,7 +755,14 @@ class BlockSchedule:
                                                slot.first_held(self.length) + drop)
                 else:
                     values = _with_new(vc, new_v, local)[:, drop:]
-            if prefix_start is not None:
+            if prefix_start is not None and self.prefix_as_stored:
+                prefix_k, prefix_v = self._unpacked_prefix(index, where)
+                unit_starts = prefix_start.cpu()[torch.arange(part.start, part.stop) // self.cfg.num_kv_heads]
+                own = slot.outside_prefix(valid.to(where), unit_starts, prefix_k.shape[1])
+                out = attend_past_held_prefix(qu[part].to(where), keys, values, own, prefix_k, prefix_v,
+                                              first_unit=part.start, keep_fraction=self.policy.attn_sparsity,
+                                              softcap=self.cfg.attn_softcap)
+            elif prefix_start is not None:
                 out = attend_past_shared_prefix(qu[part].to(where), keys, values, valid.to(where),
                                                 self.decode_prefix[index, where.type], prefix_start, slot.held_out,
                                                 first_unit=part.start, softcap=self.cfg.attn_softcap)
@@ -733,7 +778,7 @@ class BlockSchedule:
         i at position first + i), (units, n, d) on new_v's device; the last may be this
         step's token, whose V is not written yet."""
         t0 = time.perf_counter()
-        positions = [first + i for i in keys]
+        positions = slot.positions_of(first, keys)
         cached = [p for p in positions if p < self.length]
         pieces = []
         if cached:
@@ -754,6 +799,7 @@ class BlockSchedule:
             self.rt.usage.remove(tier, nbytes)
         self._prefix_bytes.clear()
         self.decode_prefix.clear()
+        self._prefix_unpacked.clear()
         for slot in self.slots.values():
             slot.close()
         for a in self.acts:

@@ -12,12 +12,17 @@ in its GPU batch's columns. A GPU batch's prefill computes only its last columns
 `window`: as many as its longest prompt has after the prefix), and takes the keys and
 values of the columns before the window from the shared prefix, each row's at its own
 offset. A row shorter than the batch's longest thus recomputes the last few tokens of its
-prefix inside the window, as it would without sharing. Decode steps, the cache's tiers,
-its compression (KIVI groups count from a row's first real token, as before) and sparse
-attention see the cache they saw before, except that a dense exact cache holds the
-prefix once (kv_cache module doc: its slots hold out the positions every row's copy
-covers, and decode attends to the one copy); only rounding differs (the prefix's matmuls
-run with one row instead of many).
+prefix inside the window, as it would without sharing.
+
+Decode steps then hold the prefix once too (schedule.py): a global block's slots leave out
+the positions every row's copy covers (kv_cache.py; under KIVI grouping, whose groups count
+from a row's first real token, the prefix's complete groups, kivi_cache.py), and attention
+reads them from the block's one copy, for the queries of all its sequences at once: as
+computed (attention.DecodePrefix), or, under cache compression or sparse attention, stored
+as the slots store it (held_prefix.py), so that every row sees the values its own copy would
+have given and sparse attention's top-k ranks the same keys. What a decode step attends to
+is the cache it attended to without sharing; only rounding differs (the prefix's matmuls run
+with one row instead of many, and its attention merges parts).
 
 In a pipeline (dist/pipeline.py) every stage decides the same prefix from the block's
 prompts, which every stage holds, and a block runs as micro-batches, one schedule each,

@@ -9,7 +9,13 @@ import torch
 
 from flexgen_helm.compression.grids import WeightCompression, tensor_compression
 from flexgen_helm.errors import PolicyError
-from flexgen_helm.executor.kv_cache import cache_rows, held_out_prefix, kv_nbytes
+from flexgen_helm.executor.kv_cache import (
+    cache_rows,
+    held_out_prefix,
+    held_prefix_len,
+    held_prefix_nbytes,
+    kv_nbytes,
+)
 from flexgen_helm.memory.placement import place_weights, slot_tier_counts, tier_totals
 from flexgen_helm.memory.weight_homes import segment_nbytes
 from flexgen_helm.models import family_of
@@ -24,8 +30,9 @@ def planned_components(cfg: ModelConfig, policy: Policy, max_len: int, dtype: to
     policy compresses), before transient buffers. Activations in memory hold one block of
     `act_len` positions (default max_len; a prefill's are the prompt's); on disk, their file
     is made for max_len (executor/activations.ActivationHome). shared_prefix: the tokens every
-    prompt of a block starts with, whose KV a block holds once where the policy lets it
-    (executor/kv_cache.held_out_prefix): its one copy is counted on the compute tier."""
+    prompt of a block starts with, whose KV a block holds once (executor/kv_cache.held_out_prefix:
+    under KIVI its complete groups): its one copy, as the cache stores it, is counted on the
+    compute tier."""
     elt = torch.empty((), dtype=dtype).element_size()
     weights = dict(_weight_bytes(cfg, policy.weights, policy.compress_weight, dtype))
     batches = [policy.gpu_batch_size] * policy.num_gpu_batches
@@ -42,8 +49,10 @@ def planned_components(cfg: ModelConfig, policy: Policy, max_len: int, dtype: to
             total[t] += units[t]
     cache = {t: sum(kv_nbytes(n, units[t], cfg.head_dim, dtype, policy.compress_cache)
                     for n, units in units_by_rows.items()) for t in TIERS}
+    # the one copy of each global block, stored as its slots store the prefix (compressed too)
     once = sum(bool(held_out_prefix(shared_prefix, cfg.window(layer), policy)) for layer in range(cfg.num_layers))
-    cache["gpu"] += once * kv_nbytes(shared_prefix, cfg.num_kv_heads, cfg.head_dim, dtype, None)
+    cache["gpu"] += once * held_prefix_nbytes(held_prefix_len(shared_prefix, policy.compress_cache), cfg.num_kv_heads,
+                                              cfg.head_dim, dtype, policy.compress_cache)
     positions = {t: max_len if t == "disk" else act_len or max_len for t in TIERS}
     activations = {t: rows[t] * positions[t] * cfg.hidden_size * elt for t in TIERS}
     return {"weights": weights, "cache": cache, "activations": activations}

@@ -51,6 +51,7 @@ from flexgen_helm.errors import ProfileFormatError
 from flexgen_helm.executor.attention import decode_cache_dtype
 from flexgen_helm.executor.cache_buffers import batches_per_load, buffer_sets, unpacks_on_lane
 from flexgen_helm.executor.expert_weights import EXPERTS_IN_FLIGHT, expert_of
+from flexgen_helm.executor.held_prefix import reads_prefix_as_stored, unpacked_nbytes
 from flexgen_helm.executor.kv_cache import cache_rows, held_out_prefix, kv_nbytes, kv_nbytes_per_position
 from flexgen_helm.executor.working_set import batch_working_bytes, dense_weight_numel, kept_freed_bytes
 from flexgen_helm.memory.devices import DTYPES
@@ -515,13 +516,19 @@ class CostModel:
         # decode: read the cache of the mean length, a window's at most (V shrinks under sparse
         # attention, the paper's top-k: only the kept values need to move)
         t = min(self.work.mean_decode_len, window) if window else self.work.mean_decode_len
-        if held_out_prefix(self.work.shared_prefix, window, policy):
-            # the shared prefix is not read per sequence: its one copy, on the compute device,
-            # meets the block's queries in one matmul per key-value head (attend_past_shared_prefix)
-            t -= self.work.shared_prefix
-            scores = nb * gbs * cfg.num_heads * self.work.shared_prefix
+        held_out = held_out_prefix(self.work.shared_prefix, window, policy)
+        if held_out:
+            # the shared prefix (under KIVI its complete groups) is not read per sequence: its
+            # one copy, on the compute device, meets the block's queries in one matmul per
+            # key-value head (attend_past_shared_prefix, attend_past_held_prefix), a compressed
+            # one dequantized once a step
+            held = held_out[1]
+            t -= held
+            scores = nb * gbs * cfg.num_heads * held
             b["compute"] += (scores * 4 * cfg.head_dim / dev.attn_prefill_flops
                              + scores * PREFIX_SCORE_BYTES / dev.attn_decode_bytes_per_s)
+            if policy.compress_cache is not None:
+                b["compute"] += 2 * held * cfg.num_kv_heads * cfg.head_dim / dev.dequant_elems_per_s
         read = nb * t * stored / 2 * (1 + policy.attn_sparsity)
         b["disk_cpu"] += read * c["disk"]
         if cuda and not delegated:
@@ -575,10 +582,10 @@ class CostModel:
         them, memory/budget.planned_components) + the compute side's working set: two layers of
         loaded weights (the one in use and the one prefetched), the dense copy of a compressed
         layer where the int4 kernel does not take its rows, two decode loads of a layer's K and V
-        off the cpu/disk tiers (a GPU batch's, or a merged step's group of batches'), the K and V
-        of a GPU batch on its way to disk, one GPU batch's
-        intermediate activations and attention mask, the head's logits, and the freed memory
-        the schedule keeps resident for reuse. Measured against process RSS with
+        off the cpu/disk tiers (a GPU batch's, or a merged step's group of batches'), a held shared
+        prefix dequantized where attention runs, the K and V of a GPU batch on its way to disk,
+        one GPU batch's intermediate activations and attention mask, the head's logits, and the
+        freed memory the schedule keeps resident for reuse. Measured against process RSS with
         runs/bench/memory/rss_phases.py."""
         cfg, elt, work = self.cfg, self.elt, self.work
         gbs, nb = policy.gpu_batch_size, policy.num_gpu_batches
@@ -605,6 +612,13 @@ class CostModel:
         on_lane = unpacks_on_lane(self.hw.is_cuda)
         loads_as_read = 1 if on_lane else 2
         loaded_cache = batches_per_load(as_read, nb) * (buffer_sets(on_lane) * unpacked + loads_as_read * as_read)
+        # a held prefix read as stored is unpacked once a layer where attention runs (the longest, a global block's)
+        held_prefix = max((held_out_prefix(work.shared_prefix, self._window(layer), policy) or (0, 0))[1]
+                          for layer, _ in self.groups)
+        if held_prefix and reads_prefix_as_stored(policy):
+            loaded_cache += unpacked_nbytes(held_prefix, cfg.num_kv_heads, cfg.head_dim, self.dtype,
+                                            decode_cache_dtype(self.hw.compute_device, self.dtype),
+                                            policy.compress_cache)
         # freed memory the schedule keeps resident for reuse (executor/working_set.py): a block
         # layer's dense copy of its compressed weights among it, and the largest layer's load
         # buffers, which are host memory (on a GPU, the cpu tier's)

@@ -276,8 +276,8 @@ def shortfalls(est: Estimate, budgets: Budgets) -> dict[str, int]:
 def search(cfg: ModelConfig, profile: HardwareProfile, prompt_len: int, gen_len: int, budgets: Budgets,
            options: SearchOptions | None = None, dtype=None, shared_prefix: int = 0) -> SearchResult:
     """shared_prefix: the tokens every prompt of a block starts with (computed once a block,
-    and where the policy lets it, its KV held once: a block of long few-shot prompts fits
-    more sequences)."""
+    and its KV held once, compressed too: a block of long few-shot prompts fits more
+    sequences)."""
     options = options or SearchOptions()
     check_keep_dense(bool(options.keep_dense_weights), cfg)
     model = CostModel(cfg, profile, Workload(prompt_len, gen_len, shared_prefix), dtype)
