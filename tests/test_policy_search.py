@@ -231,8 +231,10 @@ def test_generate_plans_under_its_memory_budgets(capsys):
     from flexgen_helm.errors import FlexGenError
 
     cpu_profile().save(default_profile_path())
+    # bfloat16 on every CPU (the default is float32 where bf16 is emulated): the budgets below
+    # are sized for its weights
     argv = ["generate", "--model", "facebook/opt-1.3b", "--dummy", "--policy", "auto", "--prompt", "hello",
-            "--max-new-tokens", "4"]
+            "--max-new-tokens", "4", "--dtype", "bfloat16"]
     roomy = policy_from_args(build_parser().parse_args(argv))
     tight = policy_from_args(build_parser().parse_args([*argv, "--gpu-mem", "512MiB", "--cpu-mem", "1GiB"]))
     assert roomy.weights.disk == 0 < tight.weights.disk

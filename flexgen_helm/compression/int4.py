@@ -20,12 +20,14 @@ wrapper over these same two aten ops, which would still need FlexGen's min/max c
 mapped onto them by us. So the dependency would add an import (~4 s) and no kernel.
 
 Layouts, and why a stored weight is in its compute device's layout:
-- CPU (this torch, AVX-512): uint8 (out, in / 2); whole blocks of 64 output rows are laid
-  out [in][32] with row i in the low nibble and row i + 32 in the high one; a tail of
-  fewer rows is [in][rows / 2] with rows 2i (low) and 2i + 1 (high). The block size follows
-  the CPU's vector width, so the layout is a property of the machine: `_cpu_layout_ok`
-  checks once that the converter produces exactly what `_cpu_codes_by_column` decodes, and the
-  kernel path is refused (with a log line) where it does not.
+- CPU: uint8 (out, in / 2); whole blocks of B output rows are laid out [in][B / 2] with
+  row i in the low nibble and row i + B / 2 in the high one; a tail of fewer rows is
+  [in][rows / 2] with rows 2i (low) and 2i + 1 (high). B follows the CPU's vector width (this
+  torch: 64 with AVX-512, 32 with AVX2), so the layout is a property of the machine:
+  `cpu_block` probes once which B the converter writes, checking that it produces exactly
+  what `_cpu_codes_by_column` decodes, and the kernel path is refused (with a log line) where
+  it is neither. A store's name carries B where it is not 64 (store_layout), so that a store
+  packed on another machine is never decoded with this one's B.
 - CUDA: int32 tiles (out / 8, in / (16 * inner_k_tiles), 32, inner_k_tiles / 2) from a
   uint8 (out, in / 2) whose even input index sits in the high nibble (as torchao's tinygemm
   path feeds it); decoded, for the dequantize path, by the kernel itself against an
@@ -64,8 +66,8 @@ KERNEL_BITS = 4
 KERNEL_GROUP_SIZES = (32, 64, 128, 256)
 KERNEL_DTYPE = torch.bfloat16
 ROW_MULTIPLE = 16  # the CPU converter's rule for the output dim
-ROW_BLOCK = 64  # CPU: rows per packed block; a multiple of CUDA's 8-row tiles
-_CPU_BLOCK = 64
+ROW_BLOCK = 64  # where placement cuts packed rows: a multiple of every CPU block and of CUDA's 8-row tiles
+_CPU_BLOCKS = (64, 32)  # the CPU converter's blocks of output rows: AVX-512's, AVX2's
 _CUDA_TILE_ROWS = 8
 # Activation rows up to which the kernel beats dequantize-then-matmul, per device type (None:
 # every row count), for the engines this process loads. The defaults were measured alone with
@@ -120,7 +122,7 @@ def device_refusal(dtype: torch.dtype, device: torch.device) -> str | None:
         # float32 also keeps results independent of how many rows a call has (the kernel
         # and the dequantize path round differently), which policy invariance relies on.
         return f"{str(dtype).removeprefix('torch.')} compute (the int4 kernels compute in bfloat16)"
-    if device.type == "cpu" and not _cpu_layout_ok():
+    if device.type == "cpu" and cpu_block() is None:
         return (f"this CPU's int4pack layout (torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}) "
                 "is not the one this engine decodes")
     if device.type not in ("cpu", "cuda"):
@@ -224,13 +226,14 @@ def packed_rows_of(p: PackedInt4, ids: torch.Tensor, dtype: torch.dtype = KERNEL
     n, k = p.shape
     flat = ids.reshape(-1).to(p.device)
     codes = torch.empty(len(flat), k, dtype=torch.uint8, device=p.device)
-    full = n // _CPU_BLOCK * _CPU_BLOCK
+    block = cpu_block()
+    full = n // block * block
     in_blocks = flat < full
-    if bool(in_blocks.any()):  # row b * 64 + 32 h + j: nibble h of byte column j, block b
+    if bool(in_blocks.any()):  # row b * B + B / 2 h + j: nibble h of byte column j, block b
         r = flat[in_blocks]
-        blocks = p.packed[:full].view(full // _CPU_BLOCK, k, _CPU_BLOCK // 2)
-        shift = (r % _CPU_BLOCK // (_CPU_BLOCK // 2) * 4).to(torch.uint8)
-        codes[in_blocks] = blocks[r // _CPU_BLOCK, :, r % (_CPU_BLOCK // 2)] >> shift[:, None] & 15
+        blocks = p.packed[:full].view(full // block, k, block // 2)
+        shift = (r % block // (block // 2) * 4).to(torch.uint8)
+        codes[in_blocks] = blocks[r // block, :, r % (block // 2)] >> shift[:, None] & 15
     if not bool(in_blocks.all()):  # tail row full + t: nibble t % 2 of byte column t // 2
         t = flat[~in_blocks] - full
         tail = p.packed[full:].view(k, (n - full) // 2)
@@ -247,13 +250,14 @@ def _affine_(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> to
     return codes.sub_(8).mul_(scale).add_(zero)
 
 
-def _cpu_codes_by_column(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """Decode the CPU layout (module doc) back to uint8 codes, as the contiguous transpose
-    (k, n) of the (n, k) weight's codes."""
-    full = n // _CPU_BLOCK * _CPU_BLOCK
+def _cpu_codes_by_column(packed: torch.Tensor, n: int, k: int, block: int | None = None) -> torch.Tensor:
+    """Decode the CPU layout (module doc; blocks of `block` rows, default this machine's)
+    back to uint8 codes, as the contiguous transpose (k, n) of the (n, k) weight's codes."""
+    block = block or cpu_block()
+    full = n // block * block
     parts = []
     if full:
-        b = packed[:full].view(full // _CPU_BLOCK, k, 1, _CPU_BLOCK // 2).transpose(0, 1)
+        b = packed[:full].view(full // block, k, 1, block // 2).transpose(0, 1)
         parts.append(torch.cat((b & 15, b >> 4), 2).view(k, full))
     if full < n:
         b = packed[full:].view(k, (n - full) // 2, 1)
@@ -268,14 +272,20 @@ def _cuda_dequantize(p: PackedInt4) -> torch.Tensor:
 
 
 @lru_cache(maxsize=1)
-def _cpu_layout_ok() -> bool:
-    """Whether this machine's CPU converter writes the layout `_cpu_codes_by_column` decodes: probed
-    on shapes with whole blocks, tails of 16 and 48 rows, and every code value."""
+def cpu_block() -> int | None:
+    """The block of output rows this machine's CPU converter packs (module doc), or None where
+    it writes no layout `_cpu_codes_by_column` decodes: probed on shapes with whole blocks,
+    tails of 16 and 48 rows, and every code value."""
+    return next((block for block in _CPU_BLOCKS if _cpu_converter_writes(block)), None)
+
+
+def _cpu_converter_writes(block: int) -> bool:
     g = torch.Generator().manual_seed(0)
-    for n in (_CPU_BLOCK, 2 * _CPU_BLOCK + 16, _CPU_BLOCK + 48, 16):
+    for n in (64, 128 + 16, 64 + 48, 16):
         codes = torch.randint(0, 16, (n, 64), generator=g, dtype=torch.int32)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
-        if packed.shape != (n, 32) or not torch.equal(_cpu_codes_by_column(packed, n, 64).t().to(torch.int32), codes):
+        if packed.shape != (n, 32) or not torch.equal(
+                _cpu_codes_by_column(packed, n, 64, block).t().to(torch.int32), codes):
             return False
     return True
 

@@ -84,7 +84,7 @@ class PrefixLayer:
 
     keys: torch.Tensor
     values: torch.Tensor
-    decode: dict = field(default_factory=dict)  # device type -> attention.DecodePrefix
+    decode: dict = field(default_factory=dict)  # device type -> attention.DecodePrefix or held_prefix.HeldPrefix
 
     def context(self, pad: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values of a GPU batch's columns before its window, (b * kv_heads,

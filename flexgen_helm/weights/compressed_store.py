@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from flexgen_helm.compression import int8
 from flexgen_helm.compression.grids import WeightCompression, setting_of, takes_source_codes, tensor_compression
-from flexgen_helm.compression.int4 import PackedInt4, device_refusal, packed_rows
+from flexgen_helm.compression.int4 import PackedInt4, cpu_block, device_refusal, packed_rows
 from flexgen_helm.compression.quantize import QuantizedTensor
 from flexgen_helm.compression.stored import Stored, encode, in_layout, stored_nbytes, weight_groups, weight_layout
 from flexgen_helm.errors import WeightStoreError
@@ -88,8 +88,13 @@ class WeightCalibration(Protocol):
 
 
 def store_layout(dtype: torch.dtype, device: torch.device) -> str:
-    """The packed layout a store for this compute device and dtype uses where it can."""
-    return "groups" if device_refusal(dtype, device) else f"int4{device.type}"
+    """The packed layout a store for this compute device and dtype uses where it can; a CPU's
+    with its block of rows where that is not 64 (int4.cpu_block: AVX2's 32), so that no store is
+    read on a machine that packs otherwise."""
+    if device_refusal(dtype, device):
+        return "groups"
+    block = cpu_block() if device.type == "cpu" else None
+    return f"int4{device.type}" + (str(block) if block not in (None, 64) else "")
 
 
 def compressed_store_dir(store_root: Path, cfg: Compression, layout: str) -> Path:

@@ -43,6 +43,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--skip-unshared", action="store_true", help="no run with sharing off")
+    p.add_argument("--label", default="", help="what the record measured (e.g. the commit)")
     args = p.parse_args()
     policy = Policy(gpu_batch_size=args.sequences, num_gpu_batches=1)
     engine = Engine.load(args.model, policy, dummy=args.dummy, progress=False)
@@ -66,7 +67,8 @@ def main() -> None:
                                "wall_s": time.perf_counter() - t0,
                                "computed_prompt_tokens": stats.computed_prompt_tokens})
     best = {name: min(r, key=lambda x: x["decode_step_s"]) for name, r in rows.items()}
-    record = {"host": machine_label(), "dtype": str(engine.runtime.devices.dtype), "model": args.model,
+    record = {"label": args.label, "host": machine_label(), "dtype": str(engine.runtime.devices.dtype),
+              "model": args.model,
               "prefix": args.prefix, "sequences": args.sequences, "new_tokens": args.new_tokens,
               "loadavg_1m": os.getloadavg()[0], "runs": rows, "best": best,
               "decode_step_ratio_shared_vs_no_prefix": best["shared prefix"]["decode_step_s"]
