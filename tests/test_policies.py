@@ -15,6 +15,7 @@ from flexgen_helm.executor.generation import plan_blocks
 from flexgen_helm.executor.kv_cache import KVCacheSlot
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.executor.schedule import BlockSchedule, GpuBatch
+from flexgen_helm.executor.shared_prefix import SharedPrefix
 from flexgen_helm.memory.placement import slot_tier_counts, split_in_turn
 from flexgen_helm.planner.budget import planned_components
 from flexgen_helm.policy import Compression, Policy, Split
@@ -216,7 +217,7 @@ def test_budget_plans_a_shared_prefix_block_as_the_schedule_allocates(tiny_llama
                         torch.ones(policy.gpu_batch_size, len(prefix) + 3, dtype=torch.bool))
                for k, i in enumerate(range(policy.num_gpu_batches))]
     before = dict(rt.usage.current)
-    sched = BlockSchedule(rt, policy, batches, max_len, tmp_path, shared_prefix=prefix)
+    sched = BlockSchedule(rt, policy, batches, max_len, tmp_path, shared_prefix=SharedPrefix(torch.tensor([prefix])))
     try:
         sched.prefill(lambda k, w, h: None)
         for a in sched.acts:  # the prefill's hidden states: not the cache's
