@@ -306,26 +306,12 @@ def attend_past_held_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | 
     u, r, _, d = q.shape
     kvh, n = prefix_keys.shape[0], prefix_keys.shape[1]
     qf = q.float().view(u, r, d)
-    # the prefix's queries by key-value head, over the whole sequences q's units lie in (the
-    # units of a sequence outside them ask with zero queries, and are dropped)
-    lead = first_unit % kvh
-    sequences = -(-(lead + u) // kvh)
-    padded = qf
-    if lead or u != sequences * kvh:
-        padded = torch.cat([qf.new_zeros(lead, r, d), qf, qf.new_zeros(sequences * kvh - lead - u, r, d)])
-    by_head = padded.view(sequences, kvh, r, d).transpose(0, 1).reshape(kvh, sequences * r, d)
-
-    def per_unit(x: torch.Tensor) -> torch.Tensor:  # (kv_heads, sequences * r, m) -> (u, r, m)
-        return x.view(kvh, sequences, r, -1).transpose(0, 1).reshape(sequences * kvh, r, -1)[lead:lead + u]
-
+    by_head, per_unit = _stacked_by_head(qf, first_unit, kvh)
     if keep_fraction == 1.0:
         v = v(list(range(k.shape[1]))) if callable(v) else v
-        own_out, own_lse = _normalized_part(qf, k, v, own_valid, softcap)
-        prefix_out, prefix_lse = (per_unit(x) for x in _normalized_part(by_head, prefix_keys, prefix_values, None,
-                                                                        softcap))
-        # each part's weight in the whole softmax: its share of the two parts' exp-sums
-        out = torch.lerp(prefix_out, own_out, torch.sigmoid(own_lse - prefix_lse))
-        return out.view(u, r, 1, d).to(q.dtype)
+        own = _normalized_part(qf, k, v, own_valid, softcap)
+        shared = _normalized_part(by_head, prefix_keys, prefix_values, None, softcap)
+        return _merged(own, tuple(map(per_unit, shared))).view(u, r, 1, d).to(q.dtype)
     # the scores attend() computes over each whole cache, the prefix's first
     own = _capped(torch.bmm(qf, k.float().transpose(1, 2)) / math.sqrt(d), softcap)
     own = own.masked_fill_(~own_valid[:, None, :], -math.inf)
@@ -473,26 +459,42 @@ def attend_past_shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if held_out is not None:
         positions = torch.where(positions >= held_out[0], positions + (held_out[1] - held_out[0]), positions)
     own = key_valid & ((positions < start) | (positions >= start + n))
-    own_out, own_lse = _normalized_part(qf, k, v, own, softcap)
-    # the prefix part by key-value head, over the whole sequences q's units lie in (the
-    # units of a sequence outside them ask with zero queries, and are dropped)
-    lead = first_unit % kvh
-    sequences = -(-(lead + u) // kvh)
-    if lead or u != sequences * kvh:
-        qf = torch.cat([qf.new_zeros(lead, r, d), qf, qf.new_zeros(sequences * kvh - lead - u, r, d)])
-    by_head = qf.view(sequences, kvh, r, d).transpose(0, 1).reshape(kvh, sequences * r, d)
+    own_part = _normalized_part(qf, k, v, own, softcap)
+    by_head, per_unit = _stacked_by_head(qf, first_unit, kvh)
     if prefix.key_mean is None:
         shared = _normalized_part(by_head, prefix.keys, prefix.values, None, softcap)
     else:
         out, peak, total = _bf16_prefix_part(by_head, prefix)
         shared = out / total, peak + total.log()
-    prefix_out, prefix_lse = (x.view(kvh, sequences, r, -1).transpose(0, 1).reshape(sequences * kvh, r, -1)
-                              [lead:lead + u] for x in shared)
-    # each part is normalised over its own keys; its weight in the whole softmax is its share
-    # of the two parts' exp-sums: the own part's is sigmoid(own_lse - prefix_lse), 0 where a
-    # unit has no key of its own (-inf)
-    out = torch.lerp(prefix_out, own_out, torch.sigmoid(own_lse - prefix_lse))
-    return out.view(u, r, 1, d).to(q.dtype)
+    return _merged(own_part, tuple(map(per_unit, shared))).view(u, r, 1, d).to(q.dtype)
+
+
+def _stacked_by_head(qf: torch.Tensor, first_unit: int, kvh: int) -> tuple[torch.Tensor, Callable]:
+    """Queries (u, r, d) of the units first_unit, first_unit + 1, ... of whole sequences
+    (kv_heads units each) as the rows of one product per key-value head: (kv_heads,
+    sequences * r, d), over the whole sequences they lie in (the units of a sequence outside
+    them ask with zero queries); and the map of a result (kv_heads, sequences * r, m) back to
+    the units' (u, r, m), those zero queries dropped."""
+    u, r, d = qf.shape
+    lead = first_unit % kvh
+    sequences = -(-(lead + u) // kvh)
+    if lead or u != sequences * kvh:
+        qf = torch.cat([qf.new_zeros(lead, r, d), qf, qf.new_zeros(sequences * kvh - lead - u, r, d)])
+    by_head = qf.view(sequences, kvh, r, d).transpose(0, 1).reshape(kvh, sequences * r, d)
+
+    def per_unit(x: torch.Tensor) -> torch.Tensor:
+        return x.view(kvh, sequences, r, -1).transpose(0, 1).reshape(sequences * kvh, r, -1)[lead:lead + u]
+
+    return by_head, per_unit
+
+
+def _merged(own: tuple[torch.Tensor, torch.Tensor], prefix: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Attention over two parts of the keys, each (output, log-sum-exp) normalised over its
+    own (_normalized_part): each part's weight in the whole softmax is its share of the two
+    exp-sums, the own part's sigmoid(own_lse - prefix_lse) (0 where a unit has no key of its
+    own: -inf)."""
+    (own_out, own_lse), (prefix_out, prefix_lse) = own, prefix
+    return torch.lerp(prefix_out, own_out, torch.sigmoid(own_lse - prefix_lse))
 
 
 def _bf16_prefix_part(q: torch.Tensor, prefix: DecodePrefix) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
