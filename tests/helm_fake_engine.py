@@ -64,7 +64,8 @@ class FakeEngine:
         # real engine's bf16 results do; a test comparing runs then sees any change of batches
         self.batch_shift = os.environ.get("FLEXGEN_FAKE_BATCH_SHIFT") == "1"
         block = int(os.environ.get("FLEXGEN_FAKE_BLOCK", "0"))
-        self.policy = SimpleNamespace(block_size=block) if block else None  # the client's batch size
+        # the client's batch size; the fake computes every prompt whole
+        self.policy = SimpleNamespace(block_size=block, prefix_sharing=False) if block else None
         self.precision = setting_name({}, "float32")  # its bigram model computes in float32
         self.crash_after: int | None = None  # raise KeyboardInterrupt (a kill) at this many calls
         self.on_call = None  # called with the number of calls so far, before each (may raise)

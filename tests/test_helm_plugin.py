@@ -270,6 +270,45 @@ def test_a_scenarios_batches_hold_at_most_a_sixteenth_of_it():
     assert [n for kind, n in engine().calls] == [16] * 5
 
 
+def test_a_batch_sharing_a_prefix_holds_the_work_of_sixteen_requests_computed_apart():
+    """The cap bounds the work a killed run loses: a batch computes a shared prefix once, so
+    the work of 16 requests computed apart holds more requests that share one."""
+    from flexgen_helm.helm.batching import batch_cap
+
+    # 16 x 300 tokens computed apart = 200 + n x 100 shared: n = 46
+    assert batch_cap(100, 64, tokens_per_request=300, shared_prefix=200) == 46
+    assert batch_cap(100, 32, tokens_per_request=300, shared_prefix=200) == 32  # the block still binds
+    assert batch_cap(100, 64, tokens_per_request=300, shared_prefix=0) == 16
+    # the share of a large scenario grows with it alike: 1024 / 16 = 64 apart -> 190 shared
+    assert batch_cap(1024, 512, tokens_per_request=300, shared_prefix=200) == 190
+
+
+def test_a_shared_prefix_counts_once_in_a_batchs_token_cap():
+    from flexgen_helm.executor.length_buckets import cut_by_length
+
+    lengths = [1000] * 12  # 12 x 1000 passes 8192 tokens; 900 shared + 12 x 100 does not
+    assert [b - a for a, b in cut_by_length(lengths, 16, 0.25, 8192)] == [4, 8]
+    assert [b - a for a, b in cut_by_length(lengths, 16, 0.25, 8192, shared_prefix=900)] == [12]
+
+
+def test_a_few_shot_scenario_runs_in_fewer_batches_where_the_engine_shares_its_prefix():
+    """The scenario's requests share 200 of their ~260 tokens: with sharing its 100 requests
+    run as 2 batches instead of 7 of at most 16."""
+    from flexgen_helm.executor.sampling import SamplingParams
+    from flexgen_helm.helm.batching import GENERATE, Job
+    from flexgen_helm.helm.scenario_plan import PlannedRequest, plan_scenario
+
+    params = SamplingParams(max_new_tokens=10)
+    shared = list(range(1000, 1200))
+    planned = {str(i): PlannedRequest(None, {}, Job(shared + [i] * (50 + i % 3), params, GENERATE, ("g",)), 0)
+               for i in range(100)}
+    sizes = lambda plan: [len(b) for b in plan.batches]  # noqa: E731
+    assert sorted(sizes(plan_scenario(planned, set(), 64, 0.25, 1 / 16, prefix_sharing=False))) == [4] + [16] * 6
+    # 16 x 261 tokens = 200 + n x 61: n = 65, the block (64) binds
+    shared_plan = plan_scenario(planned, set(), 64, 0.25, 1 / 16, prefix_sharing=True)
+    assert len(shared_plan.batches) == 2 and sum(sizes(shared_plan)) == 100
+
+
 def test_cache_makes_reruns_free(tmp_path):
     config = SqliteCacheConfig(str(tmp_path / "flexgen.sqlite"))
     first = client(config).make_request(req("Cache me", max_tokens=3))

@@ -464,6 +464,34 @@ def test_the_planner_counts_a_shared_prefix_once_and_fits_bigger_blocks():
         assert saved > 0.9 * (compressed.block_size - 1) * held * per_sequence
 
 
+def test_a_prefix_whose_one_copy_fits_no_block_is_computed_per_sequence_and_the_plan_says_why():
+    """The prefix's one copy sits on the compute tier; with the cache offloaded to the CPU
+    the per-sequence copies fit where that one does not: the planner turns sharing off and
+    says why, rather than failing; a user who pinned sharing on gets the error."""
+    from flexgen_helm.errors import PolicyError
+    from flexgen_helm.models.opt import config_for_size
+    from flexgen_helm.planner.auto import CommandWorkload, searched_policy
+    from flexgen_helm.planner.hardware_profile import DeviceSpeeds, HardwareProfile
+    gib = 2**30
+    speeds = DeviceSpeeds(matmul_flops={"bfloat16": {1: 2e9, 16: 30e9, 256: 200e9, 4096: 300e9}},
+                          attn_prefill_flops=100e9, attn_decode_bytes_per_s=5e9)
+    profile = HardwareProfile(devices={"cpu": speeds}, memcpy_bytes_per_s=5e9, disk_read_bytes_per_s=1e9,
+                              disk_write_bytes_per_s=5e8, cpu_mem_bytes=24 * gib, cpu_available_bytes=20 * gib,
+                              disk_free_bytes=100 * gib)
+    cfg = config_for_size("125m")
+    placed = {"weights": {"gpu": 1, "cpu": 0, "disk": 0}, "cache": {"gpu": 0, "cpu": 1, "disk": 0},
+              "activations": {"gpu": 1, "cpu": 0, "disk": 0}}
+    work = CommandWorkload(2000, 32, 64, shared_prefix=1990)
+    budgets = {"gpu": "400MiB", "cpu": "4GiB"}
+    policy, result = searched_policy(cfg, work, placed, profile, budgets, dtype=torch.bfloat16)
+    assert not policy.prefix_sharing
+    assert "1990 tokens every prompt starts with are computed and held per sequence" in result.unshared_because
+    roomy, result = searched_policy(cfg, work, placed, profile, {"gpu": "2GiB", "cpu": "4GiB"}, dtype=torch.bfloat16)
+    assert roomy.prefix_sharing and not result.unshared_because
+    with pytest.raises(PolicyError, match="does not fit the memory budgets"):
+        searched_policy(cfg, work, {**placed, "prefix_sharing": True}, profile, budgets, dtype=torch.bfloat16)
+
+
 def test_bench_refuses_a_shared_prefix_that_leaves_no_prompt_token(capsys):
     from flexgen_helm.cli import main
 

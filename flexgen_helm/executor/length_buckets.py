@@ -12,11 +12,12 @@ PAD_TOLERANCE = 0.04
 
 
 def cut_by_length(lengths: list[int], max_size: int, pad_tolerance: float | None = PAD_TOLERANCE,
-                  max_tokens: int | None = None) -> list[tuple[int, int]]:
+                  max_tokens: int | None = None, shared_prefix: int = 0) -> list[tuple[int, int]]:
     """The fewest runs [start, end) of `lengths` (sorted, shortest first) of at most `max_size`
     each, whose padding to their longest adds at most `pad_tolerance` x their real tokens (None:
     no bound) and whose padded tokens stay within `max_tokens` (None: no bound; a longer one
-    runs alone); of those cuts, the one with the least padding, and of those, the one whose
+    runs alone; the `shared_prefix` tokens every sequence starts with count once, as a run
+    computes and holds them once); of those cuts, the one with the least padding, and of those, the one whose
     runs end furthest to the long end (equal lengths: full runs there, a part-filled one
     holding the shortest).
 
@@ -35,7 +36,8 @@ def cut_by_length(lengths: list[int], max_size: int, pad_tolerance: float | None
             # a shorter length added in front only raises the padding and its ratio to the real
             # tokens (the mean length falls), so the first start that fails ends the search
             if size > 1 and ((pad_tolerance is not None and padding > pad_tolerance * real)
-                             or (max_tokens is not None and size * longest > max_tokens)):
+                             or (max_tokens is not None
+                                 and size * (longest - shared_prefix) + shared_prefix > max_tokens)):
                 break
             candidate = (best[start][0] + 1, best[start][1] + padding)
             if candidate <= best[end]:  # of equal cuts, the one whose runs are full at the long end

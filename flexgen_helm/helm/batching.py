@@ -96,37 +96,54 @@ MAX_BATCH_TOKENS = 8192
 # the weights once per step where separate batches would load them once each.
 PAD_TOLERANCE = 0.25
 # A killed run loses the batch it was in (every finished batch is in HELM's cache): a planned
-# batch holds at most this share of its scenario's requests, so that a rerun recomputes little,
-# but never fewer than MIN_CAPPED_BATCH requests (smaller blocks make more decode steps, each
-# bound by reading the weights; runs/padding measures what the cap costs). Every batch also
-# pays a layer's fixed costs once (weight loads, a compressed layer's dequantization, a
-# generating batch's decode steps), so a scenario of up to 16 requests runs as one batch and a
-# killed run recomputes at most 16: the README main job's engine time went 48-49 s -> 32-40 s
-# (its 10-request scenarios had run as two batches each; runs/bench/compression/int4/
-# dense_orientation_2026-11-25, main_job_one_batch and one_batch.py).
+# batch holds at most the work of this share of its scenario's requests, so that a rerun
+# recomputes little, but never less than the work of MIN_CAPPED_BATCH requests (smaller blocks
+# make more decode steps, each bound by reading the weights; runs/padding measures what the cap
+# costs). Every batch also pays a layer's fixed costs once (weight loads, a compressed layer's
+# dequantization, a generating batch's decode steps), so a scenario of up to 16 requests runs
+# as one batch and a killed run recomputes at most 16: the README main job's engine time went
+# 48-49 s -> 32-40 s (its 10-request scenarios had run as two batches each;
+# runs/bench/compression/int4/dense_orientation_2026-11-25, main_job_one_batch and one_batch.py).
+# Requests that share a prompt prefix (a few-shot run's examples) cost less each in a batch
+# that computes the prefix once, so the same work at risk holds more of them (`batch_cap`).
 MAX_BATCH_SHARE = 1 / 16
 MIN_CAPPED_BATCH = 16
 
 
-def batch_cap(requests: int, max_batch: int, share: float = MAX_BATCH_SHARE) -> int:
+def batch_cap(requests: int, max_batch: int, share: float = MAX_BATCH_SHARE,
+              tokens_per_request: float = 0.0, shared_prefix: int = 0) -> int:
     """The largest batch planned for a scenario of `requests` requests: the engine's block
-    (`max_batch`), at most `share` of the scenario but not below MIN_CAPPED_BATCH."""
-    return min(max_batch, max(MIN_CAPPED_BATCH, math.ceil(requests * share)))
+    (`max_batch`), at most the work of `share` of the scenario's requests computed apart, but
+    never less than the work of MIN_CAPPED_BATCH of them.
+
+    Work is counted in tokens computed (prompt and new). Where every request's prompt starts
+    with the same `shared_prefix` tokens, which a batch computes once, and a request takes
+    `tokens_per_request` tokens on average, a batch of n costs shared + n x (tokens - shared):
+    the cap is the largest n whose cost is at most that of the requests computed apart."""
+    capped = max(MIN_CAPPED_BATCH, math.ceil(requests * share))
+    own = tokens_per_request - shared_prefix
+    if shared_prefix > 0 and own > 0:
+        capped = max(capped, math.floor((capped * tokens_per_request - shared_prefix) / own))
+    return min(max_batch, capped)
 
 
 def buckets(jobs: list[Job], max_batch: int, pad_tolerance: float | None = PAD_TOLERANCE,
-            max_tokens: int = MAX_BATCH_TOKENS) -> list[list[Job]]:
+            max_tokens: int = MAX_BATCH_TOKENS, shared_prefix: int = 0) -> list[list[Job]]:
     """Split same-group jobs into the fewest batches of at most `max_batch` jobs, each a run of
     the jobs sorted by length (ties in list order) whose padding to its longest adds at most
     `pad_tolerance` x its real tokens (None: no bound) and whose tokens so padded stay within
-    `max_tokens` (a longer prompt runs alone); of those cuts, the one that pads least."""
+    `max_tokens` (a longer prompt runs alone), the `shared_prefix` tokens every prompt starts
+    with counted once; of those cuts, the one that pads least."""
     ordered = sorted(jobs, key=lambda j: len(j.prompt_ids))
-    cuts = cut_by_length([len(j.prompt_ids) for j in ordered], max_batch, pad_tolerance, max_tokens)
+    cuts = cut_by_length([len(j.prompt_ids) for j in ordered], max_batch, pad_tolerance, max_tokens, shared_prefix)
     return [ordered[start:end] for start, end in cuts]
 
 
-def plan_batches(jobs: list[Job], max_batch: int, pad_tolerance: float = PAD_TOLERANCE) -> list[list[Job]]:
-    """The batches `run_jobs` runs: by group (in order of first appearance), then length buckets.
+def plan_batches(jobs: list[Job], max_batch: int, pad_tolerance: float = PAD_TOLERANCE,
+                 shared_prefix: int = 0) -> list[list[Job]]:
+    """The batches `run_jobs` runs: by group (in order of first appearance), then length buckets;
+    `shared_prefix`: the tokens every generating job's prompt starts with, which the engine
+    computes once per batch (0: none, or the engine does not share prefixes).
 
     A function of the job list alone, so the same requests always meet the same batchmates
     (bf16 results follow the batch: its padding and matmul shapes) whatever the thread
@@ -136,7 +153,8 @@ def plan_batches(jobs: list[Job], max_batch: int, pad_tolerance: float = PAD_TOL
         groups.setdefault(job.group, []).append(job)
     # scoring alone keeps no KV cache and takes no decode step: any lengths may share its block
     return [batch for group_jobs in groups.values()
-            for batch in buckets(group_jobs, max_batch, None if group_jobs[0].mode == SCORE else pad_tolerance)]
+            for batch in (buckets(group_jobs, max_batch, None) if group_jobs[0].mode == SCORE
+                          else buckets(group_jobs, max_batch, pad_tolerance, shared_prefix=shared_prefix))]
 
 
 def run_jobs(handle: EngineHandle, jobs: list[Job], max_batch: int, pad_tolerance: float = PAD_TOLERANCE,

@@ -69,8 +69,8 @@ def plan_block(handle: EngineHandle, jobs: list[Job]) -> Policy | None:
     policy = block.policy
     why = (f"shared prefix {work.shared_prefix} tokens, block {policy.block_size} vs {block.unshared.block_size} "
            f"without sharing" if work.shared_prefix and policy.prefix_sharing
-           else "no shared prefix" if not work.shared_prefix else f"prefix sharing off ({work.shared_prefix} "
-           f"tokens in common)")
+           else "no shared prefix" if not work.shared_prefix
+           else block.unshared_because or f"prefix sharing off ({work.shared_prefix} tokens in common)")
     hlog(f"flexgen: block for this scenario: gbs {policy.gpu_batch_size} x {policy.num_gpu_batches} = "
          f"{policy.block_size} sequences (was {loaded.block_size} as loaded) for {work.sequences} sequences, prompts "
          f"up to {work.prompt_len} tokens, {work.gen_len} new; {why}")

@@ -305,8 +305,10 @@ class FlexGenClient(CachingClient):
                 continue
             planned[key] = PlannedRequest(request, raw, job, n_prefix)
         policy = plan_block(handle, [p.job for p in planned.values()])
+        runs_in = policy or handle.engine.policy
+        sharing = runs_in is not None and runs_in.prefix_sharing
         return plan_scenario(planned, cached, self.max_batch(handle, policy), self.pad_tolerance,
-                             self.max_batch_share, policy)
+                             self.max_batch_share, policy, sharing)
 
     def log_plan(self, plan: ScenarioPlan) -> None:
         largest = max(map(len, plan.batches), default=0)

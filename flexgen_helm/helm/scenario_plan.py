@@ -1,7 +1,8 @@
 """The planned batches of a scenario's requests, run ahead of HELM's executor.
 
 Planned over the whole request list, cached requests included (`batching.plan_batches`, the
-batch size capped by `batching.batch_cap` of the list's length): the batches of an
+batch size capped by `batching.batch_cap` of the list's length and work, a shared prompt
+prefix counted once per batch where the engine shares it): the batches of an
 uninterrupted run whatever was cached, so that a resumed run gives the same results and
 `-n` changes nothing. Only the batches that hold an uncached request run; a cached request
 in one of them runs again to keep its batch as it was, and its new result is dropped.
@@ -12,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from flexgen_helm.helm.batching import Job, batch_cap, plan_batches
+from flexgen_helm.helm.batching import GENERATE, Job, batch_cap, plan_batches
+from flexgen_helm.helm.block_planning import scenario_workload
 
 
 @dataclass
@@ -43,11 +45,23 @@ class ScenarioPlan:
 
 
 def plan_scenario(planned: dict[str, PlannedRequest], cached: set[str], max_batch: int, pad_tolerance: float,
-                  max_batch_share: float, policy: Any = None) -> ScenarioPlan:
+                  max_batch_share: float, policy: Any = None, prefix_sharing: bool = False) -> ScenarioPlan:
     """The batches of `planned` (every request of the scenario that can run) that hold an
-    uncached request; `max_batch`: the block of `policy`, the engine's for these requests."""
+    uncached request; `max_batch`: the block of `policy`, the engine's for these requests;
+    `prefix_sharing`: whether that engine computes a batch's shared prompt prefix once."""
     key_of_job = {id(p.job): key for key, p in planned.items()}
     jobs = [p.job for p in planned.values()]
-    batches = plan_batches(jobs, batch_cap(len(jobs), max_batch, max_batch_share), pad_tolerance)
+    shared = scenario_workload(jobs).shared_prefix if prefix_sharing and jobs else 0
+    cap = batch_cap(len(jobs), max_batch, max_batch_share, _mean_tokens(jobs), shared)
+    batches = plan_batches(jobs, cap, pad_tolerance, shared)
     to_run = [b for b in batches if any(key_of_job[id(j)] not in cached for j in b)]
     return ScenarioPlan(planned, cached, to_run, key_of_job, policy)
+
+
+def _mean_tokens(jobs: list[Job]) -> float:
+    """The tokens a job costs on average computed alone: its prompt, and its new tokens for
+    each completion where it generates."""
+    if not jobs:
+        return 0.0
+    return sum(len(j.prompt_ids) + (j.params.max_new_tokens * j.params.num_completions if GENERATE in j.mode else 0)
+               for j in jobs) / len(jobs)

@@ -17,8 +17,9 @@ default and with `--policy auto`:
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from flexgen_helm.errors import PolicyError
 from flexgen_helm.models.config import ModelConfig
 from flexgen_helm.planner.budget import parse_size
 from flexgen_helm.planner.hardware_profile import HardwareProfile, load_or_profile, saved_profile
@@ -87,8 +88,10 @@ def planned_policy(cfg: ModelConfig, workload: CommandWorkload, pinned: dict | N
               f"not set ({policy.describe()}); `flexgen-helm profile` (under a minute) lets it pick the fastest "
               "block for this machine", file=sys.stderr, flush=True)
         return policy
-    shared = workload.shared_prefix if pinned.get("prefix_sharing", True) else 0
     policy, result = searched_policy(cfg, workload, pinned, profile, budgets, max_latency_s, offload_dir, dtype)
+    if result.unshared_because:
+        print(f"flexgen-helm: {result.unshared_because}", file=sys.stderr, flush=True)
+    shared = workload.shared_prefix if policy.prefix_sharing else 0
     work = "scoring" if workload.gen_len <= 1 else f"{workload.gen_len} new tokens"
     common = f", the first {shared} shared" if shared else ""
     print(f"planned policy for {cfg.name} (prompts up to {workload.prompt_len} tokens{common}, {work}): "
@@ -102,7 +105,9 @@ def searched_policy(cfg: ModelConfig, workload: CommandWorkload, pinned: dict, p
                     dtype=None, placement: tuple | None = None) -> tuple[Policy, SearchResult]:
     """The search's policy for `workload` with `pinned` kept (and `placement`, the weights',
     cache's and activations' Splits, where given), said nothing about; and the search's result.
-    The shared prefix counts where the policy shares prefixes (`prefix_sharing`, default on)."""
+    The shared prefix counts where the policy shares prefixes (`prefix_sharing`, default on);
+    where held once it fits no block but per sequence it does, and `prefix_sharing` is not
+    pinned, the policy does not share it and the result says why (`unshared_because`)."""
     options = options_for(pinned, max_latency_s)
     if placement is not None:
         options.placement = placement
@@ -111,8 +116,20 @@ def searched_policy(cfg: ModelConfig, workload: CommandWorkload, pinned: dict, p
         options.max_block_size = max(cap, (options.gpu_batch_size or 1) * (options.num_gpu_batches or 1))
         options.max_gpu_batch_size = min(options.max_gpu_batch_size, cap)
     shared = workload.shared_prefix if pinned.get("prefix_sharing", True) else 0
-    result = search_for(cfg, workload.prompt_len, workload.gen_len, budgets, options, offload_dir=offload_dir,
-                        dtype=dtype, profile=profile, shared_prefix=shared)
+    try:
+        result = search_for(cfg, workload.prompt_len, workload.gen_len, budgets, options, offload_dir=offload_dir,
+                            dtype=dtype, profile=profile, shared_prefix=shared)
+    except PolicyError as e:
+        if not shared or "prefix_sharing" in pinned:
+            raise
+        # The prefix's one copy sits on the compute tier (planner/budget.planned_components),
+        # where the cache's rows may be offloaded: without it every sequence holds its own copy
+        # wherever the policy places the cache, and may fit where the one copy does not.
+        result = search_for(cfg, workload.prompt_len, workload.gen_len, budgets, options, offload_dir=offload_dir,
+                            dtype=dtype, profile=profile)
+        result = replace(result, policy=replace(result.policy, prefix_sharing=False), unshared_because=(
+            f"the {shared} tokens every prompt starts with are computed and held per sequence: held once, their KV "
+            f"does not fit the budgets with any block ({e})"))
     return Policy.from_dict({**result.policy.to_dict(), **pinned}), result
 
 

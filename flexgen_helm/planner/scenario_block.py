@@ -27,6 +27,7 @@ class ScenarioBlock:
     unshared: Policy  # the planner's choice for the same requests without a shared prefix, same constraints
     # the planner's choice had it been free to place the weights again (None: it keeps the loaded placement)
     moved_weights: Policy | None
+    unshared_because: str = ""  # why the requests' shared prefix is not held once (planner/auto.searched_policy)
 
 
 def block_for_requests(cfg: ModelConfig, loaded: Policy, pinned: dict, workload: CommandWorkload,
@@ -34,15 +35,15 @@ def block_for_requests(cfg: ModelConfig, loaded: Policy, pinned: dict, workload:
     """The block for `workload` (the requests' lengths, count and shared prefix), `pinned`
     (the deployment's Policy fields) kept as given, the weights where `loaded` placed them.
     A PolicyError where nothing fits the budgets (the caller keeps the loaded policy)."""
-    free, _ = searched_policy(cfg, workload, pinned, profile, dtype=dtype)
+    free, result = searched_policy(cfg, workload, pinned, profile, dtype=dtype)
     placement, moved = None, None
     if free.weights != loaded.weights:
         placement, moved = (loaded.weights, loaded.cache, loaded.activations), free
-        policy, _ = searched_policy(cfg, workload, pinned, profile, dtype=dtype, placement=placement)
+        policy, result = searched_policy(cfg, workload, pinned, profile, dtype=dtype, placement=placement)
     else:
         policy = free
     unshared = policy
     if workload.shared_prefix and policy.prefix_sharing:
         unshared, _ = searched_policy(cfg, replace(workload, shared_prefix=0), pinned, profile, dtype=dtype,
                                       placement=placement)
-    return ScenarioBlock(policy, unshared, moved)
+    return ScenarioBlock(policy, unshared, moved, result.unshared_because)

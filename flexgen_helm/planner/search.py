@@ -129,6 +129,8 @@ class SearchResult:
     policy: Policy
     estimate: Estimate
     candidates: list[Candidate] = field(default_factory=list)  # best of each block shape, fastest first
+    # why a shared prompt prefix is not held once (planner/auto.searched_policy); "" where it is, or there is none
+    unshared_because: str = ""
 
 
 # ---- the LP's coefficients from the cost model ------------------------------------------------
