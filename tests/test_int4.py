@@ -69,8 +69,10 @@ def test_kernel_equals_dequantize_then_matmul(family, rows):
         assert got.shape == (2, rows, shape[0]) and got.dtype == torch.bfloat16
         w = cw.dense()
         _assert_bf16_close(got.reshape(-1, shape[0]), x.reshape(-1, shape[1]), w, bias)
-        ref = torch.nn.functional.linear(x, w, bias).reshape(-1, shape[0])
-        _assert_bf16_close(ref, x.reshape(-1, shape[1]), w, bias)
+        # torch's own bf16 matmul keeps to the same bound (a few rows: where bf16 matmuls are
+        # emulated, all of them take 30 s at OPT's shapes)
+        ref = torch.nn.functional.linear(x[:, :2], w, bias).reshape(-1, shape[0])
+        _assert_bf16_close(ref, x[:, :2].reshape(-1, shape[1]), w, bias)
 
 
 def test_prefill_rows_above_the_crossover_take_the_dense_copy_once():
