@@ -25,10 +25,11 @@ import torch.nn.functional as F
 from flexgen_helm.compression.int4 import set_max_kernel_rows
 from flexgen_helm.compression.int8 import set_max_kernel_rows as set_max_int8_kernel_rows
 from flexgen_helm.errors import ProfileFormatError
-from flexgen_helm.memory.devices import DTYPE_NAMES
+from flexgen_helm.memory.devices import DTYPE_NAMES, DTYPES
 from flexgen_helm.memory.direct_io import set_reads_in_flight
 from flexgen_helm.memory.disk_speed import fastest_direct
 from flexgen_helm.memory.machine import machine_info, machine_label, same_machine
+from flexgen_helm.models.linear import flipped_linear, set_flipped_max_rows
 from flexgen_helm.weights.registry import default_cache_dir
 
 # /2: fixed costs and the disk's ways of reading; /3: the int4 kernel's speed by row count
@@ -49,6 +50,10 @@ MAX_STREAMED_ROWS = 64  # above this the product is compute-bound: one (cached) 
 # (runs/bench/compression/kernel_crossover.py: between 128 and 256 rows on an AVX512-BF16 EPYC)
 KERNEL_ROWS = (1, 8, 32, 128, 512)
 KERNEL_GROUP_SIZE = 64
+# Decode-sized row counts at which a CPU's products are timed both ways (models/linear.py:
+# F.linear's x W^T, and W x^T) on streamed weights; the second runs up to where it stops paying.
+FLIPPED_ROWS = (2, 4, 16, 64, 128)
+FLIPPED_MIN_GAIN = 1.05  # a gain smaller than this is within a shared machine's noise
 
 
 @dataclass
@@ -77,10 +82,27 @@ class DeviceSpeeds:
     # "per_step"} seconds; empty in a hand-made profile, where the cost model counts ops x op_latency_s
     fixed_costs: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     copy_handoff_s: float = 0.0  # one transfer handed to the copy thread and waited for
+    # dtype name -> rows (FLIPPED_ROWS) -> time of F.linear over time of the same product as
+    # W x^T (models/linear.py), on streamed weights; empty where not measured (a GPU)
+    flipped_gains: dict[str, dict[int, float]] = field(default_factory=dict)
 
     def linear_flops(self, dtype: str, rows: int) -> float:
+        """FLOP/s of a linear layer's product of `rows` rows, the way the engine multiplies
+        them (W x^T up to flipped_max_rows)."""
         table = self.matmul_flops.get(dtype) or next(iter(self.matmul_flops.values()), {1: 1e10})
-        return _interpolate_log(table, rows)
+        gains = self.flipped_gains.get(dtype, {})
+        flipped = 1 < rows <= self.flipped_max_rows(dtype)
+        return _interpolate_log(table, rows) * (_interpolate_log(gains, rows) if flipped else 1.0)
+
+    def flipped_max_rows(self, dtype: str) -> int:
+        """The most rows up to which W x^T was measured faster than F.linear at every row
+        count measured (by FLIPPED_MIN_GAIN); 0 where it never was or was not measured."""
+        best = 0
+        for rows, gain in sorted(self.flipped_gains.get(dtype, {}).items()):
+            if gain < FLIPPED_MIN_GAIN:
+                break
+            best = rows
+        return best
 
     def int4_flops(self, rows: int) -> float:
         """FLOP/s of the int4 kernel multiplying `rows` activation rows (int4_matmul_flops)."""
@@ -182,6 +204,8 @@ class HardwareProfile:
                                  for dt, t in s.get("matmul_flops", {}).items()}
             for kernel in ("int4_matmul_flops", "int8_matmul_flops"):
                 s[kernel] = {int(m): float(f) for m, f in s.get(kernel, {}).items()}
+            s["flipped_gains"] = {dt: {int(m): float(g) for m, g in t.items()}
+                                  for dt, t in s.get("flipped_gains", {}).items()}
             devices[name] = DeviceSpeeds(**s)
         known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
         return cls(devices=devices or {"cpu": DeviceSpeeds()}, **known)
@@ -251,7 +275,8 @@ def use_profile(path: str | os.PathLike | None = None) -> HardwareProfile | None
     """Set what the engines this process loads choose by this machine's saved profile: the
     disk tier's reader (memory/direct_io.py) reads the way measured faster, and 4-bit weights
     take the int4 kernel up to the crossover measured on the compute device
-    (compression/int4.py). Returns that profile, or None (the defaults stay) without a saved
+    (compression/int4.py), and decode-sized products run as W x^T where that was measured
+    faster (models/linear.py). Returns that profile, or None (the defaults stay) without a saved
     profile of this machine. Measures nothing: `flexgen-helm profile` (or --policy auto) does."""
     saved, _ = _saved_profile(Path(path) if path else default_profile_path())
     if saved is None:
@@ -262,6 +287,8 @@ def use_profile(path: str | os.PathLike | None = None) -> HardwareProfile | None
         set_max_kernel_rows(saved.compute_device, saved.compute.int4_kernel_max_rows(saved.dtype))
     if saved.compute.int8_matmul_flops:  # a profile from before the int8 kernel keeps its default
         set_max_int8_kernel_rows(saved.compute_device, saved.compute.int8_kernel_max_rows(saved.dtype))
+    for name in saved.compute.flipped_gains:
+        set_flipped_max_rows(saved.compute_device, DTYPES[name], saved.compute.flipped_max_rows(name))
     return saved
 
 
@@ -316,6 +343,8 @@ def measure_device(device: torch.device, dtype: torch.dtype) -> DeviceSpeeds:
     speeds.dequant_elems_per_s = out_f * in_f / _timed(lambda: dequantize(wq, dtype), sync=sync)
     speeds.int4_matmul_flops, speeds.int4_dequant_elems_per_s = _int4_speeds(device, dtype, sync)
     speeds.int8_matmul_flops, speeds.int8_dequant_elems_per_s = _int8_speeds(device, dtype, sync)
+    if device.type == "cpu":  # a GPU's GEMMs are not known to gain (never measured on one)
+        speeds.flipped_gains = {DTYPE_NAMES[dt]: _flipped_gains(device, dt) for dt in {dtype, torch.float32}}
     speeds.elementwise_elems_per_s = _elementwise_elems_per_s(device, dtype, sync)
     tiny_x, tiny_w = torch.randn(1, 64, device=device).to(dtype), torch.randn(64, 64, device=device).to(dtype)
     speeds.op_latency_s = _timed(lambda: F.linear(tiny_x, tiny_w), min_reps=200, sync=sync)
@@ -345,6 +374,26 @@ def _matmul_flops(device: torch.device, dtype: torch.dtype, rows_list, sync) -> 
 def _linears(x: torch.Tensor, weights: list) -> None:
     for w in weights:
         F.linear(x, w) if isinstance(w, torch.Tensor) else w.linear(x)
+
+
+def _flipped_linears(x: torch.Tensor, weights: list[torch.Tensor]) -> None:
+    for w in weights:
+        flipped_linear(x, w)
+
+
+def _flipped_gains(device: torch.device, dtype: torch.dtype) -> dict[int, float]:
+    """By FLIPPED_ROWS: the time of F.linear over that of W x^T (models/linear.flipped_linear)
+    for MATMUL_SHAPE weights streamed from memory, each row count timed both ways in turn."""
+    out_f, in_f = MATMUL_SHAPE
+    # 8 x 16 MiB (bf16) = 128 MiB still streams past a last-level cache, in a fourth of the time
+    ws = [torch.randn(out_f, in_f, device=device).to(dtype) for _ in range(STREAMED_WEIGHTS // 4)]
+    gains = {}
+    for rows in FLIPPED_ROWS:
+        x = torch.randn(rows, in_f, device=device).to(dtype)
+        plain = _timed(functools.partial(_linears, x, ws), min_s=0.1, min_reps=3)
+        flipped = _timed(functools.partial(_flipped_linears, x, ws), min_s=0.1, min_reps=3)
+        gains[rows] = plain / flipped
+    return gains
 
 
 def _int4_speeds(device: torch.device, dtype: torch.dtype, sync) -> tuple[dict[int, float], float]:

@@ -1,0 +1,76 @@
+"""Decode-sized products as W x^T where this machine's profile measured it faster
+(models/linear.py): the same product, and the same generations, as F.linear's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flexgen_helm.engine import Engine
+from flexgen_helm.executor.sampling import SamplingParams
+from flexgen_helm.models import linear as linear_module
+from flexgen_helm.models.linear import flipped_linear, linear, set_flipped_max_rows
+from flexgen_helm.planner.hardware_profile import DeviceSpeeds, HardwareProfile, use_profile
+from flexgen_helm.policy import Policy
+
+
+@pytest.mark.parametrize("shape", [(5, 48), (2, 3, 48)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_flipped_product_is_f_linears_within_float32_rounding(shape, with_bias):
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(*shape, generator=g), torch.randn(40, 48, generator=g)
+    bias = torch.randn(40, generator=g) if with_bias else None
+    got, want = flipped_linear(x, w, bias), F.linear(x, w, bias)
+    assert got.shape == want.shape and got.is_contiguous()
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_only_profiled_row_counts_of_the_profiled_dtype_take_it(monkeypatch):
+    calls = []
+    monkeypatch.setattr(linear_module, "flipped_linear", lambda x, w, b=None: calls.append(len(x)) or F.linear(x, w, b))
+    w = torch.randn(8, 4)
+    for rows in (1, 2, 16, 17):
+        linear(torch.randn(rows, 4), w)
+    assert calls == []  # unprofiled: F.linear alone
+    set_flipped_max_rows("cpu", torch.float32, 16)
+    for rows in (1, 2, 16, 17):
+        linear(torch.randn(rows, 4), w)
+    linear(torch.randn(4, 4, dtype=torch.bfloat16), w.bfloat16())
+    assert calls == [2, 16]  # one row is a product of vectors either way
+    with pytest.raises(ValueError):
+        set_flipped_max_rows("cpu", torch.float32, -1)
+
+
+def test_the_profile_says_up_to_where_it_pays_and_the_cost_model_counts_it(tmp_path):
+    from flexgen_helm.memory.machine import machine_info
+
+    gains = {2: 1.9, 4: 2.7, 16: 1.5, 64: 1.02, 128: 1.3}  # 64 within noise: stop before it
+    speeds = DeviceSpeeds(matmul_flops={"float32": {1: 1e10, 16: 4e10, 256: 1e11}}, flipped_gains={"float32": gains})
+    assert speeds.flipped_max_rows("float32") == 16 and speeds.flipped_max_rows("bfloat16") == 0
+    assert speeds.linear_flops("float32", 16) == pytest.approx(1.5 * 4e10)
+    assert speeds.linear_flops("float32", 64) == DeviceSpeeds(matmul_flops=speeds.matmul_flops).linear_flops(
+        "float32", 64)
+    path = HardwareProfile(devices={"cpu": speeds}, machine=machine_info()).save(tmp_path / "hardware.json")
+    assert HardwareProfile.load(path).compute.flipped_gains == {"float32": gains}  # JSON keys back to ints
+    use_profile(path)
+    assert linear_module.FLIPPED_MAX_ROWS == {("cpu", torch.float32): 16}
+
+
+def test_generations_are_the_same_either_way(tiny_llama, tmp_path, monkeypatch):
+    """float32 greedy tokens equal, log-probs within float32 rounding, GPU batches of 2 rows."""
+    calls = []
+    monkeypatch.setattr(linear_module, "flipped_linear", lambda *a: calls.append(1) or flipped_linear(*a))
+    prompts = [[5, 9, 14, 3, 7], [8, 2, 11], [4, 4, 6, 10, 12, 1], [13, 3]]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    engine = Engine.load(str(tiny_llama), Policy(gpu_batch_size=2, num_gpu_batches=2), dtype="float32",
+                         device="cpu", offload_dir=tmp_path, progress=False)
+    runs = []
+    for rows in (0, 64):
+        set_flipped_max_rows("cpu", torch.float32, rows)
+        runs.append(engine.generate(prompts, params).results)
+    assert calls  # the second run's products took it
+    plain, flipped = ([c.completions[0] for c in run] for run in runs)
+    assert [c.token_ids for c in plain] == [c.token_ids for c in flipped]
+    for a, b in zip(plain, flipped):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
