@@ -428,21 +428,28 @@ def test_shared_prefix_attention_in_bf16_keeps_float32_precision_of_the_keys_sha
     assert (rounded - want).abs().max().item() > 3 * err
 
 
+def _planning_profile():
+    """A hand-made bf16 CPU profile for the planner (24 GiB of RAM, 100 GiB of disk)."""
+    from flexgen_helm.planner.hardware_profile import DeviceSpeeds, HardwareProfile
+
+    gib = 2**30
+    speeds = DeviceSpeeds(matmul_flops={"bfloat16": {1: 2e9, 16: 30e9, 256: 200e9, 4096: 300e9}},
+                          attn_prefill_flops=100e9, attn_decode_bytes_per_s=5e9)
+    return HardwareProfile(devices={"cpu": speeds}, memcpy_bytes_per_s=5e9, disk_read_bytes_per_s=1e9,
+                           disk_write_bytes_per_s=5e8, cpu_mem_bytes=24 * gib, cpu_available_bytes=20 * gib,
+                           disk_free_bytes=100 * gib)
+
+
 def test_the_planner_counts_a_shared_prefix_once_and_fits_bigger_blocks():
     """Under the same memory budget, prompts whose first 1,000 of 1,024 tokens are the same
     let the search pick a block of at least twice the sequences (their KV is held once)."""
 
     from flexgen_helm.models.opt import config_for_size
     from flexgen_helm.planner.budget import planned_bytes
-    from flexgen_helm.planner.hardware_profile import DeviceSpeeds, HardwareProfile
     from flexgen_helm.planner.search import SearchOptions, default_budgets, search
 
     gib = 2**30
-    speeds = DeviceSpeeds(matmul_flops={"bfloat16": {1: 2e9, 16: 30e9, 256: 200e9, 4096: 300e9}},
-                          attn_prefill_flops=100e9, attn_decode_bytes_per_s=5e9)
-    profile = HardwareProfile(devices={"cpu": speeds}, memcpy_bytes_per_s=5e9, disk_read_bytes_per_s=1e9,
-                              disk_write_bytes_per_s=5e8, cpu_mem_bytes=24 * gib, cpu_available_bytes=20 * gib,
-                              disk_free_bytes=100 * gib)
+    profile = _planning_profile()
     cfg = config_for_size("125m")
     budgets = default_budgets(profile, cpu=3 * gib, disk=0)
     options = SearchOptions(max_gpu_batch_size=256, max_num_gpu_batches=16)
@@ -471,13 +478,8 @@ def test_a_prefix_whose_one_copy_fits_no_block_is_computed_per_sequence_and_the_
     from flexgen_helm.errors import PolicyError
     from flexgen_helm.models.opt import config_for_size
     from flexgen_helm.planner.auto import CommandWorkload, searched_policy
-    from flexgen_helm.planner.hardware_profile import DeviceSpeeds, HardwareProfile
-    gib = 2**30
-    speeds = DeviceSpeeds(matmul_flops={"bfloat16": {1: 2e9, 16: 30e9, 256: 200e9, 4096: 300e9}},
-                          attn_prefill_flops=100e9, attn_decode_bytes_per_s=5e9)
-    profile = HardwareProfile(devices={"cpu": speeds}, memcpy_bytes_per_s=5e9, disk_read_bytes_per_s=1e9,
-                              disk_write_bytes_per_s=5e8, cpu_mem_bytes=24 * gib, cpu_available_bytes=20 * gib,
-                              disk_free_bytes=100 * gib)
+
+    profile = _planning_profile()
     cfg = config_for_size("125m")
     placed = {"weights": {"gpu": 1, "cpu": 0, "disk": 0}, "cache": {"gpu": 0, "cpu": 1, "disk": 0},
               "activations": {"gpu": 1, "cpu": 0, "disk": 0}}
