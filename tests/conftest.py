@@ -60,6 +60,14 @@ TINY_FAMILIES.update({
         _MOE, num_experts=4, moe_intermediate_size=32, norm_topk_prob=True, head_dim=16)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(_MOE, num_experts=4, intermediate_size=32, clip_qkv=1.5,
                                                      eos_token_id=2, pad_token_id=1)),
+    # gpt-oss: sliding (window 4) and full blocks, YaRN over a pretraining context of 16 (the
+    # ramp's both ends inside the head), the clamped SwiGLU's limit small enough to bind
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        _MOE, num_hidden_layers=3, head_dim=16, num_local_experts=4, intermediate_size=32, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], swiglu_limit=1.5,
+        eos_token_id=2, pad_token_id=1, attn_implementation="eager",
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "beta_fast": 8.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16})),
 })
 
 
@@ -88,8 +96,12 @@ def save_tiny(kind: str, path: Path, **overrides) -> Path:
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.add_(torch.randn_like(p) * 0.2)
-                elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight", "mlp.router.weight")):
                     p.normal_(0, 1.0)  # routers: logits spread, so that no two experts tie for a token
+                elif name.endswith("self_attn.sinks"):
+                    p.normal_(0, 1.0)  # gpt-oss's sinks: of the scores' size, so that they matter
+                elif kind == "gpt_oss" and name.endswith("_proj.bias"):
+                    p.normal_(0, 0.2)  # its attention biases start at zero: random, so that each one counts
                 elif "expert" in name:  # experts' outputs as large as the residual: each one counts
                     p.normal_(0, 0.2)
     else:
