@@ -123,13 +123,34 @@ def fake_quantized_checkpoint(src: Path, dst: Path, cfg) -> Path:
 
     from flexgen_helm.compression import fake_quantize, should_compress, weight_group_dim
 
+    def simulated(t: torch.Tensor) -> torch.Tensor:
+        return fake_quantize(t, cfg, weight_group_dim(cfg, t.shape)) if should_compress(t.shape) else t
+
     shutil.copytree(src, dst)
     for f in dst.glob("*.safetensors"):
         state = load_file(f)
-        state = {k: fake_quantize(t, cfg, weight_group_dim(cfg, t.shape)) if should_compress(t.shape) else t
+        state = {k: _gpt_oss_experts_simulated(k, t, simulated) if ".mlp.experts." in k else simulated(t)
                  for k, t in state.items()}
         save_file(state, f, metadata={"format": "pt"})
     return dst
+
+
+def _gpt_oss_experts_simulated(name: str, t: torch.Tensor, simulated) -> torch.Tensor:
+    """A fused gpt-oss expert tensor with each expert's projection simulated as the store holds
+    it (out, in), one tensor per expert and projection (weights/hf_checkpoint.GPT_OSS_EXPERTS):
+    gate_up_proj's interleaved gate (even) and up (odd) columns apart; the biases (1-D per
+    expert) as they are. Other families' experts are tensors of their own: simulated whole."""
+    if name.endswith("experts.gate_up_proj"):
+        out = t.clone()
+        for e in range(t.shape[0]):
+            for columns in (0, 1):
+                out[e][:, columns::2] = simulated(t[e][:, columns::2].T.contiguous()).T
+        return out
+    if name.endswith("experts.down_proj"):
+        return torch.stack([simulated(x.T.contiguous()).T for x in t])
+    if name.endswith("_proj_bias"):
+        return t
+    return simulated(t)
 
 
 def hf_model(path: Path):
