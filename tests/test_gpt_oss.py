@@ -229,3 +229,16 @@ def test_experts_are_cut_out_of_the_fused_tensors(tiny_gpt_oss):
                        state["model.layers.1.mlp.experts.gate_up_proj_bias"][2, 1::2])
     assert torch.equal(ckpt.read("layers.1.experts.2.down_proj.weight"),
                        state["model.layers.1.mlp.experts.down_proj"][2].T)
+
+
+def test_gpt_oss_20b_geometry():
+    """openai/gpt-oss-20b as published (for --dummy benchmarks): 20.9B parameters."""
+    from flexgen_helm.models import family_of
+    from flexgen_helm.models.moe import geometry
+    from flexgen_helm.models.spec import all_store_tensors
+
+    cfg = geometry("gpt-oss-20b")
+    params = sum(t.numel for t in all_store_tensors(family_of(cfg).layer_specs(cfg)))
+    assert 20.8e9 < params < 21.0e9
+    assert cfg.sliding_windows == (128, 0) * 12 and cfg.rope_scaling_dict["factor"] == 32.0
+    assert (cfg.num_experts, cfg.experts_per_token, cfg.head_dim, cfg.eos_token_id) == (32, 4, 64, 200002)

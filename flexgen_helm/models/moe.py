@@ -63,9 +63,21 @@ GEOMETRIES = {
         "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
         "num_experts_per_tok": 2, "max_position_embeddings": 32768, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-5,
         "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2},
+    # 20.9B parameters, 3.6B active; published with MXFP4 experts (refused: dummy weights or a
+    # bfloat16 conversion only), its quantization_config left out here
+    "openai/gpt-oss-20b": {
+        "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+        "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+        "num_local_experts": 32, "num_experts_per_tok": 4, "experts_per_token": 4, "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+        "rope_theta": 150000, "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                               "beta_slow": 1.0, "truncate": False,
+                                               "original_max_position_embeddings": 4096},
+        "swiglu_limit": 7.0, "attention_bias": True, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        "eos_token_id": 200002, "pad_token_id": 199999},
 }
 GEOMETRY_ALIASES = {"olmoe-1b-7b": "allenai/olmoe-1b-7b-0924", "qwen3-30b-a3b": "qwen/qwen3-30b-a3b",
-                    "mixtral-8x7b": "mistralai/mixtral-8x7b-v0.1"}
+                    "mixtral-8x7b": "mistralai/mixtral-8x7b-v0.1", "gpt-oss-20b": "openai/gpt-oss-20b"}
 
 
 def geometry(model: str) -> ModelConfig | None:
@@ -159,12 +171,30 @@ def expected_experts_touched(num_experts: int, per_token: int, tokens: float) ->
 
 
 _ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                  "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+
+
+def _gpt_oss_hf_config(cfg: ModelConfig) -> dict:
+    """gpt-oss's config.json fields (inverse of _gpt_oss_config)."""
+    windows = set(cfg.sliding_windows) - {0}
+    if len(windows) > 1 or cfg.output_bias != cfg.attention_bias:
+        raise ModelNotFoundError(f"{cfg.name}: gpt-oss takes one sliding window and biases on all of its attention "
+                                 "projections or none; this config cannot be written as one")
+    return {"model_type": "gpt_oss", "architectures": [_ARCHITECTURES["gpt_oss"]],
+            "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
+            "intermediate_size": cfg.expert_ffn_size, "num_local_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.experts_per_token, "attention_bias": cfg.attention_bias,
+            "swiglu_limit": cfg.swiglu_limit, "swiglu_alpha": cfg.swiglu_alpha,
+            "sliding_window": windows.pop() if windows else None,
+            "layer_types": ["sliding_attention" if cfg.window(i) else "full_attention" for i in range(cfg.num_layers)],
+            "rope_parameters": {"rope_type": "default", **cfg.rope_scaling_dict, "rope_theta": cfg.rope_theta}}
 
 
 def hf_config(cfg: ModelConfig) -> dict:
     """The transformers config.json fields of an MoE config (inverse of config_from_hf), beside
-    the ones every family shares; sliding windows are not written back (refused)."""
+    the ones every family shares; sliding windows are not written back (refused) but gpt-oss's."""
+    if cfg.moe_type == "gpt_oss":
+        return _gpt_oss_hf_config(cfg)
     if cfg.sliding_windows:
         raise ModelNotFoundError(f"{cfg.name}: exporting an MoE config with sliding windows is not supported")
     out = {"model_type": cfg.moe_type, "architectures": [_ARCHITECTURES[cfg.moe_type]],

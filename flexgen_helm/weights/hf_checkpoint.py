@@ -98,6 +98,16 @@ GPT_OSS_EXPERTS = {"gate_proj.weight": ("gate_up_proj", 0), "up_proj.weight": ("
                    "down_proj.weight": ("down_proj", None), "gate_proj.bias": ("gate_up_proj_bias", 0),
                    "up_proj.bias": ("gate_up_proj_bias", 1), "down_proj.bias": ("down_proj_bias", None)}
 _FUSED_EXPERT = re.compile(r"layers\.(\d+)\.experts\.(\d+)\.(.+)")
+
+
+def fused_expert_part(moe_type: str, store_name: str) -> tuple[str, int, int | None] | None:
+    """Where a gpt-oss expert's store tensor lies in its fused one: (HF name without "model.",
+    expert, which interleaved columns: 0 even, 1 odd, None all); None for any other tensor."""
+    fused = _FUSED_EXPERT.fullmatch(store_name) if moe_type == "gpt_oss" else None
+    if fused is None:
+        return None
+    name, columns = GPT_OSS_EXPERTS[fused[3]]
+    return f"layers.{fused[1]}.mlp.experts.{name}", int(fused[2]), columns
 # "model." of *ForCausalLM, none of a bare *Model, and the language model inside a multimodal
 # Gemma 3 (transformers < 4.52 and >= 4.52 name it differently)
 _PREFIXES = ("model.", "", "model.language_model.", "language_model.model.")
@@ -165,13 +175,7 @@ class HFCheckpoint(WeightSource):
         return self._open[file]
 
     def _fused_expert(self, store_name: str) -> tuple[str, int, int | None] | None:
-        """(HF module name, expert, interleaved columns) of a gpt-oss expert's store tensor,
-        which is a part of a fused one; None for any other tensor."""
-        fused = _FUSED_EXPERT.fullmatch(store_name) if self.config.moe_type == "gpt_oss" else None
-        if fused is None:
-            return None
-        name, columns = GPT_OSS_EXPERTS[fused[3]]
-        return f"layers.{fused[1]}.mlp.experts.{name}", int(fused[2]), columns
+        return fused_expert_part(self.config.moe_type, store_name)
 
     def _candidates(self, store_name: str) -> list[str]:
         fused = self._fused_expert(store_name)
