@@ -242,3 +242,17 @@ def test_gpt_oss_20b_geometry():
     assert 20.8e9 < params < 21.0e9
     assert cfg.sliding_windows == (128, 0) * 12 and cfg.rope_scaling_dict["factor"] == 32.0
     assert (cfg.num_experts, cfg.experts_per_token, cfg.head_dim, cfg.eos_token_id) == (32, 4, 64, 200002)
+
+
+def test_yarn_runs_in_the_llama_family_as_transformers(tmp_path):
+    """YaRN is transformers' one table for every family that names it (Qwen2.5's long-context
+    configs): a Qwen2 with it agrees with transformers past its pretraining context."""
+    path = save_tiny("qwen2", tmp_path / "m", rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "original_max_position_embeddings": 8})
+    model = hf_model(path)
+    prompt = list(range(3, 23))
+    with torch.no_grad():
+        want = torch.log_softmax(model(torch.tensor([prompt])).logits[0], -1)
+    got = Engine.load(str(path), Policy(gpu_batch_size=1), offload_dir=tmp_path, **CPU32).score([prompt])
+    assert got.results[0].logprobs[1:] == pytest.approx([float(want[i - 1, prompt[i]]) for i in range(1, 20)],
+                                                        abs=1e-4)
