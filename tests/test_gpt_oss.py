@@ -1,8 +1,8 @@
 """gpt-oss beyond the family tests (tests/test_model_families.py: transformers' tokens and
 log-probs under four policies, 4-bit weights, sharded files): its config mapping, YaRN's
 tables against transformers', attention sinks on every attention path (and that they
-matter), and what is refused: sparse attention, MXFP4 checkpoints, a checkpoint missing a
-sink, router or expert tensor."""
+matter), MXFP4 experts dequantized exactly, and what is refused: sparse attention, a
+checkpoint missing a sink, router or expert tensor (or an MXFP4 scale), MXFP4 elsewhere."""
 
 from __future__ import annotations
 
@@ -182,25 +182,67 @@ def test_sparse_attention_is_refused_before_any_work(tiny_gpt_oss, tmp_path):
     assert not list(tmp_path.iterdir())  # nothing converted, nothing offloaded
 
 
-def test_an_mxfp4_checkpoint_is_refused_naming_the_format(tiny_gpt_oss, tmp_path):
-    """As OpenAI published gpt-oss: experts as *_blocks and *_scales, the config saying mxfp4.
-    Refused by the config alone, and by the tensors' names where the config does not say."""
-    def mxfp4(state):
-        out = {k: t for k, t in state.items() if ".experts." not in k}
-        out["model.layers.0.mlp.experts.gate_up_proj_blocks"] = torch.zeros(4, 64, 3, 16, dtype=torch.uint8)
-        out["model.layers.0.mlp.experts.gate_up_proj_scales"] = torch.zeros(4, 64, 3, dtype=torch.uint8)
+def _mxfp4_pair(tmp_path):
+    """A gpt-oss checkpoint whose experts are MXFP4 (as OpenAI published gpt-oss: *_blocks and
+    *_scales, quantization_config mxfp4; random codes, scales near 2 ** 0), and the same model
+    with those experts as transformers dequantizes them (convert_moe_packed_tensors)."""
+    from flexgen_helm.models.tokenizer import import_transformers
+
+    import_transformers()  # (hides a broken torchvision from it first)
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    src = save_tiny("gpt_oss", tmp_path / "src", hidden_size=64)  # MXFP4 groups of 32 along hidden and ffn
+    torch.manual_seed(1)
+    packed = {}
+
+    def as_mxfp4(state):
+        out = dict(state)
+        for name in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+            e, d_in, d_out = state.pop(name).shape
+            blocks = torch.randint(0, 256, (e, d_out, d_in // 32, 16), dtype=torch.uint8)
+            scales = torch.randint(123, 128, (e, d_out, d_in // 32), dtype=torch.uint8)
+            del out[name]
+            out[name + "_blocks"], out[name + "_scales"] = blocks, scales
+            packed[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
         return out
 
-    path = _edited(tiny_gpt_oss, tmp_path / "mxfp4", mxfp4)
-    with pytest.raises(WeightStoreError, match="MXFP4"):
-        HFCheckpoint(path)
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router"]}
-    (path / "config.json").write_text(json.dumps(config))
-    for f in path.glob("*.safetensors"):
-        f.unlink()  # refused before any weight file is looked at
-    with pytest.raises(WeightStoreError, match="MXFP4.*quant_method 'mxfp4'"):
-        HFCheckpoint(path)
+    quantized = _edited(src, tmp_path / "mxfp4", as_mxfp4)
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router", "self_attn"]}
+    (quantized / "config.json").write_text(json.dumps(config))
+    plain = _edited(src, tmp_path / "plain", lambda state: {**state, **packed})
+    return quantized, plain
+
+
+def test_mxfp4_experts_are_dequantized_exactly_at_conversion(tmp_path):
+    quantized, plain = _mxfp4_pair(tmp_path)
+    got, want = HFCheckpoint(quantized), HFCheckpoint(plain)
+    assert got.mxfp4 and not want.mxfp4
+    want_tensors = dict(want.iter_tensors())
+    for name, t in got.iter_tensors():
+        assert torch.equal(t, want_tensors.pop(name)), name
+    assert not want_tensors
+    model = hf_model(plain)
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([PROMPTS[0]])).logits[0], -1)
+    engine = Engine.load(str(quantized), Policy(gpu_batch_size=1), offload_dir=tmp_path / "off", **CPU32)
+    assert engine.score(PROMPTS[:1]).results[0].logprobs[1:] == pytest.approx(
+        [float(lp[i - 1, PROMPTS[0][i]]) for i in range(1, len(PROMPTS[0]))], abs=1e-4)
+
+
+def test_mxfp4_with_missing_scales_or_on_another_family_is_refused(tmp_path, tiny_gpt_oss):
+    quantized, _ = _mxfp4_pair(tmp_path)
+    f = quantized / "model.safetensors"
+    save_file({k: t for k, t in load_file(f).items() if not k.endswith("layers.2.mlp.experts.down_proj_scales")}, f,
+              metadata={"format": "pt"})
+    with pytest.raises(WeightStoreError, match=r"'model\.layers\.2\.mlp\.experts\.down_proj_scales'.*not found in"):
+        HFCheckpoint(quantized)
+    other = tmp_path / "qwen"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "qwen3", "quantization_config": {
+        "quant_method": "mxfp4"}}))
+    with pytest.raises(WeightStoreError, match="MXFP4.*gpt-oss's experts only.*'qwen3'"):
+        HFCheckpoint(other)
 
 
 @pytest.mark.parametrize("missing", ["layers.1.self_attn.sinks", "layers.2.mlp.router.bias",

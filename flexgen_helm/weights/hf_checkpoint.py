@@ -19,6 +19,7 @@ from flexgen_helm.models import FAMILIES, HF_MODEL_TYPES
 from flexgen_helm.models.moe import refuse_unsupported
 from flexgen_helm.models.spec import SINKS
 from flexgen_helm.models.tokenizer import hf_tokenizer
+from flexgen_helm.weights import mxfp4
 from flexgen_helm.weights.source import WeightSource, rename
 
 # Store module name -> Hugging Face module name, without the "model." prefix that the
@@ -126,7 +127,8 @@ class HFCheckpoint(WeightSource):
         hf = read_hf_config(self.root)
         model_type = hf.get("model_type")
         refuse_unsupported(model_type, hf, str(self.root))
-        _refuse_mxfp4(hf, str(self.root))
+        if model_type != "gpt_oss":
+            _refuse_mxfp4(hf, str(self.root))
         if model_type not in HF_MODEL_TYPES:
             raise ModelNotFoundError(
                 f"{self.root}: model_type {model_type!r} is not supported (supported: {', '.join(HF_MODEL_TYPES)})"
@@ -136,8 +138,9 @@ class HFCheckpoint(WeightSource):
         self._names = HF_NAMES.get(self.config.moe_type) or HF_NAMES[family]
         self._open: dict[Path, object] = {}
         self._file_of = self._index_tensors()  # HF tensor name -> shard file
-        if any(name.endswith(MXFP4_SUFFIXES) for name in self._file_of):  # a config that does not say so
-            _refuse_mxfp4({"quantization_config": {"quant_method": "mxfp4"}}, str(self.root))
+        # gpt-oss as OpenAI published it: its experts' weights as MXFP4 blocks and scales
+        # (weights/mxfp4.py), dequantized as they are read
+        self.mxfp4 = self.config.moe_type == "gpt_oss" and any(n.endswith(MXFP4_BLOCKS) for n in self._file_of)
         if self.config.is_moe:
             self._check_expert_tensors()
 
@@ -180,7 +183,8 @@ class HFCheckpoint(WeightSource):
     def _candidates(self, store_name: str) -> list[str]:
         fused = self._fused_expert(store_name)
         if fused is not None:
-            return [p + fused[0] for p in _PREFIXES]
+            as_mxfp4 = self.mxfp4 and store_name.endswith(".weight")  # the biases stay plain
+            return [p + fused[0] + (MXFP4_BLOCKS if as_mxfp4 else "") for p in _PREFIXES]
         hf_name = rename(store_name, self._names)
         names = [p + hf_name for p in _PREFIXES]
         if store_name == "embed.tokens.weight" and self.config.tie_word_embeddings:
@@ -205,11 +209,27 @@ class HFCheckpoint(WeightSource):
         if fused is None:
             return shard.get_tensor(hf_name) if hasattr(shard, "get_tensor") else shard[hf_name]
         _, e, columns = fused
-        # this expert's slice alone off the shard (a safetensors slice reads only its bytes)
-        t = shard.get_slice(hf_name)[e] if hasattr(shard, "get_slice") else shard[hf_name][e]
+        if hf_name.endswith(MXFP4_BLOCKS):  # (out, in) once dequantized: gate and up interleaved by rows
+            t = mxfp4.dequantize(self._expert_slice(hf_name, e), self._expert_slice(self._scales_of(hf_name), e))
+            return (t if columns is None else t[columns::2]).contiguous()
+        t = self._expert_slice(hf_name, e)
         if columns is not None:
             t = t[..., columns::2]
         return t.T.contiguous() if t.dim() == 2 else t.contiguous()
+
+    def _expert_slice(self, hf_name: str, e: int) -> torch.Tensor:
+        """Expert e's slice alone of a fused tensor (a safetensors slice reads only its bytes)."""
+        shard = self._shard(self._file_of[hf_name])
+        return shard.get_slice(hf_name)[e] if hasattr(shard, "get_slice") else shard[hf_name][e]
+
+    def _scales_of(self, blocks_name: str) -> str:
+        """The MXFP4 scales of a blocks tensor, present (else an error naming them and the files)."""
+        name = blocks_name[:-len(MXFP4_BLOCKS)] + MXFP4_SCALES
+        if name not in self._file_of:
+            files = ", ".join(sorted({f.name for f in self._file_of.values()}))
+            raise WeightStoreError(f"{self.root}: tensor {name!r} (the scales of MXFP4 {blocks_name!r}) not found "
+                                   f"in {files}")
+        return name
 
     def _check_expert_tensors(self) -> None:
         """Every router, expert and shared-expert tensor (and attention sink) present with its
@@ -219,16 +239,22 @@ class HFCheckpoint(WeightSource):
             if not any(part in spec.store_name for part in (".router.", ".experts.", ".shared_expert", SINKS)):
                 continue
             hf_name, file = self._located(spec.store_name)
-            shard = self._shard(file)
-            shape = tuple(shard.get_slice(hf_name).get_shape() if hasattr(shard, "get_slice") else shard[hf_name].shape)
+            shape = self._slice_shape(hf_name)
             fused = self._fused_expert(spec.store_name)
-            if fused is not None:
+            if fused is not None and hf_name.endswith(MXFP4_BLOCKS):
+                shape = _mxfp4_expert_shape(shape, self._slice_shape(self._scales_of(hf_name)), fused[2])
+            elif fused is not None:
                 shape = _expert_shape(shape, fused[2])
             if shape != spec.shape:
                 raise WeightStoreError(
                     f"{file}: tensor {hf_name!r} has shape {list(shape)}, expected {list(spec.shape)} for "
                     f"{self.config.num_experts} experts of {self.config.expert_ffn_size} x {self.config.hidden_size} "
                     f"(config.json); the checkpoint does not match its config")
+
+    def _slice_shape(self, hf_name: str) -> tuple:
+        """A tensor's shape, from its shard's header."""
+        shard = self._shard(self._file_of[hf_name])
+        return tuple(shard.get_slice(hf_name).get_shape() if hasattr(shard, "get_slice") else shard[hf_name].shape)
 
     def load_tokenizer(self, cache_dir: Path):
         return hf_tokenizer(self.root)
@@ -245,14 +271,23 @@ def _expert_shape(fused: tuple, columns: int | None) -> tuple | None:
     return tuple(reversed(one))
 
 
+def _mxfp4_expert_shape(blocks: tuple, scales: tuple, columns: int | None) -> tuple | None:
+    """The shape of one expert's store tensor dequantized out of MXFP4 blocks (E, out, groups,
+    16) with scales (E, out, groups): (out, groups * 32), half the rows where `columns` takes
+    every other; None where the two do not fit together."""
+    if len(blocks) != 4 or blocks[:3] != scales or blocks[3] != 16:
+        return None
+    rows = blocks[1] if columns is None else (blocks[1] - columns + 1) // 2
+    return rows, blocks[2] * 32
+
+
 # gpt-oss's experts as OpenAI published them: MXFP4 blocks and their scales
-MXFP4_SUFFIXES = ("_blocks", "_scales")
+MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
 
 
 def _refuse_mxfp4(hf: dict, where: str) -> None:
-    """A checkpoint whose weights are MXFP4 (gpt-oss as published): refused before any read."""
+    """MXFP4 is read for gpt-oss's experts only: another model's is refused before any read."""
     if (hf.get("quantization_config") or {}).get("quant_method") == "mxfp4":
         raise WeightStoreError(
             f"{where}: weights stored as MXFP4 (quantization_config quant_method 'mxfp4': tensors *_blocks and "
-            "*_scales) are not supported; convert the checkpoint to bfloat16 or float32 first (transformers: "
-            "from_pretrained with Mxfp4Config(dequantize=True), then save_pretrained)")
+            f"*_scales) are read for gpt-oss's experts only, not for model_type {hf.get('model_type')!r}")
