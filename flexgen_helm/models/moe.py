@@ -63,8 +63,8 @@ GEOMETRIES = {
         "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
         "num_experts_per_tok": 2, "max_position_embeddings": 32768, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-5,
         "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2},
-    # 20.9B parameters, 3.6B active; published with MXFP4 experts (refused: dummy weights or a
-    # bfloat16 conversion only), its quantization_config left out here
+    # 20.9B parameters, 3.6B active; published with MXFP4 experts (dequantized at conversion:
+    # weights/mxfp4.py), its quantization_config left out here (dummy weights are the store's dtype)
     "openai/gpt-oss-20b": {
         "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
         "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
