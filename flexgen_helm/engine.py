@@ -23,6 +23,7 @@ import torch
 
 from flexgen_helm.compression.stored import check_weight_compression
 from flexgen_helm.errors import FlexGenError, PromptTooLongError
+from flexgen_helm.executor.attention import check_sparse_attention
 from flexgen_helm.executor.calibration_text import CalibrationText
 from flexgen_helm.executor.generation import BlockDriver, LocalStage, Sequence, StageLink, StepCallback
 from flexgen_helm.executor.kept_weights import check_keep_dense
@@ -270,6 +271,7 @@ def build_runtime(resolved: ResolvedModel, policy: Policy, devices: Devices, off
     layers = layers if layers is not None else family.layer_specs(cfg)
     check_cache_compression(policy.compress_cache)
     check_keep_dense(policy.keep_dense_weights, cfg)
+    check_sparse_attention(policy.attn_sparsity, cfg)
     specs = all_store_tensors(layers)
     # each weight's own setting: a GGUF's codes where the policy keeps them (weights/source_grids.py)
     compression = weight_grids(policy.compress_weight, resolved.source, specs)

@@ -60,6 +60,14 @@ TINY_FAMILIES.update({
         _MOE, num_experts=4, moe_intermediate_size=32, norm_topk_prob=True, head_dim=16)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(_MOE, num_experts=4, intermediate_size=32, clip_qkv=1.5,
                                                      eos_token_id=2, pad_token_id=1)),
+    # gpt-oss: sliding (window 4) and full blocks, YaRN over a pretraining context of 16 (the
+    # ramp's both ends inside the head), the clamped SwiGLU's limit small enough to bind
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        _MOE, num_hidden_layers=3, head_dim=16, num_local_experts=4, intermediate_size=32, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], swiglu_limit=1.5,
+        eos_token_id=2, pad_token_id=1, attn_implementation="eager",
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "beta_fast": 8.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16})),
 })
 
 
@@ -88,8 +96,12 @@ def save_tiny(kind: str, path: Path, **overrides) -> Path:
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.add_(torch.randn_like(p) * 0.2)
-                elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight", "mlp.router.weight")):
                     p.normal_(0, 1.0)  # routers: logits spread, so that no two experts tie for a token
+                elif name.endswith("self_attn.sinks"):
+                    p.normal_(0, 1.0)  # gpt-oss's sinks: of the scores' size, so that they matter
+                elif kind == "gpt_oss" and name.endswith("_proj.bias"):
+                    p.normal_(0, 0.2)  # its attention biases start at zero: random, so that each one counts
                 elif "expert" in name:  # experts' outputs as large as the residual: each one counts
                     p.normal_(0, 0.2)
     else:
@@ -111,13 +123,34 @@ def fake_quantized_checkpoint(src: Path, dst: Path, cfg) -> Path:
 
     from flexgen_helm.compression import fake_quantize, should_compress, weight_group_dim
 
+    def simulated(t: torch.Tensor) -> torch.Tensor:
+        return fake_quantize(t, cfg, weight_group_dim(cfg, t.shape)) if should_compress(t.shape) else t
+
     shutil.copytree(src, dst)
     for f in dst.glob("*.safetensors"):
         state = load_file(f)
-        state = {k: fake_quantize(t, cfg, weight_group_dim(cfg, t.shape)) if should_compress(t.shape) else t
+        state = {k: _gpt_oss_experts_simulated(k, t, simulated) if ".mlp.experts." in k else simulated(t)
                  for k, t in state.items()}
         save_file(state, f, metadata={"format": "pt"})
     return dst
+
+
+def _gpt_oss_experts_simulated(name: str, t: torch.Tensor, simulated) -> torch.Tensor:
+    """A fused gpt-oss expert tensor with each expert's projection simulated as the store holds
+    it (out, in), one tensor per expert and projection (weights/hf_checkpoint.GPT_OSS_EXPERTS):
+    gate_up_proj's interleaved gate (even) and up (odd) columns apart; the biases (1-D per
+    expert) as they are. Other families' experts are tensors of their own: simulated whole."""
+    if name.endswith("experts.gate_up_proj"):
+        out = t.clone()
+        for e in range(t.shape[0]):
+            for columns in (0, 1):
+                out[e][:, columns::2] = simulated(t[e][:, columns::2].T.contiguous()).T
+        return out
+    if name.endswith("experts.down_proj"):
+        return torch.stack([simulated(x.T.contiguous()).T for x in t])
+    if name.endswith("_proj_bias"):
+        return t
+    return simulated(t)
 
 
 def hf_model(path: Path):

@@ -80,11 +80,11 @@ def test_a_decode_step_reads_the_next_blocks_cache_while_this_one_attends(tiny_l
             block1_read.set()
         return out
 
-    def attend_(self, index, k, q, key, value, cache, prefill):
+    def attend_(self, index, k, q, key, value, cache, prefill, sinks=None):
         if index == 0 and k == 0 and not prefill:
             assert block1_read.wait(10), "block 0 attended before block 1's cache was read"
             block1_read.clear()
-        return attend(self, index, k, q, key, value, cache, prefill)
+        return attend(self, index, k, q, key, value, cache, prefill, sinks)
 
     monkeypatch.setattr(BlockSchedule, "_read_cache", read_cache)
     monkeypatch.setattr(BlockSchedule, "_attend", attend_)

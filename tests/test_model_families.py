@@ -1,5 +1,5 @@
 """Gemma 2, Gemma 3, Qwen3, Phi-3 and the mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE,
-OLMoE) agree with transformers on small random weights, under
+OLMoE, gpt-oss) agree with transformers on small random weights, under
 every kind of placement, and with 4-bit weights as a simulated quantization would; a
 sliding-window block's KV cache never grows past its window."""
 
@@ -17,7 +17,7 @@ from flexgen_helm.policy import Policy, Split
 from flexgen_helm.policy.policy import Compression
 from flexgen_helm.weights.hf_checkpoint import HFCheckpoint
 
-FAMILIES = ["qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+FAMILIES = ["qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"]
 # longer than the tiny models' sliding windows (4 and 6 positions); all within Phi-3's
 # pretraining context of 16 with the generated tokens (its short LongRoPE factors)
 PROMPTS = [[5, 17, 3, 44, 9, 21, 8, 2, 60], [12, 7], [30, 31, 32, 33, 34, 35, 36], [40, 41, 42]]

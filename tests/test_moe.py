@@ -128,10 +128,11 @@ def test_cost_model_reads_the_experts_a_step_is_expected_to_touch():
     assert prefill["disk_cpu"] == pytest.approx(rest + 64 * expert, rel=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"])
 def test_export_hf_gives_transformers_the_same_model(kind, tmp_path):
     """What `flexgen-helm compare` hands HF accelerate: our store written back as a checkpoint
-    that transformers runs as the original (config fields and tensor names inverted)."""
+    that transformers runs as the original (config fields and tensor names inverted; gpt-oss's
+    per-expert tensors fused back, gate and up interleaved)."""
     from conftest import hf_model
 
     from flexgen_helm.weights.export_hf import export_hf

@@ -74,8 +74,34 @@ def _engine(path, policy, tmp_path, sharing: bool) -> Engine:
 
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_same_tokens_and_logprobs_with_and_without_sharing(model_path, name, tmp_path):
+    _check_same_with_and_without_sharing(model_path, POLICIES[name], tmp_path)
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt_oss(tmp_path_factory):
+    """Attention sinks: applied once to each decode step's softmax over the prefix's one copy
+    and the rest merged; sliding-window blocks (window 4) beside global ones."""
+    return save_tiny("gpt_oss", tmp_path_factory.mktemp("tiny-gpt-oss"))
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny matrices: torch's second thread only spins (tests/test_model_families.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# gpt-oss refuses sparse attention (sinks): every dense policy, plain and compressed caches
+@pytest.mark.parametrize("name", [n for n, p in POLICIES.items() if p.attn_sparsity == 1.0])
+def test_gpt_oss_same_tokens_and_logprobs_with_and_without_sharing(tiny_gpt_oss, name, tmp_path, one_thread):
+    _check_same_with_and_without_sharing(tiny_gpt_oss, POLICIES[name], tmp_path)
+
+
+def _check_same_with_and_without_sharing(model_path, policy: Policy, tmp_path) -> None:
     params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True, top_logprobs=2)
-    runs = [_engine(model_path, POLICIES[name], tmp_path, sharing).generate(PROMPTS, params) for sharing in (0, 1)]
+    runs = [_engine(model_path, policy, tmp_path, sharing).generate(PROMPTS, params) for sharing in (0, 1)]
     (plain, shared) = runs
     assert plain.stats.computed_prompt_tokens == plain.stats.padded_prompt_tokens
     assert shared.stats.computed_prompt_tokens < plain.stats.computed_prompt_tokens

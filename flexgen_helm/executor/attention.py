@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from flexgen_helm.errors import PolicyError
 from flexgen_helm.memory.devices import cpu_has_bf16_arithmetic
 
 LOG2_E = math.log2(math.e)
@@ -23,6 +24,34 @@ def to_units(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """(b, heads, s, d) -> (b * kv_heads, heads_per_kv, s, d)."""
     b, h, s, d = x.shape
     return x.reshape(b * num_kv_heads, h // num_kv_heads, s, d)
+
+
+def unit_sinks(sinks: torch.Tensor | None, num_kv_heads: int, first_unit: int, count: int) -> torch.Tensor | None:
+    """A block's attention sinks (num_heads,) (gpt-oss; None: none) as the units first_unit ..
+    first_unit + count read them: (count, heads_per_kv) float32, unit u's row the sinks of its
+    key-value head's query heads (units are (sequence, kv head) pairs, kv heads fastest)."""
+    if sinks is None:
+        return None
+    per_head = sinks.float().view(num_kv_heads, -1)
+    return per_head[torch.arange(first_unit, first_unit + count, device=sinks.device) % num_kv_heads]
+
+
+def check_sparse_attention(keep_fraction: float, cfg) -> None:
+    """Top-k sparse attention renormalises over the keys it keeps, where an attention sink's
+    share is of all of them: not computed for sink models, refused before any work."""
+    if keep_fraction < 1.0 and cfg.attention_sinks:
+        raise PolicyError(f"attn_sparsity {keep_fraction:g}: {cfg.name} has attention sinks (gpt-oss), which top-k "
+                          "sparse attention does not compute; run it with dense attention (attn_sparsity 1)")
+
+
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The softmax of scores (u, r, ...) over the last dim; with sinks (u, r) (gpt-oss), each
+    row's sink logit joins the denominator as a key that adds no value (as transformers' eager
+    attention: the sink column appended, the softmax taken, the column dropped)."""
+    if sinks is None:
+        return scores.softmax(-1)
+    sink = sinks.to(scores.device, scores.dtype).view(*sinks.shape, *([1] * (scores.dim() - sinks.dim())))
+    return torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], -1).softmax(-1)[..., :-1]
 
 
 def from_units(x: torch.Tensor, batch: int) -> torch.Tensor:
@@ -45,13 +74,17 @@ def decode_cache_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | ValueRows, key_valid: torch.Tensor,
-           causal: bool, keep_fraction: float = 1.0, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+           causal: bool, keep_fraction: float = 1.0, window: int = 0, softcap: float = 0.0,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: (u, r, q_len, d); k: (u, t, d); v: (u, t, d) or a ValueRows; key_valid: (u, t)
     bool. Queries are the last q_len positions. Returns (u, r, q_len, d) in q's dtype.
 
     window > 0 (causal attention, a sliding-window block): a query sees only the keys of
     its last `window` positions, itself included (decode callers pass only those keys).
     softcap > 0 (Gemma 2): scores become softcap * tanh(scores / softcap) before the softmax.
+    sinks (u, r) (gpt-oss, unit_sinks): each query head's sink logit joins its softmax's
+    denominator; the fused kernel gives no log-sum-exp to apply it with, so such attention
+    takes the explicit path (float32 scores, chunked), as soft-capped attention does.
 
     With keep_fraction < 1 (sparse attention, decode only) each query keeps the top
     ceil(keep_fraction * n) of the n keys it may see (its unit's valid keys: padding does
@@ -65,6 +98,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | ValueRows, key_va
     The schedule may therefore run sparse attention tier by tier, exactly."""
     u, r, q_len, d = q.shape
     t = k.shape[1]
+    if sinks is not None and keep_fraction < 1.0:
+        raise ValueError("sparse attention does not compute attention sinks (check_sparse_attention)")
     # (a one-query prefill of a sliding-window block, after a shared prefix, still needs its window's mask)
     if q_len == 1 and (keep_fraction < 1.0 or q.device.type == "cpu") and not (window and t > window):
         # A decode step on CPU: float32 matmuls over the unit's keys, the r query heads of a
@@ -78,11 +113,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | ValueRows, key_va
         if keep_fraction < 1.0:
             return _top_k_attention(scores, v, key_valid, keep_fraction).to(q.dtype)
         v = v(list(range(t))) if callable(v) else v
-        return torch.bmm(scores.view(u, r, t).softmax(-1), v.float()).view(u, r, 1, d).to(q.dtype)
+        return torch.bmm(_softmax(scores.view(u, r, t), sinks), v.float()).view(u, r, 1, d).to(q.dtype)
     if callable(v):
         v = v(list(range(t)))
-    if softcap:
-        return _explicit_attention(q, k, v, key_valid, causal, window, softcap)
+    if softcap or sinks is not None:
+        return _explicit_attention(q, k, v, key_valid, causal, window, softcap, sinks)
     return _dense_attention(q, k, v, key_valid, causal, window)
 
 
@@ -105,8 +140,9 @@ def _allowed(key_valid: torch.Tensor, qpos: torch.Tensor, causal: bool, window: 
 
 
 def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor,
-                        causal: bool, window: int, softcap: float, chunk: int = 128) -> torch.Tensor:
-    """Attention with soft-capped scores, which the fused kernel cannot compute: scores in
+                        causal: bool, window: int, softcap: float, sinks: torch.Tensor | None = None,
+                        chunk: int = 128) -> torch.Tensor:
+    """Attention with soft-capped scores, or sinks, which the fused kernel cannot compute: scores in
     float32, `chunk` queries at a time so that no (q_len, t) matrix of a long prompt exists
     whole."""
     u, r, q_len, d = q.shape
@@ -118,7 +154,7 @@ def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_v
         scores = _capped(torch.matmul(q[:, :, c0:c1].float(), kf) / math.sqrt(d), softcap)  # (u, r, c, t)
         qpos = torch.arange(t - q_len + c0, t - q_len + c1, device=q.device)
         scores = scores.masked_fill(~_allowed(key_valid, qpos, causal, window)[:, None], -math.inf)
-        out[:, :, c0:c1] = torch.matmul(scores.softmax(-1), vf)
+        out[:, :, c0:c1] = torch.matmul(_softmax(scores, sinks), vf)
     return out.to(q.dtype)
 
 
@@ -285,7 +321,8 @@ def _top_k_attention(scores: torch.Tensor, v: torch.Tensor | ValueRows, key_vali
 
 def attend_past_held_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | ValueRows, own_valid: torch.Tensor,
                             prefix_keys: torch.Tensor, prefix_values: torch.Tensor, first_unit: int = 0,
-                            keep_fraction: float = 1.0, softcap: float = 0.0) -> torch.Tensor:
+                            keep_fraction: float = 1.0, softcap: float = 0.0,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """A decode step's attention (one query per unit) where every sequence's cache holds the
     same first n positions of its prompt once for all (held_prefix.HeldPrefix: a compressed
     cache, or sparse attention): prefix_keys and prefix_values (kv_heads, n, d), as each
@@ -301,17 +338,20 @@ def attend_past_held_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | 
     cache: a unit's n + own_valid keys are its visible ones, each query keeps its top
     ceil(keep_fraction * (n + own)) of the prefix's scores and its own side by side (scored
     as attend() scores them), the softmax is taken over those, and only the kept values are
-    read (v, a ValueRows, is asked for its kept columns only). Float32, as attend()'s CPU
-    decode path; returns (u, r, 1, d) in q's dtype."""
+    read (v, a ValueRows, is asked for its kept columns only). sinks (u, r): as attend()'s
+    (keep_fraction 1 only), on the merged softmax. Float32, as attend()'s CPU decode path;
+    returns (u, r, 1, d) in q's dtype."""
     u, r, _, d = q.shape
     kvh, n = prefix_keys.shape[0], prefix_keys.shape[1]
+    if sinks is not None and keep_fraction < 1.0:
+        raise ValueError("sparse attention does not compute attention sinks (check_sparse_attention)")
     qf = q.float().view(u, r, d)
     by_head, per_unit = _stacked_by_head(qf, first_unit, kvh)
     if keep_fraction == 1.0:
         v = v(list(range(k.shape[1]))) if callable(v) else v
         own = _normalized_part(qf, k, v, own_valid, softcap)
         shared = _normalized_part(by_head, prefix_keys, prefix_values, None, softcap)
-        return _merged(own, tuple(map(per_unit, shared))).view(u, r, 1, d).to(q.dtype)
+        return _merged(own, tuple(map(per_unit, shared)), sinks).view(u, r, 1, d).to(q.dtype)
     # the scores attend() computes over each whole cache, the prefix's first
     own = _capped(torch.bmm(qf, k.float().transpose(1, 2)) / math.sqrt(d), softcap)
     own = own.masked_fill_(~own_valid[:, None, :], -math.inf)
@@ -342,7 +382,8 @@ def attend_past_held_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | 
 def attend_as_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor,
                      as_stored: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
                      keep_fraction: float = 1.0, chunk: int = 128, window: int = 0, softcap: float = 0.0,
-                     fresh_group: int = 1, starts: torch.Tensor | None = None) -> torch.Tensor:
+                     fresh_group: int = 1, starts: torch.Tensor | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Prompt attention in which every position attends as a decode step of the engine
     would if it had generated that token: to the keys and values of the positions before
     it as the KV cache returns them (`as_stored(k, v)`: quantized, then dequantized, under
@@ -356,8 +397,10 @@ def attend_as_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_vali
 
     Scoring with it measures what a compressed or sparse cache costs at every position (a
     plain prefill attends to fresh keys and values, so neither can change a score there).
-    window and softcap as in attend().
+    window, softcap and sinks (dense only) as in attend().
     q: (u, r, t, d); k, v: (u, t, d); key_valid: (u, t). Returns (u, r, t, d) in q's dtype."""
+    if sinks is not None and keep_fraction < 1.0:
+        raise ValueError("sparse attention does not compute attention sinks (check_sparse_attention)")
     u, r, t, d = q.shape
     k_c, v_c = (x.float() for x in as_stored(k, v))
     pos = torch.arange(t, device=q.device)
@@ -377,7 +420,7 @@ def attend_as_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_vali
         scores = scores.masked_fill(~allowed[:, None], -math.inf)
         if keep_fraction < 1.0:
             scores = _keep_top(scores, allowed.sum(-1), keep_fraction)
-        weights = scores.softmax(-1)
+        weights = _softmax(scores, sinks)
         # every key's value as stored, but the fresh ones' as they are
         fresh_minus_stored = (v[:, b0:c1].float() - v_c[:, b0:c1])[:, None]  # (u, 1, c1 - b0, d)
         fresh_weights = weights[..., b0:c1] * fresh[:, None]
@@ -436,7 +479,7 @@ def prefix_for_decode(keys: torch.Tensor, values: torch.Tensor, device: torch.de
 def attend_past_shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor,
                               prefix: DecodePrefix, prefix_start: torch.Tensor,
                               held_out: tuple[int, int] | None = None, first_unit: int = 0,
-                              softcap: float = 0.0) -> torch.Tensor:
+                              softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """A decode step's attention (one query per unit) where every sequence's cache holds the
     same prefix, under dense attention over a plain cache (a compressed cache's, or sparse
     attention's: attend_past_held_prefix). The units are whole sequences' (kv_heads units
@@ -447,7 +490,8 @@ def attend_past_shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     once against its one copy (prefix: DecodePrefix), as Hydragen and cascade attention
     compute it, so it is read once a step instead of once per sequence; the rest attends
     per unit to the positions it holds outside its own prefix; the parts merge exactly by
-    their log-sum-exp. q: (u, r, 1, d); k, v: (u, t, d); key_valid: (u, t). Float32, as
+    their log-sum-exp (and sinks (u, r), as attend()'s, apply once to the merged softmax).
+    q: (u, r, 1, d); k, v: (u, t, d); key_valid: (u, t). Float32, as
     attend()'s CPU decode path, but for the prefix's matmuls in DecodePrefix's bf16 layout;
     returns (u, r, 1, d) in q's dtype."""
     u, r, _, d = q.shape
@@ -466,7 +510,7 @@ def attend_past_shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     else:
         out, peak, total = _bf16_prefix_part(by_head, prefix)
         shared = out / total, peak + total.log()
-    return _merged(own_part, tuple(map(per_unit, shared))).view(u, r, 1, d).to(q.dtype)
+    return _merged(own_part, tuple(map(per_unit, shared)), sinks).view(u, r, 1, d).to(q.dtype)
 
 
 def _stacked_by_head(qf: torch.Tensor, first_unit: int, kvh: int) -> tuple[torch.Tensor, Callable]:
@@ -488,13 +532,20 @@ def _stacked_by_head(qf: torch.Tensor, first_unit: int, kvh: int) -> tuple[torch
     return by_head, per_unit
 
 
-def _merged(own: tuple[torch.Tensor, torch.Tensor], prefix: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def _merged(own: tuple[torch.Tensor, torch.Tensor], prefix: tuple[torch.Tensor, torch.Tensor],
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over two parts of the keys, each (output, log-sum-exp) normalised over its
     own (_normalized_part): each part's weight in the whole softmax is its share of the two
     exp-sums, the own part's sigmoid(own_lse - prefix_lse) (0 where a unit has no key of its
-    own: -inf)."""
+    own: -inf). With sinks (rows, r): a sink adds exp(sink) to the whole softmax's
+    denominator and nothing to its numerator, so the merged output shrinks by
+    sigmoid(lse - sink), lse the log-sum-exp of both parts together."""
     (own_out, own_lse), (prefix_out, prefix_lse) = own, prefix
-    return torch.lerp(prefix_out, own_out, torch.sigmoid(own_lse - prefix_lse))
+    out = torch.lerp(prefix_out, own_out, torch.sigmoid(own_lse - prefix_lse))
+    if sinks is None:
+        return out
+    lse = torch.logaddexp(own_lse, prefix_lse)
+    return out * torch.sigmoid(lse - sinks.to(out.device)[..., None])
 
 
 def _bf16_prefix_part(q: torch.Tensor, prefix: DecodePrefix) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

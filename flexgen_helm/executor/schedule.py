@@ -66,6 +66,7 @@ from flexgen_helm.executor.attention import (
     from_units,
     prefix_for_decode,
     to_units,
+    unit_sinks,
 )
 from flexgen_helm.executor.cache_buffers import CacheBuffers, batches_per_load, buffer_sets, unpacks_on_lane
 from flexgen_helm.executor.expert_weights import load_layer_weights
@@ -83,6 +84,7 @@ from flexgen_helm.memory.host_allocator import release_freed_host_memory
 from flexgen_helm.memory.placement import slot_tier_counts
 from flexgen_helm.memory.usage import tensor_bytes
 from flexgen_helm.memory.weight_homes import load_nbytes
+from flexgen_helm.models.spec import SINKS
 from flexgen_helm.policy.policy import TIERS, Policy
 
 
@@ -595,7 +597,8 @@ class BlockSchedule:
                     self._submit_cache_ahead(following, live, False)
                 kvs = self._unpacked(load)
             t0 = time.perf_counter()
-            out, write = self._attend(layer.index, k, *(x[i] for x in qkv), kvs[i % self.load_group], False)
+            out, write = self._attend(layer.index, k, *(x[i] for x in qkv), kvs[i % self.load_group], False,
+                                      w.get(SINKS))
             attn.append(out)
             writes.append(write)
             self._time_compute(t0)
@@ -625,7 +628,7 @@ class BlockSchedule:
             rows = self.step_rows[k]
             part = rows.take(h)
             out, write = self._attend(layer.index, k, *self.family.qkv(self.cfg, w, part, rows.at, layer.index),
-                                      None, True)
+                                      None, True, w.get(SINKS))
             mids.append(self.family.attention_output(self.cfg, w, part, out))
             hs.append(h)
             self._time_compute(t0, "prefill")
@@ -651,16 +654,18 @@ class BlockSchedule:
         arguments of KVCacheSlot.write that store what is not stored yet (None: a decode
         step wrote every tier in place)."""
         q, key, value = self.family.qkv(self.cfg, w, h, self.step_rows[k].at, index)
-        out, write = self._attend(index, k, q, key, value, cache, prefill)
+        out, write = self._attend(index, k, q, key, value, cache, prefill, w.get(SINKS))
         return self.family.finish_block(self.cfg, w, h, out), write
 
-    def _attend(self, index: int, k: int, q, key, value, cache, prefill: bool):
+    def _attend(self, index: int, k: int, q, key, value, cache, prefill: bool, sinks: torch.Tensor | None = None):
         """Attention of GPU batch k's computed rows in block `index` over its cache: the
         output (rows, positions, heads x head_dim), and the arguments of KVCacheSlot.write
-        that store what is not stored yet (None: a decode step wrote every tier in place)."""
+        that store what is not stored yet (None: a decode step wrote every tier in place).
+        sinks: the block's attention sinks (num_heads,), None where the model has none."""
         cfg, rows, slot = self.cfg, self.step_rows[k], self.slots[index, k]
         b, kvh, s, d = key.shape
         qu = to_units(q, kvh)
+        sinks = unit_sinks(None if sinks is None else sinks.to(q.device), kvh, 0, b * kvh)
         ku, vu = key.reshape(b * kvh, s, d), value.reshape(b * kvh, s, d)
         unwritten = TIERS if self.stores_prefill_cache else ()  # (a decode step sets its own below)
         window, softcap = cfg.window(index), cfg.attn_softcap
@@ -670,17 +675,17 @@ class BlockSchedule:
             starts = self.unit_starts[k] - self.prompt_start[k]  # in the batch's own columns
             out = attend_as_decode(qu, ku, vu, rows.valid, functools.partial(self._as_stored, starts),
                                    self.policy.attn_sparsity, window=window, softcap=softcap, fresh_group=fresh,
-                                   starts=starts)
+                                   starts=starts, sinks=sinks)
         elif prefill:
             if self.shared is not None:  # the columns before the window: the shared prefix's keys and values
                 pad = (~self.batches[k].valid).sum(1)
                 before_k, before_v = self.prefix_here.context(pad, self.shared.length)
                 ku, vu = torch.cat([before_k, ku], dim=1), torch.cat([before_v, vu], dim=1)
-            out = attend(qu, ku, vu, rows.valid, causal=True, window=window, softcap=softcap)
+            out = attend(qu, ku, vu, rows.valid, causal=True, window=window, softcap=softcap, sinks=sinks)
         else:
             t0 = time.perf_counter()
             out, unwritten = self._decode_attention(slot, cache, qu, ku, vu, rows, window, index,
-                                                    self._prefix_of(index, k))
+                                                    self._prefix_of(index, k), sinks)
             if self.devices.is_cuda:
                 torch.cuda.current_stream().synchronize()
             self.timers["decode_attention"] += time.perf_counter() - t0  # part of decode_compute
@@ -726,7 +731,8 @@ class BlockSchedule:
         return self.prefix_start[k] if rows is None else self.prefix_start[k][rows.cpu()]
 
     def _decode_attention(self, slot: KVCacheSlot | KiviCacheSlot, cache: dict, qu, ku, vu, rows: StepRows,
-                          window: int, index: int, prefix_start: torch.Tensor | None = None):
+                          window: int, index: int, prefix_start: torch.Tensor | None = None,
+                          sinks: torch.Tensor | None = None):
         """Attention of one new position per computed unit, tier by tier, to the positions
         the slot holds and to itself; a sliding-window block's to its last `window` positions
         only (slot.decode_valid). Where attention reads a tier in place (never a ring, never
@@ -735,7 +741,8 @@ class BlockSchedule:
         output and the tiers still to write. With prefix_start (block `index` attends to its
         shared prefix apart), each tier's units attend to the prefix's one copy and to the
         positions their slot holds outside it (attend_past_shared_prefix; a compressed cache's
-        or sparse attention's: attend_past_held_prefix, the top-k over both)."""
+        or sparse attention's: attend_past_held_prefix, the top-k over both). sinks: the units'
+        attention sinks (unit_sinks), None where the model has none."""
         outs, unwritten = [], []
         for tier in TIERS:
             part, local = rows.tier_part(*slot.ranges[tier])
@@ -743,6 +750,7 @@ class BlockSchedule:
                 continue
             where = self._attention_device(tier)
             new_k, new_v = ku[part].to(where), vu[part].to(where)
+            part_sinks = None if sinks is None else sinks[part].to(where)
             drop, valid = slot.decode_valid(tier, self.length, window, rows.valid[part], local)
             if slot.in_place(tier, where):
                 keys, values = slot.append_in_place(tier, new_k, new_v, self.length, local)
@@ -761,14 +769,16 @@ class BlockSchedule:
                 own = slot.outside_prefix(valid.to(where), unit_starts, prefix_k.shape[1])
                 out = attend_past_held_prefix(qu[part].to(where), keys, values, own, prefix_k, prefix_v,
                                               first_unit=part.start, keep_fraction=self.policy.attn_sparsity,
-                                              softcap=self.cfg.attn_softcap)
+                                              softcap=self.cfg.attn_softcap, sinks=part_sinks)
             elif prefix_start is not None:
                 out = attend_past_shared_prefix(qu[part].to(where), keys, values, valid.to(where),
                                                 self.decode_prefix[index, where.type], prefix_start, slot.held_out,
-                                                first_unit=part.start, softcap=self.cfg.attn_softcap)
+                                                first_unit=part.start, softcap=self.cfg.attn_softcap,
+                                                sinks=part_sinks)
             else:
                 out = attend(qu[part].to(where), keys, values, valid.to(where), causal=False,
-                             keep_fraction=self.policy.attn_sparsity, softcap=self.cfg.attn_softcap)
+                             keep_fraction=self.policy.attn_sparsity, softcap=self.cfg.attn_softcap,
+                             sinks=part_sinks)
             outs.append(out.to(self.devices.compute, non_blocking=True))
         return (outs[0] if len(outs) == 1 else torch.cat(outs)), tuple(unwritten)
 

@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flexgen_helm.executor.attention import attend, from_units, to_units
+from flexgen_helm.executor.attention import attend, from_units, to_units, unit_sinks
+from flexgen_helm.models.spec import SINKS
 
 # Fewer shared tokens than this are not worth a second code path: the suffix attention
 # takes a masked kernel where a plain prompt's has the left-padded causal one.
@@ -159,6 +160,6 @@ class SharedPrefix:
         made = PrefixLayer(k.reshape(kvh, self.length, d), v.reshape(kvh, self.length, d))
         valid = torch.ones(kvh, self.length, dtype=torch.bool, device=k.device)
         out = attend(to_units(q, kvh), made.keys, made.values, valid, causal=True, window=cfg.window(layer.index),
-                     softcap=cfg.attn_softcap)
+                     softcap=cfg.attn_softcap, sinks=unit_sinks(w.get(SINKS), kvh, 0, kvh))
         self.hidden = family.finish_block(cfg, w, self.hidden, from_units(out, 1))
         return made

@@ -43,11 +43,11 @@ class ModelConfig:
     attn_softcap: float = 0.0  # Gemma 2: scores -> cap * tanh(scores / cap); 0: none
     final_softcap: float = 0.0  # Gemma 2: logits likewise
     local_rope_theta: float = 0.0  # Gemma 3: rotary base of the sliding-window blocks (unscaled)
-    # Mixture of experts (family "moe": Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): a block's MLP is
+    # Mixture of experts (family "moe": Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss): a block's MLP is
     # num_experts gated MLPs of expert_ffn_size, each token through the experts_per_token its
     # router's softmax ranks highest, their outputs summed with those probabilities (renormalised
     # to sum to one where norm_topk_prob; multiplied in float32 where routing_in_float: Mixtral)
-    moe_type: str = ""  # transformers' model_type ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"): its tensor names
+    moe_type: str = ""  # transformers' model_type ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
     num_experts: int = 0
     experts_per_token: int = 0
     expert_ffn_size: int = 0
@@ -57,6 +57,16 @@ class ModelConfig:
     dense_blocks: tuple = ()  # blocks whose MLP is the dense one of ffn_size (Qwen's mlp_only_layers)
     qk_norm_whole: bool = False  # OLMoE: the q/k norms span the whole projection, not each head
     clip_qkv: float = 0.0  # OLMoE: q, k and v clamped to [-clip, clip]; 0: not
+    # gpt-oss: a learned logit per query head ("sinks") joins each softmax's denominator and adds no value
+    attention_sinks: bool = False
+    output_bias: bool = False  # gpt-oss: o_proj has a bias (beside q, k, v's: attention_bias)
+    # gpt-oss: router and experts with biases; the router's top k logits, then a softmax over those k alone
+    mlp_bias: bool = False
+    softmax_after_topk: bool = False
+    # gpt-oss's experts: gate clamped to <= limit, up to [-limit, limit], out = (up + 1) * gate * sigmoid(alpha *
+    # gate) (its interleaved gate_up_proj split at conversion); 0: the plain gated MLP of mlp_activation
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 0.0
     # tokens
     bos_token_id: int | None = None
     eos_token_id: int | None = None

@@ -1,4 +1,4 @@
-"""Mixture-of-experts transformers: Mixtral, Qwen2-MoE (Qwen1.5-MoE), Qwen3-MoE, OLMoE.
+"""Mixture-of-experts transformers: Mixtral, Qwen2-MoE (Qwen1.5-MoE), Qwen3-MoE, OLMoE, gpt-oss.
 
 The Llama block (RMSNorm, rotary, grouped-query attention) whose MLP is a router and
 `num_experts` gated MLPs: each token goes through the `experts_per_token` experts its
@@ -7,6 +7,10 @@ always renormalises them to sum to one, the others where the config's norm_topk_
 Qwen2-MoE adds a shared expert every token takes, scaled by a sigmoid gate, and both Qwen
 families may keep a dense MLP in some blocks (mlp_only_layers, decoder_sparse_step). OLMoE
 normalises the whole query and key projections (not each head) and may clamp q, k and v.
+gpt-oss has biases on every attention projection, a learned sink logit per query head in
+each attention softmax (the executor's attention applies it), sliding-window blocks between
+global ones, YaRN rotary scaling, a router with a bias whose top k logits are softmaxed
+alone, and experts with biases and a clamped SwiGLU ((up + 1) * gate * sigmoid(1.702 gate)).
 
 Experts are ordinary store tensors, one per expert and projection
 ("layers.{i}.experts.{e}.gate_proj.weight"), so they are placed by fraction over the tiers
@@ -27,14 +31,15 @@ from flexgen_helm.models import llama
 from flexgen_helm.models.config import ModelConfig
 from flexgen_helm.models.gated_mlp import gated_mlp
 from flexgen_helm.models.heads import split_heads
+from flexgen_helm.models.hf_config import as_pairs, rope_from_hf, sliding_windows
 from flexgen_helm.models.linear import linear
 from flexgen_helm.models.llama import embed, head, run_constants, step_constants  # noqa: F401 (shared)
 from flexgen_helm.models.norms import rms_norm
 from flexgen_helm.models.rotary import RotaryAt
-from flexgen_helm.models.spec import LayerSpec, tensor
+from flexgen_helm.models.spec import SINKS, LayerSpec, tensor
 
 # transformers' model_type of each MoE family we run (the others are refused by name)
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
 # config.json keys that mark a checkpoint as a mixture of experts (any family's)
 MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok")
 
@@ -58,9 +63,21 @@ GEOMETRIES = {
         "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
         "num_experts_per_tok": 2, "max_position_embeddings": 32768, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-5,
         "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2},
+    # 20.9B parameters, 3.6B active; published with MXFP4 experts (dequantized at conversion:
+    # weights/mxfp4.py), its quantization_config left out here (dummy weights are the store's dtype)
+    "openai/gpt-oss-20b": {
+        "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+        "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+        "num_local_experts": 32, "num_experts_per_tok": 4, "experts_per_token": 4, "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+        "rope_theta": 150000, "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                               "beta_slow": 1.0, "truncate": False,
+                                               "original_max_position_embeddings": 4096},
+        "swiglu_limit": 7.0, "attention_bias": True, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        "eos_token_id": 200002, "pad_token_id": 199999},
 }
 GEOMETRY_ALIASES = {"olmoe-1b-7b": "allenai/olmoe-1b-7b-0924", "qwen3-30b-a3b": "qwen/qwen3-30b-a3b",
-                    "mixtral-8x7b": "mistralai/mixtral-8x7b-v0.1"}
+                    "mixtral-8x7b": "mistralai/mixtral-8x7b-v0.1", "gpt-oss-20b": "openai/gpt-oss-20b"}
 
 
 def geometry(model: str) -> ModelConfig | None:
@@ -86,6 +103,8 @@ def _dense_blocks(hf: dict, n: int) -> tuple:
 
 def config_from_hf(hf: dict, name: str) -> ModelConfig:
     model_type = hf.get("model_type")
+    if model_type == "gpt_oss":
+        return _gpt_oss_config(hf, name)
     base = llama.config_from_hf(hf, name)
     experts = hf.get("num_experts") or hf.get("num_local_experts")
     qwen = model_type in ("qwen2_moe", "qwen3_moe")
@@ -108,6 +127,41 @@ def config_from_hf(hf: dict, name: str) -> ModelConfig:
     )
 
 
+# gpt-oss's defaults where its config.json leaves a field out (transformers' GptOssConfig)
+GPT_OSS_DEFAULTS = {"rope_theta": 150000.0, "sliding_window": 128, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+                    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False, "original_max_position_embeddings": 4096}}
+
+
+def _gpt_oss_config(hf: dict, name: str) -> ModelConfig:
+    """gpt-oss: the Llama block's fields, with its own defaults; sliding windows on the blocks
+    its layer_types says (transformers' default: every even block), biases everywhere."""
+    hf = dict(hf)
+    if not hf.get("rope_parameters") and not hf.get("rope_scaling"):
+        hf["rope_scaling"] = GPT_OSS_DEFAULTS["rope_scaling"]
+    theta, scaling = rope_from_hf(hf, default_theta=GPT_OSS_DEFAULTS["rope_theta"])
+    n = hf["num_hidden_layers"]
+    window = hf.get("sliding_window", GPT_OSS_DEFAULTS["sliding_window"])
+    base = dataclasses.replace(llama.config_from_hf({**hf, "model_type": "llama", "sliding_window": None}, name),
+                               rope_theta=theta, rope_scaling=as_pairs(scaling),
+                               sliding_windows=sliding_windows(hf, n, window, lambda i: i % 2 == 0))
+    return dataclasses.replace(
+        base,
+        family="moe",
+        moe_type="gpt_oss",
+        num_experts=int(hf.get("num_local_experts") or hf["num_experts"]),
+        experts_per_token=int(hf.get("num_experts_per_tok") or hf["experts_per_token"]),
+        expert_ffn_size=int(hf["intermediate_size"]),
+        attention_bias=bool(hf.get("attention_bias", True)),
+        output_bias=bool(hf.get("attention_bias", True)),
+        attention_sinks=True,
+        mlp_bias=True,
+        softmax_after_topk=True,
+        swiglu_limit=float(hf.get("swiglu_limit", GPT_OSS_DEFAULTS["swiglu_limit"])),
+        swiglu_alpha=float(hf.get("swiglu_alpha", GPT_OSS_DEFAULTS["swiglu_alpha"])),
+    )
+
+
 def expected_experts_touched(num_experts: int, per_token: int, tokens: float) -> float:
     """Experts of one block that `tokens` rows choose between them, expected, each row taking
     `per_token` of `num_experts` at random: an expert escapes one row with probability
@@ -117,12 +171,30 @@ def expected_experts_touched(num_experts: int, per_token: int, tokens: float) ->
 
 
 _ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                  "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+
+
+def _gpt_oss_hf_config(cfg: ModelConfig) -> dict:
+    """gpt-oss's config.json fields (inverse of _gpt_oss_config)."""
+    windows = set(cfg.sliding_windows) - {0}
+    if len(windows) > 1 or cfg.output_bias != cfg.attention_bias:
+        raise ModelNotFoundError(f"{cfg.name}: gpt-oss takes one sliding window and biases on all of its attention "
+                                 "projections or none; this config cannot be written as one")
+    return {"model_type": "gpt_oss", "architectures": [_ARCHITECTURES["gpt_oss"]],
+            "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
+            "intermediate_size": cfg.expert_ffn_size, "num_local_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.experts_per_token, "attention_bias": cfg.attention_bias,
+            "swiglu_limit": cfg.swiglu_limit, "swiglu_alpha": cfg.swiglu_alpha,
+            "sliding_window": windows.pop() if windows else None,
+            "layer_types": ["sliding_attention" if cfg.window(i) else "full_attention" for i in range(cfg.num_layers)],
+            "rope_parameters": {"rope_type": "default", **cfg.rope_scaling_dict, "rope_theta": cfg.rope_theta}}
 
 
 def hf_config(cfg: ModelConfig) -> dict:
     """The transformers config.json fields of an MoE config (inverse of config_from_hf), beside
-    the ones every family shares; sliding windows are not written back (refused)."""
+    the ones every family shares; sliding windows are not written back (refused) but gpt-oss's."""
+    if cfg.moe_type == "gpt_oss":
+        return _gpt_oss_hf_config(cfg)
     if cfg.sliding_windows:
         raise ModelNotFoundError(f"{cfg.name}: exporting an MoE config with sliding windows is not supported")
     out = {"model_type": cfg.moe_type, "architectures": [_ARCHITECTURES[cfg.moe_type]],
@@ -146,17 +218,21 @@ def hf_config(cfg: ModelConfig) -> dict:
     return out
 
 
-def expert_key(e: int, proj: str) -> str:
-    return f"experts.{e}.{proj}.weight"
+def expert_key(e: int, proj: str, param: str = "weight") -> str:
+    return f"experts.{e}.{proj}.{param}"
 
 
 def moe_tensors(cfg: ModelConfig, n: str) -> list:
-    """The router, each expert's gate, up and down projections, and the shared expert with its gate."""
-    h, f = cfg.hidden_size, cfg.expert_ffn_size
-    ts = [tensor(n, "router.weight", cfg.num_experts, h)]
-    for e in range(cfg.num_experts):
+    """The router, each expert's gate, up and down projections (with their biases where
+    mlp_bias), and the shared expert with its gate."""
+    h, f, E = cfg.hidden_size, cfg.expert_ffn_size, cfg.num_experts
+    ts = [tensor(n, "router.weight", E, h), *([tensor(n, "router.bias", E)] if cfg.mlp_bias else [])]
+    for e in range(E):
         ts += [tensor(n, expert_key(e, "gate_proj"), f, h), tensor(n, expert_key(e, "up_proj"), f, h),
                tensor(n, expert_key(e, "down_proj"), h, f)]
+        if cfg.mlp_bias:
+            ts += [tensor(n, expert_key(e, "gate_proj", "bias"), f), tensor(n, expert_key(e, "up_proj", "bias"), f),
+                   tensor(n, expert_key(e, "down_proj", "bias"), h)]
     if cfg.shared_expert_ffn_size:
         s = cfg.shared_expert_ffn_size
         ts += [tensor(n, "shared_expert.gate_proj.weight", s, h), tensor(n, "shared_expert.up_proj.weight", s, h),
@@ -166,6 +242,10 @@ def moe_tensors(cfg: ModelConfig, n: str) -> list:
 
 def _attention_tensors(cfg: ModelConfig, n: str) -> list:
     ts = llama.attention_tensors(cfg, n)
+    if cfg.output_bias:
+        ts.append(tensor(n, "o_proj.bias", cfg.hidden_size))
+    if cfg.attention_sinks:
+        ts.append(tensor(n, SINKS, cfg.num_heads))
     if not cfg.qk_norm_whole:
         return ts
     widths = {"q_norm.weight": cfg.num_heads * cfg.head_dim, "k_norm.weight": cfg.num_kv_heads * cfg.head_dim}
@@ -197,10 +277,15 @@ def qkv(cfg: ModelConfig, w: dict, h: torch.Tensor, at: RotaryAt, block: int):
     return at.apply(q), at.apply(k), v
 
 
-def route(cfg: ModelConfig, router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def route(cfg: ModelConfig, router, x: torch.Tensor, bias=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of x (n, hidden): the routing weights (n, k) and the experts chosen (n, k),
-    as transformers' routers compute them (softmax in float32, then the top k)."""
-    probs = torch.softmax(linear(x, router), dim=-1, dtype=torch.float32)
+    as transformers' routers compute them (softmax in float32, then the top k; gpt-oss's:
+    the top k logits, then their softmax in x's dtype)."""
+    logits = linear(x, router, bias)
+    if cfg.softmax_after_topk:
+        top, chosen = torch.topk(logits, cfg.experts_per_token, dim=-1)
+        return torch.softmax(top, dim=-1), chosen
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, chosen = torch.topk(probs, cfg.experts_per_token, dim=-1)
     if cfg.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -222,7 +307,7 @@ def expert_mlp(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
         shared = torch.sigmoid(linear(flat, w["shared_expert_gate.weight"])) * gated_mlp(
             flat, w["shared_expert.gate_proj.weight"], w["shared_expert.up_proj.weight"],
             w["shared_expert.down_proj.weight"], cfg.mlp_activation)
-    weights, chosen = route(cfg, w["router.weight"], flat)
+    weights, chosen = route(cfg, w["router.weight"], flat, w.get("router.bias"))
     k = cfg.experts_per_token
     order = torch.argsort(chosen.reshape(-1), stable=True)
     counts = torch.bincount(chosen.reshape(-1), minlength=cfg.num_experts).tolist()  # one sync per layer
@@ -237,8 +322,7 @@ def expert_mlp(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
         if not count:
             continue
         picked = rows[start:start + count]
-        y = gated_mlp(flat.index_select(0, picked), w[expert_key(e, "gate_proj")], w[expert_key(e, "up_proj")],
-                      w[expert_key(e, "down_proj")], cfg.mlp_activation)
+        y = _expert(cfg, w, e, flat.index_select(0, picked))
         out.index_add_(0, picked, (y * slot_weights[start:start + count, None]).to(out.dtype))
         start += count
         if hasattr(w, "release"):  # its rows are done: one expert read off its tier held at a time
@@ -248,9 +332,21 @@ def expert_mlp(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(x.shape)
 
 
+def _expert(cfg: ModelConfig, w: dict, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Expert e's output for rows x."""
+    if not cfg.swiglu_limit:
+        return gated_mlp(x, w[expert_key(e, "gate_proj")], w[expert_key(e, "up_proj")], w[expert_key(e, "down_proj")],
+                         cfg.mlp_activation)
+    limit = cfg.swiglu_limit
+    gate = linear(x, w[expert_key(e, "gate_proj")], w[expert_key(e, "gate_proj", "bias")]).clamp(max=limit)
+    up = linear(x, w[expert_key(e, "up_proj")], w[expert_key(e, "up_proj", "bias")]).clamp(-limit, limit)
+    glu = gate * torch.sigmoid(gate * cfg.swiglu_alpha)
+    return linear((up + 1) * glu, w[expert_key(e, "down_proj")], w[expert_key(e, "down_proj", "bias")])
+
+
 def attention_output(cfg: ModelConfig, w: dict, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
     """The first half of finish_block: the residual stream after attention."""
-    return h + linear(attn, w["o_proj.weight"])
+    return h + linear(attn, w["o_proj.weight"], w.get("o_proj.bias"))
 
 
 def mlp_output(cfg: ModelConfig, w: dict, h: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Rotary position embeddings, shared by the Llama, Gemma and Phi-3 families.
 
 The inverse frequencies of a checkpoint's scaling (none, linear, Llama 3.1's, Phi-3's
-LongRoPE), the cos/sin tables of a run (built once per schedule, as gpt-fast's
+LongRoPE, YaRN), the cos/sin tables of a run (built once per schedule, as gpt-fast's
 setup_caches, and indexed per step) and the rotation of query and key heads. Heads rotate
 in halves, as transformers and llama.cpp's NEOX mode do (the GGUF reader undoes the row
 permutation of llama.cpp's "llama" files)."""
@@ -16,7 +16,7 @@ import torch
 from flexgen_helm.errors import FlexGenError
 from flexgen_helm.models.config import ModelConfig
 
-SUPPORTED_ROPE_SCALING = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_SCALING = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 def rope_type(cfg: ModelConfig, scaling: dict | None = None) -> str:
@@ -56,7 +56,44 @@ def inverse_frequencies(cfg: ModelConfig, max_len: int, theta: float | None = No
         inv = torch.where(wavelen > old_len / low, inv / f, torch.where(wavelen < old_len / high, inv, blended))
     elif kind == "longrope":
         inv, factor = _longrope(cfg, s, inv, max_len)
+    elif kind == "yarn":
+        return _yarn(cfg, s, cfg.rope_theta if theta is None else theta)
     return inv.float(), factor
+
+
+def _yarn(cfg: ModelConfig, s: dict, theta: float) -> tuple[torch.Tensor, float]:
+    """YaRN (gpt-oss): each frequency blended between itself (extrapolated: the fast ones,
+    past beta_fast rotations over the pretraining context) and itself / factor
+    (interpolated: the slow ones, under beta_slow), linearly between; cos and sin scaled by
+    the attention factor (0.1 ln(factor) + 1 unless the config gives it, or mscale's
+    ratio). Computed in float32, step for step as transformers' _compute_yarn_parameters,
+    so that the tables are the same to the bit."""
+    d = rotary_dims(cfg)
+    original = s["original_max_position_embeddings"]
+    factor = s.get("factor") or cfg.max_seq_len / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = s.get("attention_factor")
+    if attention is None:
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        attention = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times over the context
+        return (d * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(s.get("beta_fast") or 32), correction_dim(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = torch.clamp((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    powers = theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    extrapolated = 1 - ramp
+    inv = (1.0 / (factor * powers)) * (1 - extrapolated) + (1.0 / powers) * extrapolated
+    return inv, attention
 
 
 def _longrope(cfg: ModelConfig, s: dict, inv: torch.Tensor, max_len: int) -> tuple[torch.Tensor, float]:

@@ -5,6 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+# The key of a block's attention sinks (gpt-oss: a logit per query head that joins each
+# attention softmax's denominator), which the executor's attention reads from the block's weights
+SINKS = "attn.sinks"
+
 
 @dataclass(frozen=True)
 class TensorSpec:

@@ -15,7 +15,7 @@ from flexgen_helm.errors import FlexGenError
 from flexgen_helm.memory.devices import DTYPE_NAMES
 from flexgen_helm.models import moe
 from flexgen_helm.models.config import ModelConfig
-from flexgen_helm.weights.hf_checkpoint import HF_NAMES
+from flexgen_helm.weights.hf_checkpoint import HF_NAMES, fused_expert_part
 from flexgen_helm.weights.source import WeightSource, rename
 
 _PREFIX = {"opt": "model.", "llama": "model.", "moe": "model."}
@@ -56,9 +56,16 @@ def export_hf(source: WeightSource, out_dir: str | Path, dtype: torch.dtype = to
     names = HF_NAMES.get(cfg.moe_type) or HF_NAMES[cfg.family]
     shards: list[dict[str, torch.Tensor]] = [{}]
     weight_map, size = {}, 0
+    fusing: dict[str, list] = {}  # gpt-oss's fused expert tensors being filled: name -> [tensor, pieces in]
     for store_name, t in tqdm(source.iter_tensors(), total=len(source.tensor_specs()), desc="exporting",
                               unit="tensor", disable=not progress):
-        hf_name = rename(store_name, names)
+        part = fused_expert_part(cfg.moe_type, store_name)
+        if part is not None:
+            hf_name, t = part[0], _fused(fusing, *part, t, cfg.num_experts)
+            if t is None:
+                continue
+        else:
+            hf_name = rename(store_name, names)
         hf_name = hf_name if hf_name.startswith("lm_head") else _PREFIX[cfg.family] + hf_name
         t = t.to(dtype).contiguous()
         if size and size + t.nbytes > shard_bytes:
@@ -79,6 +86,27 @@ def export_hf(source: WeightSource, out_dir: str | Path, dtype: torch.dtype = to
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
     return out
+
+
+def _fused(fusing: dict, name: str, e: int, columns: int | None, t: torch.Tensor,
+           num_experts: int) -> torch.Tensor | None:
+    """Expert e's piece `t` ((out, in), as the store holds it) put in its place in the fused
+    gpt-oss tensor `name` ((E, in, out), gate and up interleaved: hf_checkpoint.GPT_OSS_EXPERTS);
+    that tensor once every expert's pieces are in, else None. One fused tensor (a layer's
+    experts' projection) is held at a time, as the store's tensors come in layer order."""
+    piece = t.T if t.dim() == 2 else t
+    if name not in fusing:
+        width = piece.shape[-1] * (1 if columns is None else 2)
+        fusing[name] = [torch.empty(num_experts, *piece.shape[:-1], width, dtype=piece.dtype), 0]
+    entry = fusing[name]
+    if columns is None:
+        entry[0][e] = piece
+    else:
+        entry[0][e][..., columns::2] = piece
+    entry[1] += 1
+    if entry[1] < num_experts * (1 if columns is None else 2):
+        return None
+    return fusing.pop(name)[0]
 
 
 def _write_shard(out: Path, shards: list, index: int) -> None:

