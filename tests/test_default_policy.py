@@ -151,12 +151,12 @@ def test_helm_deployments_default_to_the_planners_block(profiled):
 def test_float32_lambada_results_do_not_depend_on_the_block(tmp_path):
     """The real SmolLM2 on 12 LAMBADA passages, float32: every passage's correctness and
     last-word NLL are the same whatever block the planner (or the user) picks (one sequence,
-    GPU batches of 5 with a short last one, one of 12, and 3 GPU batches of 4)."""
+    GPU batches of 5 with a short last one, one of 12, and two blocks of 3 GPU batches of 2)."""
     from flexgen_helm.data.sources import read_lambada
 
     texts = read_lambada(None)[0][:12]
     runs = []
-    for policy in (Policy(), Policy(gpu_batch_size=5), Policy(gpu_batch_size=12), Policy(4, 3)):
+    for policy in (Policy(), Policy(gpu_batch_size=5), Policy(gpu_batch_size=12), Policy(2, 3)):
         engine = Engine.load("smollm2-135m", policy, dtype="float32", device="cpu", offload_dir=tmp_path,
                              progress=False)
         items, _ = lambada.prepare(engine.tokenizer, texts)

@@ -295,7 +295,7 @@ def test_a_few_shot_scenario_runs_in_fewer_batches_where_the_engine_shares_its_p
     """The scenario's requests share 200 of their ~260 tokens: with sharing its 100 requests
     run as 2 batches instead of 7 of at most 16."""
     from flexgen_helm.executor.sampling import SamplingParams
-    from flexgen_helm.helm.batching import GENERATE, Job
+    from flexgen_helm.helm.batching import GENERATE, SCORE, SCORE_AND_GENERATE, Job
     from flexgen_helm.helm.scenario_plan import PlannedRequest, plan_scenario
 
     params = SamplingParams(max_new_tokens=10)
@@ -307,6 +307,30 @@ def test_a_few_shot_scenario_runs_in_fewer_batches_where_the_engine_shares_its_p
     # 16 x 261 tokens = 200 + n x 61: n = 65, the block (64) binds
     shared_plan = plan_scenario(planned, set(), 64, 0.25, 1 / 16, prefix_sharing=True)
     assert len(shared_plan.batches) == 2 and sum(sizes(shared_plan)) == 100
+
+    # scoring computes every prompt whole, and so does a score+generate batch's first pass:
+    # their batches keep the cap of requests computed apart, sharing or not
+    for mode in (SCORE, SCORE_AND_GENERATE):
+        others = {f"{mode}{i}": PlannedRequest(None, {}, Job(shared + [i] * 50, params, mode, (mode,)), 0)
+                  for i in range(100)}
+        plan = plan_scenario({**planned, **others}, set(), 256, 0.25, 1 / 16, prefix_sharing=True)
+        assert max(len(b) for b in plan.batches if b[0].mode == mode) == 16  # as many as 16 computed apart
+
+
+def test_the_work_of_a_request_counts_each_of_its_sequences():
+    """n completions of a prompt are n sequences, each computing the prompt (less the shared
+    prefix, with sharing) and its new tokens."""
+    from flexgen_helm.executor.sampling import SamplingParams
+    from flexgen_helm.helm.batching import GENERATE, SCORE, SCORE_AND_GENERATE, Job, batch_cap, mean_cost
+
+    def job(mode, n=1):
+        return Job([0] * 100, SamplingParams(max_new_tokens=10, num_completions=n), mode, ())
+
+    assert mean_cost([job(GENERATE, 3)]) == (330, 3)
+    assert mean_cost([job(SCORE)]) == (100, 1)
+    assert mean_cost([job(SCORE_AND_GENERATE)]) == (210, 2)
+    # 3 sequences of 110 tokens, 80 of them shared: 16 x 330 = 80 + n x (330 - 3 x 80), n = 57
+    assert batch_cap(100, 256, tokens_per_request=330, shared_prefix=80, sequences_per_request=3) == 57
 
 
 def test_cache_makes_reruns_free(tmp_path):

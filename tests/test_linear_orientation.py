@@ -38,6 +38,8 @@ def test_only_profiled_row_counts_of_the_profiled_dtype_take_it(monkeypatch):
         linear(torch.randn(rows, 4), w)
     linear(torch.randn(4, 4, dtype=torch.bfloat16), w.bfloat16())
     assert calls == [2, 16]  # one row is a product of vectors either way
+    with pytest.raises(RuntimeError):  # a bias of another dtype is refused, as F.linear refuses it
+        linear(torch.randn(4, 4), w, torch.zeros(8, dtype=torch.float64))
     with pytest.raises(ValueError):
         set_flipped_max_rows("cpu", torch.float32, -1)
 
@@ -49,6 +51,7 @@ def test_the_profile_says_up_to_where_it_pays_and_the_cost_model_counts_it(tmp_p
     speeds = DeviceSpeeds(matmul_flops={"float32": {1: 1e10, 16: 4e10, 256: 1e11}}, flipped_gains={"float32": gains})
     assert speeds.flipped_max_rows("float32") == 16 and speeds.flipped_max_rows("bfloat16") == 0
     assert speeds.linear_flops("float32", 16) == pytest.approx(1.5 * 4e10)
+    assert speeds.linear_flops("float32", 16, flipped=False) == pytest.approx(4e10)  # a compressed weight's copy
     assert speeds.linear_flops("float32", 64) == DeviceSpeeds(matmul_flops=speeds.matmul_flops).linear_flops(
         "float32", 64)
     path = HardwareProfile(devices={"cpu": speeds}, machine=machine_info()).save(tmp_path / "hardware.json")
@@ -69,7 +72,7 @@ def test_generations_are_the_same_either_way(tiny_llama, tmp_path, monkeypatch):
     for rows in (0, 64):
         set_flipped_max_rows("cpu", torch.float32, rows)
         runs.append(engine.generate(prompts, params).results)
-    assert calls  # the second run's products took it
+        assert bool(calls) == bool(rows)  # the first run's products took F.linear, the second's W x^T
     plain, flipped = ([c.completions[0] for c in run] for run in runs)
     assert [c.token_ids for c in plain] == [c.token_ids for c in flipped]
     for a, b in zip(plain, flipped):

@@ -18,9 +18,9 @@ longest prompt (executor/length_buckets.py): a layer's weights are loaded (and, 
 dequantized) once for all of a batch's lengths. A scoring batch may therefore mix any
 lengths. A batch that generates is kept within `pad_tolerance` of padding as if padded to
 its longest: its decode steps attend over (and its KV cache holds) the longest prompt's
-positions for every sequence. A scenario planned whole also caps its batches at a share of
-its requests (`batch_cap`): a killed run loses the batch in progress, and a smaller batch
-is less to compute again.
+positions for every sequence. A scenario planned whole also caps its batches' work at a
+share of its requests' (`batch_cap`): a killed run loses the batch in progress, and a
+smaller batch is less to compute again.
 
 A batch that fails (out of memory, a full offload disk, or one bad request) is split in
 halves and retried, down to single requests; a single request that still fails gets its
@@ -101,7 +101,7 @@ PAD_TOLERANCE = 0.25
 # make more decode steps, each bound by reading the weights; runs/padding measures what the cap
 # costs). Every batch also pays a layer's fixed costs once (weight loads, a compressed layer's
 # dequantization, a generating batch's decode steps), so a scenario of up to 16 requests runs
-# as one batch and a killed run recomputes at most 16: the README main job's engine time went
+# as one batch and a killed run recomputes at most the work of 16: the README main job's engine time went
 # 48-49 s -> 32-40 s (its 10-request scenarios had run as two batches each;
 # runs/bench/compression/int4/dense_orientation_2026-11-25, main_job_one_batch and one_batch.py).
 # Requests that share a prompt prefix (a few-shot run's examples) cost less each in a batch
@@ -110,21 +110,38 @@ MAX_BATCH_SHARE = 1 / 16
 MIN_CAPPED_BATCH = 16
 
 
-def batch_cap(requests: int, max_batch: int, share: float = MAX_BATCH_SHARE,
-              tokens_per_request: float = 0.0, shared_prefix: int = 0) -> int:
+def batch_cap(requests: int, max_batch: int, share: float = MAX_BATCH_SHARE, tokens_per_request: float = 0.0,
+              shared_prefix: int = 0, sequences_per_request: float = 1.0) -> int:
     """The largest batch planned for a scenario of `requests` requests: the engine's block
     (`max_batch`), at most the work of `share` of the scenario's requests computed apart, but
     never less than the work of MIN_CAPPED_BATCH of them.
 
-    Work is counted in tokens computed (prompt and new). Where every request's prompt starts
-    with the same `shared_prefix` tokens, which a batch computes once, and a request takes
-    `tokens_per_request` tokens on average, a batch of n costs shared + n x (tokens - shared):
-    the cap is the largest n whose cost is at most that of the requests computed apart."""
+    Work is counted in tokens computed: a request computes, for each of its sequences (its
+    completions), the prompt and the new tokens, `tokens_per_request` on average. Where every
+    prompt starts with the same `shared_prefix` tokens, a batch computes them once and each
+    sequence skips them, so that the same work holds more requests: the cap is the largest n
+    with shared + n x (tokens - sequences x shared) at most the capped requests' work apart.
+    (The engine computes the prefix once a block: a batch of more sequences than a block
+    computes it once per block, a prefix more per extra block.)"""
     capped = max(MIN_CAPPED_BATCH, math.ceil(requests * share))
-    own = tokens_per_request - shared_prefix
+    own = tokens_per_request - sequences_per_request * shared_prefix
     if shared_prefix > 0 and own > 0:
         capped = max(capped, math.floor((capped * tokens_per_request - shared_prefix) / own))
     return min(max_batch, capped)
+
+
+def mean_cost(jobs: list[Job]) -> tuple[float, float]:
+    """(tokens, sequences) a job computes on average apart (batch_cap's work): each sequence
+    its prompt and, generating, its new tokens; one sequence per completion generated, one to
+    score (a score+generate job's scoring pass, a sequence more)."""
+    def sequences(j: Job) -> int:
+        return (j.params.num_completions if GENERATE in j.mode else 0) + (SCORE in j.mode)
+
+    def tokens(j: Job) -> int:
+        n = j.params.num_completions if GENERATE in j.mode else 0
+        return n * (len(j.prompt_ids) + j.params.max_new_tokens) + (SCORE in j.mode) * len(j.prompt_ids)
+
+    return sum(map(tokens, jobs)) / len(jobs), sum(map(sequences, jobs)) / len(jobs)
 
 
 def buckets(jobs: list[Job], max_batch: int, pad_tolerance: float | None = PAD_TOLERANCE,
@@ -139,11 +156,13 @@ def buckets(jobs: list[Job], max_batch: int, pad_tolerance: float | None = PAD_T
     return [ordered[start:end] for start, end in cuts]
 
 
-def plan_batches(jobs: list[Job], max_batch: int, pad_tolerance: float = PAD_TOLERANCE,
-                 shared_prefix: int = 0) -> list[list[Job]]:
-    """The batches `run_jobs` runs: by group (in order of first appearance), then length buckets;
-    `shared_prefix`: the tokens every generating job's prompt starts with, which the engine
-    computes once per batch (0: none, or the engine does not share prefixes).
+def plan_batches(jobs: list[Job], max_batch: int, pad_tolerance: float = PAD_TOLERANCE, shared_prefix: int = 0,
+                 share: float | None = None) -> list[list[Job]]:
+    """The batches `run_jobs` runs: by group (in order of first appearance), then length buckets.
+    shared_prefix: the tokens every generating job's prompt starts with, which the engine
+    computes once a batch (0: none, or the engine does not share prefixes); share: where
+    given (a scenario planned whole), each group's batches hold at most the work of that share
+    of all `jobs` (batch_cap).
 
     A function of the job list alone, so the same requests always meet the same batchmates
     (bf16 results follow the batch: its padding and matmul shapes) whatever the thread
@@ -151,10 +170,19 @@ def plan_batches(jobs: list[Job], max_batch: int, pad_tolerance: float = PAD_TOL
     groups: dict[tuple, list[Job]] = {}
     for job in jobs:
         groups.setdefault(job.group, []).append(job)
-    # scoring alone keeps no KV cache and takes no decode step: any lengths may share its block
-    return [batch for group_jobs in groups.values()
-            for batch in (buckets(group_jobs, max_batch, None) if group_jobs[0].mode == SCORE
-                          else buckets(group_jobs, max_batch, pad_tolerance, shared_prefix=shared_prefix))]
+    batches = []
+    for group_jobs in groups.values():
+        mode = group_jobs[0].mode
+        # the engine shares a prefix in generation only: scoring (a score+generate batch's
+        # first pass too) computes every prompt whole
+        shared = shared_prefix if mode == GENERATE else 0
+        size = max_batch
+        if share is not None:
+            tokens, sequences = mean_cost(group_jobs)
+            size = batch_cap(len(jobs), max_batch, share, tokens, shared, sequences)
+        # scoring alone keeps no KV cache and takes no decode step: any lengths may share its block
+        batches += buckets(group_jobs, size, None if mode == SCORE else pad_tolerance, shared_prefix=shared)
+    return batches
 
 
 def run_jobs(handle: EngineHandle, jobs: list[Job], max_batch: int, pad_tolerance: float = PAD_TOLERANCE,

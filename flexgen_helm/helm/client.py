@@ -97,7 +97,7 @@ class FlexGenClient(CachingClient):
         self.queue_kwargs = {"linger_s": batch_linger_s, "max_wait_s": batch_max_wait_s,
                              "pad_tolerance": pad_tolerance}
         self.pad_tolerance = pad_tolerance
-        self.max_batch_share = max_batch_share  # a planned batch's largest share of its scenario
+        self.max_batch_share = max_batch_share  # a planned batch's most work, as a share of its scenario's
         # Responses computed ahead by `prefetch` (the BatchingExecutor), by cache key (consumed once).
         self._prefetched: Dict[str, Dict[str, Any]] = {}
         self._prefetched_lock = threading.Lock()

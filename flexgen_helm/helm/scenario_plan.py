@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from flexgen_helm.helm.batching import GENERATE, Job, batch_cap, plan_batches
+from flexgen_helm.helm.batching import Job, plan_batches
 from flexgen_helm.helm.block_planning import scenario_workload
 
 
@@ -52,16 +52,6 @@ def plan_scenario(planned: dict[str, PlannedRequest], cached: set[str], max_batc
     key_of_job = {id(p.job): key for key, p in planned.items()}
     jobs = [p.job for p in planned.values()]
     shared = scenario_workload(jobs).shared_prefix if prefix_sharing and jobs else 0
-    cap = batch_cap(len(jobs), max_batch, max_batch_share, _mean_tokens(jobs), shared)
-    batches = plan_batches(jobs, cap, pad_tolerance, shared)
+    batches = plan_batches(jobs, max_batch, pad_tolerance, shared, max_batch_share)
     to_run = [b for b in batches if any(key_of_job[id(j)] not in cached for j in b)]
     return ScenarioPlan(planned, cached, to_run, key_of_job, policy)
-
-
-def _mean_tokens(jobs: list[Job]) -> float:
-    """The tokens a job costs on average computed alone: its prompt, and its new tokens for
-    each completion where it generates."""
-    if not jobs:
-        return 0.0
-    return sum(len(j.prompt_ids) + (j.params.max_new_tokens * j.params.num_completions if GENERATE in j.mode else 0)
-               for j in jobs) / len(jobs)

@@ -35,7 +35,8 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
     if not isinstance(w, torch.Tensor):
         return w.linear(x, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if 1 < rows <= FLIPPED_MAX_ROWS.get((x.device.type, x.dtype), 0) and w.dtype == x.dtype:
+    if (1 < rows <= FLIPPED_MAX_ROWS.get((x.device.type, x.dtype), 0) and w.dtype == x.dtype
+            and (bias is None or bias.dtype == x.dtype)):  # F.linear refuses mixed dtypes: so does this
         return flipped_linear(x, w, bias)
     return F.linear(x, w, bias)
 

@@ -128,8 +128,8 @@ def searched_policy(cfg: ModelConfig, workload: CommandWorkload, pinned: dict, p
         result = search_for(cfg, workload.prompt_len, workload.gen_len, budgets, options, offload_dir=offload_dir,
                             dtype=dtype, profile=profile)
         result = replace(result, policy=replace(result.policy, prefix_sharing=False), unshared_because=(
-            f"the {shared} tokens every prompt starts with are computed and held per sequence: held once, their KV "
-            f"does not fit the budgets with any block ({e})"))
+            f"the {shared} tokens every prompt starts with are computed and held per sequence: with their KV held "
+            f"once, no block fits ({e})"))
     return Policy.from_dict({**result.policy.to_dict(), **pinned}), result
 
 

@@ -86,13 +86,14 @@ class DeviceSpeeds:
     # W x^T (models/linear.py), on streamed weights; empty where not measured (a GPU)
     flipped_gains: dict[str, dict[int, float]] = field(default_factory=dict)
 
-    def linear_flops(self, dtype: str, rows: int) -> float:
-        """FLOP/s of a linear layer's product of `rows` rows, the way the engine multiplies
-        them (W x^T up to flipped_max_rows)."""
+    def linear_flops(self, dtype: str, rows: int, flipped: bool = True) -> float:
+        """FLOP/s of a linear layer's product of `rows` rows: as models/linear.py multiplies
+        a plain weight (W x^T up to flipped_max_rows), or as F.linear (flipped False: a
+        compressed weight's dense copy, CompressedWeight.linear)."""
         table = self.matmul_flops.get(dtype) or next(iter(self.matmul_flops.values()), {1: 1e10})
         gains = self.flipped_gains.get(dtype, {})
-        flipped = 1 < rows <= self.flipped_max_rows(dtype)
-        return _interpolate_log(table, rows) * (_interpolate_log(gains, rows) if flipped else 1.0)
+        flips = flipped and 1 < rows <= self.flipped_max_rows(dtype)
+        return _interpolate_log(table, rows) * (_interpolate_log(gains, rows) if flips else 1.0)
 
     def flipped_max_rows(self, dtype: str) -> int:
         """The most rows up to which W x^T was measured faster than F.linear at every row
@@ -385,8 +386,9 @@ def _flipped_gains(device: torch.device, dtype: torch.dtype) -> dict[int, float]
     """By FLIPPED_ROWS: the time of F.linear over that of W x^T (models/linear.flipped_linear)
     for MATMUL_SHAPE weights streamed from memory, each row count timed both ways in turn."""
     out_f, in_f = MATMUL_SHAPE
-    # 8 x 16 MiB (bf16) = 128 MiB still streams past a last-level cache, in a fourth of the time
-    ws = [torch.randn(out_f, in_f, device=device).to(dtype) for _ in range(STREAMED_WEIGHTS // 4)]
+    # 16 x 16 MiB (bf16) = 256 MiB, past a large server L3 (~100 MiB) as _matmul_flops's weights
+    # are, in half of their time: the gain decides the engine's path, so it must not be a cache's
+    ws = [torch.randn(out_f, in_f, device=device).to(dtype) for _ in range(STREAMED_WEIGHTS // 2)]
     gains = {}
     for rows in FLIPPED_ROWS:
         x = torch.randn(rows, in_f, device=device).to(dtype)
