@@ -186,13 +186,13 @@ def _profiled_kernel_crossover_restored(monkeypatch):
     """A test whose saved profile is applied (use_profile, which every command that loads an
     engine calls) sets the int4 and int8 kernels' crossovers, and the row counts multiplied
     as W x^T, for the process: the next test starts from the defaults again."""
+    from flexgen_helm import dense_linear
     from flexgen_helm.compression import int4, int8
-    from flexgen_helm.models import linear
 
     for table in (int4.MAX_KERNEL_ROWS, int8.MAX_KERNEL_ROWS):
         for device_type, rows in table.items():
             monkeypatch.setitem(table, device_type, rows)
-    monkeypatch.setattr(linear, "FLIPPED_MAX_ROWS", dict(linear.FLIPPED_MAX_ROWS))
+    monkeypatch.setattr(dense_linear, "FLIPPED_MAX_ROWS", dict(dense_linear.FLIPPED_MAX_ROWS))
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """Decode-sized products as W x^T where this machine's profile measured it faster
-(models/linear.py): the same product, and the same generations, as F.linear's."""
+(dense_linear.py): the same product, and the same generations, as F.linear's, for plain
+weights and compressed weights' dense copies alike."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from flexgen_helm import dense_linear as linear_module
+from flexgen_helm.dense_linear import flipped_linear, set_flipped_max_rows
 from flexgen_helm.engine import Engine
 from flexgen_helm.executor.sampling import SamplingParams
-from flexgen_helm.models import linear as linear_module
-from flexgen_helm.models.linear import flipped_linear, linear, set_flipped_max_rows
+from flexgen_helm.models.linear import linear
 from flexgen_helm.planner.hardware_profile import DeviceSpeeds, HardwareProfile, use_profile
 from flexgen_helm.policy import Policy
 
@@ -51,13 +53,29 @@ def test_the_profile_says_up_to_where_it_pays_and_the_cost_model_counts_it(tmp_p
     speeds = DeviceSpeeds(matmul_flops={"float32": {1: 1e10, 16: 4e10, 256: 1e11}}, flipped_gains={"float32": gains})
     assert speeds.flipped_max_rows("float32") == 16 and speeds.flipped_max_rows("bfloat16") == 0
     assert speeds.linear_flops("float32", 16) == pytest.approx(1.5 * 4e10)
-    assert speeds.linear_flops("float32", 16, flipped=False) == pytest.approx(4e10)  # a compressed weight's copy
     assert speeds.linear_flops("float32", 64) == DeviceSpeeds(matmul_flops=speeds.matmul_flops).linear_flops(
         "float32", 64)
     path = HardwareProfile(devices={"cpu": speeds}, machine=machine_info()).save(tmp_path / "hardware.json")
     assert HardwareProfile.load(path).compute.flipped_gains == {"float32": gains}  # JSON keys back to ints
     use_profile(path)
     assert linear_module.FLIPPED_MAX_ROWS == {("cpu", torch.float32): 16}
+
+
+def test_a_compressed_weights_dense_copy_takes_it_too(monkeypatch):
+    from flexgen_helm.compression.int4 import CompressedWeight
+    from flexgen_helm.compression.quantize import quantize
+    from flexgen_helm.policy.policy import Compression
+
+    calls = []
+    monkeypatch.setattr(linear_module, "flipped_linear", lambda *a: calls.append(1) or flipped_linear(*a))
+    g = torch.Generator().manual_seed(0)
+    q = quantize(torch.randn(32, 64, generator=g), Compression(4, 16, 1), 1)  # groups: dequantized, no kernel
+    cw = CompressedWeight([(0, q)], (32, 64), torch.float32, 0)
+    x = torch.randn(4, 64, generator=g)
+    want = F.linear(x, cw.dense())
+    set_flipped_max_rows("cpu", torch.float32, 16)
+    got = linear(x, cw)
+    assert calls and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_generations_are_the_same_either_way(tiny_llama, tmp_path, monkeypatch):

@@ -58,6 +58,7 @@ from flexgen_helm.compression import int8
 from flexgen_helm.compression.bundle import TensorBundle
 from flexgen_helm.compression.dense_copies import DENSE_COPIES
 from flexgen_helm.compression.quantize import QuantizedTensor, codes_of, dequantize
+from flexgen_helm.dense_linear import dense_linear
 from flexgen_helm.policy.policy import Compression
 
 logger = logging.getLogger(__name__)
@@ -370,7 +371,7 @@ class CompressedWeight:
         scored prompt's head, a chunk of positions at a time, takes it for every chunk)."""
         rows = x.numel() // self.shape[1]
         if self._dense is not None or not self.uses_kernel(rows):
-            return F.linear(x, self.dense(rows), bias)
+            return dense_linear(x, self.dense(rows), bias)
         x2 = x.reshape(rows, self.shape[1]).contiguous()
         if len(self.parts) == 1:
             y = _kernel_mm(x2, self.parts[0][1])

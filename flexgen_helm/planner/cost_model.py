@@ -406,11 +406,7 @@ class CostModel:
         elif lw.packed_numel:
             seconds += lw.packed_numel / dev.int4_dequant_elems_per_s
             dense += lw.packed_matmul_numel
-        # uncompressed weights multiply as models/linear.py does (W x^T at the profiled row
-        # counts); a compressed weight's dense copy with F.linear (CompressedWeight.linear)
-        plain = lw.matmul_numel - lw.packed_matmul_numel - lw.grouped_matmul_numel
-        return seconds + nb * 2 * rows * (plain / dev.linear_flops(dtype, rows)
-                                          + (dense - plain) / dev.linear_flops(dtype, rows, flipped=False))
+        return seconds + nb * 2 * rows * dense / dev.linear_flops(dtype, rows)
 
     def _experts_compute(self, experts: LayerWeights, rows: int, nb: int) -> float:
         """_weights_compute of a sparse block's experts: per call, the experts its `rows` are

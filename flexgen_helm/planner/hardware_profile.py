@@ -24,12 +24,12 @@ import torch.nn.functional as F
 
 from flexgen_helm.compression.int4 import set_max_kernel_rows
 from flexgen_helm.compression.int8 import set_max_kernel_rows as set_max_int8_kernel_rows
+from flexgen_helm.dense_linear import flipped_linear, set_flipped_max_rows
 from flexgen_helm.errors import ProfileFormatError
 from flexgen_helm.memory.devices import DTYPE_NAMES, DTYPES
 from flexgen_helm.memory.direct_io import set_reads_in_flight
 from flexgen_helm.memory.disk_speed import fastest_direct
 from flexgen_helm.memory.machine import machine_info, machine_label, same_machine
-from flexgen_helm.models.linear import flipped_linear, set_flipped_max_rows
 from flexgen_helm.weights.registry import default_cache_dir
 
 # /2: fixed costs and the disk's ways of reading; /3: the int4 kernel's speed by row count
@@ -50,7 +50,7 @@ MAX_STREAMED_ROWS = 64  # above this the product is compute-bound: one (cached) 
 # (runs/bench/compression/kernel_crossover.py: between 128 and 256 rows on an AVX512-BF16 EPYC)
 KERNEL_ROWS = (1, 8, 32, 128, 512)
 KERNEL_GROUP_SIZE = 64
-# Decode-sized row counts at which a CPU's products are timed both ways (models/linear.py:
+# Decode-sized row counts at which a CPU's products are timed both ways (dense_linear.py:
 # F.linear's x W^T, and W x^T) on streamed weights; the second runs up to where it stops paying.
 FLIPPED_ROWS = (2, 4, 16, 64, 128)
 FLIPPED_MIN_GAIN = 1.05  # a gain smaller than this is within a shared machine's noise
@@ -83,17 +83,16 @@ class DeviceSpeeds:
     fixed_costs: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     copy_handoff_s: float = 0.0  # one transfer handed to the copy thread and waited for
     # dtype name -> rows (FLIPPED_ROWS) -> time of F.linear over time of the same product as
-    # W x^T (models/linear.py), on streamed weights; empty where not measured (a GPU)
+    # W x^T (dense_linear.py), on streamed weights; empty where not measured (a GPU)
     flipped_gains: dict[str, dict[int, float]] = field(default_factory=dict)
 
-    def linear_flops(self, dtype: str, rows: int, flipped: bool = True) -> float:
-        """FLOP/s of a linear layer's product of `rows` rows: as models/linear.py multiplies
-        a plain weight (W x^T up to flipped_max_rows), or as F.linear (flipped False: a
-        compressed weight's dense copy, CompressedWeight.linear)."""
+    def linear_flops(self, dtype: str, rows: int) -> float:
+        """FLOP/s of a linear layer's product of `rows` rows with a dense weight, as the engine
+        multiplies it (dense_linear.py: W x^T up to flipped_max_rows)."""
         table = self.matmul_flops.get(dtype) or next(iter(self.matmul_flops.values()), {1: 1e10})
         gains = self.flipped_gains.get(dtype, {})
-        flips = flipped and 1 < rows <= self.flipped_max_rows(dtype)
-        return _interpolate_log(table, rows) * (_interpolate_log(gains, rows) if flips else 1.0)
+        flipped = 1 < rows <= self.flipped_max_rows(dtype)
+        return _interpolate_log(table, rows) * (_interpolate_log(gains, rows) if flipped else 1.0)
 
     def flipped_max_rows(self, dtype: str) -> int:
         """The most rows up to which W x^T was measured faster than F.linear at every row
@@ -277,7 +276,7 @@ def use_profile(path: str | os.PathLike | None = None) -> HardwareProfile | None
     disk tier's reader (memory/direct_io.py) reads the way measured faster, and 4-bit weights
     take the int4 kernel up to the crossover measured on the compute device
     (compression/int4.py), and decode-sized products run as W x^T where that was measured
-    faster (models/linear.py). Returns that profile, or None (the defaults stay) without a saved
+    faster (dense_linear.py). Returns that profile, or None (the defaults stay) without a saved
     profile of this machine. Measures nothing: `flexgen-helm profile` (or --policy auto) does."""
     saved, _ = _saved_profile(Path(path) if path else default_profile_path())
     if saved is None:
@@ -383,7 +382,7 @@ def _flipped_linears(x: torch.Tensor, weights: list[torch.Tensor]) -> None:
 
 
 def _flipped_gains(device: torch.device, dtype: torch.dtype) -> dict[int, float]:
-    """By FLIPPED_ROWS: the time of F.linear over that of W x^T (models/linear.flipped_linear)
+    """By FLIPPED_ROWS: the time of F.linear over that of W x^T (dense_linear.flipped_linear)
     for MATMUL_SHAPE weights streamed from memory, each row count timed both ways in turn."""
     out_f, in_f = MATMUL_SHAPE
     # 16 x 16 MiB (bf16) = 256 MiB, past a large server L3 (~100 MiB) as _matmul_flops's weights

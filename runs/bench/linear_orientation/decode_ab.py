@@ -1,5 +1,5 @@
 """A decode step with products multiplied as F.linear (x W^T) against W x^T where this
-machine's profile measured it faster (flexgen_helm/models/linear.py).
+machine's profile measured it faster (flexgen_helm/dense_linear.py).
 
     python runs/bench/linear_orientation/decode_ab.py [--sequences 16 48] [--rounds 4] [--dtype float32]
 
@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
+from flexgen_helm.dense_linear import set_flipped_max_rows
 from flexgen_helm.engine import Engine
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.memory.devices import DTYPES
 from flexgen_helm.memory.machine import machine_label
-from flexgen_helm.models.linear import set_flipped_max_rows
 from flexgen_helm.planner.hardware_profile import saved_profile
 from flexgen_helm.policy import Policy
 

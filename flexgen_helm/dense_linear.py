@@ -1,0 +1,45 @@
+"""The product of activations with a dense weight matrix, as every layer computes it: a plain
+weight (models/linear.py) and a compressed weight's dense copy (compression/int4.py's
+CompressedWeight) alike.
+
+`F.linear`, except for decode-sized row counts where this machine's profile measured the
+other orientation faster: y^T = W x^T, the weight as the product's tall left operand. A
+decode step's products stream every weight from memory for a few rows; a CPU's GEMM
+partitions a tall left operand's rows over its threads and streams them once, where
+`F.linear` (x W^T) took 1.1-3.9x longer at 4-128 rows on a 2-core AVX2 EPYC in float32
+(runs/bench/linear_orientation). `flexgen-helm profile` measures where it pays
+(planner/hardware_profile.py), per device type and dtype; nothing changes unprofiled.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# (device type, dtype) -> the most rows multiplied as W x^T (rows > 1; 0 or absent: never)
+FLIPPED_MAX_ROWS: dict[tuple[str, torch.dtype], int] = {}
+
+
+def set_flipped_max_rows(device_type: str, dtype: torch.dtype, rows: int) -> None:
+    """Products of 2..`rows` rows on `device_type` in `dtype` run as W x^T from now on (0: none);
+    planner/hardware_profile.use_profile sets what `flexgen-helm profile` measured."""
+    if rows < 0:
+        raise ValueError(f"a row count >= 0, got {rows}")
+    FLIPPED_MAX_ROWS[(device_type, dtype)] = rows
+
+
+def dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, bias), as W x^T where the profile chose it for this row count."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (1 < rows <= FLIPPED_MAX_ROWS.get((x.device.type, x.dtype), 0) and w.dtype == x.dtype
+            and (bias is None or bias.dtype == x.dtype)):  # F.linear refuses mixed dtypes: so does this
+        return flipped_linear(x, w, bias)
+    return F.linear(x, w, bias)
+
+
+def flipped_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, bias) computed as (W x^T)^T: the same sums, in another order."""
+    y = torch.mm(w, x.reshape(-1, x.shape[-1]).t()).t().contiguous()
+    if bias is not None:
+        y.add_(bias)
+    return y.view(*x.shape[:-1], w.shape[0])
