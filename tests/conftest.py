@@ -250,3 +250,22 @@ def pinned_by_flags():
         return pinned_fields(parser.parse_args(argv))
 
     return pinned
+
+
+def caches_holding_a_prefix(seed: int):
+    """Five sequences' caches (2 kv heads) each holding the same 20-token prefix after its own
+    padding, six positions of their own after it, and queries: (q, k, v, valid, prefix_k,
+    prefix_v, starts)."""
+
+    torch.manual_seed(seed)
+    sequences, kvh, r, d, n = 5, 2, 3, 8, 20
+    starts = torch.tensor([0, 3, 1, 2, 3])  # each row's padding, then its copy of the prefix
+    t = int(starts.max()) + n + 6
+    prefix_k, prefix_v = torch.randn(kvh, n, d), torch.randn(kvh, n, d)
+    k, v = torch.randn(sequences * kvh, t, d), torch.randn(sequences * kvh, t, d)
+    valid = torch.ones(sequences * kvh, t, dtype=torch.bool)
+    for unit in range(sequences * kvh):
+        s, h = int(starts[unit // kvh]), unit % kvh
+        k[unit, s:s + n], v[unit, s:s + n], valid[unit, :s] = prefix_k[h], prefix_v[h], False
+    valid[3, -2] = False  # a key a unit may not see after its prefix
+    return torch.randn(sequences * kvh, r, 1, d), k, v, valid, prefix_k, prefix_v, starts

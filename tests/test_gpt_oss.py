@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import hf_model, save_tiny
+from conftest import caches_holding_a_prefix, hf_model, save_tiny
 from safetensors.torch import load_file, save_file
 
 from flexgen_helm.engine import Engine
@@ -129,17 +129,9 @@ def test_prompt_and_decode_attention_apply_the_sinks(window):
 
 
 def test_shared_and_held_prefix_attention_apply_the_sinks_once_to_the_merged_softmax():
-    torch.manual_seed(1)
-    sequences, kvh, r, d, n = 3, 2, 2, 8, 10
-    starts = torch.tensor([0, 2, 1])
-    t = int(starts.max()) + n + 4
-    prefix_k, prefix_v = torch.randn(kvh, n, d), torch.randn(kvh, n, d)
-    k, v = torch.randn(sequences * kvh, t, d), torch.randn(sequences * kvh, t, d)
-    valid = torch.ones(sequences * kvh, t, dtype=torch.bool)
-    for unit in range(sequences * kvh):
-        s, h = int(starts[unit // kvh]), unit % kvh
-        k[unit, s:s + n], v[unit, s:s + n], valid[unit, :s] = prefix_k[h], prefix_v[h], False
-    q = torch.randn(sequences * kvh, r, 1, d)
+    q, k, v, valid, prefix_k, prefix_v, starts = caches_holding_a_prefix(1)
+    (kvh, n, _), r = prefix_k.shape, q.shape[1]
+    sequences, t = len(starts), k.shape[1]
     sinks = unit_sinks(torch.randn(kvh * r) * 2, kvh, 0, sequences * kvh)
     want = attend(q, k, v, valid, causal=False, sinks=sinks)
     got = attend_past_shared_prefix(q, k, v, valid, DecodePrefix(prefix_k, prefix_v), starts, sinks=sinks)

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import save_tiny
+from conftest import caches_holding_a_prefix, save_tiny
 
 from flexgen_helm.engine import Engine
 from flexgen_helm.executor.generation import plan_blocks
@@ -280,25 +280,6 @@ def test_bf16_decode_over_the_shared_prefix_stays_within_bf16_rounding(tiny_llam
         assert a.completions[0].logprobs[same] == pytest.approx(b.completions[0].logprobs[same], abs=0.1)
 
 
-def _caches_holding_a_prefix(seed: int):
-    """Five sequences' caches (2 kv heads) each holding the same 20-token prefix after its own
-    padding, six positions of their own after it, and queries: (q, k, v, valid, prefix_k,
-    prefix_v, starts)."""
-
-    torch.manual_seed(seed)
-    sequences, kvh, r, d, n = 5, 2, 3, 8, 20
-    starts = torch.tensor([0, 3, 1, 2, 3])  # each row's padding, then its copy of the prefix
-    t = int(starts.max()) + n + 6
-    prefix_k, prefix_v = torch.randn(kvh, n, d), torch.randn(kvh, n, d)
-    k, v = torch.randn(sequences * kvh, t, d), torch.randn(sequences * kvh, t, d)
-    valid = torch.ones(sequences * kvh, t, dtype=torch.bool)
-    for unit in range(sequences * kvh):
-        s, h = int(starts[unit // kvh]), unit % kvh
-        k[unit, s:s + n], v[unit, s:s + n], valid[unit, :s] = prefix_k[h], prefix_v[h], False
-    valid[3, -2] = False  # a key a unit may not see after its prefix
-    return torch.randn(sequences * kvh, r, 1, d), k, v, valid, prefix_k, prefix_v, starts
-
-
 @pytest.mark.parametrize("softcap", [0.0, 3.0])
 def test_shared_prefix_attention_is_attention(softcap):
     """One matmul per key-value head over the prefix, the rest per unit, merged: what plain
@@ -306,7 +287,7 @@ def test_shared_prefix_attention_is_attention(softcap):
 
     from flexgen_helm.executor.attention import DecodePrefix, attend, attend_past_shared_prefix
 
-    q, k, v, valid, prefix_k, prefix_v, starts = _caches_holding_a_prefix(1)
+    q, k, v, valid, prefix_k, prefix_v, starts = caches_holding_a_prefix(1)
     want = attend(q, k, v, valid, causal=False, softcap=softcap)
     got = attend_past_shared_prefix(q, k, v, valid, DecodePrefix(prefix_k, prefix_v), starts, softcap=softcap)
     assert torch.allclose(got, want, atol=1e-6)
@@ -318,7 +299,7 @@ def test_shared_prefix_attention_over_a_slot_that_holds_out_the_common_prefix():
 
     from flexgen_helm.executor.attention import DecodePrefix, attend, attend_past_shared_prefix
 
-    q, k, v, valid, prefix_k, prefix_v, starts = _caches_holding_a_prefix(3)
+    q, k, v, valid, prefix_k, prefix_v, starts = caches_holding_a_prefix(3)
     want = attend(q, k, v, valid, causal=False)
     a, b = int(starts.max()), int(starts.min()) + prefix_k.shape[1]  # held out: every copy covers them
     held = torch.cat([torch.arange(a), torch.arange(b, k.shape[1])])
@@ -345,7 +326,7 @@ def test_held_prefix_attention_is_attention_over_each_whole_cache(keep_fraction)
     read from its copy, the units' own asked for (a ValueRows) at their own columns only."""
     from flexgen_helm.executor.attention import attend, attend_past_held_prefix
 
-    q, k, v, valid, prefix_k, prefix_v, starts = _caches_holding_a_prefix(4)
+    q, k, v, valid, prefix_k, prefix_v, starts = caches_holding_a_prefix(4)
     want = attend(q, k, v, valid, causal=False, keep_fraction=keep_fraction)
     kvh, n = prefix_k.shape[:2]
     positions = torch.arange(k.shape[1])[None, :]
