@@ -183,7 +183,9 @@ def test_finished_units_leave_the_others_alone(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bits, group, group_dim, shape", [(4, 64, 2, (37, 6, 64)), (3, 5, 2, (11, 3, 8)),
-                                                           (4, 4, 0, (16, 5, 8)), (2, 8, 3, (3, 4, 8, 16))])
+                                                           (4, 4, 0, (16, 5, 8)), (2, 8, 3, (3, 4, 8, 16)),
+                                                           (8, 64, 2, (37, 6, 64)), (8, 5, 2, (11, 3, 8)),
+                                                           (8, 4, 0, (16, 5, 8))])
 def test_dequantize_into_a_strided_buffer_equals_dequantize(dtype, bits, group, group_dim, shape):
     x = (torch.randn(shape, generator=torch.Generator().manual_seed(2)) * 3).to(dtype)
     q = quantize(x, Compression(bits, group), group_dim)

@@ -364,6 +364,8 @@ def dequantize_into(q: QuantizedTensor, out: torch.Tensor, scratch: Scratch | No
     work_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     if bits == 4 and LITTLE_ENDIAN:
         codes = nibbles(q.data, scratch(tuple(q.data.shape), torch.int16))[..., :G]
+    elif bits == 8:  # a code a byte: the bytes are the codes
+        codes = q.data[..., :G]
     elif 8 % bits == 0:  # whole codes per byte: one shift per code of a byte, into its place
         per_byte = 8 // bits
         codes = scratch((*q.data.shape, per_byte), torch.uint8)
@@ -376,12 +378,19 @@ def dequantize_into(q: QuantizedTensor, out: torch.Tensor, scratch: Scratch | No
         codes = unpack(q.data, bits, G)
     work = scratch((*q.data.shape[:-1], G), work_dtype)  # (..., ng, ..., G): the data's layout
     work.copy_(codes)
-    work.mul_(q.scale.unsqueeze(-1).to(work_dtype)).add_(q.min.unsqueeze(-1))  # plain, unfused, as dequantize
+    work.mul_(q.scale.unsqueeze(-1).to(work_dtype))  # then + min: plain, unfused, as dequantize
+    ng = q.data.shape[gd]
+    if out.dtype == work_dtype and ng * G == q.shape[gd]:
+        # the addition writes out's strides itself (no conversion in it, so at the speed of a
+        # copy): one pass over the values fewer, half of an 8-bit cache's unpack on the CPU
+        torch.add(work.movedim(-1, gd + 1), q.min.unsqueeze(-1).movedim(-1, gd + 1), out=out.unflatten(gd, (ng, G)))
+        return out
+    work.add_(q.min.unsqueeze(-1))
     if out.dtype != work_dtype:
         rounded = scratch(tuple(work.shape), out.dtype)
         work = rounded.copy_(work)
     grouped = work.movedim(-1, gd + 1)  # (..., ng, G, ...): a view, in q's order of dims
-    if grouped.shape[gd] * G == q.shape[gd]:  # out split the same way: a view too, no copy in between
+    if ng * G == q.shape[gd]:  # out split the same way: a view too, no copy in between
         out.unflatten(gd, (grouped.shape[gd], G)).copy_(grouped)
     else:  # the last group's padding is cut off
         out.copy_(grouped.flatten(gd, gd + 1).narrow(gd, 0, q.shape[gd]))
