@@ -95,3 +95,17 @@ def test_generations_are_the_same_either_way(tiny_llama, tmp_path, monkeypatch):
     assert [c.token_ids for c in plain] == [c.token_ids for c in flipped]
     for a, b in zip(plain, flipped):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+
+
+def test_a_profile_from_before_the_orientation_measurement_says_so_once(tmp_path, caplog):
+    from flexgen_helm.memory.machine import machine_info
+
+    speeds = DeviceSpeeds(matmul_flops={"float32": {1: 1e10, 256: 1e11}})  # no flipped_gains: an older profile
+    path = HardwareProfile(devices={"cpu": speeds}, machine=machine_info(),
+                           measured_at="2026-01-02T03:04:05").save(tmp_path / "hardware.json")
+    with caplog.at_level("WARNING"):
+        assert use_profile(path) is not None
+        assert use_profile(path) is not None
+    told = [r.getMessage() for r in caplog.records if "flipped_gains" in r.getMessage()]
+    assert len(told) == 1 and "2026-01-02T03:04:05" in told[0] and "flexgen-helm profile" in told[0]
+    assert linear_module.FLIPPED_MAX_ROWS.get(("cpu", torch.float32), 0) == 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -31,6 +32,9 @@ from flexgen_helm.memory.direct_io import set_reads_in_flight
 from flexgen_helm.memory.disk_speed import fastest_direct
 from flexgen_helm.memory.machine import machine_info, machine_label, same_machine
 from flexgen_helm.weights.registry import default_cache_dir
+
+logger = logging.getLogger(__name__)
+_TOLD_UNMEASURED: set[str] = set()  # profiles (by when measured) use_profile said this of, once each
 
 # /2: fixed costs and the disk's ways of reading; /3: the int4 kernel's speed by row count
 FORMAT = "flexgen-helm-hardware/3"
@@ -289,7 +293,13 @@ def use_profile(path: str | os.PathLike | None = None) -> HardwareProfile | None
         set_max_int8_kernel_rows(saved.compute_device, saved.compute.int8_kernel_max_rows(saved.dtype))
     for name in saved.compute.flipped_gains:
         set_flipped_max_rows(saved.compute_device, DTYPES[name], saved.compute.flipped_max_rows(name))
+    if not saved.compute.flipped_gains and saved.measured_at not in _TOLD_UNMEASURED:
+        _TOLD_UNMEASURED.add(saved.measured_at)
+        logger.warning("the hardware profile of %s (measured %s) predates the measurement of decode products' "
+                       "orientation (flipped_gains), so every product runs as F.linear; `flexgen-helm profile` "
+                       "measures it (a few seconds more)", machine_label(saved.machine), saved.measured_at)
     return saved
+
 
 
 def _interpolate_log(table: dict[int, float], x: float) -> float:
