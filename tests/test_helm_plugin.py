@@ -296,6 +296,7 @@ def test_a_few_shot_scenario_runs_in_fewer_batches_where_the_engine_shares_its_p
     run as 2 batches instead of 7 of at most 16."""
     from flexgen_helm.executor.sampling import SamplingParams
     from flexgen_helm.helm.batching import GENERATE, SCORE, SCORE_AND_GENERATE, Job
+    from flexgen_helm.helm.block_planning import scenario_workload
     from flexgen_helm.helm.scenario_plan import PlannedRequest, plan_scenario
 
     params = SamplingParams(max_new_tokens=10)
@@ -303,9 +304,11 @@ def test_a_few_shot_scenario_runs_in_fewer_batches_where_the_engine_shares_its_p
     planned = {str(i): PlannedRequest(None, {}, Job(shared + [i] * (50 + i % 3), params, GENERATE, ("g",)), 0)
                for i in range(100)}
     sizes = lambda plan: [len(b) for b in plan.batches]  # noqa: E731
-    assert sorted(sizes(plan_scenario(planned, set(), 64, 0.25, 1 / 16, prefix_sharing=False))) == [4] + [16] * 6
+    prefix_of = lambda plan: scenario_workload([p.job for p in plan.values()]).shared_prefix  # noqa: E731
+    assert prefix_of(planned) == 200
+    assert sorted(sizes(plan_scenario(planned, set(), 64, 0.25, 1 / 16))) == [4] + [16] * 6  # no prefix shared
     # 16 x 261 tokens = 200 + n x 61: n = 65, the block (64) binds
-    shared_plan = plan_scenario(planned, set(), 64, 0.25, 1 / 16, prefix_sharing=True)
+    shared_plan = plan_scenario(planned, set(), 64, 0.25, 1 / 16, shared_prefix=prefix_of(planned))
     assert len(shared_plan.batches) == 2 and sum(sizes(shared_plan)) == 100
 
     # scoring computes every prompt whole, and so does a score+generate batch's first pass:
@@ -313,7 +316,8 @@ def test_a_few_shot_scenario_runs_in_fewer_batches_where_the_engine_shares_its_p
     for mode in (SCORE, SCORE_AND_GENERATE):
         others = {f"{mode}{i}": PlannedRequest(None, {}, Job(shared + [i] * 50, params, mode, (mode,)), 0)
                   for i in range(100)}
-        plan = plan_scenario({**planned, **others}, set(), 256, 0.25, 1 / 16, prefix_sharing=True)
+        both = {**planned, **others}
+        plan = plan_scenario(both, set(), 256, 0.25, 1 / 16, shared_prefix=prefix_of(both))
         assert max(len(b) for b in plan.batches if b[0].mode == mode) == 16  # as many as 16 computed apart
 
 

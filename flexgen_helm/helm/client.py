@@ -48,7 +48,7 @@ from flexgen_helm.helm.batching import (
     get_batcher,
     run_batches,
 )
-from flexgen_helm.helm.block_planning import plan_block
+from flexgen_helm.helm.block_planning import plan_block, scenario_workload
 from flexgen_helm.helm.engines import EngineHandle, LoadArgs, get_engine, resolve_load_args
 from flexgen_helm.helm.scenario_plan import PlannedRequest, ScenarioPlan, plan_scenario
 from flexgen_helm.helm.tokens import helm_texts
@@ -108,12 +108,12 @@ class FlexGenClient(CachingClient):
     def handle(self) -> EngineHandle:
         return get_engine(self.load_args)
 
-    def max_batch(self, handle: EngineHandle, policy: Any = None) -> int:
+    def max_batch(self, policy: Any) -> int:
         """The most requests a batch holds: the deployment's max_batch_size, else the block of
-        `policy` (a scenario's, helm/block_planning.py) or of the engine's loaded policy."""
+        the `policy` the batches run under (a scenario's, helm/block_planning.py, or the
+        engine's loaded one; None for a stand-in engine without one)."""
         if self.max_batch_size:
             return int(self.max_batch_size)
-        policy = policy or getattr(handle.engine, "policy", None)
         block = getattr(policy, "block_size", None)
         return int(block) if block and block > 1 else DEFAULT_MAX_BATCH
 
@@ -243,7 +243,7 @@ class FlexGenClient(CachingClient):
         def compute() -> Dict[str, Any]:
             handle = self.handle
             job, n_prefix = self.make_job(request, raw, handle)
-            queue = get_batcher(handle, self.max_batch(handle), **self.queue_kwargs)
+            queue = get_batcher(handle, self.max_batch(getattr(handle.engine, "policy", None)), **self.queue_kwargs)
             try:
                 out = queue.submit(job).result()
             except Exception as exc:  # engine errors become request errors
@@ -304,11 +304,12 @@ class FlexGenClient(CachingClient):
                     self.keep(key, {"error": str(exc)})
                 continue
             planned[key] = PlannedRequest(request, raw, job, n_prefix)
-        policy = plan_block(handle, [p.job for p in planned.values()])
-        runs_in = policy or handle.engine.policy
-        sharing = runs_in is not None and runs_in.prefix_sharing
-        return plan_scenario(planned, cached, self.max_batch(handle, policy), self.pad_tolerance,
-                             self.max_batch_share, policy, sharing)
+        jobs = [p.job for p in planned.values()]
+        policy = plan_block(handle, jobs)
+        runs_in = policy or getattr(handle.engine, "policy", None)  # the scenario's block, else the loaded one
+        shared = scenario_workload(jobs).shared_prefix if jobs and getattr(runs_in, "prefix_sharing", False) else 0
+        return plan_scenario(planned, cached, self.max_batch(runs_in), self.pad_tolerance, self.max_batch_share,
+                             policy, shared)
 
     def log_plan(self, plan: ScenarioPlan) -> None:
         largest = max(map(len, plan.batches), default=0)

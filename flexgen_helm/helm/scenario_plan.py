@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from flexgen_helm.helm.batching import Job, plan_batches
-from flexgen_helm.helm.block_planning import scenario_workload
 
 
 @dataclass
@@ -45,13 +44,13 @@ class ScenarioPlan:
 
 
 def plan_scenario(planned: dict[str, PlannedRequest], cached: set[str], max_batch: int, pad_tolerance: float,
-                  max_batch_share: float, policy: Any = None, prefix_sharing: bool = False) -> ScenarioPlan:
+                  max_batch_share: float, policy: Any = None, shared_prefix: int = 0) -> ScenarioPlan:
     """The batches of `planned` (every request of the scenario that can run) that hold an
     uncached request; `max_batch`: the block of `policy`, the engine's for these requests;
-    `prefix_sharing`: whether that engine computes a batch's shared prompt prefix once."""
+    `shared_prefix`: the tokens every generating prompt starts with where that engine computes
+    them once a batch (helm/block_planning.scenario_workload), else 0."""
     key_of_job = {id(p.job): key for key, p in planned.items()}
     jobs = [p.job for p in planned.values()]
-    shared = scenario_workload(jobs).shared_prefix if prefix_sharing and jobs else 0
-    batches = plan_batches(jobs, max_batch, pad_tolerance, shared, max_batch_share)
+    batches = plan_batches(jobs, max_batch, pad_tolerance, shared_prefix, max_batch_share)
     to_run = [b for b in batches if any(key_of_job[id(j)] not in cached for j in b)]
     return ScenarioPlan(planned, cached, to_run, key_of_job, policy)
