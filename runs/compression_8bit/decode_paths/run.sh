@@ -2,9 +2,12 @@
 # Where a compressed deployment's decode time goes, SmolLM2-135M in RAM, bfloat16, prompt 128,
 # 32 new tokens, one GPU batch of 10 rows (the README main job's blocks): each weight path and
 # each KV-cache grid against plain bf16, one bench after the other, after a warm-up each, the
-# load average beside each. Run it alone:  bash runs/compression_8bit/decode_paths/run.sh
+# load average beside each. Run it alone:  bash runs/compression_8bit/decode_paths/run.sh [OUT]
+# (OUT: where the JSONs and commands.txt go; default this folder. The dtype is the CPU's default:
+# bfloat16 where it has bf16 arithmetic, else float32.)
 set -euo pipefail
-OUT=$(cd "$(dirname "$0")" && pwd)
+OUT=${1:-$(cd "$(dirname "$0")" && pwd)}
+mkdir -p "$OUT"
 B=(flexgen-helm bench --model smollm2-135m --prompt-len 128 --gen-len 32 --gpu-batch-size 10 --num-gpu-batches 1
    --warmup 1 --quiet)
 W8=(--compress-weight --compress-bits 8 --compress-group-size -1)
