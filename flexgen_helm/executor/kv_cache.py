@@ -219,7 +219,14 @@ class KVCacheSlot:
         if self.window and k.shape[0] > self.rows:
             start, k, v = start + k.shape[0] - self.rows, k[-self.rows:], v[-self.rows:]
         gd = None if self.compression is None else CACHE_GROUP_DIM
-        k, v = encode(k, self.compression, gd), encode(v, self.compression, gd)  # quantized where computed
+        if gd is not None and k.shape[0] == 1:
+            # a decode step's one position: its K and V quantized in one call, whose fixed costs
+            # are most of it (0.42 -> 0.22 ms a layer, SmolLM2's 30 units); the groups run along
+            # the head dim, never across positions, so each comes out as quantized alone
+            kv = encode(torch.cat([k, v]), self.compression, gd)
+            k, v = kv.narrow(0, 0, 1), kv.narrow(0, 1, 1)
+        else:
+            k, v = encode(k, self.compression, gd), encode(v, self.compression, gd)  # quantized where computed
         for row, a, n in self._row_runs(start, k.shape[0]):
             self._write_rows(k.narrow(0, a, n), v.narrow(0, a, n), row, tiers)
 
