@@ -271,3 +271,19 @@ def test_lm_eval_comparison_rejects_an_unwritable_output_folder_before_any_work(
     blocked.write_text("")
     with pytest.raises(FlexGenError, match=f"cannot create the output folder {blocked}/out/json"):
         lm_eval_harness.main(["--lm-eval-python", str(python), "--out", str(blocked / "out")])
+
+
+def test_helm_client_series_give_medians_of_per_round_speedups():
+    from flexgen_helm.tools.compare.helm_clients import series_findings
+
+    def row(system, wall, r, series="S1"):
+        return {"host": "A", "system": system, "scenario": "lambada", "instances": 500, "wall_s": wall,
+                "series": series, "round": r}
+    rows = pd.DataFrame([row("hf-float32", 200.0, 0), row("ours", 40.0, 0),
+                         row("ours", 60.0, 1), row("hf-float32", 240.0, 1),  # the order rotated
+                         row("hf-float32", 210.0, 2), row("ours", 30.0, 2),
+                         {"host": "A", "system": "ours", "scenario": "lambada", "instances": 500, "wall_s": 99.0}])
+    (line,) = series_findings(rows)  # the single run (no series) is not one of the rounds
+    assert "3 interleaved rounds (series S1)" in line
+    assert "`hf-float32` 210.0 s" in line and "`ours` 40.0 s (5.00x, 4.00-7.00)" in line
+    assert series_findings(rows.drop(columns=["series", "round"])) == []
