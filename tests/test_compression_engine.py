@@ -145,7 +145,8 @@ def test_compressed_cache_is_policy_invariant(cache_model_path, cache_cfg, tmp_p
 
 
 @pytest.mark.parametrize("cfg", [Compression(bits, group, cache_grouping="per-token")
-                                 for bits, group in ((4, 4), (3, 64), (8, 8))])
+                                 for bits, group in ((4, 4), (3, 64), (8, 8))]
+                         + [Compression(4, 4, method="hqq", cache_grouping="per-token")])
 def test_cache_reads_back_fake_quantized(cfg, tmp_path):
     units = {"gpu": 2, "cpu": 3, "disk": 2}
     usage = TierUsage()

@@ -109,3 +109,10 @@ def test_a_profile_from_before_the_orientation_measurement_says_so_once(tmp_path
     told = [r.getMessage() for r in caplog.records if "flipped_gains" in r.getMessage()]
     assert len(told) == 1 and "2026-01-02T03:04:05" in told[0] and "flexgen-helm profile" in told[0]
     assert linear_module.FLIPPED_MAX_ROWS.get(("cpu", torch.float32), 0) == 0
+    # a GPU's profile never measures them: nothing to say
+    caplog.clear()
+    gpu = HardwareProfile(devices={"cpu": speeds, "cuda": speeds}, compute_device="cuda", machine=machine_info(),
+                          measured_at="2026-01-02T03:04:06").save(tmp_path / "gpu.json")
+    with caplog.at_level("WARNING"):
+        assert use_profile(gpu) is not None
+    assert not [r for r in caplog.records if "flipped_gains" in r.getMessage()]

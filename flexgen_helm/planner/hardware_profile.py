@@ -293,7 +293,9 @@ def use_profile(path: str | os.PathLike | None = None) -> HardwareProfile | None
         set_max_int8_kernel_rows(saved.compute_device, saved.compute.int8_kernel_max_rows(saved.dtype))
     for name in saved.compute.flipped_gains:
         set_flipped_max_rows(saved.compute_device, DTYPES[name], saved.compute.flipped_max_rows(name))
-    if not saved.compute.flipped_gains and saved.measured_at not in _TOLD_UNMEASURED:
+    # only a CPU's profile measures them (a GPU's GEMMs are not known to gain: measure_device)
+    unmeasured = saved.compute_device == "cpu" and not saved.compute.flipped_gains
+    if unmeasured and saved.measured_at not in _TOLD_UNMEASURED:
         _TOLD_UNMEASURED.add(saved.measured_at)
         logger.warning("the hardware profile of %s (measured %s) predates the measurement of decode products' "
                        "orientation (flipped_gains), so every product runs as F.linear; `flexgen-helm profile` "

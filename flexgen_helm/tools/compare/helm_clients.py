@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import time
@@ -355,8 +356,8 @@ def main(argv: list[str] | None = None) -> None:
     rows_path = out / "rows.jsonl"
     checkpoint = None if args.report_only else export_checkpoint()
     systems = [s for s in SYSTEMS if s.name in args.systems]
-    series = time.strftime("%Y-%m-%dT%H:%M:%S") if args.repeat > 1 else None
-    for scenario in [] if args.report_only else args.scenarios:
+    series = f"{time.strftime('%Y-%m-%dT%H:%M:%S')}-{os.getpid()}" if args.repeat > 1 else None
+    for scenario in [] if args.report_only else dict.fromkeys(args.scenarios):  # each once, in order
         for r in range(args.repeat):
             for system in systems[r % len(systems):] + systems[:r % len(systems)]:
                 row = run_one(system, scenario, args.max_instances or SCENARIOS[scenario][1], out, checkpoint)

@@ -38,8 +38,10 @@ PATHS = {  # name -> Policy fields besides the block
     "plain": {},
     "w8-kept": {"compress_weight": W8, "keep_dense_weights": True},
     "w4-kept": {"compress_weight": W4, "keep_dense_weights": True},
-    "w8-per-use": {"compress_weight": W8, "keep_dense_weights": False},
-    "w4-per-use": {"compress_weight": W4, "keep_dense_weights": False},
+    # not kept: on the int8 / int4 kernel where one computes in this dtype (bf16), else (float32)
+    # dequantized at every use
+    "w8-not-kept": {"compress_weight": W8, "keep_dense_weights": False},
+    "w4-not-kept": {"compress_weight": W4, "keep_dense_weights": False},
     "kv8-per-token": {"compress_cache": Compression(8, 64, cache_grouping="per-token")},
     "kv4-kivi": {"compress_cache": Compression(4, 64, cache_grouping="kivi")},
 }
@@ -63,7 +65,7 @@ def main() -> None:
     engines = {}
     for name in args.paths:
         policy = Policy(gpu_batch_size=args.sequences, num_gpu_batches=1, **PATHS[name])
-        engines[name] = Engine.load("smollm2-135m", policy, dtype=dtype, progress=False)
+        engines[name] = Engine.load("smollm2-135m", policy, dtype=dtype, device="cpu", progress=False)
         engines[name].generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
     step_ms = {name: [] for name in engines}
     tokens = {}
