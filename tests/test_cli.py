@@ -20,6 +20,24 @@ def test_repeated_prompt_and_stop_flags_accumulate():
     assert args.prompt == ["a", "b", "c"] and args.stop == ["x", "y"]
 
 
+def test_a_path_without_a_model_names_its_own_checkpoint(tiny_llama):
+    """--path alone runs that checkpoint under its own name, not the default model's."""
+    from flexgen_helm.cli.options import settle_model_args
+    from flexgen_helm.weights.registry import resolve
+
+    def settled(*argv):
+        args = build_parser().parse_args(["bench", *argv])
+        settle_model_args(args)
+        return args
+
+    args = settled("--path", str(tiny_llama))
+    assert (args.model, args.path) == (str(tiny_llama), None)
+    assert resolve(args.model, path=args.path).config.name != "smollm2-135m"
+    assert (settled().model, settled().path) == ("smollm2-135m", None)
+    named = settled("--model", "smollm2-135m", "--path", str(tiny_llama))  # named explicitly: kept as given
+    assert (named.model, named.path) == ("smollm2-135m", str(tiny_llama))
+
+
 @pytest.fixture
 def blocked(tmp_path):
     """A path under a file: no folder can be made there."""

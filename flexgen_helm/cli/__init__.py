@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from flexgen_helm.cli import bench, compare, compare_llamacpp, convert, deploy, eval, generate, planning, report, verify
+from flexgen_helm.cli.options import settle_model_args
 from flexgen_helm.errors import FlexGenError
 
 # the order `flexgen-helm --help` lists them in
@@ -26,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    settle_model_args(args)
     args.argv = argv  # recorded verbatim by commands that write results
     try:
         return args.func(args)

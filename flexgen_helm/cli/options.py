@@ -23,9 +23,17 @@ if TYPE_CHECKING:  # the planner imports torch and scipy: only the commands that
     from flexgen_helm.planner.auto import CommandWorkload
 
 
+class _DefaultModel(str):
+    """--model's default, told apart from the same name given (settle_model_args)."""
+
+
+DEFAULT_MODEL = _DefaultModel("smollm2-135m")
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m",
-                   help="model name (smollm2-135m, facebook/opt-1.3b, ...) or local path")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"model name ({DEFAULT_MODEL}, facebook/opt-1.3b, ...) or local path (default: "
+                        f"{DEFAULT_MODEL}, or with --path the checkpoint's own name)")
     p.add_argument("--path", help="local checkpoint directory or GGUF file for the model")
     p.add_argument("--dummy", action="store_true", help="random weights of the right shapes (benchmarks)")
     p.add_argument("--offload-dir", help="directory for disk-tier tensors (default: $FLEXGEN_HELM_OFFLOAD or /tmp)")
@@ -35,6 +43,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "computes it natively, else float32)")
     p.add_argument("--pipeline", action="store_true",
                    help="run as one stage of a pipeline over the processes torchrun or srun started")
+
+
+def settle_model_args(args: argparse.Namespace) -> None:
+    """--model left out: the bundled model, or with --path the checkpoint there under its own
+    name (the --path alone is what it names), so that a run of another checkpoint is never
+    labelled, planned and stored as the default model's (a bench of an OLMoE GGUF once recorded
+    itself as smollm2-135m)."""
+    if isinstance(getattr(args, "model", None), _DefaultModel) and getattr(args, "path", None):
+        args.model, args.path = args.path, None
 
 
 def add_policy_args(p: argparse.ArgumentParser) -> None:
