@@ -391,7 +391,7 @@ def dequantize_into(q: QuantizedTensor, out: torch.Tensor, scratch: Scratch | No
         work = rounded.copy_(work)
     grouped = work.movedim(-1, gd + 1)  # (..., ng, G, ...): a view, in q's order of dims
     if ng * G == q.shape[gd]:  # out split the same way: a view too, no copy in between
-        out.unflatten(gd, (grouped.shape[gd], G)).copy_(grouped)
+        out.unflatten(gd, (ng, G)).copy_(grouped)
     else:  # the last group's padding is cut off
         out.copy_(grouped.flatten(gd, gd + 1).narrow(gd, 0, q.shape[gd]))
     return out

@@ -303,7 +303,6 @@ def use_profile(path: str | os.PathLike | None = None) -> HardwareProfile | None
     return saved
 
 
-
 def _interpolate_log(table: dict[int, float], x: float) -> float:
     """Piecewise linear in log(x); flat beyond the measured range."""
     import math

@@ -1,9 +1,10 @@
 """Every float32 product torch offers on a CPU, at decode row counts, over SmolLM2-135M's
 weights streamed from memory (30 layers' 7 matrices and the head, 538 MB: more than any cache).
 
-    python runs/helm_vs_hf/decode_gemm/paths.py [--rows 4 16 48] [--inductor]
+    python runs/helm_vs_hf/decode_gemm/paths.py [--rows 1 4 16 48 1024] [--inductor]
 
-Paths: F.linear (x W^T); W x^T (dense_linear.py's flipped orientation); oneDNN with the weights
+Paths: F.linear (x W^T); W x^T (dense_linear.py's flipped orientation), and the same with q|k|v
+and gate|up fused into one matrix each; oneDNN with the weights
 prepacked (`mkldnn._reorder_linear_weight`, `_linear_pointwise`); MKL's packed GEMM
 (`mkl._mkl_reorder_linear_weight`, `_mkl_linear`); FBGEMM with fp16 weights (not float32
 weights: for scale only); with --inductor, torch.compile's C++ GEMM template on frozen
@@ -11,7 +12,8 @@ nn.Linear modules (max_autotune, backends CPP and ATEN; one layer's 7 matrices x
 per row count). Each path: the best of 3 passes over every weight, after one warm-up pass, as
 ms a pass and GB/s: the float32 weights' bytes over that time (FBGEMM's fp16 copies are half
 as many bytes; inductor's row counts the layers' matrices, without the head). Appends one JSON
-line to results.jsonl beside this file, with the host and the load average before and after.
+line to results.jsonl beside this file, with the host, the rate of a 2048^2 product, and the
+load average before and after.
 """
 
 from __future__ import annotations
@@ -47,13 +49,36 @@ def best_pass(products, weights: list, rows: int) -> float:
     return best
 
 
+def fused_weights(weights: list) -> list:
+    """Per weight of `weights`, the fused matrix whose product replaces it (q|k|v at q's place,
+    gate|up at gate's, the rest as they are) or None where a fused product already covers it."""
+    out = []
+    for layer in range(LAYERS):
+        q, k, v, o, gate, up, down = weights[layer * len(LAYER):(layer + 1) * len(LAYER)]
+        out += [torch.cat([q, k, v]), None, None, o, torch.cat([gate, up]), None, down]
+    return out + [weights[-1]]
+
+
+def square_peak() -> float:
+    """FLOP/s of a 2048 x 2048 float32 product: this CPU's GEMM rate where no weight streams."""
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a @ b
+    t0 = time.perf_counter()
+    for _ in range(5):
+        a @ b
+    return 5 * 2 * 2048**3 / (time.perf_counter() - t0)
+
+
 def aten_paths(weights: list, rows: int) -> dict:
+    fused = fused_weights(weights)
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
     mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in weights]
     fp16 = [torch.ops.aten.fbgemm_pack_gemm_matrix_fp16(w) for w in weights]
     zeros = [torch.zeros(w.shape[0]) for w in weights]
     paths = {
         "F.linear": lambda i, x: F.linear(x, weights[i]),
+        # q|k|v and gate|up as one matrix each: 4 products a layer instead of 7, the same bytes
+        "W x^T, fused": lambda i, x: fused[i] @ x.t() if fused[i] is not None else None,
         "W x^T": lambda i, x: weights[i] @ x.t(),
         "oneDNN prepacked": lambda i, x: torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], ""),
         "MKL packed": lambda i, x: torch.ops.mkl._mkl_linear(x, mkl[i], weights[i], None, rows),
@@ -88,7 +113,7 @@ def inductor_path(rows: int) -> tuple[float, int]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=int, nargs="+", default=[4, 16, 48])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 48, 1024])
     p.add_argument("--inductor", action="store_true", help="also torch.compile's C++ GEMM template (minutes)")
     args = p.parse_args()
     load_before = os.getloadavg()[0]
@@ -96,7 +121,7 @@ def main() -> None:
     weights = [torch.randn(o, i) for _ in range(LAYERS) for o, i in LAYER] + [torch.randn(*HEAD)]
     nbytes = sum(w.numel() * 4 for w in weights)
     record = {"host": machine_label(), "threads": torch.get_num_threads(), "weight_mb": round(nbytes / 1e6, 1),
-              "rows": {}}
+              "square_2048_gflop_per_s": round(square_peak() / 1e9, 1), "rows": {}}
     for rows in args.rows:
         times = aten_paths(weights, rows)
         row = {name: {"ms": round(s * 1e3, 1), "gb_per_s": round(nbytes / s / 1e9, 2)} for name, s in times.items()}
