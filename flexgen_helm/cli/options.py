@@ -92,6 +92,11 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                    help="a block keeps its compressed weights dequantized from their first use to its end, so decode "
                         "steps multiply dense copies instead of the int4/int8 kernels (uncompressed speed, the "
                         "memory of both); default: the planner's choice where it plans, else off")
+    g.add_argument("--keep-dense-cache", action=argparse.BooleanOptionalAction, default=None,
+                   help="a per-token compressed KV cache holds its values dense: each position rounded to the "
+                        "cache's grid as it is written (the compressed cache's numbers), read in place instead of "
+                        "dequantized at every decode step (uncompressed speed and memory); default: the planner's "
+                        "choice where it plans, else off")
     g.add_argument("--no-prefix-sharing", dest="prefix_sharing", action="store_false", default=True,
                    help="compute every prompt whole, even where a block's prompts start with the same tokens "
                         "(by default their common prefix is computed once per block: for A/B measurements)")
@@ -172,6 +177,8 @@ def pinned_fields(args) -> dict:
         pinned["prefix_sharing"] = False
     if args.keep_dense_weights is not None:
         pinned["keep_dense_weights"] = args.keep_dense_weights
+    if args.keep_dense_cache is not None:
+        pinned["keep_dense_cache"] = args.keep_dense_cache
     Policy.from_dict(pinned)  # a bad field or value fails here, before any work
     return pinned
 

@@ -31,8 +31,9 @@ def reads_prefix_as_stored(policy: Policy) -> bool:
     """Whether decode steps read a block's held prefix as the slots store it (HeldPrefix):
     under cache compression (its values are each row's dequantized ones) or sparse attention
     (its keys ranked with each row's own); a plain cache's dense attention reads the copy as
-    computed (attention.DecodePrefix)."""
-    return policy.compress_cache is not None or policy.attn_sparsity < 1.0
+    computed (attention.DecodePrefix), a cache whose values are held dense too
+    (Policy.keep_dense_cache: the copy then holds them rounded)."""
+    return policy.cache_storage is not None or policy.attn_sparsity < 1.0
 
 
 def unpacked_nbytes(positions: int, kv_heads: int, head_dim: int, dtype: torch.dtype, read_as: torch.dtype,

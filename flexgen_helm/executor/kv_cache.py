@@ -35,7 +35,7 @@ import torch
 
 from flexgen_helm.compression.kivi import kivi_groups_nbytes, kivi_nbytes
 from flexgen_helm.compression.quantize import CACHE_GROUP_DIM, QuantizedTensor, cache_group_dim
-from flexgen_helm.compression.stored import Stored, dense_into, encode, stored_nbytes
+from flexgen_helm.compression.stored import Stored, dense, dense_into, encode, stored_nbytes
 from flexgen_helm.errors import PolicyError
 from flexgen_helm.executor.cache_buffers import CacheBuffers
 from flexgen_helm.memory.devices import Devices
@@ -57,6 +57,12 @@ def check_cache_compression(cfg: Compression | None) -> None:
     if cache_group_dim(cfg) not in (CACHE_GROUP_DIM, CACHE_GROUP_DIM - 3):
         raise PolicyError(f"the KV cache is quantized along the head dim (group dim {CACHE_GROUP_DIM}), "
                           f"not dim {cfg.group_dim}: leave the cache's group dim unset")
+
+
+def rounded_as_cached(x: torch.Tensor, cfg: Compression) -> torch.Tensor:
+    """x (positions, units, head_dim) as a per-token cache compressed under `cfg` returns it:
+    each position's row of a unit quantized on its own and dequantized (Policy.keep_dense_cache)."""
+    return dense(encode(x, cfg, CACHE_GROUP_DIM), x.dtype)
 
 
 def cache_rows(max_len: int, window: int, held_out: tuple[int, int] | None = None) -> int:
@@ -91,7 +97,7 @@ def held_out_prefix(shared_prefix: int, window: int, policy: Policy) -> tuple[in
     """What the planner counts a global block's slot to hold out, for prompts of equal length
     whose first `shared_prefix` tokens are the same (paddings that differ shrink it, but for
     KIVI's groups, which count from each row's first token)."""
-    held = held_prefix_len(shared_prefix, policy.compress_cache)
+    held = held_prefix_len(shared_prefix, policy.cache_storage)
     return (0, held) if held and not window and prefix_held_once(policy) else None
 
 
@@ -153,9 +159,13 @@ def _parts(x: Stored) -> tuple[torch.Tensor, ...]:
 class KVCacheSlot:
     def __init__(self, units: dict[str, int], max_len: int, head_dim: int, devices: Devices,
                  usage: TierUsage, disk_path: Path | None, pin: bool, compression: Compression | None = None,
-                 window: int = 0, held_out: tuple[int, int] | None = None):
+                 window: int = 0, held_out: tuple[int, int] | None = None, rounding: Compression | None = None):
+        """rounding: the compression whose values a dense slot (compression None) holds
+        (Policy.keep_dense_cache): each write rounded to its grid first."""
         if compression is not None and compression.kivi:
             raise ValueError("a KIVI-grouped cache is a KiviCacheSlot")
+        if rounding is not None and (compression is not None or rounding.kivi):
+            raise ValueError("a slot rounds its writes to a per-token grid only when it stores them dense")
         if held_out is not None and (window or not 0 <= held_out[0] < held_out[1] <= max_len):
             raise ValueError(f"a slot holds out positions [a, b) within its {max_len}, not in a sliding window: "
                              f"got {held_out} (window {window})")
@@ -164,7 +174,7 @@ class KVCacheSlot:
         self.max_len, self.head_dim, self.devices, self.usage = max_len, head_dim, devices, usage
         self.window, self.held_out = window, held_out
         self.rows = cache_rows(max_len, window, held_out)
-        self.compression = compression
+        self.compression, self.rounding = compression, rounding
         self.k: dict[str, Stored] = {}
         self.v: dict[str, Stored] = {}
         self.disk: DiskBuffer | None = None
@@ -218,6 +228,9 @@ class KVCacheSlot:
             k, v = all_units(k, units, total), all_units(v, units, total)
         if self.window and k.shape[0] > self.rows:
             start, k, v = start + k.shape[0] - self.rows, k[-self.rows:], v[-self.rows:]
+        if self.rounding is not None:  # K and V in one call: groups never cross positions
+            kv = rounded_as_cached(torch.cat([k, v]), self.rounding)
+            k, v = kv.narrow(0, 0, k.shape[0]), kv.narrow(0, k.shape[0], v.shape[0])
         gd = None if self.compression is None else CACHE_GROUP_DIM
         if gd is not None and k.shape[0] == 1:
             # a decode step's one position: its K and V quantized in one call, whose fixed costs

@@ -73,7 +73,14 @@ from flexgen_helm.executor.expert_weights import load_layer_weights
 from flexgen_helm.executor.held_prefix import HeldPrefix, reads_prefix_as_stored
 from flexgen_helm.executor.kept_weights import KeptDenseWeights
 from flexgen_helm.executor.kivi_cache import KiviCacheSlot
-from flexgen_helm.executor.kv_cache import KVCacheSlot, cache_rows, held_prefix_len, kv_nbytes, prefix_held_once
+from flexgen_helm.executor.kv_cache import (
+    KVCacheSlot,
+    cache_rows,
+    held_prefix_len,
+    kv_nbytes,
+    prefix_held_once,
+    rounded_as_cached,
+)
 from flexgen_helm.executor.shared_prefix import PrefixLayer, SharedPrefix
 from flexgen_helm.executor.step_rows import StepRows, units_of
 from flexgen_helm.executor.working_set import dense_weight_numel, kept_freed_bytes
@@ -165,7 +172,7 @@ class BlockSchedule:
         self.decode_prefix: dict[tuple[int, str], DecodePrefix | HeldPrefix] = {}
         self._prefix_bytes: list[tuple[str, int]] = []  # (tier, bytes) of each copy, in TierUsage
         shared_len = self.shared.length if self.shared is not None else 0
-        self.held_prefix_len = held_prefix_len(shared_len, policy.compress_cache)
+        self.held_prefix_len = held_prefix_len(shared_len, policy.cache_storage)
         self.keeps_decode_prefix = self.held_prefix_len > 0 and prefix_held_once(policy)
         self.prefix_as_stored = reads_prefix_as_stored(policy)
         # a HeldPrefix's dequantized keys and values, by device type: (layer, step) and them
@@ -177,7 +184,7 @@ class BlockSchedule:
         act_rows = slot_tier_counts(policy.activations, [b.size for b in batches])
         # every disk file of the run at once, before any is made: one clear error, not the Nth file's
         planned = sum(KVCacheSlot.disk_nbytes(u["disk"], max_len, self.cfg.head_dim, self.devices.dtype,
-                                              policy.compress_cache, self.cfg.window(index), self._held_out(index, k))
+                                              policy.cache_storage, self.cfg.window(index), self._held_out(index, k))
                       for (index, k), u in cache_units.items() if u["disk"])
         planned += sum(ActivationHome.disk_nbytes(r["disk"], max_len, self.cfg.hidden_size, self.devices.dtype)
                        for r in act_rows.values())
@@ -242,14 +249,18 @@ class BlockSchedule:
         sparse attention, stored as the slots store it (HeldPrefix). Counted where the
         cache's compute-side tier is (the planner counts it there), by the schedule that
         made it."""
+        keys, values = here.keys, here.values
+        if self.policy.keep_dense_cache:  # the values every row's slot would hold of it
+            keys, values = (rounded_as_cached(x.to(self.devices.dtype), self.policy.compress_cache)
+                            for x in (keys, values))
         for where in {self._attention_device(t) for t in TIERS}:
             kept = here.decode.get(where.type)
             if kept is None:
                 if self.prefix_as_stored:
-                    kept = HeldPrefix(here.keys, here.values, self.policy.compress_cache, self.devices.dtype, where)
+                    kept = HeldPrefix(keys, values, self.policy.cache_storage, self.devices.dtype, where)
                     nbytes = kept.nbytes
                 else:
-                    kept = prefix_for_decode(here.keys.to(where), here.values.to(where), where, self.devices.dtype,
+                    kept = prefix_for_decode(keys.to(where), values.to(where), where, self.devices.dtype,
                                              self.cfg.attn_softcap)
                     nbytes = tensor_bytes(kept.keys) + tensor_bytes(kept.values) + tensor_bytes(kept.key_mean)
                 here.decode[where.type] = kept
@@ -269,20 +280,21 @@ class BlockSchedule:
         real token, whatever the paddings."""
         if not self._attends_to_prefix_apart(index):
             return None
-        if self.policy.compress_cache is not None and self.policy.compress_cache.kivi:
+        if self.policy.cache_storage is not None and self.policy.cache_storage.kivi:
             return 0, self.held_prefix_len
         a, b = int(self.prefix_start[k].max()), int(self.prefix_start[k].min()) + self.shared.length
         return (a, b) if a < b else None
 
     def _slot(self, units: dict[str, int], max_len: int, disk_path: Path, window: int, index: int, k: int):
-        cfg = self.policy.compress_cache
+        cfg = self.policy.cache_storage
         if cfg is not None and cfg.kivi:
             held_out = self._held_out(index, k)
             return KiviCacheSlot(units, max_len, self.cfg.head_dim, self.devices, self.rt.usage, disk_path, pin=True,
                                  compression=cfg, window=window, starts=self.unit_starts[k],
                                  held_out_groups=held_out[1] // cfg.group_size if held_out else 0)
         return KVCacheSlot(units, max_len, self.cfg.head_dim, self.devices, self.rt.usage, disk_path, pin=True,
-                           compression=cfg, window=window, held_out=self._held_out(index, k))
+                           compression=cfg, window=window, held_out=self._held_out(index, k),
+                           rounding=self.policy.compress_cache if self.policy.keep_dense_cache else None)
 
     def _anything_to_overlap(self) -> bool:
         """Transfers overlap compute only where another engine does them: a GPU's copy engine,
@@ -553,7 +565,7 @@ class BlockSchedule:
             rows = cache_rows(max_len, self.cfg.window(index))
             moved = [t for t in TIERS if slot.units[t] and not slot.in_place(t, self._attention_device(t))]
             most = max(most, sum(kv_nbytes(rows, slot.units[t], self.cfg.head_dim, self.devices.dtype,
-                                           self.policy.compress_cache) for t in moved))
+                                           self.policy.cache_storage) for t in moved))
         return most
 
     def _read_cache(self, layer, k: int) -> dict:
@@ -754,6 +766,8 @@ class BlockSchedule:
             drop, valid = slot.decode_valid(tier, self.length, window, rows.valid[part], local)
             if slot.in_place(tier, where):
                 keys, values = slot.append_in_place(tier, new_k, new_v, self.length, local)
+                if self.policy.keep_dense_cache:  # attended to as computed (as a compressed cache's new
+                    unwritten.append(tier)       # column is), then written again, rounded
             else:
                 unwritten.append(tier)
                 kc, vc = cache[tier]

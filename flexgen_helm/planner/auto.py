@@ -55,12 +55,14 @@ def search_for(cfg: ModelConfig, prompt_len: int, gen_len: int, budgets: dict | 
 def options_for(pinned: dict, max_latency_s: float | None = None) -> SearchOptions:
     """Search options that keep every field of `pinned` (Policy fields, as Policy.to_dict
     writes them) as given: compression is always the user's choice; CPU delegation, and
-    whether a block keeps dense copies of compressed weights, are searched unless set."""
+    whether a block keeps dense copies of compressed weights or holds a compressed cache's
+    values dense, are searched unless set."""
     given = Policy.from_dict(pinned)  # a bad value fails here, before any work
     placed = any(k in pinned for k in PLACEMENT_FIELDS)
     return SearchOptions(
         compress_weight=given.compress_weight, compress_cache=given.compress_cache,
         cpu_cache_compute=pinned.get("cpu_cache_compute"), keep_dense_weights=pinned.get("keep_dense_weights"),
+        keep_dense_cache=pinned.get("keep_dense_cache"),
         max_latency_s=max_latency_s, overlap=given.overlap,
         gpu_batch_size=pinned.get("gpu_batch_size"), num_gpu_batches=pinned.get("num_gpu_batches"),
         placement=tuple(getattr(given, k) for k in PLACEMENT_FIELDS) if placed else None,

@@ -47,12 +47,12 @@ def planned_components(cfg: ModelConfig, policy: Policy, max_len: int, dtype: to
         total = units_by_rows.setdefault(cache_rows(max_len, cfg.window(layer), held_out), dict.fromkeys(TIERS, 0))
         for t in TIERS:
             total[t] += units[t]
-    cache = {t: sum(kv_nbytes(n, units[t], cfg.head_dim, dtype, policy.compress_cache)
+    cache = {t: sum(kv_nbytes(n, units[t], cfg.head_dim, dtype, policy.cache_storage)
                     for n, units in units_by_rows.items()) for t in TIERS}
     # the one copy of each global block, stored as its slots store the prefix (compressed too)
     once = sum(bool(held_out_prefix(shared_prefix, cfg.window(layer), policy)) for layer in range(cfg.num_layers))
-    cache["gpu"] += once * held_prefix_nbytes(held_prefix_len(shared_prefix, policy.compress_cache), cfg.num_kv_heads,
-                                              cfg.head_dim, dtype, policy.compress_cache)
+    cache["gpu"] += once * held_prefix_nbytes(held_prefix_len(shared_prefix, policy.cache_storage), cfg.num_kv_heads,
+                                              cfg.head_dim, dtype, policy.cache_storage)
     positions = {t: max_len if t == "disk" else act_len or max_len for t in TIERS}
     activations = {t: rows[t] * positions[t] * cfg.hidden_size * elt for t in TIERS}
     return {"weights": weights, "cache": cache, "activations": activations}

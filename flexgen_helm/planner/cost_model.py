@@ -495,17 +495,18 @@ class CostModel:
         cuda, dev, cpu = hw.is_cuda, hw.compute, hw.cpu
         units = gbs * cfg.num_kv_heads
         # K and V of one position of one GPU batch: as stored (maybe compressed), and as attended
-        stored = kv_nbytes_per_position(units, cfg.head_dim, self.dtype, policy.compress_cache)
+        stored = kv_nbytes_per_position(units, cfg.head_dim, self.dtype, policy.cache_storage)
         dense = 2 * units * cfg.head_dim * self.elt
         delegated = policy.cpu_cache_compute
 
         # store the new positions' K, V into the slots of every tier (quantized first if compressed,
-        # at about the speed of dequantizing)
+        # at about the speed of dequantizing; rounded, where the values are held dense: about twice)
         new = nb * tokens * stored
         b["gpu_cpu"] += new * (c["cpu"] + c["disk"] + (0.0 if cuda else c["gpu"]))
         b["cpu_disk"] += new * c["disk"]
         if policy.compress_cache is not None:
-            b["compute"] += nb * tokens * dense / self.elt / dev.dequant_elems_per_s
+            b["compute"] += ((1 + policy.keep_dense_cache) * nb * tokens * dense / self.elt
+                             / dev.dequant_elems_per_s)
 
         if prefill:  # attention over the prompt, on the compute device (the full s x s is computed,
             # a sliding window's too: it is a mask over the same scores)
@@ -527,7 +528,7 @@ class CostModel:
             scores = nb * gbs * cfg.num_heads * held
             b["compute"] += (scores * 4 * cfg.head_dim / dev.attn_prefill_flops
                              + scores * PREFIX_SCORE_BYTES / dev.attn_decode_bytes_per_s)
-            if policy.compress_cache is not None:
+            if policy.cache_storage is not None:
                 b["compute"] += 2 * held * cfg.num_kv_heads * cfg.head_dim / dev.dequant_elems_per_s
         read = nb * t * stored / 2 * (1 + policy.attn_sparsity)
         b["disk_cpu"] += read * c["disk"]
@@ -540,7 +541,7 @@ class CostModel:
         attended = nb * t * dense
         on_cpu = c["cpu"] + c["disk"] if delegated else 0.0
         b["compute"] += attended * ((1 - on_cpu) / dev.attn_decode_bytes_per_s + on_cpu / cpu.attn_decode_bytes_per_s)
-        if policy.compress_cache is not None:
+        if policy.cache_storage is not None:
             b["compute"] += attended / self.elt / dev.dequant_elems_per_s
 
     # ---- whole model -------------------------------------------------------------------
@@ -606,7 +607,7 @@ class CostModel:
                               held_out_prefix(work.shared_prefix, self._window(layer), policy))
                    for layer, _ in self.groups)
         units = gbs * cfg.num_kv_heads
-        as_read = kv_nbytes(held, units, cfg.head_dim, self.dtype, policy.compress_cache) * moved
+        as_read = kv_nbytes(held, units, cfg.head_dim, self.dtype, policy.cache_storage) * moved
         unpacked = kv_nbytes(held, units, cfg.head_dim, decode_cache_dtype(self.hw.compute_device, self.dtype),
                              None) * moved
         on_lane = unpacks_on_lane(self.hw.is_cuda)
@@ -618,7 +619,7 @@ class CostModel:
         if held_prefix and reads_prefix_as_stored(policy):
             loaded_cache += unpacked_nbytes(held_prefix, cfg.num_kv_heads, cfg.head_dim, self.dtype,
                                             decode_cache_dtype(self.hw.compute_device, self.dtype),
-                                            policy.compress_cache)
+                                            policy.cache_storage)
         # freed memory the schedule keeps resident for reuse (executor/working_set.py): a block
         # layer's dense copy of its compressed weights among it, and the largest layer's load
         # buffers, which are host memory (on a GPU, the cpu tier's)

@@ -106,6 +106,8 @@ class SearchOptions:
     cpu_cache_compute: bool | None = None  # None: try both
     # None: try both where weights are compressed (not for MoE, whose experts load on demand)
     keep_dense_weights: bool | None = None
+    # None: try both where the cache is compressed per token (Policy.keep_dense_cache)
+    keep_dense_cache: bool | None = None
     max_latency_s: float | None = None  # on the block latency (prefill + all decode steps)
     max_gpu_batch_size: int = 64
     max_num_gpu_batches: int = 16
@@ -286,6 +288,9 @@ def search(cfg: ModelConfig, profile: HardwareProfile, prompt_len: int, gen_len:
     delegation = (False, True) if options.cpu_cache_compute is None else (options.cpu_cache_compute,)
     keeping = ((False, True) if options.compress_weight is not None and not cfg.is_moe else (False,)
                ) if options.keep_dense_weights is None else (options.keep_dense_weights,)
+    per_token = options.compress_cache is not None and not options.compress_cache.kivi
+    dense_cache = ((False, True) if per_token else (False,)
+                   ) if options.keep_dense_cache is None else (options.keep_dense_cache,)
     candidates: list[Candidate] = []
     gbs_list = ([options.gpu_batch_size] if options.gpu_batch_size is not None
                 else [2**i for i in range(int(math.log2(options.max_gpu_batch_size)) + 1)])
@@ -296,9 +301,10 @@ def search(cfg: ModelConfig, profile: HardwareProfile, prompt_len: int, gen_len:
             if options.max_block_size is not None and gbs * nb > options.max_block_size:
                 continue
             best = None
-            for deleg, keep in itertools.product(delegation, keeping):
+            for deleg, keep, dense in itertools.product(delegation, keeping, dense_cache):
                 shape = Policy(gbs, nb, overlap=options.overlap, cpu_cache_compute=deleg,
-                               compress_weight=options.compress_weight, compress_cache=options.compress_cache)
+                               compress_weight=options.compress_weight, compress_cache=options.compress_cache,
+                               keep_dense_cache=dense)
                 found = _found(model, shape, keep, budgets, options)
                 if found is not None and (best is None or found.estimate.throughput > best.estimate.throughput):
                     best = found

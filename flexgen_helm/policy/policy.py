@@ -117,9 +117,22 @@ class Policy:
     # step's few rows on some CPUs (runs/compression_8bit/decode_paths/); the planner turns it on where
     # the compute tier holds every dense copy (executor/schedule.py)
     keep_dense_weights: bool = False
+    # a compressed cache's values held dense: each position rounded to the cache's grid as it is
+    # written (so every number is the compressed cache's), then stored like an uncompressed
+    # cache, which attention reads in place instead of dequantizing every held position at every
+    # decode step (runs/compression_8bit/decode_paths/); the memory and the bytes moved of a dense
+    # cache. Per-token grouping only: KIVI's keys are rounded per group of tokens, once complete.
+    # The planner turns it on where the budgets hold the dense cache and its estimate is faster
+    keep_dense_cache: bool = False
 
     def __post_init__(self):
         self.validate()
+
+    @property
+    def cache_storage(self) -> Compression | None:
+        """The compression the KV cache is stored in (None: dense, its values maybe rounded:
+        keep_dense_cache)."""
+        return None if self.keep_dense_cache else self.compress_cache
 
     @property
     def block_size(self) -> int:
@@ -157,6 +170,12 @@ class Policy:
         if self.keep_dense_weights and self.weights.disk > 0:
             raise PolicyError(f"keep_dense_weights: the weights are {100 * self.weights.disk:g}% on disk; dense copies "
                               "kept for a whole block are for weights held in memory (place them on the gpu/cpu tiers)")
+        if self.keep_dense_cache and self.compress_cache is None:
+            raise PolicyError("keep_dense_cache holds a compressed cache's values dense, but compress_cache is not set")
+        if self.keep_dense_cache and self.compress_cache.kivi:
+            raise PolicyError("keep_dense_cache: a KIVI cache rounds its keys per group of tokens once the group is "
+                              "complete, so its values are not known as a position is written; use per-token "
+                              "cache grouping, or drop keep_dense_cache")
         if not 0.0 < self.attn_sparsity <= 1.0:
             raise PolicyError(f"attn_sparsity must be in (0, 1], got {self.attn_sparsity}")
 
@@ -199,6 +218,7 @@ class Policy:
             f"cache {pct(self.cache)}, act {pct(self.activations)} (gpu/cpu/disk %), "
             f"overlap={'on' if self.overlap else 'off'}, cpu_cache_compute={'on' if self.cpu_cache_compute else 'off'}"
             + (", dense copies of the weights kept for the block" if self.keep_dense_weights else "")
+            + (", the compressed cache's values held dense" if self.keep_dense_cache else "")
         )
 
     def to_json(self) -> str:

@@ -43,6 +43,9 @@ PATHS = {  # name -> Policy fields besides the block
     "w8-not-kept": {"compress_weight": W8, "keep_dense_weights": False},
     "w4-not-kept": {"compress_weight": W4, "keep_dense_weights": False},
     "kv8-per-token": {"compress_cache": Compression(8, 64, cache_grouping="per-token")},
+    # the same values held dense, read in place (Policy.keep_dense_cache)
+    "kv8-per-token-dense": {"compress_cache": Compression(8, 64, cache_grouping="per-token"),
+                            "keep_dense_cache": True},
     "kv4-kivi": {"compress_cache": Compression(4, 64, cache_grouping="kivi")},
 }
 
