@@ -1,5 +1,7 @@
 """Group-wise quantization: packing round trips, the scale/2 error bound, storage size."""
 
+import sys
+
 import pytest
 import torch
 
@@ -100,6 +102,27 @@ def test_blocks_of_rows_give_the_same_bytes_as_the_whole(shape, group_dim, chunk
     for dtype in (torch.bfloat16, torch.float32):
         assert torch.equal(dequantize(whole, dtype, chunk_elements=chunk_elements),
                            dequantize(whole, dtype, chunk_elements=1 << 30))
+
+
+@pytest.mark.parametrize("shape,group_dim", [((203, 37), 0), ((203, 37), 1), ((9, 5, 70), 2), ((2, 30, 64), 2)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("method", ["rtn", "hqq"])
+def test_fake_quantize_is_dequantize_of_quantize_bit_for_bit(shape, group_dim, dtype, method, monkeypatch):
+    """fake_quantize skips packing the codes (a KV cache held dense rounds every write with
+    it) and still returns exactly what a compressed tensor dequantizes to: padded groups,
+    constant groups, several blocks of rows, per-channel groups."""
+    x = torch.randn(shape, dtype=dtype)
+    x[1] = 0.25  # constant groups along the last dim
+    for cfg in (Compression(4, 16, method=method), Compression(8, 64, method=method),
+                Compression(3, -1, method=method)):
+        want = dequantize(quantize(x, cfg, group_dim))
+        got = fake_quantize(x, cfg, group_dim)
+        assert got.dtype == x.dtype and torch.equal(got, want)
+    module = sys.modules["flexgen_helm.compression.quantize"]  # (the package's `quantize` is the function)
+    monkeypatch.setattr(module, "CHUNK_ELEMENTS", 500)
+    monkeypatch.setattr(module, "FIT_CHUNK_ELEMENTS", 500)
+    cfg = Compression(4, 8, method=method)
+    assert torch.equal(fake_quantize(x, cfg, group_dim), dequantize(quantize(x, cfg, group_dim)))
 
 
 def test_scale_is_range_over_levels():

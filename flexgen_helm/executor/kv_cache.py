@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 
 from flexgen_helm.compression.kivi import kivi_groups_nbytes, kivi_nbytes
-from flexgen_helm.compression.quantize import CACHE_GROUP_DIM, QuantizedTensor, cache_group_dim
-from flexgen_helm.compression.stored import Stored, dense, dense_into, encode, stored_nbytes
+from flexgen_helm.compression.quantize import CACHE_GROUP_DIM, QuantizedTensor, cache_group_dim, fake_quantize
+from flexgen_helm.compression.stored import Stored, dense_into, encode, stored_nbytes
 from flexgen_helm.errors import PolicyError
 from flexgen_helm.executor.cache_buffers import CacheBuffers
 from flexgen_helm.memory.devices import Devices
@@ -57,12 +57,6 @@ def check_cache_compression(cfg: Compression | None) -> None:
     if cache_group_dim(cfg) not in (CACHE_GROUP_DIM, CACHE_GROUP_DIM - 3):
         raise PolicyError(f"the KV cache is quantized along the head dim (group dim {CACHE_GROUP_DIM}), "
                           f"not dim {cfg.group_dim}: leave the cache's group dim unset")
-
-
-def rounded_as_cached(x: torch.Tensor, cfg: Compression) -> torch.Tensor:
-    """x (positions, units, head_dim) as a per-token cache compressed under `cfg` returns it:
-    each position's row of a unit quantized on its own and dequantized (Policy.keep_dense_cache)."""
-    return dense(encode(x, cfg, CACHE_GROUP_DIM), x.dtype)
 
 
 def cache_rows(max_len: int, window: int, held_out: tuple[int, int] | None = None) -> int:
@@ -229,7 +223,7 @@ class KVCacheSlot:
         if self.window and k.shape[0] > self.rows:
             start, k, v = start + k.shape[0] - self.rows, k[-self.rows:], v[-self.rows:]
         if self.rounding is not None:  # K and V in one call: groups never cross positions
-            kv = rounded_as_cached(torch.cat([k, v]), self.rounding)
+            kv = fake_quantize(torch.cat([k, v]), self.rounding, CACHE_GROUP_DIM)
             k, v = kv.narrow(0, 0, k.shape[0]), kv.narrow(0, k.shape[0], v.shape[0])
         gd = None if self.compression is None else CACHE_GROUP_DIM
         if gd is not None and k.shape[0] == 1:

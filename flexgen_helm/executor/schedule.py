@@ -53,7 +53,7 @@ from typing import Callable
 import torch
 
 from flexgen_helm.compression import kivi
-from flexgen_helm.compression.quantize import CACHE_GROUP_DIM
+from flexgen_helm.compression.quantize import CACHE_GROUP_DIM, fake_quantize
 from flexgen_helm.compression.stored import dense, encode
 from flexgen_helm.executor.activations import ActivationHome
 from flexgen_helm.executor.attention import (
@@ -79,7 +79,6 @@ from flexgen_helm.executor.kv_cache import (
     held_prefix_len,
     kv_nbytes,
     prefix_held_once,
-    rounded_as_cached,
 )
 from flexgen_helm.executor.shared_prefix import PrefixLayer, SharedPrefix
 from flexgen_helm.executor.step_rows import StepRows, units_of
@@ -251,7 +250,7 @@ class BlockSchedule:
         made it."""
         keys, values = here.keys, here.values
         if self.policy.keep_dense_cache:  # the values every row's slot would hold of it
-            keys, values = (rounded_as_cached(x.to(self.devices.dtype), self.policy.compress_cache)
+            keys, values = (fake_quantize(x.to(self.devices.dtype), self.policy.compress_cache, CACHE_GROUP_DIM)
                             for x in (keys, values))
         for where in {self._attention_device(t) for t in TIERS}:
             kept = here.decode.get(where.type)
