@@ -58,6 +58,13 @@ def test_a_cache_held_dense_computes_what_the_compressed_cache_computes(tiny_lla
     _check_same(tiny_llama, POLICIES[name], tmp_path, PROMPTS)
 
 
+@pytest.mark.parametrize("model", ["tiny_opt", "tiny_gemma3"])
+def test_other_families_and_sliding_windows(model, request, tmp_path):
+    """OPT's biases and learned positions; Gemma 3's sliding-window blocks, whose slots are
+    rings of their window (rounded as written, like any row)."""
+    _check_same(request.getfixturevalue(model), POLICIES["cache-split-delegated-no-overlap"], tmp_path, PROMPTS)
+
+
 @pytest.mark.parametrize("sparsity", [1.0, 0.5])
 def test_a_shared_prefix_is_held_rounded_too(tiny_llama, tmp_path, sparsity):
     """The block's one copy of a shared prefix holds the values every row's slot would."""

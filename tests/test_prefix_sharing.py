@@ -45,6 +45,9 @@ POLICIES = {
     "kivi-cache": Policy(gpu_batch_size=4, num_gpu_batches=2, compress_cache=Compression(4, 20, cache_grouping="kivi")),
     "per-token-cache-8bit": Policy(gpu_batch_size=4, num_gpu_batches=2,
                                    compress_cache=Compression(8, 4, cache_grouping="per-token")),
+    # the same values held dense (keep_dense_cache): the prefix's one copy holds them rounded
+    "per-token-cache-8bit-held-dense": Policy(gpu_batch_size=4, num_gpu_batches=2, keep_dense_cache=True,
+                                              compress_cache=Compression(8, 4, cache_grouping="per-token")),
     "sparse": Policy(gpu_batch_size=4, num_gpu_batches=2, attn_sparsity=0.3),
     # (sparse attention reads the disk tier's values apart, only those of the keys it keeps)
     "compressed-cache-split-delegated": Policy(gpu_batch_size=2, num_gpu_batches=3, cache=Split(0.25, 0.5, 0.25),
