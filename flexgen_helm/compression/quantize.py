@@ -197,6 +197,8 @@ def nibbles(packed: torch.Tensor, work: torch.Tensor | None = None) -> torch.Ten
 def unpack(packed: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     """Inverse of `pack`: (..., nbytes) uint8 -> (..., group_size) uint8 codes."""
     mask = (1 << bits) - 1
+    if bits == 8:  # a code a byte: the bytes are the codes (a shift and a mask would copy them twice)
+        return packed[..., :group_size]
     if bits == 4 and LITTLE_ENDIAN:
         return nibbles(packed)[..., :group_size]
     if 8 % bits == 0:
