@@ -12,7 +12,6 @@ from test_random_moe_gguf import tiny_olmoe_config
 from flexgen_helm.compression import int4, int8
 from flexgen_helm.engine import Engine
 from flexgen_helm.errors import PolicyError
-from flexgen_helm.executor.kept_weights import KeptDenseWeights
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.memory.machine import machine_info
 from flexgen_helm.models.opt import config_for_size
@@ -52,7 +51,29 @@ def test_kept_copies_compute_what_a_dequantization_per_use_computes(tiny_llama, 
         layer, *a, **k))
     assert _generate(kept) == want
     assert len(loads) == len(kept.runtime.layers)  # one block: each layer once
-    assert kept.runtime.usage.current["gpu"] == per_use.runtime.usage.current["gpu"]  # the copies released
+    copies = kept.runtime.kept.nbytes
+    assert copies > 0 and kept.runtime.usage.current["gpu"] == per_use.runtime.usage.current["gpu"] + copies
+    # the weights are all in the compute tier: the next block takes the same copies, loading
+    # and dequantizing nothing again
+    made = []
+    real_track = int4.DENSE_COPIES.track
+    monkeypatch.setattr(int4.DENSE_COPIES, "track", lambda w, n: made.append(n) or real_track(w, n))
+    assert _generate(kept) == want
+    assert len(loads) == len(kept.runtime.layers) and not made
+    kept.set_policy(policy)  # a block that keeps none lets them go
+    assert _generate(kept) == want
+    assert kept.runtime.kept is None
+    assert kept.runtime.usage.current["gpu"] == per_use.runtime.usage.current["gpu"]
+
+
+def test_copies_of_weights_off_the_compute_tier_go_with_their_block(tiny_llama, tmp_path):
+    """A layer loaded from the cpu tier is a load of its own (on a GPU, a copy in its memory),
+    which the block held only while it ran: its dense copies go with it."""
+    policy = Policy(4, 1, weights=Split(0.5, 0.5, 0), compress_weight=Compression(4, 16), keep_dense_weights=True)
+    engine = Engine.load(str(tiny_llama), policy, offload_dir=tmp_path, **BF16)
+    before = engine.runtime.usage.current["gpu"]
+    _generate(engine)
+    assert engine.runtime.kept is None and engine.runtime.usage.current["gpu"] == before
 
 
 @pytest.mark.parametrize("grid", [Compression(8, PER_CHANNEL), Compression(4, 4, group_dim=0)],
@@ -60,13 +81,11 @@ def test_kept_copies_compute_what_a_dequantization_per_use_computes(tiny_llama, 
 def test_the_cost_model_counts_the_copies_the_engine_keeps(tiny_llama, tmp_path, monkeypatch, grid):
     """Every compressed weight multiplied, and a table whose groups run down its columns (it
     dequantizes whole to look rows up), as the engine's account of the block says."""
-    seen = []
-    real_release = KeptDenseWeights.release
-    monkeypatch.setattr(KeptDenseWeights, "release", lambda self: seen.append(self.nbytes) or real_release(self))
     engine = Engine.load(str(tiny_llama), Policy(4, 1, compress_weight=grid, keep_dense_weights=True),
                          offload_dir=tmp_path, **BF16)
     _generate(engine)
-    assert len(seen) == 1 and seen[0] > 0
+    seen = [engine.runtime.kept.nbytes]  # kept for the next block (the weights are in the compute tier)
+    assert seen[0] > 0
     assert engine.runtime.usage.peak["gpu"] >= seen[0]
     cpu = DeviceSpeeds({"bfloat16": {1: 1e9, 512: 1e11}}, int8_matmul_flops={1: 1e9, 512: 1e10},
                        int8_dequant_elems_per_s=1e9)

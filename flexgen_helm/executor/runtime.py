@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from flexgen_helm.executor.kept_weights import KeptDenseWeights
 from flexgen_helm.memory.devices import Devices
 from flexgen_helm.memory.placement import Segment, achieved_fractions
 from flexgen_helm.memory.usage import TierUsage
@@ -30,6 +31,29 @@ class ModelRuntime:
     usage: TierUsage
     # layer name -> how its experts load, worked out once (executor/expert_weights.sparse_layer_plan)
     expert_plans: dict = field(default_factory=dict)
+    # the dense copies of compressed weights the blocks keep, across blocks (dense_copies)
+    kept: KeptDenseWeights | None = None
+
+    def dense_copies(self, keep: bool, across_blocks: bool) -> KeptDenseWeights | None:
+        """Where a block keeps the dense copies of its compressed weights (Policy.keep_dense_weights;
+        None where it does not). across_blocks: the copies made by an earlier block are the
+        same (the weights are all in the compute tier's memory, where a layer's load is its
+        home, and only the copies are extra, counted in `usage`), so they are kept for the next
+        block too instead of dequantized again: a HELM run of many blocks, or of several
+        scenarios, dequantizes each weight once. Otherwise (and where a block keeps none) the
+        copies go when the block ends (KeptDenseWeights.release)."""
+        if not (keep and across_blocks):
+            self.release_dense_copies()
+        if not keep:
+            return None
+        if self.kept is None:
+            self.kept = KeptDenseWeights(self.usage)
+        return self.kept
+
+    def release_dense_copies(self) -> None:
+        if self.kept is not None:
+            self.kept.release()
+            self.kept = None
 
     def load_layer(self, layer: LayerSpec, loaded: dict | None = None,
                    map_reads: Callable | None = None) -> dict[str, torch.Tensor]:

@@ -71,7 +71,6 @@ from flexgen_helm.executor.attention import (
 from flexgen_helm.executor.cache_buffers import CacheBuffers, batches_per_load, buffer_sets, unpacks_on_lane
 from flexgen_helm.executor.expert_weights import load_layer_weights
 from flexgen_helm.executor.held_prefix import HeldPrefix, reads_prefix_as_stored
-from flexgen_helm.executor.kept_weights import KeptDenseWeights
 from flexgen_helm.executor.kivi_cache import KiviCacheSlot
 from flexgen_helm.executor.kv_cache import (
     KVCacheSlot,
@@ -217,8 +216,10 @@ class BlockSchedule:
         self.active: list[list[int] | None] = [None] * len(batches)
         self.step_rows: list[StepRows | None] = [None] * len(batches)
         self._weights_ahead = None
-        # each layer's weights loaded once for the block, compressed ones kept dense (policy.keep_dense_weights)
-        self.kept = KeptDenseWeights(runtime.usage) if policy.keep_dense_weights else None
+        # each layer's weights loaded once for the block, compressed ones kept dense (policy.keep_dense_weights),
+        # for the blocks after it too where every weight is in the compute tier's memory
+        self.kept_across_blocks = policy.weights.gpu == 1.0
+        self.kept = runtime.dense_copies(policy.keep_dense_weights, self.kept_across_blocks)
         self.prefill_as_decode = False
         self.stores_prefill_cache = True
         # freed host memory kept for reuse beyond this is handed back (memory/host_allocator.py)
@@ -816,8 +817,8 @@ class BlockSchedule:
 
     def close(self) -> None:
         self.io.close()
-        if self.kept is not None:
-            self.kept.release()
+        if self.kept is not None and not self.kept_across_blocks:
+            self.rt.release_dense_copies()
         for tier, nbytes in self._prefix_bytes:
             self.rt.usage.remove(tier, nbytes)
         self._prefix_bytes.clear()
