@@ -7,8 +7,10 @@ than a dense matmul at those rows (runs/compression_8bit/decode_paths/: SmolLM2 
 decode on the int4 kernel 0.76x bf16's, on kept copies 0.95x). With it, each layer is loaded
 once a block, every compressed weight it multiplies is dequantized once, and the block's
 later steps reuse the same dense copies: the speed of uncompressed weights for the memory of
-both (the planner turns it on only where the compute tier holds every dense copy). Not for
-MoE models, whose experts load as their router picks them (refused).
+both (the planner turns it on only where the compute tier holds every dense copy). Where
+every weight lives in the compute tier's memory, the same copies serve the blocks after it
+(ModelRuntime.dense_copies). Not for MoE models, whose experts load as their router picks
+them (refused).
 
 The layers are written on the copy thread (loads) and read on the compute thread
 (count_dense_copies) without a lock: every load that adds a layer is waited for before a

@@ -325,7 +325,10 @@ class CostModel:
         # weights: once per step for the whole block; of a sparse MoE block's experts, those the
         # block's tokens are expected to choose (each row multiplies k of them)
         rows, calls = _matmuls(layer, gbs, nb, tokens, phase)
-        kept = phase if policy.keep_dense_weights else None
+        # a block that keeps dense copies makes them in its prefill; where every weight is in the
+        # compute tier's memory the copies an earlier block made serve it (ModelRuntime.dense_copies),
+        # so in a run of blocks only the first one's prefill makes them: counted as none (steady state)
+        kept = (("decode" if policy.weights.gpu == 1.0 else phase) if policy.keep_dense_weights else None)
         weights_compute = self._weights_compute(lw, rows, calls, kept)
         if lw.experts is not None:
             touched = expected_experts_touched(cfg.num_experts, cfg.experts_per_token, gbs * nb * tokens)
