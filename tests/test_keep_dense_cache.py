@@ -1,8 +1,9 @@
-"""A per-token compressed cache whose values are held dense (Policy.keep_dense_cache): each
-position is rounded to the cache's grid as it is written, so a run computes with the numbers
-of the compressed cache (float32: the same tokens, log-probs to rounding) while attention reads
-the cache in place; the planner counts it at the dense cache's size and speed, and turns it on
-only where the dense cache fits and is faster."""
+"""A compressed cache whose values are held dense (Policy.keep_dense_cache), so that a decode
+step does not dequantize every held position again: per-token groups rounded as written and
+stored dense, read in place; a KIVI cache's groups mirrored dense beside them, each step adding
+the groups it completed. A run computes with the numbers of the compressed cache (float32: the
+same tokens, log-probs to rounding); the planner counts what it holds, and turns it on only
+where it fits and is faster."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from flexgen_helm.policy import Compression, Policy, Split
 
 KV8 = Compression(8, 8, cache_grouping="per-token")
 KV4 = Compression(4, 4, cache_grouping="per-token")
+KIVI4 = Compression(4, 2, cache_grouping="kivi")  # groups of 2 tokens: several complete within the tests' runs
 PROMPTS = [[5, 17, 42, 7, 99, 3], [3, 8, 1], [9, 9, 4, 2, 11]]
 
 POLICIES = {
@@ -36,6 +38,10 @@ POLICIES = {
     "cache-split-delegated-no-overlap": Policy(2, 2, cache=Split(0.3, 0.3, 0.4), cpu_cache_compute=True,
                                                overlap=False, compress_cache=KV4),
     "sparse-cache-on-disk": Policy(2, 2, cache=Split(0, 0.5, 0.5), attn_sparsity=0.5, compress_cache=KV8),
+    "kivi-one-batch": Policy(4, 1, compress_cache=KIVI4),
+    "kivi-merged-batches-delegated-no-overlap": Policy(1, 3, compress_cache=KIVI4, cpu_cache_compute=True,
+                                                       overlap=False),
+    "kivi-sparse": Policy(2, 2, compress_cache=Compression(8, 3, cache_grouping="kivi"), attn_sparsity=0.5),
 }
 
 
@@ -58,18 +64,37 @@ def test_a_cache_held_dense_computes_what_the_compressed_cache_computes(tiny_lla
     _check_same(tiny_llama, POLICIES[name], tmp_path, PROMPTS)
 
 
+@pytest.mark.parametrize("name", ["cache-split-delegated-no-overlap", "kivi-one-batch"])
 @pytest.mark.parametrize("model", ["tiny_opt", "tiny_gemma3"])
-def test_other_families_and_sliding_windows(model, request, tmp_path):
+def test_other_families_and_sliding_windows(model, request, tmp_path, name):
     """OPT's biases and learned positions; Gemma 3's sliding-window blocks, whose slots are
-    rings of their window (rounded as written, like any row)."""
-    _check_same(request.getfixturevalue(model), POLICIES["cache-split-delegated-no-overlap"], tmp_path, PROMPTS)
+    rings of their window (per-token: rounded as written, like any row; KIVI: a ring of group
+    slots, each rewritten slot mirrored again)."""
+    _check_same(request.getfixturevalue(model), POLICIES[name], tmp_path, PROMPTS)
 
 
 @pytest.mark.parametrize("sparsity", [1.0, 0.5])
-def test_a_shared_prefix_is_held_rounded_too(tiny_llama, tmp_path, sparsity):
-    """The block's one copy of a shared prefix holds the values every row's slot would."""
-    _check_same(tiny_llama, Policy(4, 2, compress_cache=KV8, attn_sparsity=sparsity), tmp_path,
+@pytest.mark.parametrize("cache", [KV8, Compression(4, 20, cache_grouping="kivi")], ids=["per-token", "kivi"])
+def test_a_shared_prefix_is_held_rounded_too(tiny_llama, tmp_path, sparsity, cache):
+    """The block's one copy of a shared prefix holds the values every row's slot would (KIVI:
+    its complete groups, held as ever; a row's own groups mirrored)."""
+    _check_same(tiny_llama, Policy(4, 2, compress_cache=cache, attn_sparsity=sparsity), tmp_path,
                 SHARED_PREFIX_PROMPTS)
+
+
+def test_a_kivi_mirror_adds_only_the_groups_a_step_completed(tiny_llama, tmp_path, monkeypatch):
+    """The mirror's first step dequantizes every group the prefill wrote; later steps only the
+    one a unit just completed (a slot's groups complete at different steps for units of
+    different paddings)."""
+    from flexgen_helm.compression.kivi import KiviGroups
+    done = []
+    real = KiviGroups.dequantize_into
+    monkeypatch.setattr(KiviGroups, "dequantize_into", lambda self, k, v, s=None: done.append(self.groups) or real(
+        self, k, v, s))
+    _generate(tiny_llama, Policy(4, 1, compress_cache=KIVI4, keep_dense_cache=True), tmp_path, PROMPTS)
+    assert done and set(done) == {1}  # group by group
+    layers, steps = 2, 4  # tiny_llama's blocks; the decode steps of 5 new tokens
+    assert len(done) < layers * steps * 5  # not every held group at every step
 
 
 def test_writes_hold_the_values_a_compressed_slot_returns():
@@ -95,8 +120,9 @@ def test_writes_hold_the_values_a_compressed_slot_returns():
 def test_what_a_dense_cache_cannot_do_is_refused():
     with pytest.raises(PolicyError, match="compress_cache is not set"):
         Policy(keep_dense_cache=True)
-    with pytest.raises(PolicyError, match="KIVI"):
-        Policy(compress_cache=Compression(4, 64, cache_grouping="kivi"), keep_dense_cache=True)
+    with pytest.raises(PolicyError, match=r"KIVI cache holds its dense copy .* 50% off the gpu tier"):
+        Policy(compress_cache=Compression(4, 64, cache_grouping="kivi"), cache=Split(0.5, 0.5, 0),
+               keep_dense_cache=True)
     with pytest.raises(ValueError, match="per-token grid only when it stores them dense"):
         KVCacheSlot({"gpu": 1, "cpu": 0, "disk": 0}, 4, 8, Devices(torch.device("cpu"), torch.float32), TierUsage(),
                     None, False, compression=KV4, rounding=KV4)
@@ -125,4 +151,6 @@ def test_the_search_holds_the_cache_dense_only_where_it_fits_and_pays():
     tight = Budgets(gpu=3 * GIB, cpu=int(4.5 * GIB), disk=0)
     assert not search(OPT13, prof, 512, 64, tight, SearchOptions(**pinned)).policy.keep_dense_cache
     kivi = dict(pinned, compress_cache=Compression(8, 64, cache_grouping="kivi"))
-    assert not search(OPT13, prof, 512, 64, default_budgets(prof), SearchOptions(**kivi)).policy.keep_dense_cache
+    mirrored = search(OPT13, prof, 512, 64, default_budgets(prof), SearchOptions(**kivi))
+    assert mirrored.policy.keep_dense_cache and mirrored.policy.cache.gpu == 1.0
+    assert not search(OPT13, prof, 512, 64, tight, SearchOptions(**kivi)).policy.keep_dense_cache

@@ -48,6 +48,8 @@ POLICIES = {
     # the same values held dense (keep_dense_cache): the prefix's one copy holds them rounded
     "per-token-cache-8bit-held-dense": Policy(gpu_batch_size=4, num_gpu_batches=2, keep_dense_cache=True,
                                               compress_cache=Compression(8, 4, cache_grouping="per-token")),
+    "kivi-cache-held-dense": Policy(gpu_batch_size=4, num_gpu_batches=2, keep_dense_cache=True,
+                                    compress_cache=Compression(4, 20, cache_grouping="kivi")),
     "sparse": Policy(gpu_batch_size=4, num_gpu_batches=2, attn_sparsity=0.3),
     # (sparse attention reads the disk tier's values apart, only those of the keys it keeps)
     "compressed-cache-split-delegated": Policy(gpu_batch_size=2, num_gpu_batches=3, cache=Split(0.25, 0.5, 0.25),
@@ -114,7 +116,7 @@ def _check_same_with_and_without_sharing(model_path, policy: Policy, tmp_path) -
 
 
 @pytest.mark.parametrize("name", ["all-in-one-batch", "compressed-cache-split-delegated",
-                                  "kivi-cache-split-delegated-no-overlap"])
+                                  "kivi-cache-split-delegated-no-overlap", "kivi-cache-held-dense"])
 def test_sequences_that_finish_early_leave_a_block_that_holds_its_prefix_once(tiny_llama, name, tmp_path):
     """A finished sequence's units leave the steps (a tier's computed units are then some of
     its own, not a run of whole GPU batches): the others still attend to the prefix's one

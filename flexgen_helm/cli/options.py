@@ -93,9 +93,10 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                         "steps multiply dense copies instead of the int4/int8 kernels (uncompressed speed, the "
                         "memory of both); default: the planner's choice where it plans, else off")
     g.add_argument("--keep-dense-cache", action=argparse.BooleanOptionalAction, default=None,
-                   help="a per-token compressed KV cache holds its values dense: each position rounded to the "
-                        "cache's grid as it is written (the compressed cache's numbers), read in place instead of "
-                        "dequantized at every decode step (uncompressed speed and memory); default: the planner's "
+                   help="a compressed KV cache holds its values dense, so that decode steps do not dequantize "
+                        "every held position again (the compressed cache's numbers): per-token groups rounded as "
+                        "written and stored dense (uncompressed speed and memory); KIVI's groups mirrored dense "
+                        "beside them (a cache all on the gpu tier; the memory of both); default: the planner's "
                         "choice where it plans, else off")
     g.add_argument("--no-prefix-sharing", dest="prefix_sharing", action="store_false", default=True,
                    help="compute every prompt whole, even where a block's prompts start with the same tokens "

@@ -77,6 +77,10 @@ class KiviGroups(TensorBundle):
         """Groups [0, n): views."""
         return KiviGroups(self.key.narrow(0, 0, n * self.group_size), self.value.narrow(0, 0, n))
 
+    def at(self, j: int) -> "KiviGroups":
+        """Group j alone: views."""
+        return KiviGroups(self.key.narrow(0, j * self.group_size, self.group_size), self.value.narrow(0, j, 1))
+
     def put(self, slots: torch.Tensor, units: torch.Tensor, new: "KiviGroups", picked: torch.Tensor) -> None:
         """Group slots[i] of unit units[i] := group picked[i] of new's unit units[i]."""
         for dst, src in zip(self.parts, new.parts):

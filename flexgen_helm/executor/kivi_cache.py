@@ -27,11 +27,17 @@ group is one write, the groups [0, n) of all units one read), then the residual'
 Reads return the groups held and the residual, as stored; `unpack` dequantizes them where
 attention runs, and `decode_valid` says which of those positions a decode step may attend
 to. They are not put back in sequence order: a decode step's attention does not depend on
-the order of its keys."""
+the order of its keys.
+
+A slot of a cache held dense (Policy.keep_dense_cache; all its units on the compute tier)
+keeps, beside its groups, a dense mirror of what `unpack` would return (DenseMirror): each
+decode step dequantizes into it only the group slots written since the last step and copies
+the residual, instead of dequantizing every group again."""
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -45,13 +51,36 @@ from flexgen_helm.memory.usage import TierUsage
 from flexgen_helm.policy.policy import TIERS, Compression
 
 
+@dataclass
+class DenseMirror:
+    """A tier's groups and residual as `unpack` lays them out, kept dense across steps: keys
+    (units, d, positions + 1) and values (units, positions + 1, d) for every group slot, the
+    residual and the new token's column; `dirty`: group slots written since it was updated."""
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    dirty: set = field(default_factory=set)
+
+
+@dataclass
+class MirroredRead:
+    """What a read of a slot with a dense mirror returns: no bytes move (the mirror is where
+    attention runs); `unpack` brings the mirror up to date."""
+    slot: "KiviCacheSlot"
+    tier: str
+    length: int
+
+
 class KiviCacheSlot:
     # the values of a group lie beside its keys, in one block: sparse attention reads them too
     values_apart = False
 
     def __init__(self, units: dict[str, int], max_len: int, head_dim: int, devices: Devices, usage: TierUsage,
                  disk_path: Path | None, pin: bool, compression: Compression, window: int, starts: torch.Tensor,
-                 held_out_groups: int = 0):
+                 held_out_groups: int = 0, mirror: bool = False):
+        """mirror: keep a dense mirror of the groups where attention runs (module doc); every
+        unit on the compute tier."""
+        if mirror and (units["cpu"] or units["disk"]):
+            raise ValueError(f"a KIVI slot keeps a dense mirror for units on the compute tier only, got {units}")
         if len(starts) != sum(units.values()):
             raise ValueError(f"{len(starts)} unit starts for {sum(units.values())} units")
         if held_out_groups and (window or held_out_groups * compression.group_size > max_len):
@@ -71,6 +100,7 @@ class KiviCacheSlot:
         self._earliest_start_by_residue = {
             tier: _earliest_start_by_residue(st, self.G) for tier, st in self._tier_starts.items()}
         self._views: dict[tuple[str, int], KiviGroups] = {}  # first(n) of a tier's groups, by (tier, n)
+        self.mirror = DenseMirror() if mirror else None
         self.groups: dict[str, KiviGroups] = {}
         self.residual: dict[str, torch.Tensor] = {}
         self.disk: DiskBuffer | None = None
@@ -147,6 +177,8 @@ class KiviCacheSlot:
         slot = (first[unit] + picked - self.held_out_groups) % self.held
         if tier != "disk":
             self.groups[tier].put(slot, unit, new, picked)
+            if self.mirror is not None:
+                self.mirror.dirty.update(slot.tolist())
             return
         blocks = new.to("cpu").to_blocks()[picked, unit]  # (pairs, block)
         order = torch.argsort(slot * len(starts) + unit)
@@ -197,6 +229,8 @@ class KiviCacheSlot:
         """The groups held by the tier's units and the residual, as stored, where they live
         (disk: into CPU memory). Values come with the keys whatever `values` says: they share
         blocks."""
+        if self.mirror is not None:
+            return MirroredRead(self, tier, length)
         n = self._groups_read(tier, length)
         if tier != "disk":
             if (tier, n) not in self._views:  # views of the storage: still current when it is written
@@ -222,6 +256,8 @@ class KiviCacheSlot:
         size (2-3 sequences: ~0.1 M values), which each batch unpacked alone paid again. The
         buffers are asked for as one piece for the whole load, so how the batches happen to
         group at a step does not make them grow."""
+        if isinstance(stored[0], MirroredRead):  # each its own slot's mirror, brought up to date
+            return [x.slot.unpack_mirror(x.tier, x.length, device, dtype) for x in stored]
         d, out = self.head_dim, [None] * len(stored)
         alike: dict[int, list[int]] = {}
         for i, x in enumerate(stored):
@@ -246,6 +282,31 @@ class KiviCacheSlot:
                 first += stored[i].units
         return out
 
+    def unpack_mirror(self, tier: str, length: int, device: torch.device, dtype: torch.dtype
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """unpack()'s keys and values of the tier at `length` (the same columns, the same
+        values): the group slots written since the last call dequantized into the dense
+        mirror, the residual copied after the groups read, views of the mirror returned."""
+        m, G, d = self.mirror, self.G, self.head_dim
+        units = self.units[tier]
+        if m.keys is None:  # made at the first decode step: where attention runs, in its dtype
+            width = (self.held + 1) * G + 1
+            m.keys = torch.empty(units, d, width, dtype=dtype, device=device)
+            m.values = torch.empty(units, width, d, dtype=dtype, device=device)
+            self.usage.add("gpu", m.keys.nbytes + m.values.nbytes)
+            m.dirty = set(range(self.held))
+        n = self._groups_read(tier, length)
+        keys = m.keys[:, :, :(n + 1) * G + 1].transpose(1, 2)
+        values = m.values[:, :(n + 1) * G + 1]
+        groups = self.groups[tier]
+        for j in sorted(x for x in m.dirty if x < n):
+            groups.at(j).dequantize_into(keys[:, j * G:(j + 1) * G], values[:, j * G:(j + 1) * G])
+        m.dirty = {x for x in m.dirty if x >= n}
+        residual = self.residual[tier]
+        keys[:, n * G:(n + 1) * G].copy_(residual[:, 0].transpose(0, 1), non_blocking=True)
+        values[:, n * G:(n + 1) * G].copy_(residual[:, 1].transpose(0, 1), non_blocking=True)
+        return keys, values
+
     def decode_valid(self, tier: str, length: int, window: int, key_valid: torch.Tensor,
                      local: torch.Tensor | None) -> tuple[int, torch.Tensor]:
         """Which of unpack()'s n + 1 columns a decode step at `length` may attend to, for the
@@ -267,6 +328,9 @@ class KiviCacheSlot:
         return valid
 
     def close(self) -> None:
+        if self.mirror is not None and self.mirror.keys is not None:
+            self.usage.remove("gpu", self.mirror.keys.nbytes + self.mirror.values.nbytes)
+            self.mirror = None
         for tier in self.groups:
             self.usage.remove(tier, self.groups[tier].nbytes + self.residual[tier].nbytes)
         self.groups.clear()

@@ -250,7 +250,7 @@ class BlockSchedule:
         cache's compute-side tier is (the planner counts it there), by the schedule that
         made it."""
         keys, values = here.keys, here.values
-        if self.policy.keep_dense_cache:  # the values every row's slot would hold of it
+        if self.policy.keep_dense_cache and self.policy.cache_storage is None:  # what every row's slot holds of it
             keys, values = (fake_quantize(x.to(self.devices.dtype), self.policy.compress_cache, CACHE_GROUP_DIM)
                             for x in (keys, values))
         for where in {self._attention_device(t) for t in TIERS}:
@@ -291,7 +291,8 @@ class BlockSchedule:
             held_out = self._held_out(index, k)
             return KiviCacheSlot(units, max_len, self.cfg.head_dim, self.devices, self.rt.usage, disk_path, pin=True,
                                  compression=cfg, window=window, starts=self.unit_starts[k],
-                                 held_out_groups=held_out[1] // cfg.group_size if held_out else 0)
+                                 held_out_groups=held_out[1] // cfg.group_size if held_out else 0,
+                                 mirror=self.policy.keep_dense_cache)
         return KVCacheSlot(units, max_len, self.cfg.head_dim, self.devices, self.rt.usage, disk_path, pin=True,
                            compression=cfg, window=window, held_out=self._held_out(index, k),
                            rounding=self.policy.compress_cache if self.policy.keep_dense_cache else None)

@@ -544,7 +544,7 @@ class CostModel:
         attended = nb * t * dense
         on_cpu = c["cpu"] + c["disk"] if delegated else 0.0
         b["compute"] += attended * ((1 - on_cpu) / dev.attn_decode_bytes_per_s + on_cpu / cpu.attn_decode_bytes_per_s)
-        if policy.cache_storage is not None:
+        if policy.cache_dequantized_per_step:
             b["compute"] += attended / self.elt / dev.dequant_elems_per_s
 
     # ---- whole model -------------------------------------------------------------------

@@ -106,7 +106,7 @@ class SearchOptions:
     cpu_cache_compute: bool | None = None  # None: try both
     # None: try both where weights are compressed (not for MoE, whose experts load on demand)
     keep_dense_weights: bool | None = None
-    # None: try both where the cache is compressed per token (Policy.keep_dense_cache)
+    # None: try both where the cache is compressed (Policy.keep_dense_cache)
     keep_dense_cache: bool | None = None
     max_latency_s: float | None = None  # on the block latency (prefill + all decode steps)
     max_gpu_batch_size: int = 64
@@ -288,8 +288,7 @@ def search(cfg: ModelConfig, profile: HardwareProfile, prompt_len: int, gen_len:
     delegation = (False, True) if options.cpu_cache_compute is None else (options.cpu_cache_compute,)
     keeping = ((False, True) if options.compress_weight is not None and not cfg.is_moe else (False,)
                ) if options.keep_dense_weights is None else (options.keep_dense_weights,)
-    per_token = options.compress_cache is not None and not options.compress_cache.kivi
-    dense_cache = ((False, True) if per_token else (False,)
+    dense_cache = ((False, True) if options.compress_cache is not None else (False,)
                    ) if options.keep_dense_cache is None else (options.keep_dense_cache,)
     candidates: list[Candidate] = []
     gbs_list = ([options.gpu_batch_size] if options.gpu_batch_size is not None
@@ -330,12 +329,13 @@ def _found(model: CostModel, shape: Policy, keep: bool, budgets: Budgets, option
     """The best candidate of one block shape: with the user's placement, else everything on the
     top tier where it fits (the fastest, no LP needed), else the LP's. A block that keeps dense
     copies of its weights (keep) holds them in memory: placements with weights on disk are not
-    its."""
-    if keep:
+    its; a KIVI cache held dense, a cache wholly on the compute tier."""
+    beside = shape.keep_dense_cache and shape.compress_cache.kivi  # its dense copy beside it (kivi_cache.py)
+    if keep or beside:
         placement = options.placement or (_ONE_TIER["gpu"],) * 3
-        if placement[0].disk > 0:
+        if (keep and placement[0].disk > 0) or (beside and placement[1].gpu < 1.0):
             return None
-        return _placed(model, replace(shape, keep_dense_weights=True),
+        return _placed(model, replace(shape, keep_dense_weights=keep),
                        placement, budgets, options.max_latency_s)
     if options.placement is not None:
         return _placed(model, shape, options.placement, budgets, options.max_latency_s)

@@ -117,12 +117,14 @@ class Policy:
     # step's few rows on some CPUs (runs/compression_8bit/decode_paths/); the planner turns it on where
     # the compute tier holds every dense copy (executor/schedule.py)
     keep_dense_weights: bool = False
-    # a compressed cache's values held dense: each position rounded to the cache's grid as it is
-    # written (so every number is the compressed cache's), then stored like an uncompressed
-    # cache, which attention reads in place instead of dequantizing every held position at every
-    # decode step (runs/compression_8bit/decode_paths/); the memory and the bytes moved of a dense
-    # cache. Per-token grouping only: KIVI's keys are rounded per group of tokens, once complete.
-    # The planner turns it on where the budgets hold the dense cache and its estimate is faster
+    # a compressed cache's values held dense, so that a decode step does not dequantize every
+    # held position again (runs/compression_8bit/decode_paths/); every number is still the
+    # compressed cache's. Per-token groups: each position rounded to its grid as it is written,
+    # then stored like an uncompressed cache, which attention reads in place (the memory and
+    # bytes moved of a dense cache). KIVI, whose keys round per group of tokens once the group is
+    # complete: the groups stored as ever, and beside them on the compute tier a dense copy of
+    # them that each step extends by the groups it completed (the memory of both). The planner
+    # turns it on where the budgets hold it and its estimate is faster
     keep_dense_cache: bool = False
 
     def __post_init__(self):
@@ -131,8 +133,14 @@ class Policy:
     @property
     def cache_storage(self) -> Compression | None:
         """The compression the KV cache is stored in (None: dense, its values maybe rounded:
-        keep_dense_cache)."""
-        return None if self.keep_dense_cache else self.compress_cache
+        keep_dense_cache with per-token groups)."""
+        return None if self.keep_dense_cache and not self.compress_cache.kivi else self.compress_cache
+
+    @property
+    def cache_dequantized_per_step(self) -> bool:
+        """Whether a decode step dequantizes every held position of the cache (compressed, and
+        not held dense)."""
+        return self.compress_cache is not None and not self.keep_dense_cache
 
     @property
     def block_size(self) -> int:
@@ -172,10 +180,10 @@ class Policy:
                               "kept for a whole block are for weights held in memory (place them on the gpu/cpu tiers)")
         if self.keep_dense_cache and self.compress_cache is None:
             raise PolicyError("keep_dense_cache holds a compressed cache's values dense, but compress_cache is not set")
-        if self.keep_dense_cache and self.compress_cache.kivi:
-            raise PolicyError("keep_dense_cache: a KIVI cache rounds its keys per group of tokens once the group is "
-                              "complete, so its values are not known as a position is written; use per-token "
-                              "cache grouping, or drop keep_dense_cache")
+        if self.keep_dense_cache and self.compress_cache.kivi and self.cache.gpu < 1.0:
+            raise PolicyError(f"keep_dense_cache: a KIVI cache holds its dense copy beside its groups on the compute "
+                              f"device, but the cache is {100 * (1 - self.cache.gpu):g}% off the gpu tier: place it "
+                              "all there (cache 100/0/0), use per-token cache grouping, or drop keep_dense_cache")
         if not 0.0 < self.attn_sparsity <= 1.0:
             raise PolicyError(f"attn_sparsity must be in (0, 1], got {self.attn_sparsity}")
 

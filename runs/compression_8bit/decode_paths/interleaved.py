@@ -47,6 +47,8 @@ PATHS = {  # name -> Policy fields besides the block
     "kv8-per-token-dense": {"compress_cache": Compression(8, 64, cache_grouping="per-token"),
                             "keep_dense_cache": True},
     "kv4-kivi": {"compress_cache": Compression(4, 64, cache_grouping="kivi")},
+    # its groups mirrored dense beside them, each step adding those it completed (Policy.keep_dense_cache)
+    "kv4-kivi-dense": {"compress_cache": Compression(4, 64, cache_grouping="kivi"), "keep_dense_cache": True},
 }
 
 
