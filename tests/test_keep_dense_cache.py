@@ -83,18 +83,25 @@ def test_a_shared_prefix_is_held_rounded_too(tiny_llama, tmp_path, sparsity, cac
 
 
 def test_a_kivi_mirror_adds_only_the_groups_a_step_completed(tiny_llama, tmp_path, monkeypatch):
-    """The mirror's first step dequantizes every group the prefill wrote; later steps only the
-    one a unit just completed (a slot's groups complete at different steps for units of
-    different paddings)."""
+    """The mirror's first step dequantizes the group slots the prefill wrote; later steps only
+    the one a unit just completed (a slot's groups complete at different steps for units of
+    different paddings): fewer groups in all than the compressed cache dequantizes, every held
+    group at every step, and usage back where it was once the block is done."""
     from flexgen_helm.compression.kivi import KiviGroups
-    done = []
+    groups = {}
     real = KiviGroups.dequantize_into
-    monkeypatch.setattr(KiviGroups, "dequantize_into", lambda self, k, v, s=None: done.append(self.groups) or real(
-        self, k, v, s))
-    _generate(tiny_llama, Policy(4, 1, compress_cache=KIVI4, keep_dense_cache=True), tmp_path, PROMPTS)
-    assert done and set(done) == {1}  # group by group
-    layers, steps = 2, 4  # tiny_llama's blocks; the decode steps of 5 new tokens
-    assert len(done) < layers * steps * 5  # not every held group at every step
+    for keep in (False, True):
+        done = groups[keep] = []
+        monkeypatch.setattr(KiviGroups, "dequantize_into", lambda self, k, v, s=None, done=done: done.append(
+            self.groups) or real(self, k, v, s))
+        policy = Policy(4, 1, compress_cache=KIVI4, keep_dense_cache=keep)
+        engine = Engine.load(str(tiny_llama), policy, dtype="float32", device="cpu", offload_dir=tmp_path / str(keep),
+                             progress=False)
+        before = {t: engine.runtime.usage.current[t] for t in ("gpu", "cpu", "disk")}
+        engine.generate(PROMPTS, SamplingParams(max_new_tokens=5, ignore_eos=True))
+        assert {t: engine.runtime.usage.current[t] for t in ("gpu", "cpu", "disk")} == before
+    assert set(groups[True]) == {1}  # slot by slot
+    assert 0 < sum(groups[True]) < sum(groups[False])
 
 
 def test_writes_hold_the_values_a_compressed_slot_returns():
@@ -129,16 +136,18 @@ def test_what_a_dense_cache_cannot_do_is_refused():
 
 
 def _profile() -> HardwareProfile:
-    cpu = DeviceSpeeds({"bfloat16": DENSE}, dequant_elems_per_s=5e8)
+    """A CPU computing in float32: per-token values held dense are the compressed cache's."""
+    cpu = DeviceSpeeds({"float32": DENSE}, dequant_elems_per_s=5e8)
     return HardwareProfile(devices={"cpu": cpu}, memcpy_bytes_per_s=5e9, disk_read_bytes_per_s=1e9,
                            disk_write_bytes_per_s=5e8, cpu_mem_bytes=24 * GIB, cpu_available_bytes=20 * GIB,
-                           disk_free_bytes=100 * GIB)
+                           disk_free_bytes=100 * GIB, dtype="float32")
 
 
 def test_the_search_holds_the_cache_dense_only_where_it_fits_and_pays():
     """A compressed cache dequantizes every held position at each decode step: with room for
     the dense cache the search holds it dense (counted at its size); where only the compressed
-    cache fits the block, it keeps it compressed; KIVI is never held dense."""
+    cache fits the block, it keeps it compressed; a KIVI cache is mirrored where it is all on the
+    gpu tier and the mirror fits."""
     prof = _profile()
     pinned = dict(gpu_batch_size=32, num_gpu_batches=1, compress_cache=Compression(8, 64, cache_grouping="per-token"))
     roomy = search(OPT13, prof, 512, 64, default_budgets(prof), SearchOptions(**pinned))
@@ -147,10 +156,14 @@ def test_the_search_holds_the_cache_dense_only_where_it_fits_and_pays():
     stored = model.estimate(dataclasses.replace(roomy.policy, keep_dense_cache=False))
     assert roomy.estimate.decode_step_s < stored.decode_step_s
     dense_cache, compressed_cache = (sum(e.peak_bytes["decode"].values()) for e in (roomy.estimate, stored))
-    assert dense_cache > compressed_cache + GIB  # 32 x 576 positions x 24 layers: 3.6 GB dense, 1.9 GB in 8 bits
-    tight = Budgets(gpu=3 * GIB, cpu=int(4.5 * GIB), disk=0)
+    assert dense_cache > compressed_cache + GIB  # 32 x 576 positions x 24 layers: 7.2 GB dense, 1.9 GB in 8 bits
+    tight = Budgets(gpu=5 * GIB, cpu=7 * GIB, disk=0)
     assert not search(OPT13, prof, 512, 64, tight, SearchOptions(**pinned)).policy.keep_dense_cache
-    kivi = dict(pinned, compress_cache=Compression(8, 64, cache_grouping="kivi"))
+    bf16 = search(OPT13, prof, 512, 64, default_budgets(prof), SearchOptions(**pinned), dtype=torch.bfloat16)
+    assert not bf16.policy.keep_dense_cache  # a CPU's attention reads float32: bf16 values would round again
+    kivi = dict(pinned, gpu_batch_size=8, compress_cache=Compression(8, 64, cache_grouping="kivi"))
     mirrored = search(OPT13, prof, 512, 64, default_budgets(prof), SearchOptions(**kivi))
     assert mirrored.policy.keep_dense_cache and mirrored.policy.cache.gpu == 1.0
     assert not search(OPT13, prof, 512, 64, tight, SearchOptions(**kivi)).policy.keep_dense_cache
+    with pytest.raises(PolicyError, match="keep_dense_cache: no block fits the budgets .* drop --keep-dense-cache"):
+        search(OPT13, prof, 512, 64, tight, SearchOptions(**kivi, keep_dense_cache=True))

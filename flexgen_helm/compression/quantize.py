@@ -195,7 +195,8 @@ def nibbles(packed: torch.Tensor, work: torch.Tensor | None = None) -> torch.Ten
 
 
 def unpack(packed: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
-    """Inverse of `pack`: (..., nbytes) uint8 -> (..., group_size) uint8 codes."""
+    """Inverse of `pack`: (..., nbytes) uint8 -> (..., group_size) uint8 codes (for 8 bits a
+    view of `packed` itself: read it, do not write it)."""
     mask = (1 << bits) - 1
     if bits == 8:  # a code a byte: the bytes are the codes (a shift and a mask would copy them twice)
         return packed[..., :group_size]
@@ -238,6 +239,20 @@ def quantize(x: torch.Tensor, cfg: Compression, group_dim: int,
     """Quantize a floating-point tensor group-wise along `group_dim` (layout: module doc).
     Works on blocks of rows, so the float32 working copies stay small whatever the
     tensor's size (a 175B model's embedding would otherwise need ~10 GB of them)."""
+    cfg, gd, blocks = _prepared(x, cfg, group_dim, chunk_elements)
+    if len(blocks) <= 1:  # one block, or no rows at all
+        return _quantize_block(x, cfg, gd)
+    # every stored part keeps dim 0 (as rows, or as whole groups of rows), so blocks concatenate
+    parts = [_quantize_block(x[start:end], cfg, gd) for start, end in blocks]
+    return dataclasses.replace(parts[0], shape=tuple(x.shape),
+                               **{name: torch.cat([getattr(p, name) for p in parts])
+                                  for name in ("data", "scale", "min")})
+
+
+def _prepared(x: torch.Tensor, cfg: Compression, group_dim: int, chunk_elements: int
+              ) -> tuple[Compression, int, list[tuple[int, int]]]:
+    """What quantize (and fake_quantize) need, checked: the setting (a per-channel group made
+    the group dim's size), the non-negative group dim, and the blocks of rows to work on."""
     cfg.validate("compression")
     if cfg.method in CALIBRATED_METHODS:
         raise ValueError(f"{cfg.method} quantizes a weight against its calibration inputs (compression/gptq.py, "
@@ -256,14 +271,7 @@ def quantize(x: torch.Tensor, cfg: Compression, group_dim: int,
         cfg = dataclasses.replace(cfg, group_size=x.shape[gd])
     if cfg.method != "rtn":  # more working copies than RTN's: smaller blocks
         chunk_elements = min(chunk_elements, FIT_CHUNK_ELEMENTS)
-    blocks = row_blocks(x.shape, gd, cfg.group_size, chunk_elements)
-    if len(blocks) <= 1:  # one block, or no rows at all
-        return _quantize_block(x, cfg, gd)
-    # every stored part keeps dim 0 (as rows, or as whole groups of rows), so blocks concatenate
-    parts = [_quantize_block(x[start:end], cfg, gd) for start, end in blocks]
-    return dataclasses.replace(parts[0], shape=tuple(x.shape),
-                               **{name: torch.cat([getattr(p, name) for p in parts])
-                                  for name in ("data", "scale", "min")})
+    return cfg, gd, row_blocks(x.shape, gd, cfg.group_size, chunk_elements)
 
 
 def _quantize_block(x: torch.Tensor, cfg: Compression, gd: int) -> QuantizedTensor:
@@ -411,13 +419,7 @@ def fake_quantize(x: torch.Tensor, cfg: Compression, group_dim: int) -> torch.Te
     bit dequantize(quantize(x)) - code * scale + min in the working dtype, unfused, then cast -
     without packing and unpacking the codes: a KV cache held dense rounds every write with it
     (Policy.keep_dense_cache), ~3x faster at a decode step's one position."""
-    if cfg.method != "rtn" and cfg.method != "hqq":
-        return dequantize(quantize(x, cfg, group_dim))  # refused there, with the reason
-    gd = group_dim % x.dim()
-    if cfg.group_size == PER_CHANNEL:
-        cfg = dataclasses.replace(cfg, group_size=x.shape[gd])
-    blocks = row_blocks(x.shape, gd, cfg.group_size,
-                        CHUNK_ELEMENTS if cfg.method == "rtn" else FIT_CHUNK_ELEMENTS)
+    cfg, gd, blocks = _prepared(x, cfg, group_dim, CHUNK_ELEMENTS)
     if len(blocks) <= 1:
         return _fake_block(x, cfg, gd)
     out = torch.empty_like(x)

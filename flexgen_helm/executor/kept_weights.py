@@ -1,5 +1,5 @@
-"""A block's compressed weights kept dense from their first use to the block's end
-(Policy.keep_dense_weights).
+"""A block's compressed weights kept dense from their first use to the block's end, or for the
+blocks after it too (Policy.keep_dense_weights, Policy.dense_copies_across_blocks).
 
 Without it, a layer's weights are loaded again at every step of the block, and a decode
 step multiplies its few rows on the packed bytes (the int4/int8 kernels), which can be slower

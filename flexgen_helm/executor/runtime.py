@@ -40,12 +40,13 @@ class ModelRuntime:
         same (the weights are all in the compute tier's memory, where a layer's load is its
         home, and only the copies are extra, counted in `usage`), so they are kept for the next
         block too instead of dequantized again: a HELM run of many blocks, or of several
-        scenarios, dequantizes each weight once. Otherwise (and where a block keeps none) the
-        copies go when the block ends (KeptDenseWeights.release)."""
+        scenarios, dequantizes each weight once. Otherwise the block gets copies of its own,
+        which it releases when it ends (several blocks may be alive at once: a pipeline's
+        micro-batch groups); and a block that keeps none, or none across blocks, first lets go
+        of those an earlier block left."""
         if not (keep and across_blocks):
-            self.release_dense_copies()
-        if not keep:
-            return None
+            self.release_dense_copies()  # before the block allocates anything of its own
+            return KeptDenseWeights(self.usage) if keep else None  # the block's own: it releases them
         if self.kept is None:
             self.kept = KeptDenseWeights(self.usage)
         return self.kept

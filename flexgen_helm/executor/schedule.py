@@ -157,6 +157,11 @@ class BlockSchedule:
         self.prompt_start = [self.prompt_len - b.ids.shape[1] for b in batches]
         # per-run constants (the rotary tables), for every position this run will reach
         self.constants = self.family.run_constants(self.cfg, max_len, self.devices.compute, self.devices.dtype)
+        # each layer's weights loaded once for the block, compressed ones kept dense (policy.keep_dense_weights),
+        # for the blocks after it too where every weight is in the compute tier's memory; first, so that
+        # copies an earlier block left and this one does not keep go before it allocates anything
+        self.kept_across_blocks = policy.dense_copies_across_blocks
+        self.kept = runtime.dense_copies(policy.keep_dense_weights, self.kept_across_blocks)
         self.shared = self._shared_prefix(shared_prefix)
         self.prefix_here = None  # the shared prefix at the layer a prefill is running (PrefixLayer)
         # the shared prefix's keys and values by block, kept for decode steps of global blocks
@@ -216,10 +221,6 @@ class BlockSchedule:
         self.active: list[list[int] | None] = [None] * len(batches)
         self.step_rows: list[StepRows | None] = [None] * len(batches)
         self._weights_ahead = None
-        # each layer's weights loaded once for the block, compressed ones kept dense (policy.keep_dense_weights),
-        # for the blocks after it too where every weight is in the compute tier's memory
-        self.kept_across_blocks = policy.weights.gpu == 1.0
-        self.kept = runtime.dense_copies(policy.keep_dense_weights, self.kept_across_blocks)
         self.prefill_as_decode = False
         self.stores_prefill_cache = True
         # freed host memory kept for reuse beyond this is handed back (memory/host_allocator.py)
@@ -250,7 +251,7 @@ class BlockSchedule:
         cache's compute-side tier is (the planner counts it there), by the schedule that
         made it."""
         keys, values = here.keys, here.values
-        if self.policy.keep_dense_cache and self.policy.cache_storage is None:  # what every row's slot holds of it
+        if self.policy.rounds_cache_writes:  # what every row's slot holds of it
             keys, values = (fake_quantize(x.to(self.devices.dtype), self.policy.compress_cache, CACHE_GROUP_DIM)
                             for x in (keys, values))
         for where in {self._attention_device(t) for t in TIERS}:
@@ -292,10 +293,10 @@ class BlockSchedule:
             return KiviCacheSlot(units, max_len, self.cfg.head_dim, self.devices, self.rt.usage, disk_path, pin=True,
                                  compression=cfg, window=window, starts=self.unit_starts[k],
                                  held_out_groups=held_out[1] // cfg.group_size if held_out else 0,
-                                 mirror=self.policy.keep_dense_cache)
+                                 mirror=self.policy.cache_mirrored)
         return KVCacheSlot(units, max_len, self.cfg.head_dim, self.devices, self.rt.usage, disk_path, pin=True,
                            compression=cfg, window=window, held_out=self._held_out(index, k),
-                           rounding=self.policy.compress_cache if self.policy.keep_dense_cache else None)
+                           rounding=self.policy.compress_cache if self.policy.rounds_cache_writes else None)
 
     def _anything_to_overlap(self) -> bool:
         """Transfers overlap compute only where another engine does them: a GPU's copy engine,
@@ -819,7 +820,7 @@ class BlockSchedule:
     def close(self) -> None:
         self.io.close()
         if self.kept is not None and not self.kept_across_blocks:
-            self.rt.release_dense_copies()
+            self.kept.release()
         for tier, nbytes in self._prefix_bytes:
             self.rt.usage.remove(tier, nbytes)
         self._prefix_bytes.clear()

@@ -49,7 +49,7 @@ def planned_components(cfg: ModelConfig, policy: Policy, max_len: int, dtype: to
             total[t] += units[t]
     cache = {t: sum(kv_nbytes(n, units[t], cfg.head_dim, dtype, policy.cache_storage)
                     for n, units in units_by_rows.items()) for t in TIERS}
-    if policy.keep_dense_cache and policy.compress_cache.kivi:
+    if policy.cache_mirrored:
         # beside the groups, the dense copy of them a decode step reads (kivi_cache.DenseMirror):
         # every group a slot holds, the residual and the new token's column, in the dtype attention
         # reads (float32 on a CPU; a GPU's compute dtype, so counted at float32 an upper bound)

@@ -328,7 +328,7 @@ class CostModel:
         # a block that keeps dense copies makes them in its prefill; where every weight is in the
         # compute tier's memory the copies an earlier block made serve it (ModelRuntime.dense_copies),
         # so in a run of blocks only the first one's prefill makes them: counted as none (steady state)
-        kept = (("decode" if policy.weights.gpu == 1.0 else phase) if policy.keep_dense_weights else None)
+        kept = (("decode" if policy.dense_copies_across_blocks else phase) if policy.keep_dense_weights else None)
         weights_compute = self._weights_compute(lw, rows, calls, kept)
         if lw.experts is not None:
             touched = expected_experts_touched(cfg.num_experts, cfg.experts_per_token, gbs * nb * tokens)
@@ -389,7 +389,8 @@ class CostModel:
         where the int4 kernel does not take them, and on the kernel, at its profiled speed for
         that row count, where it does. kept: the phase of a block that keeps its dense copies
         (Policy.keep_dense_weights): its prefill dequantizes every compressed weight, its decode
-        steps multiply the copies the prefill made."""
+        steps multiply the copies the prefill made ("decode" for a prefill too where an earlier
+        block's copies serve it)."""
         dev, dtype = self.hw.compute, self.hw.dtype
         dense = lw.matmul_numel - lw.packed_matmul_numel
         # 8-bit weights the int8 kernel takes at these rows: multiplied on their codes, not dequantized

@@ -26,6 +26,7 @@ import numpy as np
 from scipy.optimize import linprog
 
 from flexgen_helm.errors import PolicyError
+from flexgen_helm.executor.attention import decode_cache_dtype
 from flexgen_helm.executor.kept_weights import check_keep_dense
 from flexgen_helm.memory.disk_space import size_text
 from flexgen_helm.models.config import ModelConfig
@@ -106,7 +107,8 @@ class SearchOptions:
     cpu_cache_compute: bool | None = None  # None: try both
     # None: try both where weights are compressed (not for MoE, whose experts load on demand)
     keep_dense_weights: bool | None = None
-    # None: try both where the cache is compressed (Policy.keep_dense_cache)
+    # None: try both where the cache is compressed and held dense computes the same numbers
+    # (Policy.keep_dense_cache)
     keep_dense_cache: bool | None = None
     max_latency_s: float | None = None  # on the block latency (prefill + all decode steps)
     max_gpu_batch_size: int = 64
@@ -288,7 +290,7 @@ def search(cfg: ModelConfig, profile: HardwareProfile, prompt_len: int, gen_len:
     delegation = (False, True) if options.cpu_cache_compute is None else (options.cpu_cache_compute,)
     keeping = ((False, True) if options.compress_weight is not None and not cfg.is_moe else (False,)
                ) if options.keep_dense_weights is None else (options.keep_dense_weights,)
-    dense_cache = ((False, True) if options.compress_cache is not None else (False,)
+    dense_cache = ((False, True) if _dense_cache_exact(model, options.compress_cache) else (False,)
                    ) if options.keep_dense_cache is None else (options.keep_dense_cache,)
     candidates: list[Candidate] = []
     gbs_list = ([options.gpu_batch_size] if options.gpu_batch_size is not None
@@ -309,6 +311,10 @@ def search(cfg: ModelConfig, profile: HardwareProfile, prompt_len: int, gen_len:
                     best = found
             if best is not None:
                 candidates.append(best)
+    if not candidates and options.keep_dense_cache:
+        raise PolicyError("keep_dense_cache: no block fits the budgets with the compressed cache held dense "
+                          "(per-token: the dense cache's size; KIVI: its groups and their dense copy, all on the gpu "
+                          "tier); drop --keep-dense-cache (--no-keep-dense-cache) or raise the budgets")
     if not candidates and options.keep_dense_weights:
         where = "the given placement" if options.placement is not None else "every weight on the top tier"
         gpu = size_text(budgets.gpu) if budgets.gpu is not None else "unbounded"
@@ -324,13 +330,24 @@ def search(cfg: ModelConfig, profile: HardwareProfile, prompt_len: int, gen_len:
     return SearchResult(best.policy, best.estimate, candidates)
 
 
+def _dense_cache_exact(model: CostModel, compression: Compression | None) -> bool:
+    """Whether a compressed cache held dense computes the compressed cache's numbers on this
+    machine: always for KIVI (its mirror holds what attention reads); per token, where decode
+    attention reads the compute dtype (a CPU's reads float32: the dense cache, stored in a 16-bit
+    compute dtype, would round its values once more)."""
+    if compression is None:
+        return False
+    return compression.kivi or decode_cache_dtype(model.hw.compute_device, model.dtype) == model.dtype
+
+
 def _found(model: CostModel, shape: Policy, keep: bool, budgets: Budgets, options: SearchOptions
            ) -> Candidate | None:
     """The best candidate of one block shape: with the user's placement, else everything on the
     top tier where it fits (the fastest, no LP needed), else the LP's. A block that keeps dense
-    copies of its weights (keep) holds them in memory: placements with weights on disk are not
-    its; a KIVI cache held dense, a cache wholly on the compute tier."""
-    beside = shape.keep_dense_cache and shape.compress_cache.kivi  # its dense copy beside it (kivi_cache.py)
+    copies of its weights (keep) holds them in memory, and a KIVI cache held dense needs the
+    cache wholly on the compute tier: these try the user's placement, else everything on the
+    top tier (no LP)."""
+    beside = shape.cache_mirrored  # its dense copy beside it (executor/kivi_cache.py)
     if keep or beside:
         placement = options.placement or (_ONE_TIER["gpu"],) * 3
         if (keep and placement[0].disk > 0) or (beside and placement[1].gpu < 1.0):

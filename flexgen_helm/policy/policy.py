@@ -111,18 +111,23 @@ class Policy:
     attn_sparsity: float = 1.0  # fraction of keys kept in decode attention; 1 = dense
     # a block computes the prompt tokens all its sequences start with once (executor/shared_prefix.py)
     prefix_sharing: bool = True
-    # a block keeps each layer's compressed weights dequantized from their first use to its end,
-    # so that its decode steps multiply dense copies (the speed of uncompressed weights, at their
-    # memory) instead of the int4/int8 kernels, which are slower than a dense matmul at a decode
-    # step's few rows on some CPUs (runs/compression_8bit/decode_paths/); the planner turns it on where
-    # the compute tier holds every dense copy (executor/schedule.py)
+    # a block keeps each layer's compressed weights dequantized from their first use to its end
+    # (and for the blocks after it, where every weight is on the compute tier:
+    # dense_copies_across_blocks), so that its decode steps multiply dense copies (the speed of
+    # uncompressed weights, at their memory) instead of the int4/int8 kernels, which are slower
+    # than a dense matmul at a decode step's few rows on some CPUs
+    # (runs/compression_8bit/decode_paths/); the planner turns it on where the compute tier holds
+    # every dense copy (executor/schedule.py)
     keep_dense_weights: bool = False
     # a compressed cache's values held dense, so that a decode step does not dequantize every
-    # held position again (runs/compression_8bit/decode_paths/); every number is still the
-    # compressed cache's. Per-token groups: each position rounded to its grid as it is written,
-    # then stored like an uncompressed cache, which attention reads in place (the memory and
-    # bytes moved of a dense cache). KIVI, whose keys round per group of tokens once the group is
-    # complete: the groups stored as ever, and beside them on the compute tier a dense copy of
+    # held position again (runs/compression_8bit/decode_paths/); every number is the compressed
+    # cache's (but per-token in a 16-bit dtype on a CPU, below). Per-token groups
+    # (rounds_cache_writes): each position rounded to its grid as it is written, then stored like
+    # an uncompressed cache, which attention reads in place (the memory and bytes moved of a dense
+    # cache); stored in the compute dtype, where the compressed cache dequantizes to what CPU
+    # attention reads (float32), so in bf16/fp16 on a CPU the values differ by that rounding and
+    # the planner does not choose it there. KIVI, whose keys round per group of tokens once the group is
+    # complete (cache_mirrored): the groups stored as ever, and beside them on the compute tier a dense copy of
     # them that each step extends by the groups it completed (the memory of both). The planner
     # turns it on where the budgets hold it and its estimate is faster
     keep_dense_cache: bool = False
@@ -134,7 +139,23 @@ class Policy:
     def cache_storage(self) -> Compression | None:
         """The compression the KV cache is stored in (None: dense, its values maybe rounded:
         keep_dense_cache with per-token groups)."""
-        return None if self.keep_dense_cache and not self.compress_cache.kivi else self.compress_cache
+        return None if self.rounds_cache_writes else self.compress_cache
+
+    @property
+    def rounds_cache_writes(self) -> bool:
+        """A per-token cache held dense: its writes rounded to the grid, stored dense."""
+        return self.keep_dense_cache and not self.compress_cache.kivi
+
+    @property
+    def cache_mirrored(self) -> bool:
+        """A KIVI cache held dense: its groups mirrored dense beside them (executor/kivi_cache.py)."""
+        return self.keep_dense_cache and self.compress_cache.kivi
+
+    @property
+    def dense_copies_across_blocks(self) -> bool:
+        """Whether dense copies of weights a block keeps serve the blocks after it: every weight
+        in the compute tier's memory, where a layer's load is its home (executor/runtime.py)."""
+        return self.weights.gpu == 1.0
 
     @property
     def cache_dequantized_per_step(self) -> bool:
@@ -180,7 +201,7 @@ class Policy:
                               "kept for a whole block are for weights held in memory (place them on the gpu/cpu tiers)")
         if self.keep_dense_cache and self.compress_cache is None:
             raise PolicyError("keep_dense_cache holds a compressed cache's values dense, but compress_cache is not set")
-        if self.keep_dense_cache and self.compress_cache.kivi and self.cache.gpu < 1.0:
+        if self.cache_mirrored and self.cache.gpu < 1.0:
             raise PolicyError(f"keep_dense_cache: a KIVI cache holds its dense copy beside its groups on the compute "
                               f"device, but the cache is {100 * (1 - self.cache.gpu):g}% off the gpu tier: place it "
                               "all there (cache 100/0/0), use per-token cache grouping, or drop keep_dense_cache")
@@ -225,7 +246,7 @@ class Policy:
             f"gbs={self.gpu_batch_size} x nb={self.num_gpu_batches}, weights {pct(self.weights)}, "
             f"cache {pct(self.cache)}, act {pct(self.activations)} (gpu/cpu/disk %), "
             f"overlap={'on' if self.overlap else 'off'}, cpu_cache_compute={'on' if self.cpu_cache_compute else 'off'}"
-            + (", dense copies of the weights kept for the block" if self.keep_dense_weights else "")
+            + (", dense copies of the weights kept" if self.keep_dense_weights else "")
             + (", the compressed cache's values held dense" if self.keep_dense_cache else "")
         )
 

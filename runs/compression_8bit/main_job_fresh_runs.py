@@ -85,7 +85,8 @@ def main() -> None:
     (out / "ratios.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     summary = {"host": machine_label(), "started": started, "runs": args.runs, "loadavg_1m_before": loads,
-               "command": f"python runs/compression_8bit/main_job_fresh_runs.py --runs {args.runs}", "rows": rows}
+               "command": f"python runs/compression_8bit/main_job_fresh_runs.py --runs {args.runs} --out {out}",
+               "rows": rows}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
 
 
