@@ -82,6 +82,22 @@ def test_a_shared_prefix_is_held_rounded_too(tiny_llama, tmp_path, sparsity, cac
                 SHARED_PREFIX_PROMPTS)
 
 
+def test_a_held_kivi_prefix_is_dequantized_once_a_block(tiny_llama, tmp_path, monkeypatch):
+    """Held dense, the shared prefix's groups are dequantized once for each layer, not at every
+    decode step; usage back where it was once the block is done."""
+    from flexgen_helm.executor.held_prefix import HeldPrefix
+    calls = []
+    real = HeldPrefix.unpack
+    monkeypatch.setattr(HeldPrefix, "unpack", lambda self, dtype, buffers: calls.append(buffers) or real(
+        self, dtype, buffers))
+    policy = Policy(16, 1, compress_cache=Compression(4, 20, cache_grouping="kivi"), keep_dense_cache=True)
+    engine = Engine.load(str(tiny_llama), policy, dtype="float32", device="cpu", offload_dir=tmp_path, progress=False)
+    before = {t: engine.runtime.usage.current[t] for t in ("gpu", "cpu", "disk")}
+    engine.generate(SHARED_PREFIX_PROMPTS, SamplingParams(max_new_tokens=5, ignore_eos=True))
+    assert len(calls) == engine.config.num_layers and calls == [None] * len(calls)
+    assert {t: engine.runtime.usage.current[t] for t in ("gpu", "cpu", "disk")} == before
+
+
 def test_a_kivi_mirror_adds_only_the_groups_a_step_completed(tiny_llama, tmp_path, monkeypatch):
     """The mirror's first step dequantizes the group slots the prefill wrote; later steps only
     the one a unit just completed (a slot's groups complete at different steps for units of

@@ -64,14 +64,15 @@ class HeldPrefix:
         """What it holds (kv_cache.held_prefix_nbytes)."""
         return sum(p.nbytes for p in ((self.stored,) if isinstance(self.stored, KiviGroups) else self.stored))
 
-    def unpack(self, dtype: torch.dtype, buffers: CacheBuffers) -> tuple[torch.Tensor, torch.Tensor]:
+    def unpack(self, dtype: torch.dtype, buffers: CacheBuffers | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (kv_heads, n, d) in `dtype`, where it lives, as a slot's unpack
-        gives every row's copy: in `buffers` (the last unpack's are overwritten: unpacked_nbytes),
-        or a plain copy's own storage where it is in `dtype` already."""
+        gives every row's copy: in `buffers` (the last unpack's are overwritten: unpacked_nbytes;
+        None: tensors of their own, a copy kept across steps), or a plain copy's own storage
+        where it is in `dtype` already."""
         if isinstance(self.stored, KiviGroups):
             n, units, d = self.length, self.stored.key.shape[1], self.stored.key.shape[2]
             keys, values = self._buffers(buffers, (units, n, d), dtype, self.stored.device)
-            self.stored.dequantize_into(keys, values, buffers.scratch(self.stored.device))
+            self.stored.dequantize_into(keys, values, buffers and buffers.scratch(self.stored.device))
             return keys, values
         k, v = self.stored
         if isinstance(k, torch.Tensor) and k.dtype == dtype:
@@ -79,9 +80,11 @@ class HeldPrefix:
         n, units, d = k.shape
         keys, values = self._buffers(buffers, (units, n, d), dtype, k.device)
         for stored, out in zip(self.stored, (keys, values)):
-            dense_into(stored, out.transpose(0, 1), buffers.scratch(k.device))
+            dense_into(stored, out.transpose(0, 1), buffers and buffers.scratch(k.device))
         return keys, values
 
     @staticmethod
-    def _buffers(buffers: CacheBuffers, shape: tuple, dtype: torch.dtype, device: torch.device):
+    def _buffers(buffers: CacheBuffers | None, shape: tuple, dtype: torch.dtype, device: torch.device):
+        if buffers is None:
+            return tuple(torch.empty(shape, dtype=dtype, device=device) for _ in range(2))
         return (buffers.take("prefix-keys", shape, dtype, device), buffers.take("prefix-values", shape, dtype, device))

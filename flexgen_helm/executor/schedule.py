@@ -181,6 +181,8 @@ class BlockSchedule:
         # a HeldPrefix's dequantized keys and values, by device type: (layer, step) and them
         self._prefix_unpacked: dict[str, tuple[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]] = {}
         self._prefix_buffers = CacheBuffers(1)  # what they are unpacked into (the compute thread's own)
+        # a cache held dense (Policy.cache_mirrored): each layer's prefix dequantized once, by (layer, device type)
+        self._prefix_dense: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self.prefix_start = [first + (~b.valid).sum(1) for b, first in zip(batches, self.prompt_start)]
         blocks = [layer.index for layer in runtime.layers if layer.kind == "block"]
         cache_units = slot_tier_counts(policy.cache, [b.size * self.cfg.num_kv_heads for b in batches], blocks)
@@ -715,7 +717,19 @@ class BlockSchedule:
     def _unpacked_prefix(self, index: int, where: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Block `index`'s HeldPrefix, dequantized on `where` once a step: every GPU batch and
         tier attending there at this step reads the same (timed as "decode_unpack_prefix", of
-        decode_attention)."""
+        decode_attention); where the cache is held dense (a KIVI mirror), once a block, each
+        layer's kept (counted where it is, as the budget counts it)."""
+        if self.policy.cache_mirrored:  # a cache held dense: each layer's prefix dequantized once a block, kept
+            kv = self._prefix_dense.get((index, where.type))
+            if kv is None:
+                t0 = time.perf_counter()
+                kv = self.decode_prefix[index, where.type].unpack(decode_cache_dtype(where, self.devices.dtype), None)
+                self._prefix_dense[index, where.type] = kv
+                self._prefix_bytes.append(("gpu" if where == self.devices.compute else "cpu",
+                                           tensor_bytes(kv[0]) + tensor_bytes(kv[1])))
+                self.rt.usage.add(*self._prefix_bytes[-1])
+                self.timers["decode_unpack_prefix"] += time.perf_counter() - t0
+            return kv
         done = self._prefix_unpacked.get(where.type)
         if done is None or done[0] != (index, self.length):
             t0 = time.perf_counter()
@@ -768,7 +782,7 @@ class BlockSchedule:
             drop, valid = slot.decode_valid(tier, self.length, window, rows.valid[part], local)
             if slot.in_place(tier, where):
                 keys, values = slot.append_in_place(tier, new_k, new_v, self.length, local)
-                if self.policy.keep_dense_cache:  # attended to as computed (as a compressed cache's new
+                if self.policy.rounds_cache_writes:  # attended to as computed (as a compressed cache's new
                     unwritten.append(tier)       # column is), then written again, rounded
             else:
                 unwritten.append(tier)
@@ -826,6 +840,7 @@ class BlockSchedule:
         self._prefix_bytes.clear()
         self.decode_prefix.clear()
         self._prefix_unpacked.clear()
+        self._prefix_dense.clear()
         for slot in self.slots.values():
             slot.close()
         for a in self.acts:

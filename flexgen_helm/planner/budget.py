@@ -49,17 +49,19 @@ def planned_components(cfg: ModelConfig, policy: Policy, max_len: int, dtype: to
             total[t] += units[t]
     cache = {t: sum(kv_nbytes(n, units[t], cfg.head_dim, dtype, policy.cache_storage)
                     for n, units in units_by_rows.items()) for t in TIERS}
+    # the one copy of each global block, stored as its slots store the prefix (compressed too)
+    once = sum(bool(held_out_prefix(shared_prefix, cfg.window(layer), policy)) for layer in range(cfg.num_layers))
+    held = held_prefix_len(shared_prefix, policy.cache_storage)
+    cache["gpu"] += once * held_prefix_nbytes(held, cfg.num_kv_heads, cfg.head_dim, dtype, policy.cache_storage)
     if policy.cache_mirrored:
         # beside the groups, the dense copy of them a decode step reads (kivi_cache.DenseMirror):
-        # every group a slot holds, the residual and the new token's column, in the dtype attention
+        # every group a slot holds, the residual and the new token's column; and each global
+        # block's prefix dequantized once (schedule._unpacked_prefix); in the dtype attention
         # reads (float32 on a CPU; a GPU's compute dtype, so counted at float32 an upper bound)
         G = policy.compress_cache.group_size
         cache["gpu"] += sum(kv_nbytes(-(-n // G) * G + G + 1, units["gpu"], cfg.head_dim, torch.float32, None)
                             for n, units in units_by_rows.items())
-    # the one copy of each global block, stored as its slots store the prefix (compressed too)
-    once = sum(bool(held_out_prefix(shared_prefix, cfg.window(layer), policy)) for layer in range(cfg.num_layers))
-    cache["gpu"] += once * held_prefix_nbytes(held_prefix_len(shared_prefix, policy.cache_storage), cfg.num_kv_heads,
-                                              cfg.head_dim, dtype, policy.cache_storage)
+        cache["gpu"] += once * held_prefix_nbytes(held, cfg.num_kv_heads, cfg.head_dim, torch.float32, None)
     positions = {t: max_len if t == "disk" else act_len or max_len for t in TIERS}
     activations = {t: rows[t] * positions[t] * cfg.hidden_size * elt for t in TIERS}
     return {"weights": weights, "cache": cache, "activations": activations}

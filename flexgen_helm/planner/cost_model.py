@@ -532,7 +532,7 @@ class CostModel:
             scores = nb * gbs * cfg.num_heads * held
             b["compute"] += (scores * 4 * cfg.head_dim / dev.attn_prefill_flops
                              + scores * PREFIX_SCORE_BYTES / dev.attn_decode_bytes_per_s)
-            if policy.cache_storage is not None:
+            if policy.cache_dequantized_per_step:  # (held dense: once a block, schedule._unpacked_prefix)
                 b["compute"] += 2 * held * cfg.num_kv_heads * cfg.head_dim / dev.dequant_elems_per_s
         read = nb * t * stored / 2 * (1 + policy.attn_sparsity)
         b["disk_cpu"] += read * c["disk"]
