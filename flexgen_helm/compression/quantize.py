@@ -418,7 +418,8 @@ def fake_quantize(x: torch.Tensor, cfg: Compression, group_dim: int) -> torch.Te
     """Simulated quantization: what the engine computes with, in x's shape and dtype. Bit for
     bit dequantize(quantize(x)) - code * scale + min in the working dtype, unfused, then cast -
     without packing and unpacking the codes: a KV cache held dense rounds every write with it
-    (Policy.keep_dense_cache), ~3x faster at a decode step's one position."""
+    (Policy.keep_dense_cache): 1.7x faster at a decode step's one position
+    (runs/compression_8bit/decode_paths/cache_step_costs.py)."""
     cfg, gd, blocks = _prepared(x, cfg, group_dim, CHUNK_ELEMENTS)
     if len(blocks) <= 1:
         return _fake_block(x, cfg, gd)

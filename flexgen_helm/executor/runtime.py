@@ -45,16 +45,13 @@ class ModelRuntime:
         micro-batch groups); and a block that keeps none, or none across blocks, first lets go
         of those an earlier block left."""
         if not (keep and across_blocks):
-            self.release_dense_copies()  # before the block allocates anything of its own
+            if self.kept is not None:  # before the block allocates anything of its own
+                self.kept.release()
+                self.kept = None
             return KeptDenseWeights(self.usage) if keep else None  # the block's own: it releases them
         if self.kept is None:
             self.kept = KeptDenseWeights(self.usage)
         return self.kept
-
-    def release_dense_copies(self) -> None:
-        if self.kept is not None:
-            self.kept.release()
-            self.kept = None
 
     def load_layer(self, layer: LayerSpec, loaded: dict | None = None,
                    map_reads: Callable | None = None) -> dict[str, torch.Tensor]:

@@ -52,7 +52,10 @@ def ratios(out: Path, runs: int) -> list[dict]:
         per_run, prefill, decode = [], [], []
         for t in tables:
             of_scenario = t[t.scenario == scenario]
-            plain = of_scenario[~of_scenario.deployment.str.contains("bit")]["actual tok/s"].iloc[0]
+            plain = of_scenario[~of_scenario.deployment.str.contains("bit")]["actual tok/s"]
+            if plain.empty:
+                sys.exit(f"{scenario}: no uncompressed deployment in the run to divide by")
+            plain = plain.iloc[0]
             mine = of_scenario[of_scenario.deployment == deployment].iloc[0]
             if mine["cached requests"]:
                 sys.exit(f"{scenario} {deployment}: {mine['cached requests']} requests came from HELM's cache")
