@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import gc
 import importlib.util
 import json
 import os
@@ -413,3 +414,26 @@ def test_standin_tokenizer_round_trips_text():
     assert tok.decode(ids, skip_special_tokens=True) == text
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (2, 2, 1)
     assert "standin" in tok.name_or_path
+
+
+def _mappings(path) -> int:
+    with open("/proc/self/maps") as f:
+        return sum(line.rstrip().endswith(str(path)) for line in f)
+
+
+@needs_smollm2
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps")
+def test_a_released_gguf_is_no_longer_mapped():
+    # a mapped file's pages count in RSS for as long as the mapping lives: after the store is
+    # written (weights/loading.open_weights), the source lets go of it; a later read maps it again
+    # (counted, not required absent: another test's reader of the same file may hold its own)
+    source = resolve("smollm2-135m").source
+    source.release()  # the resolved source is shared: other tests may have read through it
+    gc.collect()
+    held_by_others = _mappings(source.path)
+    first = source.read("layers.0.q_proj.weight")
+    assert _mappings(source.path) > held_by_others
+    source.release()
+    gc.collect()
+    assert _mappings(source.path) == held_by_others
+    assert torch.equal(source.read("layers.0.q_proj.weight"), first)

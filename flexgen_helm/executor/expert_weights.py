@@ -25,6 +25,7 @@ import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from flexgen_helm.memory.copy_engine import consume
 from flexgen_helm.memory.weight_homes import segment_nbytes
@@ -78,11 +79,16 @@ def sparse_layer_plan(rt, layer: LayerSpec) -> SparseLayerPlan | None:
 
 
 class ExpertsOnDemand(dict):
-    """The layer's weights by key: what was loaded ahead, plus each expert once fetched."""
+    """The layer's weights by key: what was loaded ahead, plus each expert once fetched.
+    after_release: called once an expert's rows are done (the schedule hands back freed host
+    memory there: each expert's buffers differ in size with its rows, and over a block-sized
+    prefill their holes add up)."""
 
-    def __init__(self, loaded: dict, plan: SparseLayerPlan, rt, io, timers: dict, stage: str):
+    def __init__(self, loaded: dict, plan: SparseLayerPlan, rt, io, timers: dict, stage: str,
+                 after_release: Callable[[], None] | None = None):
         super().__init__(loaded)
         self._plan, self._rt, self._io, self._timers, self._stage = plan, rt, io, timers, stage
+        self._after_release = after_release
         self._queued: deque[int] = deque()  # fetched, not sent to the lane yet
         self._pending: dict[int, object] = {}  # expert -> future of its weights (None: loaded)
         self._in_flight = 0
@@ -125,7 +131,10 @@ class ExpertsOnDemand(dict):
         if self._pending.get(e) is not None:  # never waited for: wait, so that the lane's count holds
             self._wait(e)
             self.release(e)
+            return
         self._pending.pop(e, None)
+        if self._after_release is not None:
+            self._after_release()
 
     def __missing__(self, key: str):
         e = expert_of(key)
@@ -151,9 +160,11 @@ class ExpertsOnDemand(dict):
         self._send()
 
 
-def load_layer_weights(rt, io, timers: dict, stage: str, layer: LayerSpec, loaded: dict | None = None) -> dict:
+def load_layer_weights(rt, io, timers: dict, stage: str, layer: LayerSpec, loaded: dict | None = None,
+                       after_release: Callable[[], None] | None = None) -> dict:
     """rt.load_layer, but a sparse block's experts are left for its router (ExpertsOnDemand)."""
     plan = sparse_layer_plan(rt, layer)
     if plan is None:
         return rt.load_layer(layer, loaded, map_reads=io.fan_out)
-    return ExpertsOnDemand(rt.load_layer(plan.ahead, loaded, map_reads=io.fan_out), plan, rt, io, timers, stage)
+    return ExpertsOnDemand(rt.load_layer(plan.ahead, loaded, map_reads=io.fan_out), plan, rt, io, timers, stage,
+                           after_release)

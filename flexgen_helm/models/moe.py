@@ -328,7 +328,7 @@ def expert_mlp(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
         if hasattr(w, "release"):  # its rows are done: one expert read off its tier held at a time
             w.release(e)
     if shared is not None:
-        out = out + shared
+        out.add_(shared)
     return out.reshape(x.shape)
 
 
@@ -353,9 +353,11 @@ def mlp_output(cfg: ModelConfig, w: dict, h: torch.Tensor) -> torch.Tensor:
     """The second half: after the MLP (the experts, or a dense block's MLP), for any rows of
     the block together (a prefill's GPU batches gathered: executor/schedule.py)."""
     x = rms_norm(h, w["mlp_norm.weight"], cfg.rms_norm_eps)
+    # the residual added into the MLP's own output (the same sums: addition commutes), so a
+    # gathered prefill holds no fourth block-sized tensor at its peak
     if "router.weight" in w:
-        return h + expert_mlp(cfg, w, x)
-    return h + gated_mlp(x, w["gate_proj.weight"], w["up_proj.weight"], w["down_proj.weight"], cfg.mlp_activation)
+        return expert_mlp(cfg, w, x).add_(h)
+    return gated_mlp(x, w["gate_proj.weight"], w["up_proj.weight"], w["down_proj.weight"], cfg.mlp_activation).add_(h)
 
 
 def finish_block(cfg: ModelConfig, w: dict, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:

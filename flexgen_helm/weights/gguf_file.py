@@ -93,6 +93,10 @@ class GGUFFile(WeightSource):
     def _tensors(self) -> dict:
         return {t.name: t for t in self._reader.tensors}
 
+    def release(self) -> None:
+        for mapped in ("_tensors", "_reader"):  # the reader's memory map, and its tensors' views of it
+            self.__dict__.pop(mapped, None)
+
     def _meta(self, key: str, default=_REQUIRED):
         field = self._reader.get_field(key)
         if field is None:

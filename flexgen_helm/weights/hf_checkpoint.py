@@ -161,6 +161,9 @@ class HFCheckpoint(WeightSource):
                 return {k: f for f in files for k in self._shard(f).keys()}
         raise WeightStoreError(f"{self.root}: no *.safetensors or pytorch_model*.bin weight files")
 
+    def release(self) -> None:
+        self._open.clear()  # safe_open handles and mmap-backed state dicts: their mappings go with them
+
     def _shard(self, file: Path):
         """An open shard (a safe_open handle or an mmap-backed state dict), kept for reuse."""
         if file not in self._open:

@@ -57,6 +57,8 @@ def open_weights(resolved: ResolvedModel, dtype: torch.dtype, offload_dir: Path,
         store = open_compressed_store(compressed_store_dir(root, setting_of(compression), store_layout(dtype, device)),
                                       specs, compression, dtype, device, config_to_json(resolved.config), read_full,
                                       progress, calibration, source_codes)
+    if store is not None:  # the memory tiers read the store from now on
+        resolved.source.release()
     return store, read_full
 
 

@@ -62,6 +62,13 @@ class WeightSource(ABC):
     def tensor_specs(self) -> list[TensorSpec]:
         return all_store_tensors(family_of(self.config).layer_specs(self.config))
 
+    def release(self) -> None:
+        """Let go of the files reading keeps open, once the engine's store is written: a
+        memory-mapped file's pages that a conversion read count in the process's RSS for as
+        long as it stays mapped (a 2 GiB GGUF's, a whole run long: runs/moe/gathered_prefill_memory).
+        A later read opens them again."""
+        return  # a source that maps no file (dummy weights) holds nothing
+
     def iter_tensors(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(store_name, tensor) for the named tensors (all by default), one at a time,
         each checked against the shape the architecture expects."""
