@@ -269,3 +269,10 @@ def caches_holding_a_prefix(seed: int):
         k[unit, s:s + n], v[unit, s:s + n], valid[unit, :s] = prefix_k[h], prefix_v[h], False
     valid[3, -2] = False  # a key a unit may not see after its prefix
     return torch.randn(sequences * kvh, r, 1, d), k, v, valid, prefix_k, prefix_v, starts
+
+
+def mappings_of(path) -> int:
+    """How many of this process's memory mappings are of the file at `path` (as /proc names it)."""
+    real = os.path.realpath(path)
+    with open("/proc/self/maps") as f:
+        return sum(line.rstrip().endswith(real) for line in f)

@@ -6,11 +6,14 @@ keep their clear error."""
 
 from __future__ import annotations
 
+import gc
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import save_tiny
+from conftest import mappings_of, save_tiny
 from safetensors.torch import load_file
 
 from flexgen_helm.engine import Engine
@@ -202,6 +205,10 @@ def test_gguf_runs_as_the_checkpoint(pair, tmp_path):
                     cpu_cache_compute=True)
     ours = Engine.load(str(path), policy, offload_dir=tmp_path / "g", **CPU32)
     reference = Engine.load(str(ckpt), policy, offload_dir=tmp_path / "h", **CPU32)
+    if Path("/proc/self/maps").exists():  # the stores are written: no source file stays mapped (in RSS)
+        gc.collect()
+        files = [path, *Path(ckpt).glob("*.safetensors")]
+        assert {f.name: mappings_of(f) for f in files} == {f.name: 0 for f in files}
     for got, want in zip(ours.score(PROMPTS).results, reference.score(PROMPTS).results):
         assert got.logprobs[1:] == pytest.approx(want.logprobs[1:], abs=1e-5)
     params = SamplingParams(max_new_tokens=5, ignore_eos=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import hf_model, save_tiny
+from conftest import hf_model, mappings_of, save_tiny
 from safetensors.torch import load_file, save_file
 
 from flexgen_helm.errors import FlexGenError, ModelNotFoundError, OffloadDirError, WeightStoreError
@@ -416,24 +416,18 @@ def test_standin_tokenizer_round_trips_text():
     assert "standin" in tok.name_or_path
 
 
-def _mappings(path) -> int:
-    with open("/proc/self/maps") as f:
-        return sum(line.rstrip().endswith(str(path)) for line in f)
-
-
 @needs_smollm2
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps")
 def test_a_released_gguf_is_no_longer_mapped():
-    # a mapped file's pages count in RSS for as long as the mapping lives: after the store is
-    # written (weights/loading.open_weights), the source lets go of it; a later read maps it again
-    # (counted, not required absent: another test's reader of the same file may hold its own)
+    # a mapped file's pages count in RSS for as long as the mapping lives; a later read maps it
+    # again (counted, not required absent: another test's reader of the same file may hold its own)
     source = resolve("smollm2-135m").source
-    source.release()  # the resolved source is shared: other tests may have read through it
+    source.release()  # resolving parsed the file where its metadata was not cached yet
     gc.collect()
-    held_by_others = _mappings(source.path)
+    held_by_others = mappings_of(source.path)
     first = source.read("layers.0.q_proj.weight")
-    assert _mappings(source.path) > held_by_others
+    assert mappings_of(source.path) > held_by_others
     source.release()
     gc.collect()
-    assert _mappings(source.path) == held_by_others
+    assert mappings_of(source.path) == held_by_others
     assert torch.equal(source.read("layers.0.q_proj.weight"), first)

@@ -447,10 +447,12 @@ class BlockSchedule:
                    for h in (self.rt.homes[t.store_name] for t in layer.tensors))
 
     def _bound_freed_memory(self) -> None:
-        """Between layers, at most every RELEASE_CHECK_S (and less often when a look takes
-        longer than RELEASE_CHECK_SHARE of that): hand back the freed host memory resident
+        """Between layers (and within a sparse MoE block: before and after its experts, and as
+        each expert's rows are done), at most every RELEASE_CHECK_S (and less often when a look
+        takes longer than RELEASE_CHECK_SHARE of that): hand back the freed host memory resident
         beyond keep_freed (its fragments outgrew the working set, 0.7 GiB over one OPT-1.3B
-        prefill); the time it takes is timed as "release_freed_memory"."""
+        prefill); the time it takes is timed as "release_freed_memory" (within a layer, also
+        inside that layer's compute time)."""
         now = time.perf_counter()
         if now - self._freed_checked_at < self._freed_check_every:
             return
@@ -641,24 +643,24 @@ class BlockSchedule:
         OLMoE prefill's peak by 2.3 GiB (runs/moe/gathered_prefill_memory)."""
         sizes = [self.step_rows[k].positions.numel() for k in live]
         hidden = self._submit_hidden_load(layer, live[0], "prefill")
-        gathered, fulls, shapes, start = None, [], [], 0
+        gathered, shapes, start = None, [], 0
         for i, k in enumerate(live):
             h = self._wait(hidden, "load_hidden")
             if i + 1 < len(live):
                 hidden = self._submit_hidden_load(layer, live[i + 1], "prefill")
             t0 = time.perf_counter()
             rows = self.step_rows[k]
-            part = rows.take(h)
-            out, write = self._attend(layer.index, k, *self.family.qkv(self.cfg, w, part, rows.at, layer.index),
+            assert rows.rows is None, "a prefill computes every row of its GPU batches"
+            out, write = self._attend(layer.index, k, *self.family.qkv(self.cfg, w, h, rows.at, layer.index),
                                       None, True, w.get(SINKS))
-            mid = self.family.attention_output(self.cfg, w, part, out)
+            mid = self.family.attention_output(self.cfg, w, h, out)
+            assert mid.shape[:-1].numel() == sizes[i], "a batch's rows are its positions"
             if gathered is None:
                 gathered = mid.new_empty(sum(sizes), mid.shape[-1])
             gathered[start:start + sizes[i]].copy_(mid.reshape(-1, mid.shape[-1]))
             start += sizes[i]
             shapes.append(mid.shape)
-            fulls.append(None if rows.rows is None else h)  # put() needs the full batch only where rows are left out
-            del h, part, out, mid
+            del h, out, mid
             self._time_compute(t0, "prefill")
             if write is not None:
                 self.io.submit(self.slots[layer.index, k].write, *write, kind="prefill_store_cache")
@@ -669,8 +671,8 @@ class BlockSchedule:
         afters = flat.split(sizes)
         self._time_compute(t0, "prefill")
         self._bound_freed_memory()
-        for k, full, shape, after in zip(live, fulls, shapes, afters):
-            self._submit_stores(layer, k, self.step_rows[k].put(full, after.reshape(shape)), None, "prefill")
+        for k, shape, after in zip(live, shapes, afters):
+            self._submit_stores(layer, k, after.reshape(shape), None, "prefill")
 
     def _time_compute(self, t0: float, stage: str = "decode") -> None:
         """Counts the compute since t0 (finished, on a GPU) in the run's and the stage's timers."""
