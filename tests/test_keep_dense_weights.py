@@ -84,14 +84,14 @@ def test_the_cost_model_counts_the_copies_the_engine_keeps(tiny_llama, tmp_path,
     engine = Engine.load(str(tiny_llama), Policy(4, 1, compress_weight=grid, keep_dense_weights=True),
                          offload_dir=tmp_path, **BF16)
     _generate(engine)
-    seen = [engine.runtime.kept.nbytes]  # kept for the next block (the weights are in the compute tier)
-    assert seen[0] > 0
-    assert engine.runtime.usage.peak["gpu"] >= seen[0]
+    kept = engine.runtime.kept.nbytes  # kept for the next block (the weights are in the compute tier)
+    assert kept > 0
+    assert engine.runtime.usage.peak["gpu"] >= kept
     cpu = DeviceSpeeds({"bfloat16": {1: 1e9, 512: 1e11}}, int8_matmul_flops={1: 1e9, 512: 1e10},
                        int8_dequant_elems_per_s=1e9)
     model = CostModel(engine.config, HardwareProfile(devices={"cpu": cpu}, machine=machine_info()), Workload(5, 4),
                       torch.bfloat16)
-    assert model.kept_dense_bytes(Policy(4, 1, compress_weight=grid, keep_dense_weights=True)) == seen[0]
+    assert model.kept_dense_bytes(Policy(4, 1, compress_weight=grid, keep_dense_weights=True)) == kept
 
 
 OPT13 = config_for_size("1.3b")

@@ -160,8 +160,7 @@ class BlockSchedule:
         # each layer's weights loaded once for the block, compressed ones kept dense (policy.keep_dense_weights),
         # for the blocks after it too where every weight is in the compute tier's memory; first, so that
         # copies an earlier block left and this one does not keep go before it allocates anything
-        self.kept_across_blocks = policy.dense_copies_across_blocks
-        self.kept = runtime.dense_copies(policy.keep_dense_weights, self.kept_across_blocks)
+        self.kept = runtime.dense_copies(policy.keep_dense_weights, policy.dense_copies_across_blocks)
         self.shared = self._shared_prefix(shared_prefix)
         self.prefix_here = None  # the shared prefix at the layer a prefill is running (PrefixLayer)
         # the shared prefix's keys and values by block, kept for decode steps of global blocks
@@ -850,7 +849,7 @@ class BlockSchedule:
 
     def close(self) -> None:
         self.io.close()
-        if self.kept is not None and not self.kept_across_blocks:
+        if self.kept is not None and self.kept is not self.rt.kept:  # the block's own copies, not the run's
             self.kept.release()
         for tier, nbytes in self._prefix_bytes:
             self.rt.usage.remove(tier, nbytes)
