@@ -71,6 +71,32 @@ TINY_FAMILIES.update({
 })
 
 
+# The engine's compute device in the tests that run the engine on a GPU too (`pytest
+# --device cuda`: the policy-invariance, transformers-equivalence and family tests); read
+# when the test modules are imported, so module-level settings may use it.
+_RUN = {"device": "cpu"}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu", choices=("cpu", "cuda"),
+                     help="the engine's compute device in the policy-invariance and equivalence tests")
+
+
+def pytest_configure(config):
+    _RUN["device"] = config.getoption("--device")
+    if _RUN["device"] == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError("--device cuda: torch sees no CUDA GPU on this machine")
+
+
+def engine_device() -> str:
+    return _RUN["device"]
+
+
+def compute_dtypes() -> list[str]:
+    """float32 everywhere; float16 too on a GPU, where it is the default (slow on CPUs)."""
+    return ["float32", "float16"] if engine_device() == "cuda" else ["float32"]
+
+
 def save_tiny(kind: str, path: Path, **overrides) -> Path:
     """A small random checkpoint of an architecture, saved as safetensors."""
     tf = _transformers()

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import caches_holding_a_prefix, hf_model, save_tiny
+from conftest import caches_holding_a_prefix, engine_device, hf_model, save_tiny
 from safetensors.torch import load_file, save_file
 
 from flexgen_helm.engine import Engine
@@ -30,7 +30,7 @@ from flexgen_helm.models.rotary import inverse_frequencies
 from flexgen_helm.policy import Policy
 from flexgen_helm.weights.hf_checkpoint import HFCheckpoint
 
-CPU32 = dict(dtype="float32", device="cpu", progress=False)
+F32 = dict(dtype="float32", device=engine_device(), progress=False)
 PROMPTS = [[5, 17, 3, 44, 9, 21, 8, 2, 60], [12, 7], [30, 31, 32, 33, 34, 35, 36]]
 HF = {"model_type": "gpt_oss", "vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 4,
       "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 16,
@@ -164,13 +164,13 @@ def test_the_sinks_matter(tiny_gpt_oss, tmp_path):
     want = [float(want[i - 1, PROMPTS[0][i]]) for i in range(1, len(PROMPTS[0]))]
     zeroed = _edited(tiny_gpt_oss, tmp_path / "zeroed",
                      lambda s: {k: torch.zeros_like(t) if k.endswith("sinks") else t for k, t in s.items()})
-    got = Engine.load(str(zeroed), Policy(gpu_batch_size=1), offload_dir=tmp_path, **CPU32).score(PROMPTS[:1])
+    got = Engine.load(str(zeroed), Policy(gpu_batch_size=1), offload_dir=tmp_path, **F32).score(PROMPTS[:1])
     assert max(abs(a - b) for a, b in zip(got.results[0].logprobs[1:], want)) > 1e-2
 
 
 def test_sparse_attention_is_refused_before_any_work(tiny_gpt_oss, tmp_path):
     with pytest.raises(PolicyError, match="attention sinks"):
-        Engine.load(str(tiny_gpt_oss), Policy(gpu_batch_size=2, attn_sparsity=0.5), offload_dir=tmp_path, **CPU32)
+        Engine.load(str(tiny_gpt_oss), Policy(gpu_batch_size=2, attn_sparsity=0.5), offload_dir=tmp_path, **F32)
     assert not list(tmp_path.iterdir())  # nothing converted, nothing offloaded
 
 
@@ -217,7 +217,7 @@ def test_mxfp4_experts_are_dequantized_exactly_at_conversion(tmp_path):
     model = hf_model(plain)
     with torch.no_grad():
         lp = torch.log_softmax(model(torch.tensor([PROMPTS[0]])).logits[0], -1)
-    engine = Engine.load(str(quantized), Policy(gpu_batch_size=1), offload_dir=tmp_path / "off", **CPU32)
+    engine = Engine.load(str(quantized), Policy(gpu_batch_size=1), offload_dir=tmp_path / "off", **F32)
     assert engine.score(PROMPTS[:1]).results[0].logprobs[1:] == pytest.approx(
         [float(lp[i - 1, PROMPTS[0][i]]) for i in range(1, len(PROMPTS[0]))], abs=1e-4)
 
@@ -287,6 +287,6 @@ def test_yarn_runs_in_the_llama_family_as_transformers(tmp_path):
     prompt = list(range(3, 23))
     with torch.no_grad():
         want = torch.log_softmax(model(torch.tensor([prompt])).logits[0], -1)
-    got = Engine.load(str(path), Policy(gpu_batch_size=1), offload_dir=tmp_path, **CPU32).score([prompt])
+    got = Engine.load(str(path), Policy(gpu_batch_size=1), offload_dir=tmp_path, **F32).score([prompt])
     assert got.results[0].logprobs[1:] == pytest.approx([float(want[i - 1, prompt[i]]) for i in range(1, 20)],
                                                         abs=1e-4)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import fake_quantized_checkpoint, hf_model, save_tiny
+from conftest import engine_device, fake_quantized_checkpoint, hf_model, save_tiny
 
 from flexgen_helm.engine import Engine
 from flexgen_helm.executor.sampling import SamplingParams
@@ -29,7 +29,7 @@ POLICIES = {
     "all-split-no-overlap": Policy(gpu_batch_size=3, weights=Split(0.2, 0.3, 0.5), cache=Split(0.3, 0.3, 0.4),
                                    activations=Split(0.5, 0.25, 0.25), overlap=False, cpu_cache_compute=True),
 }
-CPU32 = dict(dtype="float32", device="cpu", progress=False)
+F32 = dict(dtype="float32", device=engine_device(), progress=False)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -74,7 +74,7 @@ def _check(engine: Engine, logprobs: list, greedy: list, n=N_NEW) -> None:
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_family_matches_transformers(family, policy, tmp_path):
     _, path, logprobs, greedy = family
-    engine = Engine.load(str(path), POLICIES[policy], offload_dir=tmp_path, **CPU32)
+    engine = Engine.load(str(path), POLICIES[policy], offload_dir=tmp_path, **F32)
     _check(engine, logprobs, greedy)
 
 
@@ -84,8 +84,8 @@ def test_4bit_weights_equal_simulated_quantization(family, tmp_path):
     base = Policy(gpu_batch_size=2, num_gpu_batches=2, weights=Split(0.3, 0.3, 0.4))
     policy = Policy.from_dict({**base.to_dict(), "compress_weight": cfg.__dict__})
     reference = Engine.load(str(fake_quantized_checkpoint(path, tmp_path / "fq", cfg)), base,
-                            offload_dir=tmp_path / "ref", **CPU32)
-    engine = Engine.load(str(path), policy, offload_dir=tmp_path / "q", **CPU32)
+                            offload_dir=tmp_path / "ref", **F32)
+    engine = Engine.load(str(path), policy, offload_dir=tmp_path / "q", **F32)
     for got, want in zip(engine.score(PROMPTS).results, reference.score(PROMPTS).results):
         assert got.logprobs[1:] == pytest.approx(want.logprobs[1:], abs=1e-4)
     params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
@@ -98,7 +98,7 @@ def test_phi3_long_rope_factors_past_the_pretraining_context(tmp_path):
     path = save_tiny("phi3", tmp_path / "m")
     model = hf_model(path)
     prompts = [list(range(3, 23)), list(range(40, 58))]
-    engine = Engine.load(str(path), Policy(gpu_batch_size=2), offload_dir=tmp_path, **CPU32)
+    engine = Engine.load(str(path), Policy(gpu_batch_size=2), offload_dir=tmp_path, **F32)
     for ids, got in zip(prompts, engine.score(prompts).results):
         assert got.logprobs[1:] == pytest.approx(_reference_logprobs(model, ids), abs=1e-4)
 
@@ -110,7 +110,7 @@ def test_sliding_window_cache_stays_within_its_window(tmp_path):
     path = save_tiny("gemma3", tmp_path / "m")
     model = hf_model(path)
     policy = Policy(gpu_batch_size=4, cache=Split(0, 0, 1), cpu_cache_compute=True)
-    engine = Engine.load(str(path), policy, offload_dir=tmp_path, **CPU32)
+    engine = Engine.load(str(path), policy, offload_dir=tmp_path, **F32)
     cfg = engine.runtime.config
     assert [cfg.window(i) for i in range(cfg.num_layers)] == [4, 4, 0, 4]
     _check(engine, [_reference_logprobs(model, p) for p in PROMPTS],

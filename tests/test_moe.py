@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import save_tiny
+from conftest import engine_device, save_tiny
 from safetensors.torch import load_file, save_file
 
 from flexgen_helm.errors import ModelNotFoundError, WeightStoreError
@@ -83,7 +83,7 @@ def test_only_the_chosen_experts_are_read_off_disk(tmp_path):
     with torch.no_grad():
         router_logits = hf_model(path)(torch.tensor([prompt]), output_router_logits=True).router_logits
     engine = Engine.load(str(path), Policy(gpu_batch_size=1, weights=Split(0, 0, 1)), offload_dir=tmp_path,
-                         dtype="float32", device="cpu", progress=False)
+                         dtype="float32", device=engine_device(), progress=False)
     cfg = engine.runtime.config
     chosen = [set(torch.topk(logits, cfg.experts_per_token, dim=-1).indices.flatten().tolist())
               for logits in router_logits]
@@ -173,7 +173,7 @@ def test_a_prefill_reads_each_chosen_expert_once_for_the_whole_block(tmp_path):
     with torch.no_grad():
         router_logits = hf_model(path)(torch.tensor(prompts), output_router_logits=True).router_logits
     engine = Engine.load(str(path), Policy(gpu_batch_size=1, num_gpu_batches=2, weights=Split(0, 0, 1)),
-                         offload_dir=tmp_path, dtype="float32", device="cpu", progress=False)
+                         offload_dir=tmp_path, dtype="float32", device=engine_device(), progress=False)
     k = engine.runtime.config.experts_per_token
     chosen = [set(torch.topk(logits, k, dim=-1).indices.flatten().tolist()) for logits in router_logits]
     timers = engine.generate(prompts, SamplingParams(max_new_tokens=1, ignore_eos=True)).stats.timers
@@ -199,7 +199,8 @@ def test_compressed_experts_hold_one_dense_copy_as_the_planner_counts(kind, over
 
     path = save_tiny(kind, tmp_path / "m", **overrides)
     policy = Policy(gpu_batch_size=2, num_gpu_batches=2, weights=Split(*weights), compress_weight=Compression(4, 16))
-    engine = Engine.load(str(path), policy, offload_dir=tmp_path, dtype="float32", device="cpu", progress=False)
+    engine = Engine.load(str(path), policy, offload_dir=tmp_path, dtype="float32", device=engine_device(),
+                         progress=False)
     prompts = [[5, 17, 3, 44, 9], [12, 7], [30, 31, 32], [40, 41, 42]]
     DENSE_COPIES.reset_peak()
     engine.generate(prompts, SamplingParams(max_new_tokens=3, ignore_eos=True))

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from conftest import compute_dtypes, engine_device
 
 from flexgen_helm.engine import Engine
 from flexgen_helm.errors import FlexGenError
@@ -47,20 +48,34 @@ def model_path(request):
     return request.getfixturevalue(request.param)
 
 
+# fp16 rounds each log-prob to ~1e-3 of its size, and CPU-delegated attention runs in
+# float32: tokens stay identical, log-probs move in the third decimal
+LOGPROB_TOLERANCE = {"float32": 1e-4, "float16": 2e-2}
+
+
 @pytest.fixture(scope="module")
 def reference(model_path):
-    engine = Engine.load(str(model_path), Policy(overlap=False), dtype="float32", device="cpu", progress=False)
-    return engine.generate(PROMPTS, SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)).results
+    """Each compute dtype's reference run (everything on the compute device, no overlap)."""
+    runs = {}
+
+    def run(dtype: str):
+        if dtype not in runs:
+            engine = Engine.load(str(model_path), Policy(overlap=False), dtype=dtype, device=engine_device(),
+                                 progress=False)
+            runs[dtype] = engine.generate(PROMPTS, SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)).results
+        return runs[dtype]
+    return run
 
 
+@pytest.mark.parametrize("dtype", compute_dtypes())
 @pytest.mark.parametrize("name", list(POLICIES))
-def test_same_tokens_and_logprobs_under_every_policy(model_path, reference, name, tmp_path):
-    engine = Engine.load(str(model_path), POLICIES[name], dtype="float32", device="cpu", offload_dir=tmp_path,
+def test_same_tokens_and_logprobs_under_every_policy(model_path, reference, name, dtype, tmp_path):
+    engine = Engine.load(str(model_path), POLICIES[name], dtype=dtype, device=engine_device(), offload_dir=tmp_path,
                          progress=False)
     got = engine.generate(PROMPTS, SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)).results
-    for r, ref in zip(got, reference):
+    for r, ref in zip(got, reference(dtype)):
         assert r.completions[0].token_ids == ref.completions[0].token_ids
-        assert r.completions[0].logprobs == pytest.approx(ref.completions[0].logprobs, abs=1e-4)
+        assert r.completions[0].logprobs == pytest.approx(ref.completions[0].logprobs, abs=LOGPROB_TOLERANCE[dtype])
     assert list(tmp_path.glob("run-*")) == []  # runtime files are cleaned up
 
 
@@ -69,7 +84,7 @@ def test_sampling_with_seed_is_policy_independent(tiny_llama, tmp_path):
                             num_completions=2)
     outs = []
     for policy in (Policy(), POLICIES["everything-split-no-overlap"]):
-        engine = Engine.load(str(tiny_llama), policy, dtype="float32", device="cpu", offload_dir=tmp_path,
+        engine = Engine.load(str(tiny_llama), policy, dtype="float32", device=engine_device(), offload_dir=tmp_path,
                              progress=False)
         outs.append([[c.token_ids for c in r.completions] for r in engine.generate(PROMPTS, params).results])
     assert outs[0] == outs[1]
@@ -86,7 +101,8 @@ def test_a_tied_weight_is_loaded_once_for_the_head_and_the_next_embedding(tiny_o
     monkeypatch.setattr(weight_homes, "load_home",
                         lambda home, *a: loads.append(home.spec.store_name) or real(home, *a))
     policy = Policy(gpu_batch_size=2, num_gpu_batches=2, weights=Split(0.2, 0.5, 0.3))
-    engine = Engine.load(str(tiny_opt), policy, dtype="float32", device="cpu", offload_dir=tmp_path, progress=False)
+    engine = Engine.load(str(tiny_opt), policy, dtype="float32", device=engine_device(), offload_dir=tmp_path,
+                         progress=False)
     assert len(engine.runtime.placement["embed.tokens.weight"]) > 1  # split: every load is a copy
     engine.generate(PROMPTS[:4], SamplingParams(max_new_tokens=N_NEW, ignore_eos=True))
     assert loads.count("embed.tokens.weight") == 1 + N_NEW
@@ -95,7 +111,8 @@ def test_a_tied_weight_is_loaded_once_for_the_head_and_the_next_embedding(tiny_o
 
 def test_placement_is_honest(tiny_opt, tmp_path):
     policy = Policy(weights=Split(0.2, 0.5, 0.3))
-    engine = Engine.load(str(tiny_opt), policy, dtype="float32", device="cpu", offload_dir=tmp_path, progress=False)
+    engine = Engine.load(str(tiny_opt), policy, dtype="float32", device=engine_device(), offload_dir=tmp_path,
+                         progress=False)
     frac = engine.memory_report()["placement"]["weight_fractions"]
     assert frac["gpu"] == pytest.approx(0.2, abs=0.02)
     assert frac["cpu"] == pytest.approx(0.5, abs=0.02)
@@ -105,8 +122,8 @@ def test_placement_is_honest(tiny_opt, tmp_path):
 def test_scoring_from_a_position_returns_those_logprobs_and_nothing_before(tiny_llama, tmp_path):
     """first_scored (LAMBADA's last word): the same log-probs and top entries as a full
     score from that token on, nan and no entries before it, whatever the padding."""
-    engine = Engine.load(str(tiny_llama), Policy(gpu_batch_size=4, num_gpu_batches=2), dtype="float32", device="cpu",
-                         offload_dir=tmp_path, progress=False)
+    engine = Engine.load(str(tiny_llama), Policy(gpu_batch_size=4, num_gpu_batches=2), dtype="float32",
+                         device=engine_device(), offload_dir=tmp_path, progress=False)
     full = engine.score(PROMPTS, top_logprobs=2).results
     firsts = [max(1, len(p) - 2) for p in PROMPTS]
     part = engine.score(PROMPTS, top_logprobs=2, first_scored=firsts).results
@@ -130,7 +147,8 @@ def test_a_blocks_gpu_batches_each_pad_to_their_own_longest_prompt(tiny_llama, t
     scores, with the cache as a decode step reads it, and its generated tokens are those it
     gets alone (float32)."""
     engine = Engine.load(str(tiny_llama), Policy(gpu_batch_size=2, num_gpu_batches=4, compress_cache=cache),
-                         dtype="float32", device="cpu", offload_dir=tmp_path, progress=False)
+                         dtype="float32", device=engine_device(), offload_dir=tmp_path,
+                         progress=False)
     together = engine.score(PROMPTS, top_logprobs=2, as_decode=True)
     assert [[len(PROMPTS[i]) for i in batch] for block in plan_blocks(list(map(len, PROMPTS)), engine.policy)
             for batch in block] == [[26, 25], [24], [11], [9], [5], [4], [3], [2], [1]]
@@ -161,8 +179,8 @@ def test_the_columns_a_shorter_gpu_batch_skips_never_reach_attention_as_garbage(
         return stored
 
     monkeypatch.setattr(KVCacheSlot, "_empty", nan_filled)
-    engine = Engine.load(str(tiny_llama), Policy(gpu_batch_size=2, num_gpu_batches=4), dtype="float32", device="cpu",
-                         offload_dir=tmp_path, progress=False)
+    engine = Engine.load(str(tiny_llama), Policy(gpu_batch_size=2, num_gpu_batches=4), dtype="float32",
+                         device=engine_device(), offload_dir=tmp_path, progress=False)
     params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
     for prompt, got in zip(PROMPTS, engine.generate(PROMPTS, params).results):
         alone = engine.generate([prompt], params).results[0].completions[0]
@@ -178,7 +196,7 @@ def test_the_columns_a_shorter_gpu_batch_skips_never_reach_attention_as_garbage(
 def test_budget_plans_the_cache_and_activations_the_schedule_allocates(tiny_llama, tmp_path, policy):
     """The plan that checks the budgets and the run split units over the tiers the same way,
     so for odd splits the planned bytes per tier are the bytes allocated, to the byte."""
-    engine = Engine.load(str(tiny_llama), Policy(), dtype="float32", device="cpu", offload_dir=tmp_path,
+    engine = Engine.load(str(tiny_llama), Policy(), dtype="float32", device=engine_device(), offload_dir=tmp_path,
                          progress=False)
     rt, max_len = engine.runtime, 20
     batches = [GpuBatch(torch.zeros(policy.gpu_batch_size, 6, dtype=torch.long),
@@ -210,7 +228,7 @@ def test_budget_plans_a_shared_prefix_block_as_the_schedule_allocates(tiny_llama
     """A block whose prompts share a prefix holds it once, as its cache stores it (compressed
     too; under KIVI its complete groups): the planned cache bytes per tier, the one copy
     included, are what the slots and the prefill's copy take, to the byte."""
-    engine = Engine.load(str(tiny_llama), Policy(), dtype="float32", device="cpu", offload_dir=tmp_path,
+    engine = Engine.load(str(tiny_llama), Policy(), dtype="float32", device=engine_device(), offload_dir=tmp_path,
                          progress=False)
     rt, max_len, prefix = engine.runtime, 20, list(range(3, 12))  # KIVI's groups of 4: 8 held, 1 the rows'
     batches = [GpuBatch(torch.tensor([prefix + [20 + i, 30 + k, 40]] * policy.gpu_batch_size),

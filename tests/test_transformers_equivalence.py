@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import hf_model, save_tiny
+from conftest import engine_device, hf_model, save_tiny
 
 from flexgen_helm.engine import Engine
 from flexgen_helm.executor.sampling import SamplingParams
@@ -44,7 +44,7 @@ def test_opt_matches_transformers(tmp_path, overrides):
     path = save_tiny("opt", tmp_path / "m", **overrides)
     model = hf_model(path)
     policy = Policy(gpu_batch_size=2, num_gpu_batches=2)
-    engine = Engine.load(str(path), policy, dtype="float32", device="cpu", progress=False)
+    engine = Engine.load(str(path), policy, dtype="float32", device=engine_device(), progress=False)
     _check_scores(engine, model, PROMPTS)
     _check_greedy(engine, model, PROMPTS)
 
@@ -53,7 +53,7 @@ def test_opt_matches_transformers(tmp_path, overrides):
 def test_llama_family_matches_transformers(tmp_path, kind):
     path = save_tiny(kind, tmp_path / "m")
     model = hf_model(path)
-    engine = Engine.load(str(path), Policy(gpu_batch_size=3), dtype="float32", device="cpu", progress=False)
+    engine = Engine.load(str(path), Policy(gpu_batch_size=3), dtype="float32", device=engine_device(), progress=False)
     _check_scores(engine, model, PROMPTS)
     _check_greedy(engine, model, PROMPTS)
 
@@ -63,5 +63,5 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
                "original_max_position_embeddings": 16}
     path = save_tiny("llama", tmp_path / "m", rope_scaling=scaling, tie_word_embeddings=True)
     model = hf_model(path)
-    engine = Engine.load(str(path), Policy(), dtype="float32", device="cpu", progress=False)
+    engine = Engine.load(str(path), Policy(), dtype="float32", device=engine_device(), progress=False)
     _check_scores(engine, model, PROMPTS)

@@ -7,7 +7,9 @@ dummy weights. Run as its own process so memory and disk counters are its own:
 Placement is accelerate's: infer_auto_device_map with max_memory={"cpu": cpu budget} puts
 whole decoder layers in RAM until the budget is spent and the rest on "disk"; the KV cache
 and activations stay on the compute device (row by row, one batch), so the batch is limited
-by the same device budget as our DeepSpeed-style row (`fits_device`).
+by the same device budget as our DeepSpeed-style row (`fits_device`). On a GPU setup the
+device budget's rest after that batch's cache and activations holds whole layers too
+(max_memory={0: rest, "cpu": ...}); accelerate's hooks copy the others in at every use.
 
 Disk honesty: accelerate reads offloaded weights through memory maps, i.e. through the OS
 page cache, which on this 24 GiB machine would hold the whole model after the first token.
@@ -38,13 +40,18 @@ from flexgen_helm.tools.compare.workloads import SETUPS, Setup, prepare_hf, prom
 from flexgen_helm.weights.registry import resolve
 
 
-def fits_device(setup: Setup, batch: int) -> bool:
-    """Row-by-row systems keep one batch's KV cache and activations on the compute device:
-    the same accounting (and budget) as our DeepSpeed-style policy."""
+def device_bytes(setup: Setup, batch: int) -> int:
+    """One row-by-row batch's KV cache and activations on the compute device."""
     cfg = resolve(setup.model, dummy=True).config
     row = Policy(gpu_batch_size=batch, weights=Split(0, 0, 1), cache=Split(1, 0, 0), activations=Split(1, 0, 0))
     parts = planned_components(cfg, row, setup.prompt_len + setup.gen_len, DTYPES[setup.dtype])
-    return parts["cache"]["gpu"] + parts["activations"]["gpu"] <= setup.gpu_bytes
+    return parts["cache"]["gpu"] + parts["activations"]["gpu"]
+
+
+def fits_device(setup: Setup, batch: int) -> bool:
+    """Row-by-row systems keep one batch's KV cache and activations on the compute device:
+    the same accounting (and budget) as our DeepSpeed-style policy."""
+    return device_bytes(setup, batch) <= setup.gpu_bytes
 
 
 def largest_batch(setup: Setup) -> int:
@@ -55,7 +62,7 @@ def largest_batch(setup: Setup) -> int:
     raise ValueError(f"{setup.name}: not one sequence fits the device budget {setup.gpu_mem}")
 
 
-def load_model(setup: Setup, hf_dir: Path, offload: Path, dtype: torch.dtype):
+def load_model(setup: Setup, hf_dir: Path, offload: Path, dtype: torch.dtype, batch: int):
     transformers = import_transformers()
     from accelerate import infer_auto_device_map, init_empty_weights
 
@@ -63,7 +70,10 @@ def load_model(setup: Setup, hf_dir: Path, offload: Path, dtype: torch.dtype):
     with init_empty_weights():
         empty = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     empty.tie_weights()  # lm_head shares the embedding: the device map must keep them together
-    device_map = infer_auto_device_map(empty, max_memory={"cpu": setup.cpu_bytes},
+    max_memory = {"cpu": setup.cpu_bytes}
+    if setup.device == "cuda":
+        max_memory[0] = setup.gpu_bytes - device_bytes(setup, batch)
+    device_map = infer_auto_device_map(empty, max_memory=max_memory,
                                        no_split_module_classes=empty._no_split_modules, dtype=dtype)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, device_map=device_map,
                                                               offload_folder=str(offload), dtype=dtype)
@@ -75,12 +85,18 @@ class ForwardClock:
     """Timestamps of the end of every forward pass (one per generated token): the first
     closes the prefill. Optionally evicts the offloaded files before every pass."""
 
-    def __init__(self, model, evict_paths: list[Path] | None):
+    def __init__(self, model, evict_paths: list[Path] | None, device: torch.device):
         self.ends: list[float] = []
         self.evict_s = 0.0
         self._evict_paths = evict_paths
+        self._device = device
         model.register_forward_pre_hook(self._pre)
-        model.register_forward_hook(lambda *a: self.ends.append(time.perf_counter()))
+        model.register_forward_hook(self._post)
+
+    def _post(self, *a):
+        if self._device.type == "cuda":  # the pass has ended when its kernels have, not when they are queued
+            torch.cuda.synchronize(self._device)
+        self.ends.append(time.perf_counter())
 
     def _pre(self, *a):
         if self._evict_paths:
@@ -89,21 +105,29 @@ class ForwardClock:
             self.evict_s += time.perf_counter() - t  # reported; tiny next to a token's reads
 
 
+def modules_on(device_map: dict) -> str:
+    """'3 modules on GPU 0, 30 in RAM, 2 on disk': where accelerate put the weights."""
+    where = [("on GPU 0", 0), ("in RAM", "cpu"), ("on disk", "disk")]
+    counts = [f"{sum(1 for d in device_map.values() if d == key)} {label}" for label, key in where]
+    return "modules: " + ", ".join(c for c in counts if not c.startswith("0 ") or "RAM" in c)
+
+
 def run(setup: Setup, batch: int, evict_each_token: bool = True, hf_dtype: str | None = None) -> dict:
     dtype_name = hf_dtype or setup.dtype
     dtype = DTYPES[dtype_name]
     hf_dir = prepare_hf(setup, dtype_name)
     offload = work_dir() / "accelerate-offload" / hf_dir.name
     t0 = time.perf_counter()
-    model, device_map = load_model(setup, hf_dir, offload, dtype)
+    model, device_map = load_model(setup, hf_dir, offload, dtype, batch)
     load_s = time.perf_counter() - t0
     on_disk = [n for n, d in device_map.items() if d == "disk"]
     disk_weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                             if any(n == m or n.startswith(m + ".") for m in on_disk))
-    ids = torch.tensor(prompts(setup, batch, model.config.vocab_size))
+    device = torch.device(setup.device)
+    ids = torch.tensor(prompts(setup, batch, model.config.vocab_size), device=device)
     paths = [hf_dir, offload]
     evicted = evict_page_cache(paths)
-    clock = ForwardClock(model, paths if evict_each_token else None)
+    clock = ForwardClock(model, paths if evict_each_token else None, device)
     reads0 = process_disk_read_bytes()
     start = time.perf_counter()
     with torch.inference_mode():
@@ -112,15 +136,16 @@ def run(setup: Setup, batch: int, evict_each_token: bool = True, hf_dtype: str |
     end = time.perf_counter()
     return {
         "system": "hf-accelerate" if evict_each_token else "hf-accelerate-page-cache",
-        "label": "HF accelerate, cpu+disk offload" + ("" if evict_each_token else ", page cache kept during the run"),
+        "label": (f"HF accelerate, {'gpu+' if device.type == 'cuda' else ''}cpu+disk offload"
+                  + ("" if evict_each_token else ", page cache kept during the run")),
         "setup": setup.to_dict(),
         "model": setup.model,
         "dtype": dtype_name,
         "prompt_len": setup.prompt_len,
         "gen_len": setup.gen_len,
         "effective_batch_size": batch,
-        "policy_summary": f"bs={batch} (row by row), weights by layer: {len(device_map) - len(on_disk)} "
-                          f"modules in RAM, {len(on_disk)} on disk; cache and activations on the device",
+        "policy_summary": f"bs={batch} (row by row), weights by layer: {modules_on(device_map)}; "
+                          "cache and activations on the device",
         **throughput(clock.ends[0] - start, end - clock.ends[0], batch, setup.prompt_len, setup.gen_len),
         "device_map": device_map,
         "disk_weight_bytes": disk_weight_bytes,

@@ -96,7 +96,7 @@ def bench_flags(setup: Setup, policy: Policy, offload: Path, label: str, json_pa
     policy_file = json_path.with_suffix(".policy.json")
     policy_file.parent.mkdir(parents=True, exist_ok=True)
     policy_file.write_text(policy.to_json())
-    return ["bench", "--model", setup.model, "--dummy", "--dtype", setup.dtype, "--device", "cpu",
+    return ["bench", "--model", setup.model, "--dummy", "--dtype", setup.dtype, "--device", setup.device,
             "--prompt-len", str(setup.prompt_len), "--gen-len", str(setup.gen_len),
             "--gpu-mem", setup.gpu_mem, "--cpu-mem", setup.cpu_mem, "--offload-dir", str(offload),
             "--policy", str(policy_file), "--warmup", str(warmup), "--label", label, "--json", str(json_path)]

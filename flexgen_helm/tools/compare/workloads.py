@@ -33,6 +33,7 @@ class Setup:
     cpu_mem: str  # RAM for offloaded weights (accelerate's max_memory={"cpu": ...})
     dtype: str = "bfloat16"  # compute and storage dtype of every system (bf16: fp16 matmuls are slow on CPUs)
     max_batch: int = 64  # the search's and the batch probes' upper bound (compute time on 2 cores)
+    device: str = "cpu"  # the compute device every system runs on ("cuda": gpu_mem is the GPU's)
 
     @property
     def gpu_bytes(self) -> int:
@@ -62,6 +63,12 @@ SETUPS = {s.name: s for s in [
     # OPT-6.7B budgets
     Setup("olmoe-1b-7b-p512-g32", "allenai/olmoe-1b-7b-0924", 512, 32, gpu_mem="1.5GiB", cpu_mem="4GiB",
           max_batch=32),
+    # issue 51, the paper's setting on a lent GPU: 16 GiB of it (the T4's), fp16, weights
+    # beyond it in RAM (the paper's machine had 208 GB; the lent one 128 GiB)
+    Setup("opt-6.7b-p512-g32-gpu16", "facebook/opt-6.7b", 512, 32, gpu_mem="16GiB", cpu_mem="64GiB",
+          dtype="float16", max_batch=256, device="cuda"),
+    Setup("opt-13b-p512-g32-gpu16", "facebook/opt-13b", 512, 32, gpu_mem="16GiB", cpu_mem="64GiB",
+          dtype="float16", max_batch=256, device="cuda"),
     # the test's: seconds, not minutes
     Setup("tiny", "facebook/opt-125m", 8, 4, gpu_mem="256MiB", cpu_mem="160MiB", max_batch=4),
 ]}
