@@ -17,7 +17,7 @@ from dataclasses import replace
 import pandas as pd
 
 from flexgen_helm.engine import Engine
-from flexgen_helm.errors import PolicyError
+from flexgen_helm.errors import FlexGenError, PolicyError
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.memory.machine import machine_info
 from flexgen_helm.planner.cost_model import CostModel, Workload
@@ -125,6 +125,32 @@ def test_compare_fails_loudly_when_the_search_finds_nothing(tmp_path, profile_pa
         run_compare(starved, tmp_path / "out", warmup=0, timeout_s=300, systems=("ours-auto",),
                     bandwidth=ONE_GB_S, ablations=False, profile_path=profile_path)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_flexgen_reference_rows_run_offline_on_gpu_setups_only(tmp_path, profile_path):
+    """FlexGen's flex_opt asks the hub for OPT-30B's tokenizer: the stand-in saved under that
+    name serves it offline, left-padded as flex_opt asks; its log's numbers are read, a log
+    without them is an error; a CPU setup refuses the rows before any work."""
+    from flexgen_helm.models.tokenizer import import_transformers
+    from flexgen_helm.tools.compare.flexgen_reference import TOKENIZER_NAME, offline_tokenizer_cache, parse_log
+
+    hub = offline_tokenizer_cache(SETUPS["opt-6.7b-p512-g32-gpu16"])
+    tok = import_transformers().AutoTokenizer.from_pretrained(TOKENIZER_NAME, padding_side="left", cache_dir=hub,
+                                                              local_files_only=True)
+    ids = tok(["Paris is"], padding="max_length", max_length=12).input_ids[0]
+    assert len(ids) == 12 and ids[:3] == [tok.pad_token_id] * 3 and ids[3] == 2  # OPT's </s> first
+    log = ("model size: 12.386 GB\tcache size: 0.570 GB\thidden size (p): 0.016 GB\n"
+           "peak gpu mem: 13.400 GB\tprojected: False\n"
+           "prefill latency: 0.512 s\tprefill throughput: 2000.000 token/s\n"
+           "decode latency: 1.234 s\tdecode throughput: 50.243 token/s\n"
+           "total latency: 1.746 s\ttotal throughput: 36.655 token/s")
+    got = parse_log(log)
+    assert (got["prefill_latency_s"], got["total_throughput"], got["peak_gpu_mem_gb"]) == (0.512, 36.655, 13.4)
+    with pytest.raises(ValueError, match="total latency"):
+        parse_log(log.rsplit("\n", 1)[0])
+    with pytest.raises(FlexGenError, match="GPU setup"):
+        run_compare(TINY, tmp_path, 0, 60, ("flexgen-reference",), profile_path=profile_path)
+    assert not any(tmp_path.iterdir())
 
 
 def test_row_by_row_policy_is_held_to_the_searchs_budgets(tmp_path, profile_path):

@@ -16,7 +16,7 @@ RES=/tmp/gpu-results
 mkdir -p "$OUT" "$RES"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export FLEXGEN_HELM_CACHE=/tmp/fh-cache FLEXGEN_HELM_OFFLOAD=/tmp/fh-offload FLEXGEN_HELM_COMPARE_DIR=/tmp/fh-compare
-if ls .whl/*.whl >/dev/null 2>&1; then  # what the GPU machine's image lacks (gguf)
+if ls .whl/*.whl >/dev/null 2>&1; then  # what the GPU machine's image lacks: gguf, flexgen 0.1.8 (the reference)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
 else
@@ -48,22 +48,24 @@ trap finish EXIT
 cat "$RES/env.txt" | tee "$RES/summary.txt"
 
 # 1. tests on the GPU
-stage pytest_cuda 170 python3 -m pytest -q -p no:cacheprovider --timeout 90 --device $DEV \
+stage pytest_cuda 120 python3 -m pytest -q -p no:cacheprovider --timeout 90 --device $DEV \
   tests/test_policies.py tests/test_transformers_equivalence.py \
   tests/test_int4.py::test_cuda_kernel_equals_dequantize_then_matmul tests/test_compression.py::test_cuda_matches_cpu
 
-# 2. a profile of this machine, then overlap on vs off (OPT-1.3B fp16, 4 x 32 sequences, 512 / 32)
+# 2. a profile of this machine (the cost model's), then overlap on vs off on one policy:
+# OPT-1.3B fp16, 4 x 32 sequences; weights in RAM (512 / 32), half of them on disk (512 / 8)
 stage profile 90 python3 -m flexgen_helm profile --device $DEV --dtype float16 --json "$RES/profile-h100.json"
-cp "$RES/profile-h100.json" ~/.cache/flexgen-helm/hardware.json 2>/dev/null || { mkdir -p ~/.cache/flexgen-helm; cp "$RES/profile-h100.json" ~/.cache/flexgen-helm/hardware.json 2>/dev/null; }
-B="--model facebook/opt-1.3b --dummy --device $DEV --dtype float16 --prompt-len 512 --gen-len 32 --gpu-batch-size 32 --num-gpu-batches 4 --warmup 1 --quiet"
-stage overlap_ram_on 45 python3 -m flexgen_helm bench $B --percent 0 100 100 0 100 0 --label "weights in RAM, overlap" --json "$RES/overlap_ram_on.json"
-stage overlap_ram_off 45 python3 -m flexgen_helm bench $B --percent 0 100 100 0 100 0 --no-overlap --label "weights in RAM, no overlap" --json "$RES/overlap_ram_off.json"
-stage overlap_disk_on 50 python3 -m flexgen_helm bench $B --percent 0 0 100 0 100 0 --label "weights on disk, overlap" --json "$RES/overlap_disk_on.json"
-stage overlap_disk_off 50 python3 -m flexgen_helm bench $B --percent 0 0 100 0 100 0 --no-overlap --label "weights on disk, no overlap" --json "$RES/overlap_disk_off.json"
+mkdir -p ~/.cache/flexgen-helm && cp "$RES/profile-h100.json" ~/.cache/flexgen-helm/hardware.json
+B="--model facebook/opt-1.3b --dummy --device $DEV --dtype float16 --prompt-len 512 --gpu-batch-size 32 --num-gpu-batches 4 --warmup 1 --quiet"
+stage overlap_ram_on 35 python3 -m flexgen_helm bench $B --gen-len 32 --percent 0 100 100 0 100 0 --label "weights in RAM, overlap" --json "$RES/overlap_ram_on.json"
+stage overlap_ram_off 35 python3 -m flexgen_helm bench $B --gen-len 32 --percent 0 100 100 0 100 0 --no-overlap --label "weights in RAM, no overlap" --json "$RES/overlap_ram_off.json"
+stage overlap_disk_on 35 python3 -m flexgen_helm bench $B --gen-len 8 --percent 0 50 100 0 100 0 --label "half the weights on disk, overlap" --json "$RES/overlap_disk_on.json"
+stage overlap_disk_off 30 python3 -m flexgen_helm bench $B --gen-len 8 --percent 0 50 100 0 100 0 --no-overlap --label "half the weights on disk, no overlap" --json "$RES/overlap_disk_off.json"
 
-# 3. the paper's benchmark (rows JSONs are written as each ends: a timeout keeps those done)
-stage compare_opt67b 230 python3 -m flexgen_helm compare --setup opt-6.7b-p512-g32-gpu16 --systems ours-auto ours-deepspeed-policy hf-accelerate ours-4bit \
-  --no-ablations --warmup 1 --timeout 120 --out "$RES/compare"
+# 3. the paper's benchmark (each row's JSON is written as it ends: a timeout keeps those done)
+stage compare_opt67b 240 python3 -m flexgen_helm compare --setup opt-6.7b-p512-g32-gpu16 \
+  --systems ours-auto flexgen-reference hf-accelerate ours-deepspeed-policy ours-4bit flexgen-reference-4bit \
+  --no-ablations --warmup 1 --timeout 90 --out "$RES/compare"
 
 # 4. the families and MoE on the GPU, with what is left
 stage pytest_families 200 python3 -m pytest -q -p no:cacheprovider --timeout 60 --device $DEV \

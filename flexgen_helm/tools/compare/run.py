@@ -28,13 +28,15 @@ from flexgen_helm.tools.compare import table
 from flexgen_helm.tools.compare.ablations import ablation_policies
 from flexgen_helm.tools.compare.accelerate_offload import largest_batch
 from flexgen_helm.tools.compare.disk import measure_read_bandwidth
+from flexgen_helm.tools.compare.flexgen_reference import PUBLISHED
 from flexgen_helm.tools.compare.ours import FOUR_BIT, bench_flags, deepspeed_policy, searched
 from flexgen_helm.tools.compare.roofline import roofline
 from flexgen_helm.tools.compare.workloads import DEFAULT_SYSTEMS, Setup, offload_dir, prepare_hf, prepare_store
 from flexgen_helm.weights.registry import resolve
 
-GPU_ONLY = ("FlexGen reference (PyPI flexgen 0.1.8) and DeepSpeed ZeRO-Inference need a CUDA GPU "
-            "(both call torch.cuda unconditionally); run `flexgen-helm compare` in a GPU session for those rows.")
+GPU_ONLY = ("DeepSpeed ZeRO-Inference (needs deepspeed and a CUDA GPU). The FlexGen reference (PyPI flexgen "
+            "0.1.8: --systems flexgen-reference flexgen-reference-4bit) runs on the GPU setups only, as it calls "
+            "torch.cuda unconditionally.")
 LABELS = {"ours-deepspeed-policy": "ours, w/ DeepSpeed policy (row by row)",
           "ours-auto": "ours, --policy auto (searched)",
           "ours-4bit": "ours, --policy auto with 4-bit weights"}
@@ -146,6 +148,9 @@ def run_compare(setup: Setup, out: Path, warmup: int, timeout_s: int, systems: t
                 ) -> tuple[list[dict], list[dict], list[str]]:
     """Rows of `setup` and of its ablations (JSON per run under out/<setup.name>/) and the
     commands that ran."""
+    if any(s.startswith("flexgen-reference") for s in systems) and setup.name not in PUBLISHED:
+        raise FlexGenError(f"{setup.name}: the FlexGen reference rows need a GPU setup with a policy FlexGen "
+                           f"publishes ({', '.join(PUBLISHED)})")
     bandwidth = bandwidth or measure_read_bandwidth(offload_dir(setup))
     profile = with_measured_disk(load_or_profile(profile_path, offload_dir=str(offload_dir(setup))), bandwidth)
     ours, extra, best = plan_ours(setup, systems, ablations, profile)  # fails here, before any run
@@ -164,6 +169,10 @@ def run_compare(setup: Setup, out: Path, warmup: int, timeout_s: int, systems: t
                     "--batch", str(largest_batch(setup)), "--json", str(path)]
             if system == "hf-accelerate-page-cache":  # what accelerate gets when the OS caches its files
                 argv.append("--no-evict-each-token")
+        elif system.startswith("flexgen-reference"):
+            path = folder / f"{system}.json"
+            argv = ["-m", "flexgen_helm.tools.compare.flexgen_reference", "--setup", setup.name, "--json", str(path),
+                    *(["--four-bit"] if system.endswith("-4bit") else [])]
         elif policy is None:
             return table.row(setup.name, system, {"skipped": note, "label": label}, {})
         else:

@@ -74,9 +74,12 @@ SETUPS = {s.name: s for s in [
 ]}
 
 
-# The rows a comparison can have, in table order; the last is optional (not in the default).
-# ours-4bit: the searched policy with 4-bit group-quantized weights (compression/int4.py).
-SYSTEMS = ("hf-accelerate", "ours-deepspeed-policy", "ours-auto", "ours-4bit", "hf-accelerate-page-cache")
+# The rows a comparison can have, in table order; those after the first four are optional
+# (not in the default). ours-4bit: the searched policy with 4-bit group-quantized weights
+# (compression/int4.py); flexgen-reference(-4bit): FlexGen's own code on its published policy,
+# GPU setups only (flexgen_reference.py).
+SYSTEMS = ("hf-accelerate", "ours-deepspeed-policy", "ours-auto", "ours-4bit", "hf-accelerate-page-cache",
+           "flexgen-reference", "flexgen-reference-4bit")
 DEFAULT_SYSTEMS = SYSTEMS[:4]
 
 
