@@ -362,6 +362,15 @@ def measure_device(device: torch.device, dtype: torch.dtype) -> DeviceSpeeds:
     return speeds
 
 
+def measure_host_attention(dtype: torch.dtype) -> DeviceSpeeds:
+    """The host's speeds a GPU's plan reads: attention delegated to the CPU (cost_model.py);
+    the host never multiplies a weight there. The whole table in fp16 took 3 minutes of a
+    GPU lease's time (174 s on 2 cores, measured)."""
+    speeds = DeviceSpeeds()
+    speeds.attn_prefill_flops, speeds.attn_decode_bytes_per_s = _attention_speeds(torch.device("cpu"), dtype, None)
+    return speeds
+
+
 def _cycled_linears(x: torch.Tensor, weights: list[torch.Tensor], n: int) -> None:
     """n linear layers on x, cycling through the weights."""
     for i in range(n):
@@ -598,9 +607,10 @@ def measure(offload_dir: str | os.PathLike | None = None, device: str | None = N
     keep_freed_host_memory()
     offload = usable_offload_dir(offload_dir)  # before minutes of measuring
     prof = HardwareProfile(compute_device=devs.compute.type, dtype=DTYPE_NAMES[devs.dtype])
-    prof.devices = {"cpu": measure_device(torch.device("cpu"), devs.dtype)}
     if devs.is_cuda:
-        prof.devices["cuda"] = measure_device(devs.compute, devs.dtype)
+        prof.devices = {"cpu": measure_host_attention(devs.dtype), "cuda": measure_device(devs.compute, devs.dtype)}
+    else:
+        prof.devices = {"cpu": measure_device(torch.device("cpu"), devs.dtype)}
     prof.compute.fixed_costs = measure_fixed_costs(devs)
     prof.compute.copy_handoff_s = measure_handoff_s(devs.compute)
 
