@@ -153,6 +153,21 @@ def test_the_flexgen_reference_rows_run_offline_on_gpu_setups_only(tmp_path, pro
     assert not any(tmp_path.iterdir())
 
 
+def test_weights_go_to_ram_whole_when_the_budgets_hold_them_there():
+    """Near the device budget a split between RAM and disk stages both ways onto the device, so
+    the fit is not monotone in the RAM share: all in RAM fits, half does not. The row-by-row
+    policy then keeps every weight in RAM (a bisection from the middle put all of them on
+    disk: OPT-6.7B with a 16 GiB GPU, runs/gpu/h100-2026-11-26)."""
+    from flexgen_helm.tools.compare.ours import most_weights_in_ram
+
+    def fits_all_or_nothing(policy):
+        return policy.weights.cpu in (0.0, 1.0)
+
+    row = Policy(gpu_batch_size=36, weights=Split(0, 0, 1))
+    assert most_weights_in_ram(fits_all_or_nothing, row, use_gpu=False).weights == Split(0, 1, 0)
+    assert most_weights_in_ram(lambda p: p.weights.cpu <= 0.37, row, use_gpu=False).weights == Split(0, 0.37, 0.63)
+
+
 def test_row_by_row_policy_is_held_to_the_searchs_budgets(tmp_path, profile_path):
     """The DeepSpeed-style row is sized by the same accounting as --policy auto (loaded weights
     and working set included), not by stored bytes alone: its block is the largest that fits,

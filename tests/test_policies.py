@@ -235,7 +235,8 @@ def test_budget_plans_a_shared_prefix_block_as_the_schedule_allocates(tiny_llama
                         torch.ones(policy.gpu_batch_size, len(prefix) + 3, dtype=torch.bool))
                for k, i in enumerate(range(policy.num_gpu_batches))]
     before = dict(rt.usage.current)
-    sched = BlockSchedule(rt, policy, batches, max_len, tmp_path, shared_prefix=SharedPrefix(torch.tensor([prefix])))
+    shared = SharedPrefix(torch.tensor([prefix], device=rt.devices.compute))  # as the engine makes it
+    sched = BlockSchedule(rt, policy, batches, max_len, tmp_path, shared_prefix=shared)
     try:
         sched.prefill(lambda k, w, h: None)
         for a in sched.acts:  # the prefill's hidden states: not the cache's

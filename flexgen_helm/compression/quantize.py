@@ -310,7 +310,11 @@ def _grid(x: torch.Tensor, cfg: Compression, gd: int) -> tuple[torch.Tensor, tor
 
     if cfg.method == "rtn":
         mn = xg.amin(gd + 1)  # exactly representable in x.dtype: it is one of x's elements
-        scale = _round_up_to((xg.amax(gd + 1) - mn) / levels, x.dtype)
+        # divided by a tensor on x's device: CUDA divides by a Python number as a multiply by
+        # its reciprocal, a float32 ulp off a true quotient, so a range that is an exact
+        # multiple of `levels` rounded up to the next scale, and CUDA's codes differed from the
+        # CPU's (test_cuda_matches_cpu on an H100: 3, 4 and 6 bits; runs/gpu/h100-2026-11-26)
+        scale = _round_up_to((xg.amax(gd + 1) - mn) / torch.full((), levels, dtype=work, device=xg.device), x.dtype)
     else:  # "hqq": fitted; stored in x.dtype as is (codes are clamped, so no coverage is owed)
         fitted_scale, fitted_min = fit_scale_min(xg, gd + 1, levels)
         scale, mn = fitted_scale.to(x.dtype), fitted_min.to(x.dtype).to(work)

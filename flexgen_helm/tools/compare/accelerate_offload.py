@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ import torch
 from flexgen_helm.memory.devices import DTYPES
 from flexgen_helm.memory.machine import machine_info
 from flexgen_helm.memory.usage import process_disk_read_bytes, process_peak_rss_bytes
+from flexgen_helm.models import family_of
 from flexgen_helm.models.tokenizer import import_transformers
 from flexgen_helm.planner.budget import planned_components
 from flexgen_helm.policy.policy import Policy, Split
@@ -50,8 +52,21 @@ def device_bytes(setup: Setup, batch: int) -> int:
 
 def fits_device(setup: Setup, batch: int) -> bool:
     """Row-by-row systems keep one batch's KV cache and activations on the compute device:
-    the same accounting (and budget) as our DeepSpeed-style policy."""
-    return device_bytes(setup, batch) <= setup.gpu_bytes
+    the same accounting (and budget) as our DeepSpeed-style policy. On a GPU accelerate also
+    needs the weights it runs from there (gpu_resident_bytes) beside them."""
+    resident = gpu_resident_bytes(setup) if setup.device == "cuda" else 0
+    return device_bytes(setup, batch) + resident <= setup.gpu_bytes
+
+
+def gpu_resident_bytes(setup: Setup) -> int:
+    """What accelerate holds on the GPU however it offloads: the embeddings (its main device
+    runs from them; with none on the GPU it runs the whole model on the CPU) and room for the
+    largest decoder layer, which its hooks copy in to run."""
+    cfg = resolve(setup.model, dummy=True).config
+    elt = DTYPES[setup.dtype].itemsize
+    specs = family_of(cfg).layer_specs(cfg)
+    size = {spec.name: sum(math.prod(t.shape) for t in spec.tensors) * elt for spec in specs}
+    return size["embed"] + max(size[spec.name] for spec in specs if spec.kind == "block")
 
 
 def largest_batch(setup: Setup) -> int:
@@ -75,6 +90,9 @@ def load_model(setup: Setup, hf_dir: Path, offload: Path, dtype: torch.dtype, ba
         max_memory[0] = setup.gpu_bytes - device_bytes(setup, batch)
     device_map = infer_auto_device_map(empty, max_memory=max_memory,
                                        no_split_module_classes=empty._no_split_modules, dtype=dtype)
+    if setup.device == "cuda" and 0 not in device_map.values():
+        raise ValueError(f"{setup.name}: batch {batch} leaves {max_memory[0] / 2**30:.2f} GiB of the GPU's "
+                         f"{setup.gpu_mem}, too little for any module there: accelerate would run it all on the CPU")
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, device_map=device_map,
                                                               offload_folder=str(offload), dtype=dtype)
     model.eval()
