@@ -21,6 +21,9 @@ def add_command(sub) -> None:
     b.add_argument("--json", help="write the measurements here")
     b.add_argument("--quiet", action="store_true", help="no progress bars")
     b.add_argument("--label", help="name of this setting in reports (e.g. 'no overlap'; see flexgen_helm/tools/report)")
+    b.add_argument("--breakdown", action="store_true",
+                   help="on a GPU, wait for it at the end of every timed stage, so that the per-stage breakdown is "
+                        "the GPU's time (a slower run: the host cannot queue work ahead); a CPU's is exact anyway")
     b.set_defaults(func=run)
 
 

@@ -33,6 +33,11 @@ class ModelRuntime:
     expert_plans: dict = field(default_factory=dict)
     # the dense copies of compressed weights the blocks keep, across blocks (dense_copies)
     kept: KeptDenseWeights | None = None
+    # On a GPU, wait for the device at the end of every timed stretch of compute, so that the
+    # stage timers hold the GPU's time (`flexgen-helm bench --breakdown`). Off, the host queues
+    # each layer's kernels while the GPU still runs the last, and the compute timers hold the
+    # host's time. A CPU computes synchronously: its timers are exact either way.
+    sync_stage_timers: bool = False
 
     def dense_copies(self, keep: bool, across_blocks: bool) -> KeptDenseWeights | None:
         """Where a block keeps the dense copies of its compressed weights (Policy.keep_dense_weights;

@@ -32,7 +32,11 @@ there.
 over the whole run, plus per stage "{prefill,decode}_{compute,load_weight,load_cache,
 load_hidden,store_cache,store_hidden}": the run time of each kind of event. With overlap
 off these add up to the stage's time (the paper's Table 23 breakdown); with overlap on
-the transfers run beside compute, so their times overlap it. Two parts of those:
+the transfers run beside compute, so their times overlap it. On a GPU the compute times are
+the host's unless the runtime synchronizes its stage timers (ModelRuntime.sync_stage_timers,
+bench --breakdown): a wait for the device after every layer drained its queue, and an H100
+ran OPT-1.3B's decode from RAM slower with overlap on than off (runs/gpu/h100-2026-11-26).
+Two parts of those:
 "decode_attention" (of decode_compute: attention over the cache, its new column and mask
 included) and "decode_unpack_cache" (copying, or dequantizing, the cache read into the
 buffers attention reads: of decode_compute on a CPU, of decode_load_cache on a GPU), and
@@ -674,12 +678,18 @@ class BlockSchedule:
             self._submit_stores(layer, k, after.reshape(shape), None, "prefill")
 
     def _time_compute(self, t0: float, stage: str = "decode") -> None:
-        """Counts the compute since t0 (finished, on a GPU) in the run's and the stage's timers."""
-        if self.devices.is_cuda:
-            torch.cuda.current_stream().synchronize()
+        """Counts the compute since t0 in the run's and the stage's timers (on a GPU: finished
+        there where the runtime synchronizes its stage timers, else the host's time)."""
+        self._stage_done()
         elapsed = time.perf_counter() - t0
         self.timers["compute"] += elapsed
         self.timers[f"{stage}_compute"] += elapsed
+
+    def _stage_done(self) -> None:
+        """The end of a timed stretch: on a GPU whose stage timers are synchronized
+        (ModelRuntime.sync_stage_timers), wait for the device to finish what was queued."""
+        if self.devices.is_cuda and self.rt.sync_stage_timers:
+            torch.cuda.current_stream().synchronize()
 
     def _block(self, index: int, k: int, w: dict, h, cache, prefill: bool):
         """h: the computed rows' hidden states. Returns theirs after the block, and the
@@ -718,8 +728,7 @@ class BlockSchedule:
             t0 = time.perf_counter()
             out, unwritten = self._decode_attention(slot, cache, qu, ku, vu, rows, window, index,
                                                     self._prefix_of(index, k), sinks)
-            if self.devices.is_cuda:
-                torch.cuda.current_stream().synchronize()
+            self._stage_done()
             self.timers["decode_attention"] += time.perf_counter() - t0  # part of decode_compute
         out = from_units(out, b)
         if not unwritten:

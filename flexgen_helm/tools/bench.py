@@ -55,6 +55,15 @@ def breakdown(timers: dict) -> dict:
     return out
 
 
+def breakdown_clock(devices, synchronized: bool) -> str:
+    """What the breakdown's compute times are (ModelRuntime.sync_stage_timers)."""
+    if not devices.is_cuda:
+        return "exact: the CPU computes synchronously"
+    if synchronized:
+        return "the GPU's: synchronized at every stage (--breakdown)"
+    return "the host's: the GPU runs behind the host's queue (--breakdown for the GPU's)"
+
+
 class TokenSteps:
     """The progress of one block's generation on stderr: the prefill, then a bar over the
     decode steps whose clock starts after the prefill, so that its estimate of the time left
@@ -97,6 +106,7 @@ def run_bench(args, policy: Policy) -> dict:
     engine = engine_class(args.pipeline).load(args.model, policy, path=args.path, dummy=args.dummy,
                                               offload_dir=args.offload_dir, device=args.device, dtype=args.dtype,
                                               progress=not args.quiet)
+    engine.runtime.sync_stage_timers = args.breakdown
     g = torch.Generator().manual_seed(0)
     batch = policy.block_size
     prompts = torch.randint(10, cfg.vocab_size, (batch, args.prompt_len), generator=g)
@@ -133,6 +143,7 @@ def run_bench(args, policy: Policy) -> dict:
         "memory": stats.memory,
         "timers": stats.timers,
         "breakdown": breakdown(stats.timers),
+        "breakdown_clock": breakdown_clock(devices, args.breakdown),
         "hardware": machine_info(),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
@@ -170,7 +181,8 @@ def _print(r: dict) -> None:
         on_cpu = torch.device(r["device"]).type == "cpu"
         compute = f"attention {d['attention']:.1f}" + (f", cache {unpack}" if on_cpu else "")
         load = f"load cache {d['load_cache']:.1f}" + ("" if on_cpu else f" ({unpack})")
-        print(f"a decode step (ms, mean of {steps}; with overlap on, loads and stores run beside compute): "
+        print(f"a decode step (ms, mean of {steps}; with overlap on, loads and stores run beside compute; "
+              f"compute times {r['breakdown_clock']}): "
               f"compute {d['compute']:.1f} ({compute}), {load}, store cache {d['store_cache']:.1f}, load weights "
               f"{d['load_weight']:.1f}, load/store hidden {d['load_hidden']:.1f}/{d['store_hidden']:.1f}")
     timers = r["timers"]

@@ -10,6 +10,7 @@
 #      to them (`profile --refit`)
 #   3. `flexgen-helm compare` of that setting: ours --policy auto (planned from the refitted
 #      profile), the FlexGen reference, HF accelerate, ours with the DeepSpeed policy
+#   4. overlap on vs off, as in the first call, and once with the GPU's stage times (--breakdown)
 # Run from the repository root: bash runs/gpu/h100_checks.sh  (BUDGET_S: seconds for all of it)
 set -u
 BUDGET_S=${BUDGET_S:-560}
@@ -71,3 +72,11 @@ cp "$FLEXGEN_HELM_CACHE/hardware.json" "$RES/profile-h100-refit.json"
 stage compare_opt67b 330 python3 -m flexgen_helm compare --setup opt-6.7b-p512-g32-gpu16 \
   --systems ours-auto flexgen-reference hf-accelerate ours-deepspeed-policy \
   --no-ablations --warmup 1 --timeout 90 --out "$RES/compare"
+
+# 4. with time left: overlap on vs off again (OPT-1.3B from RAM, as in the first call),
+# now that the GPU's stage timers no longer wait for it unless asked (--breakdown)
+B="--model facebook/opt-1.3b --dummy --device $DEV --dtype float16 --prompt-len 512 --gen-len 32 --gpu-batch-size 32 --num-gpu-batches 4 --warmup 1 --quiet --percent 0 100 100 0 100 0"
+stage overlap_ram_on 35 python3 -m flexgen_helm bench $B --label "weights in RAM, overlap" --json "$RES/overlap_ram_on.json"
+stage overlap_ram_off 35 python3 -m flexgen_helm bench $B --no-overlap --label "weights in RAM, no overlap" --json "$RES/overlap_ram_off.json"
+stage overlap_ram_on_breakdown 35 python3 -m flexgen_helm bench $B --breakdown --label "weights in RAM, overlap, GPU-timed stages" --json "$RES/overlap_ram_on_breakdown.json"
+

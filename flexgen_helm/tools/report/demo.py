@@ -86,7 +86,7 @@ def bench_sweep(records_dir: Path) -> list[Path]:
         path = records_dir / f"bench-{label.replace(' ', '-')}-bs{b}.json"
         args = Namespace(model="smollm2-135m", path=None, dummy=False, offload_dir=None, device=None, dtype=None,
                          prompt_len=BENCH_PROMPT_LEN, gen_len=BENCH_GEN_LEN, gpu_mem=None, cpu_mem=None, warmup=1,
-                         json=str(path), label=label, pipeline=False, quiet=False)
+                         json=str(path), label=label, pipeline=False, quiet=False, breakdown=False)
         run_bench(args, policy)
         paths.append(path)
     return paths
