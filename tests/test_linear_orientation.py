@@ -116,3 +116,25 @@ def test_a_profile_from_before_the_orientation_measurement_says_so_once(tmp_path
     with caplog.at_level("WARNING"):
         assert use_profile(gpu) is not None
     assert not [r for r in caplog.records if "flipped_gains" in r.getMessage()]
+
+
+def test_orientation_gain_is_the_median_of_paired_calls(monkeypatch):
+    """The gain of W x^T is the median over pairs of calls made back to back: a spell in which
+    the machine runs at a tenth of its speed moves no median, over one call or over a pair."""
+    from types import SimpleNamespace
+
+    from flexgen_helm.planner import hardware_profile
+
+    now, speed = [0.0], [1.0]
+    monkeypatch.setattr(hardware_profile, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    calls = []
+
+    def work(seconds):
+        def run():
+            calls.append(seconds)
+            speed[0] = 0.1 if len(calls) in (4, 7, 8) else 1.0  # pair 1's fast side, all of pair 3
+            now[0] += seconds / speed[0]
+        return run
+
+    assert hardware_profile._paired_ratio(work(3.0), work(1.0)) == pytest.approx(3.0)
+    assert len(calls) == 12  # a warm-up of each, then five pairs

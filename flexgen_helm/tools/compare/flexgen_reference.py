@@ -19,6 +19,7 @@ byte stand-in tokenizer under that name in a hub cache of its own and points the
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -82,6 +83,8 @@ def policy_flags(setup: Setup, four_bit: bool) -> list[str]:
 
 def run(setup: Setup, four_bit: bool, log_path: Path) -> dict:
     flags = policy_flags(setup, four_bit)
+    if importlib.util.find_spec("flexgen") is None:
+        raise RuntimeError("the FlexGen reference row needs FlexGen's package: pip install flexgen==0.1.8")
     offload = work_dir() / "flexgen-reference-offload"
     offload.mkdir(parents=True, exist_ok=True)
     log_path.unlink(missing_ok=True)
