@@ -15,7 +15,7 @@ from tqdm import tqdm
 from flexgen_helm.compression.int4 import MAX_KERNEL_ROWS
 from flexgen_helm.dist.launch import engine_class, is_reporting_rank
 from flexgen_helm.executor.sampling import SamplingParams
-from flexgen_helm.memory.devices import DTYPE_NAMES, pick_devices
+from flexgen_helm.memory.devices import DTYPE_NAMES, Devices, pick_devices
 from flexgen_helm.memory.machine import machine_info
 from flexgen_helm.memory.usage import process_disk_read_bytes
 from flexgen_helm.planner.budget import check_budgets, parse_size, planned_bytes
@@ -55,7 +55,7 @@ def breakdown(timers: dict) -> dict:
     return out
 
 
-def breakdown_clock(devices, synchronized: bool) -> str:
+def breakdown_clock(devices: Devices, synchronized: bool) -> str:
     """What the breakdown's compute times are (ModelRuntime.sync_stage_timers)."""
     if not devices.is_cuda:
         return "exact: the CPU computes synchronously"

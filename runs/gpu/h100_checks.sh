@@ -12,6 +12,10 @@
 #      profile), the FlexGen reference, HF accelerate, ours with the DeepSpeed policy
 #   4. overlap on vs off, as in the first call, and once with the GPU's stage times (--breakdown)
 # Run from the repository root: bash runs/gpu/h100_checks.sh  (BUDGET_S: seconds for all of it)
+# The GPU image lacks gguf and flexgen: carry them as wheels in .whl/ (git-ignored; the device
+# tool's `carry: [".whl"]`), fetched here first with
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 -d .whl gguf==0.19.0 flexgen==0.1.8
 set -u
 BUDGET_S=${BUDGET_S:-560}
 DEV=${DEV:-cuda}  # cpu: a dry run of this script on a machine without a GPU
