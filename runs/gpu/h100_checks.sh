@@ -8,9 +8,9 @@
 #      16 GiB of GPU, 512 / 32: all on the GPU at 8 sequences, the search's choice once
 #      refitted; ours on FlexGen's own published policy, like for like), the profile refit
 #      to them (`profile --refit`)
-#   3. `flexgen-helm compare` of that setting: ours --policy auto (planned from the refitted
+#   3. overlap on vs off, as in the first call (the stage timers no longer wait for the GPU)
+#   4. `flexgen-helm compare` of that setting: ours --policy auto (planned from the refitted
 #      profile), the FlexGen reference, HF accelerate, ours with the DeepSpeed policy
-#   4. overlap on vs off, as in the first call, and once with the GPU's stage times (--breakdown)
 # Run from the repository root: bash runs/gpu/h100_checks.sh  (BUDGET_S: seconds for all of it)
 # The GPU image lacks gguf and flexgen: carry them as wheels in .whl/ (git-ignored; the device
 # tool's `carry: [".whl"]`), fetched here first with
@@ -62,25 +62,23 @@ stage pytest_cuda 60 python3 -m pytest -q -p no:cacheprovider --timeout 60 --dev
 
 # 2. the profile (saved where every later command reads it: $FLEXGEN_HELM_CACHE/hardware.json),
 # two calibration benches, the refit
-stage profile 60 python3 -m flexgen_helm profile --device $DEV --dtype float16
+stage profile 40 python3 -m flexgen_helm profile --device $DEV --dtype float16
 cp "$FLEXGEN_HELM_CACHE/hardware.json" "$RES/profile-h100.json"
 C="--model facebook/opt-6.7b --dummy --device $DEV --dtype float16 --prompt-len 512 --gen-len 32 --warmup 1 --quiet"
 stage calib_all_gpu_8 50 python3 -m flexgen_helm bench $C --gpu-batch-size 8 --percent 100 0 100 0 100 0 --label "all on the GPU, 8 sequences" --json "$RES/calib_all_gpu_8.json"
-stage calib_flexgen_policy 45 python3 -m flexgen_helm bench $C --gpu-batch-size 2 --percent 100 0 100 0 100 0 --no-overlap --label "FlexGen's published policy" --json "$RES/calib_flexgen_policy.json"
+stage calib_flexgen_policy 40 python3 -m flexgen_helm bench $C --gpu-batch-size 2 --percent 100 0 100 0 100 0 --no-overlap --label "FlexGen's published policy" --json "$RES/calib_flexgen_policy.json"
 # with the cache-streaming run of the first H100 call (the term the calibrations do not bind)
-stage refit 30 python3 -m flexgen_helm profile --refit "$RES"/calib_*.json \
+stage refit 20 python3 -m flexgen_helm profile --refit "$RES"/calib_*.json \
   runs/gpu/h100-2026-11-26/call1/compare/opt-6.7b-p512-g32-gpu16/ours-auto.json
 cp "$FLEXGEN_HELM_CACHE/hardware.json" "$RES/profile-h100-refit.json"
 
-# 3. the paper's benchmark (each row's JSON is written as it ends: a timeout keeps those done)
-stage compare_opt67b 330 python3 -m flexgen_helm compare --setup opt-6.7b-p512-g32-gpu16 \
-  --systems ours-auto flexgen-reference hf-accelerate ours-deepspeed-policy \
-  --no-ablations --warmup 1 --timeout 90 --out "$RES/compare"
-
-# 4. with time left: overlap on vs off again (OPT-1.3B from RAM, as in the first call),
+# 3. overlap on vs off again (OPT-1.3B from RAM, as in the first call),
 # now that the GPU's stage timers no longer wait for it unless asked (--breakdown)
 B="--model facebook/opt-1.3b --dummy --device $DEV --dtype float16 --prompt-len 512 --gen-len 32 --gpu-batch-size 32 --num-gpu-batches 4 --warmup 1 --quiet --percent 0 100 100 0 100 0"
-stage overlap_ram_on 35 python3 -m flexgen_helm bench $B --label "weights in RAM, overlap" --json "$RES/overlap_ram_on.json"
-stage overlap_ram_off 35 python3 -m flexgen_helm bench $B --no-overlap --label "weights in RAM, no overlap" --json "$RES/overlap_ram_off.json"
-stage overlap_ram_on_breakdown 35 python3 -m flexgen_helm bench $B --breakdown --label "weights in RAM, overlap, GPU-timed stages" --json "$RES/overlap_ram_on_breakdown.json"
+stage overlap_ram_on 30 python3 -m flexgen_helm bench $B --label "weights in RAM, overlap" --json "$RES/overlap_ram_on.json"
+stage overlap_ram_off 30 python3 -m flexgen_helm bench $B --no-overlap --label "weights in RAM, no overlap" --json "$RES/overlap_ram_off.json"
 
+# 4. the paper's benchmark (each row's JSON is written as it ends: a timeout keeps those done)
+stage compare_opt67b 300 python3 -m flexgen_helm compare --setup opt-6.7b-p512-g32-gpu16 \
+  --systems ours-auto flexgen-reference hf-accelerate ours-deepspeed-policy \
+  --no-ablations --warmup 1 --timeout 90 --out "$RES/compare"
