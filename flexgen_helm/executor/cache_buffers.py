@@ -9,8 +9,10 @@ Where the copy engine unpacks a load (a GPU: the unpack holds the host-to-device
 sets of buffers take turns (`next_set`, once per load): the schedule has at most two cache
 loads alive, the one being computed with and the one the copy engine prepares for next; a
 load is taken only after the load before it was consumed, so the set it overwrites belongs
-to compute that has finished. Where the compute thread unpacks (a CPU), it does so after
-the load before was computed with, so one set serves. A load is one GPU batch's cache, or
+to compute that was queued before it: on a GPU the copy stream waits for that compute to
+finish on the device (the `ready` event of CopyEngine.submit), the host does not. Where the
+compute thread unpacks (a CPU), it does so after the load before was computed with, so one
+set serves. A load is one GPU batch's cache, or
 (a merged decode step, schedule.py) a group of GPU batches' of one layer, each batch in its
 own buffers of the set (`of_batch`). A buffer that is too small is replaced by one twice
 the size asked for, so a cache that grows a position per step reallocates a handful of

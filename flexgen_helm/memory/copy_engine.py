@@ -68,12 +68,16 @@ class CopyEngine:
 
     def fan_out(self, fn, items: list) -> list:
         """[fn(x) for x in items], up to READS_AT_ONCE of them running at once (fn: reads that
-        release the GIL and touch nothing the others touch)."""
+        release the GIL and touch nothing the others touch). On CUDA each runs on the caller's
+        stream (a lane's): a thread starts on the default stream, the compute stream, where
+        what a read queued (a ring's gather of a GPU-tier cache) was not ordered with the lane
+        that uses it, nor covered by the lane's wait."""
         if len(items) < 2:
             return [fn(x) for x in items]
         if self._fan is None:
             self._fan = ThreadPoolExecutor(max_workers=READS_AT_ONCE, thread_name_prefix="flexgen-io-fan")
-        return list(self._fan.map(functools.partial(without_autograd, fn), items))
+        stream = torch.cuda.current_stream() if self.cuda else None
+        return list(self._fan.map(functools.partial(_on_stream, stream, fn), items))
 
     def _timed(self, kind, run, *args):
         if kind is None:
@@ -111,6 +115,14 @@ def without_autograd(fn, *args):
     The executor's entry points (executor/generation.py) and every worker thread here run so."""
     with torch.inference_mode():
         return fn(*args)
+
+
+def _on_stream(stream, fn, x):
+    """fn(x) without autograd, its CUDA work queued on `stream` (None: no CUDA)."""
+    if stream is None:
+        return without_autograd(fn, x)
+    with torch.cuda.stream(stream):
+        return without_autograd(fn, x)
 
 
 def consume(value, device: torch.device):

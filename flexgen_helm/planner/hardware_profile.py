@@ -365,8 +365,9 @@ def measure_device(device: torch.device, dtype: torch.dtype) -> DeviceSpeeds:
 
 def measure_host_attention(dtype: torch.dtype) -> DeviceSpeeds:
     """The host's speeds a GPU's plan reads: attention delegated to the CPU (cost_model.py);
-    the host never multiplies a weight there. The whole table in fp16 took 3 minutes of a
-    GPU lease's time (174 s on 2 cores, measured)."""
+    the host never multiplies a weight there. The whole CPU table in fp16 took 174 s on the
+    2-core EPYC, time a GPU lease would pay for nothing; the GPU profile took 16 s on an H100's
+    machine without it (runs/gpu/h100-2026-11-26)."""
     speeds = DeviceSpeeds()
     speeds.attn_prefill_flops, speeds.attn_decode_bytes_per_s = _attention_speeds(torch.device("cpu"), dtype, None)
     return speeds

@@ -7,9 +7,10 @@ dummy weights. Run as its own process so memory and disk counters are its own:
 Placement is accelerate's: infer_auto_device_map with max_memory={"cpu": cpu budget} puts
 whole decoder layers in RAM until the budget is spent and the rest on "disk"; the KV cache
 and activations stay on the compute device (row by row, one batch), so the batch is limited
-by the same device budget as our DeepSpeed-style row (`fits_device`). On a GPU setup the
-device budget's rest after that batch's cache and activations holds whole layers too
-(max_memory={0: rest, "cpu": ...}); accelerate's hooks copy the others in at every use.
+by the device budget (`fits_device`), on a CPU as our DeepSpeed-style row is. On a GPU setup
+accelerate also needs its embeddings and room for one layer there (`gpu_resident_bytes`), and
+what the batch leaves holds whole layers (max_memory={0: rest, "cpu": ...}); its hooks copy
+the others in at every use.
 
 Disk honesty: accelerate reads offloaded weights through memory maps, i.e. through the OS
 page cache, which on this 24 GiB machine would hold the whole model after the first token.
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -65,7 +65,7 @@ def gpu_resident_bytes(setup: Setup) -> int:
     cfg = resolve(setup.model, dummy=True).config
     elt = DTYPES[setup.dtype].itemsize
     specs = family_of(cfg).layer_specs(cfg)
-    size = {spec.name: sum(math.prod(t.shape) for t in spec.tensors) * elt for spec in specs}
+    size = {spec.name: sum(t.numel for t in spec.tensors) * elt for spec in specs}
     return size["embed"] + max(size[spec.name] for spec in specs if spec.kind == "block")
 
 
