@@ -173,7 +173,11 @@ def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_vali
     t = k.shape[1]
     dtype = _attention_dtype(q)
     q_, k_, v_ = q.to(dtype), k.to(dtype)[:, None], v.to(dtype)[:, None]
-    if bool(key_valid.all()) and (not causal or q_len == t):
+    # a GPU's decode step takes the masked kernel without asking whether anything is masked:
+    # the answer (a device-to-host read) would wait for the GPU to finish all it was given,
+    # at every layer of every GPU batch
+    asks = q_len > 1 or q.device.type != "cuda"
+    if asks and bool(key_valid.all()) and (not causal or q_len == t):
         # no padding: the plain (top-left aligned) causal flag is exact when q_len == t
         return _sdpa(q_, k_, v_, causal and q_len > 1, window).to(q.dtype)
     kpos = torch.arange(t, device=q.device)[None, :]
