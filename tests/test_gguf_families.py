@@ -216,6 +216,24 @@ def test_gguf_runs_as_the_checkpoint(pair, tmp_path):
         [r.completions[0].token_ids for r in reference.generate(PROMPTS, params).results]
 
 
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps")
+@pytest.mark.parametrize("pair", ["llama"], indirect=True)
+def test_a_released_gguf_is_no_longer_mapped(pair, tmp_path):
+    # a mapped file's pages count in RSS for as long as the mapping lives; a later read maps it
+    # again (a tiny file: reopening SmolLM2's bundled one took 4 s a read)
+    _, _, path = pair
+    source = GGUFFile(path, cache_dir=tmp_path)
+    source.release()  # opening parsed the file
+    gc.collect()
+    assert mappings_of(path) == 0
+    first = source.read("layers.0.q_proj.weight")
+    assert mappings_of(path) > 0
+    source.release()
+    gc.collect()
+    assert mappings_of(path) == 0
+    assert torch.equal(source.read("layers.0.q_proj.weight"), first)
+
+
 def test_transformers_reads_our_gemma3_gguf_as_we_do(tmp_path):
     """An independent reader of the file written above: transformers' own GGUF loader
     (which undoes llama.cpp's Gemma norm offset itself) gives the same tensors."""
