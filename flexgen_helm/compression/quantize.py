@@ -42,6 +42,7 @@ Conventions for which dimension forms the groups (FlexGen's reference code):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 from dataclasses import dataclass
@@ -288,6 +289,12 @@ def _quantize_block(x: torch.Tensor, cfg: Compression, gd: int) -> QuantizedTens
     )
 
 
+@functools.lru_cache(maxsize=None)
+def _levels_on(levels: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`levels` as a 0-dim tensor on `device`, made once (a KV cache quantizes at every write)."""
+    return torch.full((), levels, dtype=dtype, device=device)
+
+
 def _grid(x: torch.Tensor, cfg: Compression, gd: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x's groups along gd on their grid: the codes (whole numbers, in the working dtype,
     x's layout with the group dim split in two, (..., ng, G, ...), the last group padded),
@@ -314,7 +321,7 @@ def _grid(x: torch.Tensor, cfg: Compression, gd: int) -> tuple[torch.Tensor, tor
         # its reciprocal, a float32 ulp off a true quotient, so a range that is an exact
         # multiple of `levels` rounded up to the next scale, and CUDA's codes differed from the
         # CPU's (test_cuda_matches_cpu on an H100: 3, 4 and 6 bits; runs/gpu/h100-2026-11-26)
-        scale = _round_up_to((xg.amax(gd + 1) - mn) / torch.full((), levels, dtype=work, device=xg.device), x.dtype)
+        scale = _round_up_to((xg.amax(gd + 1) - mn) / _levels_on(levels, work, xg.device), x.dtype)
     else:  # "hqq": fitted; stored in x.dtype as is (codes are clamped, so no coverage is owed)
         fitted_scale, fitted_min = fit_scale_min(xg, gd + 1, levels)
         scale, mn = fitted_scale.to(x.dtype), fitted_min.to(x.dtype).to(work)

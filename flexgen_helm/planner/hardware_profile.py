@@ -421,7 +421,7 @@ def _paired_ratio(slow, fast, pairs: int = 5) -> float:
     """time(slow) / time(fast) as the median over pairs of calls made one right after the
     other (after a warm-up of each). Each side's own fastest call, taken apart, compared two
     moments of a shared machine: a profile of the 2-core EPYC measured W x^T 4.14x faster than
-    F.linear at 16 rows where pairs of calls minutes later gave 1.25-1.85, and the MoE decode
+    F.linear at 16 rows where its next profile, timed in pairs, measured 1.25, and the MoE decode
     step it planned ran 2.55x slower than predicted (runs/moe/olmoe-4l-f32-avx2)."""
     slow(), fast()
     ratios = []
