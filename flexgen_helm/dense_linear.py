@@ -31,7 +31,10 @@ def set_flipped_max_rows(device_type: str, dtype: torch.dtype, rows: int) -> Non
 def dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, bias), as W x^T where the profile chose it for this row count."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (1 < rows <= FLIPPED_MAX_ROWS.get((x.device.type, x.dtype), 0) and w.dtype == x.dtype
+    # a weight stored by column (a transposed view: a packed weight's dense copy made for a
+    # prefill, compression/int4.py) is F.linear's own layout; as W x^T it ran 5.8x slower at 10
+    # rows on the AVX2 EPYC (runs/bench/linear_orientation/by_column.py)
+    if (1 < rows <= FLIPPED_MAX_ROWS.get((x.device.type, x.dtype), 0) and w.dtype == x.dtype and w.is_contiguous()
             and (bias is None or bias.dtype == x.dtype)):  # F.linear refuses mixed dtypes: so does this
         return flipped_linear(x, w, bias)
     return F.linear(x, w, bias)

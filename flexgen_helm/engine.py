@@ -13,6 +13,7 @@ implements it too.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import tempfile
 import threading
@@ -54,6 +55,7 @@ from flexgen_helm.weights.loading import open_weights
 from flexgen_helm.weights.registry import ResolvedModel, resolve
 from flexgen_helm.weights.source_grids import weight_grids
 
+logger = logging.getLogger(__name__)
 _seed_counter = itertools.count()
 # What placing the weights fixed (build_runtime), and what changes the numbers a loaded model
 # computes (HELM's cache key, helm/engines.LoadArgs.numerics_key): a loaded engine keeps these.
@@ -285,7 +287,12 @@ def build_runtime(resolved: ResolvedModel, policy: Policy, devices: Devices, off
     homes = build_homes(layers, placement, devices, read_full, usage, policy.pin_weight, compression,
                         progress, store if isinstance(store, CompressedStore) else None)
     release_freed_host_memory(0)  # what reading whole tensors to keep parts of them left behind
-    return ModelRuntime(cfg, family, layers, placement, homes, store, devices, usage)
+    runtime = ModelRuntime(cfg, family, layers, placement, homes, store, devices, usage)
+    seconds = runtime.make_dense_copies(policy)
+    if seconds:
+        logger.info("dense copies of the compressed weights made at load, kept for every block: %.0f MiB in %.2f s",
+                    runtime.kept.nbytes / 2**20, seconds)
+    return runtime
 
 
 def weight_calibration(resolved: ResolvedModel, compression: Compression | None, offload_dir: Path,

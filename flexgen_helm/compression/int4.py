@@ -350,12 +350,17 @@ class CompressedWeight:
             DENSE_COPIES.track(self, self._dense.numel() * self._dense.element_size())
         return self._dense
 
+    @property
+    def rows_apart(self) -> bool:
+        """Whether each row decodes without the others (a lookup then needs no dense copy)."""
+        return all(_rows_apart(p) for _, p in self.parts)
+
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """F.embedding(ids, weight): only the rows looked up are dequantized where the weight
         is packed for the CPU or grouped along its rows' own elements (the dense copy, where
         this use already made one, or where the layout decodes whole: CUDA's tiles, groups
         along dim 0)."""
-        if self._dense is not None or not all(_rows_apart(p) for _, p in self.parts):
+        if self._dense is not None or not self.rows_apart:
             return F.embedding(ids, self.dense())
         if len(self.parts) == 1:
             return _stored_rows_of(self.parts[0][1], ids, self.dtype)

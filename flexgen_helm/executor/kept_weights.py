@@ -59,6 +59,19 @@ class KeptDenseWeights:
         self._layers[layer.kind, layer.index] = weights
         return weights
 
+    def make_all(self, load: Callable, layers) -> None:
+        """Every layer's dense copies, made now rather than at each weight's first multiply:
+        at load, where the copies serve every block (ModelRuntime.dense_copies), so that they
+        are made once with the model, as an uncompressed deployment's weights are, and not
+        inside the first block's compute (the main job's first scenario, whose prefill they
+        made ~30% longer: runs/compression_8bit/main_job_fresh_2026-11-26_copies_at_load/)."""
+        for layer in layers:
+            for w in self(load, layer).values():
+                # a table whose rows decode apart is looked up without a copy (CompressedWeight.embedding)
+                if isinstance(w, CompressedWeight) and not (layer.kind == "embed" and w.rows_apart):
+                    w.dense()
+        self.count_dense_copies()
+
     @property
     def nbytes(self) -> int:
         """Bytes of the dense copies counted so far."""

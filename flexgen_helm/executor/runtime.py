@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Callable
@@ -57,6 +58,15 @@ class ModelRuntime:
         if self.kept is None:
             self.kept = KeptDenseWeights(self.usage)
         return self.kept
+
+    def make_dense_copies(self, policy) -> float:
+        """Where `policy` keeps dense copies of compressed weights across blocks, make them all
+        now (KeptDenseWeights.make_all); the seconds it took (0.0: none kept across blocks)."""
+        if not (policy.keep_dense_weights and policy.dense_copies_across_blocks):
+            return 0.0
+        start = time.perf_counter()
+        self.dense_copies(True, True).make_all(self.load_layer, self.layers)
+        return time.perf_counter() - start
 
     def load_layer(self, layer: LayerSpec, loaded: dict | None = None,
                    map_reads: Callable | None = None) -> dict[str, torch.Tensor]:
