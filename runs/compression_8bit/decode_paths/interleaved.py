@@ -2,11 +2,13 @@
 the plain model, in one process with the rounds interleaved (run.sh runs one bench after the
 other, and on a shared 2-core host one run's speed moves by 10-40% against the next's).
 
-    python runs/compression_8bit/decode_paths/interleaved.py [--rounds 5] [--sequences 10] [--out DIR]
+    python runs/compression_8bit/decode_paths/interleaved.py [--rounds 5] [--sequences 10] [--shared-prefix 0]
+        [--paths ...] [--out DIR]
 
 SmolLM2-135M in RAM in this CPU's default dtype (bfloat16 with bf16 arithmetic, else float32),
 one GPU batch of --sequences rows, prompts of 128 tokens, 32 new tokens (the README main job's
-block). Every engine is loaded and warmed up first; then each round runs every engine once, the
+block); --shared-prefix P: the prompts' first P tokens the same (a few-shot scenario's, computed
+once for the block). Every engine is loaded and warmed up first; then each round runs every engine once, the
 order rotating from round to round. Per engine: the mean decode step of each round, the
 median of the per-round ratios of the plain model's step to its own, and whether its tokens
 equal the plain model's. Appends one JSON line to results.jsonl in --out (default: beside this
@@ -49,6 +51,11 @@ PATHS = {  # name -> Policy fields besides the block
     "kv4-kivi": {"compress_cache": Compression(4, 64, cache_grouping="kivi")},
     # its groups mirrored dense beside them, each step adding those it completed (Policy.keep_dense_cache)
     "kv4-kivi-dense": {"compress_cache": Compression(4, 64, cache_grouping="kivi"), "keep_dense_cache": True},
+    # the main job's compressed deployments (helm/model_deployments.yaml) as its planner runs them
+    "8-bit-deployment": {"compress_weight": W8, "keep_dense_weights": True, "keep_dense_cache": True,
+                         "compress_cache": Compression(8, 64, cache_grouping="per-token")},
+    "4-bit-deployment": {"compress_weight": W4, "keep_dense_weights": True, "keep_dense_cache": True,
+                         "compress_cache": Compression(4, 64, cache_grouping="kivi")},
 }
 
 
@@ -56,6 +63,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--sequences", type=int, default=10)
+    p.add_argument("--shared-prefix", type=int, default=0)
     p.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
     p.add_argument("--out", type=Path, default=HERE)
     args = p.parse_args()
@@ -65,7 +73,11 @@ def main() -> None:
     dtype = DTYPE_NAMES[pick_devices("cpu", None).dtype]
     load_before = os.getloadavg()[0]
     rng = random.Random(0)
-    prompts = [[rng.randrange(1000, 40000) for _ in range(PROMPT)] for _ in range(args.sequences)]
+    if not 0 <= args.shared_prefix < PROMPT:
+        raise SystemExit(f"--shared-prefix: 0 to {PROMPT - 1} of the {PROMPT} prompt tokens")
+    shared = [rng.randrange(1000, 40000) for _ in range(args.shared_prefix)]
+    prompts = [shared + [rng.randrange(1000, 40000) for _ in range(PROMPT - args.shared_prefix)]
+               for _ in range(args.sequences)]
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
     engines = {}
     for name in args.paths:
@@ -90,10 +102,12 @@ def main() -> None:
                       "same_tokens_as_plain": tokens[name] == tokens["plain"]}
         print(name, rows[name], flush=True)
     record = {"host": machine_label(), "dtype": dtype, "sequences": args.sequences, "prompt": PROMPT, "new": NEW,
+              "shared_prefix": args.shared_prefix,
               "rounds": args.rounds, "paths": rows,
               "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
               "command": f"python runs/compression_8bit/decode_paths/interleaved.py --rounds {args.rounds} "
-                         f"--sequences {args.sequences} --paths {' '.join(args.paths)}"}
+                         f"--sequences {args.sequences} --shared-prefix {args.shared_prefix} "
+                         f"--paths {' '.join(args.paths)}"}
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "results.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
