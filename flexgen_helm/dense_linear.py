@@ -8,7 +8,8 @@ decode step's products stream every weight from memory for a few rows; a CPU's G
 partitions a tall left operand's rows over its threads and streams them once, where
 `F.linear` (x W^T) took 1.1-3.9x longer at 4-128 rows on a 2-core AVX2 EPYC in float32
 (runs/bench/linear_orientation). `flexgen-helm profile` measures where it pays
-(planner/hardware_profile.py), per device type and dtype; nothing changes unprofiled.
+(planner/hardware_profile.py), per device type and dtype; nothing changes unprofiled. A
+weight stored by column (a transposed view) always takes F.linear.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ def set_flipped_max_rows(device_type: str, dtype: torch.dtype, rows: int) -> Non
 def dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, bias), as W x^T where the profile chose it for this row count."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    # a weight stored by column (a transposed view: a packed weight's dense copy made for a
-    # prefill, compression/int4.py) is F.linear's own layout; as W x^T it ran 5.8x slower at 10
-    # rows on the AVX2 EPYC (runs/bench/linear_orientation/by_column.py)
+    # a weight stored by column (a transposed view: a CPU-packed int4 weight's dense copy made
+    # for a call of up to 2048 rows, compression/int4.py) is F.linear's own layout; as W x^T it
+    # took 8.9x F.linear's time on the same weight at 10 rows in float32 on the AVX2 EPYC
+    # (runs/bench/linear_orientation/by_column.jsonl)
     if (1 < rows <= FLIPPED_MAX_ROWS.get((x.device.type, x.dtype), 0) and w.dtype == x.dtype and w.is_contiguous()
             and (bias is None or bias.dtype == x.dtype)):  # F.linear refuses mixed dtypes: so does this
         return flipped_linear(x, w, bias)

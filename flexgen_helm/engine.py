@@ -262,6 +262,7 @@ class Engine:
         return report
 
     def close(self) -> None:
+        self.runtime.release_dense_copies()
         self.runtime.homes.clear()
 
 

@@ -64,6 +64,30 @@ def test_kept_copies_compute_what_a_dequantization_per_use_computes(tiny_llama, 
     assert _generate(kept) == want
     assert kept.runtime.kept is None
     assert kept.runtime.usage.current["gpu"] == per_use.runtime.usage.current["gpu"]
+    kept.set_policy(Policy(4, 1, compress_weight=grid, keep_dense_weights=True))  # the next one makes them again
+    made.clear()
+    assert _generate(kept) == want
+    assert kept.runtime.kept.nbytes == copies and sum(made) == copies
+    assert kept.runtime.usage.current["gpu"] == per_use.runtime.usage.current["gpu"] + copies
+    kept.close()
+    assert kept.runtime.usage.current["gpu"] == per_use.runtime.usage.current["gpu"]
+
+
+def test_the_load_makes_the_copy_of_a_multiplied_weight_beside_the_tables(tmp_path, monkeypatch):
+    """OPT's project_in lives with the embedding tables but is multiplied: the load makes its
+    copy too, and the first block makes none."""
+    from conftest import save_tiny
+
+    path = save_tiny("opt", tmp_path / "opt-project-in", word_embed_proj_dim=16)
+    made = []
+    real_track = int4.DENSE_COPIES.track
+    monkeypatch.setattr(int4.DENSE_COPIES, "track", lambda w, n: made.append(n) or real_track(w, n))
+    engine = Engine.load(str(path), Policy(4, 1, compress_weight=Compression(8, PER_CHANNEL), keep_dense_weights=True),
+                         offload_dir=tmp_path, **BF16)
+    copies = engine.runtime.kept.nbytes
+    assert sum(made) == copies and 32 * 16 * 2 in made  # project_in: (hidden 32, 16) in bf16
+    _generate(engine)
+    assert sum(made) == copies
 
 
 def test_copies_of_weights_off_the_compute_tier_go_with_their_block(tiny_llama, tmp_path):

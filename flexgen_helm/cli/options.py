@@ -90,7 +90,7 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attn-sparsity", type=float, default=1.0, help="fraction of keys kept in decode attention")
     g.add_argument("--keep-dense-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="a block keeps its compressed weights dequantized from their first use to its end (and for "
-                        "the blocks after it, where every weight is on the gpu tier), so decode "
+                        "the blocks after it, where every weight is on the gpu tier: then made at load), so decode "
                         "steps multiply dense copies instead of the int4/int8 kernels (uncompressed speed, the "
                         "memory of both); default: the planner's choice where it plans, else off")
     g.add_argument("--keep-dense-cache", action=argparse.BooleanOptionalAction, default=None,

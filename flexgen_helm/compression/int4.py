@@ -318,7 +318,8 @@ class CompressedWeight:
 
     def keep_dense(self) -> None:
         """Multiply on the dense copy at every row count from now on (made at the first
-        multiply, then reused): a weight a block keeps for all its steps (executor/kept_weights.py)."""
+        multiply unless made before, then reused): a weight a block keeps for all its steps
+        (executor/kept_weights.py)."""
         self.max_kernel_rows = 0
 
     @property
@@ -329,13 +330,15 @@ class CompressedWeight:
     def uses_kernel(self, rows: int) -> bool:
         return self.packed and (self.max_kernel_rows is None or rows <= self.max_kernel_rows)
 
-    def dense(self, rows: int | None = None) -> torch.Tensor:
+    def dense(self, rows: int | None = None, by_column: bool | None = None) -> torch.Tensor:
         """The weight dequantized in the compute dtype; made once per use of the layer. rows:
         the activation rows of the call that needs it, which pick its orientation on the CPU
         (dequantize_packed): by column up to DENSE_BY_COLUMN_MAX_ROWS, where making it is a
-        large part of the call, else by row, where the matmul is."""
+        large part of the call, else by row, where the matmul is; `by_column` says which
+        instead (a copy kept for many calls: executor/kept_weights.py)."""
         if self._dense is None:
-            by_column = rows is None or rows <= DENSE_BY_COLUMN_MAX_ROWS
+            if by_column is None:
+                by_column = rows is None or rows <= DENSE_BY_COLUMN_MAX_ROWS
             if len(self.parts) == 1:
                 self._dense = _dequantize_stored(self.parts[0][1], self.dtype, by_column)
             else:  # in the orientation its parts dequantize to, so that each copy is a plain one

@@ -1,5 +1,6 @@
 """A block's compressed weights kept dense from their first use to the block's end, or for the
-blocks after it too (Policy.keep_dense_weights, Policy.dense_copies_across_blocks).
+blocks after it too (Policy.keep_dense_weights, Policy.dense_copies_across_blocks): then all
+made at once, at load (or by the first block that keeps them after one that let them go).
 
 Without it, a layer's weights are loaded again at every step of the block, and a decode
 step multiplies its few rows on the packed bytes (the int4/int8 kernels), which can be slower
@@ -9,8 +10,8 @@ once a block, every compressed weight it multiplies is dequantized once, and the
 later steps reuse the same dense copies: the speed of uncompressed weights for the memory of
 both (the planner turns it on only where the compute tier holds every dense copy). Where
 every weight lives in the compute tier's memory, the same copies serve the blocks after it
-(ModelRuntime.dense_copies). Not for MoE models, whose experts load as their router picks
-them (refused).
+(ModelRuntime.dense_copies), made before any block (make_all). Not for MoE models, whose
+experts load as their router picks them (refused).
 
 The layers are written on the copy thread (loads) and read on the compute thread
 (count_dense_copies) without a lock: every load that adds a layer is waited for before a
@@ -25,6 +26,7 @@ from flexgen_helm.compression.int4 import CompressedWeight
 from flexgen_helm.errors import PolicyError
 from flexgen_helm.executor.expert_weights import ExpertsOnDemand
 from flexgen_helm.memory.usage import TierUsage
+from flexgen_helm.models.spec import is_lookup_table
 
 
 def check_keep_dense(keep: bool, cfg) -> None:
@@ -60,16 +62,17 @@ class KeptDenseWeights:
         return weights
 
     def make_all(self, load: Callable, layers) -> None:
-        """Every layer's dense copies, made now rather than at each weight's first multiply:
-        at load, where the copies serve every block (ModelRuntime.dense_copies), so that they
-        are made once with the model, as an uncompressed deployment's weights are, and not
-        inside the first block's compute (the main job's first scenario, whose prefill they
-        made ~30% longer: runs/compression_8bit/main_job_fresh_2026-11-26_copies_at_load/)."""
+        """Every layer's dense copies, made now rather than at each weight's first multiply,
+        where the copies serve every block (ModelRuntime.dense_copies): made once with the
+        model, as an uncompressed deployment's weights are, and not inside a block's timed
+        compute (the main job's first scenario, whose prefill they made ~30% longer:
+        runs/compression_8bit/main_job_fresh_2026-11-26_copies_at_load/). By row, the layout
+        whose decode-sized products may take W x^T (dense_linear.py)."""
         for layer in layers:
-            for w in self(load, layer).values():
+            for key, w in self(load, layer).items():
                 # a table whose rows decode apart is looked up without a copy (CompressedWeight.embedding)
-                if isinstance(w, CompressedWeight) and not (layer.kind == "embed" and w.rows_apart):
-                    w.dense()
+                if isinstance(w, CompressedWeight) and not (is_lookup_table(layer, key) and w.rows_apart):
+                    w.dense(by_column=False)
         self.count_dense_copies()
 
     @property
@@ -78,8 +81,8 @@ class KeptDenseWeights:
         return self._counted
 
     def count_dense_copies(self) -> None:
-        """Bring the dense copies made so far into the usage account (they are made at a
-        weight's first multiply, inside the layer's compute)."""
+        """Bring the dense copies made so far into the usage account (those a block keeps for
+        itself are made at a weight's first multiply, inside the layer's compute)."""
         seen, total = set(), 0
         for weights in self._layers.values():
             for w in weights.values():

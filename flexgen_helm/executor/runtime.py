@@ -42,30 +42,36 @@ class ModelRuntime:
 
     def dense_copies(self, keep: bool, across_blocks: bool) -> KeptDenseWeights | None:
         """Where a block keeps the dense copies of its compressed weights (Policy.keep_dense_weights;
-        None where it does not). across_blocks: the copies made by an earlier block are the
-        same (the weights are all in the compute tier's memory, where a layer's load is its
-        home, and only the copies are extra, counted in `usage`), so they are kept for the next
-        block too instead of dequantized again: a HELM run of many blocks, or of several
-        scenarios, dequantizes each weight once. Otherwise the block gets copies of its own,
-        which it releases when it ends (several blocks may be alive at once: a pipeline's
-        micro-batch groups); and a block that keeps none, or none across blocks, first lets go
-        of those an earlier block left."""
+        None where it does not). across_blocks: every block's copies are the same (the
+        weights are all in the compute tier's memory, where a layer's load is its home, and
+        only the copies are extra, counted in `usage`), so they are made all at once, at load
+        or for the first block that keeps them (KeptDenseWeights.make_all), and kept for every
+        block after it: a HELM run of many blocks, or of several scenarios, dequantizes each
+        weight once. Otherwise the block gets copies of its own, made at each weight's first
+        multiply, which it releases when it ends (several blocks may be alive at once: a
+        pipeline's micro-batch groups); and a block that keeps none, or none across blocks,
+        first lets go of those kept across blocks."""
         if not (keep and across_blocks):
-            if self.kept is not None:  # before the block allocates anything of its own
-                self.kept.release()
-                self.kept = None
+            self.release_dense_copies()  # before the block allocates anything of its own
             return KeptDenseWeights(self.usage) if keep else None  # the block's own: it releases them
         if self.kept is None:
             self.kept = KeptDenseWeights(self.usage)
+            self.kept.make_all(self.load_layer, self.layers)
         return self.kept
+
+    def release_dense_copies(self) -> None:
+        """Let go of the dense copies kept across blocks, if any."""
+        if self.kept is not None:
+            self.kept.release()
+            self.kept = None
 
     def make_dense_copies(self, policy) -> float:
         """Where `policy` keeps dense copies of compressed weights across blocks, make them all
-        now (KeptDenseWeights.make_all); the seconds it took (0.0: none kept across blocks)."""
+        now (dense_copies); the seconds it took (0.0: none kept across blocks)."""
         if not (policy.keep_dense_weights and policy.dense_copies_across_blocks):
             return 0.0
         start = time.perf_counter()
-        self.dense_copies(True, True).make_all(self.load_layer, self.layers)
+        self.dense_copies(True, True)
         return time.perf_counter() - start
 
     def load_layer(self, layer: LayerSpec, loaded: dict | None = None,

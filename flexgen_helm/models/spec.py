@@ -45,6 +45,11 @@ class LayerSpec:
     tensors: tuple[TensorSpec, ...]
 
 
+def is_lookup_table(layer: LayerSpec, key: str) -> bool:
+    """Embedding tables are gathered from (models/linear.embedding), not multiplied with."""
+    return layer.kind == "embed" and key.endswith(("tokens.weight", "positions.weight"))
+
+
 def tensor(layer: str, key: str, *shape: int, tied_to: str | None = None) -> TensorSpec:
     return TensorSpec(key=key, store_name=tied_to or f"{layer}.{key}", shape=tuple(shape))
 

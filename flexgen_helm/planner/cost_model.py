@@ -60,7 +60,7 @@ from flexgen_helm.memory.weight_homes import load_nbytes, segment_nbytes
 from flexgen_helm.models import family_of
 from flexgen_helm.models.config import ModelConfig
 from flexgen_helm.models.moe import expected_experts_touched
-from flexgen_helm.models.spec import LayerSpec, TensorSpec
+from flexgen_helm.models.spec import LayerSpec, TensorSpec, is_lookup_table
 from flexgen_helm.planner.budget import planned_components
 from flexgen_helm.planner.hardware_profile import HardwareProfile
 from flexgen_helm.policy.policy import TIERS, Policy
@@ -171,11 +171,6 @@ def _is_matrix(t: TensorSpec) -> bool:
     return len(t.shape) >= 2
 
 
-def _is_lookup(layer: LayerSpec, t: TensorSpec) -> bool:
-    """Embedding tables are gathered from, not multiplied with."""
-    return layer.kind == "embed" and t.key.endswith(("tokens.weight", "positions.weight"))
-
-
 @dataclass
 class LayerWeights:
     """Bytes of one layer's weights by tier as the layer loads them (tied tensors included),
@@ -239,7 +234,7 @@ def layer_weights(layer: LayerSpec, placement: dict, weight_compression: WeightC
                 lw.assembled += nbytes
         if not _is_matrix(t):
             continue
-        multiplied = not _is_lookup(layer, t)
+        multiplied = not is_lookup_table(layer, t.key)
         lw.matmul_numel += t.numel * multiplied
         if weight_groups(compression, t.shape) is None:
             continue
@@ -326,8 +321,8 @@ class CostModel:
         # block's tokens are expected to choose (each row multiplies k of them)
         rows, calls = _matmuls(layer, gbs, nb, tokens, phase)
         # a block that keeps dense copies makes them in its prefill; where every weight is in the
-        # compute tier's memory the copies an earlier block made serve it (ModelRuntime.dense_copies),
-        # so in a run of blocks only the first one's prefill makes them: counted as none (steady state)
+        # compute tier's memory the load makes them for every block (ModelRuntime.dense_copies):
+        # counted as none
         kept = (("decode" if policy.dense_copies_across_blocks else phase) if policy.keep_dense_weights else None)
         weights_compute = self._weights_compute(lw, rows, calls, kept)
         if lw.experts is not None:
@@ -389,8 +384,8 @@ class CostModel:
         where the int4 kernel does not take them, and on the kernel, at its profiled speed for
         that row count, where it does. kept: the phase of a block that keeps its dense copies
         (Policy.keep_dense_weights): its prefill dequantizes every compressed weight, its decode
-        steps multiply the copies the prefill made ("decode" for a prefill too where an earlier
-        block's copies serve it)."""
+        steps multiply the copies the prefill made ("decode" for a prefill too where the load
+        made them for every block)."""
         dev, dtype = self.hw.compute, self.hw.dtype
         dense = lw.matmul_numel - lw.packed_matmul_numel
         # 8-bit weights the int8 kernel takes at these rows: multiplied on their codes, not dequantized

@@ -113,11 +113,11 @@ class Policy:
     prefix_sharing: bool = True
     # a block keeps each layer's compressed weights dequantized from their first use to its end
     # (and for the blocks after it, where every weight is on the compute tier:
-    # dense_copies_across_blocks), so that its decode steps multiply dense copies (the speed of
-    # uncompressed weights, at their memory) instead of the int4/int8 kernels, which are slower
-    # than a dense matmul at a decode step's few rows on some CPUs
-    # (runs/compression_8bit/decode_paths/); the planner turns it on where the compute tier holds
-    # every dense copy (executor/schedule.py)
+    # dense_copies_across_blocks; then the load makes them all), so that its decode steps
+    # multiply dense copies (the speed of uncompressed weights, at their memory) instead of the
+    # int4/int8 kernels, which are slower than a dense matmul at a decode step's few rows on
+    # some CPUs (runs/compression_8bit/decode_paths/); the planner turns it on where the compute
+    # tier holds every dense copy (executor/schedule.py)
     keep_dense_weights: bool = False
     # a compressed cache's values held dense, so that a decode step does not dequantize every
     # held position again (runs/compression_8bit/decode_paths/); every number is the compressed
