@@ -152,3 +152,29 @@ def test_a_loaded_engine_refuses_a_policy_that_moves_its_weights(tiny_llama, tmp
     with pytest.raises(FlexGenError, match="keeps its weights .* needs the model loaded again"):
         engine.set_policy(Policy(gpu_batch_size=8, weights=Split(0.5, 0.5)))
     assert engine.policy.block_size == 16
+
+
+def test_a_scenario_predicted_within_the_floor_runs_in_whole_blocks(tiny_llama, helm_engines, caplog):
+    """Capped batches each decode their few long generations apart: where the cost model
+    predicts a whole block of a scenario's requests within `uncapped_block_s`, its batches are
+    the blocks; with that floor at 0 s, the cap on work at risk (16 requests' here) cuts them."""
+    from flexgen_helm.helm.client import FlexGenClient
+
+    _profile(8 << 30).save(default_profile_path())
+    requests = [Request(model=DEPLOYMENT, model_deployment=DEPLOYMENT, prompt=f"{i:02x} " + PREFIX, max_tokens=8,
+                        temperature=0.0) for i in range(40)]  # of one length, sharing no prefix
+
+    def plan(**floor):
+        client = FlexGenClient(BlackHoleCacheConfig(), model="tiny-llama", path=str(tiny_llama),
+                               deployment=DEPLOYMENT, dtype="float32", policy=PLACED, **floor)
+        return client.plan(client.unique_requests(requests), set())
+
+    with caplog.at_level("INFO"):
+        whole = plan()
+    capped = plan(uncapped_block_s=0)
+    block = whole.policy.block_size
+    assert capped.policy.block_size == block > 16, whole.policy.describe()
+    assert [len(b) for b in whole.batches] == [min(block, 40)] + [40 - block] * (block < 40)
+    assert max(map(len, capped.batches)) == 16
+    said = [r.getMessage() for r in caplog.records if "predicted to take" in r.getMessage()]
+    assert len(said) == 1 and "within the 60 s a killed run may lose" in said[0], said

@@ -21,8 +21,7 @@ from flexgen_helm.helm.engines import EngineHandle
 from flexgen_helm.memory.devices import pick_devices
 from flexgen_helm.planner.auto import CommandWorkload
 from flexgen_helm.planner.hardware_profile import saved_profile
-from flexgen_helm.planner.scenario_block import block_for_requests
-from flexgen_helm.policy.policy import Policy
+from flexgen_helm.planner.scenario_block import ScenarioBlock, block_for_requests
 
 
 def scenario_workload(jobs: list[Job]) -> CommandWorkload:
@@ -42,10 +41,11 @@ def scenario_workload(jobs: list[Job]) -> CommandWorkload:
     )
 
 
-def plan_block(handle: EngineHandle, jobs: list[Job]) -> Policy | None:
-    """The policy a scenario's `jobs` run under, planned for them and said in one log line;
-    None: the engine's loaded policy (pinned, a stand-in engine, no saved profile, or no
-    block that fits the budgets for them)."""
+def plan_block(handle: EngineHandle, jobs: list[Job]) -> ScenarioBlock | None:
+    """The block a scenario's `jobs` run in (its `policy`, and the time the cost model
+    predicts for it), planned for them and said in one log line; None: the engine's loaded
+    policy (pinned, a stand-in engine, no saved profile, or no block that fits the budgets
+    for them)."""
     pinned = handle.planned_fields
     if pinned is None or not jobs:
         return None
@@ -73,5 +73,5 @@ def plan_block(handle: EngineHandle, jobs: list[Job]) -> Policy | None:
            else block.unshared_because or f"prefix sharing off ({work.shared_prefix} tokens in common)")
     hlog(f"flexgen: block for this scenario: gbs {policy.gpu_batch_size} x {policy.num_gpu_batches} = "
          f"{policy.block_size} sequences (was {loaded.block_size} as loaded) for {work.sequences} sequences, prompts "
-         f"up to {work.prompt_len} tokens, {work.gen_len} new; {why}")
-    return policy
+         f"up to {work.prompt_len} tokens, {work.gen_len} new; {why}; predicted {block.predicted_s:.1f} s a block")
+    return block

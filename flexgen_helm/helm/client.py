@@ -43,6 +43,7 @@ from flexgen_helm.helm.batching import (
     PAD_TOLERANCE,
     SCORE,
     SCORE_AND_GENERATE,
+    UNCAPPED_BLOCK_S,
     Job,
     JobOutput,
     get_batcher,
@@ -85,6 +86,7 @@ class FlexGenClient(CachingClient):
         batch_max_wait_s: float = 0.5,
         pad_tolerance: float = PAD_TOLERANCE,
         max_batch_share: float = MAX_BATCH_SHARE,
+        uncapped_block_s: float = UNCAPPED_BLOCK_S,
         deployment: Optional[str] = None,
     ):
         super().__init__(cache_config=cache_config)
@@ -98,6 +100,7 @@ class FlexGenClient(CachingClient):
                              "pad_tolerance": pad_tolerance}
         self.pad_tolerance = pad_tolerance
         self.max_batch_share = max_batch_share  # a planned batch's most work, as a share of its scenario's
+        self.uncapped_block_s = uncapped_block_s  # ... unless a block of them is predicted within this (seconds)
         # Responses computed ahead by `prefetch` (the BatchingExecutor), by cache key (consumed once).
         self._prefetched: Dict[str, Dict[str, Any]] = {}
         self._prefetched_lock = threading.Lock()
@@ -305,11 +308,16 @@ class FlexGenClient(CachingClient):
                 continue
             planned[key] = PlannedRequest(request, raw, job, n_prefix)
         jobs = [p.job for p in planned.values()]
-        policy = plan_block(handle, jobs)
+        block = plan_block(handle, jobs)
+        policy = block.policy if block else None
         runs_in = policy or getattr(handle.engine, "policy", None)  # the scenario's block, else the loaded one
         shared = scenario_workload(jobs).shared_prefix if jobs and getattr(runs_in, "prefix_sharing", False) else 0
-        return plan_scenario(planned, cached, self.max_batch(runs_in), self.pad_tolerance, self.max_batch_share,
-                             policy, shared)
+        share = self.max_batch_share
+        if block is not None and block.predicted_s <= self.uncapped_block_s:
+            hlog(f"flexgen: a block of these requests is predicted to take {block.predicted_s:.1f} s, within the "
+                 f"{self.uncapped_block_s:g} s a killed run may lose: its batches are the blocks, not capped by work")
+            share = None
+        return plan_scenario(planned, cached, self.max_batch(runs_in), self.pad_tolerance, share, policy, shared)
 
     def log_plan(self, plan: ScenarioPlan) -> None:
         largest = max(map(len, plan.batches), default=0)

@@ -2,7 +2,8 @@
 
 Planned over the whole request list, cached requests included (`batching.plan_batches`, the
 batch size capped by `batching.batch_cap` of the list's length and work, a shared prompt
-prefix counted once per batch where the engine shares it): the batches of an
+prefix counted once per batch where the engine shares it, unless a block of the requests is
+predicted within `batching.UNCAPPED_BLOCK_S`): the batches of an
 uninterrupted run whatever was cached, so that a resumed run gives the same results and
 `-n` changes nothing. Only the batches that hold an uncached request run; a cached request
 in one of them runs again to keep its batch as it was, and its new result is dropped.
@@ -44,9 +45,10 @@ class ScenarioPlan:
 
 
 def plan_scenario(planned: dict[str, PlannedRequest], cached: set[str], max_batch: int, pad_tolerance: float,
-                  max_batch_share: float, policy: Any = None, shared_prefix: int = 0) -> ScenarioPlan:
+                  max_batch_share: float | None, policy: Any = None, shared_prefix: int = 0) -> ScenarioPlan:
     """The batches of `planned` (every request of the scenario that can run) that hold an
     uncached request; `max_batch`: the block of `policy`, the engine's for these requests;
+    `max_batch_share`: a batch's most work as a share of the scenario's (None: no cap);
     `shared_prefix`: the tokens every generating prompt starts with where that engine computes
     them once a batch (helm/block_planning.scenario_workload), else 0."""
     key_of_job = {id(p.job): key for key, p in planned.items()}

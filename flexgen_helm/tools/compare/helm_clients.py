@@ -81,9 +81,13 @@ SYSTEMS = (
     System("ours-no-sharing", "flexgen/smollm2-135m-no-sharing", default_dtype(torch.device("cpu")), BATCHING_RUNNER,
            "as ours, every prompt computed whole (policy prefix_sharing: false)"),
     # what the cap on a batch's work at risk costs (helm/batching.batch_cap): a scenario's
-    # requests in as few batches as the engine's block allows
+    # requests in as few batches as the engine's block allows, or capped whatever the block's
+    # predicted time (batching.UNCAPPED_BLOCK_S)
     System("ours-float32-one-batch", "flexgen/smollm2-135m-fp32-one-batch", "float32", BATCHING_RUNNER,
            "as ours-float32, batches not capped by the work a killed run loses (client arg max_batch_share: 1)"),
+    System("ours-float32-capped", "flexgen/smollm2-135m-fp32-capped", "float32", BATCHING_RUNNER,
+           "as ours-float32, batches capped by the work a killed run loses even where a block is predicted "
+           "within a minute (client arg uncapped_block_s: 0)"),
 )
 # ours -> its twin without prefix sharing
 SHARING_OFF = {"ours-float32": "ours-float32-no-sharing", "ours": "ours-no-sharing"}
@@ -113,7 +117,7 @@ def prod_env_yaml(checkpoint: Path) -> dict[str, str]:
         f"    release_date: 2024-11-01\n    tags: [TEXT_MODEL_TAG, FULL_FUNCTIONALITY_TEXT_MODEL_TAG]\n"
         for name in ("hf-local/smollm2-135m", "hf-local/smollm2-135m-bf16", "flexgen/smollm2-135m-fp32",
                      "flexgen/smollm2-135m-fp32-no-sharing", "flexgen/smollm2-135m-no-sharing",
-                     "flexgen/smollm2-135m-fp32-one-batch"))
+                     "flexgen/smollm2-135m-fp32-one-batch", "flexgen/smollm2-135m-fp32-capped"))
     tokenizers = (
         "tokenizer_configs:\n  - name: hf-local/smollm2-135m\n    tokenizer_spec:\n"
         "      class_name: helm.tokenizers.huggingface_tokenizer.HuggingFaceTokenizer\n"
@@ -137,7 +141,9 @@ def prod_env_yaml(checkpoint: Path) -> dict[str, str]:
                              "        dtype: float32\n        policy: {prefix_sharing: false}\n"),
                             ("flexgen/smollm2-135m-no-sharing", "        policy: {prefix_sharing: false}\n"),
                             ("flexgen/smollm2-135m-fp32-one-batch",
-                             "        dtype: float32\n        max_batch_share: 1.0\n")))
+                             "        dtype: float32\n        max_batch_share: 1.0\n"),
+                            ("flexgen/smollm2-135m-fp32-capped",
+                             "        dtype: float32\n        uncapped_block_s: 0\n")))
     return {"model_metadata.yaml": metadata, "tokenizer_configs.yaml": tokenizers,
             "model_deployments.yaml": "model_deployments:\n" + hf + ours}
 
