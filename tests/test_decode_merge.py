@@ -1,5 +1,5 @@
-"""A decode step multiplies each transformer block's weights once for the whole block: the
-live rows of every GPU batch go through the block's linear layers together, attention stays
+"""A decode step multiplies each transformer block's weights (and the head's) once for the whole
+block: the live rows of every GPU batch go through the block's linear layers together, attention stays
 batch by batch over each batch's own cache, and the tokens are those of each prompt alone
 (float32)."""
 
@@ -41,6 +41,13 @@ def test_a_decode_step_multiplies_a_blocks_weights_once(fixture, family, load_by
         return qkv(cfg, w, h, at, block)
 
     monkeypatch.setattr(module, "qkv", counting_qkv)
+    head_rows, head = [], module.head
+
+    def counting_head(cfg, w, h):
+        head_rows.append(h.shape[0])
+        return head(cfg, w, h)
+
+    monkeypatch.setattr(module, "head", counting_head)
     loads = []
     load_group = BlockSchedule._load_group_cache
 
@@ -62,6 +69,8 @@ def test_a_decode_step_multiplies_a_blocks_weights_once(fixture, family, load_by
     assert all(rows == 6 for rows, _ in decode)  # decode: the block's 6 rows at once
     assert len(decode) == len(prefill) // 3 * (NEW - 1)  # once a layer and step
     assert set(loads) == {1 if load_bytes == 1 else 3}  # the three batches' caches: a load each, or one
+    # the head: a call per GPU batch in the prefill, one for the block's 6 rows a decode step
+    assert head_rows == [2, 2, 2] + [6] * (NEW - 1)
 
 
 def test_a_decode_step_reads_the_next_blocks_cache_while_this_one_attends(tiny_llama, tmp_path, monkeypatch):
@@ -90,3 +99,12 @@ def test_a_decode_step_reads_the_next_blocks_cache_while_this_one_attends(tiny_l
     monkeypatch.setattr(BlockSchedule, "_attend", attend_)
     run = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
     assert all(len(r.completions[0].token_ids) == NEW for r in run.results)
+
+
+def test_a_decode_steps_head_merges_gpu_batches_up_to_its_rows():
+    from flexgen_helm.executor.working_set import MERGED_HEAD_ROWS, decode_head_rows, head_calls
+
+    assert MERGED_HEAD_ROWS == 64
+    assert head_calls([4, 4, 56, 1, 70, 10]) == [[0, 1, 2], [3], [4], [5]]
+    assert head_calls([]) == []
+    assert [decode_head_rows(gbs, nb) for gbs, nb in ((4, 32), (4, 8), (48, 2), (128, 4))] == [64, 32, 48, 128]

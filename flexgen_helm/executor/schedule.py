@@ -85,7 +85,7 @@ from flexgen_helm.executor.kv_cache import (
 )
 from flexgen_helm.executor.shared_prefix import PrefixLayer, SharedPrefix
 from flexgen_helm.executor.step_rows import StepRows, units_of
-from flexgen_helm.executor.working_set import dense_weight_numel, kept_freed_bytes
+from flexgen_helm.executor.working_set import decode_head_rows, dense_weight_numel, head_calls, kept_freed_bytes
 from flexgen_helm.memory.copy_engine import CopyEngine, consume
 from flexgen_helm.memory.disk_buffer import OFFLOAD_ADVICE
 from flexgen_helm.memory.disk_space import check_free_space
@@ -120,8 +120,10 @@ class CacheLoad:
     parts: list[dict] | None = None
 
 
-# head(k, weights, hidden) -> whatever the caller wants from the batch's last layer
-HeadFn = Callable[[int, dict, torch.Tensor], object]
+# head(k, weights, hidden) -> whatever the caller wants from GPU batch k's last layer; a decode
+# step calls it once for every live batch's computed rows together (k None), and splits its
+# output by rows (a generation head works row by row)
+HeadFn = Callable[[int | None, dict, torch.Tensor], object]
 # seconds between two looks at the freed host memory kept resident, at least; and at most
 # this share of the time goes to looking: a look asks malloc (mallinfo2), which walks its
 # free lists, 4 us on a fresh heap but 2.7 ms in a SmolLM2 LAMBADA eval, where one look
@@ -140,8 +142,8 @@ def shared_weights(layer, loaded: dict, following) -> dict:
 class BlockSchedule:
     def __init__(self, runtime, policy: Policy, batches: list[GpuBatch], max_len: int, workdir: Path,
                  head_rows: int | None = None, shared_prefix: SharedPrefix | None = None):
-        """head_rows: the most positions a call of the head turns into log-probs (default: the
-        last position of each sequence of the largest GPU batch); its working set is kept
+        """head_rows: the most positions a call of the head turns into log-probs (default: a
+        decode step's, the last positions of GPU batches merged: decode_head_rows); its working set is kept
         resident with the layers' (working_set.kept_freed_bytes). shared_prefix: the tokens
         every prompt of the block starts with, computed once (executor/shared_prefix.py; a
         pipeline stage's block runs as micro-batches whose schedules share one), leaving each
@@ -233,7 +235,8 @@ class BlockSchedule:
                                            self.devices.dtype,
                                            dense_weight_numel(runtime.layers, policy.compress_weight),
                                            max(map(self._load_nbytes, runtime.layers)),
-                                           max(b.size for b in batches) if head_rows is None else head_rows)
+                                           decode_head_rows(max(b.size for b in batches), len(batches))
+                                           if head_rows is None else head_rows)
         self._freed_checked_at = 0.0
         self._freed_check_every = RELEASE_CHECK_S
 
@@ -407,6 +410,11 @@ class BlockSchedule:
                 self.timers["prefill_shared_prefix"] += time.perf_counter() - t0  # of prefill_compute
             cache = cache_ahead or self._submit_cache_ahead(layer, live, prefill)
             next_layer = layers[j + 1] if j + 1 < len(layers) else None
+            if self._merges(layer, live, prefill) and layer.kind == "head":
+                results = self._merged_decode_head(layer, w, live, head)
+                del w
+                self._bound_freed_memory()
+                continue
             if self._merges(layer, live, prefill):
                 outs, cache_ahead = self._merged_decode_block(layer, w, live, cache, next_layer)
                 for k, (out, new_kv) in zip(live, outs):
@@ -506,15 +514,16 @@ class BlockSchedule:
 
     @staticmethod
     def _merges(layer, live: list[int], prefill: bool) -> bool:
-        """Whether this layer's step runs the live GPU batches together (_merged_decode_block)."""
-        return not prefill and layer.kind == "block" and len(live) > 1
+        """Whether this layer's step runs the live GPU batches together (_merged_decode_block,
+        _merged_decode_head)."""
+        return not prefill and layer.kind in ("block", "head") and len(live) > 1
 
     def _submit_cache_ahead(self, layer, live: list[int], prefill: bool):
         """A future for the cache that `layer` (None: past the last) reads first: the first
         group's of live batches where its step merges them, else the first live batch's."""
         if layer is None:
             return None
-        if self._merges(layer, live, prefill):
+        if self._merges(layer, live, prefill) and layer.kind == "block":
             return self._submit_group_load(layer, live[:self.load_group])
         return self._submit_cache_load(layer, live[0], prefill)
 
@@ -629,6 +638,23 @@ class BlockSchedule:
         outs = [(r.put(h, part), write) for r, h, part, write in zip(rows, hs, after, writes)]
         self._time_compute(t0)
         return outs, cache
+
+    def _merged_decode_head(self, layer, w: dict, live: list[int], head: HeadFn) -> list:
+        """A decode step's head for the live GPU batches' computed rows merged, as their blocks
+        ran, up to MERGED_HEAD_ROWS rows a call (working_set.head_calls): the vocabulary-wide
+        weight multiplied once for many small batches, not once each (runs/bench/merged_head).
+        Its output, per GPU batch (None where none computes)."""
+        hidden = [self._submit_hidden_load(layer, k, "decode") for k in live]
+        hs = [self._wait(f, "load_hidden") for f in hidden]
+        t0 = time.perf_counter()
+        parts = [self.step_rows[k].take(h) for k, h in zip(live, hs)]
+        results = [None] * len(self.batches)
+        for call in head_calls([p.shape[0] for p in parts]):
+            outs = head(None, w, torch.cat([parts[i] for i in call])).split([parts[i].shape[0] for i in call])
+            for i, out in zip(call, outs):
+                results[live[i]] = out
+        self._time_compute(t0)
+        return results
 
     def _gathers(self, layer) -> bool:
         """Whether this layer's prefill runs its MLP once for all the block's GPU batches: a

@@ -27,6 +27,36 @@ def batch_working_bytes(cfg: ModelConfig, rows: int, dtype: torch.dtype) -> int:
     return rows * (4 * cfg.hidden_size + 2 * cfg.ffn_size) * elt
 
 
+# A decode step's head multiplies the live GPU batches' rows together, consecutive batches
+# of at most this many rows a call (a larger batch alone: BlockSchedule._merged_decode_head):
+# on a CPU the vocabulary-wide product costs about the same from 15 to 33 rows and gains
+# little from merging past ~64 (runs/bench/merged_head), while its working set grows with
+# the rows (head_working_bytes), kept resident between steps.
+MERGED_HEAD_ROWS = 64
+
+
+def head_calls(rows: list[int]) -> list[list[int]]:
+    """The GPU batches (indices into `rows`, each batch's live rows) each call of a decode
+    step's head multiplies: consecutive batches while their rows sum to at most
+    MERGED_HEAD_ROWS, a batch of more alone."""
+    calls: list[list[int]] = []
+    total = 0
+    for i, n in enumerate(rows):
+        if calls and total + n <= MERGED_HEAD_ROWS:
+            calls[-1].append(i)
+            total += n
+        else:
+            calls.append([i])
+            total = n
+    return calls
+
+
+def decode_head_rows(gpu_batch_size: int, num_gpu_batches: int) -> int:
+    """The most rows a call of a decode step's head multiplies, every GPU batch computing all
+    of its `gpu_batch_size` rows (head_calls)."""
+    return gpu_batch_size * max(1, min(num_gpu_batches, MERGED_HEAD_ROWS // gpu_batch_size))
+
+
 def head_working_bytes(cfg: ModelConfig, rows: int, dtype: torch.dtype) -> int:
     """What the head holds while it turns `rows` positions into log-probabilities: their
     vocabulary-wide logits in the compute dtype, the float32 copy log_softmax makes of them

@@ -53,7 +53,12 @@ from flexgen_helm.executor.cache_buffers import batches_per_load, buffer_sets, u
 from flexgen_helm.executor.expert_weights import EXPERTS_IN_FLIGHT, expert_of
 from flexgen_helm.executor.held_prefix import reads_prefix_as_stored, unpacked_nbytes
 from flexgen_helm.executor.kv_cache import cache_rows, held_out_prefix, kv_nbytes, kv_nbytes_per_position
-from flexgen_helm.executor.working_set import batch_working_bytes, dense_weight_numel, kept_freed_bytes
+from flexgen_helm.executor.working_set import (
+    batch_working_bytes,
+    decode_head_rows,
+    dense_weight_numel,
+    kept_freed_bytes,
+)
 from flexgen_helm.memory.devices import DTYPES
 from flexgen_helm.memory.placement import place_weights
 from flexgen_helm.memory.weight_homes import load_nbytes, segment_nbytes
@@ -261,10 +266,14 @@ def layer_weights(layer: LayerSpec, placement: dict, weight_compression: WeightC
 
 def _matmuls(layer: LayerSpec, gbs: int, nb: int, tokens: int, phase: str) -> tuple[int, int]:
     """(activation rows, times) a layer's linears multiply per step: per GPU batch, except a
-    decode step's transformer blocks, which multiply the whole block's rows at once
+    decode step's transformer blocks, which multiply the whole block's rows at once, and its
+    head, GPU batches merged up to working_set.MERGED_HEAD_ROWS rows a call
     (executor/schedule.py); the head projects only the last position."""
     if phase == "decode" and layer.kind == "block":
         return gbs * nb * tokens, 1
+    if phase == "decode" and layer.kind == "head":
+        rows = decode_head_rows(gbs, nb)
+        return rows, math.ceil(gbs * nb / rows)
     return gbs * (tokens if layer.kind != "head" else 1), nb
 
 
@@ -626,7 +635,7 @@ class CostModel:
         host = "cpu" if self.hw.is_cuda else "gpu"
         kept = kept_freed_bytes(cfg, gbs, work.prompt_len, self.dtype,
                                 dense_weight_numel([layer for layer, _ in self.groups], policy.compress_weight),
-                                head_rows=gbs)  # the schedule's default: a generation step's last positions
+                                head_rows=decode_head_rows(gbs, nb))  # the schedule's default
         kept_dense = self.kept_dense_bytes(policy)
         out = {}
         for phase in PHASES:

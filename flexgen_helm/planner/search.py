@@ -393,11 +393,21 @@ def _best_rounded(model: CostModel, shape: Policy, budgets: Budgets, max_latency
     1.21 for 0/70/30). `pinned_weights`: the LP places only the KV cache and activations."""
     on_disk = replace(shape, weights=_ONE_TIER["disk"])
     step = 0.01 * planned_components(model.cfg, on_disk, model.work.max_len, model.dtype)["weights"]["disk"]
-    tight, overall = budgets, None
+    tight, overall, tightened_from = budgets, None, None
     for _ in range(attempts):
         res = solve_lp(model, shape, tight, max_latency_s, pinned_weights=pinned_weights)
-        if res.status != 0:
+        if res.status != 0 and tightened_from is None:
             return overall
+        if res.status != 0:
+            # tightened past any placement: tighten the same budgets by the shortfall and half
+            # the step (OPT-6.7B 512/32, 1 x 32, weights on disk, in a 1.5 GiB pool and 4 GiB of
+            # RAM: its cache's 2/45/53 fell 0.1 GiB short of the pool, and with the whole step
+            # more no placement fitted, where 0/45/55 does)
+            step /= 2
+            tight = tightened_from[0]
+            for b, need in tightened_from[1].items():
+                tight = tight.tightened(b, int(need + step))
+            continue
         policies = rounded_policies(shape, res.x, merge_host_tiers=not model.hw.is_cuda and pinned_weights is None)
         best, least_short = None, None
         for p in policies:
@@ -420,6 +430,7 @@ def _best_rounded(model: CostModel, shape: Policy, budgets: Budgets, max_latency
             overall = best
         if least_short is None:
             return overall
+        tightened_from = (tight, least_short)
         for b, need in least_short.items():
             tight = tight.tightened(b, int(need + step))
     return overall
