@@ -1,7 +1,7 @@
-"""A decode step multiplies each transformer block's weights (and the head's) once for the whole
-block: the live rows of every GPU batch go through the block's linear layers together, attention stays
-batch by batch over each batch's own cache, and the tokens are those of each prompt alone
-(float32)."""
+"""A decode step multiplies each transformer block's weights once for the whole block, and the
+head's once for up to 64 rows: the live rows of every GPU batch go through the block's linear
+layers together, attention stays batch by batch over each batch's own cache, and the tokens
+are those of each prompt alone (float32)."""
 
 from __future__ import annotations
 
@@ -102,9 +102,16 @@ def test_a_decode_step_reads_the_next_blocks_cache_while_this_one_attends(tiny_l
 
 
 def test_a_decode_steps_head_merges_gpu_batches_up_to_its_rows():
-    from flexgen_helm.executor.working_set import MERGED_HEAD_ROWS, decode_head_rows, head_calls
+    """Consecutive GPU batches while their rows sum to at most 64, a bigger batch alone; the
+    memory planned for a call bounds every call, and the cost model counts the calls made."""
+    from flexgen_helm.executor.working_set import decode_head_rows, decode_head_work, head_calls
 
-    assert MERGED_HEAD_ROWS == 64
     assert head_calls([4, 4, 56, 1, 70, 10]) == [[0, 1, 2], [3], [4], [5]]
     assert head_calls([]) == []
-    assert [decode_head_rows(gbs, nb) for gbs, nb in ((4, 32), (4, 8), (48, 2), (128, 4))] == [64, 32, 48, 128]
+    for gbs, nb in ((4, 32), (4, 8), (5, 13), (3, 22), (48, 2), (128, 4), (7, 1)):
+        calls = head_calls([gbs] * nb)
+        assert max(gbs * len(c) for c in calls) <= decode_head_rows(gbs, nb)
+        rows, n = decode_head_work(gbs, nb)
+        assert n == len(calls) and rows * n - gbs * nb < n  # every row counted, rounded up per call
+    assert head_calls([5, 4, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5])[0] == list(range(13))  # 64 rows, thinned
+    assert decode_head_rows(5, 13) == 64

@@ -156,8 +156,8 @@ def test_a_loaded_engine_refuses_a_policy_that_moves_its_weights(tiny_llama, tmp
 
 def test_a_scenario_predicted_within_the_floor_runs_in_whole_blocks(tiny_llama, helm_engines, caplog):
     """Capped batches each decode their few long generations apart: where the cost model
-    predicts a whole block of a scenario's requests within `uncapped_block_s`, its batches are
-    the blocks; with that floor at 0 s, the cap on work at risk (16 requests' here) cuts them."""
+    predicts all of a scenario's requests within `uncapped_block_s`, its batches are the
+    blocks; with that floor at 0 s, the cap on work at risk (16 requests' here) cuts them."""
     from flexgen_helm.helm.client import FlexGenClient
 
     _profile(8 << 30).save(default_profile_path())
@@ -171,7 +171,7 @@ def test_a_scenario_predicted_within_the_floor_runs_in_whole_blocks(tiny_llama, 
 
     with caplog.at_level("INFO"):
         whole = plan()
-    capped = plan(uncapped_block_s=0)
+        capped = plan(uncapped_block_s=0)
     block = whole.policy.block_size
     assert capped.policy.block_size == block > 16, whole.policy.describe()
     assert [len(b) for b in whole.batches] == [min(block, 40)] + [40 - block] * (block < 40)

@@ -12,7 +12,8 @@ layer j, the copy engine loads layer j+1's weights, batch k+1's cache and activa
 
 In a decode step a transformer block multiplies its weights once for the whole block: the
 GPU batches' new rows (one per sequence: kilobytes) go through the block's linear layers
-together, and only attention, which reads each batch's own KV cache, runs batch by batch.
+together, and only attention, which reads each batch's own KV cache, runs batch by batch;
+the head takes their rows together too, up to 64 a call (working_set.head_calls).
 A one-row GPU batch would otherwise multiply every weight as a matrix-vector product once
 per batch (OPT-6.7B, a block of 16 one-sequence batches on 2 CPU cores: ~12 s of a 19.8 s
 step, runs/compare/NOTES.md); the memory that bounds a GPU batch is the prefill's.
@@ -121,8 +122,9 @@ class CacheLoad:
 
 
 # head(k, weights, hidden) -> whatever the caller wants from GPU batch k's last layer; a decode
-# step calls it once for every live batch's computed rows together (k None), and splits its
-# output by rows (a generation head works row by row)
+# step calls it for several live batches' computed rows together (k None) and splits its
+# output, a tensor, by rows: a decode step's head (generation's) works row by row, and a head
+# that needs its batch (scoring's) runs only in prefills
 HeadFn = Callable[[int | None, dict, torch.Tensor], object]
 # seconds between two looks at the freed host memory kept resident, at least; and at most
 # this share of the time goes to looking: a look asks malloc (mallinfo2), which walks its
@@ -235,10 +237,16 @@ class BlockSchedule:
                                            self.devices.dtype,
                                            dense_weight_numel(runtime.layers, policy.compress_weight),
                                            max(map(self._load_nbytes, runtime.layers)),
-                                           decode_head_rows(max(b.size for b in batches), len(batches))
-                                           if head_rows is None else head_rows)
+                                           self._head_rows(head_rows))
         self._freed_checked_at = 0.0
         self._freed_check_every = RELEASE_CHECK_S
+
+    def _head_rows(self, given: int | None) -> int:
+        """The most positions a call of the head takes (given, else a decode step's merged
+        calls'); none in a pipeline stage without the head."""
+        if self.rt.layers[-1].kind != "head":
+            return 0
+        return decode_head_rows(max(b.size for b in self.batches), len(self.batches)) if given is None else given
 
     def _shared_prefix(self, prefix: SharedPrefix | None) -> SharedPrefix | None:
         """The prefix, checked; its positions' step constants in prefix_at."""

@@ -4,6 +4,8 @@ schedule keeps that much freed memory resident for the next layers to reuse
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from flexgen_helm.compression.int4 import DEQUANTIZE_CHUNK_ELEMENTS
@@ -28,10 +30,11 @@ def batch_working_bytes(cfg: ModelConfig, rows: int, dtype: torch.dtype) -> int:
 
 
 # A decode step's head multiplies the live GPU batches' rows together, consecutive batches
-# of at most this many rows a call (a larger batch alone: BlockSchedule._merged_decode_head):
-# on a CPU the vocabulary-wide product costs about the same from 15 to 33 rows and gains
-# little from merging past ~64 (runs/bench/merged_head), while its working set grows with
-# the rows (head_working_bytes), kept resident between steps.
+# of at most this many rows a call (a larger batch alone: BlockSchedule._merged_decode_head).
+# Merging pays most for small batches (SmolLM2's head in float32 on the AVX2 EPYC: 8+8 rows
+# 26 ms merged against 32 apart, 16+17 rows 42 against 57; 50+50 rows 115 against 104;
+# runs/bench/merged_head), and its working set, kept resident between steps, grows with the
+# rows (head_working_bytes: rows x vocabulary x 12 bytes in float32), so the cap.
 MERGED_HEAD_ROWS = 64
 
 
@@ -52,9 +55,17 @@ def head_calls(rows: list[int]) -> list[list[int]]:
 
 
 def decode_head_rows(gpu_batch_size: int, num_gpu_batches: int) -> int:
-    """The most rows a call of a decode step's head multiplies, every GPU batch computing all
-    of its `gpu_batch_size` rows (head_calls)."""
-    return gpu_batch_size * max(1, min(num_gpu_batches, MERGED_HEAD_ROWS // gpu_batch_size))
+    """The most rows a call of a decode step's head may multiply (head_calls: batches of up to
+    `gpu_batch_size` rows, thinned as sequences finish)."""
+    return max(gpu_batch_size, min(gpu_batch_size * num_gpu_batches, MERGED_HEAD_ROWS))
+
+
+def decode_head_work(gpu_batch_size: int, num_gpu_batches: int) -> tuple[int, int]:
+    """(rows a call on average, calls) of a decode step's head, every GPU batch computing all
+    of its rows: head_calls' full calls and the rest."""
+    per_call = max(1, min(num_gpu_batches, MERGED_HEAD_ROWS // gpu_batch_size))
+    calls = math.ceil(num_gpu_batches / per_call)
+    return math.ceil(gpu_batch_size * num_gpu_batches / calls), calls
 
 
 def head_working_bytes(cfg: ModelConfig, rows: int, dtype: torch.dtype) -> int:

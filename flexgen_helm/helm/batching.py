@@ -20,8 +20,8 @@ lengths. A batch that generates is kept within `pad_tolerance` of padding as if 
 its longest: its decode steps attend over (and its KV cache holds) the longest prompt's
 positions for every sequence. A scenario planned whole also caps its batches' work at a
 share of its requests' (`batch_cap`): a killed run loses the batch in progress, and a
-smaller batch is less to compute again; not where a whole block of them is predicted to take
-under a minute (UNCAPPED_BLOCK_S).
+smaller batch is less to compute again; not where all of them are predicted to take under a
+minute (UNCAPPED_BLOCK_S).
 
 A batch that fails (out of memory, a full offload disk, or one bad request) is split in
 halves and retried, down to single requests; a single request that still fails gets its
@@ -109,11 +109,11 @@ PAD_TOLERANCE = 0.25
 # that computes the prefix once, so the same work at risk holds more of them (`batch_cap`).
 MAX_BATCH_SHARE = 1 / 16
 MIN_CAPPED_BATCH = 16
-# ... but where the cost model predicts a whole block of the scenario's requests (each to its
-# most new tokens) within this many seconds, a killed run loses at most that much, and the
-# batches are the blocks: a batch decodes to its longest generation, so capped batches each
-# decode their few long requests' tails apart (pattern_match, 100 requests: 2 capped batches
-# took ~10% more wall time and ~19% more decode than one; runs/helm_vs_hf/NOTES.md).
+# ... but where the cost model predicts all of a scenario's requests (full blocks, each sequence
+# to its most new tokens) within this many seconds, a killed run loses at most that much, and
+# the batches are the blocks: a batch decodes to its longest generation, so capped batches each
+# decode their few long requests' tails apart (pattern_match, 100 requests: its engine time
+# 34.7 s by median in 2 capped batches, 30.1 s in one; runs/helm_vs_hf/NOTES.md, 2026-11-26 night).
 UNCAPPED_BLOCK_S = 60.0
 
 

@@ -73,5 +73,5 @@ def plan_block(handle: EngineHandle, jobs: list[Job]) -> ScenarioBlock | None:
            else block.unshared_because or f"prefix sharing off ({work.shared_prefix} tokens in common)")
     hlog(f"flexgen: block for this scenario: gbs {policy.gpu_batch_size} x {policy.num_gpu_batches} = "
          f"{policy.block_size} sequences (was {loaded.block_size} as loaded) for {work.sequences} sequences, prompts "
-         f"up to {work.prompt_len} tokens, {work.gen_len} new; {why}; predicted {block.predicted_s:.1f} s a block")
+         f"up to {work.prompt_len} tokens, {work.gen_len} new; {why}; predicted {block.predicted_s:.1f} s for them all")
     return block

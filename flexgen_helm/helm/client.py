@@ -100,7 +100,8 @@ class FlexGenClient(CachingClient):
                              "pad_tolerance": pad_tolerance}
         self.pad_tolerance = pad_tolerance
         self.max_batch_share = max_batch_share  # a planned batch's most work, as a share of its scenario's
-        self.uncapped_block_s = uncapped_block_s  # ... unless a block of them is predicted within this (seconds)
+        # ... unless all of its requests are predicted within this (seconds): then not capped at all
+        self.uncapped_block_s = uncapped_block_s
         # Responses computed ahead by `prefetch` (the BatchingExecutor), by cache key (consumed once).
         self._prefetched: Dict[str, Dict[str, Any]] = {}
         self._prefetched_lock = threading.Lock()
@@ -314,8 +315,9 @@ class FlexGenClient(CachingClient):
         shared = scenario_workload(jobs).shared_prefix if jobs and getattr(runs_in, "prefix_sharing", False) else 0
         share = self.max_batch_share
         if block is not None and block.predicted_s <= self.uncapped_block_s:
-            hlog(f"flexgen: a block of these requests is predicted to take {block.predicted_s:.1f} s, within the "
-                 f"{self.uncapped_block_s:g} s a killed run may lose: its batches are the blocks, not capped by work")
+            hlog(f"flexgen: these requests are predicted to take {block.predicted_s:.1f} s in all, within the "
+                 f"{self.uncapped_block_s:g} s a killed run may lose: their batches are the blocks, not capped by "
+                 f"work at risk (max_batch_share)")
             share = None
         return plan_scenario(planned, cached, self.max_batch(runs_in), self.pad_tolerance, share, policy, shared)
 

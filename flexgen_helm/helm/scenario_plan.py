@@ -2,7 +2,7 @@
 
 Planned over the whole request list, cached requests included (`batching.plan_batches`, the
 batch size capped by `batching.batch_cap` of the list's length and work, a shared prompt
-prefix counted once per batch where the engine shares it, unless a block of the requests is
+prefix counted once per batch where the engine shares it, unless all of the requests are
 predicted within `batching.UNCAPPED_BLOCK_S`): the batches of an
 uninterrupted run whatever was cached, so that a resumed run gives the same results and
 `-n` changes nothing. Only the batches that hold an uncached request run; a cached request

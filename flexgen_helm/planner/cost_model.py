@@ -56,6 +56,7 @@ from flexgen_helm.executor.kv_cache import cache_rows, held_out_prefix, kv_nbyte
 from flexgen_helm.executor.working_set import (
     batch_working_bytes,
     decode_head_rows,
+    decode_head_work,
     dense_weight_numel,
     kept_freed_bytes,
 )
@@ -272,8 +273,7 @@ def _matmuls(layer: LayerSpec, gbs: int, nb: int, tokens: int, phase: str) -> tu
     if phase == "decode" and layer.kind == "block":
         return gbs * nb * tokens, 1
     if phase == "decode" and layer.kind == "head":
-        rows = decode_head_rows(gbs, nb)
-        return rows, math.ceil(gbs * nb / rows)
+        return decode_head_work(gbs, nb)
     return gbs * (tokens if layer.kind != "head" else 1), nb
 
 
@@ -349,7 +349,7 @@ class CostModel:
         if prefill and shared and layer.kind != "head":
             weights_compute += self._weights_compute(lw, *_matmuls(layer, 1, 1, shared, phase), kept)
         b["compute"] += weights_compute
-        b["compute"] += nb * self._fixed_per_layer_batch(layer, policy, phase)
+        b["compute"] += (calls if layer.kind == "head" else nb) * self._fixed_per_layer_batch(layer, policy, phase)
         if layer.kind == "block":
             per_hidden, per_mlp = ELEMENTWISE_PASSES.get(cfg.family, ELEMENTWISE_PASSES["llama"])
             # a sparse MoE block's row goes through k experts (and the shared one)

@@ -13,6 +13,7 @@ says so.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from flexgen_helm.models.config import ModelConfig
@@ -28,9 +29,10 @@ class ScenarioBlock:
     # the planner's choice had it been free to place the weights again (None: it keeps the loaded placement)
     moved_weights: Policy | None
     unshared_because: str = ""  # why the requests' shared prefix is not held once (planner/auto.searched_policy)
-    # the cost model's time for one full block of the requests under `policy` (every sequence
-    # to the longest prompt and the most new tokens: an upper bound on any batch of them)
-    predicted_s: float = 0.0
+    # the cost model's time for all of the requests under `policy`: their blocks, each full,
+    # every sequence to the longest prompt and the most new tokens (an upper bound on any batch
+    # of them); inf where not predicted
+    predicted_s: float = math.inf
 
 
 def block_for_requests(cfg: ModelConfig, loaded: Policy, pinned: dict, workload: CommandWorkload,
@@ -49,4 +51,5 @@ def block_for_requests(cfg: ModelConfig, loaded: Policy, pinned: dict, workload:
     if workload.shared_prefix and policy.prefix_sharing:
         unshared, _ = searched_policy(cfg, replace(workload, shared_prefix=0), pinned, profile, dtype=dtype,
                                       placement=placement)
-    return ScenarioBlock(policy, unshared, moved, result.unshared_because, result.estimate.total_s)
+    blocks = math.ceil(workload.sequences / policy.block_size) if workload.sequences else 1
+    return ScenarioBlock(policy, unshared, moved, result.unshared_because, blocks * result.estimate.total_s)

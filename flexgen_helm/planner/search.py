@@ -390,7 +390,9 @@ def _best_rounded(model: CostModel, shape: Policy, budgets: Budgets, max_latency
     far slower variant (all weights on disk), where the LP's own placement, a step smaller,
     would fit (Qwen3-30B-A3B with 4-bit weights in a 1.5 GiB pool and 12 GiB of RAM: its
     5/70/25 fell 0.03 GiB short of the pool, and all on disk predicted 0.33 token/s against
-    1.21 for 0/70/30). `pinned_weights`: the LP places only the KV cache and activations."""
+    1.21 for 0/70/30). A tightening that leaves the LP no placement is made again from the
+    same budgets with half the step beyond the shortfall. `pinned_weights`: the LP places only
+    the KV cache and activations."""
     on_disk = replace(shape, weights=_ONE_TIER["disk"])
     step = 0.01 * planned_components(model.cfg, on_disk, model.work.max_len, model.dtype)["weights"]["disk"]
     tight, overall, tightened_from = budgets, None, None
