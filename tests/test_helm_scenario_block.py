@@ -164,10 +164,11 @@ def test_a_scenario_predicted_within_the_floor_runs_in_whole_blocks(tiny_llama, 
     requests = [Request(model=DEPLOYMENT, model_deployment=DEPLOYMENT, prompt=f"{i:02x} " + PREFIX, max_tokens=8,
                         temperature=0.0) for i in range(40)]  # of one length, sharing no prefix
 
-    def plan(**floor):
+    def plan(cached: int = 0, **floor):
         client = FlexGenClient(BlackHoleCacheConfig(), model="tiny-llama", path=str(tiny_llama),
                                deployment=DEPLOYMENT, dtype="float32", policy=PLACED, **floor)
-        return client.plan(client.unique_requests(requests), set())
+        unique = client.unique_requests(requests)
+        return client.plan(unique, set(list(unique)[:cached]))
 
     with caplog.at_level("INFO"):
         whole = plan()
@@ -178,3 +179,9 @@ def test_a_scenario_predicted_within_the_floor_runs_in_whole_blocks(tiny_llama, 
     assert max(map(len, capped.batches)) == 16
     said = [r.getMessage() for r in caplog.records if "predicted to take" in r.getMessage()]
     assert len(said) == 1 and "within the 60 s a killed run may lose" in said[0], said
+    # a resumed run (the first 20 requests in HELM's cache) plans the batches of the run it
+    # resumes, and runs those holding an uncached request (capped: not the first 16)
+    def prompts(p):
+        return [[j.prompt_ids for j in b] for b in p.batches]
+    assert prompts(plan(cached=20)) == prompts(whole)
+    assert prompts(plan(cached=20, uncapped_block_s=0)) == prompts(capped)[1:]
