@@ -418,15 +418,13 @@ class BlockSchedule:
                 self.timers["prefill_shared_prefix"] += time.perf_counter() - t0  # of prefill_compute
             cache = cache_ahead or self._submit_cache_ahead(layer, live, prefill)
             next_layer = layers[j + 1] if j + 1 < len(layers) else None
-            if self._merges(layer, live, prefill) and layer.kind == "head":
-                results = self._merged_decode_head(layer, w, live, head)
-                del w
-                self._bound_freed_memory()
-                continue
             if self._merges(layer, live, prefill):
-                outs, cache_ahead = self._merged_decode_block(layer, w, live, cache, next_layer)
-                for k, (out, new_kv) in zip(live, outs):
-                    self._submit_stores(layer, k, out, new_kv, stage)
+                if layer.kind == "head":
+                    results = self._merged_decode_head(layer, w, live, head)
+                else:
+                    outs, cache_ahead = self._merged_decode_block(layer, w, live, cache, next_layer)
+                    for k, (out, new_kv) in zip(live, outs):
+                        self._submit_stores(layer, k, out, new_kv, stage)
                 del w
                 self._bound_freed_memory()
                 continue
@@ -529,9 +527,9 @@ class BlockSchedule:
     def _submit_cache_ahead(self, layer, live: list[int], prefill: bool):
         """A future for the cache that `layer` (None: past the last) reads first: the first
         group's of live batches where its step merges them, else the first live batch's."""
-        if layer is None:
+        if layer is None or layer.kind != "block":  # only a block reads a cache
             return None
-        if self._merges(layer, live, prefill) and layer.kind == "block":
+        if self._merges(layer, live, prefill):
             return self._submit_group_load(layer, live[:self.load_group])
         return self._submit_cache_load(layer, live[0], prefill)
 
@@ -617,8 +615,7 @@ class BlockSchedule:
         after the last this layer's, `following`'s first, load while a group attends). Returns
         per batch (hidden state after the block, cache write or None) and the future of that
         next cache."""
-        hidden = [self._submit_hidden_load(layer, k, "decode") for k in live]
-        hs = [self._wait(f, "load_hidden") for f in hidden]
+        hs = self._live_hidden(layer, live)
         rows = [self.step_rows[k] for k in live]
         t0 = time.perf_counter()
         parts = [r.take(h) for r, h in zip(rows, hs)]
@@ -647,13 +644,18 @@ class BlockSchedule:
         self._time_compute(t0)
         return outs, cache
 
+    def _live_hidden(self, layer, live: list[int]) -> list[torch.Tensor]:
+        """The live GPU batches' hidden states before `layer` in a decode step, their loads in
+        flight together."""
+        hidden = [self._submit_hidden_load(layer, k, "decode") for k in live]
+        return [self._wait(f, "load_hidden") for f in hidden]
+
     def _merged_decode_head(self, layer, w: dict, live: list[int], head: HeadFn) -> list:
         """A decode step's head for the live GPU batches' computed rows merged, as their blocks
         ran, up to MERGED_HEAD_ROWS rows a call (working_set.head_calls): the vocabulary-wide
         weight multiplied once for many small batches, not once each (runs/bench/merged_head).
         Its output, per GPU batch (None where none computes)."""
-        hidden = [self._submit_hidden_load(layer, k, "decode") for k in live]
-        hs = [self._wait(f, "load_hidden") for f in hidden]
+        hs = self._live_hidden(layer, live)
         t0 = time.perf_counter()
         parts = [self.step_rows[k].take(h) for k, h in zip(live, hs)]
         results = [None] * len(self.batches)

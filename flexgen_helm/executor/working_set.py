@@ -63,8 +63,7 @@ def decode_head_rows(gpu_batch_size: int, num_gpu_batches: int) -> int:
 def decode_head_work(gpu_batch_size: int, num_gpu_batches: int) -> tuple[int, int]:
     """(rows a call on average, calls) of a decode step's head, every GPU batch computing all
     of its rows: head_calls' full calls and the rest."""
-    per_call = max(1, min(num_gpu_batches, MERGED_HEAD_ROWS // gpu_batch_size))
-    calls = math.ceil(num_gpu_batches / per_call)
+    calls = len(head_calls([gpu_batch_size] * num_gpu_batches))
     return math.ceil(gpu_batch_size * num_gpu_batches / calls), calls
 
 
