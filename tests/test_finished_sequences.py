@@ -83,3 +83,28 @@ def test_opt_finished_sequences_leave_the_batch(tiny_opt, tmp_path):
     assert [r.completions[0].token_ids for r in run.results] == \
         [f.completions[0].token_ids[:n] for f, n in zip(full, MAX_NEW)]
     assert run.stats.padded_generated_tokens == sum(MAX_NEW)
+
+
+# prompts of one length share a GPU batch, whose sequences then finish at different steps,
+# the first ones not last in the batch: the rows still computing are a subset that changes
+# (a tier read in place packs their cache units together: kv_cache.KVCacheSlot._pack)
+SAME_LENGTH = [[5, 17, 3, 44, 9], [12, 7, 30, 31, 32], [40, 41, 42, 43, 44], [1, 2, 3, 4, 5], [70, 6, 60, 50, 8],
+               [8, 9, 10, 11, 12]]
+SAME_LENGTH_MAX_NEW = [2, 7, 3, 8, 1, 5]
+SHRINKING = {
+    "one-batch": Policy(gpu_batch_size=8, num_gpu_batches=1),
+    "cache-gpu-cpu-disk": Policy(gpu_batch_size=6, num_gpu_batches=1, cache=Split(0.4, 0.4, 0.2)),
+    "cpu-delegated": Policy(gpu_batch_size=6, num_gpu_batches=1, cache=Split(0.5, 0.5, 0), cpu_cache_compute=True),
+}
+
+
+@pytest.mark.parametrize("name", list(SHRINKING))
+def test_a_batch_whose_rows_finish_one_by_one_computes_the_rest_unchanged(model_path, name, tmp_path):
+    engine = Engine.load(str(model_path), SHRINKING[name], dtype="float32", device="cpu", offload_dir=tmp_path,
+                         progress=False)
+    full = engine.generate(SAME_LENGTH, SamplingParams(max_new_tokens=max(SAME_LENGTH_MAX_NEW), ignore_eos=True))
+    run = engine.generate(SAME_LENGTH, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in SAME_LENGTH_MAX_NEW])
+    for result, want, n in zip(run.results, full.results, SAME_LENGTH_MAX_NEW):
+        assert result.completions[0].token_ids == want.completions[0].token_ids[:n]
+        assert result.completions[0].logprobs == pytest.approx(want.completions[0].logprobs[:n], abs=1e-5)
+    assert run.stats.padded_generated_tokens == sum(SAME_LENGTH_MAX_NEW)

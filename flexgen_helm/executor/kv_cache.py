@@ -23,7 +23,14 @@ held_prefix.HeldPrefix, which stores it as the slots would: a per-token group is
 position's row, so the prefix quantized once is every row's copy), so the slot keeps the
 other positions only, position p in row p below a and p - (b - a) from b on, and writes of
 held-out positions are dropped. Reads and decode_valid then speak of the held positions, in
-order. (A KIVI slot holds out the prefix's complete groups instead: kivi_cache.py.)"""
+order. (A KIVI slot holds out the prefix's complete groups instead: kivi_cache.py.)
+
+A tier that attention reads in place packs its computed units to its front once sequences
+finish (append_in_place): a finished sequence never computes again in its block, so its
+units' rows are dead, and the live ones moved together once, when the set shrinks, are a
+view for every later step, where gathered every step they were copied at each one
+(runs/bench/packed_units). Such a tier is then read by append_in_place alone (never by
+read() nor written by units: a slot that rounds its writes keeps every unit in place)."""
 
 from __future__ import annotations
 
@@ -171,6 +178,9 @@ class KVCacheSlot:
         self.compression, self.rounding = compression, rounding
         self.k: dict[str, Stored] = {}
         self.v: dict[str, Stored] = {}
+        # per in-place tier whose units were packed: the (sorted, tier-local) units now at its
+        # front, in order (append_in_place); absent: every unit at its own place
+        self._packed: dict[str, torch.Tensor] = {}
         self.disk: DiskBuffer | None = None
         self.disk_bytes_read = 0  # what decode attention read from the disk tier (sparse reads show here)
         for tier in ("gpu", "cpu"):
@@ -262,6 +272,7 @@ class KVCacheSlot:
             a, b = self.ranges[tier]
             if a == b:
                 continue
+            assert tier not in self._packed, "a tier packed by append_in_place is written by it alone"
             kt, vt = k.narrow(1, a, b - a), v.narrow(1, a, b - a)
             if tier == "disk":
                 self.disk.write(row * self._row_bytes, self._to_rows(kt))
@@ -275,19 +286,44 @@ class KVCacheSlot:
                         local: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step on a tier that is in_place: write its new k, v ((n, 1, d), of the
         tier's units `local`, None: all of them) at `position` and return the keys and values
-        of positions [0, position] of those units, (n, t, d): views of the cache when all
-        its units compute, else copies of theirs."""
+        of positions [0, position] of those units, (n, t, d): views of the cache (its
+        computed units packed to its front where some finished: _pack), but for a slot that
+        rounds its writes, whose units' keys and values are gathered."""
         kt, vt = self.k[tier], self.v[tier]
         row = self._row(position)
         if local is None:
+            assert tier not in self._packed, "every unit computes again after some finished"
             kt[row].copy_(k[:, 0])
             vt[row].copy_(v[:, 0])
             return kt[:row + 1].transpose(0, 1), vt[:row + 1].transpose(0, 1)
-        local = local.to(kt.device)
-        kt[row].index_copy_(0, local, k[:, 0])
-        vt[row].index_copy_(0, local, v[:, 0])
-        return (kt[:row + 1].index_select(1, local).transpose(0, 1),
-                vt[:row + 1].index_select(1, local).transpose(0, 1))
+        if self.rounding is not None:  # rewritten by units after the step: each unit stays in its place
+            local = local.to(kt.device)
+            kt[row].index_copy_(0, local, k[:, 0])
+            vt[row].index_copy_(0, local, v[:, 0])
+            return (kt[:row + 1].index_select(1, local).transpose(0, 1),
+                    vt[:row + 1].index_select(1, local).transpose(0, 1))
+        n = len(local)
+        self._pack(tier, local, row)
+        kt[row, :n].copy_(k[:, 0])
+        vt[row, :n].copy_(v[:, 0])
+        return kt[:row + 1, :n].transpose(0, 1), vt[:row + 1, :n].transpose(0, 1)
+
+    def _pack(self, tier: str, local: torch.Tensor, rows: int) -> None:
+        """Moves the tier's units `local` (sorted; all of them computed at its last step, as a
+        finished sequence never computes again) to its front, in order, with their rows [0,
+        rows); nothing where they are there already."""
+        local = local.cpu()
+        packed = self._packed.get(tier)
+        if packed is not None and (packed is local or torch.equal(packed, local)):
+            return
+        at = local if packed is None else torch.searchsorted(packed, local)
+        if packed is not None and not torch.equal(packed[at.clamp(max=len(packed) - 1)], local):
+            raise AssertionError(f"units {local.tolist()} are not all among those packed before, {packed.tolist()}")
+        if not torch.equal(at, torch.arange(len(local))):
+            at = at.to(self.k[tier].device)
+            for t in (self.k[tier], self.v[tier]):
+                t[:rows, :len(local)] = t[:rows].index_select(1, at)
+        self._packed[tier] = local
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -307,6 +343,7 @@ class KVCacheSlot:
             else:
                 runs.append((r, r + n))
         if tier != "disk":
+            assert tier not in self._packed, "a tier packed by append_in_place is read by it alone"
             return _runs_of(self.k[tier], runs), _runs_of(self.v[tier], runs) if values else None
         k = self._read_rows(0, runs)
         return k, self._read_rows(self._disk_half, runs) if values else None
