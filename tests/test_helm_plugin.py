@@ -146,6 +146,11 @@ def test_generation_logprobs_stop_and_finish_reasons():
     assert stopped.finish_reason["reason"] == "stop"
     assert stopped.text == comp.text[: comp.text.index(stop)]
     assert stopped.logprob == pytest.approx(sum(t.logprob for t in stopped.tokens))
+    # each result names the engine that computed it and its load time, the same for every
+    # request of the deployment (loaded once per process)
+    again = c.make_request(req("Hi", max_tokens=2))
+    engines = [r.completions[0].finish_reason["flexgen"]["engine"] for r in (full, again)]
+    assert engines[0] == engines[1] and engines[0]["load_s"] > 0 and len(engines[0]["id"]) == 12
 
 
 def test_num_completions_sampling_and_greedy():

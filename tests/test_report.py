@@ -38,9 +38,10 @@ def _batch(id: str, size: int, time_s: float, padded_prompt: int, padded_gen: in
                        prefill_s=time_s / 5, decode_s=time_s / 2)
 
 
-def _request(instance: str, prompt: int, gen: int, batch: BatchRecord, precision: str = "BF16") -> dict:
+def _request(instance: str, prompt: int, gen: int, batch: BatchRecord, precision: str = "BF16",
+             engine: accounting.EngineLoad | None = None) -> dict:
     """A request state as HELM writes it, with the accounting the HELM client reports."""
-    rec = accounting.to_finish_reason(accounting.RequestRecord(prompt, gen, batch), precision)
+    rec = accounting.to_finish_reason(accounting.RequestRecord(prompt, gen, batch, engine=engine), precision)
     return {"instance": {"id": instance, "input": {"text": "x"}, "references": [], "split": "test"},
             "train_trial_index": 0,
             "result": {"success": True, "batch_size": batch.size, "batch_request_time": batch.time_s,
@@ -302,3 +303,33 @@ def test_a_rerun_counts_cached_requests_apart_and_no_throughput_mixes_them(tmp_p
     row = helm_runs.helm_table(suite).iloc[0]
     assert row["cached requests"] == 3 and pd.isna(row["actual tok/s"])
     assert "earlier-box" in row["cached computed"]
+
+
+def test_engine_loads_are_shown_apart_and_counted_once_per_engine(tmp_path):
+    """An engine loaded once serves every scenario of its deployment in a helm-run: each of
+    their rows shows its load, the whole suite counts it once, and no engine time or
+    throughput includes it; a cached request's engine (an earlier run's) is not this run's."""
+    e1, e2, old = (accounting.EngineLoad("e1", 2.0), accounting.EngineLoad("e2", 1.5),
+                   accounting.EngineLoad("e0", 9.0))
+    b1, b2, b3 = (_batch("b1", 2, 2.0, padded_prompt=20, padded_gen=8), _batch("b2", 1, 1.0, 8, 4),
+                  _batch("b3", 1, 1.0, 8, 4))
+    cached = _request("i0", 8, 4, _batch("b0", 1, 5.0, 8, 4), engine=old)
+    cached["result"]["cached"] = True
+    suite = tmp_path / "benchmark_output" / "runs" / "loads"
+    _write_run(suite, "lambada:model=flexgen_m", "flexgen/m",
+               [_request("i1", 10, 4, b1, engine=e1), _request("i2", 6, 4, b1, engine=e1), cached],
+               [_stat("prefix_exact_match", 0.5)])
+    _write_run(suite, "synthetic_reasoning:mode=pattern_match,model=flexgen_m", "flexgen/m",
+               [_request("s1", 8, 4, b2, engine=e1)], [_stat("exact_match", 0.0)])
+    _write_run(suite, "wikitext:unit=paragraph,model=flexgen_m-4bit", "flexgen/m-4bit",
+               [_request("w1", 8, 4, b3, "4-bit", engine=e2)], [_stat("perplexity", 12.5)])
+    df = helm_runs.helm_table(suite)
+    assert list(df["engine load (s)"]) == [2.0, 2.0, 1.5]
+    assert df.iloc[0]["engine time (s)"] == pytest.approx(2.0)  # the load in no engine time
+    total = helm_runs.suite_total(df)
+    assert total["engine loads"] == 2 and total["engine load (s)"] == pytest.approx(3.5)
+    assert total["engine time (s)"] == pytest.approx(4.0)
+    # records of a plugin that wrote no engine entry: no load shown, nothing else changes
+    plain = accounting.summarize(accounting.records_from_scenario_state(
+        {"request_states": [_request("i1", 10, 4, b1), _request("i2", 6, 4, b1)]}))
+    assert plain["engine_load_s"] is None and plain["engine_time_s"] == pytest.approx(2.0)

@@ -14,6 +14,9 @@ Every successful request ran in one engine batch (helm/batching.py). What it rep
       "host": "box (AMD EPYC, 2 cores, bf16 arithmetic)",  # where it was computed
       "prompt_tokens": 37,        # this request's real prompt tokens (as the engine saw them)
       "generated_tokens": 5,      # this request's real generated tokens, all completions
+      "engine": {"id": "9c1d3e5f7a2b", "load_s": 1.8},  # the engine that computed it: loaded
+                                  # once per deployment per process (weights read and placed,
+                                  # dense copies made), outside every batch's time
       "batch": {                  # the whole batch, summed over its engine calls (the score and
                                   # generate calls of an echo+generate batch): RunStats' numbers
         "id": "1f2e-6650aa1b-12", # requests with the same id ran together
@@ -34,6 +37,11 @@ tokens and its batch's engine time are not this run's. `summarize` counts such r
 apart (how many, when and on which hosts they were computed: `request_datetime` and the
 record's host) and computes every token count, time and throughput from the requests this
 run computed alone, so no figure mixes the two.
+
+The engine's loading is no batch's: `summarize` gives the load time of the engines that
+computed the run's requests (each once, however many batches it ran) apart from the engine
+time, so a reader sees what a run paid before its first batch without any throughput
+counting it.
 """
 
 from __future__ import annotations
@@ -89,6 +97,14 @@ class BatchRecord:
 
 
 @dataclass(frozen=True)
+class EngineLoad:
+    """The loading of the engine that computed a request (helm/engines.get_engine)."""
+
+    id: str  # unique across processes: one per engine loaded
+    load_s: float  # its wall time: the weights read and placed, dense copies made (Engine.load)
+
+
+@dataclass(frozen=True)
 class RequestRecord:
     prompt_tokens: int  # this request's real prompt tokens
     generated_tokens: int  # this request's real generated tokens, all completions
@@ -96,6 +112,7 @@ class RequestRecord:
     cached: bool = False  # answered from HELM's cache: computed by an earlier run
     computed_at: float | None = None  # when its batch ran (RequestResult.request_datetime, Unix seconds)
     host: str | None = None  # where it was computed (this_host() of that run; None: an older plugin)
+    engine: EngineLoad | None = None  # the engine that computed it (None: an older plugin, which had no record)
 
 
 @lru_cache(maxsize=1)
@@ -108,8 +125,11 @@ def to_finish_reason(record: RequestRecord, precision: str) -> dict[str, Any]:
     """The JSON for finish_reason["flexgen"]: the record less what HELM's fields carry, and
     the precision and host of the engine that computed it."""
     batch = {k: v for k, v in dataclasses.asdict(record.batch).items() if k not in _IN_HELM_FIELDS}
-    return {"precision": precision, "host": this_host(), "prompt_tokens": record.prompt_tokens,
-            "generated_tokens": record.generated_tokens, "batch": batch}
+    entry = {"precision": precision, "host": this_host(), "prompt_tokens": record.prompt_tokens,
+             "generated_tokens": record.generated_tokens, "batch": batch}
+    if record.engine is not None:
+        entry["engine"] = dataclasses.asdict(record.engine)
+    return entry
 
 
 def _flexgen_entry(result: dict[str, Any]) -> dict[str, Any] | None:
@@ -127,7 +147,8 @@ def from_request_result(result: dict[str, Any]) -> RequestRecord | None:
     batch = BatchRecord(**flexgen["batch"], **{k: result[helm] for k, helm in _IN_HELM_FIELDS.items()})
     return RequestRecord(prompt_tokens=flexgen["prompt_tokens"], generated_tokens=flexgen["generated_tokens"],
                          batch=batch, cached=bool(result.get("cached")), computed_at=result.get("request_datetime"),
-                         host=flexgen.get("host"))
+                         host=flexgen.get("host"),
+                         engine=EngineLoad(**flexgen["engine"]) if "engine" in flexgen else None)
 
 
 PRECISION_NOT_RECORDED = "not recorded"
@@ -162,6 +183,7 @@ def summarize(all_records: list[RequestRecord]) -> dict[str, Any]:
     time_s = sum(b.time_s for b in batches.values())
     prefill_s = sum(b.prefill_s for b in batches.values())
     decode_s = sum(b.decode_s for b in batches.values())
+    engines = {r.engine.id: r.engine.load_s for r in records if r.engine is not None}
     padded = padded_prompt + padded_gen
     actual = real_prompt + real_gen
     return {
@@ -183,6 +205,10 @@ def summarize(all_records: list[RequestRecord]) -> dict[str, Any]:
         "padded_throughput_tok_s": padded / time_s if time_s else None,
         "actual_throughput_tok_s": actual / time_s if time_s else None,
         "efficiency": actual / padded if padded else None,
+        # the loading of the engines that computed these requests, each once, in none of the
+        # times above; "engines" names them (id:seconds), so a suite counts each once
+        "engine_load_s": sum(engines.values()) if engines else None,
+        "engines": " ".join(f"{i}:{t:.3f}" for i, t in sorted(engines.items())) or None,
         "cached_requests": len(from_cache),
         "cached_computed": _provenance(from_cache),
     }

@@ -217,7 +217,8 @@ class FlexGenClient(CachingClient):
                 tokens += [[t, float(lp)] for t, lp in zip(helm_texts(tt, ids), lps)]
                 text += cut.text
             completions.append({"text": text, "tokens": tokens, "finish_reason": reason})
-        record = accounting.RequestRecord(len(job.prompt_ids), generated_total, out.batch)
+        record = accounting.RequestRecord(len(job.prompt_ids), generated_total, out.batch,
+                                            engine=self.handle.load)
         # RequestResult's own fields where HELM has them, the rest in finish_reason (to_result)
         return {
             "completions": completions,

@@ -32,12 +32,15 @@ import importlib
 import json
 import os
 import threading
+import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from flexgen_helm.errors import FlexGenError
+from flexgen_helm.helm.accounting import EngineLoad
 
 
 @dataclass(frozen=True)
@@ -162,9 +165,11 @@ class EngineHandle:
     The engine itself is not assumed thread-safe: every call goes through `lock`.
     """
 
-    def __init__(self, args: LoadArgs, engine: Any, planned_fields: dict | None = None):
+    def __init__(self, args: LoadArgs, engine: Any, planned_fields: dict | None = None,
+                 load: EngineLoad | None = None):
         self.args = args
         self.engine = engine
+        self.load = load  # its loading, which every request it computes records (helm/accounting.py)
         self.lock = threading.Lock()
         self.batcher = None  # set by batching.get_batcher (one request queue per engine)
         # the deployment's Policy fields where the planner chose the rest: each scenario's block
@@ -207,7 +212,10 @@ def get_engine(args: LoadArgs) -> EngineHandle:
     with _REGISTRY_LOCK:
         handle = _REGISTRY.get(args)
         if handle is None:
-            handle = _REGISTRY[args] = EngineHandle(args, _load(args), _planned_fields(args))
+            t0 = time.perf_counter()
+            engine = _load(args)
+            load = EngineLoad(uuid.uuid4().hex[:12], time.perf_counter() - t0)
+            handle = _REGISTRY[args] = EngineHandle(args, engine, _planned_fields(args), load)
     return handle
 
 

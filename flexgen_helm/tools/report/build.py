@@ -39,7 +39,8 @@ RUN_INFO = "run_info.json"  # written beside the records by the command that mad
 
 HELM_SHOWN = ["scenario", "deployment", "precision", "instances", "prompt tok", "prompt tok (padded)",
               "prompt tok (computed)", "prefix reuse", "output tok", "output tok (padded)", "engine time (s)",
-              "prefill (s)", "decode (s)", "padded tok/s", "actual tok/s", "efficiency", "cached requests"]
+              "prefill (s)", "decode (s)", "padded tok/s", "actual tok/s", "efficiency", "engine load (s)",
+              "cached requests"]
 
 
 def suite_path(output_path: str | Path, suite: str) -> Path:
@@ -150,7 +151,11 @@ def _helm_section(df: pd.DataFrame, suite_dir: Path, out: Path) -> list[str]:
            "Engine time: the engine's wall time for the run's batches; prefill and decode: the part of it in "
            "each stage (per-stage time: prompts through the model, then one step per generated token). "
            "Padded / actual tok/s = (prompt + output tokens, padded / real) / engine time; "
-           "efficiency = actual / padded. Requests HELM's cache answered (computed by an earlier run: a rerun in "
+           "efficiency = actual / padded. Engine load: the time to load the engine that computed the run's "
+           "requests (weights read and placed, dense copies made), paid once per deployment per helm-run before "
+           "its first batch and in no engine time or throughput; an engine serving several scenarios shows its "
+           "load in each of their rows, and the whole-suite line counts it once. Requests HELM's cache answered "
+           "(computed by an earlier run: a rerun in "
            "the same folder) are counted apart in \"cached requests\" and in no other column: tokens, times and "
            "throughputs are those of the requests this run computed.\n", table(shown)]
     if "cached requests" in df and df["cached requests"].fillna(0).sum():

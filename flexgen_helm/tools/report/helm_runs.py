@@ -75,6 +75,8 @@ COLUMNS = {
     "engine_time_s": "engine time (s)", "prefill_s": "prefill (s)", "decode_s": "decode (s)",
     "padded_throughput_tok_s": "padded tok/s", "actual_throughput_tok_s": "actual tok/s",
     "efficiency": "efficiency",
+    # the loading of the engines that computed the run's requests, outside every time above
+    "engine_load_s": "engine load (s)", "engines": "engines",
     # HELM's cache answered these: counted apart, in none of the columns above (accounting.summarize)
     "cached_requests": "cached requests", "cached_computed": "cached computed",
 }
@@ -104,5 +106,21 @@ def suite_total(df: pd.DataFrame) -> dict:
     t = df["engine time (s)"].sum()
     actual = df["prompt tok"].sum() + df["output tok"].sum()
     padded = df["prompt tok (padded)"].sum() + df["output tok (padded)"].sum()
-    return {"engine time (s)": t, "padded tok/s": padded / t if t else None,
-            "actual tok/s": actual / t if t else None, "efficiency": actual / padded if padded else None}
+    total = {"engine time (s)": t, "padded tok/s": padded / t if t else None,
+             "actual tok/s": actual / t if t else None, "efficiency": actual / padded if padded else None}
+    loads = engine_loads(df)
+    if loads:
+        total["engine loads"] = len(loads)
+        total["engine load (s)"] = sum(loads.values())
+    return total
+
+
+def engine_loads(df: pd.DataFrame) -> dict[str, float]:
+    """The engines that computed the table's runs, each once (one serves every scenario of
+    its deployment in a helm-run), and their load seconds."""
+    loads = {}
+    for cell in df["engines"].dropna() if "engines" in df else ():
+        for entry in cell.split():
+            engine, _, seconds = entry.rpartition(":")
+            loads[engine] = float(seconds)
+    return loads
