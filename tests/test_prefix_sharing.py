@@ -291,10 +291,13 @@ def test_shared_prefix_attention_is_attention(softcap):
     decode attention over each whole cache computes."""
 
     from flexgen_helm.executor.attention import DecodePrefix, attend, attend_past_shared_prefix
+    from flexgen_helm.executor.kv_cache import keys_outside_prefix
 
     q, k, v, valid, prefix_k, prefix_v, starts = caches_holding_a_prefix(1)
     want = attend(q, k, v, valid, causal=False, softcap=softcap)
-    got = attend_past_shared_prefix(q, k, v, valid, DecodePrefix(prefix_k, prefix_v), starts, softcap=softcap)
+    kvh, n = prefix_k.shape[0], prefix_k.shape[1]
+    own = keys_outside_prefix(valid, starts[torch.arange(q.shape[0]) // kvh], n)
+    got = attend_past_shared_prefix(q, k, v, own, DecodePrefix(prefix_k, prefix_v), softcap=softcap)
     assert torch.allclose(got, want, atol=1e-6)
 
 
@@ -303,15 +306,17 @@ def test_shared_prefix_attention_over_a_slot_that_holds_out_the_common_prefix():
     every sequence's prefix covers: what plain attention over each whole cache computes."""
 
     from flexgen_helm.executor.attention import DecodePrefix, attend, attend_past_shared_prefix
+    from flexgen_helm.executor.kv_cache import keys_outside_prefix
 
     q, k, v, valid, prefix_k, prefix_v, starts = caches_holding_a_prefix(3)
     want = attend(q, k, v, valid, causal=False)
-    a, b = int(starts.max()), int(starts.min()) + prefix_k.shape[1]  # held out: every copy covers them
+    kvh, n = prefix_k.shape[0], prefix_k.shape[1]
+    a, b = int(starts.max()), int(starts.min()) + n  # held out: every copy covers them
     held = torch.cat([torch.arange(a), torch.arange(b, k.shape[1])])
     for first, last in [(0, 10), (3, 8), (1, 2)]:
-        got = attend_past_shared_prefix(q[first:last], k[first:last, held], v[first:last, held],
-                                        valid[first:last, held], DecodePrefix(prefix_k, prefix_v), starts, (a, b),
-                                        first_unit=first)
+        own = keys_outside_prefix(valid[first:last, held], starts[torch.arange(first, last) // kvh], n, (a, b))
+        got = attend_past_shared_prefix(q[first:last], k[first:last, held], v[first:last, held], own,
+                                        DecodePrefix(prefix_k, prefix_v), first_unit=first)
         assert torch.allclose(got, want[first:last], atol=1e-6)
 
 

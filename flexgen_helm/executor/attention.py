@@ -480,33 +480,25 @@ def prefix_for_decode(keys: torch.Tensor, values: torch.Tensor, device: torch.de
     return DecodePrefix(keys.to(read_as, copy=True), values.to(read_as, copy=True))
 
 
-def attend_past_shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor,
-                              prefix: DecodePrefix, prefix_start: torch.Tensor,
-                              held_out: tuple[int, int] | None = None, first_unit: int = 0,
-                              softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+def attend_past_shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, own: torch.Tensor,
+                              prefix: DecodePrefix, first_unit: int = 0, softcap: float = 0.0,
+                              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """A decode step's attention (one query per unit) where every sequence's cache holds the
     same prefix, under dense attention over a plain cache (a compressed cache's, or sparse
     attention's: attend_past_held_prefix). The units are whole sequences' (kv_heads units
-    each, in order), q's the units first_unit, first_unit + 1, ... of them; sequence i's prefix sits at positions
-    [prefix_start[i], + P). k and v hold every position but those in held_out's [a, b)
-    (which every sequence's prefix covers: its slot leaves them out, kv_cache module doc).
-    The prefix part is one matmul per key-value head for the queries of every sequence at
-    once against its one copy (prefix: DecodePrefix), as Hydragen and cascade attention
-    compute it, so it is read once a step instead of once per sequence; the rest attends
-    per unit to the positions it holds outside its own prefix; the parts merge exactly by
-    their log-sum-exp (and sinks (u, r), as attend()'s, apply once to the merged softmax).
-    q: (u, r, 1, d); k, v: (u, t, d); key_valid: (u, t). Float32, as
-    attend()'s CPU decode path, but for the prefix's matmuls in DecodePrefix's bf16 layout;
-    returns (u, r, 1, d) in q's dtype."""
+    each, in order), q's the units first_unit, first_unit + 1, ... of them; `own` (u, t) marks
+    the keys of k, v each may see outside its copy of the prefix (KVCacheSlot.outside_prefix:
+    the same for every layer of a step, so made once a step). The prefix part is one matmul
+    per key-value head for the queries of every sequence at once against its one copy
+    (prefix: DecodePrefix), as Hydragen and cascade attention compute it, so it is read once
+    a step instead of once per sequence; the rest attends per unit to its own keys; the parts
+    merge exactly by their log-sum-exp (and sinks (u, r), as attend()'s, apply once to the
+    merged softmax). q: (u, r, 1, d); k, v: (u, t, d). Float32, as attend()'s CPU decode
+    path, but for the prefix's matmuls in DecodePrefix's bf16 layout; returns (u, r, 1, d) in
+    q's dtype."""
     u, r, _, d = q.shape
-    kvh, n = prefix.values.shape[0], prefix.length
+    kvh = prefix.values.shape[0]
     qf = q.float().view(u, r, d)
-    units = torch.arange(first_unit, first_unit + u)
-    start = prefix_start.cpu()[units // kvh].to(q.device)[:, None]  # (u, 1)
-    positions = torch.arange(k.shape[1], device=q.device)[None, :]
-    if held_out is not None:
-        positions = torch.where(positions >= held_out[0], positions + (held_out[1] - held_out[0]), positions)
-    own = key_valid & ((positions < start) | (positions >= start + n))
     own_part = _normalized_part(qf, k, v, own, softcap)
     by_head, per_unit = _stacked_by_head(qf, first_unit, kvh)
     if prefix.key_mean is None:

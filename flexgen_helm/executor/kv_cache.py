@@ -129,6 +129,19 @@ def kv_nbytes_per_position(units: int, head_dim: int, dtype: torch.dtype, cfg: C
     return kv_nbytes(1, units, head_dim, dtype, cfg)
 
 
+def keys_outside_prefix(valid: torch.Tensor, starts: torch.Tensor, length: int,
+                        held_out: tuple[int, int] | None = None) -> torch.Tensor:
+    """Of the keys valid (units, columns) marks, those outside each unit's copy of a shared
+    prefix, positions [starts[u], starts[u] + length), where column c holds position c, or
+    c + (b - a) from a on where the positions held_out = [a, b) are left out."""
+    positions = torch.arange(valid.shape[1], device=valid.device)[None, :]
+    if held_out is not None:
+        a, b = held_out
+        positions = torch.where(positions >= a, positions + (b - a), positions)
+    starts = starts.to(valid.device)[:, None]
+    return valid & ((positions < starts) | (positions >= starts + length))
+
+
 def ring_runs(start: int, n: int, rows: int) -> list[tuple[int, int, int]]:
     """(first row, first of the n positions, count) of each run of the rows of a ring of
     `rows` that positions [start, start + n) fill (n <= rows): one, or two where it wraps."""
@@ -391,12 +404,7 @@ class KVCacheSlot:
         """Of decode_valid's columns (valid: (units, columns), a global block's), those each
         unit may see outside its copy of the block's shared prefix, positions [starts[u],
         starts[u] + length): decode attends to the prefix's one copy instead."""
-        positions = torch.arange(valid.shape[1], device=valid.device)[None, :]
-        if self.held_out is not None:
-            a, b = self.held_out
-            positions = torch.where(positions >= a, positions + (b - a), positions)
-        starts = starts.to(valid.device)[:, None]
-        return valid & ((positions < starts) | (positions >= starts + length))
+        return keys_outside_prefix(valid, starts, length, self.held_out)
 
     def positions_of(self, first: int, columns: list[int]) -> list[int]:
         """The positions of `columns` of the positions held from position `first` on, in order

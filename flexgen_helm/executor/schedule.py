@@ -621,7 +621,8 @@ class BlockSchedule:
         parts = [r.take(h) for r, h in zip(rows, hs)]
         sizes = [p.shape[0] for p in parts]
         h_all = torch.cat(parts)
-        at = self.family.step_constants(self.constants, torch.cat([r.positions for r in rows]))
+        at = rows[0].per_step(("merged step constants", tuple(live)), lambda: self.family.step_constants(
+            self.constants, torch.cat([r.positions for r in rows])))  # the same for every layer of the step
         qkv = [x.split(sizes) for x in self.family.qkv(self.cfg, w, h_all, at, layer.index)]
         self._time_compute(t0)
         attn, writes = [], []
@@ -856,14 +857,14 @@ class BlockSchedule:
                     values = _with_new(vc, new_v, local)[:, drop:]
             if prefix_start is not None and self.prefix_as_stored:
                 prefix_k, prefix_v = self._unpacked_prefix(index, where)
-                unit_starts = prefix_start.cpu()[torch.arange(part.start, part.stop) // self.cfg.num_kv_heads]
-                own = slot.outside_prefix(valid.to(where), unit_starts, prefix_k.shape[1])
+                own = self._own_keys(slot, rows, tier, part, valid, where, prefix_start, prefix_k.shape[1])
                 out = attend_past_held_prefix(qu[part].to(where), keys, values, own, prefix_k, prefix_v,
                                               first_unit=part.start, keep_fraction=self.policy.attn_sparsity,
                                               softcap=self.cfg.attn_softcap, sinks=part_sinks)
             elif prefix_start is not None:
-                out = attend_past_shared_prefix(qu[part].to(where), keys, values, valid.to(where),
-                                                self.decode_prefix[index, where.type], prefix_start, slot.held_out,
+                prefix = self.decode_prefix[index, where.type]
+                own = self._own_keys(slot, rows, tier, part, valid, where, prefix_start, prefix.length)
+                out = attend_past_shared_prefix(qu[part].to(where), keys, values, own, prefix,
                                                 first_unit=part.start, softcap=self.cfg.attn_softcap,
                                                 sinks=part_sinks)
             else:
@@ -872,6 +873,19 @@ class BlockSchedule:
                              sinks=part_sinks)
             outs.append(out.to(self.devices.compute, non_blocking=True))
         return (outs[0] if len(outs) == 1 else torch.cat(outs)), tuple(unwritten)
+
+    def _own_keys(self, slot, rows: StepRows, tier: str, part: slice, valid: torch.Tensor, where: torch.device,
+                  prefix_start: torch.Tensor, prefix_len: int) -> torch.Tensor:
+        """Which of a tier's keys (decode_valid's columns) each of its computed units may see
+        outside its copy of the shared prefix (slot.outside_prefix), on `where`: made by the
+        step's first layer whose tier holds these units and reused by the rest, whose slots
+        hold the same positions (blocks that attend to the prefix apart have no window; a
+        split cache may put different units on a tier from layer to layer)."""
+        def make() -> torch.Tensor:
+            unit_starts = prefix_start.cpu()[torch.arange(part.start, part.stop) // self.cfg.num_kv_heads]
+            return slot.outside_prefix(valid.to(where), unit_starts, prefix_len)
+
+        return rows.per_step(("own keys", part.start, part.stop, where.type, valid.shape[1], prefix_len), make)
 
     def _disk_values(self, slot: KVCacheSlot, new_v: torch.Tensor, local: torch.Tensor | None, first: int,
                      keys: list[int]) -> torch.Tensor:

@@ -19,6 +19,7 @@ class StepRows:
     at: object  # family.step_constants at the rows' positions
     unit_index: torch.Tensor | None  # units as a tensor on the compute device (KVCacheSlot.write's)
     _parts: dict = field(default_factory=dict)
+    _per_step: dict = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
@@ -44,6 +45,14 @@ class StepRows:
                 local = None if j - i == b - a else torch.tensor(self.units[i:j]) - a
                 self._parts[a, b] = (slice(i, j), local)
         return self._parts[a, b]
+
+
+    def per_step(self, key, make):
+        """What every layer of the step computes alike for this GPU batch (`key` names it and
+        what it depends on besides the step): made by make() at the first layer that asks."""
+        if key not in self._per_step:
+            self._per_step[key] = make()
+        return self._per_step[key]
 
 
 def units_of(rows: list[int], kv_heads: int) -> list[int]:
