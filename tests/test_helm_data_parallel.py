@@ -3,6 +3,7 @@ the run they produce is the one a single process produces."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import socket
@@ -42,8 +43,9 @@ def test_two_replicas_give_the_single_process_run(tmp_path):
         assert (dp[name] / "stats.json").exists()
 
 
-def _prefetch_on_rank(rank, world, tmp):
-    """One rank of test_each_round_of_batches_is_in_rank_0s_cache_before_the_next_starts."""
+def _prefetch_on_rank(rank, world, tmp, batch_sizes=(2, 2)):
+    """One rank of test_each_round_of_batches_is_in_rank_0s_cache_before_the_next_starts;
+    batch_sizes: each rank's deployment's max_batch_size (what its own plan would cut by)."""
     os.environ["FLEXGEN_HELM_ENGINE_FACTORY"] = "helm_fake_engine:load"
     import torch.distributed as dist
     from helm.common.cache import SqliteCacheConfig
@@ -53,10 +55,11 @@ def _prefetch_on_rank(rank, world, tmp):
     from flexgen_helm.helm.client import FlexGenClient
     from flexgen_helm.helm.data_parallel import prefetch_data_parallel
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))  # ranks out of step fail, never hang
     cache = tmp / ("cache.sqlite" if rank == 0 else f"rank-{rank}.sqlite")  # rank 0's is the user's
     client = FlexGenClient(SqliteCacheConfig(str(cache)), model="smollm2-135m", deployment="flexgen/smollm2-135m",
-                           max_batch_size=2)
+                           max_batch_size=batch_sizes[rank])
 
     def cached_so_far():
         with SqliteKeyValueStore(str(tmp / "cache.sqlite")) as store:
@@ -80,6 +83,19 @@ def test_each_round_of_batches_is_in_rank_0s_cache_before_the_next_starts(tmp_pa
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
     mp.spawn(_prefetch_on_rank, args=(2, tmp_path), nprocs=2)
+    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["seen"] == [0, 4, 8] and ranks[0]["cached_at_end"] == 12
+    assert [r["computed"] for r in ranks] == [6, 6]
+
+
+def test_every_rank_cuts_the_batches_rank_0_chose(tmp_path, monkeypatch):
+    """Ranks whose own plans differ (here their deployments' batch sizes; in practice their
+    saved profiles, near the threshold that leaves a scenario's batches uncapped) run rank 0's
+    batches: each request once, in the same rounds as before."""
+    import torch.multiprocessing as mp
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    mp.spawn(_prefetch_on_rank, args=(2, tmp_path, (2, 3)), nprocs=2)
     ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["seen"] == [0, 4, 8] and ranks[0]["cached_at_end"] == 12
     assert [r["computed"] for r in ranks] == [6, 6]

@@ -20,7 +20,7 @@ import hashlib
 import json
 import math
 import threading
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from helm.clients.client import CachingClient
 from helm.common.cache import CacheConfig, cache_stats, create_key_value_store
@@ -51,7 +51,7 @@ from flexgen_helm.helm.batching import (
 )
 from flexgen_helm.helm.block_planning import plan_block, scenario_workload
 from flexgen_helm.helm.engines import EngineHandle, LoadArgs, get_engine, resolve_load_args
-from flexgen_helm.helm.scenario_plan import PlannedRequest, ScenarioPlan, plan_scenario
+from flexgen_helm.helm.scenario_plan import BatchingChoice, PlannedRequest, ScenarioPlan, plan_scenario
 from flexgen_helm.helm.tokens import helm_texts
 from flexgen_helm.memory.disk_space import disk_full, is_disk_full
 from flexgen_helm.text import StopStrings, TokenText, token_text_for
@@ -294,11 +294,14 @@ class FlexGenClient(CachingClient):
                 unique[key] = (request, raw)
         return unique
 
-    def plan(self, unique: Dict[str, tuple[Request, Dict[str, Any]]], cached: set[str]) -> ScenarioPlan:
+    def plan(self, unique: Dict[str, tuple[Request, Dict[str, Any]]], cached: set[str],
+             agree: Optional[Callable[[BatchingChoice], BatchingChoice]] = None) -> ScenarioPlan:
         """The planned batches of `unique` (see unique_requests), `cached` being the keys in
         HELM's cache, in the block planned for them all (helm/block_planning.py: once per
         scenario, cached requests included, so that a resumed run forms the same batches); a
-        request that cannot run gets its error now (held for make_request)."""
+        request that cannot run gets its error now (held for make_request). agree: what makes
+        the choice the same on every data-parallel rank (rank 0's), whose saved profiles or
+        loaded blocks may differ."""
         handle = self.handle
         planned: Dict[str, PlannedRequest] = {}
         for key, (request, raw) in unique.items():
@@ -309,7 +312,15 @@ class FlexGenClient(CachingClient):
                     self.keep(key, {"error": str(exc)})
                 continue
             planned[key] = PlannedRequest(request, raw, job, n_prefix)
-        jobs = [p.job for p in planned.values()]
+        choice = self._batching_choice([p.job for p in planned.values()])
+        if agree is not None:
+            choice = agree(choice)
+        return plan_scenario(planned, cached, choice.max_batch, self.pad_tolerance, choice.max_batch_share,
+                             choice.policy, choice.shared_prefix)
+
+    def _batching_choice(self, jobs: list) -> BatchingChoice:
+        """The block the jobs run in, and what cuts their batches (plan_scenario)."""
+        handle = self.handle
         block = plan_block(handle, jobs)
         policy = block.policy if block else None
         runs_in = policy or getattr(handle.engine, "policy", None)  # the scenario's block, else the loaded one
@@ -320,7 +331,7 @@ class FlexGenClient(CachingClient):
                  f"{self.uncapped_block_s:g} s a killed run may lose: their batches are the blocks, not capped by "
                  f"work at risk (max_batch_share)")
             share = None
-        return plan_scenario(planned, cached, self.max_batch(runs_in), self.pad_tolerance, share, policy, shared)
+        return BatchingChoice(self.max_batch(runs_in), share, policy, shared)
 
     def log_plan(self, plan: ScenarioPlan) -> None:
         largest = max(map(len, plan.batches), default=0)

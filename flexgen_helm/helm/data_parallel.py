@@ -9,8 +9,9 @@ rank waits at most FLEXGEN_HELM_RENDEZVOUS_TIMEOUT_S (300 s) for the others, the
 one line naming the rendezvous address.
 
 Rank 0 is the real helm-run: its output path, prod_env and cache are the user's. It
-decides which requests still need computing; every rank plans the same batches as a
-single process would (scenario_plan.py), so the results are a single process's, and the
+decides which requests still need computing and how the batches are cut (its block, planned
+from its own profile: the other ranks' may differ); every rank then plans the same batches as
+a single process would (scenario_plan.py), so the results are a single process's, and the
 ranks take turns: round r runs batch r*K + k on rank k. At the end of each round every rank
 receives the round's results, and rank 0 puts them in its cache before the next round
 starts, so a killed run loses at most the round in progress, as a single process loses its
@@ -56,7 +57,7 @@ def prefetch_data_parallel(client, requests) -> int:
             client.keep(key, response)
     if len(cached) == len(unique):
         return 0
-    plan = client.plan(unique, set(cached))
+    plan = client.plan(unique, set(cached), agree=_rank_0s)
     if rank == 0:
         client.log_plan(plan)
     computed = 0
@@ -81,6 +82,15 @@ def prefetch_data_parallel(client, requests) -> int:
                 raise DiskFullError(errors[0])
     hlog(f"flexgen data-parallel: rank {rank} computed {computed} of {plan.requests_to_run} requests")
     return computed
+
+
+def _rank_0s(choice):
+    """Rank 0's batching choice, on every rank: each plans the scenario's block from its own
+    saved profile and loaded policy, and ranks that chose apart would cut different batches
+    (a request run twice, another never)."""
+    chosen = [choice]
+    dist.broadcast_object_list(chosen, src=0)
+    return chosen[0]
 
 
 def _disk_full_message(step, *args) -> str | None:

@@ -25,6 +25,17 @@ class PlannedRequest:
     n_prefix: int  # tokens put in front of the prompt (a BOS), not returned
 
 
+@dataclass(frozen=True)
+class BatchingChoice:
+    """What a scenario's batches are cut by, besides its requests (plan_scenario's arguments):
+    chosen once per scenario, and by rank 0 for every data-parallel rank (helm/data_parallel.py)."""
+
+    max_batch: int  # the most requests a batch holds
+    max_batch_share: float | None  # a batch's most work as a share of the scenario's (None: no cap)
+    policy: Any = None  # the engine policy the batches run under; None: the loaded one
+    shared_prefix: int = 0  # the tokens every generating prompt starts with, computed once a batch
+
+
 @dataclass
 class ScenarioPlan:
     planned: dict[str, PlannedRequest]  # by cache key (as a string), in the scenario's order
