@@ -128,12 +128,20 @@ class Engine:
         sharing). What loading fixed (FIXED_AT_LOAD) must stay as loaded: changing it would
         mean loading the model again."""
         check_keep_dense(policy.keep_dense_weights, self.config)
-        changed = [f for f in FIXED_AT_LOAD if getattr(policy, f) != getattr(self.policy, f)]
-        if changed:
-            raise FlexGenError(f"a loaded engine keeps its {', '.join(changed)} ({self.policy.describe()}); "
-                               f"{policy.describe()} needs the model loaded again")
+        problem = self.cannot_run(policy)
+        if problem:
+            raise FlexGenError(problem)
         with self._lock:
             self.policy = policy
+
+    def cannot_run(self, policy: Policy) -> str | None:
+        """Why this loaded engine cannot run under `policy` (it changes what loading fixed,
+        FIXED_AT_LOAD); None where it can."""
+        changed = [f for f in FIXED_AT_LOAD if getattr(policy, f) != getattr(self.policy, f)]
+        if not changed:
+            return None
+        return (f"a loaded engine keeps its {', '.join(changed)} ({self.policy.describe()}); "
+                f"{policy.describe()} needs the model loaded again")
 
     # ---- inputs ---------------------------------------------------------------------
 

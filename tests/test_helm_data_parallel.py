@@ -99,3 +99,52 @@ def test_every_rank_cuts_the_batches_rank_0_chose(tmp_path, monkeypatch):
     ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["seen"] == [0, 4, 8] and ranks[0]["cached_at_end"] == 12
     assert [r["computed"] for r in ranks] == [6, 6]
+
+
+def _choose_on_rank(rank, world, tmp, case):
+    """One rank of test_ranks_stop_together_where_rank_0s_choice_cannot_run: rank 0's choice
+    fails to be made ("rank 0 fails") or rank 1's engine cannot run it ("rank 1 cannot run")."""
+    import types
+
+    import torch.distributed as dist
+
+    from flexgen_helm.errors import ClusterError
+    from flexgen_helm.helm.data_parallel import rank_0s_choice
+    from flexgen_helm.helm.scenario_plan import BatchingChoice
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    refuses = case == "rank 1 cannot run" and rank == 1
+    engine = types.SimpleNamespace(cannot_run=lambda policy: "loaded with other weights" if refuses else None)
+    client = types.SimpleNamespace(handle=types.SimpleNamespace(engine=engine))
+
+    def choose():
+        if case == "rank 0 fails":
+            raise ValueError("a corrupt profile")
+        return BatchingChoice(max_batch=4, max_batch_share=None, policy="rank 0's block")
+
+    try:
+        rank_0s_choice(client, choose)
+        outcome = "ran"
+    except (ClusterError, ValueError) as e:
+        outcome = f"{type(e).__name__}: {e}"
+    (tmp / f"rank-{rank}.txt").write_text(outcome)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case", ["rank 0 fails", "rank 1 cannot run"])
+def test_ranks_stop_together_where_rank_0s_choice_cannot_run(tmp_path, monkeypatch, case):
+    """Every rank stops with an error naming why, before any batch, where rank 0 cannot make
+    its batching choice or a rank's engine (loaded otherwise) cannot run it: none waits on
+    the others in a collective they never reach."""
+    import torch.multiprocessing as mp
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    mp.spawn(_choose_on_rank, args=(2, tmp_path, case), nprocs=2)
+    outcomes = [(tmp_path / f"rank-{r}.txt").read_text() for r in range(2)]
+    if case == "rank 0 fails":
+        assert outcomes[0] == "ValueError: a corrupt profile"
+        assert outcomes[1].startswith("ClusterError: rank 0 could not plan") and "a corrupt profile" in outcomes[1]
+    else:
+        assert all(o.startswith("ClusterError: the data-parallel ranks cannot all run") for o in outcomes)
+        assert all("rank 1: loaded with other weights" in o for o in outcomes)

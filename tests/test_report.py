@@ -327,7 +327,7 @@ def test_engine_loads_are_shown_apart_and_counted_once_per_engine(tmp_path):
     assert list(df["engine load (s)"]) == [2.0, 2.0, 1.5]
     assert df.iloc[0]["engine time (s)"] == pytest.approx(2.0)  # the load in no engine time
     total = helm_runs.suite_total(df)
-    assert total["engine loads"] == 2 and total["engine load (s)"] == pytest.approx(3.5)
+    assert total["engines loaded"] == 2 and total["engine load (s)"] == pytest.approx(3.5)
     assert total["engine time (s)"] == pytest.approx(4.0)
     # records of a plugin that wrote no engine entry: no load shown, nothing else changes
     plain = accounting.summarize(accounting.records_from_scenario_state(

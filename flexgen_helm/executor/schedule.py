@@ -857,13 +857,13 @@ class BlockSchedule:
                     values = _with_new(vc, new_v, local)[:, drop:]
             if prefix_start is not None and self.prefix_as_stored:
                 prefix_k, prefix_v = self._unpacked_prefix(index, where)
-                own = self._own_keys(slot, rows, tier, part, valid, where, prefix_start, prefix_k.shape[1])
+                own = self._own_keys(slot, rows, part, valid, where, prefix_start, prefix_k.shape[1])
                 out = attend_past_held_prefix(qu[part].to(where), keys, values, own, prefix_k, prefix_v,
                                               first_unit=part.start, keep_fraction=self.policy.attn_sparsity,
                                               softcap=self.cfg.attn_softcap, sinks=part_sinks)
             elif prefix_start is not None:
                 prefix = self.decode_prefix[index, where.type]
-                own = self._own_keys(slot, rows, tier, part, valid, where, prefix_start, prefix.length)
+                own = self._own_keys(slot, rows, part, valid, where, prefix_start, prefix.length)
                 out = attend_past_shared_prefix(qu[part].to(where), keys, values, own, prefix,
                                                 first_unit=part.start, softcap=self.cfg.attn_softcap,
                                                 sinks=part_sinks)
@@ -874,8 +874,8 @@ class BlockSchedule:
             outs.append(out.to(self.devices.compute, non_blocking=True))
         return (outs[0] if len(outs) == 1 else torch.cat(outs)), tuple(unwritten)
 
-    def _own_keys(self, slot, rows: StepRows, tier: str, part: slice, valid: torch.Tensor, where: torch.device,
-                  prefix_start: torch.Tensor, prefix_len: int) -> torch.Tensor:
+    def _own_keys(self, slot: KVCacheSlot | KiviCacheSlot, rows: StepRows, part: slice, valid: torch.Tensor,
+                  where: torch.device, prefix_start: torch.Tensor, prefix_len: int) -> torch.Tensor:
         """Which of a tier's keys (decode_valid's columns) each of its computed units may see
         outside its copy of the shared prefix (slot.outside_prefix), on `where`: made by the
         step's first layer whose tier holds these units and reused by the rest, whose slots

@@ -46,7 +46,6 @@ class StepRows:
                 self._parts[a, b] = (slice(i, j), local)
         return self._parts[a, b]
 
-
     def per_step(self, key, make):
         """What every layer of the step computes alike for this GPU batch (`key` names it and
         what it depends on besides the step): made by make() at the first layer that asks."""

@@ -218,7 +218,7 @@ class FlexGenClient(CachingClient):
                 text += cut.text
             completions.append({"text": text, "tokens": tokens, "finish_reason": reason})
         record = accounting.RequestRecord(len(job.prompt_ids), generated_total, out.batch,
-                                            engine=self.handle.load)
+                                            engine=self.handle.loading)
         # RequestResult's own fields where HELM has them, the rest in finish_reason (to_result)
         return {
             "completions": completions,
@@ -295,13 +295,13 @@ class FlexGenClient(CachingClient):
         return unique
 
     def plan(self, unique: Dict[str, tuple[Request, Dict[str, Any]]], cached: set[str],
-             agree: Optional[Callable[[BatchingChoice], BatchingChoice]] = None) -> ScenarioPlan:
+             decide: Optional[Callable[[Callable[[], BatchingChoice]], BatchingChoice]] = None) -> ScenarioPlan:
         """The planned batches of `unique` (see unique_requests), `cached` being the keys in
         HELM's cache, in the block planned for them all (helm/block_planning.py: once per
         scenario, cached requests included, so that a resumed run forms the same batches); a
-        request that cannot run gets its error now (held for make_request). agree: what makes
-        the choice the same on every data-parallel rank (rank 0's), whose saved profiles or
-        loaded blocks may differ."""
+        request that cannot run gets its error now (held for make_request). decide: given the
+        function that makes this process's choice, the choice to use: on data-parallel ranks,
+        whose saved profiles or loaded blocks may differ, rank 0's (helm/data_parallel.py)."""
         handle = self.handle
         planned: Dict[str, PlannedRequest] = {}
         for key, (request, raw) in unique.items():
@@ -312,9 +312,8 @@ class FlexGenClient(CachingClient):
                     self.keep(key, {"error": str(exc)})
                 continue
             planned[key] = PlannedRequest(request, raw, job, n_prefix)
-        choice = self._batching_choice([p.job for p in planned.values()])
-        if agree is not None:
-            choice = agree(choice)
+        jobs = [p.job for p in planned.values()]
+        choice = decide(lambda: self._batching_choice(jobs)) if decide else self._batching_choice(jobs)
         return plan_scenario(planned, cached, choice.max_batch, self.pad_tolerance, choice.max_batch_share,
                              choice.policy, choice.shared_prefix)
 

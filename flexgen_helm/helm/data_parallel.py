@@ -22,6 +22,7 @@ results ready and their outputs are discarded.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import sys
@@ -57,7 +58,7 @@ def prefetch_data_parallel(client, requests) -> int:
             client.keep(key, response)
     if len(cached) == len(unique):
         return 0
-    plan = client.plan(unique, set(cached), agree=_rank_0s)
+    plan = client.plan(unique, set(cached), decide=functools.partial(rank_0s_choice, client))
     if rank == 0:
         client.log_plan(plan)
     computed = 0
@@ -84,13 +85,35 @@ def prefetch_data_parallel(client, requests) -> int:
     return computed
 
 
-def _rank_0s(choice):
-    """Rank 0's batching choice, on every rank: each plans the scenario's block from its own
-    saved profile and loaded policy, and ranks that chose apart would cut different batches
-    (a request run twice, another never)."""
-    chosen = [choice]
-    dist.broadcast_object_list(chosen, src=0)
-    return chosen[0]
+def rank_0s_choice(client, choose):
+    """Rank 0's batching choice (`choose()` there), on every rank: each would plan the
+    scenario's block from its own saved profile and loaded policy, and ranks that chose apart
+    would cut different batches (a request run twice, another never). Every rank stops with
+    the same error where rank 0 could not choose or a rank's engine cannot run the choice
+    (it was loaded otherwise: Engine.cannot_run), before any batch, so that none waits on the
+    others in a collective they never reach."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    made, error = [None], None
+    if rank == 0:
+        try:
+            made = [(choose(), None)]
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it, never wait for a choice
+            made, error = [(None, f"{type(e).__name__}: {e}")], e
+    dist.broadcast_object_list(made, src=0)
+    choice, failed = made[0]
+    if error is not None:
+        raise error  # rank 0's own, as a single process would raise it
+    if failed:
+        raise ClusterError(f"rank 0 could not plan this scenario's batches: {failed}")
+    cannot_run = getattr(client.handle.engine, "cannot_run", None)
+    problem = cannot_run(choice.policy) if choice.policy is not None and cannot_run else None
+    problems = [None] * world
+    dist.all_gather_object(problems, problem)
+    found = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
+    if found:
+        raise ClusterError("the data-parallel ranks cannot all run the block rank 0 planned for this scenario "
+                           f"(their engines were loaded otherwise: load them alike): {'; '.join(found)}")
+    return choice
 
 
 def _disk_full_message(step, *args) -> str | None:

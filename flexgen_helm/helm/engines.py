@@ -40,7 +40,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from flexgen_helm.errors import FlexGenError
-from flexgen_helm.helm.accounting import EngineLoad
 
 
 @dataclass(frozen=True)
@@ -165,11 +164,11 @@ class EngineHandle:
     The engine itself is not assumed thread-safe: every call goes through `lock`.
     """
 
-    def __init__(self, args: LoadArgs, engine: Any, planned_fields: dict | None = None,
-                 load: EngineLoad | None = None):
+    def __init__(self, args: LoadArgs, engine: Any, planned_fields: dict | None = None, loading: Any = None):
         self.args = args
         self.engine = engine
-        self.load = load  # its loading, which every request it computes records (helm/accounting.py)
+        # its loading (accounting.EngineLoad), which every request it computes records
+        self.loading = loading
         self.lock = threading.Lock()
         self.batcher = None  # set by batching.get_batcher (one request queue per engine)
         # the deployment's Policy fields where the planner chose the rest: each scenario's block
@@ -212,10 +211,12 @@ def get_engine(args: LoadArgs) -> EngineHandle:
     with _REGISTRY_LOCK:
         handle = _REGISTRY.get(args)
         if handle is None:
+            from flexgen_helm.helm.accounting import EngineLoad  # (torch, as _load's imports: not at import)
+
             t0 = time.perf_counter()
             engine = _load(args)
-            load = EngineLoad(uuid.uuid4().hex[:12], time.perf_counter() - t0)
-            handle = _REGISTRY[args] = EngineHandle(args, engine, _planned_fields(args), load)
+            loading = EngineLoad(uuid.uuid4().hex[:12], time.perf_counter() - t0)
+            handle = _REGISTRY[args] = EngineHandle(args, engine, _planned_fields(args), loading)
     return handle
 
 

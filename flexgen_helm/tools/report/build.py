@@ -152,9 +152,10 @@ def _helm_section(df: pd.DataFrame, suite_dir: Path, out: Path) -> list[str]:
            "each stage (per-stage time: prompts through the model, then one step per generated token). "
            "Padded / actual tok/s = (prompt + output tokens, padded / real) / engine time; "
            "efficiency = actual / padded. Engine load: the time to load the engine that computed the run's "
-           "requests (weights read and placed, dense copies made), paid once per deployment per helm-run before "
+           "requests (weights read and placed, dense copies made), paid once per deployment per process before "
            "its first batch and in no engine time or throughput; an engine serving several scenarios shows its "
-           "load in each of their rows, and the whole-suite line counts it once. Requests HELM's cache answered "
+           "load in each of their rows, and the whole-suite line counts it once (data-parallel ranks each load "
+           "their own, at the same time: the line adds them up). Requests HELM's cache answered "
            "(computed by an earlier run: a rerun in "
            "the same folder) are counted apart in \"cached requests\" and in no other column: tokens, times and "
            "throughputs are those of the requests this run computed.\n", table(shown)]

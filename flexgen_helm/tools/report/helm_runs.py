@@ -110,7 +110,7 @@ def suite_total(df: pd.DataFrame) -> dict:
              "actual tok/s": actual / t if t else None, "efficiency": actual / padded if padded else None}
     loads = engine_loads(df)
     if loads:
-        total["engine loads"] = len(loads)
+        total["engines loaded"] = len(loads)
         total["engine load (s)"] = sum(loads.values())
     return total
 
