@@ -105,8 +105,8 @@ def rank_0s_choice(client, choose):
         raise error  # rank 0's own, as a single process would raise it
     if failed:
         raise ClusterError(f"rank 0 could not plan this scenario's batches: {failed}")
-    cannot_run = getattr(client.handle.engine, "cannot_run", None)
-    problem = cannot_run(choice.policy) if choice.policy is not None and cannot_run else None
+    # a choice with a policy of its own comes from the planner, which plans for real engines alone
+    problem = client.handle.engine.cannot_run(choice.policy) if choice.policy is not None else None
     problems = [None] * world
     dist.all_gather_object(problems, problem)
     found = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]

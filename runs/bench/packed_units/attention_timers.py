@@ -1,0 +1,57 @@
+"""Seconds spent in the block schedule's decode attention and its parts, for a HELM run's
+requests through our client (float32, the deployment flexgen/smollm2-135m, the scenario
+planned as the BatchingExecutor plans it): the per-function figures of README.md.
+
+    cd <checkout> && PYTHONPATH=. python runs/bench/packed_units/attention_timers.py \
+        runs/bench/merged_head/pattern_match_requests.json
+
+Wraps each function with a wall-clock timer (inclusive: `_attend` holds the others; prefill's
+60 calls of it too). One run, no interleaving: read it beside a same-session run of the other
+checkout, never as a speed-up by itself.
+"""
+
+import collections
+import functools
+import json
+import sys
+import time
+
+from helm.common.cache import BlackHoleCacheConfig
+from helm.common.request import Request
+
+from flexgen_helm.executor import attention, kv_cache, schedule
+from flexgen_helm.helm.client import FlexGenClient
+
+spent, calls = collections.Counter(), collections.Counter()
+
+
+def timed(owner, name):
+    fn = getattr(owner, name)
+
+    @functools.wraps(fn)
+    def run(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            spent[name] += time.perf_counter() - t0
+            calls[name] += 1
+    setattr(owner, name, run)
+
+
+for owner, name in [(schedule.BlockSchedule, "prefill"), (schedule.BlockSchedule, "decode"),
+                    (schedule.BlockSchedule, "_attend"), (attention, "_normalized_part"),
+                    (kv_cache.KVCacheSlot, "append_in_place")]:
+    timed(owner, name)
+
+fields = Request.__dataclass_fields__
+requests = [Request(**{**{k: v for k, v in s["request"].items() if k in fields},
+                       "model": "flexgen/smollm2-135m", "model_deployment": "flexgen/smollm2-135m"})
+            for s in json.load(open(sys.argv[1]))["request_states"]]
+client = FlexGenClient(BlackHoleCacheConfig(), model="smollm2-135m", deployment="flexgen/smollm2-135m",
+                       dtype="float32")
+_ = client.handle  # loaded before the clock starts
+t0 = time.perf_counter()
+client.prefetch(requests)
+print(json.dumps({"wall_s": round(time.perf_counter() - t0, 2),
+                  **{k: {"s": round(v, 2), "calls": calls[k]} for k, v in spent.most_common()}}))
