@@ -69,6 +69,23 @@ def test_entry_point_registers_deployments_and_run_specs():
     assert get_run_spec_function("lambada") and get_run_spec_function("wikitext")
 
 
+def test_helms_slurm_runner_is_swapped_when_imported_not_at_plugin_load(monkeypatch):
+    """HELM's slurm_runner imports spacy and nltk (seconds at every helm-run start): the
+    plugin leaves it unimported, and HELM's SlurmRunner still submits flexgen workers."""
+    import importlib
+    import sys
+
+    from flexgen_helm.helm import slurm
+
+    monkeypatch.delitem(sys.modules, slurm.HELM_WORKER, raising=False)  # as before this test imported it
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    slurm.use_for_helm_slurm_runner()
+    slurm.use_for_helm_slurm_runner()  # idempotent, as the plugin's register
+    assert slurm.HELM_WORKER not in sys.modules
+    helm_slurm = importlib.import_module(slurm.HELM_WORKER)
+    assert helm_slurm.submit_slurm_job.__module__ == slurm.__name__
+    assert sys.modules[slurm.HELM_WORKER] is helm_slurm
+
 def test_local_deployment_of_the_same_name_wins(tmp_path):
     from helm.benchmark import model_deployment_registry as reg
 

@@ -17,9 +17,12 @@ killed helm-run left running is followed, not submitted twice (slurm_orphans.py)
 from __future__ import annotations
 
 import argparse
+import importlib.abc
+import importlib.util
 import shlex
 import shutil
 import subprocess
+import sys
 
 from helm.common.hierarchical_logger import setup_default_logging
 
@@ -59,12 +62,42 @@ def worker_command(helm_command: str) -> str:
 
 
 def use_for_helm_slurm_runner() -> None:
-    """Make HELM's SlurmRunner submit flexgen workers; nothing when crfm-helm's slurm extra
-    (simple-slurm) is missing: HELM's SlurmRunner then says itself what to install."""
-    try:
-        import helm.benchmark.slurm_runner as helm_slurm
-    except Exception:  # noqa: BLE001  (HELM raises its own OptionalDependencyNotInstalled)
-        return
+    """Make HELM's SlurmRunner submit flexgen workers, from the moment HELM imports it.
+
+    Not imported here: HELM's slurm_runner pulls in spacy and nltk (~7 s on a 2-core host),
+    which every helm-run would pay at plugin load though few use Slurm. The swap is made when
+    the module is first imported (helm-run imports its runner class after the plugins), or now
+    if it already is. Where crfm-helm's slurm extra (simple-slurm) is missing, that import
+    raises HELM's own OptionalDependencyNotInstalled, which says what to install."""
+    module = sys.modules.get(HELM_WORKER)
+    if module is not None:
+        _swap_submit(module)
+    elif not any(isinstance(finder, _SwapOnImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _SwapOnImport())
+
+
+class _SwapOnImport(importlib.abc.MetaPathFinder):
+    """Finds HELM's slurm_runner as the other finders do, and swaps its submit function
+    once the module has run."""
+
+    def find_spec(self, name, path, target=None):
+        if name != HELM_WORKER:
+            return None
+        sys.meta_path.remove(self)  # once: the finders after it find the module itself
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        run_module = spec.loader.exec_module
+
+        def run_then_swap(module):
+            run_module(module)
+            _swap_submit(module)
+
+        spec.loader.exec_module = run_then_swap  # this module's own loader object
+        return spec
+
+
+def _swap_submit(helm_slurm) -> None:
     if getattr(helm_slurm.submit_slurm_job, "__module__", None) == __name__:
         return
     helm_submit = helm_slurm.submit_slurm_job
