@@ -199,6 +199,16 @@ def tiny_gemma3(tmp_path_factory) -> Path:
     return save_tiny("gemma3", tmp_path_factory.mktemp("tiny-gemma3"))
 
 
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """The bundled SmolLM2-135M GGUF as a weight source, one for the session: a source parses
+    the file (its 49k-string vocabulary: seconds) when it first reads a tensor, so the tests
+    that read the file themselves share one parse."""
+    from flexgen_helm.weights.registry import resolve
+
+    return resolve("smollm2-135m").source
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Stores converted by tests live in a per-session cache, not the user's."""

@@ -55,10 +55,8 @@ def _weights(engine):
 
 
 @pytest.fixture(scope="module")
-def bundled():
-    from flexgen_helm.weights.registry import resolve
-
-    return resolve("smollm2-135m").source
+def bundled(smollm2_gguf):
+    return smollm2_gguf
 
 
 def test_bundled_q4_1_codes_are_the_file_exactly_in_float32(bundled, tmp_path):

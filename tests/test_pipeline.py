@@ -1,6 +1,7 @@
-"""Pipeline parallelism over processes (torchrun, gloo): the same tokens as one process,
-prompts that share a prefix computed as one process computes them (the prefix once per
-block in every stage), and a failing stage ends every rank instead of hanging."""
+"""Pipeline parallelism over processes (torchrun, or torch's variables set by hand; gloo): the
+same tokens as one process, prompts that share a prefix computed as one process computes
+them (the prefix once per block in every stage), and a failing stage ends every rank
+instead of hanging."""
 
 from __future__ import annotations
 
@@ -27,14 +28,56 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_generate(model, out, tmp_path, procs: int | None, extra=(), timeout=240, prompts=PROMPTS):
-    cmd = [sys.executable, "-m", "flexgen_helm", "generate", "--model", str(model), "--prompt", *prompts,
-           *ARGS, "--offload-dir", str(tmp_path / "offload"), "--json", str(out), *extra]
-    if procs is not None:
-        cmd[1:3] = ["-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--master-port",
-                    str(_free_port()), "-m", "flexgen_helm"]
-        cmd.insert(cmd.index("generate") + 1, "--pipeline")
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ})
+def run_generate(model, out, tmp_path, procs: int, extra=(), timeout=240, prompts=PROMPTS, torchrun=True):
+    """`flexgen-helm generate --pipeline` in `procs` processes: under torchrun, or (`torchrun`
+    false) started here with the variables torchrun gives them, as srun's tasks are, which
+    spares the launcher's own start (seconds of importing torch) where the launcher is not
+    what a test is about."""
+    argv = ["-m", "flexgen_helm", "generate", "--pipeline", "--model", str(model), "--prompt", *prompts, *ARGS,
+            "--offload-dir", str(tmp_path / "offload"), "--json", str(out), *extra]
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--master-port",
+               str(_free_port()), *argv]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ})
+    port = _free_port()
+    logs = [tmp_path / f"rank-{r}.log" for r in range(procs)]  # files, not pipes: no rank blocks on a full one
+    ranks = []
+    for r, log in enumerate(logs):
+        env = {**os.environ, **{k: str(v) for k, v in dict(RANK=r, LOCAL_RANK=r, WORLD_SIZE=procs,
+                                                          LOCAL_WORLD_SIZE=procs, MASTER_ADDR="127.0.0.1",
+                                                          MASTER_PORT=port).items()}}
+        with open(log, "w") as f:
+            ranks.append(subprocess.Popen([sys.executable, *argv], stdout=f, stderr=subprocess.STDOUT, env=env))
+    try:
+        codes = [rank.wait(timeout=timeout) for rank in ranks]
+    finally:
+        for rank in ranks:  # a rank left waiting for a failed one: ended, not leaked
+            if rank.poll() is None:
+                rank.kill()
+                rank.wait()
+    output = "".join(f"--- rank {r} ---\n{log.read_text()}" for r, log in enumerate(logs))
+    return subprocess.CompletedProcess(argv, next((c for c in codes if c != 0), 0), output, output)
+
+
+def generate_in_this_process(model, out, tmp_path, extra=(), prompts=PROMPTS) -> None:
+    """The one-process reference: the same `flexgen-helm generate` command line, run by the CLI's
+    main in this (pytest's) process rather than a fresh interpreter (whose start, importing
+    torch and transformers, is most of a tiny model's run). A saved profile's kernel
+    crossovers, which the command applies to the process, are put back after it."""
+    from flexgen_helm import dense_linear
+    from flexgen_helm.cli import main
+    from flexgen_helm.compression import int4, int8
+
+    argv = ["generate", "--model", str(model), "--prompt", *prompts, *ARGS, "--offload-dir",
+            str(tmp_path / "offload"), "--json", str(out), *extra]
+    tables = (int4.MAX_KERNEL_ROWS, int8.MAX_KERNEL_ROWS, dense_linear.FLIPPED_MAX_ROWS)
+    before = [dict(table) for table in tables]
+    try:
+        assert main(argv) == 0
+    finally:
+        for table, saved in zip(tables, before):
+            table.clear()
+            table.update(saved)
 
 
 def completion_tokens(path):
@@ -54,8 +97,7 @@ def prompt_stats(path) -> dict:
 def single(tiny_llama, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("single")
     out = tmp / "single.json"
-    run = run_generate(tiny_llama, out, tmp, None)
-    assert run.returncode == 0, run.stderr[-2000:]
+    generate_in_this_process(tiny_llama, out, tmp)
     return completion_tokens(out)
 
 
@@ -92,8 +134,7 @@ FEW_SHOT_ARGS = ["--num-gpu-batches", "3"]
 def single_shared(tiny_llama, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("single-shared")
     out = tmp / "single.json"
-    run = run_generate(tiny_llama, out, tmp, None, FEW_SHOT_ARGS, prompts=FEW_SHOT)
-    assert run.returncode == 0, run.stderr[-2000:]
+    generate_in_this_process(tiny_llama, out, tmp, FEW_SHOT_ARGS, prompts=FEW_SHOT)
     stats = prompt_stats(out)
     assert stats["computed_prompt_tokens"] < stats["padded_prompt_tokens"]  # the prefix was shared
     return out
@@ -103,7 +144,8 @@ def single_shared(tiny_llama, tmp_path_factory):
 def pipeline_unshared(tiny_llama, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pipeline-unshared")
     out = tmp / "pipe.json"
-    run = run_generate(tiny_llama, out, tmp, 2, [*FEW_SHOT_ARGS, "--no-prefix-sharing"], prompts=FEW_SHOT)
+    run = run_generate(tiny_llama, out, tmp, 2, [*FEW_SHOT_ARGS, "--no-prefix-sharing"], prompts=FEW_SHOT,
+                       torchrun=False)
     assert run.returncode == 0, run.stderr[-3000:]
     stats = prompt_stats(out)
     assert stats["computed_prompt_tokens"] == stats["padded_prompt_tokens"]
@@ -117,7 +159,7 @@ def test_a_pipeline_shares_prefixes_as_one_process_does(tiny_llama, single_share
     pipeline computing every prompt whole; the stats count the same prompt tokens as one
     process (the prefix once a block)."""
     out = tmp_path / "pipe.json"
-    run = run_generate(tiny_llama, out, tmp_path, procs, FEW_SHOT_ARGS, prompts=FEW_SHOT)
+    run = run_generate(tiny_llama, out, tmp_path, procs, FEW_SHOT_ARGS, prompts=FEW_SHOT, torchrun=False)
     assert run.returncode == 0, run.stderr[-3000:]
     assert completion_tokens(out) == completion_tokens(single_shared) == completion_tokens(pipeline_unshared)
     assert completion_logprobs(out) == pytest.approx(completion_logprobs(single_shared), abs=1e-5)

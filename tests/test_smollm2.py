@@ -14,7 +14,6 @@ from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.policy import Policy, Split
 from flexgen_helm.text import TextEngine
 from flexgen_helm.weights.export_hf import export_hf
-from flexgen_helm.weights.registry import resolve
 
 PROMPTS = ["The capital of France is", "Water boils at a temperature of", "def fibonacci(n):"]
 
@@ -26,9 +25,8 @@ def engine():
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    resolved = resolve("smollm2-135m")
-    out = export_hf(resolved.source, tmp_path_factory.mktemp("smollm2-hf"), progress=False)
+def reference(tmp_path_factory, smollm2_gguf):
+    out = export_hf(smollm2_gguf, tmp_path_factory.mktemp("smollm2-hf"), progress=False)
     return hf_model(out)
 
 

