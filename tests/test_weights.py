@@ -346,6 +346,28 @@ def test_store_detects_corrupted_bytes(tmp_path):
         TensorStore(out, verify="full")
 
 
+def test_a_store_without_crc32s_is_still_checked_at_load_by_sha256(tmp_path):
+    """Loads check a tensor's CRC-32 (fast); stores written before CRC-32s were recorded
+    keep the sha256 check."""
+    _, out = _tiny_store(tmp_path)
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert all(isinstance(t["crc32"], int) for t in manifest["tensors"].values())
+    for t in manifest["tensors"].values():
+        del t["crc32"]
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    name = "layers.1.v_proj.weight"
+    intact = TensorStore(out).read(name, verify=True).clone()
+    path = out / f"{name}.bin"
+    data = bytearray(path.read_bytes())
+    data[5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(WeightStoreError, match="checksum mismatch"):
+        TensorStore(out).read(name, verify=True)
+    data[5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert torch.equal(TensorStore(out).read(name, verify=True), intact)
+
+
 def test_store_detects_missing_file(tmp_path):
     _, out = _tiny_store(tmp_path)
     (out / "head.norm.weight.bin").unlink()

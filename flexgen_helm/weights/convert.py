@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import sys
+import zlib
 from pathlib import Path
 
 import torch
@@ -187,16 +188,18 @@ def disk_errors(out: Path, need: int = 0):
 
 
 def write_tensor_file(out: Path, name: str, t: torch.Tensor, dtype: str, remaining: int) -> dict:
-    """Write one tensor atomically, hashing as it goes; return its manifest entry."""
+    """Write one tensor atomically, hashing as it goes; return its manifest entry: sha256 for
+    `flexgen-helm verify`, CRC-32 for the check at every load (weights/store.py)."""
     file = tensor_file_name(name)
     data = memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
     tmp = out / (file + ".tmp")
-    h = hashlib.sha256()
+    h, crc = hashlib.sha256(), 0
     try:
         with disk_errors(out, remaining), open(tmp, "wb") as f:
             for start in range(0, len(data), _CHUNK):
                 chunk = data[start:start + _CHUNK]
                 h.update(chunk)
+                crc = zlib.crc32(chunk, crc)
                 f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
@@ -205,7 +208,8 @@ def write_tensor_file(out: Path, name: str, t: torch.Tensor, dtype: str, remaini
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return {"file": file, "shape": list(t.shape), "dtype": dtype, "nbytes": len(data), "sha256": h.hexdigest()}
+    return {"file": file, "shape": list(t.shape), "dtype": dtype, "nbytes": len(data), "sha256": h.hexdigest(),
+            "crc32": crc}
 
 
 def atomic_write(path: Path, text: str) -> None:
