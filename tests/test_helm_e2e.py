@@ -121,11 +121,13 @@ def test_a_few_shot_run_computes_its_shared_examples_once(tmp_path, monkeypatch)
     """synthetic_reasoning puts the same instructions and five examples before every
     question: with prefix sharing each batch computes them once, and every completion is
     the one computed without sharing (float32). The block is left to the planner (a saved
-    profile), which plans it for the scenario's requests, shared prefix included, and says so."""
+    profile), which plans it for the scenario's requests, shared prefix included, and says so.
+    Both deployments (sharing on, and the comparison's `prefix_sharing: false` one) in one helm-run."""
     from flexgen_helm.planner.hardware_profile import DeviceSpeeds, HardwareProfile
+    from flexgen_helm.tools.compare.helm_clients import prod_env_yaml
 
-    entry = ["synthetic_reasoning:mode=pattern_match,model=flexgen/smollm2-135m"]
-    monkeypatch.setenv("FLEXGEN_HELM_DTYPE", "float32")
+    sharing = {"flexgen/smollm2-135m-fp32": True, "flexgen/smollm2-135m-fp32-no-sharing": False}
+    entries = [f"synthetic_reasoning:mode=pattern_match,model={d}" for d in sharing]
     # the planner's profile in a cache of this test's own (the stores already converted reused)
     session_cache = Path(os.environ["FLEXGEN_HELM_CACHE"])
     cache = tmp_path / "cache"
@@ -138,20 +140,23 @@ def test_a_few_shot_run_computes_its_shared_examples_once(tmp_path, monkeypatch)
     HardwareProfile(devices={"cpu": speeds}, cpu_mem_bytes=8 << 30, cpu_available_bytes=8 << 30,
                     disk_free_bytes=0).save(cache / "hardware.json")
     monkeypatch.setenv("FLEXGEN_HELM_CACHE", str(cache))
+    (tmp_path / "prod_env").mkdir()
+    for name, text in prod_env_yaml(tmp_path / "no-hf-checkpoint").items():  # only HELM's HF client reads it
+        (tmp_path / "prod_env" / name).write_text(text)
+    log = helm_run(tmp_path, entries, "--runner-class-name", "flexgen_helm.helm.runner.BatchingRunner",
+                   max_instances=3)
+    planned = [line for line in log.splitlines() if "block for this scenario" in line]
+    assert len(planned) == 2 and "shared prefix" in planned[0] and "prefix sharing off" in planned[1], planned
+    runs = {d: p for p in (tmp_path / "out" / "runs" / "t").iterdir() for d in sharing
+            if p.name.endswith(f"model={d.replace('/', '_')}")}
+    assert len(runs) == 2, runs
     outputs = {}
-    for sharing in (True, False):
-        monkeypatch.setenv("FLEXGEN_HELM_POLICY", json.dumps({"prefix_sharing": sharing}))
-        suite = f"sharing-{sharing}"
-        log = helm_run(tmp_path / suite, entry, "--runner-class-name", "flexgen_helm.helm.runner.BatchingRunner",
-                       suite=suite, max_instances=3)
-        planned = [line for line in log.splitlines() if "block for this scenario" in line]
-        assert len(planned) == 1 and ("shared prefix" if sharing else "prefix sharing off") in planned[0], planned
-        run = run_dirs(tmp_path / suite, suite)["synthetic_reasoning"]
+    for deployment, run in runs.items():
         state = json.loads((run / "scenario_state.json").read_text())
         sr = stats(run)
         assert "exact_match" in sr and sr["batch_size"] >= 1
-        outputs[sharing] = ([rs["result"]["completions"][0]["text"] for rs in state["request_states"]],
-                            json.loads((run / "flexgen_padding.json").read_text()))
+        outputs[sharing[deployment]] = ([rs["result"]["completions"][0]["text"] for rs in state["request_states"]],
+                                        json.loads((run / "flexgen_padding.json").read_text()))
     (shared, shared_padding), (plain, plain_padding) = outputs[True], outputs[False]
     assert shared == plain
     assert plain_padding["computed_prompt_tokens"] == plain_padding["padded_prompt_tokens"]
