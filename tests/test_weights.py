@@ -346,15 +346,17 @@ def test_store_detects_corrupted_bytes(tmp_path):
         TensorStore(out, verify="full")
 
 
-def test_a_store_without_crc32s_is_still_checked_at_load_by_sha256(tmp_path):
-    """Loads check a tensor's CRC-32 (fast); stores written before CRC-32s were recorded
-    keep the sha256 check."""
+def test_a_store_without_crc32s_is_checked_by_sha256_until_verify_records_them(tmp_path, capsys):
+    """Loads check a tensor's CRC-32 (fast); a store written before CRC-32s were recorded
+    keeps the sha256 check, and `flexgen-helm verify` adds them once it finds it intact."""
+    from flexgen_helm.cli import main as cli_main
+
     _, out = _tiny_store(tmp_path)
     manifest = json.loads((out / MANIFEST).read_text())
-    assert all(isinstance(t["crc32"], int) for t in manifest["tensors"].values())
-    for t in manifest["tensors"].values():
-        del t["crc32"]
+    written = {name: t.pop("crc32") for name, t in manifest["tensors"].items()}
+    assert all(isinstance(c, int) for c in written.values())
     (out / MANIFEST).write_text(json.dumps(manifest))
+    assert TensorStore(out).lacks_crc32s()
     name = "layers.1.v_proj.weight"
     intact = TensorStore(out).read(name, verify=True).clone()
     path = out / f"{name}.bin"
@@ -363,8 +365,15 @@ def test_a_store_without_crc32s_is_still_checked_at_load_by_sha256(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(WeightStoreError, match="checksum mismatch"):
         TensorStore(out).read(name, verify=True)
+    assert cli_main(["verify", str(out)]) == 1  # a damaged store gets no CRC-32s
+    assert "crc32" not in json.loads((out / MANIFEST).read_text())["tensors"][name]
     data[5] ^= 0xFF
     path.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert cli_main(["verify", str(out)]) == 0
+    assert f"CRC-32s of {len(written)} tensors recorded" in capsys.readouterr().out
+    recorded = {n: t["crc32"] for n, t in json.loads((out / MANIFEST).read_text())["tensors"].items()}
+    assert recorded == written and not TensorStore(out).lacks_crc32s()
     assert torch.equal(TensorStore(out).read(name, verify=True), intact)
 
 

@@ -13,7 +13,7 @@ def add_command(sub) -> None:
 
 
 def run(args) -> int:
-    from flexgen_helm.weights.verify import cached_stores, store_problems
+    from flexgen_helm.weights.verify import cached_stores, record_missing_crc32s, store_problems
 
     stores = args.stores or cached_stores()
     if not stores:
@@ -24,9 +24,18 @@ def run(args) -> int:
         for line in problems:
             print(f"BAD  {line}")
         if not problems:
-            print(f"ok   {store}")
+            print(f"ok   {store}{_crc32s_recorded(store, record_missing_crc32s)}")
         bad += bool(problems)
     if bad:
         print(f"{bad} of {len(stores)} stores damaged: the next run that loads one rewrites what is damaged "
               "(or run `flexgen-helm convert --verify` for it)")
     return 1 if bad else 0
+
+
+def _crc32s_recorded(store, record) -> str:
+    """What recording an intact old store's CRC-32s did, for its "ok" line."""
+    try:
+        added = record(store)
+    except OSError as e:
+        return f" (its CRC-32s could not be recorded: {e}; loads keep checking sha256)"
+    return f" (CRC-32s of {added} tensors recorded: loads now check those)" if added else ""

@@ -24,7 +24,7 @@ from flexgen_helm.weights.compressed_store import (
     open_compressed_store,
     store_layout,
 )
-from flexgen_helm.weights.convert import config_to_json, convert
+from flexgen_helm.weights.convert import config_to_json, convert, notice
 from flexgen_helm.weights.dummy import DummyWeights
 from flexgen_helm.weights.registry import ResolvedModel, resolve, store_dir_for
 from flexgen_helm.weights.source_grids import weight_grids
@@ -48,6 +48,9 @@ def open_weights(resolved: ResolvedModel, dtype: torch.dtype, offload_dir: Path,
         store, read_full = None, lambda name: resolved.source.read(name).to(dtype)
     else:
         plain = TensorStore(convert(resolved.source, root, dtype_name, progress=progress))
+        if plain.lacks_crc32s():
+            notice(f"{plain.root} was written before stores recorded CRC-32s, so loading it checks each tensor's "
+                   f"sha256 (several times slower); `flexgen-helm verify {plain.root}` records them")
         store, read_full = plain, lambda name: plain.read(name, verify=True)
     # the store also holds what a costly method computed once, for every tier to load
     if compression is not None and (needs_disk or quantized_once(compression)):

@@ -186,5 +186,9 @@ class TensorStore:
                                                                         strides)
         return wanted.contiguous()
 
+    def lacks_crc32s(self) -> bool:
+        """Whether whole-tensor reads check sha256 (a store written before CRC-32s were recorded)."""
+        return any(t.crc32 is None for t in self.tensors.values())
+
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())

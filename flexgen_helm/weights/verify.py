@@ -3,14 +3,17 @@
 The engine checks sizes when it opens a store and checksums where it reads a tensor whole
 (loading into memory); disk-tier weights are read in row ranges every step, where a pass
 over the file would cost a full read. This is the full pass, on demand
-(`flexgen-helm verify`)."""
+(`flexgen-helm verify`). A store it finds intact that was written before stores recorded
+CRC-32s gets them (weights/store.py: loads then check CRC-32, not the slower sha256)."""
 
 from __future__ import annotations
 
 import json
 import os
+import zlib
 from pathlib import Path
 
+from flexgen_helm.weights.convert import atomic_write
 from flexgen_helm.weights.registry import default_cache_dir
 from flexgen_helm.weights.store import FORMAT, MANIFEST, damaged_tensors
 
@@ -32,6 +35,23 @@ def store_problems(root: str | os.PathLike) -> list[str]:
         return [f"{root}: format {manifest.get('format')!r}, complete={manifest.get('complete')!r}: "
                 f"not a finished {FORMAT} store"]
     return [f"{root}: {problem}" for problem in damaged_tensors(root, manifest.get("tensors", {}), checksum=True)]
+
+
+def record_missing_crc32s(root: str | os.PathLike) -> int:
+    """Add each tensor's CRC-32 to the manifest of a store that has none (written before
+    2026-11-27); call it on a store store_problems just found intact. How many it added."""
+    root = Path(root)
+    manifest = json.loads((root / MANIFEST).read_text())
+    missing = [t for t in manifest["tensors"].values() if "crc32" not in t]
+    for t in missing:
+        crc = 0
+        with open(root / t["file"], "rb") as f:
+            while chunk := f.read(64 << 20):
+                crc = zlib.crc32(chunk, crc)
+        t["crc32"] = crc
+    if missing:
+        atomic_write(root / MANIFEST, json.dumps(manifest, indent=1))
+    return len(missing)
 
 
 def cached_stores() -> list[Path]:
