@@ -70,21 +70,31 @@ def test_entry_point_registers_deployments_and_run_specs():
 
 
 def test_helms_slurm_runner_is_swapped_when_imported_not_at_plugin_load(monkeypatch):
-    """HELM's slurm_runner imports spacy and nltk (seconds at every helm-run start): the
-    plugin leaves it unimported, and HELM's SlurmRunner still submits flexgen workers."""
+    """HELM's slurm_runner imports spacy and nltk (paid by every helm-run if the plugin
+    imported it): the plugin leaves it unimported, and HELM's SlurmRunner, once imported (or
+    reloaded), still submits flexgen workers."""
     import importlib
+    import subprocess
     import sys
 
     from flexgen_helm.helm import slurm
 
+    loaded = subprocess.run([sys.executable, "-c", "import sys, flexgen_helm.helm.plugin; "
+                             "print(sorted({'spacy', 'nltk', 'helm.benchmark.slurm_runner'} & set(sys.modules)))"],
+                            capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "[]", loaded.stdout + loaded.stderr[-2000:]
+
     monkeypatch.delitem(sys.modules, slurm.HELM_WORKER, raising=False)  # as before this test imported it
-    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if type(f).__name__ != "_SwapOnImport"])
     slurm.use_for_helm_slurm_runner()
-    slurm.use_for_helm_slurm_runner()  # idempotent, as the plugin's register
+    slurm.use_for_helm_slurm_runner()  # as the plugin's register: idempotent
+    assert [type(f).__name__ for f in sys.meta_path].count("_SwapOnImport") == 1
     assert slurm.HELM_WORKER not in sys.modules
     helm_slurm = importlib.import_module(slurm.HELM_WORKER)
     assert helm_slurm.submit_slurm_job.__module__ == slurm.__name__
-    assert sys.modules[slurm.HELM_WORKER] is helm_slurm
+    helm_slurm = importlib.reload(helm_slurm)
+    assert helm_slurm.submit_slurm_job.__module__ == slurm.__name__
+
 
 def test_local_deployment_of_the_same_name_wins(tmp_path):
     from helm.benchmark import model_deployment_registry as reg

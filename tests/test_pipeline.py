@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -48,13 +49,18 @@ def run_generate(model, out, tmp_path, procs: int, extra=(), timeout=240, prompt
                                                           MASTER_PORT=port).items()}}
         with open(log, "w") as f:
             ranks.append(subprocess.Popen([sys.executable, *argv], stdout=f, stderr=subprocess.STDOUT, env=env))
-    try:
-        codes = [rank.wait(timeout=timeout) for rank in ranks]
+    deadline = time.monotonic() + timeout
+    try:  # until all end, one fails (the others would wait for it in gloo) or the time is up
+        while any(rank.poll() is None for rank in ranks) and time.monotonic() < deadline:
+            if any(rank.poll() not in (None, 0) for rank in ranks):
+                break
+            time.sleep(0.1)
     finally:
         for rank in ranks:  # a rank left waiting for a failed one: ended, not leaked
             if rank.poll() is None:
                 rank.kill()
                 rank.wait()
+    codes = [rank.returncode for rank in ranks]
     output = "".join(f"--- rank {r} ---\n{log.read_text()}" for r, log in enumerate(logs))
     return subprocess.CompletedProcess(argv, next((c for c in codes if c != 0), 0), output, output)
 
@@ -62,22 +68,30 @@ def run_generate(model, out, tmp_path, procs: int, extra=(), timeout=240, prompt
 def generate_in_this_process(model, out, tmp_path, extra=(), prompts=PROMPTS) -> None:
     """The one-process reference: the same `flexgen-helm generate` command line, run by the CLI's
     main in this (pytest's) process rather than a fresh interpreter (whose start, importing
-    torch and transformers, is most of a tiny model's run). A saved profile's kernel
-    crossovers, which the command applies to the process, are put back after it."""
+    torch and transformers, is most of a tiny model's run). What a saved profile sets for the
+    process (kernel crossovers, disk reads in flight) is put back after it; the stores go to the
+    session's cache (conftest._isolated_cache, which module fixtures run before)."""
     from flexgen_helm import dense_linear
     from flexgen_helm.cli import main
     from flexgen_helm.compression import int4, int8
+    from flexgen_helm.memory import direct_io
 
     argv = ["generate", "--model", str(model), "--prompt", *prompts, *ARGS, "--offload-dir",
             str(tmp_path / "offload"), "--json", str(out), *extra]
     tables = (int4.MAX_KERNEL_ROWS, int8.MAX_KERNEL_ROWS, dense_linear.FLIPPED_MAX_ROWS)
     before = [dict(table) for table in tables]
+    reads_in_flight = direct_io.reads_in_flight()
+    basetemp = tmp_path.parent  # pytest's base temp: tmp_path is one of its folders
     try:
-        assert main(argv) == 0
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("FLEXGEN_HELM_CACHE", str(basetemp / "flexgen-cache"))
+            env.setenv("FLEXGEN_HELM_OFFLOAD", str(basetemp / "offload"))
+            assert main(argv) == 0
     finally:
         for table, saved in zip(tables, before):
             table.clear()
             table.update(saved)
+        direct_io.set_reads_in_flight(reads_in_flight)
 
 
 def completion_tokens(path):

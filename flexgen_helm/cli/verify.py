@@ -36,6 +36,6 @@ def _crc32s_recorded(store, record) -> str:
     """What recording an intact old store's CRC-32s did, for its "ok" line."""
     try:
         added = record(store)
-    except OSError as e:
+    except OSError as e:  # OffloadDirError among them: a store on read-only media is verified, not upgraded
         return f" (its CRC-32s could not be recorded: {e}; loads keep checking sha256)"
     return f" (CRC-32s of {added} tensors recorded: loads now check those)" if added else ""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.abc
-import importlib.util
 import shlex
 import shutil
 import subprocess
@@ -64,37 +63,54 @@ def worker_command(helm_command: str) -> str:
 def use_for_helm_slurm_runner() -> None:
     """Make HELM's SlurmRunner submit flexgen workers, from the moment HELM imports it.
 
-    Not imported here: HELM's slurm_runner pulls in spacy and nltk (~7 s on a 2-core host),
-    which every helm-run would pay at plugin load though few use Slurm. The swap is made when
-    the module is first imported (helm-run imports its runner class after the plugins), or now
-    if it already is. Where crfm-helm's slurm extra (simple-slurm) is missing, that import
-    raises HELM's own OptionalDependencyNotInstalled, which says what to install."""
+    Not imported here: HELM's slurm_runner pulls in spacy and nltk, which every helm-run would
+    import at plugin load though few use Slurm (about a second of each run's wall time on a
+    2-core host: runs/bench/helm_run_startup). The swap is made when the module is imported
+    (helm-run imports its runner class after the plugins), or now if it already is. Where
+    crfm-helm's slurm extra (simple-slurm) is missing, that import raises HELM's own
+    OptionalDependencyNotInstalled, which says what to install."""
     module = sys.modules.get(HELM_WORKER)
     if module is not None:
         _swap_submit(module)
-    elif not any(isinstance(finder, _SwapOnImport) for finder in sys.meta_path):
+    if not any(isinstance(finder, _SwapOnImport) for finder in sys.meta_path):
         sys.meta_path.insert(0, _SwapOnImport())
 
 
 class _SwapOnImport(importlib.abc.MetaPathFinder):
-    """Finds HELM's slurm_runner as the other finders do, and swaps its submit function
-    once the module has run."""
+    """Finds HELM's slurm_runner as the finders after it do, with a loader that swaps its submit
+    function once the module has run. It stays installed, so an import retried after a failure,
+    or a reload, is swapped too."""
 
     def find_spec(self, name, path, target=None):
         if name != HELM_WORKER:
             return None
-        sys.meta_path.remove(self)  # once: the finders after it find the module itself
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        run_module = spec.loader.exec_module
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(name, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _SwapAfterRun(spec.loader)
+                return spec
+        return None
 
-        def run_then_swap(module):
-            run_module(module)
-            _swap_submit(module)
 
-        spec.loader.exec_module = run_then_swap  # this module's own loader object
-        return spec
+class _SwapAfterRun(importlib.abc.Loader):
+    """The module's own loader, then the swap."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        _swap_submit(module)
+
+    def __getattr__(self, name):  # get_source (tracebacks), get_resource_reader, ...: the module's loader's
+        return getattr(self.loader, name)
 
 
 def _swap_submit(helm_slurm) -> None:

@@ -30,6 +30,8 @@ from flexgen_helm.weights.registry import ResolvedModel, resolve, store_dir_for
 from flexgen_helm.weights.source_grids import weight_grids
 from flexgen_helm.weights.store import TensorStore
 
+_TOLD_LACKS_CRC32S: set = set()  # stores whose sha256 loads were pointed out (once a process)
+
 
 def open_weights(resolved: ResolvedModel, dtype: torch.dtype, offload_dir: Path, needs_disk: bool,
                  progress: bool, compression: WeightCompression, device: torch.device,
@@ -48,9 +50,10 @@ def open_weights(resolved: ResolvedModel, dtype: torch.dtype, offload_dir: Path,
         store, read_full = None, lambda name: resolved.source.read(name).to(dtype)
     else:
         plain = TensorStore(convert(resolved.source, root, dtype_name, progress=progress))
-        if plain.lacks_crc32s():
+        if plain.lacks_crc32s() and plain.root not in _TOLD_LACKS_CRC32S:
+            _TOLD_LACKS_CRC32S.add(plain.root)
             notice(f"{plain.root} was written before stores recorded CRC-32s, so loading it checks each tensor's "
-                   f"sha256 (several times slower); `flexgen-helm verify {plain.root}` records them")
+                   "sha256 (slower); `flexgen-helm verify` records them in every cached store that is intact")
         store, read_full = plain, lambda name: plain.read(name, verify=True)
     # the store also holds what a costly method computed once, for every tier to load
     if compression is not None and (needs_disk or quantized_once(compression)):

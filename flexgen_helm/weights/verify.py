@@ -8,12 +8,13 @@ CRC-32s gets them (weights/store.py: loads then check CRC-32, not the slower sha
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import zlib
 from pathlib import Path
 
-from flexgen_helm.weights.convert import atomic_write
+from flexgen_helm.weights.convert import atomic_write, exclusive_store
 from flexgen_helm.weights.registry import default_cache_dir
 from flexgen_helm.weights.store import FORMAT, MANIFEST, damaged_tensors
 
@@ -38,20 +39,28 @@ def store_problems(root: str | os.PathLike) -> list[str]:
 
 
 def record_missing_crc32s(root: str | os.PathLike) -> int:
-    """Add each tensor's CRC-32 to the manifest of a store that has none (written before
-    2026-11-27); call it on a store store_problems just found intact. How many it added."""
+    """Add to the manifest of a store written before CRC-32s were recorded the CRC-32 of each
+    tensor whose file still matches its sha256 (both sums from one read), under the store's
+    lock, so that a conversion rewriting the store meanwhile is never overwritten. How many
+    it added."""
     root = Path(root)
-    manifest = json.loads((root / MANIFEST).read_text())
-    missing = [t for t in manifest["tensors"].values() if "crc32" not in t]
-    for t in missing:
-        crc = 0
-        with open(root / t["file"], "rb") as f:
-            while chunk := f.read(64 << 20):
-                crc = zlib.crc32(chunk, crc)
-        t["crc32"] = crc
-    if missing:
-        atomic_write(root / MANIFEST, json.dumps(manifest, indent=1))
-    return len(missing)
+    with exclusive_store(root):
+        manifest = json.loads((root / MANIFEST).read_text())
+        added = 0
+        for t in manifest["tensors"].values():
+            if "crc32" in t:
+                continue
+            sha, crc = hashlib.sha256(), 0
+            with open(root / t["file"], "rb") as f:
+                while chunk := f.read(64 << 20):
+                    sha.update(chunk)
+                    crc = zlib.crc32(chunk, crc)
+            if sha.hexdigest() == t["sha256"]:
+                t["crc32"] = crc
+                added += 1
+        if added:
+            atomic_write(root / MANIFEST, json.dumps(manifest, indent=1))
+    return added
 
 
 def cached_stores() -> list[Path]:
