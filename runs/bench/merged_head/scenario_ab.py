@@ -31,10 +31,7 @@ from pathlib import Path
 CHILD = r"""
 import json, sys, time
 import torch
-from helm.common.cache import BlackHoleCacheConfig
-from helm.common.request import Request
 from flexgen_helm.executor import schedule
-from flexgen_helm.helm.client import FlexGenClient
 
 spent = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
 def timed(name, fn):
@@ -49,13 +46,10 @@ def timed(name, fn):
 schedule.BlockSchedule.prefill = timed("prefill", schedule.BlockSchedule.prefill)
 schedule.BlockSchedule.decode = timed("decode", schedule.BlockSchedule.decode)
 
-fields = Request.__dataclass_fields__
-requests = [Request(**{**{k: v for k, v in s["request"].items() if k in fields},
-                       "model": "flexgen/smollm2-135m", "model_deployment": "flexgen/smollm2-135m"})
-            for s in json.load(open(sys.argv[1]))["request_states"]]
-client = FlexGenClient(BlackHoleCacheConfig(), model="smollm2-135m", deployment="flexgen/smollm2-135m",
-                       dtype="float32")
-client.handle  # loaded before the clock starts
+sys.path.insert(0, sys.argv[2])  # this bench's folder: scenario_client.py
+from scenario_client import float32_client, scenario_requests
+requests = scenario_requests(sys.argv[1])
+client = float32_client()
 t0 = time.perf_counter()
 computed = client.prefetch(requests)
 import flexgen_helm
@@ -105,7 +99,9 @@ def main() -> None:
             load = os.getloadavg()[0]
             root = Path(tree).resolve()
             env = {**os.environ, "PYTHONPATH": str(root)}
-            child = [CHILD, str(Path(args.state).resolve())] if args.state else [BLOCK_CHILD, *map(str, args.block)]
+            here = str(Path(__file__).resolve().parent)  # scenario_client.py, for the child
+            child = ([CHILD, str(Path(args.state).resolve()), here] if args.state
+                     else [BLOCK_CHILD, *map(str, args.block)])
             # run in the tree: `python -c` puts its working directory ahead of PYTHONPATH
             done = subprocess.run([sys.executable, "-c", *child], env=env, cwd=root, capture_output=True, text=True)
             if done.returncode != 0:

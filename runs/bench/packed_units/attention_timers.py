@@ -15,12 +15,12 @@ import functools
 import json
 import sys
 import time
-
-from helm.common.cache import BlackHoleCacheConfig
-from helm.common.request import Request
+from pathlib import Path
 
 from flexgen_helm.executor import attention, kv_cache, schedule
-from flexgen_helm.helm.client import FlexGenClient
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "merged_head"))
+from scenario_client import float32_client, scenario_requests  # found through the path just above
 
 spent, calls = collections.Counter(), collections.Counter()
 
@@ -44,13 +44,8 @@ for owner, name in [(schedule.BlockSchedule, "prefill"), (schedule.BlockSchedule
                     (kv_cache.KVCacheSlot, "append_in_place")]:
     timed(owner, name)
 
-fields = Request.__dataclass_fields__
-requests = [Request(**{**{k: v for k, v in s["request"].items() if k in fields},
-                       "model": "flexgen/smollm2-135m", "model_deployment": "flexgen/smollm2-135m"})
-            for s in json.load(open(sys.argv[1]))["request_states"]]
-client = FlexGenClient(BlackHoleCacheConfig(), model="smollm2-135m", deployment="flexgen/smollm2-135m",
-                       dtype="float32")
-_ = client.handle  # loaded before the clock starts
+requests = scenario_requests(sys.argv[1])
+client = float32_client()  # loaded before the clock starts
 t0 = time.perf_counter()
 client.prefetch(requests)
 print(json.dumps({"wall_s": round(time.perf_counter() - t0, 2),
