@@ -2,14 +2,16 @@
 weight (models/linear.py) and a compressed weight's dense copy (compression/int4.py's
 CompressedWeight) alike.
 
-`F.linear`, except for decode-sized row counts where this machine's profile measured the
-other orientation faster: y^T = W x^T, the weight as the product's tall left operand. A
-decode step's products stream every weight from memory for a few rows; a CPU's GEMM
-partitions a tall left operand's rows over its threads and streams them once, where
-`F.linear` (x W^T) took 1.1-3.9x longer at 4-128 rows on a 2-core AVX2 EPYC in float32
-(runs/bench/linear_orientation). `flexgen-helm profile` measures where it pays
-(planner/hardware_profile.py), per device type and dtype; nothing changes unprofiled. A
-weight stored by column (a transposed view) always takes F.linear.
+`F.linear`, except for the band of decode-sized row counts where this machine's profile
+measured the other orientation faster: y^T = W x^T, the weight as the product's tall left
+operand. A decode step's products stream every weight from memory for a few rows; a CPU's
+GEMM partitions a tall left operand's rows over its threads and streams them once, where
+`F.linear` (x W^T) took 1.1-3.9x longer at 4-128 rows on a 2-core AVX2 EPYC in float32. The
+band is a band, not "up to": on a 2-core AVX-512 Xeon W x^T lost at 2 rows (0.4-0.6x) and
+from 64 (0.7-1.0x) but won 1.3-2.7x at 8-48 (runs/bench/linear_orientation).
+`flexgen-helm profile` measures where it pays (planner/hardware_profile.py), per device type
+and dtype; nothing changes unprofiled. A weight stored by column (a transposed view) always
+takes F.linear.
 """
 
 from __future__ import annotations
@@ -17,26 +19,30 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# (device type, dtype) -> the most rows multiplied as W x^T (rows > 1; 0 or absent: never)
-FLIPPED_MAX_ROWS: dict[tuple[str, torch.dtype], int] = {}
+NO_ROWS = (0, 0)
+# (device type, dtype) -> (fewest, most) rows multiplied as W x^T (fewest > 1; absent: never)
+FLIPPED_ROWS: dict[tuple[str, torch.dtype], tuple[int, int]] = {}
 
 
-def set_flipped_max_rows(device_type: str, dtype: torch.dtype, rows: int) -> None:
-    """Products of 2..`rows` rows on `device_type` in `dtype` run as W x^T from now on (0: none);
-    planner/hardware_profile.use_profile sets what `flexgen-helm profile` measured."""
-    if rows < 0:
-        raise ValueError(f"a row count >= 0, got {rows}")
-    FLIPPED_MAX_ROWS[(device_type, dtype)] = rows
+def set_flipped_rows(device_type: str, dtype: torch.dtype, rows: tuple[int, int]) -> None:
+    """Products of rows[0]..rows[1] rows (both included) on `device_type` in `dtype` run as
+    W x^T from now on (NO_ROWS: none); planner/hardware_profile.use_profile sets what
+    `flexgen-helm profile` measured."""
+    first, last = rows
+    if (first, last) != NO_ROWS and not 1 < first <= last:
+        raise ValueError(f"a band of row counts 1 < first <= last (or {NO_ROWS}: none), got {rows}")
+    FLIPPED_ROWS[(device_type, dtype)] = (first, last)
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, bias), as W x^T where the profile chose it for this row count."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    first, last = FLIPPED_ROWS.get((x.device.type, x.dtype), NO_ROWS)
     # a weight stored by column (a transposed view: a CPU-packed int4 weight's dense copy made
     # for a call of up to 2048 rows, compression/int4.py) is F.linear's own layout; as W x^T it
     # took 8.9x F.linear's time on the same weight at 10 rows in float32 on the AVX2 EPYC
     # (runs/bench/linear_orientation/by_column.jsonl)
-    if (1 < rows <= FLIPPED_MAX_ROWS.get((x.device.type, x.dtype), 0) and w.dtype == x.dtype and w.is_contiguous()
+    if (first <= rows <= last and rows > 1 and w.dtype == x.dtype and w.is_contiguous()
             and (bias is None or bias.dtype == x.dtype)):  # F.linear refuses mixed dtypes: so does this
         return flipped_linear(x, w, bias)
     return F.linear(x, w, bias)

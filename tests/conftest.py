@@ -228,7 +228,7 @@ def _profiled_kernel_crossover_restored(monkeypatch):
     for table in (int4.MAX_KERNEL_ROWS, int8.MAX_KERNEL_ROWS):
         for device_type, rows in table.items():
             monkeypatch.setitem(table, device_type, rows)
-    monkeypatch.setattr(dense_linear, "FLIPPED_MAX_ROWS", dict(dense_linear.FLIPPED_MAX_ROWS))
+    monkeypatch.setattr(dense_linear, "FLIPPED_ROWS", dict(dense_linear.FLIPPED_ROWS))
 
 
 @pytest.fixture

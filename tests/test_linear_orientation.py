@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from flexgen_helm import dense_linear as linear_module
-from flexgen_helm.dense_linear import flipped_linear, set_flipped_max_rows
+from flexgen_helm.dense_linear import NO_ROWS, flipped_linear, set_flipped_rows
 from flexgen_helm.engine import Engine
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.models.linear import linear
@@ -32,35 +32,59 @@ def test_only_profiled_row_counts_of_the_profiled_dtype_take_it(monkeypatch):
     calls = []
     monkeypatch.setattr(linear_module, "flipped_linear", lambda x, w, b=None: calls.append(len(x)) or F.linear(x, w, b))
     w = torch.randn(8, 4)
-    for rows in (1, 2, 16, 17):
+    for rows in (1, 2, 7, 8, 16, 17):
         linear(torch.randn(rows, 4), w)
     assert calls == []  # unprofiled: F.linear alone
-    set_flipped_max_rows("cpu", torch.float32, 16)
-    for rows in (1, 2, 16, 17):
+    set_flipped_rows("cpu", torch.float32, (8, 16))
+    for rows in (1, 2, 7, 8, 16, 17):
         linear(torch.randn(rows, 4), w)
-    linear(torch.randn(4, 4, dtype=torch.bfloat16), w.bfloat16())
-    assert calls == [2, 16]  # one row is a product of vectors either way
-    linear(torch.randn(2, 4), w.t().contiguous().t())  # stored by column: a CPU-packed weight's dense copy
-    assert calls == [2, 16]  # F.linear's own layout: as W x^T it ran several times slower
+    linear(torch.randn(8, 4, dtype=torch.bfloat16), w.bfloat16())
+    assert calls == [8, 16]  # the band's ends included, nothing outside it, nor another dtype
+    set_flipped_rows("cpu", torch.float32, (2, 16))
+    linear(torch.randn(1, 4), w)
+    assert calls == [8, 16]  # one row is a product of vectors either way
+    linear(torch.randn(8, 4), w.t().contiguous().t())  # stored by column: a CPU-packed weight's dense copy
+    assert calls == [8, 16]  # F.linear's own layout: as W x^T it ran several times slower
     with pytest.raises(RuntimeError):  # a bias of another dtype is refused, as F.linear refuses it
         linear(torch.randn(4, 4), w, torch.zeros(8, dtype=torch.float64))
-    with pytest.raises(ValueError):
-        set_flipped_max_rows("cpu", torch.float32, -1)
+    for bad in ((1, 16), (16, 8), (0, 4)):
+        with pytest.raises(ValueError, match="band of row counts"):
+            set_flipped_rows("cpu", torch.float32, bad)
 
 
-def test_the_profile_says_up_to_where_it_pays_and_the_cost_model_counts_it(tmp_path):
+def test_the_profile_says_where_it_pays_and_the_cost_model_counts_it(tmp_path):
     from flexgen_helm.memory.machine import machine_info
 
     gains = {2: 1.9, 4: 2.7, 16: 1.5, 64: 1.02, 128: 1.3}  # 64 within noise: stop before it
     speeds = DeviceSpeeds(matmul_flops={"float32": {1: 1e10, 16: 4e10, 256: 1e11}}, flipped_gains={"float32": gains})
-    assert speeds.flipped_max_rows("float32") == 16 and speeds.flipped_max_rows("bfloat16") == 0
+    assert speeds.flipped_rows("float32") == (2, 16) and speeds.flipped_rows("bfloat16") == NO_ROWS
     assert speeds.linear_flops("float32", 16) == pytest.approx(1.5 * 4e10)
-    assert speeds.linear_flops("float32", 64) == DeviceSpeeds(matmul_flops=speeds.matmul_flops).linear_flops(
-        "float32", 64)
+    plain = DeviceSpeeds(matmul_flops=speeds.matmul_flops)
+    assert speeds.linear_flops("float32", 64) == plain.linear_flops("float32", 64)
+    assert speeds.linear_flops("float32", 128) == plain.linear_flops("float32", 128)  # a shorter run: not taken
     path = HardwareProfile(devices={"cpu": speeds}, machine=machine_info()).save(tmp_path / "hardware.json")
     assert HardwareProfile.load(path).compute.flipped_gains == {"float32": gains}  # JSON keys back to ints
     use_profile(path)
-    assert linear_module.FLIPPED_MAX_ROWS == {("cpu", torch.float32): 16}
+    assert linear_module.FLIPPED_ROWS == {("cpu", torch.float32): (2, 16)}
+
+
+@pytest.mark.parametrize("gains, band", [
+    # a 2-core AVX-512 Xeon (runs/bench/linear_orientation/band_2026-11-27.jsonl): a loss at 2 rows and from 64
+    ({2: 0.5, 4: 0.9, 8: 1.2, 16: 1.6, 32: 1.4, 48: 1.3, 64: 1.0, 96: 0.8, 128: 0.8}, (8, 48)),
+    ({2: 1.2, 4: 0.9, 8: 1.2, 16: 1.6, 32: 1.4, 48: 1.3}, (8, 48)),  # the longest run, not the first
+    ({2: 1.2, 4: 1.3, 8: 0.9, 16: 1.6, 32: 1.4}, (2, 4)),  # two as long: the first
+    ({2: 1.2, 4: 1.3, 128: 1.6}, (2, 128)),  # between measured row counts, the gain is taken to hold
+    ({2: 0.9, 16: 1.0}, NO_ROWS),
+])
+def test_the_flipped_rows_are_the_longest_band_that_gains(gains, band):
+    assert DeviceSpeeds(matmul_flops={"float32": {1: 1e10}}, flipped_gains={"float32": gains}).flipped_rows(
+        "float32") == band
+    if band != NO_ROWS:  # the cost model: a product inside the band gains, one just outside does not
+        speeds = DeviceSpeeds(matmul_flops={"float32": {1: 1e10, 256: 1e11}}, flipped_gains={"float32": gains})
+        plain = DeviceSpeeds(matmul_flops=speeds.matmul_flops)
+        assert speeds.linear_flops("float32", band[0]) == pytest.approx(gains[band[0]] * plain.linear_flops(
+            "float32", band[0]))
+        assert speeds.linear_flops("float32", band[1] + 1) == plain.linear_flops("float32", band[1] + 1)
 
 
 def test_a_compressed_weights_dense_copy_takes_it_too(monkeypatch):
@@ -75,7 +99,7 @@ def test_a_compressed_weights_dense_copy_takes_it_too(monkeypatch):
     cw = CompressedWeight([(0, q)], (32, 64), torch.float32, 0)
     x = torch.randn(4, 64, generator=g)
     want = F.linear(x, cw.dense())
-    set_flipped_max_rows("cpu", torch.float32, 16)
+    set_flipped_rows("cpu", torch.float32, (2, 16))
     got = linear(x, cw)
     assert calls and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
 
@@ -89,10 +113,10 @@ def test_generations_are_the_same_either_way(tiny_llama, tmp_path, monkeypatch):
     engine = Engine.load(str(tiny_llama), Policy(gpu_batch_size=2, num_gpu_batches=2), dtype="float32",
                          device="cpu", offload_dir=tmp_path, progress=False)
     runs = []
-    for rows in (0, 64):
-        set_flipped_max_rows("cpu", torch.float32, rows)
+    for rows in (NO_ROWS, (2, 64)):
+        set_flipped_rows("cpu", torch.float32, rows)
         runs.append(engine.generate(prompts, params).results)
-        assert bool(calls) == bool(rows)  # the first run's products took F.linear, the second's W x^T
+        assert bool(calls) == (rows != NO_ROWS)  # the first run's products took F.linear, the second's W x^T
     plain, flipped = ([c.completions[0] for c in run] for run in runs)
     assert [c.token_ids for c in plain] == [c.token_ids for c in flipped]
     for a, b in zip(plain, flipped):
@@ -110,7 +134,7 @@ def test_a_profile_from_before_the_orientation_measurement_says_so_once(tmp_path
         assert use_profile(path) is not None
     told = [r.getMessage() for r in caplog.records if "flipped_gains" in r.getMessage()]
     assert len(told) == 1 and "2026-01-02T03:04:05" in told[0] and "flexgen-helm profile" in told[0]
-    assert linear_module.FLIPPED_MAX_ROWS.get(("cpu", torch.float32), 0) == 0
+    assert linear_module.FLIPPED_ROWS.get(("cpu", torch.float32), NO_ROWS) == NO_ROWS
     # a GPU's profile never measures them: nothing to say
     caplog.clear()
     gpu = HardwareProfile(devices={"cpu": speeds, "cuda": speeds}, compute_device="cuda", machine=machine_info(),

@@ -78,7 +78,7 @@ def generate_in_this_process(model, out, tmp_path, extra=(), prompts=PROMPTS) ->
 
     argv = ["generate", "--model", str(model), "--prompt", *prompts, *ARGS, "--offload-dir",
             str(tmp_path / "offload"), "--json", str(out), *extra]
-    tables = (int4.MAX_KERNEL_ROWS, int8.MAX_KERNEL_ROWS, dense_linear.FLIPPED_MAX_ROWS)
+    tables = (int4.MAX_KERNEL_ROWS, int8.MAX_KERNEL_ROWS, dense_linear.FLIPPED_ROWS)
     before = [dict(table) for table in tables]
     reads_in_flight = direct_io.reads_in_flight()
     basetemp = tmp_path.parent  # pytest's base temp: tmp_path is one of its folders

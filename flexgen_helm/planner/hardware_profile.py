@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from flexgen_helm.compression.int4 import set_max_kernel_rows
 from flexgen_helm.compression.int8 import set_max_kernel_rows as set_max_int8_kernel_rows
-from flexgen_helm.dense_linear import flipped_linear, set_flipped_max_rows
+from flexgen_helm.dense_linear import NO_ROWS, flipped_linear, set_flipped_rows
 from flexgen_helm.errors import ProfileFormatError
 from flexgen_helm.memory.devices import DTYPE_NAMES, DTYPES
 from flexgen_helm.memory.direct_io import set_reads_in_flight
@@ -56,8 +56,13 @@ MAX_STREAMED_ROWS = 64  # above this the product is compute-bound: one (cached) 
 KERNEL_ROWS = (1, 8, 32, 128, 512)
 KERNEL_GROUP_SIZE = 64
 # Decode-sized row counts at which a CPU's products are timed both ways (dense_linear.py:
-# F.linear's x W^T, and W x^T) on streamed weights; the second runs up to where it stops paying.
-FLIPPED_ROWS = (2, 4, 16, 64, 128)
+# F.linear's x W^T, and W x^T) on streamed weights; the second runs on the band where it pays.
+# Dense enough to find both ends of that band: on a 2-core AVX-512 Xeon it paid at 8-48 rows
+# and lost at 2 and from 64 (runs/bench/linear_orientation/band_2026-11-27.jsonl).
+FLIPPED_ROWS = (2, 4, 8, 16, 32, 48, 64, 96, 128)
+# ... on two layer shapes, a gain counted where both gain: MATMUL_SHAPE, and a small model's
+# MLP (SmolLM2's), whose products lost to F.linear at 64 rows where MATMUL_SHAPE's broke even
+FLIPPED_SMALL_SHAPE = (1536, 576)
 FLIPPED_MIN_GAIN = 1.05  # a gain smaller than this is within a shared machine's noise
 
 
@@ -88,26 +93,32 @@ class DeviceSpeeds:
     fixed_costs: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     copy_handoff_s: float = 0.0  # one transfer handed to the copy thread and waited for
     # dtype name -> rows (FLIPPED_ROWS) -> time of F.linear over time of the same product as
-    # W x^T (dense_linear.py), on streamed weights; empty where not measured (a GPU)
+    # W x^T (dense_linear.py), on streamed weights (the smaller of two shapes' gains);
+    # empty where not measured (a GPU)
     flipped_gains: dict[str, dict[int, float]] = field(default_factory=dict)
 
     def linear_flops(self, dtype: str, rows: int) -> float:
         """FLOP/s of a linear layer's product of `rows` rows with a dense weight, as the engine
-        multiplies it (dense_linear.py: W x^T up to flipped_max_rows)."""
+        multiplies it (dense_linear.py: W x^T on the flipped_rows band)."""
         table = self.matmul_flops.get(dtype) or next(iter(self.matmul_flops.values()), {1: 1e10})
         gains = self.flipped_gains.get(dtype, {})
-        flipped = 1 < rows <= self.flipped_max_rows(dtype)
+        first, last = self.flipped_rows(dtype)
+        flipped = rows > 1 and first <= rows <= last
         return _interpolate_log(table, rows) * (_interpolate_log(gains, rows) if flipped else 1.0)
 
-    def flipped_max_rows(self, dtype: str) -> int:
-        """The most rows up to which W x^T was measured faster than F.linear at every row
-        count measured (by FLIPPED_MIN_GAIN); 0 where it never was or was not measured."""
-        best = 0
+    def flipped_rows(self, dtype: str) -> tuple[int, int]:
+        """The (fewest, most) rows of the longest run of consecutive measured row counts at
+        which W x^T was faster than F.linear (by FLIPPED_MIN_GAIN; the first such run where two
+        are as long); NO_ROWS where it never was or was not measured. Row counts between two
+        measured ones inside the band are taken to gain too; those past its ends are not."""
+        runs, run = [], []
         for rows, gain in sorted(self.flipped_gains.get(dtype, {}).items()):
-            if gain < FLIPPED_MIN_GAIN:
-                break
-            best = rows
-        return best
+            if rows > 1 and gain >= FLIPPED_MIN_GAIN:
+                run.append(rows)
+            elif run:
+                runs, run = runs + [run], []
+        longest = max(runs + [run], key=len)  # the first of equal lengths
+        return (longest[0], longest[-1]) if longest else NO_ROWS
 
     def int4_flops(self, rows: int) -> float:
         """FLOP/s of the int4 kernel multiplying `rows` activation rows (int4_matmul_flops)."""
@@ -293,7 +304,7 @@ def use_profile(path: str | os.PathLike | None = None) -> HardwareProfile | None
     if saved.compute.int8_matmul_flops:  # a profile from before the int8 kernel keeps its default
         set_max_int8_kernel_rows(saved.compute_device, saved.compute.int8_kernel_max_rows(saved.dtype))
     for name in saved.compute.flipped_gains:
-        set_flipped_max_rows(saved.compute_device, DTYPES[name], saved.compute.flipped_max_rows(name))
+        set_flipped_rows(saved.compute_device, DTYPES[name], saved.compute.flipped_rows(name))
     # only a CPU's profile measures them (a GPU's GEMMs are not known to gain: measure_device)
     unmeasured = saved.compute_device == "cpu" and not saved.compute.flipped_gains
     if unmeasured and saved.measured_at not in _TOLD_UNMEASURED:
@@ -405,13 +416,25 @@ def _flipped_linears(x: torch.Tensor, weights: list[torch.Tensor]) -> None:
 
 def _flipped_gains(device: torch.device, dtype: torch.dtype) -> dict[int, float]:
     """By FLIPPED_ROWS: the time of F.linear over that of W x^T (dense_linear.flipped_linear)
-    for MATMUL_SHAPE weights streamed from memory, each row count timed both ways in turn."""
-    out_f, in_f = MATMUL_SHAPE
-    # 16 x 16 MiB (bf16) = 256 MiB, past a large server L3 (~100 MiB) as _matmul_flops's weights
-    # are, in half of their time: the gain decides the engine's path, so it must not be a cache's
-    ws = [torch.randn(out_f, in_f, device=device).to(dtype) for _ in range(STREAMED_WEIGHTS // 2)]
+    on weights streamed from memory, each row count timed both ways in turn, for MATMUL_SHAPE
+    and FLIPPED_SMALL_SHAPE weights: the smaller gain of the two, so that the engine flips a
+    product only where it paid for a large and a small model's layers alike."""
+    per_shape = [flipped_gains_of(device, dtype, shape) for shape in (MATMUL_SHAPE, FLIPPED_SMALL_SHAPE)]
+    return {rows: min(gains[rows] for gains in per_shape) for rows in FLIPPED_ROWS}
+
+
+def flipped_gains_of(device: torch.device, dtype: torch.dtype, shape: tuple[int, int],
+                     rows_list=FLIPPED_ROWS) -> dict[int, float]:
+    """By rows_list: the gain of W x^T over F.linear for (out, in) `shape` weights streamed
+    from memory (_flipped_gains; runs/bench/linear_orientation/band.py for other shapes)."""
+    out_f, in_f = shape
+    # 256 MiB of weights (16 x 16 MiB of MATMUL_SHAPE in bf16), past a large server L3 (~100 MiB)
+    # as _matmul_flops's weights are, in half of their time: the gain decides the engine's path,
+    # so it must not be a cache's
+    count = max(1, (STREAMED_WEIGHTS // 2) * MATMUL_SHAPE[0] * MATMUL_SHAPE[1] // (out_f * in_f))
+    ws = [torch.randn(out_f, in_f, device=device).to(dtype) for _ in range(count)]
     gains = {}
-    for rows in FLIPPED_ROWS:
+    for rows in rows_list:
         x = torch.randn(rows, in_f, device=device).to(dtype)
         gains[rows] = _paired_ratio(functools.partial(_linears, x, ws), functools.partial(_flipped_linears, x, ws))
     return gains

@@ -1,5 +1,5 @@
-"""A decode step with products multiplied as F.linear (x W^T) against W x^T where this
-machine's profile measured it faster (flexgen_helm/dense_linear.py).
+"""A decode step with products multiplied as F.linear (x W^T) against W x^T on the band of
+row counts where this machine's profile measured it faster (flexgen_helm/dense_linear.py).
 
     python runs/bench/linear_orientation/decode_ab.py [--sequences 16 48] [--rounds 4] [--dtype float32]
 
@@ -8,7 +8,7 @@ first 197 are shared (synthetic_reasoning's shape), 20 new tokens. After a warm-
 round runs the block both ways, the order alternating between rounds. Per block size: the
 mean decode step of each run, the median of the per-round ratios, and whether the tokens
 were equal. Appends one JSON line to results.jsonl beside this file, with the host, the
-profile's crossover and gains, and the load average before and after.
+profile's band of row counts and gains, and the load average before and after.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from flexgen_helm.dense_linear import set_flipped_max_rows
+from flexgen_helm.dense_linear import NO_ROWS, set_flipped_rows
 from flexgen_helm.engine import Engine
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.memory.devices import DTYPES
@@ -43,14 +43,14 @@ def main() -> None:
     profile, missing = saved_profile()
     if profile is None:
         raise SystemExit(f"{missing}: run `flexgen-helm profile` first (this compares against its crossover)")
-    crossover = profile.compute.flipped_max_rows(args.dtype)
-    if not crossover:
+    band = profile.compute.flipped_rows(args.dtype)
+    if band == NO_ROWS:
         raise SystemExit(f"this machine's profile measured no gain from W x^T in {args.dtype} "
                          f"({profile.compute.flipped_gains.get(args.dtype)}): nothing to compare")
     load_before = os.getloadavg()[0]
     rng = random.Random(0)
     shared = [rng.randrange(1000, 40000) for _ in range(197)]
-    record = {"host": machine_label(), "dtype": args.dtype, "crossover_rows": crossover,
+    record = {"host": machine_label(), "dtype": args.dtype, "flipped_rows": band,
               "gains": profile.compute.flipped_gains.get(args.dtype), "new_tokens": NEW_TOKENS, "blocks": {}}
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     for n in args.sequences:
@@ -61,9 +61,9 @@ def main() -> None:
         step_ms = {"F.linear": [], "W x^T": []}
         tokens = {}
         for r in range(args.rounds):
-            ways = [("F.linear", 0), ("W x^T", crossover)]
+            ways = [("F.linear", NO_ROWS), ("W x^T", band)]
             for name, rows in ways if r % 2 == 0 else ways[::-1]:
-                set_flipped_max_rows("cpu", DTYPES[args.dtype], rows)
+                set_flipped_rows("cpu", DTYPES[args.dtype], rows)
                 run = engine.generate(prompts, params)
                 step_ms[name].append(round(run.stats.decode_s / (NEW_TOKENS - 1) * 1e3, 1))
                 tokens[name] = [res.completions[0].token_ids for res in run.results]
