@@ -63,6 +63,7 @@ FLIPPED_ROWS = (2, 4, 8, 16, 32, 48, 64, 96, 128)
 # ... on two layer shapes, a gain counted where both gain: MATMUL_SHAPE, and a small model's
 # MLP (SmolLM2's), whose products lost to F.linear at 64 rows where MATMUL_SHAPE's broke even
 FLIPPED_SMALL_SHAPE = (1536, 576)
+FLIPPED_STREAMED_BYTES = 256 << 20
 FLIPPED_MIN_GAIN = 1.05  # a gain smaller than this is within a shared machine's noise
 
 
@@ -428,10 +429,10 @@ def flipped_gains_of(device: torch.device, dtype: torch.dtype, shape: tuple[int,
     """By rows_list: the gain of W x^T over F.linear for (out, in) `shape` weights streamed
     from memory (_flipped_gains; runs/bench/linear_orientation/band.py for other shapes)."""
     out_f, in_f = shape
-    # 256 MiB of weights (16 x 16 MiB of MATMUL_SHAPE in bf16), past a large server L3 (~100 MiB)
-    # as _matmul_flops's weights are, in half of their time: the gain decides the engine's path,
-    # so it must not be a cache's
-    count = max(1, (STREAMED_WEIGHTS // 2) * MATMUL_SHAPE[0] * MATMUL_SHAPE[1] // (out_f * in_f))
+    # 256 MiB of weights in any dtype, past a large server L3 (~100 MiB) as _matmul_flops's
+    # weights are, in half of their time: the gain decides the engine's path, so it must not be
+    # a cache's
+    count = max(1, FLIPPED_STREAMED_BYTES // (out_f * in_f * torch.finfo(dtype).bits // 8))
     ws = [torch.randn(out_f, in_f, device=device).to(dtype) for _ in range(count)]
     gains = {}
     for rows in rows_list:
