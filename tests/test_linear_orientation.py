@@ -104,19 +104,30 @@ def test_a_compressed_weights_dense_copy_takes_it_too(monkeypatch):
     assert calls and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_generations_are_the_same_either_way(tiny_llama, tmp_path, monkeypatch):
-    """float32 greedy tokens equal, log-probs within float32 rounding, GPU batches of 2 rows."""
+SHARED = [7, 3, 12, 9, 5, 14, 2, 8, 11, 6, 4, 13] * 2  # at least MIN_SHARED_TOKENS
+
+
+@pytest.mark.parametrize("prompts", [
+    [[5, 9, 14, 3, 7], [8, 2, 11], [4, 4, 6, 10, 12, 1], [13, 3]],
+    # a shared prefix held once for the block: its own prefill, decode attention in two parts
+    [SHARED + [5, 9], SHARED + [8], SHARED + [4, 4, 6], SHARED + [13]],
+], ids=["apart", "shared-prefix"])
+def test_generations_are_the_same_either_way(tiny_llama, tmp_path, monkeypatch, prompts):
+    """float32 greedy tokens equal, log-probs within float32 rounding, GPU batches of 2 rows
+    (the decode step multiplies both batches' 4 rows together)."""
     calls = []
     monkeypatch.setattr(linear_module, "flipped_linear", lambda *a: calls.append(1) or flipped_linear(*a))
-    prompts = [[5, 9, 14, 3, 7], [8, 2, 11], [4, 4, 6, 10, 12, 1], [13, 3]]
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     engine = Engine.load(str(tiny_llama), Policy(gpu_batch_size=2, num_gpu_batches=2), dtype="float32",
                          device="cpu", offload_dir=tmp_path, progress=False)
     runs = []
     for rows in (NO_ROWS, (2, 64)):
         set_flipped_rows("cpu", torch.float32, rows)
-        runs.append(engine.generate(prompts, params).results)
+        run = engine.generate(prompts, params)
+        runs.append(run.results)
         assert bool(calls) == (rows != NO_ROWS)  # the first run's products took F.linear, the second's W x^T
+        if prompts[0][:len(SHARED)] == SHARED:
+            assert run.stats.computed_prompt_tokens < run.stats.prompt_tokens  # the prefix ran once
     plain, flipped = ([c.completions[0] for c in run] for run in runs)
     assert [c.token_ids for c in plain] == [c.token_ids for c in flipped]
     for a, b in zip(plain, flipped):
