@@ -55,10 +55,14 @@ from flexgen_helm.policy.policy import TIERS, Compression
 class DenseMirror:
     """A tier's groups and residual as `unpack` lays them out, kept dense across steps: keys
     (units, d, positions + 1) and values (units, positions + 1, d) for every group slot, the
-    residual and the new token's column; `dirty`: group slots written since it was updated."""
+    residual and the new token's column; `dirty`: group slots written since it was updated;
+    `residual_at`: the group count n whose columns [n G, (n + 1) G) the residual was last
+    copied to (None: never), and `dirty_rows` the residual's rows written since."""
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
     dirty: set = field(default_factory=set)
+    residual_at: int | None = None
+    dirty_rows: set = field(default_factory=set)
 
 
 @dataclass
@@ -205,6 +209,8 @@ class KiviCacheSlot:
                 self.disk.write(self._residual_at + row * self._residual_row, kv[a:a + count])
             else:
                 self.residual[tier][row:row + count].copy_(kv[a:a + count], non_blocking=True)
+                if self.mirror is not None:
+                    self.mirror.dirty_rows.update(range(row, row + count))
 
     def _residual_rows(self, tier: str, first: int, end: int) -> torch.Tensor:
         """The residual's rows of positions [first, end) (at most G, still held), in order."""
@@ -286,7 +292,9 @@ class KiviCacheSlot:
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """unpack()'s keys and values of the tier at `length` (the same columns, the same
         values): the group slots written since the last call dequantized into the dense
-        mirror, the residual copied after the groups read, views of the mirror returned."""
+        mirror, the residual copied after the groups read (where they are as many as at the
+        last call, only its rows written since: a decode step's one), views of the mirror
+        returned."""
         m, G, d = self.mirror, self.G, self.head_dim
         units = self.units[tier]
         if m.keys is None:  # made at the first decode step: where attention runs, in its dtype
@@ -302,9 +310,15 @@ class KiviCacheSlot:
         for j in sorted(x for x in m.dirty if x < n):
             groups.at(j).dequantize_into(keys[:, j * G:(j + 1) * G], values[:, j * G:(j + 1) * G])
         m.dirty = {x for x in m.dirty if x >= n}
+        # the whole residual where it moves (after a group completes) or was never copied; else
+        # the rows written since: a decode step's copy of all G rows cost more than its attention
+        rows = [(0, G)] if m.residual_at != n else _runs(sorted(m.dirty_rows))
         residual = self.residual[tier]
-        keys[:, n * G:(n + 1) * G].copy_(residual[:, 0].transpose(0, 1), non_blocking=True)
-        values[:, n * G:(n + 1) * G].copy_(residual[:, 1].transpose(0, 1), non_blocking=True)
+        for first, end in rows:
+            at = slice(n * G + first, n * G + end)
+            keys[:, at].copy_(residual[first:end, 0].transpose(0, 1), non_blocking=True)
+            values[:, at].copy_(residual[first:end, 1].transpose(0, 1), non_blocking=True)
+        m.residual_at, m.dirty_rows = n, set()
         return keys, values
 
     def decode_valid(self, tier: str, length: int, window: int, key_valid: torch.Tensor,
@@ -373,3 +387,14 @@ def _decode_valid(starts: tuple[int, ...], length: int, window: int, G: int, hel
         in_residual = in_residual & (res_pos > have[:, None] - window)
     new = torch.ones(len(starts), 1, dtype=torch.bool)
     return torch.cat([in_groups.flatten(1), in_residual, new], dim=1)
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int]]:
+    """Sorted distinct rows as [first, end) runs of consecutive rows."""
+    runs: list[tuple[int, int]] = []
+    for row in rows:
+        if runs and runs[-1][1] == row:
+            runs[-1] = (runs[-1][0], row + 1)
+        else:
+            runs.append((row, row + 1))
+    return runs
