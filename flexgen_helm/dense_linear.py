@@ -7,8 +7,10 @@ measured the other orientation faster: y^T = W x^T, the weight as the product's 
 operand. A decode step's products stream every weight from memory for a few rows; a CPU's
 GEMM partitions a tall left operand's rows over its threads and streams them once, where
 `F.linear` (x W^T) took 1.1-3.9x longer at 4-128 rows on a 2-core AVX2 EPYC in float32. The
-band is a band, not "up to": on a 2-core AVX-512 Xeon W x^T lost at 2 rows (0.4-0.6x) and
-from 64 (0.7-1.0x) but won 1.3-2.7x at 8-48 (runs/bench/linear_orientation).
+band is a band, not "up to": on a 2-core AVX-512 Xeon W x^T lost at 2 rows on every shape
+measured (0.44-0.53x) and gained 1.2-2.6x at 16-48 rows, while from 64 rows it lost on
+SmolLM2's shapes (0.65-1.03x) and gained at most 1.22x on OPT-1.3B's
+(runs/bench/linear_orientation/band_2026-11-27.jsonl).
 `flexgen-helm profile` measures where it pays (planner/hardware_profile.py), per device type
 and dtype; nothing changes unprofiled. A weight stored by column (a transposed view) always
 takes F.linear.

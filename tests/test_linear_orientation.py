@@ -13,7 +13,7 @@ from flexgen_helm.dense_linear import NO_ROWS, flipped_linear, set_flipped_rows
 from flexgen_helm.engine import Engine
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.models.linear import linear
-from flexgen_helm.planner.hardware_profile import DeviceSpeeds, HardwareProfile, use_profile
+from flexgen_helm.planner.hardware_profile import FLIPPED_ROW_COUNTS, DeviceSpeeds, HardwareProfile, use_profile
 from flexgen_helm.policy import Policy
 
 
@@ -32,17 +32,16 @@ def test_only_profiled_row_counts_of_the_profiled_dtype_take_it(monkeypatch):
     calls = []
     monkeypatch.setattr(linear_module, "flipped_linear", lambda x, w, b=None: calls.append(len(x)) or F.linear(x, w, b))
     w = torch.randn(8, 4)
-    for rows in (1, 2, 7, 8, 16, 17):
+    for rows in (0, 1, 2, 7, 8, 16, 17):
         linear(torch.randn(rows, 4), w)
-    assert calls == []  # unprofiled: F.linear alone
+    set_flipped_rows("cpu", torch.float32, NO_ROWS)
+    linear(torch.randn(0, 4), w)
+    assert calls == []  # unprofiled, or no band: F.linear alone, an empty product too
     set_flipped_rows("cpu", torch.float32, (8, 16))
     for rows in (1, 2, 7, 8, 16, 17):
         linear(torch.randn(rows, 4), w)
     linear(torch.randn(8, 4, dtype=torch.bfloat16), w.bfloat16())
     assert calls == [8, 16]  # the band's ends included, nothing outside it, nor another dtype
-    set_flipped_rows("cpu", torch.float32, (2, 16))
-    linear(torch.randn(1, 4), w)
-    assert calls == [8, 16]  # one row is a product of vectors either way
     linear(torch.randn(8, 4), w.t().contiguous().t())  # stored by column: a CPU-packed weight's dense copy
     assert calls == [8, 16]  # F.linear's own layout: as W x^T it ran several times slower
     with pytest.raises(RuntimeError):  # a bias of another dtype is refused, as F.linear refuses it
@@ -61,20 +60,28 @@ def test_the_profile_says_where_it_pays_and_the_cost_model_counts_it(tmp_path):
     assert speeds.linear_flops("float32", 16) == pytest.approx(1.5 * 4e10)
     plain = DeviceSpeeds(matmul_flops=speeds.matmul_flops)
     assert speeds.linear_flops("float32", 64) == plain.linear_flops("float32", 64)
-    assert speeds.linear_flops("float32", 128) == plain.linear_flops("float32", 128)  # a shorter run: not taken
+    assert speeds.linear_flops("float32", 128) == plain.linear_flops("float32", 128)  # past the first run: not taken
     path = HardwareProfile(devices={"cpu": speeds}, machine=machine_info()).save(tmp_path / "hardware.json")
     assert HardwareProfile.load(path).compute.flipped_gains == {"float32": gains}  # JSON keys back to ints
     use_profile(path)
     assert linear_module.FLIPPED_ROWS == {("cpu", torch.float32): (2, 16)}
 
 
+def _grid(**gains) -> dict[int, float]:
+    """Gains at every FLIPPED_ROW_COUNTS: those given (g8=1.2: 8 rows), 0.9 elsewhere."""
+    return {rows: gains.get(f"g{rows}", 0.9) for rows in FLIPPED_ROW_COUNTS}
+
+
 @pytest.mark.parametrize("gains, band", [
-    # a 2-core AVX-512 Xeon (runs/bench/linear_orientation/band_2026-11-27.jsonl): a loss at 2 rows and from 64
-    ({2: 0.5, 4: 0.9, 8: 1.2, 16: 1.6, 32: 1.4, 48: 1.3, 64: 1.0, 96: 0.8, 128: 0.8}, (8, 48)),
-    ({2: 1.2, 4: 0.9, 8: 1.2, 16: 1.6, 32: 1.4, 48: 1.3}, (8, 48)),  # the longest run, not the first
-    ({2: 1.2, 4: 1.3, 8: 0.9, 16: 1.6, 32: 1.4}, (2, 4)),  # two as long: the first
-    ({2: 1.2, 4: 1.3, 128: 1.6}, (2, 128)),  # between measured row counts, the gain is taken to hold
-    ({2: 0.9, 16: 1.0}, NO_ROWS),
+    # a 2-core AVX-512 Xeon (runs/bench/linear_orientation/results.jsonl): a loss at 2 rows and from 64
+    ({2: 0.51, 4: 0.87, 8: 1.08, 16: 1.64, 32: 1.51, 48: 1.37, 64: 0.75, 96: 0.77, 128: 0.76}, (8, 48)),
+    (_grid(g2=1.2, g8=1.2, g16=1.6, g32=1.4, g48=1.3), (8, 48)),  # the longest run, not the first
+    (_grid(g2=1.2, g4=1.3, g16=1.6, g32=1.4), (2, 4)),  # two as long: the first
+    (_grid(g64=1.2, g96=1.1, g128=1.3), (64, 128)),
+    (_grid(), NO_ROWS),
+    # a profile from before the band (one shape, 5 row counts): the run from its fewest rows, as then
+    ({2: 1.9, 4: 2.7, 16: 1.5, 64: 1.02, 128: 1.3}, (2, 16)),
+    ({2: 0.48, 4: 0.90, 16: 1.64, 64: 1.06, 128: 1.06}, NO_ROWS),  # the Xeon's, 06:19: nothing flipped then
 ])
 def test_the_flipped_rows_are_the_longest_band_that_gains(gains, band):
     assert DeviceSpeeds(matmul_flops={"float32": {1: 1e10}}, flipped_gains={"float32": gains}).flipped_rows(
@@ -153,6 +160,27 @@ def test_a_profile_from_before_the_orientation_measurement_says_so_once(tmp_path
     with caplog.at_level("WARNING"):
         assert use_profile(gpu) is not None
     assert not [r for r in caplog.records if "flipped_gains" in r.getMessage()]
+
+
+def test_a_profile_from_before_the_band_keeps_its_rule_and_says_so_once(tmp_path, caplog):
+    from flexgen_helm.memory.machine import machine_info
+
+    old = {2: 0.48, 4: 0.90, 16: 1.64, 64: 1.06, 128: 1.06}  # the Xeon's one-shape gains, 06:19
+    speeds = DeviceSpeeds(matmul_flops={"float32": {1: 1e10, 256: 1e11}}, flipped_gains={"float32": old})
+    path = HardwareProfile(devices={"cpu": speeds}, machine=machine_info(),
+                           measured_at="2026-11-27T06:19:56").save(tmp_path / "hardware.json")
+    with caplog.at_level("WARNING"):
+        use_profile(path)
+        use_profile(path)
+    told = [r.getMessage() for r in caplog.records if "row counts" in r.getMessage()]
+    assert len(told) == 1 and "2026-11-27T06:19:56" in told[0] and "flexgen-helm profile" in told[0]
+    assert linear_module.FLIPPED_ROWS == {("cpu", torch.float32): NO_ROWS}  # not 16-128, where SmolLM2 lost
+    caplog.clear()
+    measured = HardwareProfile(devices={"cpu": DeviceSpeeds(matmul_flops=speeds.matmul_flops, flipped_gains={
+        "float32": _grid(g16=1.6, g32=1.4)})}, machine=machine_info(), measured_at="2026-11-27T07:39:00")
+    with caplog.at_level("WARNING"):
+        use_profile(measured.save(tmp_path / "measured.json"))
+    assert not caplog.records and linear_module.FLIPPED_ROWS == {("cpu", torch.float32): (16, 32)}
 
 
 def test_orientation_gain_is_the_median_of_paired_calls(monkeypatch):

@@ -32,7 +32,8 @@ the order of its keys.
 A slot of a cache held dense (Policy.keep_dense_cache; all its units on the compute tier)
 keeps, beside its groups, a dense mirror of what `unpack` would return (DenseMirror): each
 decode step dequantizes into it only the group slots written since the last step and copies
-the residual, instead of dequantizing every group again."""
+the residual rows written since (the whole residual where a group completed), instead of
+dequantizing every group again."""
 
 from __future__ import annotations
 

@@ -57,9 +57,10 @@ KERNEL_ROWS = (1, 8, 32, 128, 512)
 KERNEL_GROUP_SIZE = 64
 # Decode-sized row counts at which a CPU's products are timed both ways (dense_linear.py:
 # F.linear's x W^T, and W x^T) on streamed weights; the second runs on the band where it pays.
-# Dense enough to find both ends of that band: on a 2-core AVX-512 Xeon it paid at 8-48 rows
-# and lost at 2 and from 64 (runs/bench/linear_orientation/band_2026-11-27.jsonl).
-FLIPPED_ROWS = (2, 4, 8, 16, 32, 48, 64, 96, 128)
+# Dense enough to find both ends of that band: on a 2-core AVX-512 Xeon every shape measured
+# lost at 2 rows and gained at 16-48, and SmolLM2's lost from 64 (by shape:
+# runs/bench/linear_orientation/band_2026-11-27.jsonl; the profile's band, 8-48: results.jsonl there).
+FLIPPED_ROW_COUNTS = (2, 4, 8, 16, 32, 48, 64, 96, 128)
 # ... on two layer shapes, a gain counted where both gain: MATMUL_SHAPE, and a small model's
 # MLP (SmolLM2's), whose products lost to F.linear at 64 rows where MATMUL_SHAPE's broke even
 FLIPPED_SMALL_SHAPE = (1536, 576)
@@ -93,7 +94,7 @@ class DeviceSpeeds:
     # "per_step"} seconds; empty in a hand-made profile, where the cost model counts ops x op_latency_s
     fixed_costs: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     copy_handoff_s: float = 0.0  # one transfer handed to the copy thread and waited for
-    # dtype name -> rows (FLIPPED_ROWS) -> time of F.linear over time of the same product as
+    # dtype name -> rows (FLIPPED_ROW_COUNTS) -> time of F.linear over time of the same product as
     # W x^T (dense_linear.py), on streamed weights (the smaller of two shapes' gains);
     # empty where not measured (a GPU)
     flipped_gains: dict[str, dict[int, float]] = field(default_factory=dict)
@@ -111,15 +112,26 @@ class DeviceSpeeds:
         """The (fewest, most) rows of the longest run of consecutive measured row counts at
         which W x^T was faster than F.linear (by FLIPPED_MIN_GAIN; the first such run where two
         are as long); NO_ROWS where it never was or was not measured. Row counts between two
-        measured ones inside the band are taken to gain too; those past its ends are not."""
+        measured ones inside the band are taken to gain too; those past its ends are not. A
+        profile timed at fewer row counts than FLIPPED_ROW_COUNTS (before the band: one shape,
+        2, 4, 16, 64 and 128 rows) keeps the rule it was taken for, the run from its fewest
+        rows: on the AVX-512 Xeon its one shape gained at 64-128 rows where SmolLM2's lost."""
+        gains = sorted(self.flipped_gains.get(dtype, {}).items())
         runs, run = [], []
-        for rows, gain in sorted(self.flipped_gains.get(dtype, {}).items()):
+        for rows, gain in gains:
             if rows > 1 and gain >= FLIPPED_MIN_GAIN:
                 run.append(rows)
             elif run:
                 runs, run = runs + [run], []
-        longest = max(runs + [run], key=len)  # the first of equal lengths
+        runs.append(run)
+        if not self.flipped_band_measured(dtype):
+            runs = [r for r in runs[:1] if r and r[0] == gains[0][0]]
+        longest = max(runs, key=len, default=[])  # the first of equal lengths
         return (longest[0], longest[-1]) if longest else NO_ROWS
+
+    def flipped_band_measured(self, dtype: str) -> bool:
+        """Whether the orientation gains in `dtype` were timed at every FLIPPED_ROW_COUNTS."""
+        return set(FLIPPED_ROW_COUNTS) <= set(self.flipped_gains.get(dtype, {}))
 
     def int4_flops(self, rows: int) -> float:
         """FLOP/s of the int4 kernel multiplying `rows` activation rows (int4_matmul_flops)."""
@@ -308,11 +320,20 @@ def use_profile(path: str | os.PathLike | None = None) -> HardwareProfile | None
         set_flipped_rows(saved.compute_device, DTYPES[name], saved.compute.flipped_rows(name))
     # only a CPU's profile measures them (a GPU's GEMMs are not known to gain: measure_device)
     unmeasured = saved.compute_device == "cpu" and not saved.compute.flipped_gains
-    if unmeasured and saved.measured_at not in _TOLD_UNMEASURED:
+    before_band = saved.compute_device == "cpu" and not unmeasured and not all(
+        saved.compute.flipped_band_measured(name) for name in saved.compute.flipped_gains)
+    if (unmeasured or before_band) and saved.measured_at not in _TOLD_UNMEASURED:
         _TOLD_UNMEASURED.add(saved.measured_at)
-        logger.warning("the hardware profile of %s (measured %s) predates the measurement of decode products' "
-                       "orientation (flipped_gains), so every product runs as F.linear; `flexgen-helm profile` "
-                       "measures it (a few seconds more)", machine_label(saved.machine), saved.measured_at)
+        if unmeasured:
+            logger.warning("the hardware profile of %s (measured %s) predates the measurement of decode "
+                           "products' orientation (flipped_gains), so every product runs as F.linear; "
+                           "`flexgen-helm profile` measures it (a few seconds more)",
+                           machine_label(saved.machine), saved.measured_at)
+        else:
+            logger.warning("the hardware profile of %s (measured %s) timed decode products' orientation at too few "
+                           "row counts to find the band where W x^T pays, so it runs from the fewest rows up to the "
+                           "first that did not gain, as then; `flexgen-helm profile` measures the band",
+                           machine_label(saved.machine), saved.measured_at)
     return saved
 
 
@@ -416,16 +437,16 @@ def _flipped_linears(x: torch.Tensor, weights: list[torch.Tensor]) -> None:
 
 
 def _flipped_gains(device: torch.device, dtype: torch.dtype) -> dict[int, float]:
-    """By FLIPPED_ROWS: the time of F.linear over that of W x^T (dense_linear.flipped_linear)
+    """By FLIPPED_ROW_COUNTS: the time of F.linear over that of W x^T (dense_linear.flipped_linear)
     on weights streamed from memory, each row count timed both ways in turn, for MATMUL_SHAPE
     and FLIPPED_SMALL_SHAPE weights: the smaller gain of the two, so that the engine flips a
     product only where it paid for a large and a small model's layers alike."""
     per_shape = [flipped_gains_of(device, dtype, shape) for shape in (MATMUL_SHAPE, FLIPPED_SMALL_SHAPE)]
-    return {rows: min(gains[rows] for gains in per_shape) for rows in FLIPPED_ROWS}
+    return {rows: min(gains[rows] for gains in per_shape) for rows in FLIPPED_ROW_COUNTS}
 
 
 def flipped_gains_of(device: torch.device, dtype: torch.dtype, shape: tuple[int, int],
-                     rows_list=FLIPPED_ROWS) -> dict[int, float]:
+                     rows_list=FLIPPED_ROW_COUNTS) -> dict[int, float]:
     """By rows_list: the gain of W x^T over F.linear for (out, in) `shape` weights streamed
     from memory (_flipped_gains; runs/bench/linear_orientation/band.py for other shapes)."""
     out_f, in_f = shape

@@ -42,7 +42,7 @@ def main() -> None:
     args = p.parse_args()
     profile, missing = saved_profile()
     if profile is None:
-        raise SystemExit(f"{missing}: run `flexgen-helm profile` first (this compares against its crossover)")
+        raise SystemExit(f"{missing}: run `flexgen-helm profile` first (this compares against its band of row counts)")
     band = profile.compute.flipped_rows(args.dtype)
     if band == NO_ROWS:
         raise SystemExit(f"this machine's profile measured no gain from W x^T in {args.dtype} "
