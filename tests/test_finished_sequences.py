@@ -95,6 +95,11 @@ SHRINKING = {
     "one-batch": Policy(gpu_batch_size=8, num_gpu_batches=1),
     "cache-gpu-cpu-disk": Policy(gpu_batch_size=6, num_gpu_batches=1, cache=Split(0.4, 0.4, 0.2)),
     "cpu-delegated": Policy(gpu_batch_size=6, num_gpu_batches=1, cache=Split(0.5, 0.5, 0), cpu_cache_compute=True),
+    # a cache held dense, rounded as written (attended to as computed, then rewritten rounded)
+    "rounded-cache": Policy(gpu_batch_size=6, num_gpu_batches=1, keep_dense_cache=True,
+                            compress_cache=Compression(8, 8, cache_grouping="per-token")),
+    "kivi-mirror": Policy(gpu_batch_size=6, num_gpu_batches=1, keep_dense_cache=True,
+                          compress_cache=Compression(4, 2, cache_grouping="kivi")),
 }
 
 

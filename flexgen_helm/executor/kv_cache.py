@@ -285,23 +285,28 @@ class KVCacheSlot:
             a, b = self.ranges[tier]
             if a == b:
                 continue
-            assert tier not in self._packed, "a tier packed by append_in_place is written by it alone"
             kt, vt = k.narrow(1, a, b - a), v.narrow(1, a, b - a)
+            packed = self._packed.get(tier)
+            if packed is not None:  # a decode step's rounded rewrite (append_in_place): its units in front
+                assert self.rounding is not None and kt.shape[0] == 1, "a packed tier is written by its decode steps"
+                at = packed.to(kt.device)
+                kt, vt = kt.index_select(1, at), vt.index_select(1, at)
             if tier == "disk":
                 self.disk.write(row * self._row_bytes, self._to_rows(kt))
                 self.disk.write(self._disk_half + row * self._row_bytes, self._to_rows(vt))
             else:
                 for dst, src in ((self.k[tier], kt), (self.v[tier], vt)):
                     for d, s in zip(_parts(dst), _parts(src)):
-                        d[row:row + s.shape[0]].copy_(s, non_blocking=True)
+                        d[row:row + s.shape[0], :s.shape[1]].copy_(s, non_blocking=True)
 
     def append_in_place(self, tier: str, k: torch.Tensor, v: torch.Tensor, position: int,
                         local: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step on a tier that is in_place: write its new k, v ((n, 1, d), of the
         tier's units `local`, None: all of them) at `position` and return the keys and values
         of positions [0, position] of those units, (n, t, d): views of the cache (its
-        computed units packed to its front where some finished: _pack), but for a slot that
-        rounds its writes, whose units' keys and values are gathered."""
+        computed units packed to its front where some finished: _pack). A slot that rounds
+        its writes rewrites the position rounded after the step (write), where _write_rows
+        finds the packed units."""
         kt, vt = self.k[tier], self.v[tier]
         row = self._row(position)
         if local is None:
@@ -309,12 +314,6 @@ class KVCacheSlot:
             kt[row].copy_(k[:, 0])
             vt[row].copy_(v[:, 0])
             return kt[:row + 1].transpose(0, 1), vt[:row + 1].transpose(0, 1)
-        if self.rounding is not None:  # rewritten by units after the step: each unit stays in its place
-            local = local.to(kt.device)
-            kt[row].index_copy_(0, local, k[:, 0])
-            vt[row].index_copy_(0, local, v[:, 0])
-            return (kt[:row + 1].index_select(1, local).transpose(0, 1),
-                    vt[:row + 1].index_select(1, local).transpose(0, 1))
         n = len(local)
         self._pack(tier, local, row)
         kt[row, :n].copy_(k[:, 0])

@@ -2,7 +2,7 @@
 compressed deployment's time goes when its sequences stop at their own points (the main job's
 pattern_match: of 10 requests, most stop within a few tokens, some run to 50).
 
-    python runs/compression_8bit/decode_paths/scenario_paths.py [--requests 10] [--rounds 3] [--out FILE]
+    python runs/compression_8bit/decode_paths/scenario_paths.py [--requests 10] [--rounds 3] [--paths ...] [--out FILE]
 
 The first --requests of a HELM run's saved pattern_match requests
 (runs/bench/merged_head/pattern_match_requests.json), float32, SmolLM2 in RAM, through our
@@ -69,21 +69,22 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=10)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
     p.add_argument("--out", type=Path, default=HERE / "scenario_paths.jsonl")
     args = p.parse_args()
     from flexgen_helm.memory.machine import machine_label
 
     command = (f"python runs/compression_8bit/decode_paths/scenario_paths.py --requests {args.requests} "
-               f"--rounds {args.rounds}")
+               f"--rounds {args.rounds} --paths {' '.join(args.paths)}")
     for r in range(args.rounds):
-        for name, policy in PATHS.items():
+        for name, policy in ((n, PATHS[n]) for n in args.paths):
             load = os.getloadavg()[0]
             done = subprocess.run([sys.executable, "-c", CHILD, str(REPO / "runs/bench/merged_head"), str(STATE),
                                    str(args.requests), name, json.dumps(policy)],
                                   capture_output=True, text=True, cwd=REPO)
             if done.returncode:
                 sys.exit(f"{name}: the run failed ({done.returncode}):\n{done.stderr[-3000:]}")
-            record = {"round": r, "path": name, **json.loads(done.stdout.strip().splitlines()[-1]),
+            record = {"round": r, "path": name, "code": str(REPO), **json.loads(done.stdout.strip().splitlines()[-1]),
                       "requests": args.requests, "host": machine_label(),
                       "loadavg_1m": [round(load, 2), round(os.getloadavg()[0], 2)], "command": command}
             print(json.dumps(record), flush=True)
