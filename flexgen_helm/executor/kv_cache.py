@@ -30,7 +30,8 @@ finish (append_in_place): a finished sequence never computes again in its block,
 units' rows are dead, and the live ones moved together once, when the set shrinks, are a
 view for every later step, where gathered every step they were copied at each one
 (runs/bench/packed_units). Such a tier is then read by append_in_place alone (never by
-read() nor written by units: a slot that rounds its writes keeps every unit in place)."""
+read()), and written by it, or, in a slot that rounds its writes, by the step's rounded
+rewrite of its one position, which _write_rows puts in the packed columns."""
 
 from __future__ import annotations
 
