@@ -36,15 +36,20 @@ def set_flipped_rows(device_type: str, dtype: torch.dtype, rows: tuple[int, int]
     FLIPPED_ROWS[(device_type, dtype)] = (first, last)
 
 
+def flips(rows: int, band: tuple[int, int]) -> bool:
+    """Whether a product of `rows` rows runs as W x^T under `band` (set_flipped_rows's)."""
+    first, last = band
+    return band != NO_ROWS and first <= rows <= last
+
+
 def dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, bias), as W x^T where the profile chose it for this row count."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    first, last = FLIPPED_ROWS.get((x.device.type, x.dtype), NO_ROWS)
     # a weight stored by column (a transposed view: a CPU-packed int4 weight's dense copy made
     # for a call of up to 2048 rows, compression/int4.py) is F.linear's own layout; as W x^T it
     # took 8.9x F.linear's time on the same weight at 10 rows in float32 on the AVX2 EPYC
     # (runs/bench/linear_orientation/by_column.jsonl)
-    if (first <= rows <= last and rows > 1 and w.dtype == x.dtype and w.is_contiguous()
+    if (flips(rows, FLIPPED_ROWS.get((x.device.type, x.dtype), NO_ROWS)) and w.dtype == x.dtype and w.is_contiguous()
             and (bias is None or bias.dtype == x.dtype)):  # F.linear refuses mixed dtypes: so does this
         return flipped_linear(x, w, bias)
     return F.linear(x, w, bias)

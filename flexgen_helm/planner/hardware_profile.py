@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from flexgen_helm.compression.int4 import set_max_kernel_rows
 from flexgen_helm.compression.int8 import set_max_kernel_rows as set_max_int8_kernel_rows
-from flexgen_helm.dense_linear import NO_ROWS, flipped_linear, set_flipped_rows
+from flexgen_helm.dense_linear import NO_ROWS, flipped_linear, flips, set_flipped_rows
 from flexgen_helm.errors import ProfileFormatError
 from flexgen_helm.memory.devices import DTYPE_NAMES, DTYPES
 from flexgen_helm.memory.direct_io import set_reads_in_flight
@@ -104,8 +104,7 @@ class DeviceSpeeds:
         multiplies it (dense_linear.py: W x^T on the flipped_rows band)."""
         table = self.matmul_flops.get(dtype) or next(iter(self.matmul_flops.values()), {1: 1e10})
         gains = self.flipped_gains.get(dtype, {})
-        first, last = self.flipped_rows(dtype)
-        flipped = rows > 1 and first <= rows <= last
+        flipped = flips(rows, self.flipped_rows(dtype))
         return _interpolate_log(table, rows) * (_interpolate_log(gains, rows) if flipped else 1.0)
 
     def flipped_rows(self, dtype: str) -> tuple[int, int]:
