@@ -19,7 +19,7 @@ from flexgen_helm.errors import FlexGenError, ModelNotFoundError, OffloadDirErro
 from flexgen_helm.memory import disk_space
 from flexgen_helm.models import opt
 from flexgen_helm.models.config import ModelConfig
-from flexgen_helm.models.tokenizer import byte_standin_tokenizer, import_transformers
+from flexgen_helm.models.tokenizer import byte_standin_tokenizer, import_transformers, load_saved_tokenizer
 from flexgen_helm.weights import convert as convert_mod
 from flexgen_helm.weights.convert import JOURNAL, config_from_json, convert
 from flexgen_helm.weights.dummy import DummyWeights
@@ -110,6 +110,21 @@ def test_gguf_tokenizer_is_cached(smollm2, tmp_path):
     assert tok(text).input_ids == again(text).input_ids
     assert again.decode(again(text).input_ids) == text
     assert len(again) == smollm2.config.vocab_size
+
+
+@needs_smollm2
+def test_a_saved_tokenizer_loads_as_autotokenizer_loads_it(smollm2, tmp_path):
+    # the cached GGUF tokenizer is loaded by the class it names, skipping AutoTokenizer's registry
+    smollm2.load_tokenizer(tmp_path)
+    (saved,) = (tmp_path / "tokenizers").iterdir()
+    ours, auto = load_saved_tokenizer(saved), import_transformers().AutoTokenizer.from_pretrained(str(saved))
+    assert type(ours) is type(auto)
+    text = "<|im_start|>user\nQ: 12+30= \u00e9t\u00e9 \u4e2d\u6587   tabs\t and\nnewlines<|im_end|>"
+    assert ours(text).input_ids == auto(text).input_ids
+    assert ours.encode(text, add_special_tokens=False) == auto.encode(text, add_special_tokens=False)
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (auto.bos_token_id, auto.eos_token_id,
+                                                                          auto.pad_token_id)
+    assert ours.decode(ours(text).input_ids) == auto.decode(auto(text).input_ids)
 
 
 # ---- Hugging Face checkpoint directories ----

@@ -23,6 +23,7 @@ groups of all its units in one range."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -179,6 +180,7 @@ def kivi_nbytes(positions: int, units: int, head_dim: int, dtype: torch.dtype, c
     return groups + 2 * G * units * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+@functools.lru_cache(maxsize=4096)  # a policy search counts the same groups many times
 def kivi_groups_nbytes(groups: int, units: int, head_dim: int, dtype: torch.dtype, cfg: Compression) -> int:
     """Bytes of `groups` complete groups of `units` units (KiviGroups)."""
     return KiviGroups.zeros(groups, units, head_dim, dtype, cfg, device="meta").nbytes

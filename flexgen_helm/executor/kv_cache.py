@@ -36,6 +36,7 @@ rewrite of its one position, which _write_rows puts in the packed columns."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from pathlib import Path
 
@@ -113,6 +114,7 @@ def held_prefix_nbytes(positions: int, kv_heads: int, head_dim: int, dtype: torc
     return kv_nbytes(positions, kv_heads, head_dim, dtype, cfg)
 
 
+@functools.lru_cache(maxsize=4096)  # a policy search counts the same caches many times
 def kv_nbytes(positions: int, units: int, head_dim: int, dtype: torch.dtype, cfg: Compression | None) -> int:
     """Bytes of K and V for `positions` x `units`, as a slot stores them (KIVI: the groups
     that hold them and the full-precision residual)."""

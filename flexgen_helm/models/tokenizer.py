@@ -5,6 +5,7 @@ weights that ship no tokenizer files."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
@@ -22,10 +23,33 @@ def import_transformers():
     return transformers
 
 
-def hf_tokenizer(model_dir: str | os.PathLike):
+# Classes that are a tokenizer.json run by the tokenizers library, with nothing of one model's
+# own: a folder naming one of them is loaded by that class, as AutoTokenizer would load it,
+# without importing AutoTokenizer's registry of every model family (~2.5 s of every helm-run's
+# start on this project's CPUs: runs/bench/tokenizer_load/).
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_saved_tokenizer(directory: str | os.PathLike):
+    """A tokenizer saved in `directory` (tokenizer_config.json and its files)."""
     transformers = import_transformers()
+    named = _configured_class(Path(directory))
+    if named in GENERIC_TOKENIZER_CLASSES and hasattr(transformers, named):
+        return getattr(transformers, named).from_pretrained(str(directory))
+    return transformers.AutoTokenizer.from_pretrained(str(directory))
+
+
+def _configured_class(directory: Path) -> str | None:
+    # an unreadable config is AutoTokenizer's to report, with its own message
     try:
-        return transformers.AutoTokenizer.from_pretrained(str(model_dir))
+        return json.loads((directory / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def hf_tokenizer(model_dir: str | os.PathLike):
+    try:
+        return load_saved_tokenizer(model_dir)
     except (OSError, ValueError) as e:
         raise ModelNotFoundError(f"{model_dir}: no usable tokenizer files ({e})") from e
 
@@ -36,10 +60,9 @@ def gguf_tokenizer(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike):
     stat = path.stat()
     key = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     cached = Path(cache_dir) / "tokenizers" / f"{path.stem}-{key}"
-    transformers = import_transformers()
     if cached.is_dir():
-        return transformers.AutoTokenizer.from_pretrained(str(cached))
-    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return load_saved_tokenizer(cached)
+    tok = import_transformers().AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     # Save beside the final name and rename, so a reader never sees half a cache entry.
     tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
     try:

@@ -35,16 +35,32 @@ def planned_components(cfg: ModelConfig, policy: Policy, max_len: int, dtype: to
     compute tier."""
     elt = torch.empty((), dtype=dtype).element_size()
     weights = dict(_weight_bytes(cfg, policy.weights, policy.compress_weight, dtype))
+    cache = dict(_cache_bytes(cfg, policy, max_len, dtype, shared_prefix))
+    rows = _activation_rows(policy.activations, policy.gpu_batch_size, policy.num_gpu_batches)
+    positions = {t: max_len if t == "disk" else act_len or max_len for t in TIERS}
+    activations = {t: rows[t] * positions[t] * cfg.hidden_size * elt for t in TIERS}
+    return {"weights": weights, "cache": cache, "activations": activations}
+
+
+
+@functools.lru_cache(maxsize=1024)
+def _activation_rows(split: Split, gpu_batch_size: int, num_gpu_batches: int) -> dict[str, int]:
+    return tier_totals(slot_tier_counts(split, [gpu_batch_size] * num_gpu_batches))
+
+@functools.lru_cache(maxsize=1024)  # a search's estimate asks for each policy's cache three times
+def _cache_bytes(cfg: ModelConfig, policy: Policy, max_len: int, dtype: torch.dtype, shared_prefix: int
+                 ) -> dict[str, int]:
+    """The KV cache's bytes on each tier (planned_components; callers copy the dict)."""
     batches = [policy.gpu_batch_size] * policy.num_gpu_batches
     # as the schedule splits them (executor/schedule.py): slot by slot, rounding carried over
     slots = slot_tier_counts(policy.cache, [b * cfg.num_kv_heads for b in batches], range(cfg.num_layers))
-    rows = tier_totals(slot_tier_counts(policy.activations, batches))
     # K and V of the positions each slot holds (a sliding-window block: its window's); a unit's
     # rows are stored (and quantized) on their own, so bytes add up over the slots of one length
+    rows_of = [cache_rows(max_len, cfg.window(layer), held_out_prefix(shared_prefix, cfg.window(layer), policy))
+               for layer in range(cfg.num_layers)]
     units_by_rows: dict[int, dict[str, int]] = {}
     for (layer, _), units in slots.items():
-        held_out = held_out_prefix(shared_prefix, cfg.window(layer), policy)
-        total = units_by_rows.setdefault(cache_rows(max_len, cfg.window(layer), held_out), dict.fromkeys(TIERS, 0))
+        total = units_by_rows.setdefault(rows_of[layer], dict.fromkeys(TIERS, 0))
         for t in TIERS:
             total[t] += units[t]
     cache = {t: sum(kv_nbytes(n, units[t], cfg.head_dim, dtype, policy.cache_storage)
@@ -62,9 +78,7 @@ def planned_components(cfg: ModelConfig, policy: Policy, max_len: int, dtype: to
         cache["gpu"] += sum(kv_nbytes(-(-n // G) * G + G + 1, units["gpu"], cfg.head_dim, torch.float32, None)
                             for n, units in units_by_rows.items())
         cache["gpu"] += once * held_prefix_nbytes(held, cfg.num_kv_heads, cfg.head_dim, torch.float32, None)
-    positions = {t: max_len if t == "disk" else act_len or max_len for t in TIERS}
-    activations = {t: rows[t] * positions[t] * cfg.hidden_size * elt for t in TIERS}
-    return {"weights": weights, "cache": cache, "activations": activations}
+    return cache
 
 
 @functools.lru_cache(maxsize=256)  # the policy search asks for the same few placements many times
