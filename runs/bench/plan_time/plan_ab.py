@@ -7,7 +7,7 @@ plan), at two checkouts, rounds interleaved.
 
 Each round runs, for every tree and deployment (the main job's: fp32, 8bit, 4bit), one process
 whose path starts with the tree: it loads our client for flexgen/smollm2-135m-<deployment> in
-float32 (the engine's load, timed apart), then times the tokenizer's first load and
+float32 with the arguments model_deployments.yaml gives it (the engine's load, timed apart), then times the tokenizer's first load and
 `FlexGenClient.plan` on the 100 requests of a HELM pattern_match run
 (runs/bench/merged_head/pattern_match_requests.json: few-shot, one shared prefix), which is
 what a helm-run spends between HELM handing over a scenario and our first batch. The tokenizer
@@ -28,7 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 STATE = REPO / "runs/bench/merged_head/pattern_match_requests.json"
-DEPLOYMENTS = ("fp32", "8bit", "4bit")
+DEPLOYMENTS = ("fp32", "8bit", "4bit")  # flexgen/smollm2-135m, -8bit, -4bit
 
 CHILD = r"""
 import json, sys, time
@@ -37,12 +37,16 @@ from scenario_client import scenario_requests
 from helm.common.cache import BlackHoleCacheConfig
 from flexgen_helm.helm.client import FlexGenClient
 
-deployment = sys.argv[4]
-requests = [r.__class__(**{**r.__dict__, "model_deployment": f"flexgen/smollm2-135m-{deployment}"})
-            for r in scenario_requests(sys.argv[3])]
+import yaml
+from pathlib import Path
+import flexgen_helm.helm
+
+name = "flexgen/smollm2-135m" + ("" if sys.argv[4] == "fp32" else f"-{sys.argv[4]}")
+listed = yaml.safe_load((Path(flexgen_helm.helm.__file__).parent / "model_deployments.yaml").read_text())
+(args,) = [d["client_spec"]["args"] for d in listed["model_deployments"] if d["name"] == name]
+requests = [r.__class__(**{**r.__dict__, "model": name, "model_deployment": name}) for r in scenario_requests(sys.argv[3])]
 t0 = time.perf_counter()
-client = FlexGenClient(BlackHoleCacheConfig(), model="smollm2-135m", deployment=f"flexgen/smollm2-135m-{deployment}",
-                       dtype="float32")
+client = FlexGenClient(BlackHoleCacheConfig(), **{**args, "dtype": "float32"})
 handle = client.handle
 t1 = time.perf_counter()
 handle.tokenizer
@@ -52,7 +56,7 @@ t3 = time.perf_counter()
 import flexgen_helm
 print(json.dumps({"engine_load_s": round(t1 - t0, 3), "tokenizer_s": round(t2 - t1, 3),
                   "plan_s": round(t3 - t2, 3), "before_first_batch_s": round(t3 - t1, 3),
-                  "batches": len(plan.batches), "module": flexgen_helm.__file__}))
+                  "batches": len(plan.batches), "policy": str(plan.policy), "module": flexgen_helm.__file__}))
 """
 
 
