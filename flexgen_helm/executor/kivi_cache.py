@@ -45,7 +45,7 @@ import torch
 
 from flexgen_helm.compression.kivi import KiviGroups, KiviStored, kivi_nbytes, quantize_groups
 from flexgen_helm.executor.cache_buffers import CacheBuffers
-from flexgen_helm.executor.kv_cache import all_units, cache_rows, ring_runs, unit_ranges
+from flexgen_helm.executor.kv_cache import all_units, cache_rows, ring_runs, select_units, unit_ranges
 from flexgen_helm.memory.devices import Devices
 from flexgen_helm.memory.disk_buffer import DiskBuffer
 from flexgen_helm.memory.usage import TierUsage
@@ -58,12 +58,15 @@ class DenseMirror:
     (units, d, positions + 1) and values (units, positions + 1, d) for every group slot, the
     residual and the new token's column; `dirty`: group slots written since it was updated;
     `residual_at`: the group count n whose columns [n G, (n + 1) G) the residual was last
-    copied to (None: never), and `dirty_rows` the residual's rows written since."""
+    copied to (None: never), and `dirty_rows` the residual's rows written since. Once some
+    sequences finished, its front rows hold the units still computed (`order`: computed_rows)
+    and only those are brought up to date."""
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
     dirty: set = field(default_factory=set)
     residual_at: int | None = None
     dirty_rows: set = field(default_factory=set)
+    order: torch.Tensor | None = None  # the tier's units its rows hold, in order (None: all of them)
 
 
 @dataclass
@@ -307,20 +310,58 @@ class KiviCacheSlot:
         n = self._groups_read(tier, length)
         keys = m.keys[:, :, :(n + 1) * G + 1].transpose(1, 2)
         values = m.values[:, :(n + 1) * G + 1]
+        order = None if m.order is None else m.order.to(device)
+        live = units if order is None else len(order)
         groups = self.groups[tier]
         for j in sorted(x for x in m.dirty if x < n):
-            groups.at(j).dequantize_into(keys[:, j * G:(j + 1) * G], values[:, j * G:(j + 1) * G])
+            at = slice(j * G, (j + 1) * G)
+            if order is None:
+                groups.at(j).dequantize_into(keys[:, at], values[:, at])
+            else:  # every unit's group dequantized, the rows of those still computed kept
+                k, v = (torch.empty(units, G, d, dtype=dtype, device=device) for _ in range(2))
+                groups.at(j).dequantize_into(k, v)
+                keys[:live, at] = k.index_select(0, order)
+                values[:live, at] = v.index_select(0, order)
         m.dirty = {x for x in m.dirty if x >= n}
         # the whole residual where it moves (after a group completes) or was never copied; else
         # the rows written since: a decode step's copy of all G rows cost more than its attention
         rows = [(0, G)] if m.residual_at != n else _runs(sorted(m.dirty_rows))
-        residual = self.residual[tier]
         for first, end in rows:
             at = slice(n * G + first, n * G + end)
-            keys[:, at].copy_(residual[first:end, 0].transpose(0, 1), non_blocking=True)
-            values[:, at].copy_(residual[first:end, 1].transpose(0, 1), non_blocking=True)
+            written = self.residual[tier][first:end]
+            if order is not None:
+                written = written.index_select(2, order)
+            keys[:live, at].copy_(written[:, 0].transpose(0, 1), non_blocking=True)
+            values[:live, at].copy_(written[:, 1].transpose(0, 1), non_blocking=True)
         m.residual_at, m.dirty_rows = n, set()
         return keys, values
+
+    def computed_rows(self, tier: str, keys: torch.Tensor, values: torch.Tensor | None, local: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Of a tier's loaded keys and values (unpack()'s: units, n + 1, d), those of its
+        computed units (`local`, None: all). A dense mirror's (unpack_mirror's views) are
+        views of its front rows: the computed units are moved there once, when their set
+        shrinks (a finished sequence never computes again in its block), where a copy of
+        them was made at every layer of every step."""
+        if self.mirror is None or local is None:
+            return select_units(keys, local), select_units(values, local)
+        self._pack_mirror(local.cpu(), keys.shape[1])
+        return keys[:len(local)], values[:len(local)]
+
+    def _pack_mirror(self, local: torch.Tensor, width: int) -> None:
+        """Moves the mirror's rows of the units `local` (sorted; all of them computed at its
+        last step) to its front, in order, their first `width` columns (those in use)."""
+        m = self.mirror
+        if m.order is not None and (m.order is local or torch.equal(m.order, local)):
+            return
+        at = local if m.order is None else torch.searchsorted(m.order, local)
+        if m.order is not None and not torch.equal(m.order[at.clamp(max=len(m.order) - 1)], local):
+            raise AssertionError(f"units {local.tolist()} are not all among the mirror's, {m.order.tolist()}")
+        if not torch.equal(at, torch.arange(len(local))):
+            at = at.to(m.keys.device)
+            m.keys[:len(local), :, :width] = m.keys[:, :, :width].index_select(0, at)
+            m.values[:len(local), :width] = m.values[:, :width].index_select(0, at)
+        m.order = local
 
     def decode_valid(self, tier: str, length: int, window: int, key_valid: torch.Tensor,
                      local: torch.Tensor | None) -> tuple[int, torch.Tensor]:

@@ -169,6 +169,11 @@ def all_units(x: torch.Tensor, units: torch.Tensor, total: int) -> torch.Tensor:
     return full
 
 
+def select_units(x: torch.Tensor | None, local: torch.Tensor | None) -> torch.Tensor | None:
+    """x's units (dim 0) `local` (None: x itself), a copy of theirs."""
+    return x if x is None or local is None else x.index_select(0, local.to(x.device))
+
+
 def _parts(x: Stored) -> tuple[torch.Tensor, ...]:
     return x.parts if isinstance(x, QuantizedTensor) else (x,)
 
@@ -341,6 +346,12 @@ class KVCacheSlot:
         self._packed[tier] = local
 
     # ---- reads -------------------------------------------------------------------------------
+
+    def computed_rows(self, tier: str, keys: torch.Tensor, values: torch.Tensor | None, local: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Of a tier's loaded keys and values (unpack()'s: units, n + 1, d; values None where
+        left on disk), those of its computed units (`local`, None: all): a copy of theirs."""
+        return select_units(keys, local), select_units(values, local)
 
     def first_held(self, length: int) -> int:
         """The oldest of positions [0, length) that the slot still holds (a ring forgets)."""

@@ -848,13 +848,13 @@ class BlockSchedule:
                     unwritten.append(tier)       # column is), then written again, rounded
             else:
                 unwritten.append(tier)
-                kc, vc = cache[tier]
-                keys = _with_new(kc, new_k, local)[:, drop:]
+                kc, vc = slot.computed_rows(tier, *cache[tier], local)
+                keys = _with_new(kc, new_k)[:, drop:]
                 if vc is None:  # V left on disk: attend() asks for the rows it keeps
                     values = functools.partial(self._disk_values, slot, new_v, local,
                                                slot.first_held(self.length) + drop)
                 else:
-                    values = _with_new(vc, new_v, local)[:, drop:]
+                    values = _with_new(vc, new_v)[:, drop:]
             if prefix_start is not None and self.prefix_as_stored:
                 prefix_k, prefix_v = self._unpacked_prefix(index, where)
                 own = self._own_keys(slot, rows, part, valid, where, prefix_start, prefix_k.shape[1])
@@ -922,10 +922,8 @@ class BlockSchedule:
             a.close()
 
 
-def _with_new(loaded: torch.Tensor, new: torch.Tensor, local: torch.Tensor | None) -> torch.Tensor:
-    """A loaded cache (tier units, n + 1, d) with the new token (computed units, 1, d) in its
-    last column, for the computed units (`local`, None: all; a copy of theirs)."""
-    if local is not None:
-        loaded = loaded.index_select(0, local.to(loaded.device))
+def _with_new(loaded: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """A loaded cache of the computed units (units, n + 1, d: slot.computed_rows) with their
+    new token (units, 1, d) in its last column."""
     loaded[:, -1] = new[:, 0]
     return loaded
