@@ -100,6 +100,9 @@ SHRINKING = {
                             compress_cache=Compression(8, 8, cache_grouping="per-token")),
     "kivi-mirror": Policy(gpu_batch_size=6, num_gpu_batches=1, keep_dense_cache=True,
                           compress_cache=Compression(4, 2, cache_grouping="kivi")),
+    # KIVI groups on every tier, no mirror: the computed units' writes only, but on disk
+    "kivi-gpu-cpu-disk": Policy(gpu_batch_size=6, num_gpu_batches=1, cache=Split(0.4, 0.4, 0.2),
+                                compress_cache=Compression(4, 2, cache_grouping="kivi")),
 }
 
 

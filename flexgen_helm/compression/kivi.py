@@ -82,11 +82,13 @@ class KiviGroups(TensorBundle):
         """Group j alone: views."""
         return KiviGroups(self.key.narrow(0, j * self.group_size, self.group_size), self.value.narrow(0, j, 1))
 
-    def put(self, slots: torch.Tensor, units: torch.Tensor, new: "KiviGroups", picked: torch.Tensor) -> None:
-        """Group slots[i] of unit units[i] := group picked[i] of new's unit units[i]."""
+    def put(self, slots: torch.Tensor, units: torch.Tensor, new: "KiviGroups", picked: torch.Tensor,
+            into: torch.Tensor | None = None) -> None:
+        """Group slots[i] of unit into[i] := group picked[i] of new's unit units[i] (into: units)."""
+        into = units if into is None else into
         for dst, src in zip(self.parts, new.parts):
             taken = src[picked.to(src.device), units.to(src.device)]
-            dst[slots.to(dst.device), units.to(dst.device)] = taken.to(dst.device)
+            dst[slots.to(dst.device), into.to(dst.device)] = taken.to(dst.device)
 
     def to_blocks(self) -> torch.Tensor:
         """(n, units, block_bytes) uint8: each (group, unit)'s parts' bytes, in order."""

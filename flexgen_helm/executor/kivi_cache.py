@@ -143,19 +143,35 @@ class KiviCacheSlot:
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int, units: torch.Tensor | None = None,
               tiers: tuple[str, ...] = TIERS) -> None:
         """Store k, v of shape (s, units, d) at positions [start, start + s) of `tiers`: the
-        groups they complete, and the last G of them in the residual. units: as KVCacheSlot."""
-        if units is not None:
-            total = sum(self.units.values())
-            k, v = all_units(k, units, total), all_units(v, units, total)
+        groups they complete, and the last G of them in the residual. units: the (sorted)
+        units k and v hold when not all (finished sequences left the batch): on the gpu and
+        cpu tiers only theirs are written, on disk, whose residual rows are written whole,
+        the others' as zeros (a finished sequence's cache is never read again)."""
+        total = sum(self.units.values())
+        units = None if units is None else units.cpu()
         for tier in tiers:
             a, b = self.ranges[tier]
-            if a < b:
-                self._write_groups(tier, k[:, a:b], v[:, a:b], start, self.starts[a:b])
-                self._write_residual(tier, k[:, a:b], v[:, a:b], start)
+            if a == b:
+                continue
+            mine = None  # the tier's units written: all of them
+            if units is None:
+                kt, vt = k[:, a:b], v[:, a:b]
+            elif tier == "disk":
+                kt, vt = all_units(k, units, total)[:, a:b], all_units(v, units, total)[:, a:b]
+            else:
+                here = (units >= a) & (units < b)
+                if not bool(here.any()):
+                    continue
+                kt, vt, mine = k[:, here.to(k.device)], v[:, here.to(v.device)], units[here] - a
+            starts = self.starts[a:b] if mine is None else self.starts[a:b][mine]
+            self._write_groups(tier, kt, vt, start, starts, mine)
+            self._write_residual(tier, kt, vt, start, mine)
 
-    def _write_groups(self, tier: str, k: torch.Tensor, v: torch.Tensor, start: int, starts: torch.Tensor) -> None:
+    def _write_groups(self, tier: str, k: torch.Tensor, v: torch.Tensor, start: int, starts: torch.Tensor,
+                      mine: torch.Tensor | None = None) -> None:
         """Quantize and store the groups that positions [start, start + s) complete (a unit's
-        last `held` of them, none held out), taking their earlier positions from the residual."""
+        last `held` of them, none held out), taking their earlier positions from the residual.
+        mine: the tier's units k and v hold (None: all)."""
         G, s = self.G, k.shape[0]
         if s == 1 and not self._completes_group(tier, start):
             return
@@ -169,7 +185,7 @@ class KiviCacheSlot:
         since = max(0, start - G + 1)
         recent_k, recent_v = k, v
         if since < start:
-            earlier = self._residual_rows(tier, since, start).to(k.device)
+            earlier = self._residual_rows(tier, since, start, mine).to(k.device)
             recent_k, recent_v = torch.cat([earlier[:, 0], k]), torch.cat([earlier[:, 1], v])
         m = int(count.max())
         row = torch.arange(m * G)
@@ -184,7 +200,7 @@ class KiviCacheSlot:
         picked, unit = i[keep], torch.arange(len(starts))[None, :].expand(m, -1)[keep]
         slot = (first[unit] + picked - self.held_out_groups) % self.held
         if tier != "disk":
-            self.groups[tier].put(slot, unit, new, picked)
+            self.groups[tier].put(slot, unit, new, picked, unit if mine is None else mine[unit])
             if self.mirror is not None:
                 self.mirror.dirty.update(slot.tolist())
             return
@@ -203,7 +219,8 @@ class KiviCacheSlot:
         earliest = self._earliest_start_by_residue[tier].get((position + 1) % self.G)
         return earliest is not None and position + 1 - earliest >= self.G
 
-    def _write_residual(self, tier: str, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+    def _write_residual(self, tier: str, k: torch.Tensor, v: torch.Tensor, start: int,
+                        mine: torch.Tensor | None = None) -> None:
         G = self.G
         n = min(k.shape[0], G)
         kv = torch.stack([k[-n:], v[-n:]], dim=1)  # (n, 2, units, d)
@@ -211,15 +228,19 @@ class KiviCacheSlot:
         for row, a, count in ring_runs(first, n, G):
             if tier == "disk":
                 self.disk.write(self._residual_at + row * self._residual_row, kv[a:a + count])
-            else:
+                continue
+            if mine is None:
                 self.residual[tier][row:row + count].copy_(kv[a:a + count], non_blocking=True)
-                if self.mirror is not None:
-                    self.mirror.dirty_rows.update(range(row, row + count))
+            else:
+                self.residual[tier][row:row + count].index_copy_(2, mine.to(kv.device), kv[a:a + count])
+            if self.mirror is not None:
+                self.mirror.dirty_rows.update(range(row, row + count))
 
-    def _residual_rows(self, tier: str, first: int, end: int) -> torch.Tensor:
-        """The residual's rows of positions [first, end) (at most G, still held), in order."""
-        rows = torch.arange(first, end) % self.G
-        return self._residual(tier)[rows]
+    def _residual_rows(self, tier: str, first: int, end: int, mine: torch.Tensor | None = None) -> torch.Tensor:
+        """The residual's rows of positions [first, end) (at most G, still held), in order, of
+        the tier's units `mine` (None: all)."""
+        rows = self._residual(tier)[torch.arange(first, end) % self.G]
+        return rows if mine is None else rows.index_select(2, mine.to(rows.device))
 
     def _residual(self, tier: str) -> torch.Tensor:
         if tier != "disk":

@@ -7,9 +7,10 @@ plan), at two checkouts, rounds interleaved.
 
 Each round runs, for every tree and deployment (the main job's: fp32, 8bit, 4bit), one process
 whose path starts with the tree: it loads our client for flexgen/smollm2-135m-<deployment> in
-float32 with the arguments model_deployments.yaml gives it (the engine's load, timed apart), then times the tokenizer's first load and
-`FlexGenClient.plan` on the 100 requests of a HELM pattern_match run
-(runs/bench/merged_head/pattern_match_requests.json: few-shot, one shared prefix), which is
+float32 with the arguments model_deployments.yaml gives it (the engine's load, timed apart),
+then times the tokenizer's first load and `FlexGenClient.plan` on the 100 requests of a HELM
+pattern_match run (runs/bench/merged_head/pattern_match_requests.json: few-shot, one shared
+prefix), which is
 what a helm-run spends between HELM handing over a scenario and our first batch. The tokenizer
 is loaded from the cache folder the GGUF's first load wrote (~/.cache/flexgen-helm), as in
 every helm-run after the first. Appends a JSON line per run to --out, with the host, the tree's
@@ -44,7 +45,8 @@ import flexgen_helm.helm
 name = "flexgen/smollm2-135m" + ("" if sys.argv[4] == "fp32" else f"-{sys.argv[4]}")
 listed = yaml.safe_load((Path(flexgen_helm.helm.__file__).parent / "model_deployments.yaml").read_text())
 (args,) = [d["client_spec"]["args"] for d in listed["model_deployments"] if d["name"] == name]
-requests = [r.__class__(**{**r.__dict__, "model": name, "model_deployment": name}) for r in scenario_requests(sys.argv[3])]
+requests = [r.__class__(**{**r.__dict__, "model": name, "model_deployment": name})
+            for r in scenario_requests(sys.argv[3])]
 t0 = time.perf_counter()
 client = FlexGenClient(BlackHoleCacheConfig(), **{**args, "dtype": "float32"})
 handle = client.handle
