@@ -113,11 +113,18 @@ def test_gguf_tokenizer_is_cached(smollm2, tmp_path):
 
 
 @needs_smollm2
-def test_a_saved_tokenizer_loads_as_autotokenizer_loads_it(smollm2, tmp_path):
+def test_a_saved_tokenizer_loads_as_autotokenizer_loads_it(smollm2, tmp_path, monkeypatch):
     # the cached GGUF tokenizer is loaded by the class it names, skipping AutoTokenizer's registry
     smollm2.load_tokenizer(tmp_path)
     (saved,) = (tmp_path / "tokenizers").iterdir()
-    ours, auto = load_saved_tokenizer(saved), import_transformers().AutoTokenizer.from_pretrained(str(saved))
+    auto_tokenizer = import_transformers().AutoTokenizer
+    auto = auto_tokenizer.from_pretrained(str(saved))
+
+    def not_asked(*args, **kwargs):
+        raise AssertionError("a saved GGUF tokenizer went through AutoTokenizer")
+
+    monkeypatch.setattr(auto_tokenizer, "from_pretrained", not_asked)
+    ours = load_saved_tokenizer(saved)
     assert type(ours) is type(auto)
     text = "<|im_start|>user\nQ: 12+30= \u00e9t\u00e9 \u4e2d\u6587   tabs\t and\nnewlines<|im_end|>"
     assert ours(text).input_ids == auto(text).input_ids

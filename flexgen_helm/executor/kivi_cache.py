@@ -33,7 +33,10 @@ A slot of a cache held dense (Policy.keep_dense_cache; all its units on the comp
 keeps, beside its groups, a dense mirror of what `unpack` would return (DenseMirror): each
 decode step dequantizes into it only the group slots written since the last step and copies
 the residual rows written since (the whole residual where a group completed), instead of
-dequantizing every group again."""
+dequantizing every group again. Once some sequences finish, the units still computed are
+moved to the mirror's front once (computed_rows), and the gpu and cpu tiers write only
+theirs: a finished sequence's groups and residual rows are left as they were, never read
+again (on disk, whose residual rows are written whole, as zeros)."""
 
 from __future__ import annotations
 
@@ -45,7 +48,7 @@ import torch
 
 from flexgen_helm.compression.kivi import KiviGroups, KiviStored, kivi_nbytes, quantize_groups
 from flexgen_helm.executor.cache_buffers import CacheBuffers
-from flexgen_helm.executor.kv_cache import all_units, cache_rows, ring_runs, select_units, unit_ranges
+from flexgen_helm.executor.kv_cache import all_units, cache_rows, packing_moves, ring_runs, select_units, unit_ranges
 from flexgen_helm.memory.devices import Devices
 from flexgen_helm.memory.disk_buffer import DiskBuffer
 from flexgen_helm.memory.usage import TierUsage
@@ -66,7 +69,8 @@ class DenseMirror:
     dirty: set = field(default_factory=set)
     residual_at: int | None = None
     dirty_rows: set = field(default_factory=set)
-    order: torch.Tensor | None = None  # the tier's units its rows hold, in order (None: all of them)
+    order: torch.Tensor | None = None  # the tier's units its front rows hold, in order (None: all of them)
+    order_there: torch.Tensor | None = None  # order, on the mirror's device
 
 
 @dataclass
@@ -231,8 +235,9 @@ class KiviCacheSlot:
                 continue
             if mine is None:
                 self.residual[tier][row:row + count].copy_(kv[a:a + count], non_blocking=True)
-            else:
-                self.residual[tier][row:row + count].index_copy_(2, mine.to(kv.device), kv[a:a + count])
+            else:  # (a cpu tier's residual is host memory; kv is where it was computed)
+                rows = self.residual[tier][row:row + count]
+                rows.index_copy_(2, mine.to(rows.device), kv[a:a + count].to(rows.device))
             if self.mirror is not None:
                 self.mirror.dirty_rows.update(range(row, row + count))
 
@@ -319,7 +324,8 @@ class KiviCacheSlot:
         values): the group slots written since the last call dequantized into the dense
         mirror, the residual copied after the groups read (where they are as many as at the
         last call, only its rows written since: a decode step's one), views of the mirror
-        returned."""
+        returned. Once it packed the computed units (computed_rows), only its front rows, of
+        the units in `order`, are brought up to date and read."""
         m, G, d = self.mirror, self.G, self.head_dim
         units = self.units[tier]
         if m.keys is None:  # made at the first decode step: where attention runs, in its dtype
@@ -331,7 +337,7 @@ class KiviCacheSlot:
         n = self._groups_read(tier, length)
         keys = m.keys[:, :, :(n + 1) * G + 1].transpose(1, 2)
         values = m.values[:, :(n + 1) * G + 1]
-        order = None if m.order is None else m.order.to(device)
+        order = m.order_there
         live = units if order is None else len(order)
         groups = self.groups[tier]
         for j in sorted(x for x in m.dirty if x < n):
@@ -373,16 +379,13 @@ class KiviCacheSlot:
         """Moves the mirror's rows of the units `local` (sorted; all of them computed at its
         last step) to its front, in order, their first `width` columns (those in use)."""
         m = self.mirror
-        if m.order is not None and (m.order is local or torch.equal(m.order, local)):
-            return
-        at = local if m.order is None else torch.searchsorted(m.order, local)
-        if m.order is not None and not torch.equal(m.order[at.clamp(max=len(m.order) - 1)], local):
-            raise AssertionError(f"units {local.tolist()} are not all among the mirror's, {m.order.tolist()}")
-        if not torch.equal(at, torch.arange(len(local))):
+        at = packing_moves(m.order, local)
+        if at is not None:
             at = at.to(m.keys.device)
             m.keys[:len(local), :, :width] = m.keys[:, :, :width].index_select(0, at)
             m.values[:len(local), :width] = m.values[:, :width].index_select(0, at)
-        m.order = local
+        if m.order is None or not torch.equal(m.order, local):
+            m.order, m.order_there = local, local.to(m.keys.device)
 
     def decode_valid(self, tier: str, length: int, window: int, key_valid: torch.Tensor,
                      local: torch.Tensor | None) -> tuple[int, torch.Tensor]:

@@ -174,6 +174,19 @@ def select_units(x: torch.Tensor | None, local: torch.Tensor | None) -> torch.Te
     return x if x is None or local is None else x.index_select(0, local.to(x.device))
 
 
+def packing_moves(packed: torch.Tensor | None, local: torch.Tensor) -> torch.Tensor | None:
+    """Where the units `local` (sorted, on the CPU) are among those a tier holds in front
+    (`packed`; None: all its units, in order), to move them to its front in order; None where
+    they are there already. A unit not among them is an error: a finished sequence never
+    computes again in its block."""
+    if packed is not None and (packed is local or torch.equal(packed, local)):
+        return None
+    at = local if packed is None else torch.searchsorted(packed, local)
+    if packed is not None and not torch.equal(packed[at.clamp(max=len(packed) - 1)], local):
+        raise AssertionError(f"units {local.tolist()} are not all among those packed before, {packed.tolist()}")
+    return None if torch.equal(at, torch.arange(len(local))) else at
+
+
 def _parts(x: Stored) -> tuple[torch.Tensor, ...]:
     return x.parts if isinstance(x, QuantizedTensor) else (x,)
 
@@ -333,13 +346,8 @@ class KVCacheSlot:
         finished sequence never computes again) to its front, in order, with their rows [0,
         rows); nothing where they are there already."""
         local = local.cpu()
-        packed = self._packed.get(tier)
-        if packed is not None and (packed is local or torch.equal(packed, local)):
-            return
-        at = local if packed is None else torch.searchsorted(packed, local)
-        if packed is not None and not torch.equal(packed[at.clamp(max=len(packed) - 1)], local):
-            raise AssertionError(f"units {local.tolist()} are not all among those packed before, {packed.tolist()}")
-        if not torch.equal(at, torch.arange(len(local))):
+        at = packing_moves(self._packed.get(tier), local)
+        if at is not None:
             at = at.to(self.k[tier].device)
             for t in (self.k[tier], self.v[tier]):
                 t[:rows, :len(local)] = t[:rows].index_select(1, at)

@@ -24,14 +24,17 @@ def import_transformers():
 
 
 # Classes that are a tokenizer.json run by the tokenizers library, with nothing of one model's
-# own: a folder naming one of them is loaded by that class, as AutoTokenizer would load it,
-# without importing AutoTokenizer's registry of every model family (~2.5 s of every helm-run's
-# start on this project's CPUs: runs/bench/tokenizer_load/).
+# own: the folder a GGUF's tokenizer was saved to names one of them, and is loaded by that class,
+# as AutoTokenizer loads it there, without importing AutoTokenizer's registry of every model
+# family (~0.5 s of each helm-run, whose client has imported torch already; 2.5 s without torch:
+# runs/bench/plan_time). Not for a checkpoint's folder: there AutoTokenizer may replace the class
+# its files name by the one it registered for the model type in its config.json.
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 def load_saved_tokenizer(directory: str | os.PathLike):
-    """A tokenizer saved in `directory` (tokenizer_config.json and its files)."""
+    """A tokenizer we saved to `directory` (a GGUF's, gguf_tokenizer): by the class its
+    tokenizer_config.json names where that is a generic one, else by AutoTokenizer."""
     transformers = import_transformers()
     named = _configured_class(Path(directory))
     if named in GENERIC_TOKENIZER_CLASSES and hasattr(transformers, named):
@@ -48,8 +51,9 @@ def _configured_class(directory: Path) -> str | None:
 
 
 def hf_tokenizer(model_dir: str | os.PathLike):
+    transformers = import_transformers()
     try:
-        return load_saved_tokenizer(model_dir)
+        return transformers.AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError) as e:
         raise ModelNotFoundError(f"{model_dir}: no usable tokenizer files ({e})") from e
 

@@ -42,10 +42,11 @@ def planned_components(cfg: ModelConfig, policy: Policy, max_len: int, dtype: to
     return {"weights": weights, "cache": cache, "activations": activations}
 
 
-
 @functools.lru_cache(maxsize=1024)
 def _activation_rows(split: Split, gpu_batch_size: int, num_gpu_batches: int) -> dict[str, int]:
+    """Activation rows on each tier (shared: read it, never change it)."""
     return tier_totals(slot_tier_counts(split, [gpu_batch_size] * num_gpu_batches))
+
 
 @functools.lru_cache(maxsize=1024)  # a search's estimate asks for each policy's cache three times
 def _cache_bytes(cfg: ModelConfig, policy: Policy, max_len: int, dtype: torch.dtype, shared_prefix: int
