@@ -371,6 +371,8 @@ class KiviCacheSlot:
         shrinks (a finished sequence never computes again in its block), where a copy of
         them was made at every layer of every step."""
         if self.mirror is None or local is None:
+            assert local is not None or self.mirror is None or self.mirror.order is None, \
+                "every unit computes again after some finished"
             return select_units(keys, local), select_units(values, local)
         self._pack_mirror(local.cpu(), keys.shape[1])
         return keys[:len(local)], values[:len(local)]
