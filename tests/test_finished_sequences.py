@@ -98,9 +98,11 @@ SHRINKING = {
     # a cache held dense, rounded as written (attended to as computed, then rewritten rounded)
     "rounded-cache": Policy(gpu_batch_size=6, num_gpu_batches=1, keep_dense_cache=True,
                             compress_cache=Compression(8, 8, cache_grouping="per-token")),
-    "kivi-mirror": Policy(gpu_batch_size=6, num_gpu_batches=1, keep_dense_cache=True,
-                          compress_cache=Compression(4, 2, cache_grouping="kivi")),
-    # KIVI groups on every tier, no mirror: the computed units' writes only, but on disk
+    # groups of 3 (2 values round exactly to a 4-bit min/max grid): each rounded in place once
+    # complete, in the packed columns once some sequences finished
+    "kivi-held-dense": Policy(gpu_batch_size=6, num_gpu_batches=1, keep_dense_cache=True,
+                              compress_cache=Compression(4, 3, cache_grouping="kivi")),
+    # KIVI groups on every tier: the computed units' writes only, but on disk
     "kivi-gpu-cpu-disk": Policy(gpu_batch_size=6, num_gpu_batches=1, cache=Split(0.4, 0.4, 0.2),
                                 compress_cache=Compression(4, 2, cache_grouping="kivi")),
 }

@@ -1,7 +1,6 @@
 """A compressed cache whose values are held dense (Policy.keep_dense_cache), so that a decode
-step does not dequantize every held position again: per-token groups rounded as written and
-stored dense, read in place; a KIVI cache's groups mirrored dense beside them, each step adding
-the groups it completed. A run computes with the numbers of the compressed cache (float32: the
+step does not dequantize every held position again: stored dense and read in place, per-token
+groups rounded as written, a KIVI cache's groups rounded in place once complete. A run computes with the numbers of the compressed cache (float32: the
 same tokens, log-probs to rounding); the planner counts what it holds, and turns it on only
 where it fits and is faster."""
 
@@ -14,6 +13,7 @@ import torch
 from test_keep_dense_weights import DENSE, GIB, OPT13
 from test_prefix_sharing import PROMPTS as SHARED_PREFIX_PROMPTS
 
+from flexgen_helm.compression.kivi import as_stored
 from flexgen_helm.compression.quantize import fake_quantize
 from flexgen_helm.engine import Engine
 from flexgen_helm.errors import PolicyError
@@ -68,8 +68,8 @@ def test_a_cache_held_dense_computes_what_the_compressed_cache_computes(tiny_lla
 @pytest.mark.parametrize("model", ["tiny_opt", "tiny_gemma3"])
 def test_other_families_and_sliding_windows(model, request, tmp_path, name):
     """OPT's biases and learned positions; Gemma 3's sliding-window blocks, whose slots are
-    rings of their window (per-token: rounded as written, like any row; KIVI: a ring of group
-    slots, each rewritten slot mirrored again)."""
+    rings of their window (per-token: rounded as written, like any row; KIVI: a ring that
+    keeps at least a group's G positions, to round it from all of them)."""
     _check_same(request.getfixturevalue(model), POLICIES[name], tmp_path, PROMPTS)
 
 
@@ -77,47 +77,31 @@ def test_other_families_and_sliding_windows(model, request, tmp_path, name):
 @pytest.mark.parametrize("cache", [KV8, Compression(4, 20, cache_grouping="kivi")], ids=["per-token", "kivi"])
 def test_a_shared_prefix_is_held_rounded_too(tiny_llama, tmp_path, sparsity, cache):
     """The block's one copy of a shared prefix holds the values every row's slot would (KIVI:
-    its complete groups, held as ever; a row's own groups mirrored)."""
+    its complete groups, rounded; the partial group after them is each row's own)."""
     _check_same(tiny_llama, Policy(4, 2, compress_cache=cache, attn_sparsity=sparsity), tmp_path,
                 SHARED_PREFIX_PROMPTS)
 
 
-def test_a_held_kivi_prefix_is_dequantized_once_a_block(tiny_llama, tmp_path, monkeypatch):
-    """Held dense, the shared prefix's groups are dequantized once for each layer, not at every
-    decode step; usage back where it was once the block is done."""
-    from flexgen_helm.executor.held_prefix import HeldPrefix
-    calls = []
-    real = HeldPrefix.unpack
-    monkeypatch.setattr(HeldPrefix, "unpack", lambda self, dtype, buffers: calls.append(buffers) or real(
-        self, dtype, buffers))
-    policy = Policy(16, 1, compress_cache=Compression(4, 20, cache_grouping="kivi"), keep_dense_cache=True)
+def test_a_kivi_cache_held_dense_is_read_in_place_and_rounds_each_group_once(tiny_llama, tmp_path, monkeypatch):
+    """No unpack at any decode step; each unit's group rounded once, when its last position is
+    written (units of different paddings complete theirs at different steps), whatever the
+    step; usage back where it was once the block is done."""
+    from flexgen_helm.executor import kv_cache
+    rounded, unpacked = [], []
+    real = kv_cache.rounded_groups
+    monkeypatch.setattr(kv_cache, "rounded_groups", lambda k, v, cfg: rounded.append(k.shape[1]) or real(k, v, cfg))
+    monkeypatch.setattr(KVCacheSlot, "unpack", lambda *a: unpacked.append(a))
+    policy = Policy(4, 1, compress_cache=KIVI4, keep_dense_cache=True)
     engine = Engine.load(str(tiny_llama), policy, dtype="float32", device="cpu", offload_dir=tmp_path, progress=False)
     before = {t: engine.runtime.usage.current[t] for t in ("gpu", "cpu", "disk")}
-    engine.generate(SHARED_PREFIX_PROMPTS, SamplingParams(max_new_tokens=5, ignore_eos=True))
-    assert len(calls) == engine.config.num_layers and calls == [None] * len(calls)
+    new = 5
+    engine.generate(PROMPTS, SamplingParams(max_new_tokens=new, ignore_eos=True))
     assert {t: engine.runtime.usage.current[t] for t in ("gpu", "cpu", "disk")} == before
-
-
-def test_a_kivi_mirror_adds_only_the_groups_a_step_completed(tiny_llama, tmp_path, monkeypatch):
-    """The mirror's first step dequantizes the group slots the prefill wrote; later steps only
-    the one a unit just completed (a slot's groups complete at different steps for units of
-    different paddings): fewer groups in all than the compressed cache dequantizes, every held
-    group at every step, and usage back where it was once the block is done."""
-    from flexgen_helm.compression.kivi import KiviGroups
-    groups = {}
-    real = KiviGroups.dequantize_into
-    for keep in (False, True):
-        done = groups[keep] = []
-        monkeypatch.setattr(KiviGroups, "dequantize_into", lambda self, k, v, s=None, done=done: done.append(
-            self.groups) or real(self, k, v, s))
-        policy = Policy(4, 1, compress_cache=KIVI4, keep_dense_cache=keep)
-        engine = Engine.load(str(tiny_llama), policy, dtype="float32", device="cpu", offload_dir=tmp_path / str(keep),
-                             progress=False)
-        before = {t: engine.runtime.usage.current[t] for t in ("gpu", "cpu", "disk")}
-        engine.generate(PROMPTS, SamplingParams(max_new_tokens=5, ignore_eos=True))
-        assert {t: engine.runtime.usage.current[t] for t in ("gpu", "cpu", "disk")} == before
-    assert set(groups[True]) == {1}  # slot by slot
-    assert 0 < sum(groups[True]) < sum(groups[False])
+    assert not unpacked
+    # every position but the last token's is written; G = 2
+    groups = sum((len(p) + new - 1) // KIVI4.group_size for p in PROMPTS)
+    assert sum(rounded) == groups * engine.config.num_kv_heads * engine.config.num_layers
+    assert len(rounded) > engine.config.num_layers  # the prefill's, then decode steps'
 
 
 def test_writes_hold_the_values_a_compressed_slot_returns():
@@ -140,13 +124,37 @@ def test_writes_hold_the_values_a_compressed_slot_returns():
     assert dense.in_place("gpu", torch.device("cpu")) and not compressed.in_place("gpu", torch.device("cpu"))
 
 
+@pytest.mark.parametrize("window", [0, 3])
+def test_a_kivi_slot_held_dense_holds_what_kivi_returns(window):
+    """Bit for bit, a KIVI cache's values (kivi.as_stored) where a unit's group is complete,
+    and the values as computed in its unfinished group (KIVI's residual), groups counted from
+    each unit's first real position: written by a prefill, then by decode steps one position
+    at a time (one completing groups of two units, a step later another's); a sliding
+    window's ring keeps a whole group, which it rounds from all its positions."""
+    devices = Devices(torch.device("cpu"), torch.float32)
+    cfg, d, t = Compression(4, 4, cache_grouping="kivi"), 8, 13
+    starts = torch.tensor([0, 2, 3, 3])
+    slot = KVCacheSlot({"gpu": 4, "cpu": 0, "disk": 0}, 16, d, devices, TierUsage(), None, False, window=window,
+                       rounding=cfg, starts=starts)
+    k, v = torch.randn(t, 4, d), torch.randn(t, 4, d)
+    slot.write(k[:6], v[:6], 0)
+    for p in range(6, t):
+        slot.write(k[p:p + 1], v[p:p + 1], p)
+    want = [x.transpose(0, 1) for x in as_stored(k.transpose(0, 1), v.transpose(0, 1), cfg, starts, torch.float32)]
+    complete = (torch.arange(t)[:, None] - starts[None, :]) < (t - starts) // cfg.group_size * cfg.group_size
+    for got, rounded, fresh in zip(slot.read("gpu", t), want, (k, v)):
+        expected = torch.where(complete[..., None], rounded, fresh)[slot.first_held(t):]
+        assert torch.equal(got, expected)
+        assert not torch.equal(got, fresh[slot.first_held(t):])  # something was rounded
+
+
 def test_what_a_dense_cache_cannot_do_is_refused():
     with pytest.raises(PolicyError, match="compress_cache is not set"):
         Policy(keep_dense_cache=True)
-    with pytest.raises(PolicyError, match=r"KIVI cache holds its dense copy .* 50% off the gpu tier"):
-        Policy(compress_cache=Compression(4, 64, cache_grouping="kivi"), cache=Split(0.5, 0.5, 0),
+    with pytest.raises(PolicyError, match=r"KIVI cache held dense rounds each group in place .* 50% on disk"):
+        Policy(compress_cache=Compression(4, 64, cache_grouping="kivi"), cache=Split(0.5, 0, 0.5),
                keep_dense_cache=True)
-    with pytest.raises(ValueError, match="per-token grid only when it stores them dense"):
+    with pytest.raises(ValueError, match="rounds its writes only when it stores them dense"):
         KVCacheSlot({"gpu": 1, "cpu": 0, "disk": 0}, 4, 8, Devices(torch.device("cpu"), torch.float32), TierUsage(),
                     None, False, compression=KV4, rounding=KV4)
 
@@ -162,8 +170,7 @@ def _profile() -> HardwareProfile:
 def test_the_search_holds_the_cache_dense_only_where_it_fits_and_pays():
     """A compressed cache dequantizes every held position at each decode step: with room for
     the dense cache the search holds it dense (counted at its size); where only the compressed
-    cache fits the block, it keeps it compressed; a KIVI cache is mirrored where it is all on the
-    gpu tier and the mirror fits."""
+    cache fits the block, it keeps it compressed; a KIVI cache likewise, all on the top tier."""
     prof = _profile()
     pinned = dict(gpu_batch_size=32, num_gpu_batches=1, compress_cache=Compression(8, 64, cache_grouping="per-token"))
     roomy = search(OPT13, prof, 512, 64, default_budgets(prof), SearchOptions(**pinned))
@@ -178,8 +185,8 @@ def test_the_search_holds_the_cache_dense_only_where_it_fits_and_pays():
     bf16 = search(OPT13, prof, 512, 64, default_budgets(prof), SearchOptions(**pinned), dtype=torch.bfloat16)
     assert not bf16.policy.keep_dense_cache  # a CPU's attention reads float32: bf16 values would round again
     kivi = dict(pinned, gpu_batch_size=8, compress_cache=Compression(8, 64, cache_grouping="kivi"))
-    mirrored = search(OPT13, prof, 512, 64, default_budgets(prof), SearchOptions(**kivi))
-    assert mirrored.policy.keep_dense_cache and mirrored.policy.cache.gpu == 1.0
+    held_dense = search(OPT13, prof, 512, 64, default_budgets(prof), SearchOptions(**kivi))
+    assert held_dense.policy.keep_dense_cache and held_dense.policy.cache.gpu == 1.0
     assert not search(OPT13, prof, 512, 64, tight, SearchOptions(**kivi)).policy.keep_dense_cache
     with pytest.raises(PolicyError, match="keep_dense_cache: no block fits the budgets .* drop --keep-dense-cache"):
         search(OPT13, prof, 512, 64, tight, SearchOptions(**kivi, keep_dense_cache=True))

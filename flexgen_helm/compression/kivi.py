@@ -29,7 +29,14 @@ from dataclasses import dataclass
 import torch
 
 from flexgen_helm.compression.bundle import TensorBundle
-from flexgen_helm.compression.quantize import QuantizedTensor, Scratch, dequantize, dequantize_into, quantize
+from flexgen_helm.compression.quantize import (
+    QuantizedTensor,
+    Scratch,
+    dequantize,
+    dequantize_into,
+    fake_quantize,
+    quantize,
+)
 from flexgen_helm.policy.policy import Compression
 
 
@@ -172,6 +179,16 @@ def quantize_groups(k: torch.Tensor, v: torch.Tensor, cfg: Compression) -> KiviG
     n = k.shape[0] // G
     return KiviGroups(quantize(k, _key_cfg(cfg), 0),
                       quantize(v.unflatten(0, (n, G)).transpose(1, 2), _value_cfg(cfg, d), 3))
+
+
+def rounded_groups(k: torch.Tensor, v: torch.Tensor, cfg: Compression) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v: (n * G, units, d), each unit's n groups of G consecutive positions in order ->
+    the values those groups dequantize to (quantize_groups, then KiviGroups.dequantize_into
+    in k's dtype), bit for bit, without packing codes: what a KIVI cache held dense holds
+    (executor/kv_cache.py)."""
+    if k.shape[0] % cfg.group_size:
+        raise ValueError(f"rounded_groups takes whole groups of {cfg.group_size} positions, got {k.shape[0]}")
+    return fake_quantize(k, _key_cfg(cfg), 0), fake_quantize(v, _value_cfg(cfg, k.shape[-1]), 2)
 
 
 def kivi_nbytes(positions: int, units: int, head_dim: int, dtype: torch.dtype, cfg: Compression) -> int:

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from flexgen_helm.compression.kivi import KiviGroups, quantize_groups
-from flexgen_helm.compression.quantize import CACHE_GROUP_DIM
+from flexgen_helm.compression.kivi import KiviGroups, quantize_groups, rounded_groups
+from flexgen_helm.compression.quantize import CACHE_GROUP_DIM, fake_quantize
 from flexgen_helm.compression.stored import Stored, dense_into, encode
 from flexgen_helm.executor.cache_buffers import CacheBuffers
 from flexgen_helm.executor.kv_cache import held_prefix_len, kv_nbytes
@@ -34,6 +34,20 @@ def reads_prefix_as_stored(policy: Policy) -> bool:
     computed (attention.DecodePrefix), a cache whose values are held dense too
     (Policy.keep_dense_cache: the copy then holds them rounded)."""
     return policy.cache_storage is not None or policy.attn_sparsity < 1.0
+
+
+def rounded_prefix(keys: torch.Tensor, values: torch.Tensor, cfg: Compression, dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys, values: (kv_heads, P, d) of one layer, as computed -> the positions of them a
+    block holds once (held_prefix_len), as every row's slot holds them where the compressed
+    cache is held dense (Policy.keep_dense_cache): in `dtype`, rounded per token, or under
+    KIVI as its complete groups dequantize."""
+    n = held_prefix_len(keys.shape[1], cfg)
+    k, v = (x[:, :n].to(dtype) for x in (keys, values))
+    if cfg.kivi:
+        k, v = rounded_groups(k.transpose(0, 1), v.transpose(0, 1), cfg)  # as a slot's (positions, units, d)
+        return k.transpose(0, 1), v.transpose(0, 1)
+    return fake_quantize(k, cfg, CACHE_GROUP_DIM), fake_quantize(v, cfg, CACHE_GROUP_DIM)
 
 
 def unpacked_nbytes(positions: int, kv_heads: int, head_dim: int, dtype: torch.dtype, read_as: torch.dtype,

@@ -29,57 +29,26 @@ attention runs, and `decode_valid` says which of those positions a decode step m
 to. They are not put back in sequence order: a decode step's attention does not depend on
 the order of its keys.
 
-A slot of a cache held dense (Policy.keep_dense_cache; all its units on the compute tier)
-keeps, beside its groups, a dense mirror of what `unpack` would return (DenseMirror): each
-decode step dequantizes into it only the group slots written since the last step and copies
-the residual rows written since (the whole residual where a group completed), instead of
-dequantizing every group again. Once some sequences finish, the units still computed are
-moved to the mirror's front once (computed_rows), and the gpu and cpu tiers write only
-theirs: a finished sequence's groups and residual rows are left as they were, never read
-again (on disk, whose residual rows are written whole, as zeros)."""
+Once some sequences finish, the gpu and cpu tiers write only the units still computed: a
+finished sequence's groups and residual rows are left as they were, never read again (on
+disk, whose residual rows are written whole, as zeros). A cache held dense
+(Policy.keep_dense_cache) is no KiviCacheSlot: a kv_cache.KVCacheSlot rounds each group in
+place once it completes."""
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from flexgen_helm.compression.kivi import KiviGroups, KiviStored, kivi_nbytes, quantize_groups
 from flexgen_helm.executor.cache_buffers import CacheBuffers
-from flexgen_helm.executor.kv_cache import all_units, cache_rows, packing_moves, ring_runs, select_units, unit_ranges
+from flexgen_helm.executor.kv_cache import all_units, cache_rows, ring_runs, select_units, unit_ranges
 from flexgen_helm.memory.devices import Devices
 from flexgen_helm.memory.disk_buffer import DiskBuffer
 from flexgen_helm.memory.usage import TierUsage
 from flexgen_helm.policy.policy import TIERS, Compression
-
-
-@dataclass
-class DenseMirror:
-    """A tier's groups and residual as `unpack` lays them out, kept dense across steps: keys
-    (units, d, positions + 1) and values (units, positions + 1, d) for every group slot, the
-    residual and the new token's column; `dirty`: group slots written since it was updated;
-    `residual_at`: the group count n whose columns [n G, (n + 1) G) the residual was last
-    copied to (None: never), and `dirty_rows` the residual's rows written since. Once some
-    sequences finished, its front rows hold the units still computed (`order`: computed_rows)
-    and only those are brought up to date."""
-    keys: torch.Tensor | None = None
-    values: torch.Tensor | None = None
-    dirty: set = field(default_factory=set)
-    residual_at: int | None = None
-    dirty_rows: set = field(default_factory=set)
-    order: torch.Tensor | None = None  # the tier's units its front rows hold, in order (None: all of them)
-    order_there: torch.Tensor | None = None  # order, on the mirror's device
-
-
-@dataclass
-class MirroredRead:
-    """What a read of a slot with a dense mirror returns: no bytes move (the mirror is where
-    attention runs); `unpack` brings the mirror up to date."""
-    slot: "KiviCacheSlot"
-    tier: str
-    length: int
 
 
 class KiviCacheSlot:
@@ -88,11 +57,7 @@ class KiviCacheSlot:
 
     def __init__(self, units: dict[str, int], max_len: int, head_dim: int, devices: Devices, usage: TierUsage,
                  disk_path: Path | None, pin: bool, compression: Compression, window: int, starts: torch.Tensor,
-                 held_out_groups: int = 0, mirror: bool = False):
-        """mirror: keep a dense mirror of the groups where attention runs (module doc); every
-        unit on the compute tier."""
-        if mirror and (units["cpu"] or units["disk"]):
-            raise ValueError(f"a KIVI slot keeps a dense mirror for units on the compute tier only, got {units}")
+                 held_out_groups: int = 0):
         if len(starts) != sum(units.values()):
             raise ValueError(f"{len(starts)} unit starts for {sum(units.values())} units")
         if held_out_groups and (window or held_out_groups * compression.group_size > max_len):
@@ -112,7 +77,6 @@ class KiviCacheSlot:
         self._earliest_start_by_residue = {
             tier: _earliest_start_by_residue(st, self.G) for tier, st in self._tier_starts.items()}
         self._views: dict[tuple[str, int], KiviGroups] = {}  # first(n) of a tier's groups, by (tier, n)
-        self.mirror = DenseMirror() if mirror else None
         self.groups: dict[str, KiviGroups] = {}
         self.residual: dict[str, torch.Tensor] = {}
         self.disk: DiskBuffer | None = None
@@ -205,8 +169,6 @@ class KiviCacheSlot:
         slot = (first[unit] + picked - self.held_out_groups) % self.held
         if tier != "disk":
             self.groups[tier].put(slot, unit, new, picked, unit if mine is None else mine[unit])
-            if self.mirror is not None:
-                self.mirror.dirty.update(slot.tolist())
             return
         blocks = new.to("cpu").to_blocks()[picked, unit]  # (pairs, block)
         order = torch.argsort(slot * len(starts) + unit)
@@ -238,8 +200,6 @@ class KiviCacheSlot:
             else:  # (a cpu tier's residual is host memory; kv is where it was computed)
                 rows = self.residual[tier][row:row + count]
                 rows.index_copy_(2, mine.to(rows.device), kv[a:a + count].to(rows.device))
-            if self.mirror is not None:
-                self.mirror.dirty_rows.update(range(row, row + count))
 
     def _residual_rows(self, tier: str, first: int, end: int, mine: torch.Tensor | None = None) -> torch.Tensor:
         """The residual's rows of positions [first, end) (at most G, still held), in order, of
@@ -265,8 +225,6 @@ class KiviCacheSlot:
         """The groups held by the tier's units and the residual, as stored, where they live
         (disk: into CPU memory). Values come with the keys whatever `values` says: they share
         blocks."""
-        if self.mirror is not None:
-            return MirroredRead(self, tier, length)
         n = self._groups_read(tier, length)
         if tier != "disk":
             if (tier, n) not in self._views:  # views of the storage: still current when it is written
@@ -292,8 +250,6 @@ class KiviCacheSlot:
         size (2-3 sequences: ~0.1 M values), which each batch unpacked alone paid again. The
         buffers are asked for as one piece for the whole load, so how the batches happen to
         group at a step does not make them grow."""
-        if isinstance(stored[0], MirroredRead):  # each its own slot's mirror, brought up to date
-            return [x.slot.unpack_mirror(x.tier, x.length, device, dtype) for x in stored]
         d, out = self.head_dim, [None] * len(stored)
         alike: dict[int, list[int]] = {}
         for i, x in enumerate(stored):
@@ -318,76 +274,11 @@ class KiviCacheSlot:
                 first += stored[i].units
         return out
 
-    def unpack_mirror(self, tier: str, length: int, device: torch.device, dtype: torch.dtype
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """unpack()'s keys and values of the tier at `length` (the same columns, the same
-        values): the group slots written since the last call dequantized into the dense
-        mirror, the residual copied after the groups read (where they are as many as at the
-        last call, only its rows written since: a decode step's one), views of the mirror
-        returned. Once it packed the computed units (computed_rows), only its front rows, of
-        the units in `order`, are brought up to date and read."""
-        m, G, d = self.mirror, self.G, self.head_dim
-        units = self.units[tier]
-        if m.keys is None:  # made at the first decode step: where attention runs, in its dtype
-            width = (self.held + 1) * G + 1
-            m.keys = torch.empty(units, d, width, dtype=dtype, device=device)
-            m.values = torch.empty(units, width, d, dtype=dtype, device=device)
-            self.usage.add("gpu", m.keys.nbytes + m.values.nbytes)
-            m.dirty = set(range(self.held))
-        n = self._groups_read(tier, length)
-        keys = m.keys[:, :, :(n + 1) * G + 1].transpose(1, 2)
-        values = m.values[:, :(n + 1) * G + 1]
-        order = m.order_there
-        live = units if order is None else len(order)
-        groups = self.groups[tier]
-        for j in sorted(x for x in m.dirty if x < n):
-            at = slice(j * G, (j + 1) * G)
-            if order is None:
-                groups.at(j).dequantize_into(keys[:, at], values[:, at])
-            else:  # every unit's group dequantized, the rows of those still computed kept
-                k, v = (torch.empty(units, G, d, dtype=dtype, device=device) for _ in range(2))
-                groups.at(j).dequantize_into(k, v)
-                keys[:live, at] = k.index_select(0, order)
-                values[:live, at] = v.index_select(0, order)
-        m.dirty = {x for x in m.dirty if x >= n}
-        # the whole residual where it moves (after a group completes) or was never copied; else
-        # the rows written since: a decode step's copy of all G rows cost more than its attention
-        rows = [(0, G)] if m.residual_at != n else _runs(sorted(m.dirty_rows))
-        for first, end in rows:
-            at = slice(n * G + first, n * G + end)
-            written = self.residual[tier][first:end]
-            if order is not None:
-                written = written.index_select(2, order)
-            keys[:live, at].copy_(written[:, 0].transpose(0, 1), non_blocking=True)
-            values[:live, at].copy_(written[:, 1].transpose(0, 1), non_blocking=True)
-        m.residual_at, m.dirty_rows = n, set()
-        return keys, values
-
     def computed_rows(self, tier: str, keys: torch.Tensor, values: torch.Tensor | None, local: torch.Tensor | None
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Of a tier's loaded keys and values (unpack()'s: units, n + 1, d), those of its
-        computed units (`local`, None: all). A dense mirror's (unpack_mirror's views) are
-        views of its front rows: the computed units are moved there once, when their set
-        shrinks (a finished sequence never computes again in its block), where a copy of
-        them was made at every layer of every step."""
-        if self.mirror is None or local is None:
-            assert local is not None or self.mirror is None or self.mirror.order is None, \
-                "every unit computes again after some finished"
-            return select_units(keys, local), select_units(values, local)
-        self._pack_mirror(local.cpu(), keys.shape[1])
-        return keys[:len(local)], values[:len(local)]
-
-    def _pack_mirror(self, local: torch.Tensor, width: int) -> None:
-        """Moves the mirror's rows of the units `local` (sorted; all of them computed at its
-        last step) to its front, in order, their first `width` columns (those in use)."""
-        m = self.mirror
-        at = packing_moves(m.order, local)
-        if at is not None:
-            at = at.to(m.keys.device)
-            m.keys[:len(local), :, :width] = m.keys[:, :, :width].index_select(0, at)
-            m.values[:len(local), :width] = m.values[:, :width].index_select(0, at)
-        if m.order is None or not torch.equal(m.order, local):
-            m.order, m.order_there = local, local.to(m.keys.device)
+        computed units (`local`, None: all): a copy of theirs."""
+        return select_units(keys, local), select_units(values, local)
 
     def decode_valid(self, tier: str, length: int, window: int, key_valid: torch.Tensor,
                      local: torch.Tensor | None) -> tuple[int, torch.Tensor]:
@@ -410,9 +301,6 @@ class KiviCacheSlot:
         return valid
 
     def close(self) -> None:
-        if self.mirror is not None and self.mirror.keys is not None:
-            self.usage.remove("gpu", self.mirror.keys.nbytes + self.mirror.values.nbytes)
-            self.mirror = None
         for tier in self.groups:
             self.usage.remove(tier, self.groups[tier].nbytes + self.residual[tier].nbytes)
         self.groups.clear()
@@ -455,14 +343,3 @@ def _decode_valid(starts: tuple[int, ...], length: int, window: int, G: int, hel
         in_residual = in_residual & (res_pos > have[:, None] - window)
     new = torch.ones(len(starts), 1, dtype=torch.bool)
     return torch.cat([in_groups.flatten(1), in_residual, new], dim=1)
-
-
-def _runs(rows: list[int]) -> list[tuple[int, int]]:
-    """Sorted distinct rows as [first, end) runs of consecutive rows."""
-    runs: list[tuple[int, int]] = []
-    for row in rows:
-        if runs and runs[-1][1] == row:
-            runs[-1] = (runs[-1][0], row + 1)
-        else:
-            runs.append((row, row + 1))
-    return runs

@@ -7,7 +7,10 @@ contiguous row (one disk write).
 Under per-token cache compression each tier holds the QuantizedTensor form of that layout,
 groups along head_dim (cache_group_dim): a position's row of one unit is quantized on its
 own, so each new token is quantized once as it is written and never touches earlier groups.
-(KIVI grouping, keys per channel over blocks of tokens, is kivi_cache.KiviCacheSlot.) On
+(KIVI grouping, keys per channel over blocks of tokens, is kivi_cache.KiviCacheSlot.) A
+compressed cache held dense (Policy.keep_dense_cache) is stored here uncompressed, its values
+rounded as the compressed cache would return them: per token as each is written; under KIVI
+each unit's group in place once its G positions are written (_round_completed_groups). On
 disk a position's row is the bytes of its packed codes, then scales, then mins (of all the
 tier's units), so [0, t) stays one read. Reads return what is stored; `unpack` moves it to
 where attention runs and dequantizes it there, into buffers reused from step to step.
@@ -42,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from flexgen_helm.compression.kivi import kivi_groups_nbytes, kivi_nbytes
+from flexgen_helm.compression.kivi import kivi_groups_nbytes, kivi_nbytes, rounded_groups
 from flexgen_helm.compression.quantize import CACHE_GROUP_DIM, QuantizedTensor, cache_group_dim, fake_quantize
 from flexgen_helm.compression.stored import Stored, dense_into, encode, stored_nbytes
 from flexgen_helm.errors import PolicyError
@@ -68,12 +71,19 @@ def check_cache_compression(cfg: Compression | None) -> None:
                           f"not dim {cfg.group_dim}: leave the cache's group dim unset")
 
 
-def cache_rows(max_len: int, window: int, held_out: tuple[int, int] | None = None) -> int:
+def cache_rows(max_len: int, window: int, held_out: tuple[int, int] | None = None, least: int = 0) -> int:
     """Positions a block's slot holds: all of a run's but those held out (module doc), or a
-    sliding window's last `window`."""
+    sliding window's last `window`, and at least `least` of them (rounded_group_rows)."""
     if window:
-        return min(max_len, window)
+        return min(max_len, max(window, least))
     return max_len - (held_out[1] - held_out[0] if held_out else 0)
+
+
+def rounded_group_rows(policy: Policy) -> int:
+    """The positions a sliding window's ring keeps at least: a KIVI cache held dense rounds a
+    group once its G positions are written, from all of them (G), else none (0)."""
+    cfg = policy.compress_cache
+    return cfg.group_size if policy.keep_dense_cache and cfg.kivi else 0
 
 
 def prefix_held_once(policy: Policy) -> bool:
@@ -100,7 +110,7 @@ def held_out_prefix(shared_prefix: int, window: int, policy: Policy) -> tuple[in
     """What the planner counts a global block's slot to hold out, for prompts of equal length
     whose first `shared_prefix` tokens are the same (paddings that differ shrink it, but for
     KIVI's groups, which count from each row's first token)."""
-    held = held_prefix_len(shared_prefix, policy.cache_storage)
+    held = held_prefix_len(shared_prefix, policy.compress_cache)
     return (0, held) if held and not window and prefix_held_once(policy) else None
 
 
@@ -194,13 +204,20 @@ def _parts(x: Stored) -> tuple[torch.Tensor, ...]:
 class KVCacheSlot:
     def __init__(self, units: dict[str, int], max_len: int, head_dim: int, devices: Devices,
                  usage: TierUsage, disk_path: Path | None, pin: bool, compression: Compression | None = None,
-                 window: int = 0, held_out: tuple[int, int] | None = None, rounding: Compression | None = None):
+                 window: int = 0, held_out: tuple[int, int] | None = None, rounding: Compression | None = None,
+                 starts: torch.Tensor | None = None):
         """rounding: the compression whose values a dense slot (compression None) holds
-        (Policy.keep_dense_cache): each write rounded to its grid first."""
+        (Policy.keep_dense_cache): per token, each write rounded to its grid first; KIVI, each
+        unit's group rounded once its G positions are written, counted from the unit's first
+        real position, `starts` (its padding before it), as a KiviCacheSlot counts them."""
         if compression is not None and compression.kivi:
             raise ValueError("a KIVI-grouped cache is a KiviCacheSlot")
-        if rounding is not None and (compression is not None or rounding.kivi):
-            raise ValueError("a slot rounds its writes to a per-token grid only when it stores them dense")
+        if rounding is not None and compression is not None:
+            raise ValueError("a slot rounds its writes only when it stores them dense")
+        kivi = rounding is not None and rounding.kivi
+        if kivi and (units["disk"] or starts is None or len(starts) != sum(units.values())):
+            raise ValueError(f"a KIVI cache held dense rounds each group where it is held, in memory, from its units' "
+                             f"starts: got units {units} and {None if starts is None else len(starts)} starts")
         if held_out is not None and (window or not 0 <= held_out[0] < held_out[1] <= max_len):
             raise ValueError(f"a slot holds out positions [a, b) within its {max_len}, not in a sliding window: "
                              f"got {held_out} (window {window})")
@@ -208,8 +225,15 @@ class KVCacheSlot:
         self.ranges = unit_ranges(units)
         self.max_len, self.head_dim, self.devices, self.usage = max_len, head_dim, devices, usage
         self.window, self.held_out = window, held_out
-        self.rows = cache_rows(max_len, window, held_out)
+        self.rows = cache_rows(max_len, window, held_out, rounding.group_size if kivi else 0)
         self.compression, self.rounding = compression, rounding
+        # KIVI held dense: each unit's first real position, and the earliest of them per
+        # residue modulo G (a decode step's position completes some unit's group only at those)
+        self._starts = starts.to("cpu", torch.long) if kivi else None
+        self._earliest_by_residue: dict[int, int] = {}
+        for st in (self._starts.tolist() if kivi else ()):
+            r = st % rounding.group_size
+            self._earliest_by_residue[r] = min(st, self._earliest_by_residue.get(r, st))
         self.k: dict[str, Stored] = {}
         self.v: dict[str, Stored] = {}
         # per in-place tier whose units were packed: the (sorted, tier-local) units now at its
@@ -264,9 +288,11 @@ class KVCacheSlot:
         if units is not None:
             total = sum(self.units.values())
             k, v = all_units(k, units, total), all_units(v, units, total)
+        if self._starts is not None:
+            k, v = self._round_completed_groups(k, v, start, units)
         if self.window and k.shape[0] > self.rows:
             start, k, v = start + k.shape[0] - self.rows, k[-self.rows:], v[-self.rows:]
-        if self.rounding is not None:  # K and V in one call: groups never cross positions
+        if self.rounding is not None and self._starts is None:  # K and V in one call: groups never cross positions
             kv = fake_quantize(torch.cat([k, v]), self.rounding, CACHE_GROUP_DIM)
             k, v = kv.narrow(0, 0, k.shape[0]), kv.narrow(0, k.shape[0], v.shape[0])
         gd = None if self.compression is None else CACHE_GROUP_DIM
@@ -280,6 +306,83 @@ class KVCacheSlot:
             k, v = encode(k, self.compression, gd), encode(v, self.compression, gd)  # quantized where computed
         for row, a, n in self._row_runs(start, k.shape[0]):
             self._write_rows(k.narrow(0, a, n), v.narrow(0, a, n), row, tiers)
+
+    def _round_completed_groups(self, k: torch.Tensor, v: torch.Tensor, start: int, units: torch.Tensor | None
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """KIVI held dense: the groups that positions [start, start + s) complete, each unit's
+        G positions rounded as its group dequantizes (kivi.rounded_groups): those among k, v
+        ((s, all units, d)) in the copies returned, the earlier ones in place in the slot. A
+        unit's unfinished group stays as computed, as KIVI's residual keeps it. units: those
+        computed (None: all); no other unit completes a group."""
+        G, s = self.rounding.group_size, k.shape[0]
+        if s == 1 and not self._completes_group(start):
+            return k, v
+        ids = torch.arange(len(self._starts)) if units is None else units.cpu()
+        starts = self._starts[ids]
+        done = (start + s - starts).clamp(min=0) // G  # each unit's complete groups after the write
+        first = (start - starts).clamp(min=0) // G  # ... and before it
+        if self.window:  # a ring keeps positions [start + s - rows, start + s): older groups are gone
+            first = torch.maximum(first, (start + s - self.rows - starts).clamp(min=0) // G)
+        count = (done - first).clamp(min=0)
+        if not bool(count.any()):
+            return k, v
+        i = torch.arange(int(count.max()))[:, None]
+        keep = i < count[None, :]
+        unit = ids[None, :].expand_as(keep)[keep]  # of each (unit, group) pair
+        positions = (starts[None, :] + (first[None, :] + i) * G)[keep][None, :] + torch.arange(G)[:, None]
+        unit = unit[None, :].expand_as(positions)  # (G, pairs) both
+        new = positions >= start  # written now (in k, v); the rest are in the slot
+        shape = (G, positions.shape[1], k.shape[2])
+        kg, vg = (torch.empty(shape, dtype=k.dtype, device=k.device) for _ in range(2))
+        if bool(new.any()):
+            at = (positions[new] - start).to(k.device), unit[new].to(k.device)
+            kg[new.to(k.device)], vg[new.to(k.device)] = k[at], v[at]
+        held = self._held_parts(positions, unit, ~new)
+        for tier, mask, rows, cols in held:
+            m = mask.to(k.device)
+            kg[m], vg[m] = self.k[tier][rows, cols].to(k.device), self.v[tier][rows, cols].to(k.device)
+        kr, vr = rounded_groups(kg, vg, self.rounding)
+        if bool(new.any()):
+            k, v = k.clone(), v.clone()
+            m = new.to(k.device)
+            k[at], v[at] = kr[m], vr[m]
+        for tier, mask, rows, cols in held:
+            m = mask.to(k.device)
+            self.k[tier][rows, cols] = kr[m].to(self.k[tier].device)
+            self.v[tier][rows, cols] = vr[m].to(self.v[tier].device)
+        return k, v
+
+    def _completes_group(self, position: int) -> bool:
+        """Whether writing `position` completes some unit's KIVI group: position + 1 is G or
+        more real positions of a unit, and a multiple of G of them."""
+        earliest = self._earliest_by_residue.get((position + 1) % self.rounding.group_size)
+        return earliest is not None and position + 1 - earliest >= self.rounding.group_size
+
+    def _held_parts(self, positions: torch.Tensor, unit: torch.Tensor, mask: torch.Tensor
+                    ) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Where the slot holds the (position, unit) pairs `mask` marks: per tier, its mask of
+        them, and their rows and columns there (its units packed to its front once some
+        finished: _pack)."""
+        out = []
+        for tier in ("gpu", "cpu"):
+            a, b = self.ranges[tier]
+            here = mask & (unit >= a) & (unit < b)
+            if a == b or not bool(here.any()):
+                continue
+            p, local = positions[here], unit[here] - a
+            if self.window:
+                rows = p % self.rows
+            elif self.held_out is not None:
+                lo, hi = self.held_out
+                assert not bool(((p >= lo) & (p < hi)).any()), "a held-out position is rounded where it was written"
+                rows = torch.where(p >= hi, p - (hi - lo), p)
+            else:
+                rows = p
+            packed = self._packed.get(tier)
+            cols = local if packed is None else torch.searchsorted(packed, local)
+            device = self.k[tier].device
+            out.append((tier, here, rows.to(device), cols.to(device)))
+        return out
 
     def _row_runs(self, start: int, n: int) -> list[tuple[int, int, int]]:
         """(first row, first of the n positions, count) of each run of rows that hold

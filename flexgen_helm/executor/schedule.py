@@ -58,7 +58,7 @@ from typing import Callable
 import torch
 
 from flexgen_helm.compression import kivi
-from flexgen_helm.compression.quantize import CACHE_GROUP_DIM, fake_quantize
+from flexgen_helm.compression.quantize import CACHE_GROUP_DIM
 from flexgen_helm.compression.stored import dense, encode
 from flexgen_helm.executor.activations import ActivationHome
 from flexgen_helm.executor.attention import (
@@ -75,7 +75,7 @@ from flexgen_helm.executor.attention import (
 )
 from flexgen_helm.executor.cache_buffers import CacheBuffers, batches_per_load, buffer_sets, unpacks_on_lane
 from flexgen_helm.executor.expert_weights import load_layer_weights
-from flexgen_helm.executor.held_prefix import HeldPrefix, reads_prefix_as_stored
+from flexgen_helm.executor.held_prefix import HeldPrefix, reads_prefix_as_stored, rounded_prefix
 from flexgen_helm.executor.kivi_cache import KiviCacheSlot
 from flexgen_helm.executor.kv_cache import (
     KVCacheSlot,
@@ -182,14 +182,12 @@ class BlockSchedule:
         self.decode_prefix: dict[tuple[int, str], DecodePrefix | HeldPrefix] = {}
         self._prefix_bytes: list[tuple[str, int]] = []  # (tier, bytes) of each copy, in TierUsage
         shared_len = self.shared.length if self.shared is not None else 0
-        self.held_prefix_len = held_prefix_len(shared_len, policy.cache_storage)
+        self.held_prefix_len = held_prefix_len(shared_len, policy.compress_cache)
         self.keeps_decode_prefix = self.held_prefix_len > 0 and prefix_held_once(policy)
         self.prefix_as_stored = reads_prefix_as_stored(policy)
         # a HeldPrefix's dequantized keys and values, by device type: (layer, step) and them
         self._prefix_unpacked: dict[str, tuple[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]] = {}
         self._prefix_buffers = CacheBuffers(1)  # what they are unpacked into (the compute thread's own)
-        # a cache held dense (Policy.cache_mirrored): each layer's prefix dequantized once, by (layer, device type)
-        self._prefix_dense: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self.prefix_start = [first + (~b.valid).sum(1) for b, first in zip(batches, self.prompt_start)]
         blocks = [layer.index for layer in runtime.layers if layer.kind == "block"]
         cache_units = slot_tier_counts(policy.cache, [b.size * self.cfg.num_kv_heads for b in batches], blocks)
@@ -267,9 +265,8 @@ class BlockSchedule:
         cache's compute-side tier is (the planner counts it there), by the schedule that
         made it."""
         keys, values = here.keys, here.values
-        if self.policy.rounds_cache_writes:  # what every row's slot holds of it
-            keys, values = (fake_quantize(x.to(self.devices.dtype), self.policy.compress_cache, CACHE_GROUP_DIM)
-                            for x in (keys, values))
+        if self.policy.rounds_cache_writes:  # what every row's slot holds of the positions held once
+            keys, values = rounded_prefix(keys, values, self.policy.compress_cache, self.devices.dtype)
         for where in {self._attention_device(t) for t in TIERS}:
             kept = here.decode.get(where.type)
             if kept is None:
@@ -299,7 +296,7 @@ class BlockSchedule:
             return None
         if self.policy.cache_storage is not None and self.policy.cache_storage.kivi:
             return 0, self.held_prefix_len
-        a, b = int(self.prefix_start[k].max()), int(self.prefix_start[k].min()) + self.shared.length
+        a, b = int(self.prefix_start[k].max()), int(self.prefix_start[k].min()) + self.held_prefix_len
         return (a, b) if a < b else None
 
     def _slot(self, units: dict[str, int], max_len: int, disk_path: Path, window: int, index: int, k: int):
@@ -308,11 +305,11 @@ class BlockSchedule:
             held_out = self._held_out(index, k)
             return KiviCacheSlot(units, max_len, self.cfg.head_dim, self.devices, self.rt.usage, disk_path, pin=True,
                                  compression=cfg, window=window, starts=self.unit_starts[k],
-                                 held_out_groups=held_out[1] // cfg.group_size if held_out else 0,
-                                 mirror=self.policy.cache_mirrored)
+                                 held_out_groups=held_out[1] // cfg.group_size if held_out else 0)
         return KVCacheSlot(units, max_len, self.cfg.head_dim, self.devices, self.rt.usage, disk_path, pin=True,
                            compression=cfg, window=window, held_out=self._held_out(index, k),
-                           rounding=self.policy.compress_cache if self.policy.rounds_cache_writes else None)
+                           rounding=self.policy.compress_cache if self.policy.rounds_cache_writes else None,
+                           starts=self.unit_starts[k])
 
     def _anything_to_overlap(self) -> bool:
         """Transfers overlap compute only where another engine does them: a GPU's copy engine,
@@ -779,19 +776,7 @@ class BlockSchedule:
     def _unpacked_prefix(self, index: int, where: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Block `index`'s HeldPrefix, dequantized on `where` once a step: every GPU batch and
         tier attending there at this step reads the same (timed as "decode_unpack_prefix", of
-        decode_attention); where the cache is held dense (a KIVI mirror), once a block, each
-        layer's kept (counted where it is, as the budget counts it)."""
-        if self.policy.cache_mirrored:  # a cache held dense: each layer's prefix dequantized once a block, kept
-            kv = self._prefix_dense.get((index, where.type))
-            if kv is None:
-                t0 = time.perf_counter()
-                kv = self.decode_prefix[index, where.type].unpack(decode_cache_dtype(where, self.devices.dtype), None)
-                self._prefix_dense[index, where.type] = kv
-                self._prefix_bytes.append(("gpu" if where == self.devices.compute else "cpu",
-                                           tensor_bytes(kv[0]) + tensor_bytes(kv[1])))
-                self.rt.usage.add(*self._prefix_bytes[-1])
-                self.timers["decode_unpack_prefix"] += time.perf_counter() - t0
-            return kv
+        decode_attention)."""
         done = self._prefix_unpacked.get(where.type)
         if done is None or done[0] != (index, self.length):
             t0 = time.perf_counter()
@@ -915,7 +900,6 @@ class BlockSchedule:
         self._prefix_bytes.clear()
         self.decode_prefix.clear()
         self._prefix_unpacked.clear()
-        self._prefix_dense.clear()
         for slot in self.slots.values():
             slot.close()
         for a in self.acts:

@@ -15,6 +15,7 @@ from flexgen_helm.executor.kv_cache import (
     held_prefix_len,
     held_prefix_nbytes,
     kv_nbytes,
+    rounded_group_rows,
 )
 from flexgen_helm.memory.placement import place_weights, slot_tier_counts, tier_totals
 from flexgen_helm.memory.weight_homes import segment_nbytes
@@ -57,8 +58,8 @@ def _cache_bytes(cfg: ModelConfig, policy: Policy, max_len: int, dtype: torch.dt
     slots = slot_tier_counts(policy.cache, [b * cfg.num_kv_heads for b in batches], range(cfg.num_layers))
     # K and V of the positions each slot holds (a sliding-window block: its window's); a unit's
     # rows are stored (and quantized) on their own, so bytes add up over the slots of one length
-    rows_of = [cache_rows(max_len, cfg.window(layer), held_out_prefix(shared_prefix, cfg.window(layer), policy))
-               for layer in range(cfg.num_layers)]
+    rows_of = [cache_rows(max_len, cfg.window(layer), held_out_prefix(shared_prefix, cfg.window(layer), policy),
+                          rounded_group_rows(policy)) for layer in range(cfg.num_layers)]
     units_by_rows: dict[int, dict[str, int]] = {}
     for (layer, _), units in slots.items():
         total = units_by_rows.setdefault(rows_of[layer], dict.fromkeys(TIERS, 0))
@@ -68,17 +69,8 @@ def _cache_bytes(cfg: ModelConfig, policy: Policy, max_len: int, dtype: torch.dt
                     for n, units in units_by_rows.items()) for t in TIERS}
     # the one copy of each global block, stored as its slots store the prefix (compressed too)
     once = sum(bool(held_out_prefix(shared_prefix, cfg.window(layer), policy)) for layer in range(cfg.num_layers))
-    held = held_prefix_len(shared_prefix, policy.cache_storage)
+    held = held_prefix_len(shared_prefix, policy.compress_cache)
     cache["gpu"] += once * held_prefix_nbytes(held, cfg.num_kv_heads, cfg.head_dim, dtype, policy.cache_storage)
-    if policy.cache_mirrored:
-        # beside the groups, the dense copy of them a decode step reads (kivi_cache.DenseMirror):
-        # every group a slot holds, the residual and the new token's column; and each global
-        # block's prefix dequantized once (schedule._unpacked_prefix); in the dtype attention
-        # reads (float32 on a CPU; a GPU's compute dtype, so counted at float32 an upper bound)
-        G = policy.compress_cache.group_size
-        cache["gpu"] += sum(kv_nbytes(-(-n // G) * G + G + 1, units["gpu"], cfg.head_dim, torch.float32, None)
-                            for n, units in units_by_rows.items())
-        cache["gpu"] += once * held_prefix_nbytes(held, cfg.num_kv_heads, cfg.head_dim, torch.float32, None)
     return cache
 
 

@@ -52,7 +52,13 @@ from flexgen_helm.executor.attention import decode_cache_dtype
 from flexgen_helm.executor.cache_buffers import batches_per_load, buffer_sets, unpacks_on_lane
 from flexgen_helm.executor.expert_weights import EXPERTS_IN_FLIGHT, expert_of
 from flexgen_helm.executor.held_prefix import reads_prefix_as_stored, unpacked_nbytes
-from flexgen_helm.executor.kv_cache import cache_rows, held_out_prefix, kv_nbytes, kv_nbytes_per_position
+from flexgen_helm.executor.kv_cache import (
+    cache_rows,
+    held_out_prefix,
+    kv_nbytes,
+    kv_nbytes_per_position,
+    rounded_group_rows,
+)
 from flexgen_helm.executor.working_set import (
     batch_working_bytes,
     decode_head_rows,
@@ -612,7 +618,8 @@ class CostModel:
         # CPU, whose compute thread unpacks), and as read, the next load (on a CPU also the
         # one in use until it is unpacked, after the next one's reads went out)
         held = max(cache_rows(work.max_len, self._window(layer),
-                              held_out_prefix(work.shared_prefix, self._window(layer), policy))
+                              held_out_prefix(work.shared_prefix, self._window(layer), policy),
+                              rounded_group_rows(policy))
                    for layer, _ in self.groups)
         units = gbs * cfg.num_kv_heads
         as_read = kv_nbytes(held, units, cfg.head_dim, self.dtype, policy.cache_storage) * moved

@@ -312,9 +312,9 @@ def search(cfg: ModelConfig, profile: HardwareProfile, prompt_len: int, gen_len:
             if best is not None:
                 candidates.append(best)
     if not candidates and options.keep_dense_cache:
-        raise PolicyError("keep_dense_cache: no block fits the budgets with the compressed cache held dense "
-                          "(per-token: the dense cache's size; KIVI: its groups and their dense copy, all on the gpu "
-                          "tier); drop --keep-dense-cache (--no-keep-dense-cache) or raise the budgets")
+        raise PolicyError("keep_dense_cache: no block fits the budgets with the compressed cache held dense (the "
+                          "dense cache's size; KIVI: in memory, all on the top tier unless placed); drop "
+                          "--keep-dense-cache (--no-keep-dense-cache) or raise the budgets")
     if not candidates and options.keep_dense_weights:
         where = "the given placement" if options.placement is not None else "every weight on the top tier"
         gpu = size_text(budgets.gpu) if budgets.gpu is not None else "unbounded"
@@ -332,25 +332,24 @@ def search(cfg: ModelConfig, profile: HardwareProfile, prompt_len: int, gen_len:
 
 def _dense_cache_exact(model: CostModel, compression: Compression | None) -> bool:
     """Whether a compressed cache held dense computes the compressed cache's numbers on this
-    machine: always for KIVI (its mirror holds what attention reads); per token, where decode
-    attention reads the compute dtype (a CPU's reads float32: the dense cache, stored in a 16-bit
-    compute dtype, would round its values once more)."""
+    machine: where decode attention reads the compute dtype (a CPU's reads float32: the dense
+    cache, stored in a 16-bit compute dtype, would round its values once more)."""
     if compression is None:
         return False
-    return compression.kivi or decode_cache_dtype(model.hw.compute_device, model.dtype) == model.dtype
+    return decode_cache_dtype(model.hw.compute_device, model.dtype) == model.dtype
 
 
 def _found(model: CostModel, shape: Policy, keep: bool, budgets: Budgets, options: SearchOptions
            ) -> Candidate | None:
     """The best candidate of one block shape: with the user's placement, else everything on the
     top tier where it fits (the fastest, no LP needed), else the LP's. A block that keeps dense
-    copies of its weights (keep) holds them in memory, and a KIVI cache held dense needs the
-    cache wholly on the compute tier: these try the user's placement, else everything on the
-    top tier (no LP)."""
-    beside = shape.cache_mirrored  # its dense copy beside it (executor/kivi_cache.py)
-    if keep or beside:
+    copies of its weights (keep) holds them in memory, as a KIVI cache held dense holds the
+    cache (it rounds each group in place): these try the user's placement, else everything on
+    the top tier (no LP)."""
+    in_memory = shape.keep_dense_cache and shape.compress_cache.kivi  # (Policy.validate)
+    if keep or in_memory:
         placement = options.placement or (_ONE_TIER["gpu"],) * 3
-        if (keep and placement[0].disk > 0) or (beside and placement[1].gpu < 1.0):
+        if (keep and placement[0].disk > 0) or (in_memory and placement[1].disk > 0):
             return None
         return _placed(model, replace(shape, keep_dense_weights=keep),
                        placement, budgets, options.max_latency_s)

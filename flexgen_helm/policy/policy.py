@@ -121,15 +121,15 @@ class Policy:
     keep_dense_weights: bool = False
     # a compressed cache's values held dense, so that a decode step does not dequantize every
     # held position again (runs/compression_8bit/decode_paths/); every number is the compressed
-    # cache's (but per-token in a 16-bit dtype on a CPU, below). Per-token groups
-    # (rounds_cache_writes): each position rounded to its grid as it is written, then stored like
-    # an uncompressed cache, which attention reads in place (the memory and bytes moved of a dense
-    # cache); stored in the compute dtype, where the compressed cache dequantizes to what CPU
-    # attention reads (float32), so in bf16/fp16 on a CPU the values differ by that rounding and
-    # the planner does not choose it there. KIVI, whose keys round per group of tokens once the group is
-    # complete (cache_mirrored): the groups stored as ever, and beside them on the compute tier a dense copy of
-    # them that each step extends by the groups it completed (the memory of both). The planner
-    # turns it on where the budgets hold it and its estimate is faster
+    # cache's (but in a 16-bit dtype on a CPU, below). Stored like an uncompressed cache, which
+    # attention reads in place (the memory and bytes moved of a dense cache), its writes rounded
+    # (rounds_cache_writes): per-token groups each position as it is written; KIVI, whose keys
+    # round per group of tokens, each unit's group in place once its G positions are written
+    # (the positions of its unfinished group as computed, as KIVI's full-precision residual keeps
+    # them), so KIVI's only in memory, not on disk. Stored in the compute dtype, where the
+    # compressed cache dequantizes to what CPU attention reads (float32), so in bf16/fp16 on a
+    # CPU the values differ by that rounding and the planner does not choose it there. The
+    # planner turns it on where the budgets hold it and its estimate is faster
     keep_dense_cache: bool = False
 
     def __post_init__(self):
@@ -143,13 +143,9 @@ class Policy:
 
     @property
     def rounds_cache_writes(self) -> bool:
-        """A per-token cache held dense: its writes rounded to the grid, stored dense."""
-        return self.keep_dense_cache and not self.compress_cache.kivi
-
-    @property
-    def cache_mirrored(self) -> bool:
-        """A KIVI cache held dense: its groups mirrored dense beside them (executor/kivi_cache.py)."""
-        return self.keep_dense_cache and self.compress_cache.kivi
+        """A compressed cache held dense: its writes rounded to the grid (KIVI: each group once
+        complete), stored dense."""
+        return self.keep_dense_cache
 
     @property
     def dense_copies_across_blocks(self) -> bool:
@@ -201,10 +197,10 @@ class Policy:
                               "kept for a whole block are for weights held in memory (place them on the gpu/cpu tiers)")
         if self.keep_dense_cache and self.compress_cache is None:
             raise PolicyError("keep_dense_cache holds a compressed cache's values dense, but compress_cache is not set")
-        if self.cache_mirrored and self.cache.gpu < 1.0:
-            raise PolicyError(f"keep_dense_cache: a KIVI cache holds its dense copy beside its groups on the compute "
-                              f"device, but the cache is {100 * (1 - self.cache.gpu):g}% off the gpu tier: place it "
-                              "all there (cache 100/0/0), use per-token cache grouping, or drop keep_dense_cache")
+        if self.keep_dense_cache and self.compress_cache.kivi and self.cache.disk > 0:
+            raise PolicyError(f"keep_dense_cache: a KIVI cache held dense rounds each group in place once it is "
+                              f"complete, in memory, but the cache is {100 * self.cache.disk:g}% on disk: place it on "
+                              "the gpu/cpu tiers, use per-token cache grouping, or drop keep_dense_cache")
         if not 0.0 < self.attn_sparsity <= 1.0:
             raise PolicyError(f"attn_sparsity must be in (0, 1], got {self.attn_sparsity}")
 
