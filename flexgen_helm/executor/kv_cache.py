@@ -288,8 +288,7 @@ class KVCacheSlot:
         if units is not None:
             total = sum(self.units.values())
             k, v = all_units(k, units, total), all_units(v, units, total)
-        if self._starts is not None:
-            k, v = self._round_completed_groups(k, v, start, units)
+        written = (k, v, start)  # as given: a group completed now is rounded from all its positions
         if self.window and k.shape[0] > self.rows:
             start, k, v = start + k.shape[0] - self.rows, k[-self.rows:], v[-self.rows:]
         if self.rounding is not None and self._starts is None:  # K and V in one call: groups never cross positions
@@ -306,17 +305,20 @@ class KVCacheSlot:
             k, v = encode(k, self.compression, gd), encode(v, self.compression, gd)  # quantized where computed
         for row, a, n in self._row_runs(start, k.shape[0]):
             self._write_rows(k.narrow(0, a, n), v.narrow(0, a, n), row, tiers)
+        if self._starts is not None:
+            self._round_completed_groups(*written, units)
 
     def _round_completed_groups(self, k: torch.Tensor, v: torch.Tensor, start: int, units: torch.Tensor | None
-                                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """KIVI held dense: the groups that positions [start, start + s) complete, each unit's
-        G positions rounded as its group dequantizes (kivi.rounded_groups): those among k, v
-        ((s, all units, d)) in the copies returned, the earlier ones in place in the slot. A
-        unit's unfinished group stays as computed, as KIVI's residual keeps it. units: those
-        computed (None: all); no other unit completes a group."""
-        G, s = self.rounding.group_size, k.shape[0]
+                                ) -> None:
+        """KIVI held dense, after a write of k, v ((s, all units, d)) at positions [start, start
+        + s): the groups it completed rounded in place as they dequantize (kivi.rounded_groups),
+        each unit's G positions taken from k, v (those written now) or from the slot (earlier
+        ones), put back where the slot holds them. A unit's unfinished group stays as computed,
+        as KIVI's residual keeps it. units: those computed (None: all); no other unit completes
+        a group."""
+        G, s, d = self.rounding.group_size, k.shape[0], k.shape[2]
         if s == 1 and not self._completes_group(start):
-            return k, v
+            return
         ids = torch.arange(len(self._starts)) if units is None else units.cpu()
         starts = self._starts[ids]
         done = (start + s - starts).clamp(min=0) // G  # each unit's complete groups after the write
@@ -325,32 +327,38 @@ class KVCacheSlot:
             first = torch.maximum(first, (start + s - self.rows - starts).clamp(min=0) // G)
         count = (done - first).clamp(min=0)
         if not bool(count.any()):
-            return k, v
+            return
         i = torch.arange(int(count.max()))[:, None]
         keep = i < count[None, :]
-        unit = ids[None, :].expand_as(keep)[keep]  # of each (unit, group) pair
-        positions = (starts[None, :] + (first[None, :] + i) * G)[keep][None, :] + torch.arange(G)[:, None]
-        unit = unit[None, :].expand_as(positions)  # (G, pairs) both
-        new = positions >= start  # written now (in k, v); the rest are in the slot
-        shape = (G, positions.shape[1], k.shape[2])
-        kg, vg = (torch.empty(shape, dtype=k.dtype, device=k.device) for _ in range(2))
-        if bool(new.any()):
-            at = (positions[new] - start).to(k.device), unit[new].to(k.device)
-            kg[new.to(k.device)], vg[new.to(k.device)] = k[at], v[at]
-        held = self._held_parts(positions, unit, ~new)
-        for tier, mask, rows, cols in held:
-            m = mask.to(k.device)
-            kg[m], vg[m] = self.k[tier][rows, cols].to(k.device), self.v[tier][rows, cols].to(k.device)
-        kr, vr = rounded_groups(kg, vg, self.rounding)
-        if bool(new.any()):
-            k, v = k.clone(), v.clone()
-            m = new.to(k.device)
-            k[at], v[at] = kr[m], vr[m]
-        for tier, mask, rows, cols in held:
-            m = mask.to(k.device)
-            self.k[tier][rows, cols] = kr[m].to(self.k[tier].device)
-            self.v[tier][rows, cols] = vr[m].to(self.v[tier].device)
-        return k, v
+        group_start = (starts[None, :] + (first[None, :] + i) * G)[keep]  # of each (unit, group) pair
+        positions = (group_start[None, :] + torch.arange(G)[:, None]).reshape(-1)  # (G x pairs), flat
+        unit = ids[None, :].expand_as(keep)[keep].expand(G, -1).reshape(-1)
+        new = positions >= start
+        if bool(new.all()):  # a prefill's: (rows picked by one index_select: ~4x faster than x[i, u])
+            kg, vg = (_pick(x, positions - start, unit) for x in (k, v))
+        else:
+            kg, vg = (torch.empty(len(positions), d, dtype=k.dtype, device=k.device) for _ in range(2))
+            taken = new.nonzero().squeeze(1)
+            for out, x in ((kg, k), (vg, v)):
+                out[taken.to(k.device)] = _pick(x, positions[taken] - start, unit[taken])
+            for tier, which, rows, cols in self._held_at(positions, unit, ~new):
+                for out, x in ((kg, self.k[tier]), (vg, self.v[tier])):
+                    out[which.to(k.device)] = _pick(x, rows, cols).to(k.device)
+        kr, vr = (x.view(len(positions), d) for x in rounded_groups(kg.view(G, -1, d), vg.view(G, -1, d),
+                                                                  self.rounding))
+        for tier, which, rows, cols in self._held_at(positions, unit, self._holds(positions, start + s)):
+            for x, rounded in ((self.k[tier], kr), (self.v[tier], vr)):
+                x.view(-1, d).index_copy_(0, (rows * x.shape[1] + cols), rounded[which.to(k.device)].to(x.device))
+
+    def _holds(self, positions: torch.Tensor, end: int) -> torch.Tensor:
+        """Which of `positions` the slot holds once positions up to `end` are written: a ring
+        its last `rows`; not those held out."""
+        held = torch.ones_like(positions, dtype=torch.bool)
+        if self.window:
+            held &= positions >= end - self.rows
+        if self.held_out is not None:
+            held &= (positions < self.held_out[0]) | (positions >= self.held_out[1])
+        return held
 
     def _completes_group(self, position: int) -> bool:
         """Whether writing `position` completes some unit's KIVI group: position + 1 is G or
@@ -358,30 +366,30 @@ class KVCacheSlot:
         earliest = self._earliest_by_residue.get((position + 1) % self.rounding.group_size)
         return earliest is not None and position + 1 - earliest >= self.rounding.group_size
 
-    def _held_parts(self, positions: torch.Tensor, unit: torch.Tensor, mask: torch.Tensor
-                    ) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Where the slot holds the (position, unit) pairs `mask` marks: per tier, its mask of
-        them, and their rows and columns there (its units packed to its front once some
-        finished: _pack)."""
+    def _held_at(self, positions: torch.Tensor, unit: torch.Tensor, mask: torch.Tensor
+                 ) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Where the slot holds the (position, unit) pairs `mask` marks (held: _holds): per
+        tier, their indices among the pairs, and their rows and columns there (its units
+        packed to its front once some finished: _pack)."""
         out = []
         for tier in ("gpu", "cpu"):
             a, b = self.ranges[tier]
-            here = mask & (unit >= a) & (unit < b)
-            if a == b or not bool(here.any()):
+            which = (mask & (unit >= a) & (unit < b)).nonzero().squeeze(1)
+            if a == b or not len(which):
                 continue
-            p, local = positions[here], unit[here] - a
+            p, local = positions[which], unit[which] - a
             if self.window:
                 rows = p % self.rows
             elif self.held_out is not None:
                 lo, hi = self.held_out
-                assert not bool(((p >= lo) & (p < hi)).any()), "a held-out position is rounded where it was written"
+                assert not bool(((p >= lo) & (p < hi)).any()), "a held-out position is not the slot's"
                 rows = torch.where(p >= hi, p - (hi - lo), p)
             else:
                 rows = p
             packed = self._packed.get(tier)
             cols = local if packed is None else torch.searchsorted(packed, local)
             device = self.k[tier].device
-            out.append((tier, here, rows.to(device), cols.to(device)))
+            out.append((tier, which, rows.to(device), cols.to(device)))
         return out
 
     def _row_runs(self, start: int, n: int) -> list[tuple[int, int, int]]:
@@ -594,6 +602,17 @@ class KVCacheSlot:
         if self.disk is not None:
             self.usage.remove("disk", 2 * self._disk_half)
             self.disk.close()
+
+
+def _pick(x: torch.Tensor, i: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """x[i, u] of x (s, units, d), as (len(i), d): one index_select of its rows where x is
+    contiguous or a transposed contiguous (units, s, d) (what prefill attention's keys are)."""
+    d = x.shape[2]
+    if x.is_contiguous():
+        return x.view(-1, d).index_select(0, (i * x.shape[1] + u).to(x.device))
+    if x.transpose(0, 1).is_contiguous():
+        return x.transpose(0, 1).reshape(-1, d).index_select(0, (u * x.shape[0] + i).to(x.device))
+    return x[i.to(x.device), u.to(x.device)]
 
 
 def _runs_of(x: Stored, runs: list[tuple[int, int]]) -> Stored:
