@@ -95,10 +95,10 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                         "memory of both); default: the planner's choice where it plans, else off")
     g.add_argument("--keep-dense-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="a compressed KV cache holds its values dense, so that decode steps do not dequantize "
-                        "every held position again (the compressed cache's numbers): per-token groups rounded as "
-                        "written and stored dense (uncompressed speed and memory); KIVI's groups mirrored dense "
-                        "beside them (a cache all on the gpu tier; the memory of both); default: the planner's "
-                        "choice where it plans, else off")
+                        "every held position again (the compressed cache's numbers), stored dense at uncompressed "
+                        "speed and memory: per-token groups rounded as written, KIVI's groups rounded in place "
+                        "once complete (a cache in memory, not on disk); default: the planner's choice where it "
+                        "plans, else off")
     g.add_argument("--no-prefix-sharing", dest="prefix_sharing", action="store_false", default=True,
                    help="compute every prompt whole, even where a block's prompts start with the same tokens "
                         "(by default their common prefix is computed once per block: for A/B measurements)")
