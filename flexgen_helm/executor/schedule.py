@@ -83,6 +83,7 @@ from flexgen_helm.executor.kv_cache import (
     held_prefix_len,
     kv_nbytes,
     prefix_held_once,
+    rounded_group_rows,
 )
 from flexgen_helm.executor.shared_prefix import PrefixLayer, SharedPrefix
 from flexgen_helm.executor.step_rows import StepRows, units_of
@@ -584,7 +585,7 @@ class BlockSchedule:
         attention does not read in place (at the longest its slot holds)."""
         most = 0
         for (index, _), slot in self.slots.items():
-            rows = cache_rows(max_len, self.cfg.window(index))
+            rows = cache_rows(max_len, self.cfg.window(index), least=rounded_group_rows(self.policy))
             moved = [t for t in TIERS if slot.units[t] and not slot.in_place(t, self._attention_device(t))]
             most = max(most, sum(kv_nbytes(rows, slot.units[t], self.cfg.head_dim, self.devices.dtype,
                                            self.policy.cache_storage) for t in moved))
