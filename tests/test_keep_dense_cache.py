@@ -1,8 +1,8 @@
 """A compressed cache whose values are held dense (Policy.keep_dense_cache), so that a decode
 step does not dequantize every held position again: stored dense and read in place, per-token
-groups rounded as written, a KIVI cache's groups rounded in place once complete. A run computes with the numbers of the compressed cache (float32: the
-same tokens, log-probs to rounding); the planner counts what it holds, and turns it on only
-where it fits and is faster."""
+groups rounded as written, a KIVI cache's groups rounded in place once complete. A run
+computes with the numbers of the compressed cache (float32: the same tokens, log-probs to
+rounding); the planner counts what it holds, and turns it on only where it fits and is faster."""
 
 from __future__ import annotations
 
