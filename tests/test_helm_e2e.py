@@ -32,10 +32,13 @@ def helm_run_args(tmp: Path, entries, *extra, fake=False, engine_factory=None, s
     tests/): another loader."""
     env = dict(env or os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.pop("FLEXGEN_HELM_ENGINE_FACTORY", None)
+    # helm-run's own folder heads its sys.path, not the working directory: the flexgen_helm
+    # under test first, not an installed one (an editable install may be another checkout's)
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS.parent), env.get("PYTHONPATH", "")])
     engine_factory = "helm_fake_engine:load" if fake else engine_factory
     if engine_factory:
         env["FLEXGEN_HELM_ENGINE_FACTORY"] = engine_factory
-        env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
+        env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env["PYTHONPATH"]])
     helm_run_bin = Path(sys.executable).parent / "helm-run"
     cmd = [*(launcher or [str(helm_run_bin)]), "-r", *entries, "-m", str(max_instances), "--suite", suite,
            "-o", str(output_path or tmp / "out"), "--local-path", str(tmp / "prod_env"), "-n", "4",
