@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import socket
 import sys
 from pathlib import Path
@@ -28,16 +29,20 @@ def _completions(run_dir):
     return [rs["result"]["completions"][0]["text"] for rs in state["request_states"]]
 
 
-def test_two_replicas_give_the_single_process_run(tmp_path):
+def test_two_replicas_give_the_single_process_run(tmp_path, fake_helm_suite):
+    """The single process's run: the session's (conftest.fake_helm_suite: BatchingRunner, the
+    same three instances of each scenario). The replicas' fake engines take blocks of 2
+    (FLEXGEN_FAKE_BLOCK): each scenario's three requests are two batches, one a rank, so
+    that rank 1's results reach the run too."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                 "--master-port", str(_free_port()), "-m", "flexgen_helm.helm.data_parallel"]
     # the fake engine keeps this about the plumbing (the real one is tested end to end elsewhere)
-    log = helm_run(tmp_path / "dp", ENTRIES, launcher=torchrun, max_instances=6, fake=True)
-    helm_run(tmp_path / "single", ENTRIES, "--runner-class-name", "flexgen_helm.helm.runner.BatchingRunner",
-             max_instances=6, fake=True)
+    log = helm_run(tmp_path / "dp", ENTRIES, launcher=torchrun, max_instances=3, fake=True,
+                   env=dict(os.environ, FLEXGEN_FAKE_BLOCK="2"))
     assert "rank 1 computed" in log and "rank 0 computed" in log
-    dp, single = run_dirs(tmp_path / "dp"), run_dirs(tmp_path / "single")
-    assert set(dp) == set(single) == {"lambada", "synthetic_reasoning"}
+    assert re.search(r"rank 1 computed [1-9]", log) and re.search(r"rank 0 computed [1-9]", log), log[-3000:]
+    dp, single = run_dirs(tmp_path / "dp"), run_dirs(fake_helm_suite, deployment="flexgen/smollm2-135m")
+    assert set(dp) == {"lambada", "synthetic_reasoning"} and set(dp) <= set(single)
     for name in dp:
         assert _completions(dp[name]) == _completions(single[name])
         assert (dp[name] / "stats.json").exists()

@@ -68,9 +68,12 @@ def stats(run_dir: Path) -> dict:
     return out
 
 
-def run_dirs(tmp: Path, suite="t") -> dict:
+def run_dirs(tmp: Path, suite="t", deployment=None) -> dict:
+    """scenario name -> run folder of the suite in tmp/out; `deployment`: its runs alone (in a
+    suite of several deployments)."""
     root = tmp / "out" / "runs" / suite
-    return {p.name.split(":")[0]: p for p in root.iterdir() if ":" in p.name}
+    model = f"model={deployment.replace('/', '_')}" if deployment else ""
+    return {p.name.split(":")[0]: p for p in root.iterdir() if ":" in p.name and p.name.endswith(model)}
 
 
 def test_helm_run_smollm2_lambada_wikitext(tmp_path):
@@ -106,14 +109,13 @@ def test_helm_run_smollm2_lambada_wikitext(tmp_path):
     assert computes and all(line.rstrip().endswith(" 0 computes") for line in computes), computes
 
 
-def test_batching_runner_hands_the_whole_run_to_the_engine(tmp_path):
-    helm_run(tmp_path, ENTRIES[:2], "--runner-class-name", "flexgen_helm.helm.runner.BatchingRunner",
-             fake=True, max_instances=5)
-    runs = run_dirs(tmp_path)
+def test_batching_runner_hands_the_whole_run_to_the_engine(fake_helm_suite):
+    """(the session's helm-run with --runner-class-name BatchingRunner: conftest.fake_helm_suite)"""
+    runs = run_dirs(fake_helm_suite, deployment="flexgen/smollm2-135m")
     padding = json.loads((runs["lambada"] / "flexgen_padding.json").read_text())
-    # the five requests share batches (helm/batching.py), not one engine call each, and the
+    # the three requests share batches (helm/batching.py), not one engine call each, and the
     # engine pads each of a batch's GPU batches by at most 4% of its prompts
-    assert padding["requests"] == 5 and padding["batches"] < 5
+    assert padding["requests"] == 3 and padding["batches"] < 3
     assert padding["padded_prompt_tokens"] <= 1.04 * padding["prompt_tokens"]
     lam = stats(runs["lambada"])
     assert lam["batch_size"] > 1  # the mean over requests of the batch each ran in
