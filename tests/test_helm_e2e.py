@@ -77,8 +77,9 @@ def run_dirs(tmp: Path, suite="t", deployment=None) -> dict:
 
 
 def test_helm_run_smollm2_lambada_wikitext(tmp_path):
-    """(synthetic_reasoning with the real engine: test_a_few_shot_run_computes_its_shared_examples_once)"""
-    helm_run(tmp_path, ENTRIES[:2])
+    """(synthetic_reasoning with the real engine: test_a_few_shot_run_computes_its_shared_examples_once)
+    Two instances of each scenario: a batch of two, each scored or generated in full."""
+    helm_run(tmp_path, ENTRIES[:2], max_instances=2)
     runs = run_dirs(tmp_path)
     assert set(runs) == {"lambada", "wikitext"}
 
@@ -93,18 +94,26 @@ def test_helm_run_smollm2_lambada_wikitext(tmp_path):
     from flexgen_helm.helm.tokens import helm_texts
     from flexgen_helm.text import token_text_for
 
-    state = json.loads((runs["wikitext"] / "scenario_state.json").read_text())
-    rs = state["request_states"][0]
-    tokens = rs["result"]["completions"][0]["tokens"]
-    engine = Engine.load("smollm2-135m")
-    ids = engine.tokenizer.encode(rs["request"]["prompt"], add_special_tokens=False)
-    assert [t["text"] for t in tokens] == helm_texts(token_text_for(engine.tokenizer), ids)
-    direct = engine.score([ids]).results[0].logprobs
-    assert [t["logprob"] for t in tokens][1:] == pytest.approx(direct[1:], abs=2e-3)
-    assert rs["result"]["completions"][0]["finish_reason"]["flexgen"]["prompt_tokens"] == len(ids)
-
-    # HELM's cache: the same runs again compute nothing.
-    log = helm_run(tmp_path, ENTRIES[:2], suite="t2")
+    # HELM's cache: the same runs again compute nothing. That helm-run starts now, and its
+    # start (imports, HELM's configuration: one core's work) overlaps the checks in this process.
+    cmd, env = helm_run_args(tmp_path, ENTRIES[:2], suite="t2", max_instances=2)
+    again = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        state = json.loads((runs["wikitext"] / "scenario_state.json").read_text())
+        rs = state["request_states"][0]
+        tokens = rs["result"]["completions"][0]["tokens"]
+        engine = Engine.load("smollm2-135m")
+        ids = engine.tokenizer.encode(rs["request"]["prompt"], add_special_tokens=False)
+        assert [t["text"] for t in tokens] == helm_texts(token_text_for(engine.tokenizer), ids)
+        direct = engine.score([ids]).results[0].logprobs
+        assert [t["logprob"] for t in tokens][1:] == pytest.approx(direct[1:], abs=2e-3)
+        assert rs["result"]["completions"][0]["finish_reason"]["flexgen"]["prompt_tokens"] == len(ids)
+    except BaseException:
+        again.kill()
+        raise
+    finally:
+        log = again.communicate(timeout=300)[0]
+    assert again.returncode == 0, log[-8000:]
     computes = [line for line in log.splitlines() if "flexgen.sqlite" in line and "computes" in line]
     assert computes and all(line.rstrip().endswith(" 0 computes") for line in computes), computes
 
@@ -122,17 +131,23 @@ def test_batching_runner_hands_the_whole_run_to_the_engine(fake_helm_suite):
     assert stats(runs["wikitext"])["num_perplexity_tokens"] > 0
 
 
+FEW_SHOT_NEW_TOKENS = 16
+
+
 def test_a_few_shot_run_computes_its_shared_examples_once(tmp_path, monkeypatch):
     """synthetic_reasoning puts the same instructions and five examples before every
     question: with prefix sharing each batch computes them once, and every completion is
     the one computed without sharing (float32). The block is left to the planner (a saved
     profile), which plans it for the scenario's requests, shared prefix included, and says so.
-    Both deployments (sharing on, and the comparison's `prefix_sharing: false` one) in one helm-run."""
+    Both deployments (sharing on, and the comparison's `prefix_sharing: false` one) in one helm-run.
+    16 new tokens a completion (num_output_tokens; the scenario's own 50 are decode steps of
+    the same kind: each reads the shared prefix's one copy)."""
     from flexgen_helm.planner.hardware_profile import DeviceSpeeds, HardwareProfile
     from flexgen_helm.tools.compare.helm_clients import prod_env_yaml
 
     sharing = {"flexgen/smollm2-135m-fp32": True, "flexgen/smollm2-135m-fp32-no-sharing": False}
-    entries = [f"synthetic_reasoning:mode=pattern_match,model={d}" for d in sharing]
+    entries = [f"synthetic_reasoning:mode=pattern_match,model={d},num_output_tokens={FEW_SHOT_NEW_TOKENS}"
+               for d in sharing]
     # the planner's profile in a cache of this test's own (the stores already converted reused)
     session_cache = Path(os.environ["FLEXGEN_HELM_CACHE"])
     cache = tmp_path / "cache"
@@ -153,7 +168,7 @@ def test_a_few_shot_run_computes_its_shared_examples_once(tmp_path, monkeypatch)
     planned = [line for line in log.splitlines() if "block for this scenario" in line]
     assert len(planned) == 2 and "shared prefix" in planned[0] and "prefix sharing off" in planned[1], planned
     runs = {d: p for p in (tmp_path / "out" / "runs" / "t").iterdir() for d in sharing
-            if p.name.endswith(f"model={d.replace('/', '_')}")}
+            if p.name.endswith(f"model={d.replace('/', '_')},num_output_tokens={FEW_SHOT_NEW_TOKENS}")}
     assert len(runs) == 2, runs
     outputs = {}
     for deployment, run in runs.items():
@@ -162,6 +177,8 @@ def test_a_few_shot_run_computes_its_shared_examples_once(tmp_path, monkeypatch)
         assert "exact_match" in sr and sr["batch_size"] >= 1
         outputs[sharing[deployment]] = ([rs["result"]["completions"][0]["text"] for rs in state["request_states"]],
                                         json.loads((run / "flexgen_padding.json").read_text()))
+        assert {len(rs["result"]["completions"][0]["tokens"]) for rs in state["request_states"]} <= {
+            *range(1, FEW_SHOT_NEW_TOKENS + 1)}
     (shared, shared_padding), (plain, plain_padding) = outputs[True], outputs[False]
     assert shared == plain
     assert plain_padding["computed_prompt_tokens"] == plain_padding["padded_prompt_tokens"]
