@@ -209,12 +209,40 @@ def smollm2_gguf():
     return resolve("smollm2-135m").source
 
 
+# The deployments of the fake HELM suite (fake_helm_suite): uncompressed, 8-bit, 4-bit
+FAKE_SUITE_DEPLOYMENTS = ("flexgen/smollm2-135m", "flexgen/smollm2-135m-8bit", "flexgen/smollm2-135m-4bit")
+
+
+@pytest.fixture(scope="session")
+def fake_helm_suite(tmp_path_factory) -> Path:
+    """One helm-run (BatchingRunner, the fake engine) of lambada, wikitext and pattern matching
+    on the three FAKE_SUITE_DEPLOYMENTS, three instances each; its folder (outputs in out/,
+    suite "t"). Several tests read it (test_helm_schema summarizes it, test_helm_e2e's
+    BatchingRunner test and test_helm_data_parallel's single-process reference read its
+    flexgen/smollm2-135m runs): each helm-run starts in seconds of imports and HELM's own
+    configuration, one start instead of three."""
+    pytest.importorskip("helm")
+    from test_helm_e2e import ENTRIES, helm_run
+
+    tmp = tmp_path_factory.mktemp("fake-helm-suite")
+    entries = [e.replace("model=flexgen/smollm2-135m", f"model={d}") for d in FAKE_SUITE_DEPLOYMENTS for e in ENTRIES]
+    # the session's cache set here: a session fixture runs before the autouse _isolated_cache
+    helm_run(tmp, entries, "--runner-class-name", "flexgen_helm.helm.runner.BatchingRunner", fake=True,
+             max_instances=3, env=dict(os.environ, **session_cache_env(tmp_path_factory)))
+    return tmp
+
+
+def session_cache_env(tmp_path_factory) -> dict[str, str]:
+    """The variables that put stores converted by tests in a per-session cache, not the user's."""
+    base = tmp_path_factory.getbasetemp()
+    return {"FLEXGEN_HELM_CACHE": str(base / "flexgen-cache"), "FLEXGEN_HELM_OFFLOAD": str(base / "offload")}
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
-    """Stores converted by tests live in a per-session cache, not the user's."""
-    cache = tmp_path_factory.getbasetemp() / "flexgen-cache"
-    monkeypatch.setenv("FLEXGEN_HELM_CACHE", str(cache))
-    monkeypatch.setenv("FLEXGEN_HELM_OFFLOAD", str(tmp_path_factory.getbasetemp() / "offload"))
+    """Every test's stores in the session's cache (session_cache_env)."""
+    for name, value in session_cache_env(tmp_path_factory).items():
+        monkeypatch.setenv(name, value)
 
 
 @pytest.fixture(autouse=True)

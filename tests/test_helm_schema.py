@@ -5,7 +5,7 @@ column what the runs recorded), and the screenshot tool photographs helm-server'
 it (where Chromium is installed).
 
 The suite: the fake engine, three deployments (uncompressed, 8-bit, 4-bit) x three
-scenarios, two instances each.
+scenarios, three instances each (the session's, conftest.fake_helm_suite).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import flexgen_helm
 
 pytest.importorskip("helm")
 
-from test_helm_e2e import ENTRIES, helm_run, stats
+from conftest import FAKE_SUITE_DEPLOYMENTS
+from test_helm_e2e import stats
 
 from flexgen_helm.errors import BrowserError, FlexGenError
 from flexgen_helm.helm import accounting
@@ -30,7 +31,7 @@ from flexgen_helm.helm.schema import SCHEMA_PATH, summarize_command
 from flexgen_helm.tools.report import leaderboard, screenshot
 
 HELM_DIR = Path(SCHEMA_PATH).parent
-DEPLOYMENTS = ("flexgen/smollm2-135m", "flexgen/smollm2-135m-8bit", "flexgen/smollm2-135m-4bit")
+DEPLOYMENTS = FAKE_SUITE_DEPLOYMENTS
 # what each deployment's runs record (the fake engine computes in float32, under the deployment's policy)
 PRECISIONS = ("FP32", "8-bit per-channel", "4-bit gguf")
 COLUMNS = ["Model", "Precision", "LAMBADA - Accuracy (PEM)", "Pattern match - EM", "WikiText - Perplexity",
@@ -46,13 +47,9 @@ def display_names() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def suite(tmp_path_factory):
+def suite(fake_helm_suite):
     """(output path, suite folder) of a summarized suite."""
-    tmp = tmp_path_factory.mktemp("schema")
-    entries = [e.replace("model=flexgen/smollm2-135m", f"model={d}") for d in DEPLOYMENTS for e in ENTRIES]
-    helm_run(tmp, entries, "--runner-class-name", "flexgen_helm.helm.runner.BatchingRunner", fake=True,
-             max_instances=2)
-    out = tmp / "out"
+    out = fake_helm_suite / "out"
     # helm-summarize imports our summarizer class: the flexgen_helm under test, not an installed one
     root = str(Path(flexgen_helm.__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))

@@ -18,6 +18,7 @@ import pytest
 from flexgen_helm.engine import Engine
 from flexgen_helm.executor.sampling import SamplingParams
 
+REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["hello world", "abc", "a much longer prompt here", "xyz", "0123456789"]
 ARGS = ["--dtype", "float32", "--max-new-tokens", "5", "--gpu-batch-size", "1", "--num-gpu-batches", "2",
         "--percent", "40", "30", "0", "50", "100", "0"]
@@ -40,13 +41,22 @@ def run_generate(model, out, tmp_path, procs: int, extra=(), timeout=240, prompt
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--master-port",
                str(_free_port()), *argv]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ})
+    return run_ranks(argv, procs, tmp_path, timeout)
+
+
+def run_ranks(argv, procs: int, tmp_path, timeout) -> subprocess.CompletedProcess:
+    """`python *argv` in `procs` processes started here with the variables torchrun gives its
+    ranks (as srun's tasks get them): their output in tmp_path/rank-R.log, to the first
+    failure (the others are then ended) or all ends."""
     port = _free_port()
     logs = [tmp_path / f"rank-{r}.log" for r in range(procs)]  # files, not pipes: no rank blocks on a full one
+    # a script's own folder heads its sys.path, not the working directory: the checkout's flexgen_helm first
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     ranks = []
     for r, log in enumerate(logs):
-        env = {**os.environ, **{k: str(v) for k, v in dict(RANK=r, LOCAL_RANK=r, WORLD_SIZE=procs,
-                                                          LOCAL_WORLD_SIZE=procs, MASTER_ADDR="127.0.0.1",
-                                                          MASTER_PORT=port).items()}}
+        env = {**os.environ, "PYTHONPATH": path,
+               **{k: str(v) for k, v in dict(RANK=r, LOCAL_RANK=r, WORLD_SIZE=procs, LOCAL_WORLD_SIZE=procs,
+                                             MASTER_ADDR="127.0.0.1", MASTER_PORT=port).items()}}
         with open(log, "w") as f:
             ranks.append(subprocess.Popen([sys.executable, *argv], stdout=f, stderr=subprocess.STDOUT, env=env))
     deadline = time.monotonic() + timeout
@@ -117,8 +127,10 @@ def single(tiny_llama, tmp_path_factory):
 
 @pytest.mark.parametrize("procs", [2, 3])
 def test_pipeline_matches_single_process(tiny_llama, single, tmp_path, procs):
+    """Two stages under torchrun; three started with torchrun's variables by hand (the
+    launcher's own start, importing torch, is seconds; three stages are about the stages)."""
     out = tmp_path / "pipe.json"
-    run = run_generate(tiny_llama, out, tmp_path, procs)
+    run = run_generate(tiny_llama, out, tmp_path, procs, torchrun=procs == 2)
     assert run.returncode == 0, run.stderr[-3000:]
     assert completion_tokens(out) == single
     assert not any((tmp_path / "offload").rglob("run-*"))  # every stage cleaned up
@@ -211,10 +223,10 @@ def test_every_stage_computes_the_windows_and_the_prefix_once_and_decodes_over_i
     assert sum(seen[:prefill_calls[0]]) == cfg.num_layers * stats.computed_prompt_tokens
 
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port",
-           str(_free_port()), str(Path(__file__).parent / "pipeline_prefill_counts.py"), str(tiny_llama),
-           str(tmp_path / "prompts.json"), "3", str(tmp_path / "out")]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ})
+    # three stages with torchrun's variables set by hand (the launcher is not what this is about)
+    argv = [str(Path(__file__).parent / "pipeline_prefill_counts.py"), str(tiny_llama), str(tmp_path / "prompts.json"),
+            "3", str(tmp_path / "out")]
+    run = run_ranks(argv, 3, tmp_path, timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
     stages = [json.loads((tmp_path / "out" / f"rank-{r}.json").read_text()) for r in range(3)]
     assert sum(stage["blocks"] for stage in stages) == cfg.num_layers

@@ -101,11 +101,19 @@ def test_gguf_tensors_match_transformers(smollm2):
         dequantize(smollm2._tensors["blk.0.attn_q.weight"].data, smollm2._tensors["blk.0.attn_q.weight"].tensor_type)))
 
 
+@pytest.fixture(scope="module")
+def gguf_tokenizer_saved(smollm2, tmp_path_factory) -> tuple[Path, object]:
+    """(a cache folder, the tokenizer) of the GGUF's tokenizer built once into that empty
+    cache (seconds: its 49k-token vocabulary), for the tests that read the saved one."""
+    cache = tmp_path_factory.mktemp("tokenizer-cache")
+    return cache, smollm2.load_tokenizer(cache)
+
+
 @needs_smollm2
-def test_gguf_tokenizer_is_cached(smollm2, tmp_path):
-    tok = smollm2.load_tokenizer(tmp_path)
-    assert list((tmp_path / "tokenizers").iterdir())  # saved for next time
-    again = smollm2.load_tokenizer(tmp_path)
+def test_gguf_tokenizer_is_cached(smollm2, gguf_tokenizer_saved):
+    cache, tok = gguf_tokenizer_saved
+    assert list((cache / "tokenizers").iterdir())  # saved for next time
+    again = smollm2.load_tokenizer(cache)
     text = "The quick brown fox"
     assert tok(text).input_ids == again(text).input_ids
     assert again.decode(again(text).input_ids) == text
@@ -113,10 +121,10 @@ def test_gguf_tokenizer_is_cached(smollm2, tmp_path):
 
 
 @needs_smollm2
-def test_a_saved_tokenizer_loads_as_autotokenizer_loads_it(smollm2, tmp_path, monkeypatch):
+def test_a_saved_tokenizer_loads_as_autotokenizer_loads_it(gguf_tokenizer_saved, monkeypatch):
     # the cached GGUF tokenizer is loaded by the class it names, skipping AutoTokenizer's registry
-    smollm2.load_tokenizer(tmp_path)
-    (saved,) = (tmp_path / "tokenizers").iterdir()
+    cache, _ = gguf_tokenizer_saved
+    (saved,) = (cache / "tokenizers").iterdir()
     auto_tokenizer = import_transformers().AutoTokenizer
     auto = auto_tokenizer.from_pretrained(str(saved))
 
