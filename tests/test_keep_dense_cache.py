@@ -29,7 +29,9 @@ from flexgen_helm.policy import Compression, Policy, Split
 
 KV8 = Compression(8, 8, cache_grouping="per-token")
 KV4 = Compression(4, 4, cache_grouping="per-token")
-KIVI4 = Compression(4, 2, cache_grouping="kivi")  # groups of 2 tokens: several complete within the tests' runs
+# groups of 3 tokens: several complete within the tests' runs (of 2, a 4-bit min/max grid gives
+# both values back, so a group skipped or rounded in the wrong rows would not show)
+KIVI4 = Compression(4, 3, cache_grouping="kivi")
 PROMPTS = [[5, 17, 42, 7, 99, 3], [3, 8, 1], [9, 9, 4, 2, 11]]
 
 POLICIES = {
@@ -42,6 +44,9 @@ POLICIES = {
     "kivi-merged-batches-delegated-no-overlap": Policy(1, 3, compress_cache=KIVI4, cpu_cache_compute=True,
                                                        overlap=False),
     "kivi-sparse": Policy(2, 2, compress_cache=Compression(8, 3, cache_grouping="kivi"), attn_sparsity=0.5),
+    "kivi-cache-split": Policy(2, 2, cache=Split(0.5, 0.5, 0), compress_cache=KIVI4),
+    # groups wider than Gemma 3's sliding window (4): its rings keep a whole group
+    "kivi-groups-wider-than-the-window": Policy(4, 1, compress_cache=Compression(4, 6, cache_grouping="kivi")),
 }
 
 
@@ -64,7 +69,8 @@ def test_a_cache_held_dense_computes_what_the_compressed_cache_computes(tiny_lla
     _check_same(tiny_llama, POLICIES[name], tmp_path, PROMPTS)
 
 
-@pytest.mark.parametrize("name", ["cache-split-delegated-no-overlap", "kivi-one-batch"])
+@pytest.mark.parametrize("name", ["cache-split-delegated-no-overlap", "kivi-one-batch",
+                                  "kivi-groups-wider-than-the-window"])
 @pytest.mark.parametrize("model", ["tiny_opt", "tiny_gemma3"])
 def test_other_families_and_sliding_windows(model, request, tmp_path, name):
     """OPT's biases and learned positions; Gemma 3's sliding-window blocks, whose slots are
@@ -98,7 +104,7 @@ def test_a_kivi_cache_held_dense_is_read_in_place_and_rounds_each_group_once(tin
     engine.generate(PROMPTS, SamplingParams(max_new_tokens=new, ignore_eos=True))
     assert {t: engine.runtime.usage.current[t] for t in ("gpu", "cpu", "disk")} == before
     assert not unpacked
-    # every position but the last token's is written; G = 2
+    # every position but the last token's is written
     groups = sum((len(p) + new - 1) // KIVI4.group_size for p in PROMPTS)
     assert sum(rounded) == groups * engine.config.num_kv_heads * engine.config.num_layers
     assert len(rounded) > engine.config.num_layers  # the prefill's, then decode steps'

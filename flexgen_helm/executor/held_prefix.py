@@ -1,5 +1,7 @@
 """A block's shared prompt prefix held once, for decode steps over a compressed KV cache or
-with sparse attention (a plain cache's dense attention reads attention.DecodePrefix).
+with sparse attention (stored dense where the cache is: no compression, or a compressed cache
+held dense, its values rounded: rounded_prefix); a dense cache's dense attention reads
+attention.DecodePrefix.
 
 Every row's prompt starts with the prefix, left-padded, so every row's copy of it is the
 same keys and values at the same offsets from its first real token, and is stored alike:
@@ -78,15 +80,14 @@ class HeldPrefix:
         """What it holds (kv_cache.held_prefix_nbytes)."""
         return sum(p.nbytes for p in ((self.stored,) if isinstance(self.stored, KiviGroups) else self.stored))
 
-    def unpack(self, dtype: torch.dtype, buffers: CacheBuffers | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def unpack(self, dtype: torch.dtype, buffers: CacheBuffers) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (kv_heads, n, d) in `dtype`, where it lives, as a slot's unpack
-        gives every row's copy: in `buffers` (the last unpack's are overwritten: unpacked_nbytes;
-        None: tensors of their own, a copy kept across steps), or a plain copy's own storage
-        where it is in `dtype` already."""
+        gives every row's copy: in `buffers` (the last unpack's are overwritten: unpacked_nbytes),
+        or a plain copy's own storage where it is in `dtype` already."""
         if isinstance(self.stored, KiviGroups):
             n, units, d = self.length, self.stored.key.shape[1], self.stored.key.shape[2]
             keys, values = self._buffers(buffers, (units, n, d), dtype, self.stored.device)
-            self.stored.dequantize_into(keys, values, buffers and buffers.scratch(self.stored.device))
+            self.stored.dequantize_into(keys, values, buffers.scratch(self.stored.device))
             return keys, values
         k, v = self.stored
         if isinstance(k, torch.Tensor) and k.dtype == dtype:
@@ -94,11 +95,9 @@ class HeldPrefix:
         n, units, d = k.shape
         keys, values = self._buffers(buffers, (units, n, d), dtype, k.device)
         for stored, out in zip(self.stored, (keys, values)):
-            dense_into(stored, out.transpose(0, 1), buffers and buffers.scratch(k.device))
+            dense_into(stored, out.transpose(0, 1), buffers.scratch(k.device))
         return keys, values
 
     @staticmethod
-    def _buffers(buffers: CacheBuffers | None, shape: tuple, dtype: torch.dtype, device: torch.device):
-        if buffers is None:
-            return tuple(torch.empty(shape, dtype=dtype, device=device) for _ in range(2))
+    def _buffers(buffers: CacheBuffers, shape: tuple, dtype: torch.dtype, device: torch.device):
         return (buffers.take("prefix-keys", shape, dtype, device), buffers.take("prefix-values", shape, dtype, device))

@@ -33,8 +33,9 @@ finish (append_in_place): a finished sequence never computes again in its block,
 units' rows are dead, and the live ones moved together once, when the set shrinks, are a
 view for every later step, where gathered every step they were copied at each one
 (runs/bench/packed_units). Such a tier is then read by append_in_place alone (never by
-read()), and written by it, or, in a slot that rounds its writes, by the step's rounded
-rewrite of its one position, which _write_rows puts in the packed columns."""
+read()), and written by it, or, in a slot that rounds its writes, by the step's rewrite of
+its one position (rounded per token; under KIVI as computed, then the groups it completes
+rounded), which _write_rows and _held_at put in the packed columns."""
 
 from __future__ import annotations
 
@@ -348,7 +349,8 @@ class KVCacheSlot:
                                                                   self.rounding))
         for tier, which, rows, cols in self._held_at(positions, unit, self._holds(positions, start + s)):
             for x, rounded in ((self.k[tier], kr), (self.v[tier], vr)):
-                x.view(-1, d).index_copy_(0, (rows * x.shape[1] + cols), rounded[which.to(k.device)].to(x.device))
+                x.view(-1, d).index_copy_(0, (rows * x.shape[1] + cols),
+                                          rounded[which.to(k.device)].to(x.device, x.dtype))
 
     def _holds(self, positions: torch.Tensor, end: int) -> torch.Tensor:
         """Which of `positions` the slot holds once positions up to `end` are written: a ring
@@ -419,7 +421,7 @@ class KVCacheSlot:
                 continue
             kt, vt = k.narrow(1, a, b - a), v.narrow(1, a, b - a)
             packed = self._packed.get(tier)
-            if packed is not None:  # a decode step's rounded rewrite (append_in_place): its units in front
+            if packed is not None:  # a decode step's rewrite (append_in_place): its units in front
                 assert self.rounding is not None and kt.shape[0] == 1, "a packed tier is written by its decode steps"
                 at = packed.to(kt.device)
                 kt, vt = kt.index_select(1, at), vt.index_select(1, at)

@@ -831,7 +831,7 @@ class BlockSchedule:
             if slot.in_place(tier, where):
                 keys, values = slot.append_in_place(tier, new_k, new_v, self.length, local)
                 if self.policy.rounds_cache_writes:  # attended to as computed (as a compressed cache's new
-                    unwritten.append(tier)       # column is), then written again, rounded
+                    unwritten.append(tier)       # column is), then written again: rounded (KIVI: its groups)
             else:
                 unwritten.append(tier)
                 kc, vc = slot.computed_rows(tier, *cache[tier], local)

@@ -530,7 +530,9 @@ class CostModel:
 
         # decode: read the cache of the mean length, a window's at most (V shrinks under sparse
         # attention, the paper's top-k: only the kept values need to move)
-        t = min(self.work.mean_decode_len, window) if window else self.work.mean_decode_len
+        # (a ring's rows: a KIVI cache held dense keeps at least a group's, kv_cache.cache_rows)
+        t = min(self.work.mean_decode_len, max(window, rounded_group_rows(policy))) if window \
+            else self.work.mean_decode_len
         held_out = held_out_prefix(self.work.shared_prefix, window, policy)
         if held_out:
             # the shared prefix (under KIVI its complete groups) is not read per sequence: its
@@ -542,7 +544,7 @@ class CostModel:
             scores = nb * gbs * cfg.num_heads * held
             b["compute"] += (scores * 4 * cfg.head_dim / dev.attn_prefill_flops
                              + scores * PREFIX_SCORE_BYTES / dev.attn_decode_bytes_per_s)
-            if policy.cache_dequantized_per_step:  # (held dense: once a block, schedule._unpacked_prefix)
+            if policy.cache_dequantized_per_step:  # (held dense: stored rounded, never dequantized)
                 b["compute"] += 2 * held * cfg.num_kv_heads * cfg.head_dim / dev.dequant_elems_per_s
         read = nb * t * stored / 2 * (1 + policy.attn_sparsity)
         b["disk_cpu"] += read * c["disk"]

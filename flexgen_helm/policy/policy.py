@@ -138,7 +138,7 @@ class Policy:
     @property
     def cache_storage(self) -> Compression | None:
         """The compression the KV cache is stored in (None: dense, its values maybe rounded:
-        keep_dense_cache with per-token groups)."""
+        keep_dense_cache)."""
         return None if self.rounds_cache_writes else self.compress_cache
 
     @property
