@@ -91,23 +91,36 @@ def test_a_shared_prefix_is_held_rounded_too(tiny_llama, tmp_path, sparsity, cac
 def test_a_kivi_cache_held_dense_is_read_in_place_and_rounds_each_group_once(tiny_llama, tmp_path, monkeypatch):
     """No unpack at any decode step; each unit's group rounded once, when its last position is
     written (units of different paddings complete theirs at different steps), whatever the
-    step; usage back where it was once the block is done."""
+    step; a decode step's position, written in place before attention, is written again only
+    at a step that rounds a group; usage back where it was once the block is done."""
     from flexgen_helm.executor import kv_cache
-    rounded, unpacked = [], []
-    real = kv_cache.rounded_groups
+    rounded, unpacked, decode_writes = [], [], []
+    real, real_write = kv_cache.rounded_groups, KVCacheSlot.write
     monkeypatch.setattr(kv_cache, "rounded_groups", lambda k, v, cfg: rounded.append(k.shape[1]) or real(k, v, cfg))
     monkeypatch.setattr(KVCacheSlot, "unpack", lambda *a: unpacked.append(a))
+
+    def write(slot, k, *args, **kwargs):
+        before = len(rounded)
+        real_write(slot, k, *args, **kwargs)
+        if k.shape[0] == 1:
+            decode_writes.append(len(rounded) - before)
+
+    monkeypatch.setattr(KVCacheSlot, "write", write)
     policy = Policy(4, 1, compress_cache=KIVI4, keep_dense_cache=True)
     engine = Engine.load(str(tiny_llama), policy, dtype="float32", device="cpu", offload_dir=tmp_path, progress=False)
     before = {t: engine.runtime.usage.current[t] for t in ("gpu", "cpu", "disk")}
     new = 5
-    engine.generate(PROMPTS, SamplingParams(max_new_tokens=new, ignore_eos=True))
+    # paddings 0 and 2: groups of 3 complete at decode positions 8 and 7, none at 6 and 9
+    prompts = [PROMPTS[0], [3, 8, 1, 4]]
+    engine.generate(prompts, SamplingParams(max_new_tokens=new, ignore_eos=True))
     assert {t: engine.runtime.usage.current[t] for t in ("gpu", "cpu", "disk")} == before
     assert not unpacked
     # every position but the last token's is written
-    groups = sum((len(p) + new - 1) // KIVI4.group_size for p in PROMPTS)
+    groups = sum((len(p) + new - 1) // KIVI4.group_size for p in prompts)
     assert sum(rounded) == groups * engine.config.num_kv_heads * engine.config.num_layers
     assert len(rounded) > engine.config.num_layers  # the prefill's, then decode steps'
+    assert decode_writes and all(decode_writes)  # each decode write rounded a completed group
+    assert len(decode_writes) == 2 * engine.config.num_layers
 
 
 def test_writes_hold_the_values_a_compressed_slot_returns():

@@ -280,6 +280,16 @@ class KVCacheSlot:
         return self.compression is None and tier != "disk" and bool(self.units[tier]) and \
             not self.window and self.k[tier].device == torch.device(device)
 
+    def rewrites_in_place(self, position: int) -> bool:
+        """Whether a decode step's `position`, written in place and attended to as computed
+        (append_in_place), must be written again after the step (write): rounded, where the
+        slot rounds its writes; under KIVI's rounding only at a step that completes some
+        unit's group (the others' rows are already what the slot keeps: a copy saved per
+        layer and step)."""
+        if self.rounding is None:
+            return False
+        return self._starts is None or self._completes_group(position)
+
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int, units: torch.Tensor | None = None,
               tiers: tuple[str, ...] = TIERS) -> None:
         """Store k, v of shape (s, units, d) at positions [start, start + s) of `tiers` (a

@@ -830,8 +830,8 @@ class BlockSchedule:
             drop, valid = slot.decode_valid(tier, self.length, window, rows.valid[part], local)
             if slot.in_place(tier, where):
                 keys, values = slot.append_in_place(tier, new_k, new_v, self.length, local)
-                if self.policy.rounds_cache_writes:  # attended to as computed (as a compressed cache's new
-                    unwritten.append(tier)       # column is), then written again: rounded (KIVI: its groups)
+                if slot.rewrites_in_place(self.length):  # attended to as computed (as a compressed cache's
+                    unwritten.append(tier)               # new column is), then written again: rounded
             else:
                 unwritten.append(tier)
                 kc, vc = slot.computed_rows(tier, *cache[tier], local)
