@@ -84,8 +84,21 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     _RUN["device"] = config.getoption("--device")
+    _share_the_cores_between_workers()
     if _RUN["device"] == "cuda" and not torch.cuda.is_available():
         raise pytest.UsageError("--device cuda: torch sees no CUDA GPU on this machine")
+
+
+def _share_the_cores_between_workers() -> None:
+    """Under pytest-xdist (`-n N`, the test command's), each worker computes on its share of
+    the cores, and so do the processes its tests start (helm-run, pipeline ranks): N workers
+    each running torch on every core would oversubscribe them, and torch's threads spin-wait
+    on one another (small ops then run up to 10x slower)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 def engine_device() -> str:
