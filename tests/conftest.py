@@ -91,12 +91,13 @@ def pytest_configure(config):
 
 def _share_the_cores_between_workers() -> None:
     """Under pytest-xdist (`-n N`, the test command's), each worker computes on its share of
-    the cores, and so do the processes its tests start (helm-run, pipeline ranks): N workers
-    each running torch on every core would oversubscribe them, and torch's threads spin-wait
-    on one another (small ops then run up to 10x slower)."""
+    the cores (those this process may run on), and so do the processes its tests start
+    (helm-run, through OMP_NUM_THREADS; pipeline ranks set their own, the cores over the
+    ranks): N workers each running torch on every core would oversubscribe them, and torch's
+    threads spin-wait on one another (small ops then run up to 10x slower)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
-        threads = max(1, (os.cpu_count() or 1) // workers)
+        threads = max(1, len(os.sched_getaffinity(0)) // workers)
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)
 

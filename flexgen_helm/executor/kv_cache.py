@@ -449,8 +449,9 @@ class KVCacheSlot:
         tier's units `local`, None: all of them) at `position` and return the keys and values
         of positions [0, position] of those units, (n, t, d): views of the cache (its
         computed units packed to its front where some finished: _pack). A slot that rounds
-        its writes rewrites the position rounded after the step (write), where _write_rows
-        finds the packed units."""
+        its writes rewrites the position rounded after the step (write, where _write_rows
+        finds the packed units): every step per token, under KIVI only a step that completes
+        a group (rewrites_in_place)."""
         kt, vt = self.k[tier], self.v[tier]
         row = self._row(position)
         if local is None:
