@@ -127,10 +127,11 @@ class KiviCacheSlot:
             elif tier == "disk":
                 kt, vt = all_units(k, units, total)[:, a:b], all_units(v, units, total)[:, a:b]
             else:
-                here = (units >= a) & (units < b)
-                if not bool(here.any()):
+                here = ((units >= a) & (units < b)).nonzero().squeeze(1)  # on the host: no sync
+                if not len(here):
                     continue
-                kt, vt, mine = k[:, here.to(k.device)], v[:, here.to(v.device)], units[here] - a
+                at = here.to(k.device, non_blocking=True)
+                kt, vt, mine = k.index_select(1, at), v.index_select(1, at), units[here] - a
             starts = self.starts[a:b] if mine is None else self.starts[a:b][mine]
             self._write_groups(tier, kt, vt, start, starts, mine)
             self._write_residual(tier, kt, vt, start, mine)
@@ -199,13 +200,13 @@ class KiviCacheSlot:
                 self.residual[tier][row:row + count].copy_(kv[a:a + count], non_blocking=True)
             else:  # (a cpu tier's residual is host memory; kv is where it was computed)
                 rows = self.residual[tier][row:row + count]
-                rows.index_copy_(2, mine.to(rows.device), kv[a:a + count].to(rows.device))
+                rows.index_copy_(2, mine.to(rows.device, non_blocking=True), kv[a:a + count].to(rows.device))
 
     def _residual_rows(self, tier: str, first: int, end: int, mine: torch.Tensor | None = None) -> torch.Tensor:
         """The residual's rows of positions [first, end) (at most G, still held), in order, of
         the tier's units `mine` (None: all)."""
         rows = self._residual(tier)[torch.arange(first, end) % self.G]
-        return rows if mine is None else rows.index_select(2, mine.to(rows.device))
+        return rows if mine is None else rows.index_select(2, mine.to(rows.device, non_blocking=True))
 
     def _residual(self, tier: str) -> torch.Tensor:
         if tier != "disk":

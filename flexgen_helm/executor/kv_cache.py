@@ -174,9 +174,10 @@ def unit_ranges(units: dict[str, int]) -> dict[str, tuple[int, int]]:
 
 
 def all_units(x: torch.Tensor, units: torch.Tensor, total: int) -> torch.Tensor:
-    """x (s, len(units), d) of the (sorted) `units` as (s, total, d): the others' rows zero."""
+    """x (s, len(units), d) of the (sorted) `units` as (s, total, d): the others' rows zero.
+    units: on the CPU (StepRows.unit_index), copied to x's device without waiting for it."""
     full = x.new_zeros(x.shape[0], total, x.shape[2])
-    full[:, units.to(x.device)] = x
+    full[:, units.to(x.device, non_blocking=True)] = x
     return full
 
 

@@ -376,7 +376,7 @@ class BlockSchedule:
         units = None if rows is None else units_of(rows, kvh)
         return StepRows(picked, units, valid.repeat_interleave(kvh, dim=0).to(compute), positions,
                         self.family.step_constants(self.constants, positions),
-                        None if units is None else torch.tensor(units, device=compute))
+                        None if units is None else torch.tensor(units))
 
     def _step(self, inputs, head: HeadFn, prefill: bool) -> list:
         """One token step: every layer for every GPU batch, each batch's inputs (weights of the

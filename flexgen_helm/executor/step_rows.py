@@ -17,7 +17,9 @@ class StepRows:
     valid: torch.Tensor  # (units computed, t) bool on the compute device: the keys each unit may see
     positions: torch.Tensor  # (rows computed, s) on the compute device: their tokens' positions
     at: object  # family.step_constants at the rows' positions
-    unit_index: torch.Tensor | None  # units as a tensor on the compute device (KVCacheSlot.write's)
+    # units as a CPU tensor (the slots' writes: they work out rows and columns on the host, and
+    # a copy on a GPU would be read back, one sync per layer and write)
+    unit_index: torch.Tensor | None
     _parts: dict = field(default_factory=dict)
     _per_step: dict = field(default_factory=dict)
 
