@@ -89,6 +89,17 @@ def pytest_configure(config):
         raise pytest.UsageError("--device cuda: torch sees no CUDA GPU on this machine")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the test ids
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist's --dist loadgroup (the test command's): each module runs on one
+    worker, so its module fixtures are built once; the modules that read the fake HELM suite
+    (fake_helm_suite, a session fixture: one helm-run of nine runs, the suite's costliest
+    setup) run on the same worker, so it is built once too."""
+    readers = {item.path for item in items if "fake_helm_suite" in item.fixturenames}
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group("fake_helm_suite" if item.path in readers else item.path.name))
+
+
 def _share_the_cores_between_workers() -> None:
     """Under pytest-xdist (`-n N`, the test command's), each worker computes on its share of
     the cores (those this process may run on), and so do the processes its tests start
