@@ -34,8 +34,9 @@ units' rows are dead, and the live ones moved together once, when the set shrink
 view for every later step, where gathered every step they were copied at each one
 (runs/bench/packed_units). Such a tier is then read by append_in_place alone (never by
 read()), and written by it, or, in a slot that rounds its writes, by the step's rewrite of
-its one position (rounded per token; under KIVI as computed, then the groups it completes
-rounded), which _write_rows and _held_at put in the packed columns."""
+its one position (rounded per token, at every step; under KIVI only at a step that completes
+some unit's group, which it rounds: rewrites_in_place), which _write_rows and _held_at put in
+the packed columns."""
 
 from __future__ import annotations
 
