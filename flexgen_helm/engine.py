@@ -62,6 +62,16 @@ _seed_counter = itertools.count()
 FIXED_AT_LOAD = ("weights", "pin_weight", "compress_weight", "compress_cache", "attn_sparsity")
 
 
+def check_fits_context(config, what: str, n_prompt: int, n_new: int) -> None:
+    """A prompt of n_prompt tokens and n_new tokens to generate fit the model's context; the
+    frontends call it before loading any weight (`what` names the prompt in the error)."""
+    if n_prompt + n_new > config.max_seq_len:
+        raise PromptTooLongError(
+            f"{what} has {n_prompt} tokens; with {n_new} new tokens that is {n_prompt + n_new}, more than "
+            f"the context of {config.name} ({config.max_seq_len} tokens)"
+        )
+
+
 class EngineCore(Protocol):
     """What the frontends (flexgen_helm.text, the HELM plugin, evaluation) need of an engine."""
 
@@ -166,19 +176,12 @@ class Engine:
             out.append(ids)
         return out
 
-    def _check_length(self, i: int, n_prompt: int, n_new: int) -> None:
-        if n_prompt + n_new > self.config.max_seq_len:
-            raise PromptTooLongError(
-                f"prompt {i} has {n_prompt} tokens; with {n_new} new tokens that is {n_prompt + n_new}, more than "
-                f"the context of {self.config.name} ({self.config.max_seq_len} tokens)"
-            )
-
     def _sequences(self, ids: list[list[int]], per_prompt: list[SamplingParams]) -> tuple[list[Sequence], list[int]]:
         """One Sequence per completion, and the index of the prompt each belongs to."""
         seqs, owners = [], []
         for i, (p, sp) in enumerate(zip(ids, per_prompt)):
             sp.validate()
-            self._check_length(i, len(p), sp.max_new_tokens)
+            check_fits_context(self.config, f"prompt {i}", len(p), sp.max_new_tokens)
             stop_ids = set(sp.stop_token_ids)
             if not sp.ignore_eos and self.config.eos_token_id is not None:
                 stop_ids.add(self.config.eos_token_id)
@@ -232,7 +235,7 @@ class Engine:
         values of one prefill; equal to a plain score without cache compression or sparsity."""
         ids = self.check_prompts(prompts)
         for i, p in enumerate(ids):
-            self._check_length(i, len(p), 0)
+            check_fits_context(self.config, f"prompt {i}", len(p), 0)
         firsts = list(first_scored) if first_scored is not None else [1] * len(ids)
         if len(firsts) != len(ids) or any(not 1 <= f <= len(p) for f, p in zip(firsts, ids)):
             raise FlexGenError("first_scored needs one index per prompt, each from 1 to the prompt's token count")

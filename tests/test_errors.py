@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 
 import pytest
@@ -41,6 +42,34 @@ def test_cli_reports_unknown_model(capsys):
     assert main(["generate", "--model", "no-such-model", "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert "unknown model 'no-such-model'" in err and "smollm2-135m" in err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--temperature", "-1"], "temperature must be >= 0, got -1.0"),
+    (["--top-p", "1.5"], r"top_p must be in \(0, 1\], got 1.5"),
+    (["--num-completions", "0"], "num_completions must be >= 1, got 0"),
+    (["--prompt", "word " * 70], r"prompt 1 has \d+ tokens; with 32 new tokens .* context of .* \(64 tokens\)"),
+])
+def test_generate_refuses_a_bad_request_before_the_model_loads(tiny_llama, monkeypatch, capsys, flags, message):
+    """Loading a large model takes minutes: what generation would refuse is refused first."""
+    monkeypatch.setattr(Engine, "load", classmethod(lambda *a, **k: pytest.fail("the model was loaded")))
+    assert main(["generate", "--model", str(tiny_llama), "--device", "cpu", "--prompt", "hi", *flags]) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_bench_refuses_a_prompt_longer_than_the_context_before_the_model_loads(tiny_llama, monkeypatch, capsys):
+    monkeypatch.setattr(Engine, "load", classmethod(lambda *a, **k: pytest.fail("the model was loaded")))
+    assert main(["bench", "--model", str(tiny_llama), "--device", "cpu", "--prompt-len", "60", "--gen-len", "8"]) == 2
+    assert "each prompt (--prompt-len) has 60 tokens; with 8 new tokens that is 68, more than the context of " \
+        in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--path", "{tmp}/missing.gguf"], ["--model", "{tmp}/missing"],
+                                   ["--model", "smollm2-135m", "--path", "{tmp}/missing"]])
+def test_a_missing_model_path_is_named_as_missing(tmp_path, capsys, flags):
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    assert main(["generate", *flags, "--prompt", "hi"]) == 2
+    assert f"{flags[-1]}: no such file or directory" in capsys.readouterr().err
 
 
 def test_opt_without_weights_says_what_to_pass():

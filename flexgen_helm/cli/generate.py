@@ -37,14 +37,15 @@ def add_command(sub) -> None:
 
 def run(args) -> int:
     from flexgen_helm.executor.sampling import SamplingParams
-    from flexgen_helm.text import TextEngine
+    from flexgen_helm.text import TextEngine, check_text_request
 
     json_out = checked_output_file(args.json)
     check_budgets_steer(args)
-    engine = engine_class(args.pipeline).load(args.model, policy_from_args(args), path=args.path, dummy=args.dummy,
-                                              offload_dir=args.offload_dir, device=args.device, dtype=args.dtype)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, num_completions=args.num_completions)
+    check_text_request(args.model, args.prompt, params, path=args.path, dummy=args.dummy)
+    engine = engine_class(args.pipeline).load(args.model, policy_from_args(args), path=args.path, dummy=args.dummy,
+                                              offload_dir=args.offload_dir, device=args.device, dtype=args.dtype)
     run = TextEngine(engine).generate(args.prompt, params, stop_strings=tuple(args.stop or ()))
     engine.close()
     if not is_reporting_rank(engine):

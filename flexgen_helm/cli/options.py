@@ -136,8 +136,8 @@ def check_budgets_steer(args) -> None:
 
 
 def check_workload(args) -> None:
-    """A workload that cannot run, named before any work: lengths, and a shared prefix that
-    leaves each prompt a token of its own."""
+    """A workload that cannot run, named before any work: lengths, a shared prefix that
+    leaves each prompt a token of its own, and prompts that fit the model's context."""
     from flexgen_helm.errors import FlexGenError
 
     if args.prompt_len < 1 or args.gen_len < 1:
@@ -145,6 +145,11 @@ def check_workload(args) -> None:
     if not 0 <= args.shared_prefix < args.prompt_len:
         raise FlexGenError(f"--shared-prefix {args.shared_prefix} must leave every prompt a token of its own: "
                            f"0 <= N < --prompt-len ({args.prompt_len})")
+    from flexgen_helm.engine import check_fits_context
+    from flexgen_helm.weights.registry import resolve
+
+    config = resolve(args.model, path=args.path, dummy=True).config  # the config alone: no weight is read
+    check_fits_context(config, "each prompt (--prompt-len)", args.prompt_len, args.gen_len)
 
 
 def pinned_fields(args) -> dict:

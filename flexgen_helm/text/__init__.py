@@ -8,7 +8,8 @@ package:
   * `StopStrings`: the one stop-string implementation. The engine calls it after every
     token (it is an executor.sampling.StopCondition) so that generation ends early, and
     the frontend cuts the completion's text and tokens with it;
-  * `TextEngine`: text prompts in, text completions (and the run's RunStats) out.
+  * `TextEngine`: text prompts in, text completions (and the run's RunStats) out;
+  * `check_text_request`: what TextEngine.generate would refuse, refused before the model loads.
 
     from flexgen_helm.text import TextEngine
     engine = TextEngine.load("smollm2-135m")
@@ -16,9 +17,9 @@ package:
     print(run.results[0].completions[0].text, run.stats.total_s)
 """
 
-from flexgen_helm.text.engine import TextCompletion, TextEngine, TextResult, TextRun
+from flexgen_helm.text.engine import TextCompletion, TextEngine, TextResult, TextRun, check_text_request
 from flexgen_helm.text.stopping import StopCut, StopStrings
 from flexgen_helm.text.token_text import TokenText, token_text_for
 
 __all__ = ["StopCut", "StopStrings", "TextCompletion", "TextEngine", "TextResult", "TextRun", "TokenText",
-           "token_text_for"]
+           "check_text_request", "token_text_for"]

@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from flexgen_helm.engine import Engine, EngineCore
+from flexgen_helm.engine import Engine, EngineCore, check_fits_context
 from flexgen_helm.executor.sampling import Completion, RunStats, SamplingParams, ScoreRun
 from flexgen_helm.text.stopping import StopStrings
 from flexgen_helm.text.token_text import token_text_for
+from flexgen_helm.weights.registry import resolve
 
 
 @dataclass
@@ -31,6 +32,19 @@ class TextResult:
 class TextRun:
     results: list[TextResult]
     stats: RunStats
+
+
+def check_text_request(model: str, prompts: list[str], params: SamplingParams, path: str | None = None,
+                       dummy: bool = False) -> None:
+    """What generating `prompts` with `params` would refuse, refused before any weight of
+    `model` is read (loading a large model takes minutes): the sampling settings, and each
+    prompt's encoding (the model's tokenizer, as TextEngine encodes it) against the context."""
+    params.validate()
+    resolved = resolve(model, path=path, dummy=dummy)
+    token_text = token_text_for(resolved.load_tokenizer())
+    for i, prompt in enumerate(prompts):
+        check_fits_context(resolved.config, f"prompt {i}", len(token_text.encode_prompt(prompt)),
+                           params.max_new_tokens)
 
 
 class TextEngine:

@@ -78,6 +78,8 @@ def _real_source(model: str, path) -> WeightSource | None:
         return None
     if Path(model).exists():
         return _local_source(Path(model), name=None)
+    if model.endswith(".gguf") or model.startswith(("/", "./", "../", "~")):  # a path, not a name
+        raise ModelNotFoundError(f"{model}: no such file or directory")
     raise ModelNotFoundError(
         f"unknown model {model!r}; known names: {', '.join(known_names())}, "
         f"or a local Hugging Face checkpoint directory or .gguf file"
@@ -90,6 +92,8 @@ def _opt_size(model: str) -> str | None:
 
 
 def _local_source(path: Path, name: str | None) -> WeightSource:
+    if not path.exists():
+        raise ModelNotFoundError(f"{path}: no such file or directory")
     if path.is_file() and path.suffix == ".gguf":
         return GGUFFile(path, name=name, cache_dir=default_cache_dir())
     if path.is_dir():
