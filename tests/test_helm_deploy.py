@@ -63,6 +63,9 @@ def test_local_checkpoint_as_a_helm_deployment(tmp_path, monkeypatch):
 
 def test_helm_deploy_refuses_what_it_cannot_serve(tmp_path, capsys):
     assert main(["helm-deploy", "x", str(tmp_path / "missing")]) == 2
+    assert f"{tmp_path / 'missing'}: no such file or directory" in capsys.readouterr().err
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    assert main(["helm-deploy", "x", str(tmp_path / "notes.txt")]) == 2
     assert "expected a Hugging Face checkpoint directory or a .gguf file" in capsys.readouterr().err
     assert main(["helm-deploy", "x", str(tmp_path), "--policy", "{gpu"]) == 2
     assert "--policy is not JSON" in capsys.readouterr().err
