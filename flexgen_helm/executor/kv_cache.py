@@ -40,6 +40,7 @@ the packed columns."""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import math
@@ -298,6 +299,9 @@ class KVCacheSlot:
         ring holds only the last `rows` of them). units: the (sorted) units k and v hold when
         not all (finished sequences left the batch): the others' rows at these positions are
         written as zeros, never read."""
+        if units is not None and self._rewrites_packed(k.shape[0], tiers):
+            self._rewrite_packed(k, v, start, units, tiers)
+            return
         if units is not None:
             total = sum(self.units.values())
             k, v = all_units(k, units, total), all_units(v, units, total)
@@ -320,6 +324,31 @@ class KVCacheSlot:
             self._write_rows(k.narrow(0, a, n), v.narrow(0, a, n), row, tiers)
         if self._starts is not None:
             self._round_completed_groups(*written, units)
+
+    def _rewrites_packed(self, positions: int, tiers: tuple[str, ...]) -> bool:
+        """Whether a write is a decode step's per-token rewrite of tiers whose computed units
+        append_in_place packed to their front (each tier holding units): then it rounds and
+        writes those units' rows alone (_rewrite_packed), with no scatter of them among all the
+        units for _write_rows to pick them back out of (half the write's time at SmolLM2's
+        shapes: runs/compression_8bit/decode_paths/README.md)."""
+        return positions == 1 and self.rounding is not None and self._starts is None and \
+            all(tier in self._packed for tier in tiers if self.ranges[tier][0] != self.ranges[tier][1])
+
+    def _rewrite_packed(self, k: torch.Tensor, v: torch.Tensor, start: int, units: torch.Tensor,
+                        tiers: tuple[str, ...]) -> None:
+        """write() of one position's k, v ((1, len(units), d), the sorted computed `units`) on
+        packed tiers (_rewrites_packed): rounded per token in one call, each tier's run of
+        units copied to the front of its row, where append_in_place put them."""
+        kv = fake_quantize(torch.cat([k, v]), self.rounding, CACHE_GROUP_DIM)
+        row, computed = self._row(start), units.tolist()
+        for tier in tiers:
+            a, b = self.ranges[tier]
+            if a == b:
+                continue
+            lo, hi = bisect.bisect_left(computed, a), bisect.bisect_left(computed, b)
+            assert hi - lo == len(self._packed[tier]), "a packed tier holds the units its step computed"
+            self.k[tier][row, :hi - lo].copy_(kv[0, lo:hi], non_blocking=True)
+            self.v[tier][row, :hi - lo].copy_(kv[1, lo:hi], non_blocking=True)
 
     def _round_completed_groups(self, k: torch.Tensor, v: torch.Tensor, start: int, units: torch.Tensor | None
                                 ) -> None:
