@@ -99,7 +99,8 @@ SHRINKING = {
     "rounded-cache": Policy(gpu_batch_size=6, num_gpu_batches=1, keep_dense_cache=True,
                             compress_cache=Compression(8, 8, cache_grouping="per-token")),
     # ... split over two tiers, each packing its own computed units (a rewrite's run of units per tier)
-    "rounded-cache-gpu-cpu": Policy(gpu_batch_size=6, num_gpu_batches=1, keep_dense_cache=True, cache=Split(0.5, 0.5, 0),
+    "rounded-cache-gpu-cpu": Policy(gpu_batch_size=6, num_gpu_batches=1, keep_dense_cache=True,
+                                    cache=Split(0.5, 0.5, 0),
                                     compress_cache=Compression(8, 8, cache_grouping="per-token")),
     # groups of 3 (2 values round exactly to a 4-bit min/max grid): each rounded in place once
     # complete, in the packed columns once some sequences finished
