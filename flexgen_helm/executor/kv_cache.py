@@ -329,8 +329,8 @@ class KVCacheSlot:
         """Whether a write is a decode step's per-token rewrite of tiers whose computed units
         append_in_place packed to their front (each tier holding units): then it rounds and
         writes those units' rows alone (_rewrite_packed), with no scatter of them among all the
-        units for _write_rows to pick them back out of (half the write's time at SmolLM2's
-        shapes: runs/compression_8bit/decode_paths/README.md)."""
+        units for _write_rows to pick them back out of (0.6-0.9x the general write's time at
+        SmolLM2's shapes, less where more units finished: runs/bench/pertoken_rewrite)."""
         return positions == 1 and self.rounding is not None and self._starts is None and \
             all(tier in self._packed for tier in tiers if self.ranges[tier][0] != self.ranges[tier][1])
 
