@@ -80,7 +80,8 @@ def main() -> None:
         record[f"units_{units}"] = {name: round(statistics.median(t), 4) for name, t in times.items()}
     record.update(threads=args.threads, rounds=args.rounds, host=machine_label(),
                   loadavg_1m=[round(load, 2), round(os.getloadavg()[0], 2)],
-                  command=f"python runs/bench/pertoken_rewrite/rewrite.py --threads {args.threads} --rounds {args.rounds}")
+                  command=f"python runs/bench/pertoken_rewrite/rewrite.py --threads {args.threads} "
+                          f"--rounds {args.rounds}")
     print(json.dumps(record))
     with open(args.out, "a") as f:
         f.write(json.dumps(record) + "\n")
