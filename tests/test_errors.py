@@ -48,6 +48,7 @@ def test_cli_reports_unknown_model(capsys):
     (["--temperature", "-1"], "temperature must be >= 0, got -1.0"),
     (["--top-p", "1.5"], r"top_p must be in \(0, 1\], got 1.5"),
     (["--num-completions", "0"], "num_completions must be >= 1, got 0"),
+    (["--top-k", "-2"], r"top_k must be >= 0 \(0: no top-k filter\), got -2"),
     (["--prompt", "word " * 70], r"prompt 1 has \d+ tokens; with 32 new tokens .* context of .* \(64 tokens\)"),
 ])
 def test_generate_refuses_a_bad_request_before_the_model_loads(tiny_llama, monkeypatch, capsys, flags, message):
@@ -55,6 +56,13 @@ def test_generate_refuses_a_bad_request_before_the_model_loads(tiny_llama, monke
     monkeypatch.setattr(Engine, "load", classmethod(lambda *a, **k: pytest.fail("the model was loaded")))
     assert main(["generate", "--model", str(tiny_llama), "--device", "cpu", "--prompt", "hi", *flags]) == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_generate_refuses_an_empty_prompt_before_the_model_loads(monkeypatch, capsys):
+    """SmolLM2's tokenizer adds no BOS: "" encodes to no token at all."""
+    monkeypatch.setattr(Engine, "load", classmethod(lambda *a, **k: pytest.fail("the model was loaded")))
+    assert main(["generate", "--model", "smollm2-135m", "--prompt", "hi", "", "--max-new-tokens", "2"]) == 2
+    assert "prompt 1 is empty (no tokens)" in capsys.readouterr().err
 
 
 def test_bench_refuses_a_prompt_longer_than_the_context_before_the_model_loads(tiny_llama, monkeypatch, capsys):

@@ -49,6 +49,8 @@ class SamplingParams:
             raise FlexGenError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise FlexGenError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise FlexGenError(f"top_k must be >= 0 (0: no top-k filter), got {self.top_k}")
         if self.num_completions < 1:
             raise FlexGenError(f"num_completions must be >= 1, got {self.num_completions}")
 

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from flexgen_helm.engine import Engine, EngineCore, check_fits_context
+from flexgen_helm.errors import FlexGenError
 from flexgen_helm.executor.sampling import Completion, RunStats, SamplingParams, ScoreRun
 from flexgen_helm.text.stopping import StopStrings
 from flexgen_helm.text.token_text import token_text_for
@@ -43,8 +44,10 @@ def check_text_request(model: str, prompts: list[str], params: SamplingParams, p
     resolved = resolve(model, path=path, dummy=dummy)
     token_text = token_text_for(resolved.load_tokenizer())
     for i, prompt in enumerate(prompts):
-        check_fits_context(resolved.config, f"prompt {i}", len(token_text.encode_prompt(prompt)),
-                           params.max_new_tokens)
+        tokens = len(token_text.encode_prompt(prompt))
+        if not tokens:
+            raise FlexGenError(f"prompt {i} is empty (no tokens)")
+        check_fits_context(resolved.config, f"prompt {i}", tokens, params.max_new_tokens)
 
 
 class TextEngine:
