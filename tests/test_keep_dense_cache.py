@@ -209,3 +209,44 @@ def test_the_search_holds_the_cache_dense_only_where_it_fits_and_pays():
     assert not search(OPT13, prof, 512, 64, tight, SearchOptions(**kivi)).policy.keep_dense_cache
     with pytest.raises(PolicyError, match="keep_dense_cache: no block fits the budgets .* drop --keep-dense-cache"):
         search(OPT13, prof, 512, 64, tight, SearchOptions(**kivi, keep_dense_cache=True))
+
+
+@pytest.mark.parametrize("held_out", [None, (2, 5)])
+def test_a_per_token_rewrite_of_packed_units_writes_what_the_general_write_does(held_out):
+    """A decode step's rewrite once some sequences finished, over two tiers read in place
+    (KVCacheSlot._rewrite_packed: the computed units' rows alone, rounded and copied to the
+    packed columns): bit for bit the general write's rows (all units scattered, rounded, the
+    packed ones picked back out), around a held-out shared prefix too."""
+    devices = Devices(torch.device("cpu"), torch.float32)
+    units, d = {"gpu": 4, "cpu": 3, "disk": 0}, 8
+    rounding = Compression(8, 8, cache_grouping="per-token")
+    held, fast_writes = {}, []
+    for path in ("packed", "general"):
+        slot = KVCacheSlot(units, 12, d, devices, TierUsage(), None, False, held_out=held_out, rounding=rounding)
+        if path == "general":
+            slot._rewrites_packed = lambda positions, tiers: False
+        else:
+            rewrite = slot._rewrite_packed
+            slot._rewrite_packed = lambda *args, _rewrite=rewrite: (fast_writes.append(args[2]), _rewrite(*args))
+        torch.manual_seed(0)
+        prompt = torch.randn(6, 7, d)
+        slot.write(prompt, prompt.clone(), 0)
+        for position, computed in ((6, [0, 2, 3, 5, 6]), (7, [2, 5, 6]), (8, [5])):
+            live = torch.tensor(computed)
+            k, v = torch.randn(len(live), 1, d), torch.randn(len(live), 1, d)
+            tiers = []
+            for tier in ("gpu", "cpu"):
+                a, b = slot.ranges[tier]
+                mine = (live >= a) & (live < b)
+                if mine.any():
+                    slot.append_in_place(tier, k[mine], v[mine], position, live[mine] - a)
+                    tiers.append(tier)
+            slot.write(k.transpose(0, 1), v.transpose(0, 1), position, live, tuple(tiers))
+            held[path, position] = {tier: (slot.k[tier][:slot._row(position) + 1, :len(slot._packed[tier])].clone(),
+                                           slot.v[tier][:slot._row(position) + 1, :len(slot._packed[tier])].clone())
+                                    for tier in tiers}
+    assert fast_writes == [6, 7, 8]  # every step's rewrite took the packed path
+    for position in (6, 7, 8):
+        for tier, (k, v) in held["packed", position].items():
+            assert torch.equal(k, held["general", position][tier][0])
+            assert torch.equal(v, held["general", position][tier][1])

@@ -35,8 +35,9 @@ view for every later step, where gathered every step they were copied at each on
 (runs/bench/packed_units). Such a tier is then read by append_in_place alone (never by
 read()), and written by it, or, in a slot that rounds its writes, by the step's rewrite of
 its one position (rounded per token, at every step; under KIVI only at a step that completes
-some unit's group, which it rounds: rewrites_in_place), which _write_rows and _held_at put in
-the packed columns."""
+some unit's group, which it rounds: rewrites_in_place), which puts them in the packed
+columns: _rewrite_packed per token (only the computed units' rows, rounded and copied), or
+_write_rows and _held_at (KIVI, and a step whose tiers are not all packed)."""
 
 from __future__ import annotations
 
@@ -330,7 +331,7 @@ class KVCacheSlot:
         append_in_place packed to their front (each tier holding units): then it rounds and
         writes those units' rows alone (_rewrite_packed), with no scatter of them among all the
         units for _write_rows to pick them back out of (0.6-0.9x the general write's time at
-        SmolLM2's shapes, less where more units finished: runs/bench/pertoken_rewrite)."""
+        SmolLM2's shapes, a third of the units computing: runs/bench/pertoken_rewrite)."""
         return positions == 1 and self.rounding is not None and self._starts is None and \
             all(tier in self._packed for tier in tiers if self.ranges[tier][0] != self.ranges[tier][1])
 
@@ -346,7 +347,9 @@ class KVCacheSlot:
             if a == b:
                 continue
             lo, hi = bisect.bisect_left(computed, a), bisect.bisect_left(computed, b)
-            assert hi - lo == len(self._packed[tier]), "a packed tier holds the units its step computed"
+            if not torch.equal(self._packed[tier], units[lo:hi] - a):  # never a silent write to other units' columns
+                raise AssertionError(f"tier {tier} packed units {self._packed[tier].tolist()}, not the ones this "
+                                     f"write computed, {(units[lo:hi] - a).tolist()}")
             self.k[tier][row, :hi - lo].copy_(kv[0, lo:hi], non_blocking=True)
             self.v[tier][row, :hi - lo].copy_(kv[1, lo:hi], non_blocking=True)
 
@@ -480,9 +483,9 @@ class KVCacheSlot:
         tier's units `local`, None: all of them) at `position` and return the keys and values
         of positions [0, position] of those units, (n, t, d): views of the cache (its
         computed units packed to its front where some finished: _pack). A slot that rounds
-        its writes rewrites the position rounded after the step (write, where _write_rows
-        finds the packed units): every step per token, under KIVI only a step that completes
-        a group (rewrites_in_place)."""
+        its writes rewrites the position rounded after the step (write, into the packed
+        columns): every step per token, under KIVI only a step that completes a group
+        (rewrites_in_place)."""
         kt, vt = self.k[tier], self.v[tier]
         row = self._row(position)
         if local is None:

@@ -37,9 +37,10 @@ class TextRun:
 
 def check_text_request(model: str, prompts: list[str], params: SamplingParams, path: str | None = None,
                        dummy: bool = False) -> None:
-    """What generating `prompts` with `params` would refuse, refused before any weight of
-    `model` is read (loading a large model takes minutes): the sampling settings, and each
-    prompt's encoding (the model's tokenizer, as TextEngine encodes it) against the context."""
+    """The refusals of generating `prompts` with `params` that need no weight of `model`,
+    made before any is read (loading a large model takes minutes): the sampling settings, and
+    each prompt's encoding (the model's tokenizer, as TextEngine encodes it): not empty, and
+    within the context."""
     params.validate()
     resolved = resolve(model, path=path, dummy=dummy)
     token_text = token_text_for(resolved.load_tokenizer())

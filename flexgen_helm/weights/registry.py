@@ -71,13 +71,13 @@ def resolve(model: str, path: str | os.PathLike | None = None, dummy: bool = Fal
 def _real_source(model: str, path) -> WeightSource | None:
     """The source of real weights, or None for a known OPT size or MoE geometry with no path given."""
     if path is not None:
-        return _local_source(Path(path), name=model)
+        return _local_source(Path(path).expanduser(), name=model)
     if model.lower() in SMOLLM2_ALIASES:
         return GGUFFile(_smollm2_gguf(), name=SMOLLM2, cache_dir=default_cache_dir())
     if _opt_size(model) or moe.geometry(model) is not None:
         return None
-    if Path(model).exists():
-        return _local_source(Path(model), name=None)
+    if Path(model).expanduser().exists():
+        return _local_source(Path(model).expanduser(), name=None)
     if model.endswith(".gguf") or model.startswith(("/", "./", "../", "~")):  # a path, not a name
         raise ModelNotFoundError(f"{model}: no such file or directory")
     raise ModelNotFoundError(
