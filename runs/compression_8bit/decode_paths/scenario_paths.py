@@ -65,6 +65,28 @@ print(json.dumps({"prefill_s": round(spent["prefill"], 3), "decode_s": round(spe
 """
 
 
+def run_child(child: str, name: str, child_args: list[str], requests: int, command: str, out: Path,
+              **fields) -> dict:
+    """Runs `child` for one path (argv: the request file's folder, the saved requests, how many,
+    the path's name, then child_args) in its own process, and appends its record to `out`: the
+    child's last stdout line (JSON) after `fields`, with the host, the load before and after, and
+    the command. A child that fails stops the run with its error."""
+    from flexgen_helm.memory.machine import machine_label
+
+    load = os.getloadavg()[0]
+    done = subprocess.run([sys.executable, "-c", child, str(REPO / "runs/bench/merged_head"), str(STATE),
+                           str(requests), name, *child_args], capture_output=True, text=True, cwd=REPO)
+    if done.returncode:
+        sys.exit(f"{name}: the run failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    record = {**fields, "path": name, **json.loads(done.stdout.strip().splitlines()[-1]), "requests": requests,
+              "host": machine_label(), "loadavg_1m": [round(load, 2), round(os.getloadavg()[0], 2)],
+              "command": command}
+    print(json.dumps(record), flush=True)
+    with open(out, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    return record
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=10)
@@ -72,24 +94,12 @@ def main() -> None:
     p.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
     p.add_argument("--out", type=Path, default=HERE / "scenario_paths.jsonl")
     args = p.parse_args()
-    from flexgen_helm.memory.machine import machine_label
-
     command = (f"python runs/compression_8bit/decode_paths/scenario_paths.py --requests {args.requests} "
                f"--rounds {args.rounds} --paths {' '.join(args.paths)}")
     for r in range(args.rounds):
-        for name, policy in ((n, PATHS[n]) for n in args.paths):
-            load = os.getloadavg()[0]
-            done = subprocess.run([sys.executable, "-c", CHILD, str(REPO / "runs/bench/merged_head"), str(STATE),
-                                   str(args.requests), name, json.dumps(policy)],
-                                  capture_output=True, text=True, cwd=REPO)
-            if done.returncode:
-                sys.exit(f"{name}: the run failed ({done.returncode}):\n{done.stderr[-3000:]}")
-            record = {"round": r, "path": name, "code": str(REPO), **json.loads(done.stdout.strip().splitlines()[-1]),
-                      "requests": args.requests, "host": machine_label(),
-                      "loadavg_1m": [round(load, 2), round(os.getloadavg()[0], 2)], "command": command}
-            print(json.dumps(record), flush=True)
-            with open(args.out, "a") as f:
-                f.write(json.dumps(record) + "\n")
+        for name in args.paths:
+            run_child(CHILD, name, [json.dumps(PATHS[name])], args.requests, command, args.out, round=r,
+                      code=str(REPO))
 
 
 if __name__ == "__main__":

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from scenario_paths import PATHS, REPO, STATE  # noqa: E402
+from scenario_paths import PATHS, run_child  # noqa: E402
 
 # The functions whose cumulative time is reported: what the
 # block schedule runs (prefill, decode), the linears (dense copies included), attention, and
@@ -70,25 +68,12 @@ def main() -> None:
                    choices=list(PATHS))
     p.add_argument("--out", type=Path, default=HERE / "where_time_goes.jsonl")
     args = p.parse_args()
-    from flexgen_helm.memory.machine import machine_label
-
     command = (f"python runs/compression_8bit/decode_paths/where_time_goes.py --requests {args.requests} "
                f"--rounds {args.rounds} --paths {' '.join(args.paths)}")
     for r in range(args.rounds):
-        order = args.paths[r % len(args.paths):] + args.paths[:r % len(args.paths)]
-        for name in order:
-            load = os.getloadavg()[0]
-            done = subprocess.run([sys.executable, "-c", CHILD, str(REPO / "runs/bench/merged_head"), str(STATE),
-                                   str(args.requests), name, json.dumps(PATHS[name]), json.dumps(FUNCTIONS)],
-                                  capture_output=True, text=True, cwd=REPO)
-            if done.returncode:
-                sys.exit(f"{name}: the run failed ({done.returncode}):\n{done.stderr[-3000:]}")
-            record = {"round": r, "path": name, **json.loads(done.stdout.strip().splitlines()[-1]),
-                      "requests": args.requests, "host": machine_label(),
-                      "loadavg_1m": [round(load, 2), round(os.getloadavg()[0], 2)], "command": command}
-            print(json.dumps(record), flush=True)
-            with open(args.out, "a") as f:
-                f.write(json.dumps(record) + "\n")
+        for name in args.paths[r % len(args.paths):] + args.paths[:r % len(args.paths)]:
+            run_child(CHILD, name, [json.dumps(PATHS[name]), json.dumps(FUNCTIONS)], args.requests, command, args.out,
+                      round=r)
 
 
 if __name__ == "__main__":
