@@ -15,9 +15,9 @@ the load average. The compressed slot's decode steps also dequantize its groups 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -26,11 +26,13 @@ import torch
 from flexgen_helm.executor.kivi_cache import KiviCacheSlot
 from flexgen_helm.executor.kv_cache import KVCacheSlot
 from flexgen_helm.memory.devices import Devices
-from flexgen_helm.memory.machine import machine_label
 from flexgen_helm.memory.usage import TierUsage
 from flexgen_helm.policy import Compression
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from record import append_record  # noqa: E402
+
 UNITS, HEAD_DIM, PROMPT, STEPS = 30, 64, 230, 64
 KIVI = Compression(4, 64, cache_grouping="kivi")
 
@@ -74,13 +76,8 @@ def main() -> None:
     record = {name: {"prefill_write_ms": round(1e3 * statistics.median(t[0] for t in runs), 2),
                      "decode_writes_ms": round(1e3 * statistics.median(t[1] for t in runs), 2)}
               for name, runs in times.items()}
-    record.update(threads=args.threads, rounds=args.rounds, host=machine_label(),
-                  loadavg_1m=[round(load, 2), round(os.getloadavg()[0], 2)],
-                  command=f"python runs/bench/kivi_held_dense/slot_writes.py --threads {args.threads} "
-                          f"--rounds {args.rounds}")
-    print(json.dumps(record))
-    with open(args.out, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    append_record(args.out, record, load, f"python runs/bench/kivi_held_dense/slot_writes.py --threads {args.threads} "
+                  f"--rounds {args.rounds}", threads=args.threads, rounds=args.rounds)
 
 
 if __name__ == "__main__":

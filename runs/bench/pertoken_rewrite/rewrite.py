@@ -17,7 +17,6 @@ rewrite) is appended to --out (default results.jsonl beside this file), with the
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -28,11 +27,13 @@ import torch
 
 from flexgen_helm.executor.kv_cache import KVCacheSlot
 from flexgen_helm.memory.devices import Devices
-from flexgen_helm.memory.machine import machine_label
 from flexgen_helm.memory.usage import TierUsage
 from flexgen_helm.policy import Compression
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from record import append_record  # noqa: E402
+
 HEAD_DIM, PROMPT, STEPS = 64, 40, 64
 ROUNDING = Compression(8, 64, cache_grouping="per-token")
 
@@ -78,13 +79,8 @@ def main() -> None:
             times["general_write_ms"].append(_run(units, False)[0])
             times["packed_rewrite_ms"].append(_run(units, True)[0])
         record[f"units_{units}"] = {name: round(statistics.median(t), 4) for name, t in times.items()}
-    record.update(threads=args.threads, rounds=args.rounds, host=machine_label(),
-                  loadavg_1m=[round(load, 2), round(os.getloadavg()[0], 2)],
-                  command=f"python runs/bench/pertoken_rewrite/rewrite.py --threads {args.threads} "
-                          f"--rounds {args.rounds}")
-    print(json.dumps(record))
-    with open(args.out, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    append_record(args.out, record, load, f"python runs/bench/pertoken_rewrite/rewrite.py --threads {args.threads} "
+                  f"--rounds {args.rounds}", threads=args.threads, rounds=args.rounds)
 
 
 if __name__ == "__main__":
