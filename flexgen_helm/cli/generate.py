@@ -43,6 +43,7 @@ def run(args) -> int:
     check_budgets_steer(args)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, num_completions=args.num_completions)
+    # refused before minutes of loading; the prompts are encoded again by TextEngine (milliseconds)
     check_text_request(args.model, args.prompt, params, path=args.path, dummy=args.dummy)
     engine = engine_class(args.pipeline).load(args.model, policy_from_args(args), path=args.path, dummy=args.dummy,
                                               offload_dir=args.offload_dir, device=args.device, dtype=args.dtype)

@@ -1,14 +1,30 @@
-"""A bench's result appended as one JSON line with what it ran on (the host, the load average
-before and after, the command): shared by the benches under runs/bench that time rounds in one
-process (kivi_held_dense/slot_writes.py, pertoken_rewrite/rewrite.py)."""
+"""What the benches under runs/bench that time rounds in one process share
+(kivi_held_dense/slot_writes.py, pertoken_rewrite/rewrite.py): their arguments, and their result
+appended as one JSON line with what it ran on (the host, the load average before and after, the
+command)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from pathlib import Path
 
+import torch
+
 from flexgen_helm.memory.machine import machine_label
+
+
+def bench_args(doc: str, here: Path, rounds: int) -> argparse.Namespace:
+    """--threads (torch's, set here), --rounds (default `rounds`) and --out (default
+    results.jsonl in `here`, the bench's folder); `doc`'s first line describes the bench."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--out", type=Path, default=here / "results.jsonl")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    return args
 
 
 def append_record(out: Path, record: dict, load_before: float, command: str, **fields) -> None:

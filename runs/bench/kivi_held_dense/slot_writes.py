@@ -14,7 +14,6 @@ the load average. The compressed slot's decode steps also dequantize its groups 
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -31,7 +30,7 @@ from flexgen_helm.policy import Compression
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from record import append_record  # noqa: E402
+from record import append_record, bench_args  # noqa: E402
 
 UNITS, HEAD_DIM, PROMPT, STEPS = 30, 64, 230, 64
 KIVI = Compression(4, 64, cache_grouping="kivi")
@@ -48,12 +47,7 @@ def _timed(make, k: torch.Tensor, v: torch.Tensor) -> tuple[float, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--out", type=Path, default=HERE / "results.jsonl")
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
+    args = bench_args(__doc__, HERE, rounds=5)
     torch.manual_seed(0)
     devices = Devices(torch.device("cpu"), torch.float32)
     units = {"gpu": UNITS, "cpu": 0, "disk": 0}

@@ -10,13 +10,12 @@ Shapes: head_dim 64, 8 bits in groups of 64; 30 units (the main job's 10 pattern
 10 sequences x 3 key-value heads) and 300 (pattern_match's block of 100), a third of them still
 computing, a 40-position prompt, then 64 decode steps (append_in_place, then the rewrite timed).
 Rounds alternate the two paths in one process, after a warm-up; both must leave the computed
-units' rows bit for bit the same, or the run stops. One JSON line per run (medians, ms per
+units' rows bit for bit the same, and each run must take the path it names, or the run stops. One JSON line per run (medians, ms per
 rewrite) is appended to --out (default results.jsonl beside this file), with the host and load.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -32,7 +31,7 @@ from flexgen_helm.policy import Compression
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from record import append_record  # noqa: E402
+from record import append_record, bench_args  # noqa: E402
 
 HEAD_DIM, PROMPT, STEPS = 64, 40, 64
 ROUNDING = Compression(8, 64, cache_grouping="per-token")
@@ -46,6 +45,9 @@ def _run(units: int, packed_path: bool) -> tuple[float, KVCacheSlot]:
                        Devices(torch.device("cpu"), torch.float32), TierUsage(), None, False, rounding=ROUNDING)
     if not packed_path:
         slot._rewrites_packed = lambda positions, tiers: False  # the general write, as before
+    taken = []  # the steps that took the packed rewrite: all of them, or none, as the run names
+    rewrite = slot._rewrite_packed
+    slot._rewrite_packed = lambda *args: (taken.append(args[2]), rewrite(*args))
     prompt = torch.randn(PROMPT, units, HEAD_DIM)
     slot.write(prompt, prompt.clone(), 0)
     spent = 0.0
@@ -55,16 +57,14 @@ def _run(units: int, packed_path: bool) -> tuple[float, KVCacheSlot]:
         t0 = time.perf_counter()
         slot.write(k.transpose(0, 1), v.transpose(0, 1), position, live, ("gpu",))
         spent += time.perf_counter() - t0
+    if len(taken) != (STEPS if packed_path else 0):
+        sys.exit(f"{units} units: the {'packed' if packed_path else 'general'} run took the packed rewrite at "
+                 f"{len(taken)} of {STEPS} steps: it would not time what it names")
     return 1e3 * spent / STEPS, slot
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--out", type=Path, default=HERE / "results.jsonl")
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
+    args = bench_args(__doc__, HERE, rounds=7)
     load = os.getloadavg()[0]
     record = {}
     for units in (30, 300):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from scenario_paths import PATHS, run_child  # noqa: E402
+from scenario_paths import PATHS, REPO, run_child  # noqa: E402
 
 # The functions whose cumulative time is reported: what the
 # block schedule runs (prefill, decode), the linears (dense copies included), attention, and
@@ -68,6 +68,9 @@ def main() -> None:
                    choices=list(PATHS))
     p.add_argument("--out", type=Path, default=HERE / "where_time_goes.jsonl")
     args = p.parse_args()
+    for key, (file, function) in FUNCTIONS.items():  # a renamed one would read as 0 s: not called
+        if f"def {function}(" not in (REPO / "flexgen_helm" / file).read_text():
+            sys.exit(f"{key}: flexgen_helm/{file} defines no {function}(); update FUNCTIONS")
     command = (f"python runs/compression_8bit/decode_paths/where_time_goes.py --requests {args.requests} "
                f"--rounds {args.rounds} --paths {' '.join(args.paths)}")
     for r in range(args.rounds):
