@@ -10,8 +10,9 @@ Shapes: head_dim 64, 8 bits in groups of 64; 30 units (the main job's 10 pattern
 10 sequences x 3 key-value heads) and 300 (pattern_match's block of 100), a third of them still
 computing, a 40-position prompt, then 64 decode steps (append_in_place, then the rewrite timed).
 Rounds alternate the two paths in one process, after a warm-up; both must leave the computed
-units' rows bit for bit the same, and each run must take the path it names, or the run stops. One JSON line per run (medians, ms per
-rewrite) is appended to --out (default results.jsonl beside this file), with the host and load.
+units' rows bit for bit the same, and each run must take the path it names, or the run stops.
+One JSON line per run (medians, ms per rewrite) is appended to --out (default results.jsonl
+beside this file), with the host and load.
 """
 
 from __future__ import annotations
