@@ -49,6 +49,7 @@ def test_cli_reports_unknown_model(capsys):
     (["--top-p", "1.5"], r"top_p must be in \(0, 1\], got 1.5"),
     (["--num-completions", "0"], "num_completions must be >= 1, got 0"),
     (["--top-k", "-2"], r"top_k must be >= 0 \(0: no top-k filter\), got -2"),
+    (["--stop", "\n", ""], "stop string 1 is empty: it would stop nothing"),
     (["--prompt", "word " * 70], r"prompt 1 has \d+ tokens; with 32 new tokens .* context of .* \(64 tokens\)"),
 ])
 def test_generate_refuses_a_bad_request_before_the_model_loads(tiny_llama, monkeypatch, capsys, flags, message):

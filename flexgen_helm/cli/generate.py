@@ -44,10 +44,11 @@ def run(args) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, num_completions=args.num_completions)
     # refused before minutes of loading; the prompts are encoded again by TextEngine (milliseconds)
-    check_text_request(args.model, args.prompt, params, path=args.path, dummy=args.dummy)
+    stop_strings = tuple(args.stop or ())
+    check_text_request(args.model, args.prompt, params, path=args.path, dummy=args.dummy, stop_strings=stop_strings)
     engine = engine_class(args.pipeline).load(args.model, policy_from_args(args), path=args.path, dummy=args.dummy,
                                               offload_dir=args.offload_dir, device=args.device, dtype=args.dtype)
-    run = TextEngine(engine).generate(args.prompt, params, stop_strings=tuple(args.stop or ()))
+    run = TextEngine(engine).generate(args.prompt, params, stop_strings=stop_strings)
     engine.close()
     if not is_reporting_rank(engine):
         return 0

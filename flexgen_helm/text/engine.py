@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from flexgen_helm.engine import Engine, EngineCore, check_fits_context
@@ -36,12 +37,17 @@ class TextRun:
 
 
 def check_text_request(model: str, prompts: list[str], params: SamplingParams, path: str | None = None,
-                       dummy: bool = False) -> None:
+                       dummy: bool = False, stop_strings: Sequence[str] = ()) -> None:
     """The refusals of generating `prompts` with `params` that need no weight of `model`,
-    made before any is read (loading a large model takes minutes): the sampling settings, and
-    each prompt's encoding (the model's tokenizer, as TextEngine encodes it): not empty, and
-    within the context."""
+    made before any is read (loading a large model takes minutes): the sampling settings, the
+    stop strings (an empty one would stop nothing: StopStrings skips it, as a HELM request's
+    may carry one), and each prompt's encoding (the model's tokenizer, as TextEngine encodes
+    it): not empty, and within the context."""
     params.validate()
+    for i, stop in enumerate(stop_strings):
+        if not stop:
+            raise FlexGenError(f"stop string {i} is empty: it would stop nothing (leave it out to generate "
+                               f"up to the new-token limit)")
     resolved = resolve(model, path=path, dummy=dummy)
     token_text = token_text_for(resolved.load_tokenizer())
     for i, prompt in enumerate(prompts):
