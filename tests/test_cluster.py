@@ -7,7 +7,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -19,17 +18,14 @@ import pytest
 
 pytest.importorskip("helm")
 
+from ports import free_port
+
 from flexgen_helm.dist import rendezvous
 from flexgen_helm.errors import ClusterError
 from flexgen_helm.helm import slurm, slurm_orphans
 
 REPO = Path(__file__).resolve().parents[1]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ----- Slurm absent or down ---------------------------------------------------------------------
@@ -167,7 +163,7 @@ def _rank_env(monkeypatch, rank: int, port: int) -> None:
 def test_a_rank_that_cannot_reach_the_rendezvous_exits_naming_address_and_timeout(monkeypatch):
     from flexgen_helm.helm import data_parallel
 
-    port = _free_port()  # nobody listens there
+    port = free_port()  # nobody listens there
     _rank_env(monkeypatch, 1, port)
     monkeypatch.setenv(rendezvous.TIMEOUT_ENV, "1")
     started = time.monotonic()
@@ -180,7 +176,7 @@ def test_a_rank_that_cannot_reach_the_rendezvous_exits_naming_address_and_timeou
 
 
 def test_rank_0_whose_peer_never_comes_gives_up_after_the_timeout(monkeypatch):
-    port = _free_port()
+    port = free_port()
     _rank_env(monkeypatch, 0, port)
     with pytest.raises(ClusterError, match=f"rank 0 of 2: .* at 127.0.0.1:{port} did not complete within 1 s"):
         rendezvous.join_process_group("gloo", 1.0)
@@ -192,7 +188,7 @@ def _pythonpath_env(**extra) -> dict:
 
 
 def test_a_pipeline_rank_that_cannot_reach_the_rendezvous_exits_leaving_no_process(tmp_path):
-    port = _free_port()  # nobody listens there
+    port = free_port()  # nobody listens there
     env = _pythonpath_env(RANK=1, WORLD_SIZE=2, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                           **{rendezvous.TIMEOUT_ENV: 1})
     run = subprocess.Popen([sys.executable, "-m", "flexgen_helm", "generate", "--pipeline", "--prompt", "hi",
@@ -225,7 +221,7 @@ dist.destroy_process_group()
 
 
 def test_a_collective_may_wait_longer_than_the_rendezvous_timeout(tmp_path):
-    port = _free_port()
+    port = free_port()
     ranks = [subprocess.Popen([sys.executable, "-c", _RANK_SCRIPT, str(tmp_path / f"ready{r}"), str(tmp_path / "go")],
                               env=_pythonpath_env(RANK=r, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]

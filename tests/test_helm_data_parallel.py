@@ -7,22 +7,17 @@ import datetime
 import json
 import os
 import re
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 from conftest import session_cache_env
+from ports import free_port
 from test_helm_e2e import helm_run, run_dirs
 
 pytest.importorskip("helm")
 ENTRIES = ["lambada:model=flexgen/smollm2-135m", "synthetic_reasoning:mode=pattern_match,model=flexgen/smollm2-135m"]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _completions(run_dir):
@@ -36,7 +31,7 @@ def test_two_replicas_give_the_single_process_run(tmp_path, fake_helm_suite):
     (FLEXGEN_FAKE_BLOCK): each scenario's three requests are two batches, one a rank, so
     that rank 1's results reach the run too."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                "--master-port", str(_free_port()), "-m", "flexgen_helm.helm.data_parallel"]
+                "--master-port", str(free_port()), "-m", "flexgen_helm.helm.data_parallel"]
     # the fake engine keeps this about the plumbing (the real one is tested end to end elsewhere)
     log = helm_run(tmp_path / "dp", ENTRIES, launcher=torchrun, max_instances=3, fake=True,
                    env=dict(os.environ, FLEXGEN_FAKE_BLOCK="2"))

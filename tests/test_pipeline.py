@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 from flexgen_helm.engine import Engine
 from flexgen_helm.executor.sampling import SamplingParams
@@ -23,11 +23,6 @@ PROMPTS = ["hello world", "abc", "a much longer prompt here", "xyz", "0123456789
 ARGS = ["--dtype", "float32", "--max-new-tokens", "5", "--gpu-batch-size", "1", "--num-gpu-batches", "2",
         "--percent", "40", "30", "0", "50", "100", "0"]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_generate(model, out, tmp_path, procs: int, extra=(), timeout=240, prompts=PROMPTS, torchrun=True):
@@ -39,7 +34,7 @@ def run_generate(model, out, tmp_path, procs: int, extra=(), timeout=240, prompt
             "--offload-dir", str(tmp_path / "offload"), "--json", str(out), *extra]
     if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--master-port",
-               str(_free_port()), *argv]
+               str(free_port()), *argv]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ})
     return run_ranks(argv, procs, tmp_path, timeout)
 
@@ -48,7 +43,7 @@ def run_ranks(argv, procs: int, tmp_path, timeout) -> subprocess.CompletedProces
     """`python *argv` in `procs` processes started here with the variables torchrun gives its
     ranks (as srun's tasks get them): their output in tmp_path/rank-R.log, to the first
     failure (the others are then ended) or all ends."""
-    port = _free_port()
+    port = free_port()
     logs = [tmp_path / f"rank-{r}.log" for r in range(procs)]  # files, not pipes: no rank blocks on a full one
     # a script's own folder heads its sys.path, not the working directory: the checkout's flexgen_helm first
     path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
