@@ -20,8 +20,8 @@ lengths. A batch that generates is kept within `pad_tolerance` of padding as if 
 its longest: its decode steps attend over (and its KV cache holds) the longest prompt's
 positions for every sequence. A scenario planned whole also caps its batches' work at a
 share of its requests' (`batch_cap`): a killed run loses the batch in progress, and a
-smaller batch is less to compute again; not where all of them are predicted to take under a
-minute (UNCAPPED_BLOCK_S).
+smaller batch is less to compute again; not where all of them are predicted to take under five
+minutes (UNCAPPED_BLOCK_S).
 
 A batch that fails (out of memory, a full offload disk, or one bad request) is split in
 halves and retried, down to single requests; a single request that still fails gets its
@@ -112,9 +112,12 @@ MIN_CAPPED_BATCH = 16
 # ... but where the cost model predicts all of a scenario's requests (full blocks, each sequence
 # to its most new tokens) within this many seconds, a killed run loses at most that much, and
 # the batches are the blocks: a batch decodes to its longest generation, so capped batches each
-# decode their few long requests' tails apart (pattern_match, 100 requests: its engine time
-# 34.7 s by median in 2 capped batches, 30.1 s in one; runs/helm_vs_hf/NOTES.md, 2026-11-26 night).
-UNCAPPED_BLOCK_S = 60.0
+# decode their few long requests' tails apart. pattern_match, 100 requests (predicted 40 s): its
+# engine time 34.7 s by median in 2 capped batches, 30.1 s in one (runs/helm_vs_hf/NOTES.md,
+# 2026-11-26 night); 400 requests (predicted 142 s): 5 capped batches 141-148 s of wall time, one
+# batch 122-124 s (runs/helm_vs_hf/batch_cap_400_2026-11-27). Five minutes at risk buys that
+# for a scenario of a few hundred requests; a HELM suite runs for hours.
+UNCAPPED_BLOCK_S = 300.0
 
 
 def batch_cap(requests: int, max_batch: int, share: float = MAX_BATCH_SHARE, tokens_per_request: float = 0.0,
