@@ -185,3 +185,17 @@ def test_a_scenario_predicted_within_the_floor_runs_in_whole_blocks(tiny_llama, 
         return [[j.prompt_ids for j in b] for b in p.batches]
     assert prompts(plan(cached=20)) == prompts(whole)
     assert prompts(plan(cached=20, uncapped_block_s=0)) == prompts(capped)[1:]
+    # predicted beyond the floor: a batch holds the requests predicted within it (30 of the 40),
+    # more than the share's cap allows
+    from flexgen_helm.helm.block_planning import plan_block
+
+    client = FlexGenClient(BlackHoleCacheConfig(), model="tiny-llama", path=str(tiny_llama), deployment=DEPLOYMENT,
+                           dtype="float32", policy=PLACED)
+    jobs = [client.make_job(r, raw, client.handle)[0] for r, raw in client.unique_requests(requests).values()]
+    predicted = plan_block(client.handle, jobs).predicted_s
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        within = plan(uncapped_block_s=predicted * 0.76)
+    assert max(map(len, within.batches)) == min(block, 30), [len(b) for b in within.batches]
+    said = [r.getMessage() for r in caplog.records if "predicted to take" in r.getMessage()]
+    assert len(said) == 1 and "a killed run may lose: a batch holds up to the 30 of them" in said[0], said

@@ -315,7 +315,7 @@ class FlexGenClient(CachingClient):
         jobs = [p.job for p in planned.values()]
         choice = decide(lambda: self._batching_choice(jobs)) if decide else self._batching_choice(jobs)
         return plan_scenario(planned, cached, choice.max_batch, self.pad_tolerance, choice.max_batch_share,
-                             choice.policy, choice.shared_prefix)
+                             choice.policy, choice.shared_prefix, choice.at_risk_batch)
 
     def _batching_choice(self, jobs: list) -> BatchingChoice:
         """The block the jobs run in, and what cuts their batches (plan_scenario)."""
@@ -324,13 +324,20 @@ class FlexGenClient(CachingClient):
         policy = block.policy if block else None
         runs_in = policy or getattr(handle.engine, "policy", None)  # the scenario's block, else the loaded one
         shared = scenario_workload(jobs).shared_prefix if jobs and getattr(runs_in, "prefix_sharing", False) else 0
-        share = self.max_batch_share
-        if block is not None and block.predicted_s <= self.uncapped_block_s:
-            hlog(f"flexgen: these requests are predicted to take {block.predicted_s:.1f} s in all, within the "
-                 f"{self.uncapped_block_s:g} s a killed run may lose: their batches are the blocks, not capped by "
-                 f"work at risk (max_batch_share)")
-            share = None
-        return BatchingChoice(self.max_batch(runs_in), share, policy, shared)
+        share, at_risk = self.max_batch_share, None
+        if block is not None and math.isfinite(block.predicted_s) and self.uncapped_block_s > 0:  # 0: the share alone
+            # the requests predicted within the time a killed run may lose (predicted_s: an upper bound)
+            at_risk = math.floor(len(jobs) * self.uncapped_block_s / block.predicted_s) if block.predicted_s else len(jobs)
+            if at_risk >= len(jobs):
+                hlog(f"flexgen: these requests are predicted to take {block.predicted_s:.1f} s in all, within the "
+                     f"{self.uncapped_block_s:g} s a killed run may lose: their batches are the blocks, not capped by "
+                     f"work at risk (max_batch_share)")
+                share, at_risk = None, None
+            else:
+                hlog(f"flexgen: these requests are predicted to take {block.predicted_s:.1f} s in all, more than the "
+                     f"{self.uncapped_block_s:g} s a killed run may lose: a batch holds up to the {at_risk} of them "
+                     f"predicted within that (or the work max_batch_share allows, if more)")
+        return BatchingChoice(self.max_batch(runs_in), share, policy, shared, at_risk)
 
     def log_plan(self, plan: ScenarioPlan) -> None:
         largest = max(map(len, plan.batches), default=0)

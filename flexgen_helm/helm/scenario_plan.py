@@ -2,8 +2,9 @@
 
 Planned over the whole request list, cached requests included (`batching.plan_batches`, the
 batch size capped by `batching.batch_cap` of the list's length and work, a shared prompt
-prefix counted once per batch where the engine shares it, unless all of the requests are
-predicted within `batching.UNCAPPED_BLOCK_S`): the batches of an
+prefix counted once per batch where the engine shares it, but at least the requests the cost
+model predicts within `batching.UNCAPPED_BLOCK_S`: all of them, uncapped, where it predicts the
+whole scenario within it): the batches of an
 uninterrupted run whatever was cached, so that a resumed run gives the same results and
 `-n` changes nothing. Only the batches that hold an uncached request run; a cached request
 in one of them runs again to keep its batch as it was, and its new result is dropped.
@@ -34,6 +35,9 @@ class BatchingChoice:
     max_batch_share: float | None  # a batch's most work as a share of the scenario's (None: no cap)
     policy: Any = None  # the engine policy the batches run under; None: the loaded one
     shared_prefix: int = 0  # the tokens every generating prompt starts with, computed once a batch
+    # the requests predicted within the time a killed run may lose (client arg uncapped_block_s):
+    # a capped batch may hold that many (None: no prediction, the share alone caps)
+    at_risk_batch: int | None = None
 
 
 @dataclass
@@ -56,14 +60,16 @@ class ScenarioPlan:
 
 
 def plan_scenario(planned: dict[str, PlannedRequest], cached: set[str], max_batch: int, pad_tolerance: float,
-                  max_batch_share: float | None, policy: Any = None, shared_prefix: int = 0) -> ScenarioPlan:
+                  max_batch_share: float | None, policy: Any = None, shared_prefix: int = 0,
+                  at_risk_batch: int | None = None) -> ScenarioPlan:
     """The batches of `planned` (every request of the scenario that can run) that hold an
     uncached request; `max_batch`: the block of `policy`, the engine's for these requests;
     `max_batch_share`: a batch's most work as a share of the scenario's (None: no cap);
     `shared_prefix`: the tokens every generating prompt starts with where that engine computes
-    them once a batch (helm/block_planning.scenario_workload), else 0."""
+    them once a batch (helm/block_planning.scenario_workload), else 0; `at_risk_batch`: the
+    requests a capped batch may hold all the same (BatchingChoice)."""
     key_of_job = {id(p.job): key for key, p in planned.items()}
     jobs = [p.job for p in planned.values()]
-    batches = plan_batches(jobs, max_batch, pad_tolerance, shared_prefix, max_batch_share)
+    batches = plan_batches(jobs, max_batch, pad_tolerance, shared_prefix, max_batch_share, at_risk_batch)
     to_run = [b for b in batches if any(key_of_job[id(j)] not in cached for j in b)]
     return ScenarioPlan(planned, cached, to_run, key_of_job, policy)
