@@ -357,7 +357,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--systems", nargs="+", default=[s.name for s in SYSTEMS], choices=[s.name for s in SYSTEMS])
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     p.add_argument("--max-instances", type=int, default=None,
-                   help="override every scenario's instance count (a quick check, not the benchmark)")
+                   help="every scenario's instance count, in place of its own (SCENARIOS); rows are compared "
+                        "at equal counts: fewer for a quick check, more to spread HELM's fixed work")
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds per scenario, the systems' order rotating from round to round (module doc)")
     p.add_argument("--report-only", action="store_true", help="rewrite README.md from rows.jsonl, run nothing")
