@@ -27,7 +27,6 @@ from flexgen_helm.helm import slurm, slurm_orphans
 REPO = Path(__file__).resolve().parents[1]
 
 
-
 # ----- Slurm absent or down ---------------------------------------------------------------------
 
 

@@ -19,7 +19,6 @@ pytest.importorskip("helm")
 ENTRIES = ["lambada:model=flexgen/smollm2-135m", "synthetic_reasoning:mode=pattern_match,model=flexgen/smollm2-135m"]
 
 
-
 def _completions(run_dir):
     state = json.loads((run_dir / "scenario_state.json").read_text())
     return [rs["result"]["completions"][0]["text"] for rs in state["request_states"]]

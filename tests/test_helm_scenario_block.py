@@ -185,8 +185,8 @@ def test_a_scenario_predicted_within_the_floor_runs_in_whole_blocks(tiny_llama, 
         return [[j.prompt_ids for j in b] for b in p.batches]
     assert prompts(plan(cached=20)) == prompts(whole)
     assert prompts(plan(cached=20, uncapped_block_s=0)) == prompts(capped)[1:]
-    # predicted beyond the floor: a batch holds the requests predicted within it (30 of the 40),
-    # more than the share's cap allows
+    # predicted beyond the floor: a batch holds the requests whose share of the prediction is the
+    # floor (30 of the 40, pro rata), more than the share's cap allows; a resumed run, the same
     from flexgen_helm.helm.block_planning import plan_block
 
     client = FlexGenClient(BlackHoleCacheConfig(), model="tiny-llama", path=str(tiny_llama), deployment=DEPLOYMENT,
@@ -198,4 +198,5 @@ def test_a_scenario_predicted_within_the_floor_runs_in_whole_blocks(tiny_llama, 
         within = plan(uncapped_block_s=predicted * 0.76)
     assert max(map(len, within.batches)) == min(block, 30), [len(b) for b in within.batches]
     said = [r.getMessage() for r in caplog.records if "predicted to take" in r.getMessage()]
-    assert len(said) == 1 and "a killed run may lose: a batch holds up to the 30 of them" in said[0], said
+    assert len(said) == 1 and "a killed run may lose: a batch holds up to 30 of them" in said[0], said
+    assert prompts(plan(cached=20, uncapped_block_s=predicted * 0.76)) == prompts(within)[1:]

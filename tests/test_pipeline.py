@@ -24,7 +24,6 @@ ARGS = ["--dtype", "float32", "--max-new-tokens", "5", "--gpu-batch-size", "1", 
         "--percent", "40", "30", "0", "50", "100", "0"]
 
 
-
 def run_generate(model, out, tmp_path, procs: int, extra=(), timeout=240, prompts=PROMPTS, torchrun=True):
     """`flexgen-helm generate --pipeline` in `procs` processes: under torchrun, or (`torchrun`
     false) started here with the variables torchrun gives them, as srun's tasks are, which

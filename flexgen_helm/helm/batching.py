@@ -20,9 +20,9 @@ lengths. A batch that generates is kept within `pad_tolerance` of padding as if 
 its longest: its decode steps attend over (and its KV cache holds) the longest prompt's
 positions for every sequence. A scenario planned whole also caps its batches' work at a
 share of its requests' (`batch_cap`): a killed run loses the batch in progress, and a
-smaller batch is less to compute again; but where the cost model predicts them, a batch holds
-at least the requests predicted within five minutes (UNCAPPED_BLOCK_S): all of them, and so the
-blocks, where the whole scenario is.
+smaller batch is less to compute again; not where all of them are predicted within five minutes
+(UNCAPPED_BLOCK_S), and elsewhere a batch holds at least the requests whose share of the
+prediction is five minutes.
 
 A batch that fails (out of memory, a full offload disk, or one bad request) is split in
 halves and retried, down to single requests; a single request that still fails gets its
@@ -110,13 +110,15 @@ PAD_TOLERANCE = 0.25
 # that computes the prefix once, so the same work at risk holds more of them (`batch_cap`).
 MAX_BATCH_SHARE = 1 / 16
 MIN_CAPPED_BATCH = 16
-# ... but where the cost model predicts a scenario's requests (full blocks, each sequence to its
-# most new tokens), a batch holds at least those predicted within this many seconds, the work a
-# killed run may lose: all of them, the batches then being the blocks, where the whole scenario
-# is predicted within it. A batch decodes to its longest generation, so capped batches each
-# decode their few long requests' tails apart. pattern_match, 100 requests (predicted 40 s): its
+# ... but where the cost model predicts all of a scenario's requests (full blocks, each sequence
+# to its most new tokens: an upper bound) within this many seconds, a killed run loses at most
+# that much, and the batches are the blocks; where it predicts more, a batch holds at least the
+# requests whose share of the prediction (pro rata: a batch smaller than a block is not
+# predicted apart) is this many seconds, where the share's cap holds fewer. A batch decodes to
+# its longest generation, so capped batches each decode their few long requests' tails apart.
+# pattern_match, 100 requests (predicted 40 s): its
 # engine time 34.7 s by median in 2 capped batches, 30.1 s in one (runs/helm_vs_hf/NOTES.md,
-# 2026-11-26 night); 400 requests (predicted 142 s): 5 capped batches 141-148 s of wall time, one
+# 2026-11-26 night); 400 requests (predicted 142 s): 5 capped batches 141-152 s of wall time, one
 # batch 122-124 s (runs/helm_vs_hf/batch_cap_400_2026-11-27). Five minutes at risk buys that
 # for a scenario of a few hundred requests; a HELM suite runs for hours.
 UNCAPPED_BLOCK_S = 300.0
@@ -174,8 +176,8 @@ def plan_batches(jobs: list[Job], max_batch: int, pad_tolerance: float = PAD_TOL
     shared_prefix: the tokens every generating job's prompt starts with, which the engine
     computes once a batch (0: none, or the engine does not share prefixes); share: where
     given (a scenario planned whole), each group's batches hold at most the work of that share
-    of all `jobs` (batch_cap), or `at_risk_batch` jobs where that is more (the jobs the cost
-    model predicts within the time a killed run may lose: UNCAPPED_BLOCK_S).
+    of all `jobs` (batch_cap), or `at_risk_batch` jobs where that is more (the jobs whose
+    share of the scenario's predicted time is what a killed run may lose: UNCAPPED_BLOCK_S).
 
     A function of the job list alone, so the same requests always meet the same batchmates
     (bf16 results follow the batch: its padding and matmul shapes) whatever the thread

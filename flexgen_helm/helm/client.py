@@ -100,7 +100,8 @@ class FlexGenClient(CachingClient):
                              "pad_tolerance": pad_tolerance}
         self.pad_tolerance = pad_tolerance
         self.max_batch_share = max_batch_share  # a planned batch's most work, as a share of its scenario's
-        # ... unless all of its requests are predicted within this (seconds): then not capped at all
+        # ... but at least the requests whose share of the scenario's predicted time is within this
+        # (seconds), pro rata; all of them, uncapped, where the whole scenario is predicted within it
         self.uncapped_block_s = uncapped_block_s
         # Responses computed ahead by `prefetch` (the BatchingExecutor), by cache key (consumed once).
         self._prefetched: Dict[str, Dict[str, Any]] = {}
@@ -324,20 +325,22 @@ class FlexGenClient(CachingClient):
         policy = block.policy if block else None
         runs_in = policy or getattr(handle.engine, "policy", None)  # the scenario's block, else the loaded one
         shared = scenario_workload(jobs).shared_prefix if jobs and getattr(runs_in, "prefix_sharing", False) else 0
-        share, at_risk = self.max_batch_share, None
-        if block is not None and math.isfinite(block.predicted_s) and self.uncapped_block_s > 0:  # 0: the share alone
-            # the requests predicted within the time a killed run may lose (predicted_s: an upper bound)
-            at_risk = math.floor(len(jobs) * self.uncapped_block_s / block.predicted_s) if block.predicted_s else len(jobs)
-            if at_risk >= len(jobs):
-                hlog(f"flexgen: these requests are predicted to take {block.predicted_s:.1f} s in all, within the "
-                     f"{self.uncapped_block_s:g} s a killed run may lose: their batches are the blocks, not capped by "
-                     f"work at risk (max_batch_share)")
-                share, at_risk = None, None
-            else:
-                hlog(f"flexgen: these requests are predicted to take {block.predicted_s:.1f} s in all, more than the "
-                     f"{self.uncapped_block_s:g} s a killed run may lose: a batch holds up to the {at_risk} of them "
-                     f"predicted within that (or the work max_batch_share allows, if more)")
-        return BatchingChoice(self.max_batch(runs_in), share, policy, shared, at_risk)
+        share, at_risk, max_batch = self.max_batch_share, None, self.max_batch(runs_in)
+        predicted = block.predicted_s if block is not None else math.inf
+        if share is None or not math.isfinite(predicted) or self.uncapped_block_s <= 0:  # 0: the share alone
+            pass
+        elif predicted <= self.uncapped_block_s:  # predicted_s is an upper bound for all of them
+            hlog(f"flexgen: these requests are predicted to take {predicted:.1f} s in all, within the "
+                 f"{self.uncapped_block_s:g} s a killed run may lose: their batches are the blocks, not capped by "
+                 f"work at risk (max_batch_share)")
+            share = None
+        else:
+            # their share of the prediction, pro rata: a batch smaller than a block is not predicted apart
+            at_risk = min(max_batch, math.floor(len(jobs) * self.uncapped_block_s / predicted))
+            hlog(f"flexgen: these requests are predicted to take {predicted:.1f} s in all, more than the "
+                 f"{self.uncapped_block_s:g} s a killed run may lose: a batch holds up to {at_risk} of them, their "
+                 f"share of that time pro rata (or the work max_batch_share allows, if more)")
+        return BatchingChoice(max_batch, share, policy, shared, at_risk)
 
     def log_plan(self, plan: ScenarioPlan) -> None:
         largest = max(map(len, plan.batches), default=0)

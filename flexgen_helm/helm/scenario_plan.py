@@ -2,9 +2,9 @@
 
 Planned over the whole request list, cached requests included (`batching.plan_batches`, the
 batch size capped by `batching.batch_cap` of the list's length and work, a shared prompt
-prefix counted once per batch where the engine shares it, but at least the requests the cost
-model predicts within `batching.UNCAPPED_BLOCK_S`: all of them, uncapped, where it predicts the
-whole scenario within it): the batches of an
+prefix counted once per batch where the engine shares it; uncapped where the cost model
+predicts all of the requests within `batching.UNCAPPED_BLOCK_S`, and elsewhere at least the
+requests whose share of its prediction is that time): the batches of an
 uninterrupted run whatever was cached, so that a resumed run gives the same results and
 `-n` changes nothing. Only the batches that hold an uncached request run; a cached request
 in one of them runs again to keep its batch as it was, and its new result is dropped.
@@ -35,8 +35,9 @@ class BatchingChoice:
     max_batch_share: float | None  # a batch's most work as a share of the scenario's (None: no cap)
     policy: Any = None  # the engine policy the batches run under; None: the loaded one
     shared_prefix: int = 0  # the tokens every generating prompt starts with, computed once a batch
-    # the requests predicted within the time a killed run may lose (client arg uncapped_block_s):
-    # a capped batch may hold that many (None: no prediction, the share alone caps)
+    # the requests whose share of the scenario's predicted time, pro rata, is what a killed run
+    # may lose (client arg uncapped_block_s): a capped batch may hold that many (None: the share
+    # alone caps)
     at_risk_batch: int | None = None
 
 

@@ -9,7 +9,7 @@ package:
     token (it is an executor.sampling.StopCondition) so that generation ends early, and
     the frontend cuts the completion's text and tokens with it;
   * `TextEngine`: text prompts in, text completions (and the run's RunStats) out;
-  * `check_text_request`: sampling settings, empty prompts and prompts past the context,
+  * `check_text_request`: sampling settings, empty stop strings, empty prompts and prompts past the context,
     refused before the model loads.
 
     from flexgen_helm.text import TextEngine
