@@ -327,14 +327,14 @@ class FlexGenClient(CachingClient):
         shared = scenario_workload(jobs).shared_prefix if jobs and getattr(runs_in, "prefix_sharing", False) else 0
         share, at_risk, max_batch = self.max_batch_share, None, self.max_batch(runs_in)
         predicted = block.predicted_s if block is not None else math.inf
-        if share is None or not math.isfinite(predicted) or self.uncapped_block_s <= 0:  # 0: the share alone
-            pass
-        elif predicted <= self.uncapped_block_s:  # predicted_s is an upper bound for all of them
+        # no floor where nothing caps, nothing is predicted, or uncapped_block_s is 0 (the share alone)
+        floored = share is not None and math.isfinite(predicted) and self.uncapped_block_s > 0
+        if floored and predicted <= self.uncapped_block_s:  # predicted_s is an upper bound for all of them
             hlog(f"flexgen: these requests are predicted to take {predicted:.1f} s in all, within the "
                  f"{self.uncapped_block_s:g} s a killed run may lose: their batches are the blocks, not capped by "
                  f"work at risk (max_batch_share)")
             share = None
-        else:
+        elif floored:
             # their share of the prediction, pro rata: a batch smaller than a block is not predicted apart
             at_risk = min(max_batch, math.floor(len(jobs) * self.uncapped_block_s / predicted))
             hlog(f"flexgen: these requests are predicted to take {predicted:.1f} s in all, more than the "
