@@ -117,9 +117,10 @@ MIN_CAPPED_BATCH = 16
 # predicted apart) is this many seconds, where the share's cap holds fewer. A batch decodes to
 # its longest generation, so capped batches each decode their few long requests' tails apart.
 # pattern_match, 100 requests (predicted 40 s): its engine time 34.7 s by median in 2 capped
-# batches, 30.1 s in one (runs/helm_vs_hf/NOTES.md, 2026-11-26 night); 400 requests (predicted 142 s): 5 capped batches 141-152 s of wall time, one
-# batch 122-124 s (runs/helm_vs_hf/batch_cap_400_2026-11-27). Five minutes at risk buys that
-# for a scenario of a few hundred requests; a HELM suite runs for hours.
+# batches, 30.1 s in one (runs/helm_vs_hf/NOTES.md, 2026-11-26 night); 400 requests (predicted
+# 142 s): 5 capped batches 141-152 s of wall time, one batch 122-124 s
+# (runs/helm_vs_hf/batch_cap_400_2026-11-27). Five minutes at risk buys that for a scenario of a
+# few hundred requests; a HELM suite runs for hours.
 UNCAPPED_BLOCK_S = 300.0
 
 
