@@ -283,6 +283,22 @@ def test_helm_client_rows_compare_within_one_host():
     assert out.correct_delta[("A", "ours")] == 1
     text = "\n".join(findings(agreement(df), Path("/nonexistent")))
     assert "lambada, 500 instances, B" in text and "same dtype (float32): `ours` is 2.00x" in text
+    assert "accuracy: largest difference from hf-float32 1 instance(s)" in text
+
+
+def test_helm_client_rows_without_exact_match_compare_completions():
+    """A scenario whose stats hold no exact-match metric (dyck_language, synthetic_reasoning_natural)
+    is compared by its completions, not reported as a NaN difference."""
+    from flexgen_helm.tools.compare.helm_clients import agreement, findings
+
+    def row(system, wall, completions):
+        return {"host": "A", "system": system, "dtype": "float32", "scenario": "dyck_language", "instances": 3,
+                "wall_s": wall, "perplexity": None, "bits_per_byte": None, "completions": completions}
+    df = pd.DataFrame([row("hf-float32", 90.0, [["a"], ["b"], ["c"]]),
+                       row("ours-float32", 30.0, [["a"], ["x"], ["c"]])])
+    text = "\n".join(findings(agreement(df), Path("/nonexistent")))
+    assert "completions alike those of hf-float32: `ours-float32` 2 of 3" in text
+    assert "nan" not in text
 
 
 @pytest.mark.parametrize("interpreter", ["missing", "without_lm_eval"])

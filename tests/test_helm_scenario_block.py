@@ -200,3 +200,26 @@ def test_a_scenario_predicted_within_the_floor_runs_in_whole_blocks(tiny_llama, 
     said = [r.getMessage() for r in caplog.records if "predicted to take" in r.getMessage()]
     assert len(said) == 1 and "a killed run may lose: a batch holds up to 30 of them" in said[0], said
     assert prompts(plan(cached=20, uncapped_block_s=predicted * 0.76)) == prompts(within)[1:]
+
+
+def test_a_block_planned_for_the_prompts_bounds_a_generating_batch_not_a_token_count(tiny_llama, helm_engines):
+    """A generating batch cut by a count of tokens decodes apart (its own steps, its own copy of
+    a shared prefix): where the block was planned for the scenario's prompts, which bounds their
+    memory, nothing but the batch size cuts them; under a pinned block the cap of
+    batching.MAX_BATCH_TOKENS prompt tokens a batch stays."""
+    from flexgen_helm.helm.batching import MAX_BATCH_TOKENS
+    from flexgen_helm.helm.client import FlexGenClient
+
+    _profile(8 << 30).save(default_profile_path())
+    requests = [Request(model=DEPLOYMENT, model_deployment=DEPLOYMENT, prompt=f"{i:03x} " + PREFIX, max_tokens=8,
+                        temperature=0.0) for i in range(200)]  # 52 tokens each with the BOS: 10,400 in all
+
+    def batches(**policy):
+        # a batch of up to 256 (the engine runs one larger than its block block by block)
+        client = FlexGenClient(BlackHoleCacheConfig(), model="tiny-llama", path=str(tiny_llama), deployment=DEPLOYMENT,
+                               dtype="float32", policy={**PLACED, **policy}, max_batch_share=None, max_batch_size=256)
+        return sorted(len(b) for b in client.plan(client.unique_requests(requests), set()).batches)
+
+    assert batches() == [200]
+    per_batch = MAX_BATCH_TOKENS // 52
+    assert batches(gpu_batch_size=64, num_gpu_batches=4) == [200 - per_batch, per_batch]

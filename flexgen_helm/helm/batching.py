@@ -91,6 +91,10 @@ def is_out_of_memory(exc: BaseException) -> bool:
 # compute-bound already, and there a batch only adds padding and larger intermediates: SmolLM2
 # scoring prompts of 2500-4000 tokens on 2 CPU cores took 21.3 s batched by 4 and 16.2 s one
 # by one (bfloat16, each batch padded to its longest, before GPU batches were cut by padding).
+# Not for generating batches whose block was planned for their scenario's prompts
+# (helm/block_planning.py: the planner bounds their memory): there a batch cut by tokens decodes
+# apart, each its own steps and its own copy of a shared prefix (induction's 400 requests in 2
+# batches, natural-easy's in 5: 10-18% slower; runs/helm_vs_hf/NOTES.md, 2026-11-28).
 MAX_BATCH_TOKENS = 8192
 # A batch that generates: padding to its longest prompt may add at most this fraction to its
 # real prompt tokens. Its decode steps attend over the longest prompt's positions for every
@@ -159,25 +163,29 @@ def mean_cost(jobs: list[Job]) -> tuple[float, float]:
 
 
 def buckets(jobs: list[Job], max_batch: int, pad_tolerance: float | None = PAD_TOLERANCE,
-            max_tokens: int = MAX_BATCH_TOKENS, shared_prefix: int = 0) -> list[list[Job]]:
+            max_tokens: int | None = MAX_BATCH_TOKENS, shared_prefix: int = 0) -> list[list[Job]]:
     """Split same-group jobs into the fewest batches of at most `max_batch` jobs, each a run of
     the jobs sorted by length (ties in list order) whose padding to its longest adds at most
     `pad_tolerance` x its real tokens (None: no bound) and whose tokens so padded stay within
-    `max_tokens` (a longer prompt runs alone), the `shared_prefix` tokens every prompt starts
-    with counted once; of those cuts, the one that pads least."""
+    `max_tokens` (None: no bound; a longer prompt runs alone), the `shared_prefix` tokens every
+    prompt starts with counted once; of those cuts, the one that pads least."""
     ordered = sorted(jobs, key=lambda j: len(j.prompt_ids))
     cuts = cut_by_length([len(j.prompt_ids) for j in ordered], max_batch, pad_tolerance, max_tokens, shared_prefix)
     return [ordered[start:end] for start, end in cuts]
 
 
 def plan_batches(jobs: list[Job], max_batch: int, pad_tolerance: float = PAD_TOLERANCE, shared_prefix: int = 0,
-                 share: float | None = None, at_risk_batch: int | None = None) -> list[list[Job]]:
+                 share: float | None = None, at_risk_batch: int | None = None,
+                 generate_max_tokens: int | None = MAX_BATCH_TOKENS) -> list[list[Job]]:
     """The batches `run_jobs` runs: by group (in order of first appearance), then length buckets.
     shared_prefix: the tokens every generating job's prompt starts with, which the engine
     computes once a batch (0: none, or the engine does not share prefixes); share: where
     given (a scenario planned whole), each group's batches hold at most the work of that share
     of all `jobs` (batch_cap), or `at_risk_batch` jobs where that is more (the jobs whose
-    share of the scenario's predicted time is what a killed run may lose: UNCAPPED_BLOCK_S).
+    share of the scenario's predicted time is what a killed run may lose: UNCAPPED_BLOCK_S);
+    generate_max_tokens: the most prompt tokens a generating batch holds, padded, a shared
+    prefix once (None: no bound, where `max_batch` is a block planned for these prompts; scoring
+    batches keep MAX_BATCH_TOKENS).
 
     A function of the job list alone, so the same requests always meet the same batchmates
     (bf16 results follow the batch: its padding and matmul shapes) whatever the thread
@@ -197,7 +205,8 @@ def plan_batches(jobs: list[Job], max_batch: int, pad_tolerance: float = PAD_TOL
             size = max(batch_cap(len(jobs), max_batch, share, tokens, shared, sequences),
                        min(max_batch, at_risk_batch or 0))
         # scoring alone keeps no KV cache and takes no decode step: any lengths may share its block
-        batches += buckets(group_jobs, size, None if mode == SCORE else pad_tolerance, shared_prefix=shared)
+        max_tokens = generate_max_tokens if mode == GENERATE else MAX_BATCH_TOKENS
+        batches += buckets(group_jobs, size, None if mode == SCORE else pad_tolerance, max_tokens, shared_prefix=shared)
     return batches
 
 

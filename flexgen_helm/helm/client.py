@@ -40,6 +40,7 @@ from flexgen_helm.helm import accounting
 from flexgen_helm.helm.batching import (
     GENERATE,
     MAX_BATCH_SHARE,
+    MAX_BATCH_TOKENS,
     PAD_TOLERANCE,
     SCORE,
     SCORE_AND_GENERATE,
@@ -316,7 +317,7 @@ class FlexGenClient(CachingClient):
         jobs = [p.job for p in planned.values()]
         choice = decide(lambda: self._batching_choice(jobs)) if decide else self._batching_choice(jobs)
         return plan_scenario(planned, cached, choice.max_batch, self.pad_tolerance, choice.max_batch_share,
-                             choice.policy, choice.shared_prefix, choice.at_risk_batch)
+                             choice.policy, choice.shared_prefix, choice.at_risk_batch, choice.generate_max_tokens)
 
     def _batching_choice(self, jobs: list) -> BatchingChoice:
         """The block the jobs run in, and what cuts their batches (plan_scenario)."""
@@ -340,7 +341,9 @@ class FlexGenClient(CachingClient):
             hlog(f"flexgen: these requests are predicted to take {predicted:.1f} s in all, more than the "
                  f"{self.uncapped_block_s:g} s a killed run may lose: a batch holds up to {at_risk} of them, their "
                  f"share of that time pro rata (or the work max_batch_share allows, if more)")
-        return BatchingChoice(max_batch, share, policy, shared, at_risk)
+        # a block planned for these prompts bounds a generating batch's memory, not a count of tokens
+        max_tokens = None if block is not None else MAX_BATCH_TOKENS
+        return BatchingChoice(max_batch, share, policy, shared, at_risk, max_tokens)
 
     def log_plan(self, plan: ScenarioPlan) -> None:
         largest = max(map(len, plan.batches), default=0)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from flexgen_helm.helm.batching import Job, plan_batches
+from flexgen_helm.helm.batching import MAX_BATCH_TOKENS, Job, plan_batches
 
 
 @dataclass
@@ -39,6 +39,9 @@ class BatchingChoice:
     # may lose (client arg uncapped_block_s): a capped batch may hold that many (None: the share
     # alone caps)
     at_risk_batch: int | None = None
+    # the most prompt tokens a generating batch holds (batching.plan_batches): None where the
+    # block was planned for these requests' prompts, which bounds their memory
+    generate_max_tokens: int | None = MAX_BATCH_TOKENS
 
 
 @dataclass
@@ -62,15 +65,17 @@ class ScenarioPlan:
 
 def plan_scenario(planned: dict[str, PlannedRequest], cached: set[str], max_batch: int, pad_tolerance: float,
                   max_batch_share: float | None, policy: Any = None, shared_prefix: int = 0,
-                  at_risk_batch: int | None = None) -> ScenarioPlan:
+                  at_risk_batch: int | None = None, generate_max_tokens: int | None = MAX_BATCH_TOKENS) -> ScenarioPlan:
     """The batches of `planned` (every request of the scenario that can run) that hold an
     uncached request; `max_batch`: the block of `policy`, the engine's for these requests;
     `max_batch_share`: a batch's most work as a share of the scenario's (None: no cap);
     `shared_prefix`: the tokens every generating prompt starts with where that engine computes
     them once a batch (helm/block_planning.scenario_workload), else 0; `at_risk_batch`: the
-    requests a capped batch may hold all the same (BatchingChoice)."""
+    requests a capped batch may hold all the same, and `generate_max_tokens` the prompt tokens a
+    generating batch may hold (BatchingChoice)."""
     key_of_job = {id(p.job): key for key, p in planned.items()}
     jobs = [p.job for p in planned.values()]
-    batches = plan_batches(jobs, max_batch, pad_tolerance, shared_prefix, max_batch_share, at_risk_batch)
+    batches = plan_batches(jobs, max_batch, pad_tolerance, shared_prefix, max_batch_share, at_risk_batch,
+                           generate_max_tokens)
     to_run = [b for b in batches if any(key_of_job[id(j)] not in cached for j in b)]
     return ScenarioPlan(planned, cached, to_run, key_of_job, policy)
