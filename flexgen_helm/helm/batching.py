@@ -93,8 +93,9 @@ def is_out_of_memory(exc: BaseException) -> bool:
 # by one (bfloat16, each batch padded to its longest, before GPU batches were cut by padding).
 # Not for generating batches whose block was planned for their scenario's prompts
 # (helm/block_planning.py: the planner bounds their memory): there a batch cut by tokens decodes
-# apart, each its own steps and its own copy of a shared prefix (induction's 400 requests in 2
-# batches, natural-easy's in 5: 10-18% slower; runs/helm_vs_hf/NOTES.md, 2026-11-28).
+# apart, each its own steps and its own copy of a shared prefix (induction's 400 requests ran in 2
+# batches, natural-easy's in 5: 13 and 38 decode steps where one batch takes 7 and 8;
+# runs/bench/generate_token_cap).
 MAX_BATCH_TOKENS = 8192
 # A batch that generates: padding to its longest prompt may add at most this fraction to its
 # real prompt tokens. Its decode steps attend over the longest prompt's positions for every
