@@ -141,9 +141,10 @@ def budgets_from_args(args) -> dict:
 
 
 # HELM deployments: a deployment's requests are not known when its engine loads, so the block
-# is planned for the requests where it matters. helm/batching.py caps a batch at 8192 padded
-# prompt tokens, so long prompts run in smaller batches whatever the block; short ones fill
-# it: 64 prompts of 128 tokens reach that cap (a bigger block would never fill). 32 new tokens:
+# is planned for the requests where it matters (a scenario's: helm/block_planning.py). In the
+# loaded block helm/batching.py caps a batch at 8192 padded prompt tokens, so long prompts run
+# in smaller batches whatever the block; short ones fill it: 64 prompts of 128 tokens reach
+# that cap (a bigger block would never fill). 32 new tokens:
 # HELM's generation scenarios (a word, a short answer) besides its scoring ones.
 HELM_PROMPT_TOKENS, HELM_NEW_TOKENS, HELM_BATCH = 128, 32, 64
 
