@@ -289,6 +289,22 @@ def test_scoring_batches_mix_lengths_and_generating_ones_keep_to_the_tolerance()
     assert [len(b) for b in plan_batches(jobs(GENERATE, *lengths), max_batch=8)] == [1, 1, 1, 1, 1]
 
 
+def test_only_generating_batches_leave_the_token_cap_to_a_planned_block():
+    """generate_max_tokens=None (a block planned for the scenario's prompts) lifts the cap of
+    MAX_BATCH_TOKENS padded prompt tokens for batches that only generate; scoring batches, and
+    score+generate ones (whose first pass scores whole prompts), keep it."""
+    from flexgen_helm.helm.batching import GENERATE, MAX_BATCH_TOKENS, SCORE, SCORE_AND_GENERATE, Job, plan_batches
+
+    def sizes(mode, cap):
+        jobs = [Job(prompt_ids=[0] * 1000, params=None, mode=mode, group=(mode,)) for _ in range(20)]
+        return sorted(len(b) for b in plan_batches(jobs, max_batch=64, generate_max_tokens=cap))
+
+    per_batch = MAX_BATCH_TOKENS // 1000
+    assert sizes(GENERATE, MAX_BATCH_TOKENS) == [20 - 2 * per_batch, per_batch, per_batch]
+    assert sizes(GENERATE, None) == [20]
+    assert sizes(SCORE, None) == sizes(SCORE_AND_GENERATE, None) == [20 - 2 * per_batch, per_batch, per_batch]
+
+
 def test_a_scenarios_batches_hold_at_most_a_sixteenth_of_it():
     """A killed run loses its batch in progress: planned batches are capped at 1/16 of the
     scenario's requests, never below 16, never above the engine's block."""

@@ -91,7 +91,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
 # compute-bound already, and there a batch only adds padding and larger intermediates: SmolLM2
 # scoring prompts of 2500-4000 tokens on 2 CPU cores took 21.3 s batched by 4 and 16.2 s one
 # by one (bfloat16, each batch padded to its longest, before GPU batches were cut by padding).
-# Not for generating batches whose block was planned for their scenario's prompts
+# Not for batches that only generate, under a block planned for their scenario's prompts
 # (helm/block_planning.py: the planner bounds their memory): there a batch cut by tokens decodes
 # apart, each its own steps and its own copy of a shared prefix (induction's 400 requests ran in 2
 # batches, natural-easy's in 5: 13 and 38 decode steps where one batch takes 7 and 8;
@@ -184,9 +184,10 @@ def plan_batches(jobs: list[Job], max_batch: int, pad_tolerance: float = PAD_TOL
     given (a scenario planned whole), each group's batches hold at most the work of that share
     of all `jobs` (batch_cap), or `at_risk_batch` jobs where that is more (the jobs whose
     share of the scenario's predicted time is what a killed run may lose: UNCAPPED_BLOCK_S);
-    generate_max_tokens: the most prompt tokens a generating batch holds, padded, a shared
-    prefix once (None: no bound, where `max_batch` is a block planned for these prompts; scoring
-    batches keep MAX_BATCH_TOKENS).
+    generate_max_tokens: the most prompt tokens a batch that only generates holds, padded, a
+    shared prefix once (None: no bound, where `max_batch` is a block planned for these prompts);
+    a batch that scores (score+generate too: its first pass scores whole prompts) keeps
+    MAX_BATCH_TOKENS.
 
     A function of the job list alone, so the same requests always meet the same batchmates
     (bf16 results follow the batch: its padding and matmul shapes) whatever the thread

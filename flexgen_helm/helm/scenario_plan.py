@@ -39,8 +39,8 @@ class BatchingChoice:
     # may lose (client arg uncapped_block_s): a capped batch may hold that many (None: the share
     # alone caps)
     at_risk_batch: int | None = None
-    # the most prompt tokens a generating batch holds (batching.plan_batches): None where the
-    # block was planned for these requests' prompts, which bounds their memory
+    # the most prompt tokens a batch that only generates holds (batching.plan_batches): None
+    # where the block was planned for these requests' prompts, which bounds their memory
     generate_max_tokens: int | None = MAX_BATCH_TOKENS
 
 
@@ -72,7 +72,7 @@ def plan_scenario(planned: dict[str, PlannedRequest], cached: set[str], max_batc
     `shared_prefix`: the tokens every generating prompt starts with where that engine computes
     them once a batch (helm/block_planning.scenario_workload), else 0; `at_risk_batch`: the
     requests a capped batch may hold all the same, and `generate_max_tokens` the prompt tokens a
-    generating batch may hold (BatchingChoice)."""
+    batch that only generates may hold (BatchingChoice)."""
     key_of_job = {id(p.job): key for key, p in planned.items()}
     jobs = [p.job for p in planned.values()]
     batches = plan_batches(jobs, max_batch, pad_tolerance, shared_prefix, max_batch_share, at_risk_batch,
