@@ -301,6 +301,23 @@ def test_helm_client_rows_without_exact_match_compare_completions():
     assert "nan" not in text
 
 
+def test_helm_client_runs_keep_their_plan_lines_and_fail_loudly(capsys):
+    """helm-run's output is echoed as it comes, and our client's plan lines are kept for the
+    row; a failed run is an error, not a row."""
+    import subprocess
+    import sys
+
+    from flexgen_helm.tools.compare.helm_clients import run_echoing
+
+    script = ("print('2026-11-28 00:57:56,328 INFO   flexgen: batching 3 requests of x {'); "
+              "print('2026-11-28 00:57:56,329 INFO     flexgen: running 3 requests in 1 batches of up to 3'); "
+              "print('other line')")
+    assert run_echoing([sys.executable, "-c", script]) == ["running 3 requests in 1 batches of up to 3"]
+    assert "other line" in capsys.readouterr().out
+    with pytest.raises(subprocess.CalledProcessError):
+        run_echoing([sys.executable, "-c", "import sys; sys.exit(3)"])
+
+
 @pytest.mark.parametrize("interpreter", ["missing", "without_lm_eval"])
 def test_lm_eval_comparison_fails_loudly_without_lm_eval(interpreter, tmp_path):
     """Before anything is exported or timed: an interpreter that is not there, or one that
