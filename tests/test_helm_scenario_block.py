@@ -223,26 +223,3 @@ def test_a_block_planned_for_the_prompts_bounds_a_generating_batch_not_a_token_c
     assert batches() == [200]
     per_batch = MAX_BATCH_TOKENS // 52
     assert batches(gpu_batch_size=64, num_gpu_batches=4) == [200 - per_batch, per_batch]
-
-
-def test_a_scenario_runs_in_the_fewest_blocks_the_near_best_predictions_allow(tiny_llama):
-    """A scenario's sequences all run now, and each block decodes to its own longest
-    generation (the cost model prices every one to the most new tokens): of the predictions
-    within NEAR_BEST of the fastest, the plan takes the fewest blocks for them, where a
-    workload of unknown size takes the smallest block."""
-    import math
-
-    from flexgen_helm.planner.auto import CommandWorkload, searched_policy
-    from flexgen_helm.planner.search import NEAR_BEST
-    from flexgen_helm.weights.registry import resolve
-
-    cfg = resolve("tiny-llama", path=str(tiny_llama)).config
-    sequences = 400
-    work = CommandWorkload(40, 4, sequences)
-    apart, result = searched_policy(cfg, work, {}, _profile(8 << 30), run_together=False)
-    together, _ = searched_policy(cfg, work, {}, _profile(8 << 30), run_together=True)
-    top = result.candidates[0].estimate.throughput
-    near = [c.policy.block_size for c in result.candidates if c.estimate.throughput >= (1 - NEAR_BEST) * top]
-    assert apart.block_size == min(near)
-    assert math.ceil(sequences / together.block_size) == min(math.ceil(sequences / b) for b in near)
-    assert together.block_size > apart.block_size, near  # near ties of several block counts: the case at hand

@@ -6,8 +6,7 @@ default and with `--policy auto`:
 - every Policy field the user gave (a flag, a field of a policy file or of a deployment's
   mapping) is kept as given; the search chooses the block (GPU batch size, number of GPU
   batches) and the placement where they are left open, the fastest it predicts, the
-  smallest block among predictions within 2% of the fastest (planner/search.py; for a HELM
-  scenario's requests, which all run now, the fewest blocks for them first);
+  smallest block among predictions within 2% of the fastest (planner/search.py);
 - the choice is a function of the workload, the budgets and the saved profile alone (no
   timing enters it): the same command gives the same block, run after run;
 - without a saved profile of this machine, the default runs the engine's fixed default
@@ -105,20 +104,15 @@ def planned_policy(cfg: ModelConfig, workload: CommandWorkload, pinned: dict | N
 
 def searched_policy(cfg: ModelConfig, workload: CommandWorkload, pinned: dict, profile: HardwareProfile | None,
                     budgets: dict | None = None, max_latency_s: float | None = None, offload_dir: str | None = None,
-                    dtype=None, placement: tuple | None = None,
-                    run_together: bool = False) -> tuple[Policy, SearchResult]:
+                    dtype=None, placement: tuple | None = None) -> tuple[Policy, SearchResult]:
     """The search's policy for `workload` with `pinned` kept (and `placement`, the weights',
     cache's and activations' Splits, where given), said nothing about; and the search's result.
-    run_together: the workload's sequences all run now (a HELM scenario's), so that of near
-    ties the plan with the fewest blocks for them wins (search._near_best).
     The shared prefix counts where the policy shares prefixes (`prefix_sharing`, default on);
     where held once it fits no block but per sequence it does, and `prefix_sharing` is not
     pinned, the policy does not share it and the result says why (`unshared_because`)."""
     options = options_for(pinned, max_latency_s)
     if placement is not None:
         options.placement = placement
-    if run_together:  # all of the workload's sequences run now: the fewest blocks among near ties
-        options.run_together = workload.sequences
     if workload.sequences is not None:  # a bigger block than the sequences is padding, unless the user set it
         cap = 1 << max(0, workload.sequences - 1).bit_length()
         options.max_block_size = max(cap, (options.gpu_batch_size or 1) * (options.num_gpu_batches or 1))

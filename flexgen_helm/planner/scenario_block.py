@@ -40,17 +40,16 @@ def block_for_requests(cfg: ModelConfig, loaded: Policy, pinned: dict, workload:
     """The block for `workload` (the requests' lengths, count and shared prefix), `pinned`
     (the deployment's Policy fields) kept as given, the weights where `loaded` placed them.
     A PolicyError where nothing fits the budgets (the caller keeps the loaded policy)."""
-    free, result = searched_policy(cfg, workload, pinned, profile, dtype=dtype, run_together=True)
+    free, result = searched_policy(cfg, workload, pinned, profile, dtype=dtype)
     placement, moved = None, None
     if free.weights != loaded.weights:
         placement, moved = (loaded.weights, loaded.cache, loaded.activations), free
-        policy, result = searched_policy(cfg, workload, pinned, profile, dtype=dtype, placement=placement,
-                                        run_together=True)
+        policy, result = searched_policy(cfg, workload, pinned, profile, dtype=dtype, placement=placement)
     else:
         policy = free
     unshared = policy
     if workload.shared_prefix and policy.prefix_sharing:
         unshared, _ = searched_policy(cfg, replace(workload, shared_prefix=0), pinned, profile, dtype=dtype,
-                                      placement=placement, run_together=True)
+                                      placement=placement)
     blocks = math.ceil(workload.sequences / policy.block_size) if workload.sequences else 1
     return ScenarioBlock(policy, unshared, moved, result.unshared_because, blocks * result.estimate.total_s)

@@ -114,9 +114,6 @@ class SearchOptions:
     max_gpu_batch_size: int = 64
     max_num_gpu_batches: int = 16
     max_block_size: int | None = None  # sequences per block (latency and padding grow with it)
-    # every sequence of a known workload, run now (a HELM scenario's requests): of the
-    # predictions within NEAR_BEST, the fewest blocks for them first (_near_best)
-    run_together: int | None = None
     overlap: bool = True
     # what the user fixed (explicit choices win): the search chooses only what is left open
     gpu_batch_size: int | None = None
@@ -329,7 +326,7 @@ def search(cfg: ModelConfig, profile: HardwareProfile, prompt_len: int, gen_len:
         raise PolicyError(_pinned_message(model, budgets, options) if pinned
                           else _infeasible_message(model, budgets, options))
     candidates.sort(key=lambda c: -c.estimate.throughput)
-    best = _near_best(candidates, options.run_together)
+    best = _smallest_near_best(candidates)
     return SearchResult(best.policy, best.estimate, candidates)
 
 
@@ -362,25 +359,13 @@ def _found(model: CostModel, shape: Policy, keep: bool, budgets: Budgets, option
             or _best_rounded(model, shape, budgets, options.max_latency_s))
 
 
-def _near_best(candidates: list[Candidate], run_together: int | None = None) -> Candidate:
+def _smallest_near_best(candidates: list[Candidate]) -> Candidate:
     """The smallest block within NEAR_BEST of the fastest prediction: when prefill compute
     dominates, every large block predicts about the same throughput, and a smaller one has
-    less latency, less memory and less padding (sequences of a block pad to its longest).
-
-    run_together: the sequences of a known workload that run now; of those blocks, the ones
-    that take the fewest blocks for them first. The cost model prices a block as if every
-    sequence ran to the most new tokens, but sequences stop early (HELM's stop sequences), and
-    each block decodes to its own longest one and computes its own copy of a shared prefix:
-    dyck_language's 400 requests, 5 new tokens at most, were planned in 4 blocks of 128
-    (predicted 25.8 token/s, against 26.3 for one block of 512), 20 decode steps where one
-    block takes 5 (runs/bench/fewest_blocks)."""
+    less latency, less memory and less padding (sequences of a block pad to its longest)."""
     top = candidates[0].estimate.throughput
     near = [c for c in candidates if c.estimate.throughput >= (1 - NEAR_BEST) * top]
-
-    def blocks(c: Candidate) -> int:
-        return -(-run_together // c.policy.block_size) if run_together else 0
-
-    return min(near, key=lambda c: (blocks(c), c.policy.block_size, -c.estimate.throughput))
+    return min(near, key=lambda c: (c.policy.block_size, -c.estimate.throughput))
 
 
 def _placed(model: CostModel, shape: Policy, placement: tuple[Split, Split, Split], budgets: Budgets,
