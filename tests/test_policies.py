@@ -244,9 +244,30 @@ def test_budget_plans_a_shared_prefix_block_as_the_schedule_allocates(tiny_llama
         allocated = {t: rt.usage.current.get(t, 0) - before.get(t, 0) for t in TIERS}  # the slots, the copy
     finally:
         sched.close()
-    planned = planned_components(rt.config, policy, max_len, torch.float32, shared_prefix=len(prefix))
+    planned = planned_components(rt.config, policy, max_len, torch.float32, shared_prefix=len(prefix),
+                                 gpu_compute=rt.devices.compute.type == "cuda")
     assert planned["cache"] == allocated
     assert planned["cache"] != planned_components(rt.config, policy, max_len, torch.float32)["cache"]
+
+
+def test_delegation_on_a_gpu_plans_a_shared_prefix_copy_where_each_share_is_attended(tiny_llama):
+    """Under CPU delegation a GPU machine attends to the cache's cpu and disk shares in RAM,
+    so the schedule keeps the block's prefix copy there too (on a CPU-only machine the one
+    copy serves all); the plan counts each copy on its tier. The CUDA run of the schedule
+    test above caught the copy in RAM missing: runs/gpu/h200-2026-11-28/README.md."""
+    cfg = Engine.load(str(tiny_llama), Policy(), dtype="float32", device="cpu", progress=False).runtime.config
+
+    def added_on_a_gpu(cache: Split) -> dict[str, int]:
+        policy = Policy(gpu_batch_size=2, num_gpu_batches=2, cache=cache, cpu_cache_compute=True)
+        on = {gpu: planned_components(cfg, policy, 20, torch.float32, shared_prefix=9, gpu_compute=gpu)["cache"]
+              for gpu in (False, True)}
+        return {t: on[True][t] - on[False][t] for t in TIERS}
+
+    copy = added_on_a_gpu(Split(0.25, 0.5, 0.25))["cpu"]  # a second copy, in RAM
+    assert copy > 0
+    assert added_on_a_gpu(Split(0.25, 0.5, 0.25)) == {"gpu": 0, "cpu": copy, "disk": 0}
+    assert added_on_a_gpu(Split(1, 0, 0)) == {"gpu": 0, "cpu": 0, "disk": 0}  # nothing delegated
+    assert added_on_a_gpu(Split(0, 0.5, 0.5)) == {"gpu": -copy, "cpu": copy, "disk": 0}  # all of it delegated
 
 
 def test_groups_split_in_turn_keep_the_totals_near_the_fractions():

@@ -268,7 +268,7 @@ class BlockSchedule:
         keys, values = here.keys, here.values
         if self.policy.rounds_cache_writes:  # what every row's slot holds of the positions held once
             keys, values = rounded_prefix(keys, values, self.policy.compress_cache, self.devices.dtype)
-        for where in {self._attention_device(t) for t in TIERS}:
+        for where in {self._attention_device(t) for t in self.policy.cache.tiers()}:  # as budget.prefix_copy_tiers
             kept = here.decode.get(where.type)
             if kept is None:
                 if self.prefix_as_stored:

@@ -26,17 +26,18 @@ from flexgen_helm.policy.policy import TIERS, Policy, Split
 
 
 def planned_components(cfg: ModelConfig, policy: Policy, max_len: int, dtype: torch.dtype, act_len: int | None = None,
-                       shared_prefix: int = 0) -> dict[str, dict[str, int]]:
+                       shared_prefix: int = 0, gpu_compute: bool = False) -> dict[str, dict[str, int]]:
     """Bytes of weights, KV cache and activations on each tier as stored (compressed when the
     policy compresses), before transient buffers. Activations in memory hold one block of
     `act_len` positions (default max_len; a prefill's are the prompt's); on disk, their file
     is made for max_len (executor/activations.ActivationHome). shared_prefix: the tokens every
     prompt of a block starts with, whose KV a block holds once (executor/kv_cache.held_out_prefix:
-    under KIVI its complete groups): its one copy, as the cache stores it, is counted on the
-    compute tier."""
+    under KIVI its complete groups): its one copy, as the cache stores it, is counted where
+    attention reads it: on the compute tier, and, where a GPU computes (gpu_compute) and CPU
+    delegation attends to the cache's cpu and disk shares in RAM, a second copy on the cpu tier."""
     elt = torch.empty((), dtype=dtype).element_size()
     weights = dict(_weight_bytes(cfg, policy.weights, policy.compress_weight, dtype))
-    cache = dict(_cache_bytes(cfg, policy, max_len, dtype, shared_prefix))
+    cache = dict(_cache_bytes(cfg, policy, max_len, dtype, shared_prefix, gpu_compute))
     rows = _activation_rows(policy.activations, policy.gpu_batch_size, policy.num_gpu_batches)
     positions = {t: max_len if t == "disk" else act_len or max_len for t in TIERS}
     activations = {t: rows[t] * positions[t] * cfg.hidden_size * elt for t in TIERS}
@@ -50,8 +51,8 @@ def _activation_rows(split: Split, gpu_batch_size: int, num_gpu_batches: int) ->
 
 
 @functools.lru_cache(maxsize=1024)  # a search's estimate asks for each policy's cache three times
-def _cache_bytes(cfg: ModelConfig, policy: Policy, max_len: int, dtype: torch.dtype, shared_prefix: int
-                 ) -> dict[str, int]:
+def _cache_bytes(cfg: ModelConfig, policy: Policy, max_len: int, dtype: torch.dtype, shared_prefix: int,
+                 gpu_compute: bool) -> dict[str, int]:
     """The KV cache's bytes on each tier (planned_components; callers copy the dict)."""
     batches = [policy.gpu_batch_size] * policy.num_gpu_batches
     # as the schedule splits them (executor/schedule.py): slot by slot, rounding carried over
@@ -67,11 +68,22 @@ def _cache_bytes(cfg: ModelConfig, policy: Policy, max_len: int, dtype: torch.dt
             total[t] += units[t]
     cache = {t: sum(kv_nbytes(n, units[t], cfg.head_dim, dtype, policy.cache_storage)
                     for n, units in units_by_rows.items()) for t in TIERS}
-    # the one copy of each global block, stored as its slots store the prefix (compressed too)
+    # the one copy of each global block, stored as its slots store the prefix (compressed too),
+    # on each device whose attention reads a share of the cache (executor/schedule.py)
     once = sum(bool(held_out_prefix(shared_prefix, cfg.window(layer), policy)) for layer in range(cfg.num_layers))
     held = held_prefix_len(shared_prefix, policy.compress_cache)
-    cache["gpu"] += once * held_prefix_nbytes(held, cfg.num_kv_heads, cfg.head_dim, dtype, policy.cache_storage)
+    for tier in prefix_copy_tiers(policy, gpu_compute):
+        cache[tier] += once * held_prefix_nbytes(held, cfg.num_kv_heads, cfg.head_dim, dtype, policy.cache_storage)
     return cache
+
+
+def prefix_copy_tiers(policy: Policy, gpu_compute: bool) -> set[str]:
+    """The tiers holding a block's copy of its shared prefix: one per device that attends to a
+    share of the cache. Attention runs on the compute device ("gpu" tier: a CPU-only machine's
+    too), except that CPU delegation on a GPU machine attends to the cpu and disk shares in RAM."""
+    delegated = policy.cpu_cache_compute and gpu_compute
+    return {"cpu" if delegated and tier != "gpu" else "gpu"
+            for tier in policy.cache.tiers()}
 
 
 @functools.lru_cache(maxsize=256)  # the policy search asks for the same few placements many times
@@ -88,9 +100,9 @@ def _weight_bytes(cfg: ModelConfig, split: Split, compression: WeightCompression
 
 
 def planned_bytes(cfg: ModelConfig, policy: Policy, max_len: int, dtype: torch.dtype, act_len: int | None = None,
-                  shared_prefix: int = 0) -> dict[str, int]:
+                  shared_prefix: int = 0, gpu_compute: bool = False) -> dict[str, int]:
     """Weights, KV cache and activations (one block) per tier, before transient buffers."""
-    parts = planned_components(cfg, policy, max_len, dtype, act_len, shared_prefix)
+    parts = planned_components(cfg, policy, max_len, dtype, act_len, shared_prefix, gpu_compute)
     return {t: sum(p[t] for p in parts.values()) for t in TIERS}
 
 

@@ -651,7 +651,7 @@ class CostModel:
             tokens = work.prompt_len if phase == "prefill" else 1
             keys = work.prompt_len if phase == "prefill" else work.max_len
             placed = planned_components(cfg, policy, work.max_len, self.dtype, act_len=tokens,
-                                        shared_prefix=work.shared_prefix)
+                                        shared_prefix=work.shared_prefix, gpu_compute=self.hw.is_cuda)
             # a decode step's blocks run the block's rows together, and so do a prefill's MoE blocks
             together = phase == "decode" or cfg.is_moe
             inner = batch_working_bytes(cfg, (gbs * nb if together else gbs) * tokens, self.dtype)
@@ -703,7 +703,7 @@ class CostModel:
         weights stay in the weight store, which it does not count), the KV cache, one prefill
         hidden state per GPU batch, and the dense copies a block keeps (kept_dense_bytes)."""
         comps = planned_components(self.cfg, policy, self.work.max_len, self.dtype, act_len=self.work.prompt_len,
-                                   shared_prefix=self.work.shared_prefix)
+                                   shared_prefix=self.work.shared_prefix, gpu_compute=self.hw.is_cuda)
         comps["weights"]["disk"] = 0
         out = {t: sum(comps[k][t] for k in comps) for t in TIERS}
         out["gpu"] += self.kept_dense_bytes(policy)

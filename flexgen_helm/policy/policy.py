@@ -25,6 +25,10 @@ class Split:
     def as_tuple(self) -> tuple[float, float, float]:
         return (self.gpu, self.cpu, self.disk)
 
+    def tiers(self) -> tuple[str, ...]:
+        """The tiers holding a share."""
+        return tuple(t for t, f in zip(TIERS, self.as_tuple()) if f > 0)
+
     def validate(self, what: str) -> None:
         for tier, f in zip(TIERS, self.as_tuple()):
             if not 0.0 <= f <= 1.0:

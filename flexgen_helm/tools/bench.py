@@ -100,7 +100,7 @@ def run_bench(args, policy: Policy) -> dict:
     max_len = args.prompt_len + args.gen_len
     shared = args.shared_prefix if policy.prefix_sharing else 0
     planned = planned_bytes(cfg, policy, max_len, devices.dtype, act_len=args.prompt_len,  # as the search plans
-                            shared_prefix=shared)
+                            shared_prefix=shared, gpu_compute=devices.compute.type == "cuda")
     check_budgets(planned, {t: parse_size(getattr(args, f"{t}_mem", None)) for t in ("gpu", "cpu", "disk")})
 
     engine = engine_class(args.pipeline).load(args.model, policy, path=args.path, dummy=args.dummy,
