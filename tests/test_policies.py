@@ -288,3 +288,26 @@ def test_groups_split_in_turn_keep_the_totals_near_the_fractions():
     # a pipeline stage's slots are the whole model's
     whole = slot_tier_counts(Split(0.3, 0.3, 0.4), [6, 6, 4], range(5))
     assert slot_tier_counts(Split(0.3, 0.3, 0.4), [6, 6, 4], [3, 4]) == {s: c for s, c in whole.items() if s[0] >= 3}
+
+
+def test_a_resident_layer_loads_as_its_homes_and_a_streamed_one_loads_again(tiny_llama, tmp_path):
+    """A layer whose weights live whole on the compute device loads as those very tensors,
+    kept from its first load (ModelRuntime.load_layer); a layer with weights on disk reads
+    them again at every load, never served from that keep."""
+    def runtime(weights: Split):
+        return Engine.load(str(tiny_llama), Policy(weights=weights), dtype="float32", device="cpu",
+                           offload_dir=tmp_path, progress=False).runtime
+
+    resident = runtime(Split(1, 0, 0))
+    for layer in resident.layers:
+        first, again = resident.load_layer(layer), resident.load_layer(layer)
+        assert all(first[t.key] is resident.homes[t.store_name].data[0] is again[t.key] for t in layer.tensors)
+    streamed = runtime(Split(0.5, 0, 0.5))  # every layer has a weight on disk (placement cuts each layer)
+    on_disk = 0
+    for layer in streamed.layers:
+        first, again = streamed.load_layer(layer), streamed.load_layer(layer)
+        for t in layer.tensors:
+            if any(p is None for p in streamed.homes[t.store_name].data):
+                on_disk += 1
+                assert first[t.key] is not again[t.key] and torch.equal(first[t.key], again[t.key])
+    assert on_disk

@@ -34,6 +34,8 @@ class ModelRuntime:
     expert_plans: dict = field(default_factory=dict)
     # the dense copies of compressed weights the blocks keep, across blocks (dense_copies)
     kept: KeptDenseWeights | None = None
+    # by (kind, index): a layer whose weights load_layer uses in place, and those weights
+    _in_place: dict[tuple[str, int], tuple[LayerSpec, dict]] = field(default_factory=dict)
     # On a GPU, wait for the device at the end of every timed stretch of compute, so that the
     # stage timers hold the GPU's time (`flexgen-helm bench --breakdown`). Off, the host queues
     # each layer's kernels while the GPU still runs the last, and the compute timers hold the
@@ -77,11 +79,26 @@ class ModelRuntime:
     def load_layer(self, layer: LayerSpec, loaded: dict | None = None,
                    map_reads: Callable | None = None) -> dict[str, torch.Tensor]:
         """`loaded`: weights already on the compute device, by store name, to use as they are;
-        `map_reads`: runs the reads of the tensors on disk at once (memory/weight_homes.load_layer)."""
-        return load_layer(layer, self.homes, self.devices, self.store, loaded, map_reads)
+        `map_reads`: runs the reads of the tensors on disk at once (memory/weight_homes.load_layer).
+        A layer whose every weight is used where it lives (whole, uncompressed, in the compute
+        device's memory) loads as the same tensors every time: that answer is kept and given
+        again. Working it out took a fifth of a decode step's host time, per layer and step, which
+        on a GPU is what a step waits for (runs/gpu/h200-2026-11-28/README.md, section 3)."""
+        held = self._in_place.get((layer.kind, layer.index))
+        if held is not None and held[0] is layer:
+            return dict(held[1])
+        weights = load_layer(layer, self.homes, self.devices, self.store, loaded, map_reads)
+        if all(_is_home(self.homes[t.store_name], weights[t.key]) for t in layer.tensors):
+            self._in_place[layer.kind, layer.index] = (layer, weights)
+        return dict(weights)
 
     def placement_report(self) -> dict:
         return {
             "weight_fractions": achieved_fractions(self.layers, self.placement),
             "weight_bytes": home_bytes(self.homes, self.devices.dtype),
         }
+
+
+def _is_home(home: WeightHome, weight) -> bool:
+    """Whether `weight` is the one tensor that `home` holds (no copy, no read made it)."""
+    return len(home.data) == 1 and weight is home.data[0]
