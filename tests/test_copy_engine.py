@@ -7,6 +7,7 @@ import threading
 
 import pytest
 import torch
+from conftest import engine_device
 
 from flexgen_helm.engine import Engine
 from flexgen_helm.executor.sampling import SamplingParams
@@ -112,3 +113,39 @@ def test_transfers_and_generation_run_without_autograd(tiny_llama, overlap):
     engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2),
                     on_step=lambda done, total: seen.append(torch.is_inference_mode_enabled()))
     assert seen and all(seen)
+
+
+def test_copies_on_streams_need_overlap_on_a_gpu():
+    with pytest.raises(ValueError, match="overlap on a GPU"):
+        CopyEngine(True, torch.device("cpu"), on_streams=True)
+
+
+def test_an_unknown_way_of_copying_on_a_gpu_is_refused_by_name(tiny_llama, monkeypatch):
+    monkeypatch.setenv("FLEXGEN_HELM_CUDA_COPIES", "fibers")
+    engine = Engine.load(str(tiny_llama), policy=Policy(), **CPU32)
+    with pytest.raises(ValueError, match="FLEXGEN_HELM_CUDA_COPIES='fibers': expected one of threads, streams"):
+        engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
+
+
+@pytest.mark.skipif(engine_device() != "cuda", reason="copies on streams are a GPU's (pytest --device cuda)")
+@pytest.mark.parametrize("policy", [
+    Policy(gpu_batch_size=2, num_gpu_batches=3, weights=Split(0.3, 0.7, 0), cache=Split(0.4, 0.6, 0),
+           activations=Split(0.5, 0.5, 0)),
+    Policy(gpu_batch_size=2, num_gpu_batches=3, weights=Split(0, 1, 0), cache=Split(0.2, 0.8, 0),
+           attn_sparsity=0.5),
+    Policy(gpu_batch_size=3, num_gpu_batches=2, cache=Split(0.5, 0.5, 0), compress_cache=Compression(4, 4)),
+], ids=["split", "sparse", "compressed-cache"])
+def test_copies_on_streams_give_the_threads_tokens_and_logprobs(tiny_llama, tmp_path, monkeypatch, policy):
+    """FLEXGEN_HELM_CUDA_COPIES=streams (memory/copy_engine.py): the same greedy tokens and
+    float32 log-probs as the worker threads' copies, where a step's loads and stores of
+    weights, cache and hidden states in RAM interleave with its compute."""
+    prompts = [[5 + (i * 7 + j) % 200 for j in range(6 + i)] for i in range(policy.block_size)]
+    runs = {}
+    for way in ("threads", "streams"):
+        monkeypatch.setenv("FLEXGEN_HELM_CUDA_COPIES", way)
+        engine = Engine.load(str(tiny_llama), policy, dtype="float32", device="cuda", offload_dir=tmp_path,
+                             progress=False)
+        runs[way] = engine.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True)).results
+    for a, b in zip(runs["threads"], runs["streams"], strict=True):
+        assert a.completions[0].token_ids == b.completions[0].token_ids
+        assert a.completions[0].logprobs == b.completions[0].logprobs

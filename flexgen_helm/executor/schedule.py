@@ -88,7 +88,7 @@ from flexgen_helm.executor.kv_cache import (
 from flexgen_helm.executor.shared_prefix import PrefixLayer, SharedPrefix
 from flexgen_helm.executor.step_rows import StepRows, units_of
 from flexgen_helm.executor.working_set import decode_head_rows, dense_weight_numel, head_calls, kept_freed_bytes
-from flexgen_helm.memory.copy_engine import CopyEngine, consume
+from flexgen_helm.memory.copy_engine import CopyEngine, consume, cuda_copies
 from flexgen_helm.memory.disk_buffer import OFFLOAD_ADVICE
 from flexgen_helm.memory.disk_space import check_free_space
 from flexgen_helm.memory.host_allocator import release_freed_host_memory
@@ -158,7 +158,9 @@ class BlockSchedule:
         self.batches = batches
         self.devices = runtime.devices
         self.timers = defaultdict(float)
-        self.io = CopyEngine(policy.overlap and self._anything_to_overlap(), self.devices.compute, self.timers)
+        overlap = policy.overlap and self._anything_to_overlap()
+        self.io = CopyEngine(overlap, self.devices.compute, self.timers,
+                             on_streams=self._copies_on_streams() and overlap)  # (a bad setting fails on any device)
         self.length = 0  # positions in the cache so far
         # the block's prompt columns; GPU batch k's own start at prompt_start[k] (shorter
         # batches skip the columns before, which no row of theirs sees)
@@ -318,8 +320,20 @@ class BlockSchedule:
         the cores that compute, and a copy thread only competes with them: SmolLM2-135M, 64 x
         100 tokens + 8 generated, bfloat16, 2 cores: 2.95 s with the thread, 2.25 s inline
         (decode 1.16 -> 0.69 s)."""
+        return self.devices.is_cuda or self._anything_on_disk()
+
+    def _anything_on_disk(self) -> bool:
         p = self.policy
-        return self.devices.is_cuda or any(split.disk > 0 for split in (p.weights, p.cache, p.activations))
+        return any(split.disk > 0 for split in (p.weights, p.cache, p.activations))
+
+    def _copies_on_streams(self) -> bool:
+        """Whether a GPU's transfers go on the lanes' streams from this thread, not through
+        worker threads (memory/copy_engine.py: FLEXGEN_HELM_CUDA_COPIES=streams). Not with
+        anything on disk, whose reads block the thread that makes them; nor with CPU
+        delegation, whose attention reads in place, on the host, the cache a lane stored in
+        RAM (a worker's wait for each copy is what orders those reads after the stores)."""
+        return (cuda_copies() == "streams" and self.devices.is_cuda and not self._anything_on_disk()
+                and not self.policy.cpu_cache_compute)
 
     # ---- one token step over the whole block -------------------------------------------
 

@@ -20,11 +20,24 @@ read one at a time, 3.5 ms with 4 in flight, 1.4 ms with 16).
 Each transfer may name its `kind` (e.g. "decode_load_cache"): its run time is added to
 `timers[kind]`, which with overlap off gives the paper's runtime breakdown (Table 23).
 Each key is written by one thread only (the worker, or the caller when inline).
+
+On a GPU, with nothing on disk, the copies may instead go on the lanes' streams from the
+caller's own thread (`on_streams`, FlexGen's own way; FLEXGEN_HELM_CUDA_COPIES=streams): no
+worker thread and no wait on the host. Each transfer's stream waits on the GPU for what
+compute made before it, and compute waits on the GPU for what a load brought (the host
+waits only for data it reads itself, in RAM). Why: on an H200 the step was bound by the
+host, and overlap on ran at 0.67x of off (runs/gpu/h200-2026-11-28/README.md, section 2).
+There, each transfer's hand-off to a worker, and the worker's wait for its copy, held up
+the thread that queues the GPU's work. A disk read blocks the thread that makes it, so with
+anything on disk the worker threads stay; so they do under CPU delegation, whose attention
+reads in place, on the host, what a lane stored in RAM. Here the timers hold the host's
+time to issue a transfer, not the copy's.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,22 +55,55 @@ class _Done:
         return self._value
 
 
+class _OnStream:
+    """A transfer issued on a lane's stream (CopyEngine.on_streams): result() makes the
+    caller's stream wait for it on the GPU, or, where the answer holds tensors in RAM that
+    the host will read, waits for it on the host."""
+
+    def __init__(self, value, done: torch.cuda.Event):
+        self._value, self._done = value, done
+
+    def result(self):
+        if any(not t.is_cuda for t in _tensors(self._value)):
+            self._done.synchronize()
+        else:
+            torch.cuda.current_stream().wait_event(self._done)
+        return self._value
+
+
 LANES = ("batches", "weights")
 READS_AT_ONCE = 16  # the most reads fan_out has in flight (the measurement above)
+CUDA_COPY_WAYS = ("threads", "streams")
+
+
+def cuda_copies() -> str:
+    """How a GPU's transfers overlap compute where nothing is on disk (module doc):
+    FLEXGEN_HELM_CUDA_COPIES, "threads" (the default) or "streams"."""
+    way = os.environ.get("FLEXGEN_HELM_CUDA_COPIES", "threads")
+    if way not in CUDA_COPY_WAYS:
+        raise ValueError(f"FLEXGEN_HELM_CUDA_COPIES={way!r}: expected one of {', '.join(CUDA_COPY_WAYS)}")
+    return way
 
 
 class CopyEngine:
-    def __init__(self, overlap: bool, device: torch.device, timers: dict | None = None):
+    def __init__(self, overlap: bool, device: torch.device, timers: dict | None = None, on_streams: bool = False):
+        """on_streams: a GPU's copies issued on the lanes' streams by the caller (module doc);
+        only where nothing is read from or written to disk."""
         self.overlap = overlap
         self.timers = timers if timers is not None else defaultdict(float)
         self.cuda = device.type == "cuda"
+        if on_streams and not (overlap and self.cuda):
+            raise ValueError("copies on streams need overlap on a GPU")
+        self.on_streams = on_streams
         self._pools = {lane: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"flexgen-io-{lane}")
-                       for lane in LANES} if overlap else None
+                       for lane in LANES} if overlap and not on_streams else None
         self._streams = {lane: torch.cuda.Stream(device) for lane in LANES} if (overlap and self.cuda) else None
         self._fan: ThreadPoolExecutor | None = None
 
-    def submit(self, fn, *args, kind: str | None = None, lane: str = "batches") -> Future | _Done:
+    def submit(self, fn, *args, kind: str | None = None, lane: str = "batches") -> Future | _Done | _OnStream:
         """Run fn(*args) on `lane` (module doc); its run time goes to timers[kind]."""
+        if self.on_streams:
+            return self._timed(kind, self._issue, fn, args, lane)
         if self._pools is None:
             return _Done(self._timed(kind, self._inline, fn, args))
         ready = None
@@ -72,7 +118,7 @@ class CopyEngine:
         stream (a lane's): a thread starts on the default stream, the compute stream, where
         what a read queued (a ring's gather of a GPU-tier cache) was not ordered with the lane
         that uses it, nor covered by the lane's wait."""
-        if len(items) < 2:
+        if len(items) < 2 or self.on_streams:  # (on streams nothing is on disk: reads are views and copies)
             return [fn(x) for x in items]
         if self._fan is None:
             self._fan = ThreadPoolExecutor(max_workers=READS_AT_ONCE, thread_name_prefix="flexgen-io-fan")
@@ -103,9 +149,27 @@ class CopyEngine:
         stream.synchronize()
         return out
 
+    def _issue(self, fn, args, lane: str) -> _OnStream:
+        """fn(*args) queued on the lane's stream by the caller (on_streams): after what the
+        caller's stream has queued so far (the tensors compute just made), its GPU inputs kept
+        from reuse until the lane has read them."""
+        stream = self._streams[lane]
+        stream.wait_stream(torch.cuda.current_stream())
+        for t in _tensors(args):
+            if t.is_cuda:
+                t.record_stream(stream)
+        with torch.cuda.stream(stream):
+            out = without_autograd(fn, *args)
+        done = torch.cuda.Event()
+        done.record(stream)
+        return _OnStream(out, done)
+
     def close(self) -> None:
         for pool in [*(self._pools or {}).values(), *([self._fan] if self._fan else [])]:
             pool.shutdown(wait=True)
+        if self.on_streams:  # what the lanes still had queued (the last stores) lands before the block ends
+            for stream in self._streams.values():
+                stream.synchronize()
 
 
 def without_autograd(fn, *args):

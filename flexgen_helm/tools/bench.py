@@ -15,6 +15,7 @@ from tqdm import tqdm
 from flexgen_helm.compression.int4 import MAX_KERNEL_ROWS
 from flexgen_helm.dist.launch import engine_class, is_reporting_rank
 from flexgen_helm.executor.sampling import SamplingParams
+from flexgen_helm.memory.copy_engine import cuda_copies
 from flexgen_helm.memory.devices import DTYPE_NAMES, Devices, pick_devices
 from flexgen_helm.memory.machine import machine_info
 from flexgen_helm.memory.usage import process_disk_read_bytes
@@ -144,6 +145,8 @@ def run_bench(args, policy: Policy) -> dict:
         "timers": stats.timers,
         "breakdown": breakdown(stats.timers),
         "breakdown_clock": breakdown_clock(devices, args.breakdown),
+        # how a GPU's transfers overlapped compute (memory/copy_engine.py), where nothing was on disk
+        "cuda_copies": cuda_copies() if devices.is_cuda else None,
         "hardware": machine_info(),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
