@@ -329,11 +329,15 @@ class BlockSchedule:
     def _copies_on_streams(self) -> bool:
         """Whether a GPU's transfers go on the lanes' streams from this thread, not through
         worker threads (memory/copy_engine.py: FLEXGEN_HELM_CUDA_COPIES=streams). Not with
-        anything on disk, whose reads block the thread that makes them; nor with CPU
-        delegation, whose attention reads in place, on the host, the cache a lane stored in
-        RAM (a worker's wait for each copy is what orders those reads after the stores)."""
+        anything on disk, whose reads block the thread that makes them; nor where the host
+        itself reads the cache a lane stored in RAM, which a worker's wait for each copy
+        orders after the stores: CPU delegation's attention in place, and, on the cpu tier,
+        a sliding window's ring gathered and KIVI's groups regrouped."""
+        cc = self.policy.compress_cache
+        host_reads_ram = self.policy.cpu_cache_compute or self.policy.cache.cpu > 0 and (
+            (cc is not None and cc.kivi) or any(self.cfg.window(i) for i in range(self.cfg.num_layers)))
         return (cuda_copies() == "streams" and self.devices.is_cuda and not self._anything_on_disk()
-                and not self.policy.cpu_cache_compute)
+                and not host_reads_ram)
 
     # ---- one token step over the whole block -------------------------------------------
 

@@ -29,9 +29,11 @@ waits only for data it reads itself, in RAM). Why: on an H200 the step was bound
 host, and overlap on ran at 0.67x of off (runs/gpu/h200-2026-11-28/README.md, section 2).
 There, each transfer's hand-off to a worker, and the worker's wait for its copy, held up
 the thread that queues the GPU's work. A disk read blocks the thread that makes it, so with
-anything on disk the worker threads stay; so they do under CPU delegation, whose attention
-reads in place, on the host, what a lane stored in RAM. Here the timers hold the host's
-time to issue a transfer, not the copy's.
+anything on disk the worker threads stay; so they do where the host itself reads what a
+lane stored in RAM (BlockSchedule._copies_on_streams). Here the timers hold the host's time
+to issue a transfer, not the copy's. Streams are always the compute device's own
+(`current_stream(device)`), whichever device is the thread's current one (a pipeline stage's
+cuda:N).
 """
 
 from __future__ import annotations
@@ -60,14 +62,14 @@ class _OnStream:
     caller's stream wait for it on the GPU, or, where the answer holds tensors in RAM that
     the host will read, waits for it on the host."""
 
-    def __init__(self, value, done: torch.cuda.Event):
-        self._value, self._done = value, done
+    def __init__(self, value, done: torch.cuda.Event, device: torch.device):
+        self._value, self._done, self._device = value, done, device
 
     def result(self):
         if any(not t.is_cuda for t in _tensors(self._value)):
             self._done.synchronize()
         else:
-            torch.cuda.current_stream().wait_event(self._done)
+            torch.cuda.current_stream(self._device).wait_event(self._done)
         return self._value
 
 
@@ -92,6 +94,7 @@ class CopyEngine:
         self.overlap = overlap
         self.timers = timers if timers is not None else defaultdict(float)
         self.cuda = device.type == "cuda"
+        self.device = device  # the compute device: its current stream is compute's, whichever device is current
         if on_streams and not (overlap and self.cuda):
             raise ValueError("copies on streams need overlap on a GPU")
         self.on_streams = on_streams
@@ -109,7 +112,7 @@ class CopyEngine:
         ready = None
         if self.cuda:
             ready = torch.cuda.Event()
-            ready.record()  # the transfer may read tensors that compute just produced
+            ready.record(torch.cuda.current_stream(self.device))  # the transfer may read what compute just made
         return self._pools[lane].submit(self._timed, kind, self._run, fn, args, ready, lane)
 
     def fan_out(self, fn, items: list) -> list:
@@ -122,7 +125,7 @@ class CopyEngine:
             return [fn(x) for x in items]
         if self._fan is None:
             self._fan = ThreadPoolExecutor(max_workers=READS_AT_ONCE, thread_name_prefix="flexgen-io-fan")
-        stream = torch.cuda.current_stream() if self.cuda else None
+        stream = torch.cuda.current_stream(self.device) if self.cuda else None
         return list(self._fan.map(functools.partial(_on_stream, stream, fn), items))
 
     def _timed(self, kind, run, *args):
@@ -136,7 +139,7 @@ class CopyEngine:
     def _inline(self, fn, args):
         out = fn(*args)
         if self.cuda:  # non_blocking copies: the time is only known once they finish
-            torch.cuda.current_stream().synchronize()
+            torch.cuda.current_stream(self.device).synchronize()
         return out
 
     def _run(self, fn, args, ready, lane: str):
@@ -154,7 +157,7 @@ class CopyEngine:
         caller's stream has queued so far (the tensors compute just made), its GPU inputs kept
         from reuse until the lane has read them."""
         stream = self._streams[lane]
-        stream.wait_stream(torch.cuda.current_stream())
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         for t in _tensors(args):
             if t.is_cuda:
                 t.record_stream(stream)
@@ -162,7 +165,7 @@ class CopyEngine:
             out = without_autograd(fn, *args)
         done = torch.cuda.Event()
         done.record(stream)
-        return _OnStream(out, done)
+        return _OnStream(out, done, self.device)
 
     def close(self) -> None:
         for pool in [*(self._pools or {}).values(), *([self._fan] if self._fan else [])]:
@@ -194,7 +197,7 @@ def consume(value, device: torch.device):
     if device.type == "cuda":
         for t in _tensors(value):
             if t.is_cuda:
-                t.record_stream(torch.cuda.current_stream())
+                t.record_stream(torch.cuda.current_stream(device))
     return value
 
 
