@@ -742,7 +742,7 @@ class BlockSchedule:
         """The end of a timed stretch: on a GPU whose stage timers are synchronized
         (ModelRuntime.sync_stage_timers), wait for the device to finish what was queued."""
         if self.devices.is_cuda and self.rt.sync_stage_timers:
-            torch.cuda.current_stream().synchronize()
+            torch.cuda.current_stream(self.devices.compute).synchronize()
 
     def _block(self, index: int, k: int, w: dict, h, cache, prefill: bool):
         """h: the computed rows' hidden states. Returns theirs after the block, and the
