@@ -773,9 +773,7 @@ class BlockSchedule:
                                    starts=starts, sinks=sinks)
         elif prefill:
             if self.shared is not None:  # the columns before the window: the shared prefix's keys and values
-                pad = (~self.batches[k].valid).sum(1)
-                before_k, before_v = self.prefix_here.context(pad, self.shared.length)
-                ku, vu = torch.cat([before_k, ku], dim=1), torch.cat([before_v, vu], dim=1)
+                ku, vu = self.prefix_here.with_context((~self.batches[k].valid).sum(1), ku, vu)
             out = attend(qu, ku, vu, rows.valid, causal=True, window=window, softcap=softcap, sinks=sinks)
         else:
             t0 = time.perf_counter()

@@ -86,21 +86,32 @@ class PrefixLayer:
     keys: torch.Tensor
     values: torch.Tensor
     decode: dict = field(default_factory=dict)  # device type -> attention.DecodePrefix or held_prefix.HeldPrefix
+    _led: tuple[torch.Tensor, torch.Tensor] | None = None  # keys, values led by zeros (with_context)
 
-    def context(self, pad: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values of a GPU batch's columns before its window, (b * kv_heads,
-        width, head_dim): row r's prefix starts after its `pad[r]` padding columns (zeros
-        there: padding is never a valid key)."""
-        index = torch.arange(width, device=self.keys.device)[None, :] - pad.to(self.keys.device)[:, None]  # (b, w)
-        real = (index >= 0)[:, None, :, None]  # (b, 1, w, 1)
-        b, (kvh, _, d) = len(pad), self.keys.shape
-        flat = index.clamp(min=0).flatten()
+    def with_context(self, pad: torch.Tensor, own_keys: torch.Tensor, own_values: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A GPU batch's keys and values over its columns, (b * kv_heads, width + s, head_dim):
+        the shared prefix's columns before its window (width = the prefix's length), then its
+        own (b * kv_heads, s, head_dim). Row r's prefix starts after its `pad[r]` padding
+        columns (zeros there: padding is never a valid key). Gathered from the prefix led by
+        `width` zero positions, straight into the joined tensor: a masked copy, a reshape and a
+        concatenation fewer, bit for bit the same (the induction scenario's prefill spent
+        ~11% in them: runs/prefix_sharing/README.md)."""
+        kvh, width, d = self.keys.shape
+        b, s = len(pad), own_keys.shape[1]
+        index = (torch.arange(width, device=self.keys.device)[None, :]
+                 + (width - pad.to(self.keys.device))[:, None]).clamp(min=0).flatten()  # (b * w,)
 
-        def gathered(x: torch.Tensor) -> torch.Tensor:
-            rows = x.index_select(1, flat).view(kvh, b, width, d).transpose(0, 1)  # (b, kvh, w, d)
-            return rows.masked_fill(~real, 0).reshape(b * kvh, width, d)
+        def joined(led: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+            out = own.new_empty(b, kvh, width + s, d)
+            out[:, :, :width] = led.index_select(0, index).view(b, width, kvh, d).transpose(1, 2)
+            out[:, :, width:] = own.view(b, kvh, s, d)
+            return out.view(b * kvh, width + s, d)
 
-        return gathered(self.keys), gathered(self.values)
+        if self._led is None:  # made once for every GPU batch of the block: (2 * width, kv_heads, d)
+            self._led = tuple(torch.cat([x.new_zeros(kvh, width, d), x], 1).transpose(0, 1).contiguous()
+                              for x in (self.keys, self.values))
+        return joined(self._led[0], own_keys), joined(self._led[1], own_values)
 
 
 class SharedPrefix:
