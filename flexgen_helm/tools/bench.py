@@ -101,7 +101,7 @@ def run_bench(args, policy: Policy) -> dict:
     max_len = args.prompt_len + args.gen_len
     shared = args.shared_prefix if policy.prefix_sharing else 0
     planned = planned_bytes(cfg, policy, max_len, devices.dtype, act_len=args.prompt_len,  # as the search plans
-                            shared_prefix=shared, gpu_compute=devices.compute.type == "cuda")
+                            shared_prefix=shared, gpu_compute=devices.is_cuda)
     check_budgets(planned, {t: parse_size(getattr(args, f"{t}_mem", None)) for t in ("gpu", "cpu", "disk")})
 
     engine = engine_class(args.pipeline).load(args.model, policy, path=args.path, dummy=args.dummy,
@@ -145,8 +145,9 @@ def run_bench(args, policy: Policy) -> dict:
         "timers": stats.timers,
         "breakdown": breakdown(stats.timers),
         "breakdown_clock": breakdown_clock(devices, args.breakdown),
-        # how a GPU's transfers overlapped compute (memory/copy_engine.py), where nothing was on disk
-        "cuda_copies": cuda_copies() if devices.is_cuda else None,
+        # FLEXGEN_HELM_CUDA_COPIES as set (memory/copy_engine.py): copies on streams apply only
+        # where BlockSchedule._copies_on_streams allows them (nothing on disk, no host reads of RAM)
+        "cuda_copies_setting": cuda_copies() if devices.is_cuda else None,
         "hardware": machine_info(),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
