@@ -6,6 +6,7 @@ say it computed: the prefix once, then each GPU batch's columns after it."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from types import SimpleNamespace
 
@@ -414,6 +415,7 @@ def test_shared_prefix_attention_in_bf16_keeps_float32_precision_of_the_keys_sha
         attend_past_shared_prefix,
         prefix_for_decode,
     )
+    from flexgen_helm.executor.kv_cache import keys_outside_prefix
     from flexgen_helm.memory.devices import cpu_has_bf16_arithmetic
 
     torch.manual_seed(2)
@@ -435,13 +437,15 @@ def test_shared_prefix_attention_in_bf16_keeps_float32_precision_of_the_keys_sha
     assert (bf16.key_mean is not None) == cpu_has_bf16_arithmetic()
     if bf16.key_mean is None:
         pytest.skip("this CPU emulates bf16 matmuls: the float32 layout serves it (checked above)")
-    got = attend_past_shared_prefix(q, k, v, valid, bf16, starts).float()
+    own = keys_outside_prefix(valid, starts[torch.arange(q.shape[0]) // kvh], n)
+    got = attend_past_shared_prefix(q, k, v, own, bf16).float()
     err = (got - want).abs().max().item()
     assert err < 1e-2, err
     # what rounding the plain scores to bf16 would have cost: the mean is what keeps it small
-    plain = DecodePrefix(prefix_k.mul(d ** -0.5).bfloat16().transpose(1, 2).contiguous(), prefix_v.bfloat16(),
+    plain = DecodePrefix(prefix_k.mul(d ** -0.5 / math.log(2)).bfloat16().transpose(1, 2).contiguous(),
+                         prefix_v.bfloat16(),
                          torch.zeros(kvh, 1, d))
-    rounded = attend_past_shared_prefix(q, k, v, valid, plain, starts).float()
+    rounded = attend_past_shared_prefix(q, k, v, own, plain).float()
     assert (rounded - want).abs().max().item() > 3 * err
 
 

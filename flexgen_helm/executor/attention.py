@@ -449,11 +449,12 @@ class DecodePrefix:
 
     Exact (float32 on a CPU; the compute dtype elsewhere): keys and values (kv_heads, P, d) as
     computed. In bfloat16 on a CPU with bf16 arithmetic (prefix_for_decode): keys with their
-    mean taken out and the 1/sqrt(d) scale in, transposed to (kv_heads, d, P), values (kv_heads,
-    P, d), both bfloat16, and key_mean (kv_heads, 1, d) float32 (mean / sqrt(d)), so that the
-    prefix's two matmuls a step run at bf16's rate (3-4x float32's on this project's CPU,
-    runs/prefix_sharing/README.md) while its scores keep float32's precision where it matters:
-    q . mean, the component every key shares, is added back in float32."""
+    mean taken out, the 1/sqrt(d) scale and log2(e) in (scores in base 2), transposed to
+    (kv_heads, d, P), values (kv_heads, P, d), both bfloat16, and key_mean (kv_heads, 1, d)
+    float32 (mean / sqrt(d), natural base), so that the prefix's two matmuls a step run at
+    bf16's rate (3-4x float32's on this project's CPU, runs/prefix_sharing/README.md) while its
+    scores keep float32's precision where it matters: q . mean, the component every key
+    shares, is added back in float32."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -472,9 +473,9 @@ def prefix_for_decode(keys: torch.Tensor, values: torch.Tensor, device: torch.de
     shift-invariant) and native bf16 matmuls (emulated ones are slower than float32)."""
     device = torch.device(device)
     if device.type == "cpu" and dtype == torch.bfloat16 and not softcap and _bf16_matmuls_native():
-        kf = keys.to(torch.float32, copy=True)
-        mean = kf.mean(1, keepdim=True).mul_(1 / math.sqrt(kf.shape[-1]))
-        kt = kf.mul_(1 / math.sqrt(kf.shape[-1])).sub_(mean).to(dtype).transpose(1, 2).contiguous()
+        kf = keys.to(torch.float32, copy=True).mul_(1 / math.sqrt(keys.shape[-1]))
+        mean = kf.mean(1, keepdim=True)
+        kt = kf.sub_(mean).mul_(1 / math.log(2)).to(dtype).transpose(1, 2).contiguous()
         return DecodePrefix(kt, values.to(dtype).contiguous(), mean)
     read_as = decode_cache_dtype(device, dtype)
     return DecodePrefix(keys.to(read_as, copy=True), values.to(read_as, copy=True))
@@ -504,8 +505,7 @@ def attend_past_shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if prefix.key_mean is None:
         shared = _normalized_part(by_head, prefix.keys, prefix.values, None, softcap)
     else:
-        out, peak, total = _bf16_prefix_part(by_head, prefix)
-        shared = out / total, peak + total.log()
+        shared = _bf16_prefix_part(by_head, prefix)
     return _merged(own_part, tuple(map(per_unit, shared)), sinks).view(u, r, 1, d).to(q.dtype)
 
 
@@ -544,17 +544,20 @@ def _merged(own: tuple[torch.Tensor, torch.Tensor], prefix: tuple[torch.Tensor, 
     return out * torch.sigmoid(lse - sinks.to(out.device)[..., None])
 
 
-def _bf16_prefix_part(q: torch.Tensor, prefix: DecodePrefix) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """_softmax_part of float32 queries q (kv_heads, m, d) over a prefix in DecodePrefix's bf16
-    layout: the scores leave their matmul rounded to bf16 relative to the keys' mean, q . mean
-    goes back into each row's largest score in float32; the weights are rounded to bf16 for
-    the product with the values, and their sum is taken of the rounded weights, so that the
-    output is the weighted mean of exactly the weights it used."""
+def _bf16_prefix_part(q: torch.Tensor, prefix: DecodePrefix) -> tuple[torch.Tensor, torch.Tensor]:
+    """_normalized_part of float32 queries q (kv_heads, m, d) over a prefix in DecodePrefix's
+    bf16 layout: the scores leave their matmul rounded to bf16 relative to the keys' mean, in
+    base 2 (the layout's keys carry log2(e)), and are exponentiated in float32 in place; q .
+    mean, the component every key shares, goes back into the log-sum-exp in float32. The
+    weights are summed in float32 and rounded to bf16 for the product with the values (torch's
+    bf16 reductions and exp ran 3-5x slower than float32's here; the sum of the unrounded
+    weights differs from the rounded ones' by their rounding, 2^-9 relative at most)."""
     scores = torch.bmm(q.to(prefix.values.dtype), prefix.keys).float()
     peak = scores.amax(-1, keepdim=True)
-    weights = torch.exp(scores.sub_(peak)).to(prefix.values.dtype)
-    out = torch.bmm(weights, prefix.values).float()
-    return out, peak + torch.bmm(q, prefix.key_mean.transpose(1, 2)), weights.sum(-1, keepdim=True, dtype=torch.float32)
+    weights = scores.sub_(peak).exp2_()
+    total = weights.sum(-1, keepdim=True)
+    out = torch.bmm(weights.to(prefix.values.dtype), prefix.values).float().div_(total)
+    return out, (peak + total.log2_()).mul_(math.log(2)).add_(torch.bmm(q, prefix.key_mean.transpose(1, 2)))
 
 
 def _normalized_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
