@@ -26,7 +26,6 @@ import numpy as np
 from scipy.optimize import linprog
 
 from flexgen_helm.errors import PolicyError
-from flexgen_helm.executor.attention import decode_cache_dtype
 from flexgen_helm.executor.kept_weights import check_keep_dense
 from flexgen_helm.memory.disk_space import size_text
 from flexgen_helm.models.config import ModelConfig
@@ -107,8 +106,7 @@ class SearchOptions:
     cpu_cache_compute: bool | None = None  # None: try both
     # None: try both where weights are compressed (not for MoE, whose experts load on demand)
     keep_dense_weights: bool | None = None
-    # None: try both where the cache is compressed and held dense computes the same numbers
-    # (Policy.keep_dense_cache)
+    # None: try both where the cache is compressed (Policy.keep_dense_cache)
     keep_dense_cache: bool | None = None
     max_latency_s: float | None = None  # on the block latency (prefill + all decode steps)
     max_gpu_batch_size: int = 64
@@ -290,7 +288,7 @@ def search(cfg: ModelConfig, profile: HardwareProfile, prompt_len: int, gen_len:
     delegation = (False, True) if options.cpu_cache_compute is None else (options.cpu_cache_compute,)
     keeping = ((False, True) if options.compress_weight is not None and not cfg.is_moe else (False,)
                ) if options.keep_dense_weights is None else (options.keep_dense_weights,)
-    dense_cache = ((False, True) if _dense_cache_exact(model, options.compress_cache) else (False,)
+    dense_cache = ((False, True) if options.compress_cache is not None else (False,)
                    ) if options.keep_dense_cache is None else (options.keep_dense_cache,)
     candidates: list[Candidate] = []
     gbs_list = ([options.gpu_batch_size] if options.gpu_batch_size is not None
@@ -328,15 +326,6 @@ def search(cfg: ModelConfig, profile: HardwareProfile, prompt_len: int, gen_len:
     candidates.sort(key=lambda c: -c.estimate.throughput)
     best = _smallest_near_best(candidates)
     return SearchResult(best.policy, best.estimate, candidates)
-
-
-def _dense_cache_exact(model: CostModel, compression: Compression | None) -> bool:
-    """Whether a compressed cache held dense computes the compressed cache's numbers on this
-    machine: where decode attention reads the compute dtype (a CPU's reads float32: the dense
-    cache, stored in a 16-bit compute dtype, would round its values once more)."""
-    if compression is None:
-        return False
-    return decode_cache_dtype(model.hw.compute_device, model.dtype) == model.dtype
 
 
 def _found(model: CostModel, shape: Policy, keep: bool, budgets: Budgets, options: SearchOptions
