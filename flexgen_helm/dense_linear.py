@@ -18,6 +18,8 @@ takes F.linear.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -61,3 +63,35 @@ def flipped_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
     if bias is not None:
         y.add_(bias)
     return y.view(*x.shape[:-1], w.shape[0])
+
+
+class PackedLinear:
+    """A bf16 weight matrix that lives in a CPU's memory for the whole run, held in oneDNN's
+    blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, once, at placement) and
+    multiplied there (`_linear_pointwise`). F.linear hands a bf16 product to the same oneDNN
+    kernel but reorders the weight into that layout at every call: at decode's few rows that
+    copy is as much memory traffic as the product. On a 2-core AVX512-BF16 EPYC, alone: 1.6-1.95x
+    F.linear's speed at 1-4 rows, 1.4-1.5x at 16, 1.2x at 64, 1.03-1.06x at 512-2048, every
+    output bit for bit F.linear's (runs/bench/packed_linear). Not a tensor: models/linear.py
+    hands it the product, as it does a compressed weight."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.shape = tuple(weight.shape)
+        self.dtype = weight.dtype
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        self.nbytes = weight.nbytes
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.shape[1]), self.packed, bias, "none", [], "")
+        return y.view(*x.shape[:-1], self.shape[0])
+
+
+def packs_linear_weights(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether weights kept in `device`'s memory for products in `dtype` are held as
+    PackedLinear: bf16 on a CPU whose oneDNN computes bf16 natively. FLEXGEN_HELM_PACKED_WEIGHTS
+    =off keeps them plain (an A/B's other side); any value but on/off is refused."""
+    setting = os.environ.get("FLEXGEN_HELM_PACKED_WEIGHTS", "on")
+    if setting not in ("on", "off"):
+        raise ValueError(f"FLEXGEN_HELM_PACKED_WEIGHTS={setting!r}: use 'on' (the default) or 'off'")
+    return (setting == "on" and torch.device(device).type == "cpu" and dtype == torch.bfloat16
+            and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())

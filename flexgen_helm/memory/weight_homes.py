@@ -21,11 +21,12 @@ from tqdm import tqdm
 from flexgen_helm.compression.grids import WeightCompression, tensor_compression
 from flexgen_helm.compression.int4 import CompressedWeight, kernel_rows
 from flexgen_helm.compression.stored import Stored, encode, stored_nbytes, weight_groups, weight_layout
+from flexgen_helm.dense_linear import PackedLinear, packs_linear_weights
 from flexgen_helm.memory.devices import Devices
 from flexgen_helm.memory.host_allocator import release_freed_host_memory
 from flexgen_helm.memory.placement import Segment
 from flexgen_helm.memory.usage import TierUsage
-from flexgen_helm.models.spec import LayerSpec, TensorSpec, all_store_tensors
+from flexgen_helm.models.spec import LayerSpec, TensorSpec, all_store_tensors, is_lookup_table
 from flexgen_helm.policy.policy import Compression
 
 
@@ -81,6 +82,7 @@ def build_homes(layers: list[LayerSpec], placement: dict[str, list[Segment]], de
     largest = max(math.prod(s.shape) for s in specs) * elt
     keep_freed = 2 * largest
     placed_since_look = largest  # look before the first tensor
+    packable = _multiplied_only(layers) if packs_linear_weights(devices.compute, devices.dtype) else set()
     for spec in tqdm(specs, desc="placing weights", unit="tensor", disable=not progress):
         if placed_since_look >= largest:
             release_freed_host_memory(keep_freed)
@@ -107,9 +109,19 @@ def build_homes(layers: list[LayerSpec], placement: dict[str, list[Segment]], de
             elif len(home.segments) > 1:
                 part = part.clone()  # a view would keep the whole tensor (other tiers' rows too) alive
             usage.add(s.tier, part.nbytes)
+            if spec.store_name in packable and home.compression is None and len(home.segments) == 1:
+                part = PackedLinear(part)  # its only copy from now on: the plain one is freed with `full`
             home.data.append(part)
         homes[spec.store_name] = home
     return homes
+
+
+def _multiplied_only(layers: list[LayerSpec]) -> set[str]:
+    """Store names of the 2-D weights the layers only multiply with (models/linear.linear),
+    never look rows up in (a tied embedding is both): those a PackedLinear can hold."""
+    lookups = {t.store_name for layer in layers for t in layer.tensors if is_lookup_table(layer, t.key)}
+    return {t.store_name for layer in layers for t in layer.tensors
+            if len(t.shape) == 2 and t.store_name not in lookups}
 
 
 def read_parts(home: WeightHome, store) -> list[Stored]:
@@ -131,6 +143,8 @@ def load_home(home: WeightHome, devices: Devices, store, parts: list[Stored] | N
         on_device = [(s.start, p.to(devices.compute, non_blocking=True)) for s, p in zip(home.segments, parts)]
         rows = kernel_rows(home.layout, devices.compute.type)
         return CompressedWeight(on_device, home.spec.shape, devices.dtype, rows)
+    if isinstance(parts[0], PackedLinear):  # in the compute device's memory, where it was packed
+        return parts[0]
     if len(parts) == 1:
         return parts[0].to(devices.compute, non_blocking=True)
     out = torch.empty(home.spec.shape, dtype=devices.dtype, device=devices.compute)
