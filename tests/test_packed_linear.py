@@ -72,3 +72,27 @@ def test_the_switch_takes_on_or_off_and_float32_stays_plain(monkeypatch):
     assert not packs_linear_weights(torch.device("cpu"), torch.float32)
     monkeypatch.setenv("FLEXGEN_HELM_PACKED_WEIGHTS", "off")
     assert not packs_linear_weights(torch.device("cpu"), torch.bfloat16)
+
+
+@needs_bf16_onednn
+def test_dense_copies_kept_for_every_block_are_packed_and_compute_the_same(tmp_path, monkeypatch):
+    """A compressed deployment's dense copies kept across blocks (keep_dense_weights, every
+    weight in memory) are packed in their place; the tokens and log-probs are the plain
+    copies' exactly (the embedding's table is looked up in its stored rows, no copy)."""
+    from flexgen_helm.compression.int4 import CompressedWeight
+    from flexgen_helm.policy import Compression
+
+    path = save_tiny("llama", tmp_path / "m", tie_word_embeddings=True)
+    policy = Policy(gpu_batch_size=4, compress_weight=Compression(4, 16), keep_dense_weights=True)
+    runs = {}
+    for setting in ("on", "off"):
+        monkeypatch.setenv("FLEXGEN_HELM_PACKED_WEIGHTS", setting)
+        engine = Engine.load(str(path), policy, dtype="bfloat16", device="cpu", offload_dir=tmp_path, progress=False)
+        runs[setting] = engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, ignore_eos=True)).results
+        kept = [w for (kind, _), layer in engine.runtime.kept._layers.items() if kind != "embed"
+                for w in layer.values() if isinstance(w, CompressedWeight)]
+        assert kept and all(w.dense_nbytes for w in kept)
+        assert all((w._packed is not None) == (setting == "on") for w in kept)
+    for a, b in zip(runs["on"], runs["off"]):
+        assert a.completions[0].token_ids == b.completions[0].token_ids
+        assert a.completions[0].logprobs == b.completions[0].logprobs

@@ -58,7 +58,7 @@ from flexgen_helm.compression import int8
 from flexgen_helm.compression.bundle import TensorBundle
 from flexgen_helm.compression.dense_copies import DENSE_COPIES
 from flexgen_helm.compression.quantize import QuantizedTensor, codes_of, dequantize
-from flexgen_helm.dense_linear import dense_linear
+from flexgen_helm.dense_linear import PackedLinear, dense_linear, packs_linear_weights
 from flexgen_helm.policy.policy import Compression
 
 logger = logging.getLogger(__name__)
@@ -311,6 +311,7 @@ class CompressedWeight:
         self.dtype = dtype
         self.max_kernel_rows = max_kernel_rows
         self._dense: torch.Tensor | None = None
+        self._packed: PackedLinear | None = None  # the dense copy, packed (pack_dense)
 
     @property
     def packed(self) -> bool:
@@ -324,8 +325,22 @@ class CompressedWeight:
 
     @property
     def dense_nbytes(self) -> int:
-        """Bytes of the dense copy, once made (0 before)."""
+        """Bytes of the dense copy, once made (0 before), packed or not."""
+        if self._packed is not None:
+            return self._packed.nbytes
         return 0 if self._dense is None else self._dense.numel() * self._dense.element_size()
+
+    def pack_dense(self) -> None:
+        """Hold the dense copy made for every later call (keep_dense) as a PackedLinear where
+        this machine packs the weights it keeps in memory (dense_linear.packs_linear_weights),
+        in its place: the same products, bit for bit, without oneDNN's reorder of the copy at
+        each call. Only a weight whose rows decode apart: a lookup in it then reads the stored
+        rows (embedding), never the copy."""
+        if (self._dense is None or not self._dense.is_contiguous() or not self.rows_apart
+                or not packs_linear_weights(self._dense.device, self.dtype)):
+            return
+        self._packed = PackedLinear(self._dense)
+        self._dense = None
 
     def uses_kernel(self, rows: int) -> bool:
         return self.packed and (self.max_kernel_rows is None or rows <= self.max_kernel_rows)
@@ -336,6 +351,8 @@ class CompressedWeight:
         (dequantize_packed): by column up to DENSE_BY_COLUMN_MAX_ROWS, where making it is a
         large part of the call, else by row, where the matmul is; `by_column` says which
         instead (a copy kept for many calls: executor/kept_weights.py)."""
+        if self._packed is not None:
+            raise AssertionError("a packed dense copy multiplies itself (linear); its rows are looked up stored")
         if self._dense is None:
             if by_column is None:
                 by_column = rows is None or rows <= DENSE_BY_COLUMN_MAX_ROWS
@@ -378,6 +395,8 @@ class CompressedWeight:
         crossover, else on the dense copy (and on it whenever this use already made it: a
         scored prompt's head, a chunk of positions at a time, takes it for every chunk)."""
         rows = x.numel() // self.shape[1]
+        if self._packed is not None:
+            return self._packed.linear(x, bias)
         if self._dense is not None or not self.uses_kernel(rows):
             return dense_linear(x, self.dense(rows), bias)
         x2 = x.reshape(rows, self.shape[1]).contiguous()

@@ -67,12 +67,15 @@ class KeptDenseWeights:
         model, as an uncompressed deployment's weights are, and not inside a block's timed
         compute (the main job's first scenario, whose prefill they made ~30% longer:
         runs/compression_8bit/main_job_fresh_2026-11-26_copies_at_load/). By row, the layout
-        whose decode-sized products may take W x^T (dense_linear.py)."""
+        whose decode-sized products may take W x^T (dense_linear.py); packed, where this
+        machine packs the weights it keeps (CompressedWeight.pack_dense)."""
         for layer in layers:
             for key, w in self(load, layer).items():
                 # a table whose rows decode apart is looked up without a copy (CompressedWeight.embedding)
-                if isinstance(w, CompressedWeight) and not (is_lookup_table(layer, key) and w.rows_apart):
+                if (isinstance(w, CompressedWeight) and not w.dense_nbytes
+                        and not (is_lookup_table(layer, key) and w.rows_apart)):
                     w.dense(by_column=False)
+                    w.pack_dense()
         self.count_dense_copies()
 
     @property
