@@ -77,6 +77,15 @@ _CUDA_TILE_ROWS = 8
 # count there); the commands that load an engine replace them with this machine's profiled
 # crossover (set_max_kernel_rows, from planner/hardware_profile.use_profile).
 MAX_KERNEL_ROWS = {"cpu": 128, "cuda": None}
+# Activation rows up to which a weight whose dense copy is held anyway (kept for a block,
+# executor/kept_weights.py, packed where the machine packs: dense_linear.PackedLinear) still
+# multiplies on its codes, per device type and kernel ("int4", "int8"): at a decode step's
+# few rows the kernel reads 2-4x fewer bytes than the copy (SmolLM2's 1536 x 576 weights
+# streamed, AVX512-BF16 EPYC: the int4 kernel 2.2x the packed copy's speed at 1 row, 1.2x at
+# 8, 0.8x at 16; int8 1.5-1.6x at 1-4 rows, 0.67x at 16). 0 (the copy at every row count)
+# until `flexgen-helm profile` measured where the kernel wins (set_kernel_over_kept_rows, from
+# planner/hardware_profile.use_profile): the bits of a bf16 product differ between the paths.
+KERNEL_OVER_KEPT_ROWS: dict[tuple[str, str], int] = {}
 # Elements per piece of a CPU dequantization: its float32 working copies (4 MiB each) stay in
 # the core's cache. One thread, freed memory kept (host_allocator.py), SmolLM2's 49152 x 576
 # head: pieces of 16 M elements 42 ms, 1 M 32 ms, 256 K 35 ms, 64 K 72 ms (Python per piece);
@@ -395,10 +404,30 @@ class CompressedWeight:
         crossover, else on the dense copy (and on it whenever this use already made it: a
         scored prompt's head, a chunk of positions at a time, takes it for every chunk)."""
         rows = x.numel() // self.shape[1]
+        held = self._packed is not None or self._dense is not None
+        if held and not self.kernel_beats_held_copy(rows):
+            return self.held_copy_linear(x, bias)
+        if not held and not self.uses_kernel(rows):
+            return dense_linear(x, self.dense(rows), bias)
+        return self.kernel_linear(x, bias)
+
+    def kernel_beats_held_copy(self, rows: int) -> bool:
+        """Whether a call of `rows` rows multiplies on the codes though the dense copy is held
+        (KERNEL_OVER_KEPT_ROWS, this machine's profile)."""
+        if not self.packed:
+            return False
+        p = self.parts[0][1]
+        return rows <= KERNEL_OVER_KEPT_ROWS.get((p.device.type, kernel_name(p)), 0)
+
+    def held_copy_linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear(x, weight, bias) on the dense copy held (made now if it is not)."""
         if self._packed is not None:
             return self._packed.linear(x, bias)
-        if self._dense is not None or not self.uses_kernel(rows):
-            return dense_linear(x, self.dense(rows), bias)
+        return dense_linear(x, self.dense(x.numel() // self.shape[1]), bias)
+
+    def kernel_linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear(x, weight, bias) on the packed codes, by the kernel."""
+        rows = x.numel() // self.shape[1]
         x2 = x.reshape(rows, self.shape[1]).contiguous()
         if len(self.parts) == 1:
             y = _kernel_mm(x2, self.parts[0][1])
@@ -407,6 +436,21 @@ class CompressedWeight:
         if bias is not None:
             y += bias
         return y.view(*x.shape[:-1], self.shape[0])
+
+
+def set_kernel_over_kept_rows(device_type: str, kernel: str, rows: int) -> None:
+    """Weights whose dense copy is held multiply on their `kernel` codes ("int4", "int8") up
+    to `rows` activation rows on `device_type` from now on (0: never)."""
+    if kernel not in ("int4", "int8"):
+        raise ValueError(f"a kernel is 'int4' or 'int8', got {kernel!r}")
+    if rows < 0:
+        raise ValueError(f"a row count >= 0, got {rows}")
+    KERNEL_OVER_KEPT_ROWS[(device_type, kernel)] = rows
+
+
+def kernel_name(p: "PackedInt4 | int8.PackedInt8") -> str:
+    """Which kernel multiplies a packed part: "int8" or "int4"."""
+    return "int8" if isinstance(p, int8.PackedInt8) else "int4"
 
 
 def _rows_apart(p: "PackedInt4 | int8.PackedInt8 | QuantizedTensor") -> bool:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from flexgen_helm.compression.int4 import set_max_kernel_rows
+from flexgen_helm.compression.int4 import set_kernel_over_kept_rows, set_max_kernel_rows
 from flexgen_helm.compression.int8 import set_max_kernel_rows as set_max_int8_kernel_rows
 from flexgen_helm.dense_linear import NO_ROWS, flipped_linear, flips, set_flipped_rows
 from flexgen_helm.errors import ProfileFormatError
@@ -66,6 +66,10 @@ FLIPPED_ROW_COUNTS = (2, 4, 8, 16, 32, 48, 64, 96, 128)
 FLIPPED_SMALL_SHAPE = (1536, 576)
 FLIPPED_STREAMED_BYTES = 256 << 20
 FLIPPED_MIN_GAIN = 1.05  # a gain smaller than this is within a shared machine's noise
+# Decode-sized row counts at which a compressed weight's kernel is timed against its dense copy
+# held in memory (compression/int4.KERNEL_OVER_KEPT_ROWS), on FLIPPED_SMALL_SHAPE and
+# MATMUL_SHAPE weights streamed (FLIPPED_STREAMED_BYTES of copies), the smaller gain of the two
+KEPT_KERNEL_ROWS = (1, 2, 4, 8, 16, 32)
 
 
 @dataclass
@@ -98,6 +102,21 @@ class DeviceSpeeds:
     # W x^T (dense_linear.py), on streamed weights (the smaller of two shapes' gains);
     # empty where not measured (a GPU)
     flipped_gains: dict[str, dict[int, float]] = field(default_factory=dict)
+    # kernel ("int4", "int8") -> rows (KEPT_KERNEL_ROWS) -> time of the product on a dense copy
+    # held in memory (packed where the engine packs it) over time of the kernel's on the codes,
+    # in the profile's dtype; empty where not measured (a GPU, a dtype no kernel takes)
+    kernel_over_kept_gains: dict[str, dict[int, float]] = field(default_factory=dict)
+
+    def kernel_over_kept_rows(self, kernel: str) -> int:
+        """The most rows up to which `kernel` beat the held dense copy at every measured row
+        count from the fewest (by FLIPPED_MIN_GAIN); 0 where it did not at the fewest, or was
+        not measured."""
+        best = 0
+        for rows, gain in sorted(self.kernel_over_kept_gains.get(kernel, {}).items()):
+            if gain < FLIPPED_MIN_GAIN:
+                break
+            best = rows
+        return best
 
     def linear_flops(self, dtype: str, rows: int) -> float:
         """FLOP/s of a linear layer's product of `rows` rows with a dense weight, as the engine
@@ -232,8 +251,8 @@ class HardwareProfile:
                                  for dt, t in s.get("matmul_flops", {}).items()}
             for kernel in ("int4_matmul_flops", "int8_matmul_flops"):
                 s[kernel] = {int(m): float(f) for m, f in s.get(kernel, {}).items()}
-            s["flipped_gains"] = {dt: {int(m): float(g) for m, g in t.items()}
-                                  for dt, t in s.get("flipped_gains", {}).items()}
+            for tables in ("flipped_gains", "kernel_over_kept_gains"):
+                s[tables] = {name: {int(m): float(g) for m, g in t.items()} for name, t in s.get(tables, {}).items()}
             devices[name] = DeviceSpeeds(**s)
         known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
         return cls(devices=devices or {"cpu": DeviceSpeeds()}, **known)
@@ -315,6 +334,8 @@ def use_profile(path: str | os.PathLike | None = None) -> HardwareProfile | None
         set_max_kernel_rows(saved.compute_device, saved.compute.int4_kernel_max_rows(saved.dtype))
     if saved.compute.int8_matmul_flops:  # a profile from before the int8 kernel keeps its default
         set_max_int8_kernel_rows(saved.compute_device, saved.compute.int8_kernel_max_rows(saved.dtype))
+    for kernel in saved.compute.kernel_over_kept_gains:
+        set_kernel_over_kept_rows(saved.compute_device, kernel, saved.compute.kernel_over_kept_rows(kernel))
     for name in saved.compute.flipped_gains:
         set_flipped_rows(saved.compute_device, DTYPES[name], saved.compute.flipped_rows(name))
     # only a CPU's profile measures them (a GPU's GEMMs are not known to gain: measure_device)
@@ -389,6 +410,7 @@ def measure_device(device: torch.device, dtype: torch.dtype) -> DeviceSpeeds:
     speeds.int8_matmul_flops, speeds.int8_dequant_elems_per_s = _int8_speeds(device, dtype, sync)
     if device.type == "cpu":  # a GPU's GEMMs are not known to gain (never measured on one)
         speeds.flipped_gains = {DTYPE_NAMES[dt]: _flipped_gains(device, dt) for dt in {dtype, torch.float32}}
+        speeds.kernel_over_kept_gains = _kernel_over_kept_gains(device, dtype)
     speeds.elementwise_elems_per_s = _elementwise_elems_per_s(device, dtype, sync)
     tiny_x, tiny_w = torch.randn(1, 64, device=device).to(dtype), torch.randn(64, 64, device=device).to(dtype)
     speeds.op_latency_s = _timed(lambda: F.linear(tiny_x, tiny_w), min_reps=200, sync=sync)
@@ -458,6 +480,43 @@ def flipped_gains_of(device: torch.device, dtype: torch.dtype, shape: tuple[int,
     for rows in rows_list:
         x = torch.randn(rows, in_f, device=device).to(dtype)
         gains[rows] = _paired_ratio(functools.partial(_linears, x, ws), functools.partial(_flipped_linears, x, ws))
+    return gains
+
+
+def _kernel_over_kept_gains(device: torch.device, dtype: torch.dtype) -> dict[str, dict[int, float]]:
+    """By kernel that runs here in `dtype` and KEPT_KERNEL_ROWS: the gain of multiplying on the
+    codes over multiplying on the dense copy a block keeps (compression/int4.CompressedWeight,
+    its copy made and packed as executor/kept_weights.py keeps it), weights streamed from memory,
+    the smaller gain of FLIPPED_SMALL_SHAPE's and MATMUL_SHAPE's."""
+    from flexgen_helm.compression import int4, int8
+    from flexgen_helm.compression.quantize import quantize
+    from flexgen_helm.policy.policy import PER_CHANNEL, Compression
+
+    packers = {"int4": (int4, Compression(4, KERNEL_GROUP_SIZE, 1), lambda q: int4.pack_int4(q, device)),
+               "int8": (int8, Compression(8, PER_CHANNEL), lambda q: int8.pack_int8(q, dtype))}
+    gains = {}
+    for kernel, (module, cfg, pack) in packers.items():
+        if module.device_refusal(dtype, device) is not None:
+            continue
+        per_shape = []
+        for shape in (FLIPPED_SMALL_SHAPE, MATMUL_SHAPE):
+            packed = pack(quantize(torch.randn(*shape, device=device).to(dtype), cfg, 1))
+            count = max(1, FLIPPED_STREAMED_BYTES // (shape[0] * shape[1] * torch.finfo(dtype).bits // 8))
+            codes = [int4.CompressedWeight([(0, packed.clone())], shape, dtype, max_kernel_rows=None)
+                     for _ in range(count)]
+            kept = [int4.CompressedWeight([(0, packed)], shape, dtype, max_kernel_rows=None) for _ in range(count)]
+            for w in kept:
+                w.keep_dense()
+                w.dense(by_column=False)
+                w.pack_dense()
+            table = {}
+            for rows in KEPT_KERNEL_ROWS:
+                x = torch.randn(rows, shape[1], device=device).to(dtype)
+                table[rows] = _paired_ratio(lambda: [w.held_copy_linear(x) for w in kept],
+                                            lambda: [w.kernel_linear(x) for w in codes])
+            per_shape.append(table)
+            del codes, kept
+        gains[kernel] = {rows: round(min(t[rows] for t in per_shape), 3) for rows in KEPT_KERNEL_ROWS}
     return gains
 
 
@@ -742,6 +801,10 @@ def describe(p: HardwareProfile) -> str:
                 f"{m} rows {f / 1e9:.1f}" for m, f in s.int8_matmul_flops.items()) + " GFLOP/s; dequantize packed "
                 f"{s.int8_dequant_elems_per_s / 1e9:.2f} G elements/s; the kernel wins "
                 + ("at every row count measured" if most is None else f"up to {most} rows"))
+        for kernel, table in s.kernel_over_kept_gains.items():
+            lines.append(f"  {name} {kernel} kernel over a held dense copy ({p.dtype}): " + ", ".join(
+                f"{m} rows {g:.2f}x" for m, g in table.items())
+                + f"; the kernel takes up to {s.kernel_over_kept_rows(kernel)} rows of a weight kept dense")
         lines.append(f"  {name} attention: prefill {s.attn_prefill_flops / 1e9:.1f} GFLOP/s, decode "
                      f"{s.attn_decode_bytes_per_s / gb:.2f} GB/s of cache; dequantize "
                      f"{s.dequant_elems_per_s / 1e9:.2f} G elements/s; op latency {s.op_latency_s * 1e6:.1f} us")
