@@ -512,12 +512,21 @@ def _kernel_over_kept_gains(device: torch.device, dtype: torch.dtype) -> dict[st
             table = {}
             for rows in KEPT_KERNEL_ROWS:
                 x = torch.randn(rows, shape[1], device=device).to(dtype)
-                table[rows] = _paired_ratio(lambda: [w.held_copy_linear(x) for w in kept],
-                                            lambda: [w.kernel_linear(x) for w in codes])
+                table[rows] = _paired_ratio(functools.partial(_held_copy_linears, x, kept),
+                                            functools.partial(_kernel_linears, x, codes))
             per_shape.append(table)
-            del codes, kept
         gains[kernel] = {rows: round(min(t[rows] for t in per_shape), 3) for rows in KEPT_KERNEL_ROWS}
     return gains
+
+
+def _held_copy_linears(x: torch.Tensor, ws: list) -> None:
+    for w in ws:
+        w.held_copy_linear(x)
+
+
+def _kernel_linears(x: torch.Tensor, ws: list) -> None:
+    for w in ws:
+        w.kernel_linear(x)
 
 
 def _paired_ratio(slow, fast, pairs: int = 5) -> float:
