@@ -321,6 +321,7 @@ class CompressedWeight:
         self.max_kernel_rows = max_kernel_rows
         self._dense: torch.Tensor | None = None
         self._packed: PackedLinear | None = None  # the dense copy, packed (pack_dense)
+        self._kernel_key: tuple | None = None  # (device type, kernel) of packed parts, () of others: not yet known
 
     @property
     def packed(self) -> bool:
@@ -414,10 +415,10 @@ class CompressedWeight:
     def kernel_beats_held_copy(self, rows: int) -> bool:
         """Whether a call of `rows` rows multiplies on the codes though the dense copy is held
         (KERNEL_OVER_KEPT_ROWS, this machine's profile)."""
-        if not self.packed:
-            return False
-        p = self.parts[0][1]
-        return rows <= KERNEL_OVER_KEPT_ROWS.get((p.device.type, kernel_name(p)), 0)
+        if self._kernel_key is None:  # worked out once: a bundle's device is a walk over its fields
+            p = self.parts[0][1]
+            self._kernel_key = (p.device.type, kernel_name(p)) if self.packed else ()
+        return bool(self._kernel_key) and rows <= KERNEL_OVER_KEPT_ROWS.get(self._kernel_key, 0)
 
     def held_copy_linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """F.linear(x, weight, bias) on the dense copy held (made now if it is not)."""
