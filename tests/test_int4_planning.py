@@ -137,3 +137,20 @@ def test_profiling_measures_the_kernel_at_every_row_bucket(monkeypatch):
     assert sorted(table) == list(hardware_profile.KERNEL_ROWS) and min(table.values()) > 0 and dequant > 0
     # where the kernel cannot compute (float32), nothing is measured and the cost model never picks it
     assert hardware_profile._int4_speeds(torch.device("cpu"), torch.float32, None) == ({}, 0.0)
+
+
+def test_a_kept_block_is_predicted_faster_where_the_profile_measured_the_kernel_beating_its_copies():
+    """A block keeping its dense copies multiplies on the codes at a decode step's few rows
+    where the profile measured the kernel faster than a held copy (kernel_over_kept_gains):
+    the cost model charges those rows the kernel's speed, and nothing changes past them."""
+    def kept_decode_s(gains: dict, rows: int) -> float:
+        hw = profile(FAST_KERNEL)
+        hw.compute.kernel_over_kept_gains = gains
+        kept = Policy(rows, 1, weights=Split(0, 1, 0), compress_weight=W4, keep_dense_weights=True)
+        return CostModel(OPT13, hw, Workload(128, 32)).estimate(kept).decode_step_s
+
+    gains = {"int4": {1: 2.4, 2: 2.3, 4: 1.7, 8: 1.2, 16: 0.7}}
+    assert profile(FAST_KERNEL).compute.kernel_over_kept_gain("int4", 4) == 1.0  # not measured
+    assert kept_decode_s(gains, 4) < kept_decode_s({}, 4)
+    assert kept_decode_s(gains, 16) == kept_decode_s({}, 16)  # past its first loss: the copies
+    assert kept_decode_s({"int8": {1: 3.0, 4: 3.0}}, 4) == kept_decode_s({}, 4)  # another kernel's gain

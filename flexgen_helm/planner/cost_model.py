@@ -414,6 +414,13 @@ class CostModel:
         seconds += nb * rows * lw.grouped_lookup_width / dev.dequant_elems_per_s
         if kept == "decode":
             dense = lw.matmul_numel
+            # where the profile measured a kernel faster than the held copy at these rows, the
+            # engine multiplies on the codes (compression/int4.KERNEL_OVER_KEPT_ROWS)
+            for kernel, numel in (("int4", lw.packed_matmul_numel), ("int8", lw.int8_matmul_numel)):
+                gain = dev.kernel_over_kept_gain(kernel, rows)
+                if numel and gain > 1.0:
+                    seconds += nb * 2 * rows * numel / (dev.linear_flops(dtype, rows) * gain)
+                    dense -= numel
         elif lw.packed_numel and kept is None and self.kernel_takes(rows):
             seconds += nb * 2 * rows * lw.packed_matmul_numel / dev.int4_flops(rows)
             seconds += (lw.packed_numel - lw.packed_matmul_numel) / dev.int4_dequant_elems_per_s  # lookups

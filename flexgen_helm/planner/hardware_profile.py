@@ -118,6 +118,13 @@ class DeviceSpeeds:
             best = rows
         return best
 
+    def kernel_over_kept_gain(self, kernel: str, rows: int) -> float:
+        """How many times faster `kernel` multiplies `rows` rows than a held dense copy, where the
+        engine takes it (kernel_over_kept_rows; interpolated in log(rows)); 1.0 where it does not."""
+        if rows > self.kernel_over_kept_rows(kernel):
+            return 1.0
+        return _interpolate_log(self.kernel_over_kept_gains[kernel], rows)
+
     def linear_flops(self, dtype: str, rows: int) -> float:
         """FLOP/s of a linear layer's product of `rows` rows with a dense weight, as the engine
         multiplies it (dense_linear.py: W x^T on the flipped_rows band)."""
