@@ -21,28 +21,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from scenario_paths import PATHS, run_child  # noqa: E402
+from scenario_paths import PATHS, TIMED_CHILD_HEAD, run_child  # noqa: E402
 
-CHILD = r"""
-import json, sys, time, collections
-sys.path.insert(0, sys.argv[1])
-from scenario_client import scenario_requests
-from helm.common.cache import BlackHoleCacheConfig
+CHILD = TIMED_CHILD_HEAD + r"""
 from flexgen_helm.compression import int4
-from flexgen_helm.executor import schedule
-from flexgen_helm.helm.client import FlexGenClient
-
-spent = collections.Counter()
-for name in ("prefill", "decode"):
-    fn = getattr(schedule.BlockSchedule, name)
-    def timed(self, *a, _fn=fn, _name=name, **k):
-        t0 = time.perf_counter()
-        try:
-            return _fn(self, *a, **k)
-        finally:
-            spent[_name] += time.perf_counter() - t0
-    setattr(schedule.BlockSchedule, name, timed)
-requests = scenario_requests(sys.argv[2])[:int(sys.argv[3])]
 name, policy, setting = sys.argv[4], json.loads(sys.argv[5]), sys.argv[6]
 client = FlexGenClient(BlackHoleCacheConfig(), model="smollm2-135m", deployment=f"flexgen/smollm2-135m-{name}",
                        dtype="bfloat16", **({"policy": policy} if policy else {}))

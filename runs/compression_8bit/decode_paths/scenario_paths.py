@@ -37,7 +37,9 @@ PATHS = {  # name -> the deployment's policy (helm/model_deployments.yaml)
     "kivi-cache-only": {"compress_cache": KIVI},
 }
 
-CHILD = r"""
+# a child's first lines: the saved requests' reader, and seconds in the block schedule's
+# prefill and decode counted in `spent` (the rest of each child follows)
+TIMED_CHILD_HEAD = r"""
 import json, sys, time, collections
 sys.path.insert(0, sys.argv[1])
 from scenario_client import scenario_requests
@@ -56,6 +58,9 @@ for name in ("prefill", "decode"):
             spent[_name] += time.perf_counter() - t0
     setattr(schedule.BlockSchedule, name, timed)
 requests = scenario_requests(sys.argv[2])[:int(sys.argv[3])]
+"""
+
+CHILD = TIMED_CHILD_HEAD + r"""
 name, policy = sys.argv[4], json.loads(sys.argv[5])
 client = FlexGenClient(BlackHoleCacheConfig(), model="smollm2-135m", deployment=f"flexgen/smollm2-135m-{name}",
                        dtype="float32", **({"policy": policy} if policy else {}))
