@@ -250,3 +250,29 @@ def test_a_per_token_rewrite_of_packed_units_writes_what_the_general_write_does(
         for tier, (k, v) in held["packed", position].items():
             assert torch.equal(k, held["general", position][tier][0])
             assert torch.equal(v, held["general", position][tier][1])
+
+
+@pytest.mark.parametrize("cache", [KV8, KV4], ids=["8bit", "4bit"])
+def test_a_decode_steps_writes_of_several_gpu_batches_round_in_one_call_to_the_same_bits(tiny_llama, tmp_path,
+                                                                                         monkeypatch, cache):
+    """A per-token cache held dense rounds the new positions of all the GPU batches a decode
+    step merges in one call (BlockSchedule._rounded_together): each position and unit is its
+    own group, so the run's every token and log-prob is the one of each batch rounding its own."""
+    from flexgen_helm.executor import schedule
+
+    policy = Policy(1, 3, compress_cache=cache, keep_dense_cache=True)
+    calls = []
+    together = schedule.BlockSchedule._rounded_together
+
+    def counted(self, index, live, writes):
+        out = together(self, index, live, writes)
+        calls.append(sum(w is not None and len(w) == 6 for w in out))
+        return out
+
+    monkeypatch.setattr(schedule.BlockSchedule, "_rounded_together", counted)
+    merged = _generate(tiny_llama, policy, tmp_path / "merged", PROMPTS)
+    assert calls and max(calls) == 3  # the three batches' writes, rounded together
+    monkeypatch.setattr(schedule.BlockSchedule, "_rounded_together", lambda self, index, live, writes: writes)
+    apart = _generate(tiny_llama, policy, tmp_path / "apart", PROMPTS)
+    for a, b in zip(merged, apart):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs

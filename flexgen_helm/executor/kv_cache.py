@@ -294,14 +294,23 @@ class KVCacheSlot:
             return False
         return self._starts is None or self._completes_group(position)
 
+    @property
+    def rounds_each_write(self) -> bool:
+        """Whether every write is rounded to the per-token grid as a whole (not KIVI's groups
+        of positions): a decode step's writes of several GPU batches may then be rounded in one
+        call beforehand (write's `rounded`)."""
+        return self.rounding is not None and self._starts is None
+
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int, units: torch.Tensor | None = None,
-              tiers: tuple[str, ...] = TIERS) -> None:
+              tiers: tuple[str, ...] = TIERS, rounded: bool = False) -> None:
         """Store k, v of shape (s, units, d) at positions [start, start + s) of `tiers` (a
         ring holds only the last `rows` of them). units: the (sorted) units k and v hold when
         not all (finished sequences left the batch): the others' rows at these positions are
-        written as zeros, never read."""
+        written as zeros, never read. rounded: k and v are on the per-token grid already
+        (rounds_each_write; the grid rounds each position and unit alone, so rounding them
+        with other batches' gives the same bits)."""
         if units is not None and self._rewrites_packed(k.shape[0], tiers):
-            self._rewrite_packed(k, v, start, units, tiers)
+            self._rewrite_packed(k, v, start, units, tiers, rounded)
             return
         if units is not None:
             total = sum(self.units.values())
@@ -309,7 +318,7 @@ class KVCacheSlot:
         written = (k, v, start)  # as given: a group completed now is rounded from all its positions
         if self.window and k.shape[0] > self.rows:
             start, k, v = start + k.shape[0] - self.rows, k[-self.rows:], v[-self.rows:]
-        if self.rounding is not None and self._starts is None:  # K and V in one call: groups never cross positions
+        if self.rounds_each_write and not rounded:  # K and V in one call: groups never cross positions
             kv = fake_quantize(torch.cat([k, v]), self.rounding, CACHE_GROUP_DIM)
             k, v = kv.narrow(0, 0, k.shape[0]), kv.narrow(0, k.shape[0], v.shape[0])
         gd = None if self.compression is None else CACHE_GROUP_DIM
@@ -336,11 +345,11 @@ class KVCacheSlot:
             all(tier in self._packed for tier in tiers if self.ranges[tier][0] != self.ranges[tier][1])
 
     def _rewrite_packed(self, k: torch.Tensor, v: torch.Tensor, start: int, units: torch.Tensor,
-                        tiers: tuple[str, ...]) -> None:
+                        tiers: tuple[str, ...], rounded: bool = False) -> None:
         """write() of one position's k, v ((1, len(units), d), the sorted computed `units`) on
         packed tiers (_rewrites_packed): rounded per token in one call, each tier's run of
         units copied to the front of its row, where append_in_place put them."""
-        kv = fake_quantize(torch.cat([k, v]), self.rounding, CACHE_GROUP_DIM)
+        kv = torch.cat([k, v]) if rounded else fake_quantize(torch.cat([k, v]), self.rounding, CACHE_GROUP_DIM)
         row, computed = self._row(start), units.tolist()
         for tier in tiers:
             a, b = self.ranges[tier]
