@@ -71,15 +71,15 @@ print(json.dumps({"prefill_s": round(spent["prefill"], 3), "decode_s": round(spe
 
 
 def run_child(child: str, name: str, child_args: list[str], requests: int, command: str, out: Path,
-              **fields) -> dict:
-    """Runs `child` for one path (argv: the request file's folder, the saved requests, how many,
+              state: Path = STATE, **fields) -> dict:
+    """Runs `child` for one path (argv: the request file's folder, the saved requests (`state`), how many,
     the path's name, then child_args) in its own process, and appends its record to `out`: the
     child's last stdout line (JSON) after `fields`, with the host, the load before and after, and
     the command. A child that fails stops the run with its error."""
     from flexgen_helm.memory.machine import machine_label
 
     load = os.getloadavg()[0]
-    done = subprocess.run([sys.executable, "-c", child, str(REPO / "runs/bench/merged_head"), str(STATE),
+    done = subprocess.run([sys.executable, "-c", child, str(REPO / "runs/bench/merged_head"), str(state),
                            str(requests), name, *child_args], capture_output=True, text=True, cwd=REPO)
     if done.returncode:
         sys.exit(f"{name}: the run failed ({done.returncode}):\n{done.stderr[-3000:]}")

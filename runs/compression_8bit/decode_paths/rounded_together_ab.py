@@ -1,0 +1,54 @@
+"""The 8-bit deployment (a per-token 8-bit cache held dense) with a decode step's cache writes of
+its merged GPU batches rounded in one call (BlockSchedule._rounded_together) against each batch
+rounding its own (the call made a no-op), beside the BF16 deployment, in bfloat16.
+
+    python runs/compression_8bit/decode_paths/rounded_together_ab.py [--rounds 3]
+
+The main job's saved requests through our client, SmolLM2 in RAM: LAMBADA's 10
+(runs/bench/merged_head/lambada_requests.json, from `flexgen-helm demo -m 10`) and pattern_match's
+first 10 (scenario_paths.py's STATE); each (workload, deployment, setting) in its own process,
+the order rotated round by round; seconds in the block schedule's prefill and decode. The two
+settings give the same tokens and log-probs (tests/test_keep_dense_cache.py). Appends one JSON
+line per run to rounded_together_ab.jsonl beside this file, with the host and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from scenario_paths import PATHS, REPO, STATE, TIMED_CHILD_HEAD, run_child  # noqa: E402
+
+CHILD = TIMED_CHILD_HEAD + r"""
+name, policy, setting = sys.argv[4], json.loads(sys.argv[5]), sys.argv[6]
+if setting == "apart":
+    schedule.BlockSchedule._rounded_together = lambda self, index, live, writes: writes
+client = FlexGenClient(BlackHoleCacheConfig(), model="smollm2-135m", deployment=f"flexgen/smollm2-135m-{name}",
+                       dtype="bfloat16", **({"policy": policy} if policy else {}))
+_ = client.handle, client.handle.tokenizer  # loaded before the clock starts
+client.prefetch(requests)
+print(json.dumps({"setting": setting, "prefill_s": round(spent["prefill"], 3), "decode_s": round(spent["decode"], 3)}))
+"""
+
+WORKLOADS = {"lambada-10": REPO / "runs/bench/merged_head/lambada_requests.json", "pattern_match-10": STATE}
+RUNS = [("fp32", "together"), ("8-bit-deployment", "together"), ("8-bit-deployment", "apart")]  # fp32: plain, in bf16
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    command = f"python runs/compression_8bit/decode_paths/rounded_together_ab.py --rounds {args.rounds}"
+    for workload, state in WORKLOADS.items():
+        for r in range(args.rounds):
+            for name, setting in RUNS[r % len(RUNS):] + RUNS[:r % len(RUNS)]:
+                run_child(CHILD, name, [json.dumps(PATHS[name]), setting], 10, command,
+                          HERE / "rounded_together_ab.jsonl", state=state, workload=workload, round=r)
+
+
+if __name__ == "__main__":
+    main()
