@@ -252,15 +252,17 @@ def test_a_per_token_rewrite_of_packed_units_writes_what_the_general_write_does(
             assert torch.equal(v, held["general", position][tier][1])
 
 
+@pytest.mark.parametrize("gbs, nb", [(1, 4), (2, 2)], ids=["four-batches", "two-batches-units-packed"])
 @pytest.mark.parametrize("cache", [KV8, KV4], ids=["8bit", "4bit"])
 def test_a_decode_steps_writes_of_several_gpu_batches_round_in_one_call_to_the_same_bits(tiny_llama, tmp_path,
-                                                                                         monkeypatch, cache):
+                                                                                         monkeypatch, cache, gbs, nb):
     """A per-token cache held dense rounds the new positions of all the GPU batches a decode
     step merges in one call (BlockSchedule._rounded_together): each position and unit is its
-    own group, so the run's every token and log-prob is the one of each batch rounding its own."""
+    own group, so the run's every token and log-prob is the one of each batch rounding its own
+    (in blocks of two, a batch whose sequences stop apart writes its running units packed)."""
     from flexgen_helm.executor import schedule
 
-    policy = Policy(1, 3, compress_cache=cache, keep_dense_cache=True)
+    policy = Policy(gbs, nb, compress_cache=cache, keep_dense_cache=True)
     calls = []
     together = schedule.BlockSchedule._rounded_together
 
@@ -269,10 +271,28 @@ def test_a_decode_steps_writes_of_several_gpu_batches_round_in_one_call_to_the_s
         calls.append(sum(w is not None and len(w) == 6 for w in out))
         return out
 
+    # the sequences stop at their own steps: the later steps write the batches still running
+    prompts = [[5, 17, 42, 7, 99], [3, 8, 1, 4, 4], [9, 9, 4, 2, 11], [6, 1, 30, 2, 8]]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True, top_logprobs=2) for n in (6, 2, 6, 3)]
+
+    def run(where):
+        engine = Engine.load(str(tiny_llama), policy, dtype="float32", device="cpu", offload_dir=where,
+                             progress=False)
+        return [r.completions[0] for r in engine.generate(prompts, params).results]
+
+    packed_rewrites = []
+    rewrite = KVCacheSlot._rewrite_packed
+
+    def spied(self, k, v, start, units, tiers, rounded=False):
+        packed_rewrites.append(rounded)
+        return rewrite(self, k, v, start, units, tiers, rounded)
+
     monkeypatch.setattr(schedule.BlockSchedule, "_rounded_together", counted)
-    merged = _generate(tiny_llama, policy, tmp_path / "merged", PROMPTS)
-    assert calls and max(calls) == 3  # the three batches' writes, rounded together
+    monkeypatch.setattr(KVCacheSlot, "_rewrite_packed", spied)
+    merged = run(tmp_path / "merged")
+    assert calls and max(calls) >= 2 and 2 in calls  # the batches' writes rounded together, then two's
+    assert any(packed_rewrites) == (gbs > 1)  # units of a batch written packed, pre-rounded
     monkeypatch.setattr(schedule.BlockSchedule, "_rounded_together", lambda self, index, live, writes: writes)
-    apart = _generate(tiny_llama, policy, tmp_path / "apart", PROMPTS)
+    apart = run(tmp_path / "apart")
     for a, b in zip(merged, apart):
-        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs and a.top_logprobs == b.top_logprobs

@@ -84,8 +84,9 @@ MAX_KERNEL_ROWS = {"cpu": 128, "cuda": None}
 # streamed, AVX512-BF16 EPYC: the int4 kernel 2.2x the packed copy's speed at 1 row, 1.2x at
 # 8, 0.8x at 16; int8 1.5-1.6x at 1-4 rows, 0.67x at 16). 0 (the copy at every row count)
 # until `flexgen-helm profile` measured where the kernel wins (set_kernel_over_kept_rows, from
-# planner/hardware_profile.use_profile): the bits of a bf16 product differ between the paths.
-KERNEL_OVER_KEPT_ROWS: dict[tuple[str, str], int] = {}
+# planner/hardware_profile.use_profile), for the compute dtype it was measured in: the bits of
+# a bf16 product differ between the paths. (device type, kernel, dtype) -> rows.
+KERNEL_OVER_KEPT_ROWS: dict[tuple[str, str, torch.dtype], int] = {}
 # Elements per piece of a CPU dequantization: its float32 working copies (4 MiB each) stay in
 # the core's cache. One thread, freed memory kept (host_allocator.py), SmolLM2's 49152 x 576
 # head: pieces of 16 M elements 42 ms, 1 M 32 ms, 256 K 35 ms, 64 K 72 ms (Python per piece);
@@ -402,8 +403,10 @@ class CompressedWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """F.linear(x, weight, bias): on the packed bytes when the row count is at most the
-        crossover, else on the dense copy (and on it whenever this use already made it: a
-        scored prompt's head, a chunk of positions at a time, takes it for every chunk)."""
+        crossover, else on the dense copy. Once a copy is held (kept for the block, or made by
+        this use: a scored prompt's head, a chunk of positions at a time), every call takes it
+        but those of at most KERNEL_OVER_KEPT_ROWS rows, which the kernel multiplies faster
+        where this machine's profile measured it so."""
         rows = x.numel() // self.shape[1]
         held = self._packed is not None or self._dense is not None
         if held and not self.kernel_beats_held_copy(rows):
@@ -417,7 +420,7 @@ class CompressedWeight:
         (KERNEL_OVER_KEPT_ROWS, this machine's profile)."""
         if self._kernel_key is None:  # worked out once: a bundle's device is a walk over its fields
             p = self.parts[0][1]
-            self._kernel_key = (p.device.type, kernel_name(p)) if self.packed else ()
+            self._kernel_key = (p.device.type, kernel_name(p), self.dtype) if self.packed else ()
         return bool(self._kernel_key) and rows <= KERNEL_OVER_KEPT_ROWS.get(self._kernel_key, 0)
 
     def held_copy_linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -439,14 +442,19 @@ class CompressedWeight:
         return y.view(*x.shape[:-1], self.shape[0])
 
 
-def set_kernel_over_kept_rows(device_type: str, kernel: str, rows: int) -> None:
-    """Weights whose dense copy is held multiply on their `kernel` codes ("int4", "int8") up
-    to `rows` activation rows on `device_type` from now on (0: never)."""
+def set_kernel_over_kept_rows(device_type: str, kernel: str, dtype: torch.dtype, rows: int) -> None:
+    """Weights computing in `dtype` whose dense copy is held multiply on their `kernel` codes
+    ("int4", "int8") up to `rows` activation rows on `device_type` from now on (0: never)."""
     if kernel not in ("int4", "int8"):
         raise ValueError(f"a kernel is 'int4' or 'int8', got {kernel!r}")
     if rows < 0:
         raise ValueError(f"a row count >= 0, got {rows}")
-    KERNEL_OVER_KEPT_ROWS[(device_type, kernel)] = rows
+    KERNEL_OVER_KEPT_ROWS[(device_type, kernel, dtype)] = rows
+
+
+def clear_kernel_over_kept_rows() -> None:
+    """No held copy's rows take a kernel from now on (until set_kernel_over_kept_rows)."""
+    KERNEL_OVER_KEPT_ROWS.clear()
 
 
 def kernel_name(p: "PackedInt4 | int8.PackedInt8") -> str:

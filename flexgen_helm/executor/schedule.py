@@ -668,8 +668,11 @@ class BlockSchedule:
         the per-token grid rounded in one call: the rounding is ~20 small ops whatever the
         rows, and the main job's LAMBADA block wrote 4-5 batches a layer and step (12 ms a
         step of 8-bit decode, 0.24 s against 0.32: runs/compression_8bit/README.md)."""
+        # RTN's grid only: min, max and a division give each group the same bits in any call,
+        # where HQQ's fitted scales come out of reductions whose order may follow the call's size
         todo = [i for i, (k, write) in enumerate(zip(live, writes))
-                if write is not None and getattr(self.slots[index, k], "rounds_each_write", False)]
+                if write is not None and getattr(self.slots[index, k], "rounds_each_write", False)
+                and self.slots[index, k].rounding.method == "rtn"]
         if len(todo) < 2:
             return writes
         sizes = [writes[i][0].shape[1] for i in todo]  # (1 position, units, d) each

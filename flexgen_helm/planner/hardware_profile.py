@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from flexgen_helm.compression.int4 import set_kernel_over_kept_rows, set_max_kernel_rows
+from flexgen_helm.compression.int4 import clear_kernel_over_kept_rows, set_kernel_over_kept_rows, set_max_kernel_rows
 from flexgen_helm.compression.int8 import set_max_kernel_rows as set_max_int8_kernel_rows
 from flexgen_helm.dense_linear import NO_ROWS, flipped_linear, flips, set_flipped_rows
 from flexgen_helm.errors import ProfileFormatError
@@ -341,8 +341,10 @@ def use_profile(path: str | os.PathLike | None = None) -> HardwareProfile | None
         set_max_kernel_rows(saved.compute_device, saved.compute.int4_kernel_max_rows(saved.dtype))
     if saved.compute.int8_matmul_flops:  # a profile from before the int8 kernel keeps its default
         set_max_int8_kernel_rows(saved.compute_device, saved.compute.int8_kernel_max_rows(saved.dtype))
+    clear_kernel_over_kept_rows()  # a profile without the measurement leaves none from an earlier one
     for kernel in saved.compute.kernel_over_kept_gains:
-        set_kernel_over_kept_rows(saved.compute_device, kernel, saved.compute.kernel_over_kept_rows(kernel))
+        set_kernel_over_kept_rows(saved.compute_device, kernel, DTYPES[saved.dtype],
+                                  saved.compute.kernel_over_kept_rows(kernel))
     for name in saved.compute.flipped_gains:
         set_flipped_rows(saved.compute_device, DTYPES[name], saved.compute.flipped_rows(name))
     # only a CPU's profile measures them (a GPU's GEMMs are not known to gain: measure_device)

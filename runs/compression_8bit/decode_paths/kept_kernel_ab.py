@@ -30,7 +30,7 @@ client = FlexGenClient(BlackHoleCacheConfig(), model="smollm2-135m", deployment=
                        dtype="bfloat16", **({"policy": policy} if policy else {}))
 _ = client.handle, client.handle.tokenizer  # loaded (and the saved profile applied) before the clock starts
 if setting == "off":
-    int4.KERNEL_OVER_KEPT_ROWS.clear()
+    int4.clear_kernel_over_kept_rows()
 elif not any(int4.KERNEL_OVER_KEPT_ROWS.values()):
     sys.exit("the saved profile lets no kernel take a held copy's rows: run `flexgen-helm profile` first")
 t0 = time.perf_counter()
