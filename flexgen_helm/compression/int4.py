@@ -80,9 +80,10 @@ MAX_KERNEL_ROWS = {"cpu": 128, "cuda": None}
 # Activation rows up to which a weight whose dense copy is held anyway (kept for a block,
 # executor/kept_weights.py, packed where the machine packs: dense_linear.PackedLinear) still
 # multiplies on its codes, per device type and kernel ("int4", "int8"): at a decode step's
-# few rows the kernel reads 2-4x fewer bytes than the copy (SmolLM2's 1536 x 576 weights
-# streamed, AVX512-BF16 EPYC: the int4 kernel 2.2x the packed copy's speed at 1 row, 1.2x at
-# 8, 0.8x at 16; int8 1.5-1.6x at 1-4 rows, 0.67x at 16). 0 (the copy at every row count)
+# few rows the kernel reads 2-4x fewer bytes than the copy (AVX512-BF16 EPYC, the profile's
+# smaller gain of two streamed shapes: int4 2.4x the packed copy's speed at 1-2 rows, 1.2x at
+# 8, 0.7x at 16; int8 1.2-1.4x at 1-4 rows, 0.84x at 8: runs/compression_8bit/decode_paths/
+# profile_kernels_2026-11-28.txt). 0 (the copy at every row count)
 # until `flexgen-helm profile` measured where the kernel wins (set_kernel_over_kept_rows, from
 # planner/hardware_profile.use_profile), for the compute dtype it was measured in: the bits of
 # a bf16 product differ between the paths. (device type, kernel, dtype) -> rows.
@@ -322,7 +323,7 @@ class CompressedWeight:
         self.max_kernel_rows = max_kernel_rows
         self._dense: torch.Tensor | None = None
         self._packed: PackedLinear | None = None  # the dense copy, packed (pack_dense)
-        self._kernel_key: tuple | None = None  # (device type, kernel) of packed parts, () of others: not yet known
+        self._kernel_key: tuple | None = None  # (device type, kernel, dtype) of packed parts; (): others; None: unknown
 
     @property
     def packed(self) -> bool:
