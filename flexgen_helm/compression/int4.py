@@ -410,11 +410,9 @@ class CompressedWeight:
         where this machine's profile measured it so."""
         rows = x.numel() // self.shape[1]
         held = self._packed is not None or self._dense is not None
-        if held and not self.kernel_beats_held_copy(rows):
-            return self.held_copy_linear(x, bias)
-        if not held and not self.uses_kernel(rows):
-            return dense_linear(x, self.dense(rows), bias)
-        return self.kernel_linear(x, bias)
+        if self.kernel_beats_held_copy(rows) if held else self.uses_kernel(rows):
+            return self.kernel_linear(x, bias)
+        return self.held_copy_linear(x, bias)
 
     def kernel_beats_held_copy(self, rows: int) -> bool:
         """Whether a call of `rows` rows multiplies on the codes though the dense copy is held

@@ -666,8 +666,9 @@ class BlockSchedule:
         """The live GPU batches' cache writes of a decode step (the arguments of their slots'
         write, None where nothing is left to write), those of slots that round each write to
         the per-token grid rounded in one call: the rounding is ~20 small ops whatever the
-        rows, and the main job's LAMBADA block wrote 4-5 batches a layer and step (12 ms a
-        step of 8-bit decode, 0.24 s against 0.32: runs/compression_8bit/README.md)."""
+        rows, and the main job's LAMBADA block writes 4-5 batches a layer and step (its 8-bit
+        decode 0.267-0.276 s rounded together, 0.290-0.294 s apart:
+        runs/compression_8bit/decode_paths/rounded_together_ab.py)."""
         # RTN's grid only: min, max and a division give each group the same bits in any call,
         # where HQQ's fitted scales come out of reductions whose order may follow the call's size
         todo = [i for i, (k, write) in enumerate(zip(live, writes))

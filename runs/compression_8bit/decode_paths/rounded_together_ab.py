@@ -7,7 +7,9 @@ rounding its own (the call made a no-op), beside the BF16 deployment, in bfloat1
 The main job's saved requests through our client, SmolLM2 in RAM: LAMBADA's 10
 (runs/bench/merged_head/lambada_requests.json, from `flexgen-helm demo -m 10`) and pattern_match's
 first 10 (scenario_paths.py's STATE); each (workload, deployment, setting) in its own process,
-the order rotated round by round; seconds in the block schedule's prefill and decode. The two
+the order rotated round by round; seconds in the block schedule's prefill and decode, and how
+many decode-step calls rounded several batches' writes together (on LAMBADA a "together" run
+with none fails: it would not measure the change; pattern_match's block is one batch). The two
 settings give the same tokens and log-probs (tests/test_keep_dense_cache.py). Appends one JSON
 line per run to rounded_together_ab.jsonl beside this file, with the host and the load average.
 """
@@ -25,13 +27,25 @@ from scenario_paths import PATHS, REPO, STATE, TIMED_CHILD_HEAD, run_child  # no
 
 CHILD = TIMED_CHILD_HEAD + r"""
 name, policy, setting = sys.argv[4], json.loads(sys.argv[5]), sys.argv[6]
+merged = collections.Counter()  # calls that rounded several batches' writes together, and writes so rounded
+together = schedule.BlockSchedule._rounded_together
+def counted(self, index, live, writes):
+    out = together(self, index, live, writes)
+    rounded = sum(w is not None and len(w) == 6 for w in out)
+    merged["calls"] += rounded > 0
+    merged["writes"] += rounded
+    return out
+schedule.BlockSchedule._rounded_together = counted
 if setting == "apart":
     schedule.BlockSchedule._rounded_together = lambda self, index, live, writes: writes
 client = FlexGenClient(BlackHoleCacheConfig(), model="smollm2-135m", deployment=f"flexgen/smollm2-135m-{name}",
                        dtype="bfloat16", **({"policy": policy} if policy else {}))
 _ = client.handle, client.handle.tokenizer  # loaded before the clock starts
 client.prefetch(requests)
-print(json.dumps({"setting": setting, "prefill_s": round(spent["prefill"], 3), "decode_s": round(spent["decode"], 3)}))
+if setting == "together" and name != "fp32" and not merged["calls"] and "lambada" in sys.argv[2]:
+    sys.exit("no decode step rounded several GPU batches' writes together: this run would not measure the change")
+print(json.dumps({"setting": setting, "merged_roundings": dict(merged), "prefill_s": round(spent["prefill"], 3),
+                  "decode_s": round(spent["decode"], 3)}))
 """
 
 WORKLOADS = {"lambada-10": REPO / "runs/bench/merged_head/lambada_requests.json", "pattern_match-10": STATE}
