@@ -91,3 +91,49 @@ def test_placing_weights_looks_at_freed_memory_once_per_largest_tensor_placed(mo
                                      lambda name: torch.zeros(shapes[name]), TierUsage(), False)
     assert len(homes) == 13
     assert looks == [2 * 1000 * 64 * 4] * 2
+
+
+LONG_LIVED = """
+import ctypes, torch
+from flexgen_helm.memory import host_allocator as ha
+ha.keep_freed_host_memory()
+mapped = lambda: ha._libc().mallinfo2().hblkhd
+before = mapped()
+with ha.long_lived_allocations():
+    kept = torch.ones(1 << 18)  # 1 MiB
+inside = mapped() - before
+scratch = torch.ones(1 << 18)  # after: on the heap again
+print(inside >= 1 << 20, mapped() - before - inside < 1 << 20)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="a glibc setting")
+def test_tensors_kept_for_the_run_get_pages_of_their_own():
+    """Inside long_lived_allocations a block of 256 KiB or more is mapped on its own, out of the
+    heap its loading's freed copies share; after it, the engine's setting holds again."""
+    done = subprocess.run([sys.executable, "-c", LONG_LIVED], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["True", "True"]
+
+
+def test_placed_weights_are_copied_off_the_heap_their_loading_shares(monkeypatch):
+    """Every weight placed in host memory is made inside long_lived_allocations: a copy of its
+    own, not a view of the tensor its loading read."""
+    inside = []
+
+    class Watch:
+        def __enter__(self):
+            inside.append(True)
+
+        def __exit__(self, *exc):
+            inside.append(False)
+
+    monkeypatch.setattr(weight_homes, "long_lived_allocations", Watch)
+    layers = [LayerSpec("block0", "block", 0, (tensor("block0", "q", 64, 64), tensor("block0", "k", 64, 64)))]
+    placement = {t.store_name: [Segment("cpu", 0, 64)] for t in layers[0].tensors}
+    read = {t.store_name: torch.randn(64, 64) for t in layers[0].tensors}
+    homes = weight_homes.build_homes(layers, placement, Devices(torch.device("cpu"), torch.float32),
+                                     read.__getitem__, TierUsage(), False)
+    assert inside == [True, False] * 2
+    for name, home in homes.items():
+        assert torch.equal(home.data[0], read[name])
+        assert home.data[0].untyped_storage().data_ptr() != read[name].untyped_storage().data_ptr()

@@ -211,7 +211,7 @@ def test_a_4bit_block_keeps_a_layers_dense_copy_for_the_next(tiny_opt, tmp_path,
     compressed prefill makes and frees (else every check handed it back and the next layer
     faulted it in again), and the dequantization's working copies."""
     keeps = []
-    monkeypatch.setattr(schedule_module, "release_freed_host_memory", lambda keep: keeps.append(keep) or False)
+    monkeypatch.setattr(schedule_module, "freed_beyond", lambda keep: keeps.append(keep) or False)
     monkeypatch.setattr(schedule_module, "RELEASE_CHECK_S", 0.0)
     prompts = [[5, 17, 3, 44], [12, 7, 9, 1]]
     for cfg in (None, W4):
@@ -233,10 +233,28 @@ def test_a_slow_look_at_freed_memory_makes_the_next_one_later(tiny_opt, tmp_path
         time.sleep(0.02)  # next look no sooner than 0.02 / RELEASE_CHECK_SHARE = 2 s later
         return False
 
-    monkeypatch.setattr(schedule_module, "release_freed_host_memory", slow_look)
+    monkeypatch.setattr(schedule_module, "freed_beyond", slow_look)
     monkeypatch.setattr(schedule_module, "RELEASE_CHECK_S", 0.0)
     _engine(tiny_opt, tmp_path, cfg=None).generate([[5, 17, 3, 44]], SamplingParams(max_new_tokens=3, ignore_eos=True))
     assert len(looks) == 1
+
+
+def test_a_slow_hand_back_does_not_put_the_next_look_off(tiny_opt, tmp_path, monkeypatch):
+    """Only a look's own time spaces the looks out: a hand-back that takes long (malloc_trim of
+    a fragmented heap, ~0.1 s) is work the memory bound needs, and counting it had put the next
+    look ~10 s away while a prefill's freed memory grew past what the schedule keeps."""
+    looks, hand_backs = [], []
+
+    def slow_hand_back():
+        hand_backs.append(1)
+        time.sleep(0.02)
+        return True
+
+    monkeypatch.setattr(schedule_module, "freed_beyond", lambda keep: looks.append(keep) or True)
+    monkeypatch.setattr(schedule_module, "hand_back_freed_memory", slow_hand_back)
+    monkeypatch.setattr(schedule_module, "RELEASE_CHECK_S", 0.0)
+    _engine(tiny_opt, tmp_path, cfg=None).generate([[5, 17, 3, 44]], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert len(looks) > 1 and len(hand_backs) == len(looks)
 
 
 def test_disk_store_holds_packed_bytes_and_rebuilds_an_old_format(tiny_opt, tmp_path):

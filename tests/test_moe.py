@@ -213,3 +213,29 @@ def test_compressed_experts_hold_one_dense_copy_as_the_planner_counts(kind, over
     assert planned["block"] > planned["head"]  # the block's copy is the peak here
     assert DENSE_COPIES.peak == planned["block"] < every_expert
     assert DENSE_COPIES.current == 0  # every copy dropped with its layer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_padded_to_a_row_multiple_give_each_row_the_same_output(dtype, monkeypatch):
+    """A prefill's experts multiply their rows padded to a multiple (fewer distinct products for
+    oneDNN to build and cache): every token's output is bit for bit the unpadded one's."""
+    from flexgen_helm.models import moe
+
+    hf = {"model_type": "mixtral", "vocab_size": 10, "hidden_size": 32, "num_hidden_layers": 1,
+          "num_attention_heads": 2, "intermediate_size": 48, "num_local_experts": 2, "num_experts_per_tok": 1}
+    cfg = config_from_hf(hf, "m")
+    g = torch.Generator().manual_seed(0)
+    w = {"router.weight": torch.randn(2, 32, generator=g).to(dtype)}
+    for e in range(2):
+        for proj, shape in (("gate_proj", (48, 32)), ("up_proj", (48, 32)), ("down_proj", (32, 48))):
+            w[moe.expert_key(e, proj)] = (torch.randn(*shape, generator=g) / 6).to(dtype)
+    x = torch.randn(301, 32, generator=g).to(dtype)
+    padded_rows = []
+    monkeypatch.setattr(moe, "EXPERT_PADDED_FROM", 8)
+    gated = moe.gated_mlp
+    monkeypatch.setattr(moe, "gated_mlp", lambda rows, *rest: padded_rows.append(len(rows)) or gated(rows, *rest))
+    padded = moe.expert_mlp(cfg, w, x)
+    monkeypatch.setattr(moe, "EXPERT_PADDED_FROM", 10**9)
+    plain = moe.expert_mlp(cfg, w, x)
+    assert all(n % moe.EXPERT_ROWS_MULTIPLE == 0 for n in padded_rows[:2]) and sum(padded_rows[:2]) > 301
+    assert torch.equal(padded, plain)

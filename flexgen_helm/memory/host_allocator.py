@@ -15,10 +15,17 @@ holes too, every arena) once more than a given amount of them is resident: the s
 about two GPU batches' working sets and a layer's weight-load buffers, which the next layers
 reuse (executor/working_set.py).
 
+Weights placed for the run are the other kind of allocation: they live as long as the process,
+and on the heap they land between the freed copies of their own loading, which leaves the heap
+a lattice of holes that the run's temporaries then spread over (a 4-bit OLMoE-1B-7B load: 3.8
+GB of free chunks in a 9.3 GB heap), touching fresh pages faster than any release can hand
+them back. So they are allocated inside `long_lived_allocations`, in pages of their own.
+
 Off with FLEXGEN_HELM_KEEP_FREED_MEMORY=0; a no-op where the C library is not glibc."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -31,8 +38,14 @@ _M_MMAP_THRESHOLD = -3
 # blocks above this stay mmap'd; glibc 2.36 accepts 1 GiB, older ones cap at 32 MiB (mallopt fails)
 _MMAP_THRESHOLDS = (1 << 30, 32 << 20)
 _TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: trim only beyond 2 GiB of free heap top
+# inside long_lived_allocations: blocks from here up get pages of their own. Low enough for an
+# MoE expert's codes (OLMoE's 1 MiB, Qwen3-30B-A3B's 768 KiB), high enough that the mappings
+# stay far below the kernel's limit (vm.max_map_count, 65530: Qwen3-30B-A3B's 18 K expert
+# codes; their 98 KiB scales stay on the heap)
+_LONG_LIVED_MMAP_THRESHOLD = 256 << 10
 
 _applied = False
+_mmap_threshold = 0  # the one keep_freed_host_memory set
 _not_malloc_bytes = 0  # anonymous resident memory malloc does not hand out (Python's own arenas, stacks)
 _untrimmable = 0  # freed-looking resident memory the last hand-back left (release_freed_host_memory)
 
@@ -44,19 +57,41 @@ class _MallInfo2(ctypes.Structure):  # malloc.h, glibc >= 2.33
 
 def keep_freed_host_memory() -> bool:
     """Apply once per process; True when glibc accepted both settings."""
-    global _applied, _not_malloc_bytes
+    global _applied, _not_malloc_bytes, _mmap_threshold
     if _applied or os.environ.get("FLEXGEN_HELM_KEEP_FREED_MEMORY", "1") == "0":
         return _applied
     try:
-        mallopt = _libc().mallopt
+        mallopt = _mallopt()
     except (OSError, AttributeError):  # not glibc (macOS, musl without mallopt)
         return False
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    mmap_ok = any(mallopt(_M_MMAP_THRESHOLD, t) for t in _MMAP_THRESHOLDS)
-    _applied = mmap_ok and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
+    _mmap_threshold = next((t for t in _MMAP_THRESHOLDS if mallopt(_M_MMAP_THRESHOLD, t)), 0)
+    _applied = bool(_mmap_threshold) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
     if _applied and _malloc_in_use() is not None:
         _not_malloc_bytes = max(0, resident_anonymous_bytes() - _malloc_in_use())
     return _applied
+
+
+@contextlib.contextmanager
+def long_lived_allocations():
+    """Host allocations made inside, of 256 KiB and up, get pages of their own (an mmap each)
+    instead of heap space, for tensors kept for the run (weights placed at load): freed
+    copies never sit between them, and handing those back cannot leave holes. Without the
+    setting (keep_freed_host_memory) glibc does so by itself; inside, a fresh allocation
+    costs its page faults, which a tensor kept for the run pays once anyway."""
+    if not _applied:
+        yield
+        return
+    _mallopt()(_M_MMAP_THRESHOLD, _LONG_LIVED_MMAP_THRESHOLD)
+    try:
+        yield
+    finally:
+        _mallopt()(_M_MMAP_THRESHOLD, _mmap_threshold)
+
+
+def _mallopt():
+    mallopt = _libc().mallopt
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    return mallopt
 
 
 @functools.lru_cache(maxsize=1)
@@ -87,15 +122,24 @@ def freed_resident_bytes() -> int:
 
 def release_freed_host_memory(keep_bytes: int) -> bool:
     """Hand freed memory back to the OS when more than `keep_bytes` of it is resident beyond
-    what the last hand-back left; True when it did. Blocks still in use stay where they are:
-    only whole free pages go, and the next allocations there fault them in again. What a
+    what the last hand-back left (freed_beyond, then hand_back_freed_memory); True when it did."""
+    return freed_beyond(keep_bytes) and hand_back_freed_memory()
+
+
+def freed_beyond(keep_bytes: int) -> bool:
+    """Whether more than `keep_bytes` of freed memory is resident beyond what the last
+    hand-back left: the look, which costs milliseconds (malloc walks its arenas). What a
     hand-back leaves (free bytes inside pages still in use, anonymous memory that grew after
     keep_freed_host_memory measured what is not malloc's: ~25 MiB in a SmolLM2 HELM run) is
     no reason for the next one, which could not return it either: counted in, every check
     trimmed (5 ms each, every 50 ms) and the layers after it faulted their memory in again."""
+    return freed_resident_bytes() > keep_bytes + _untrimmable
+
+
+def hand_back_freed_memory() -> bool:
+    """malloc_trim: every arena's whole free pages go back to the OS (blocks still in use stay
+    where they are; the next allocations there fault them in again); True when any went."""
     global _untrimmable
-    if freed_resident_bytes() <= keep_bytes + _untrimmable:
-        return False
     done = bool(_libc().malloc_trim(0))
     _untrimmable = freed_resident_bytes()
     return done
