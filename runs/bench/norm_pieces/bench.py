@@ -1,5 +1,6 @@
-"""RMSNorm of a prefill's hidden state whole against in pieces of rows (models/norms.py), bf16
-and float32, alternating, one process; every output compared bit for bit.
+"""RMSNorm of a prefill's hidden state whole against in pieces of rows (models/norms.py), and
+rotary embeddings of its heads whole against in pieces of positions (models/rotary.py), bf16
+and float32, one process; every output compared bit for bit.
 
     python runs/bench/norm_pieces/bench.py --out runs/bench/norm_pieces/results.jsonl
 """
@@ -16,7 +17,7 @@ import torch
 
 from flexgen_helm.memory.host_allocator import keep_freed_host_memory
 from flexgen_helm.memory.machine import machine_label
-from flexgen_helm.models import norms
+from flexgen_helm.models import norms, rotary
 
 
 def whole(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -49,7 +50,26 @@ def main() -> None:
                 same = torch.equal(norms.rms_norm(x, w, 1e-5), whole(x, w, 1e-5))
                 t_whole = best_ms(functools.partial(whole, x, w, 1e-5), args.repeats)
                 t_pieces = best_ms(functools.partial(norms.rms_norm, x, w, 1e-5), args.repeats)
-                row = {"dtype": str(dtype), "rows": rows, "width": width, "whole_ms": round(t_whole, 3),
+                row = {"op": "rms_norm", "dtype": str(dtype), "rows": rows, "width": width,
+                       "whole_ms": round(t_whole, 3),
+                       "pieces_ms": round(t_pieces, 3), "speedup": round(t_whole / t_pieces, 2), "bit_equal": same,
+                       "load_1m": os.getloadavg()[0], "host": host,
+                       "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                print(row)
+                f.write(json.dumps(row) + "\n")
+            for b, heads, positions in ((8, 16, 512), (1, 9, 4096), (4, 9, 256)):
+                inv = 1.0 / (10000 ** (torch.arange(0, 128, 2).float() / 128))
+                table = rotary.Rotary.table(inv, 1.0, positions, "cpu", dtype)
+                at = table.at(torch.arange(positions)[None].expand(b, -1))
+                x = torch.randn(b, heads, positions, 128).to(dtype)
+                pieces = at.apply(x)
+                t_pieces = best_ms(functools.partial(at.apply, x), args.repeats)
+                with_pieces_from = rotary.ROTARY_PIECED_FROM
+                rotary.ROTARY_PIECED_FROM = x.numel()
+                same = torch.equal(at.apply(x), pieces)
+                t_whole = best_ms(functools.partial(at.apply, x), args.repeats)
+                rotary.ROTARY_PIECED_FROM = with_pieces_from
+                row = {"op": "rotary", "dtype": str(dtype), "shape": list(x.shape), "whole_ms": round(t_whole, 3),
                        "pieces_ms": round(t_pieces, 3), "speedup": round(t_whole / t_pieces, 2), "bit_equal": same,
                        "load_1m": os.getloadavg()[0], "host": host,
                        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
