@@ -488,7 +488,7 @@ class BlockSchedule:
         inside that layer's compute time). Only the look sets when the next one comes: a
         hand-back's own time (~0.1 s for 0.9 GiB) had pushed the next look ~10 s away, while a
         4-bit OLMoE prefill's freed memory grew 0.9 GiB past keep_freed, its peak RSS with it
-        (runs/moe/release_checks)."""
+        (runs/moe/host_memory)."""
         now = time.perf_counter()
         if now - self._freed_checked_at < self._freed_check_every:
             return
