@@ -93,47 +93,43 @@ def test_placing_weights_looks_at_freed_memory_once_per_largest_tensor_placed(mo
     assert looks == [2 * 1000 * 64 * 4] * 2
 
 
-LONG_LIVED = """
-import ctypes, torch
-from flexgen_helm.memory import host_allocator as ha
-ha.keep_freed_host_memory()
-mapped = lambda: ha._libc().mallinfo2().hblkhd
-before = mapped()
-with ha.long_lived_allocations():
-    kept = torch.ones(1 << 18)  # 1 MiB
-inside = mapped() - before
-scratch = torch.ones(1 << 18)  # after: on the heap again
-print(inside >= 1 << 20, mapped() - before - inside < 1 << 20)
-"""
-
-
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="a glibc setting")
-def test_tensors_kept_for_the_run_get_pages_of_their_own():
-    """Inside long_lived_allocations a block of 256 KiB or more is mapped on its own, out of the
-    heap its loading's freed copies share; after it, the engine's setting holds again."""
-    done = subprocess.run([sys.executable, "-c", LONG_LIVED], capture_output=True, text=True, check=True)
-    assert done.stdout.split() == ["True", "True"]
+@pytest.mark.skipif(not hasattr(host_allocator._libc(), "mallinfo2"), reason="glibc >= 2.33 says what malloc holds")
+def test_tensors_kept_for_the_run_get_pages_of_their_own(monkeypatch):
+    """A kept tensor of OWN_PAGES_FROM bytes or more is copied into a mapping of its own, which
+    malloc never hands out (so no freed copy of its loading can sit beside it); a smaller one,
+    or any without the engine's setting, is a plain copy."""
+    monkeypatch.setattr(host_allocator, "_applied", True)
+    scratch = [torch.ones(1 << 20) for _ in range(4)]  # freed chunks a heap copy would reuse
+    del scratch
+    t = torch.randn(512, 1024)
+    held = host_allocator._malloc_in_use()
+    kept = host_allocator.copy_to_own_pages(t)
+    assert host_allocator._malloc_in_use() - held < 64 << 10  # not malloc's memory
+    assert kept.data_ptr() % 4096 == 0 and torch.equal(kept, t) and kept.data_ptr() != t.data_ptr()
+    small = torch.randn(10)
+    assert torch.equal(host_allocator.copy_to_own_pages(small), small)
+    monkeypatch.setattr(host_allocator, "_applied", False)
+    held = host_allocator._malloc_in_use()
+    plain = host_allocator.copy_to_own_pages(t)
+    assert host_allocator._malloc_in_use() - held >= t.nbytes and torch.equal(plain, t)
 
 
 def test_placed_weights_are_copied_off_the_heap_their_loading_shares(monkeypatch):
-    """Every weight placed in host memory is made inside long_lived_allocations: a copy of its
-    own, not a view of the tensor its loading read."""
-    inside = []
+    """Every weight placed in host memory is kept as a copy of its own (copy_to_own_pages),
+    not a view of the tensor its loading read."""
+    copied = []
 
-    class Watch:
-        def __enter__(self):
-            inside.append(True)
+    def own_pages(t):
+        copied.append(t.shape)
+        return t.clone()
 
-        def __exit__(self, *exc):
-            inside.append(False)
-
-    monkeypatch.setattr(weight_homes, "long_lived_allocations", Watch)
+    monkeypatch.setattr(weight_homes, "copy_to_own_pages", own_pages)
     layers = [LayerSpec("block0", "block", 0, (tensor("block0", "q", 64, 64), tensor("block0", "k", 64, 64)))]
     placement = {t.store_name: [Segment("cpu", 0, 64)] for t in layers[0].tensors}
     read = {t.store_name: torch.randn(64, 64) for t in layers[0].tensors}
     homes = weight_homes.build_homes(layers, placement, Devices(torch.device("cpu"), torch.float32),
                                      read.__getitem__, TierUsage(), False)
-    assert inside == [True, False] * 2
+    assert copied == [(64, 64)] * 2
     for name, home in homes.items():
         assert torch.equal(home.data[0], read[name])
         assert home.data[0].untyped_storage().data_ptr() != read[name].untyped_storage().data_ptr()

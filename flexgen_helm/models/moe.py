@@ -344,7 +344,7 @@ EXPERT_PADDED_FROM = 256  # below, the padding's share of the work would grow pa
 
 def _padded(picked: torch.Tensor) -> torch.Tensor:
     short = -len(picked) % EXPERT_ROWS_MULTIPLE
-    if len(picked) < EXPERT_PADDED_FROM or not short:
+    if len(picked) < EXPERT_PADDED_FROM or not short or picked.device.type != "cpu":  # (oneDNN's cache: a CPU's)
         return picked
     return torch.cat((picked, picked[:1].expand(short)))
 

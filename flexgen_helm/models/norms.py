@@ -24,7 +24,7 @@ def _normalised(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _by_pieces(x: torch.Tensor, norm: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    if x.numel() <= NORM_PIECED_FROM:
+    if x.numel() <= NORM_PIECED_FROM or x.device.type != "cpu" or not x.is_contiguous():  # (a CPU's cache)
         return norm(x)
     rows = x.reshape(-1, x.shape[-1])
     step = max(1, NORM_PIECE_ELEMENTS // x.shape[-1])

@@ -141,7 +141,7 @@ class RotaryAt:
         rotary) pass unchanged. A large x is rotated a piece of positions at a time
         (ROTARY_PIECE_ELEMENTS), as norms.py normalises a large input's rows."""
         out = torch.empty_like(x)
-        if x.numel() <= ROTARY_PIECED_FROM:
+        if x.numel() <= ROTARY_PIECED_FROM or x.device.type != "cpu":  # (a CPU's cache)
             _rotate_into(out, x, self.cos, self.sin)
             return out
         step = max(1, ROTARY_PIECE_ELEMENTS * x.shape[-2] // x.numel())
