@@ -35,21 +35,20 @@ class TensorBundle:
         device = torch.device(device)
         if all(t.device == device for t in self.parts):  # a CPU-only step's every load: nothing moves
             return self
-        return self.map_parts(lambda t: t.to(device, non_blocking=non_blocking))
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self):
-        return self.map_parts(lambda t: t.pin_memory())
+        return self._map(lambda t: t.pin_memory())
 
     def clone(self):
-        return self.map_parts(lambda t: t.clone())
+        return self._map(lambda t: t.clone())
 
-    def map_parts(self, fn):
-        """The same bundle with fn applied to every stored tensor."""
+    def _map(self, fn):
         changes = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if isinstance(v, torch.Tensor):
                 changes[f.name] = fn(v)
             elif isinstance(v, TensorBundle):
-                changes[f.name] = v.map_parts(fn)
+                changes[f.name] = v._map(fn)
         return dataclasses.replace(self, **changes)

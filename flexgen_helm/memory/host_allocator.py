@@ -15,24 +15,13 @@ holes too, every arena) once more than a given amount of them is resident: the s
 about two GPU batches' working sets and a layer's weight-load buffers, which the next layers
 reuse (executor/working_set.py).
 
-Weights placed for the run are the other kind of allocation: they live as long as the process,
-and on the heap they land between the freed copies of their own loading, which leaves the heap
-a lattice of holes that the run's temporaries then spread over (a 4-bit OLMoE-1B-7B load: 3.8
-GB of free chunks in a 9.3 GB heap), touching fresh pages faster than any release can hand
-them back. So each is copied into pages of its own (`copy_to_own_pages`: an anonymous mapping,
-never part of malloc's heap; a lower mmap threshold would not do, as malloc serves a request
-from its free chunks first).
-
 Off with FLEXGEN_HELM_KEEP_FREED_MEMORY=0; a no-op where the C library is not glibc."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import mmap
 import os
-
-import torch
 
 from flexgen_helm.memory.usage import resident_anonymous_bytes
 
@@ -42,11 +31,6 @@ _M_MMAP_THRESHOLD = -3
 # blocks above this stay mmap'd; glibc 2.36 accepts 1 GiB, older ones cap at 32 MiB (mallopt fails)
 _MMAP_THRESHOLDS = (1 << 30, 32 << 20)
 _TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: trim only beyond 2 GiB of free heap top
-# tensors kept for the run from this size up get pages of their own (copy_to_own_pages). Low
-# enough for an MoE expert's codes (OLMoE's 1 MiB, Qwen3-30B-A3B's 768 KiB), high enough that the
-# mappings stay far below the kernel's limit (vm.max_map_count, 65530: Qwen3-30B-A3B's 18 K
-# expert codes; their 98 KiB scales stay on the heap)
-OWN_PAGES_FROM = 256 << 10
 
 _applied = False
 _not_malloc_bytes = 0  # anonymous resident memory malloc does not hand out (Python's own arenas, stacks)
@@ -73,18 +57,6 @@ def keep_freed_host_memory() -> bool:
     if _applied and _malloc_in_use() is not None:
         _not_malloc_bytes = max(0, resident_anonymous_bytes() - _malloc_in_use())
     return _applied
-
-
-def copy_to_own_pages(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of host tensor t, for keeping for the run: from OWN_PAGES_FROM bytes up
-    in an anonymous mapping of its own (page-aligned, outside malloc's heap, unmapped when the
-    copy is freed), so that no freed copy of its loading can sit between it and the next one;
-    a smaller one (or where the engine's setting is off) a plain copy."""
-    if not _applied or t.nbytes < OWN_PAGES_FROM:
-        return t.clone(memory_format=torch.contiguous_format)
-    pages = mmap.mmap(-1, t.nbytes)  # the tensor keeps the mapping alive (torch.frombuffer)
-    out = torch.frombuffer(pages, dtype=torch.uint8).view(t.dtype).view(t.shape)
-    return out.copy_(t)
 
 
 @functools.lru_cache(maxsize=1)

@@ -18,13 +18,12 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from flexgen_helm.compression.bundle import TensorBundle
 from flexgen_helm.compression.grids import WeightCompression, tensor_compression
 from flexgen_helm.compression.int4 import CompressedWeight, kernel_rows
 from flexgen_helm.compression.stored import Stored, encode, stored_nbytes, weight_groups, weight_layout
 from flexgen_helm.dense_linear import PackedLinear, packs_linear_weights
 from flexgen_helm.memory.devices import Devices
-from flexgen_helm.memory.host_allocator import copy_to_own_pages, release_freed_host_memory
+from flexgen_helm.memory.host_allocator import release_freed_host_memory
 from flexgen_helm.memory.placement import Segment
 from flexgen_helm.memory.usage import TierUsage
 from flexgen_helm.models.spec import LayerSpec, TensorSpec, all_store_tensors, is_lookup_table
@@ -103,15 +102,15 @@ def build_homes(layers: list[LayerSpec], placement: dict[str, list[Segment]], de
                 home.data.append(None)
                 continue
             part = full.narrow(0, s.start, s.rows)
-            usage.add(s.tier, part.nbytes)
             if s.tier == "gpu" and devices.is_cuda:
                 part = part.to(devices.compute)
             elif s.tier == "cpu" and pin and devices.is_cuda:
                 part = part.pin_memory()
-            elif spec.store_name in packable and home.compression is None and len(home.segments) == 1:
-                part = PackedLinear(part)  # its only copy from now on (oneDNN's own tensor)
-            else:  # off the heap its loading's freed copies share (a view would keep other tiers' rows alive)
-                part = part.map_parts(copy_to_own_pages) if isinstance(part, TensorBundle) else copy_to_own_pages(part)
+            elif len(home.segments) > 1:
+                part = part.clone()  # a view would keep the whole tensor (other tiers' rows too) alive
+            usage.add(s.tier, part.nbytes)
+            if spec.store_name in packable and home.compression is None and len(home.segments) == 1:
+                part = PackedLinear(part)  # its only copy from now on: the plain one is freed with `full`
             home.data.append(part)
         homes[spec.store_name] = home
     return homes
