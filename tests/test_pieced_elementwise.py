@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexgen_helm.models import norms, rotary
+from flexgen_helm.models import cache_pieces, norms, rotary
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(3, 700, 64), (1500, 48), (5, 7, 64)])
 def test_pieces_give_the_whole_inputs_bits(dtype, shape, monkeypatch):
-    monkeypatch.setattr(norms, "NORM_PIECED_FROM", 1000)
-    monkeypatch.setattr(norms, "NORM_PIECE_ELEMENTS", 64 * 37)  # pieces that do not divide the rows
+    monkeypatch.setattr(cache_pieces, "PIECED_FROM", 1000)
+    monkeypatch.setattr(cache_pieces, "PIECE_ELEMENTS", 64 * 37)  # pieces that do not divide the rows
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, generator=g).to(dtype)
     w = torch.randn(shape[-1], generator=g).to(dtype)
@@ -33,8 +33,8 @@ def test_rotary_pieces_give_the_whole_inputs_bits(dtype, shape, rotated, monkeyp
     at = rotary.Rotary.table(inv, 1.0, shape[2], "cpu", dtype).at(torch.arange(shape[2])[None].expand(shape[0], -1))
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(dtype)
     whole = at.apply(x)
-    monkeypatch.setattr(rotary, "ROTARY_PIECED_FROM", 100)
-    monkeypatch.setattr(rotary, "ROTARY_PIECE_ELEMENTS", 7 * shape[0] * shape[1] * shape[3])  # 7 positions a piece
+    monkeypatch.setattr(cache_pieces, "PIECED_FROM", 100)
+    monkeypatch.setattr(cache_pieces, "PIECE_ELEMENTS", 7 * shape[0] * shape[1] * shape[3])  # 7 positions a piece
     assert torch.equal(at.apply(x), whole)
     cos, sin = at.cos, at.sin
     half = rotated // 2

@@ -8,14 +8,7 @@ from typing import Callable
 
 import torch
 
-# A large input's rows are normalised a piece of NORM_PIECE_ELEMENTS at a time, so that its
-# float32 copies stay in the core's cache instead of streaming through memory four times: an
-# 8192 x 2048 bf16 input took 12.6 ms whole, 6.1 ms in pieces of 512 rows (2.1x; float32 1.3x;
-# 4096 x 2048: 1.9x / 1.07x; 2-core AVX512-BF16 EPYC, alone: runs/bench/norm_pieces). Inputs of
-# up to a few M elements fit the cache whole, where pieces would only add calls. Each row is
-# its own sum, so the bits are the same.
-NORM_PIECE_ELEMENTS = 1 << 20
-NORM_PIECED_FROM = 1 << 22
+from flexgen_helm.models import cache_pieces
 
 
 def _normalised(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -24,10 +17,11 @@ def _normalised(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _by_pieces(x: torch.Tensor, norm: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    if x.numel() <= NORM_PIECED_FROM or x.device.type != "cpu" or not x.is_contiguous():  # (a CPU's cache)
+    """norm(x), a piece of rows at a time where x is large (models/cache_pieces.py)."""
+    if not cache_pieces.pieced(x.numel(), x.device.type) or not x.is_contiguous():
         return norm(x)
     rows = x.reshape(-1, x.shape[-1])
-    step = max(1, NORM_PIECE_ELEMENTS // x.shape[-1])
+    step = max(1, cache_pieces.PIECE_ELEMENTS // x.shape[-1])
     first = norm(rows[:step])
     out = torch.empty(rows.shape, dtype=first.dtype, device=x.device)
     out[:step] = first

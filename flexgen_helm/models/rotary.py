@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from flexgen_helm.errors import FlexGenError
+from flexgen_helm.models import cache_pieces
 from flexgen_helm.models.config import ModelConfig
 
 SUPPORTED_ROPE_SCALING = ("default", "linear", "llama3", "longrope", "yarn")
@@ -139,24 +140,16 @@ class RotaryAt:
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """Heads x (b, n, s, head_dim) rotated; dimensions past the table's width (partial
         rotary) pass unchanged. A large x is rotated a piece of positions at a time
-        (ROTARY_PIECE_ELEMENTS), as norms.py normalises a large input's rows."""
+        (models/cache_pieces.py)."""
         out = torch.empty_like(x)
-        if x.numel() <= ROTARY_PIECED_FROM or x.device.type != "cpu":  # (a CPU's cache)
+        if not cache_pieces.pieced(x.numel(), x.device.type):
             _rotate_into(out, x, self.cos, self.sin)
             return out
-        step = max(1, ROTARY_PIECE_ELEMENTS * x.shape[-2] // x.numel())
+        step = max(1, cache_pieces.PIECE_ELEMENTS * x.shape[-2] // x.numel())
         for start in range(0, x.shape[-2], step):
             at = slice(start, start + step)
             _rotate_into(out[..., at, :], x[..., at, :], self.cos[..., at, :], self.sin[..., at, :])
         return out
-
-
-# Past ROTARY_PIECED_FROM elements, x is rotated ROTARY_PIECE_ELEMENTS at a time (by positions),
-# so that the products' temporaries stay in the core's cache: q of an 8 x 512-token prefill
-# of 16 heads of 128 took 12.7 ms whole, 6.8 ms in pieces in bf16 (1.9x; float32 1.5x; 2-core
-# AVX512-BF16 EPYC, alone, 2026-11-28; runs/bench/norm_pieces). The same products: same bits.
-ROTARY_PIECE_ELEMENTS = 1 << 20
-ROTARY_PIECED_FROM = 1 << 22
 
 
 def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

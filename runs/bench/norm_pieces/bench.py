@@ -17,7 +17,7 @@ import torch
 
 from flexgen_helm.memory.host_allocator import keep_freed_host_memory
 from flexgen_helm.memory.machine import machine_label
-from flexgen_helm.models import norms, rotary
+from flexgen_helm.models import cache_pieces, norms, rotary
 
 
 def whole(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -64,11 +64,11 @@ def main() -> None:
                 x = torch.randn(b, heads, positions, 128).to(dtype)
                 pieces = at.apply(x)
                 t_pieces = best_ms(functools.partial(at.apply, x), args.repeats)
-                with_pieces_from = rotary.ROTARY_PIECED_FROM
-                rotary.ROTARY_PIECED_FROM = x.numel()
+                with_pieces_from = cache_pieces.PIECED_FROM
+                cache_pieces.PIECED_FROM = x.numel()
                 same = torch.equal(at.apply(x), pieces)
                 t_whole = best_ms(functools.partial(at.apply, x), args.repeats)
-                rotary.ROTARY_PIECED_FROM = with_pieces_from
+                cache_pieces.PIECED_FROM = with_pieces_from
                 row = {"op": "rotary", "dtype": str(dtype), "shape": list(x.shape), "whole_ms": round(t_whole, 3),
                        "pieces_ms": round(t_pieces, 3), "speedup": round(t_whole / t_pieces, 2), "bit_equal": same,
                        "load_1m": os.getloadavg()[0], "host": host,
