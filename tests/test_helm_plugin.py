@@ -447,3 +447,28 @@ def test_batching_runner_runs_everything_on_its_executors_context(tmp_path):
     assert held, "no context found on the runner's parts"
     for name, ctx_name in held:
         assert getattr(getattr(runner, name), ctx_name) is runner.executor.context, (name, ctx_name)
+
+
+def test_the_client_tokenizes_with_the_tokenizer_helm_loaded(monkeypatch):
+    """One tokenizer object per checkpoint in a helm-run: the window service's (loaded first,
+    engines.get_tokenizer), whose encodes the client then finds remembered."""
+    loaded = object()
+    args = engines.resolve_load_args("smollm2-135m", deployment=DEPLOYMENT)
+    monkeypatch.setitem(engines._TOKENIZERS, (args.model, args.path, args.dummy), loaded)
+    handle = engines.EngineHandle(args, engine=None)
+    assert handle.tokenizer is loaded
+
+
+def test_a_tokenizer_remembers_recent_encodes_within_its_bound(monkeypatch):
+    from flexgen_helm.text import token_text as module
+
+    tt = module.TokenText(helm_fake_engine.smollm2_tokenizer())
+    calls = []
+    plain = tt.tokenizer.encode
+    monkeypatch.setattr(tt.tokenizer, "encode", lambda text, **kw: calls.append(text) or plain(text, **kw))
+    monkeypatch.setattr(module, "ENCODED_CHARS", 40)
+    first = tt.encode("The quick brown fox")
+    first.append(-1)  # the caller's list is its own
+    assert tt.encode("The quick brown fox") == first[:-1] and calls == ["The quick brown fox"]
+    tt.encode("jumps over the lazy dog, twice")  # 19 + 30 characters > 40: the oldest goes
+    assert tt.encode("The quick brown fox") == first[:-1] and len(calls) == 3

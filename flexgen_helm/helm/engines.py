@@ -192,7 +192,11 @@ class EngineHandle:
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        """The checkpoint's tokenizer: the one HELM's window service loaded (get_tokenizer) where
+        it did, so that HELM and the client tokenize with one object (one load, and the client
+        finds each prompt the window service encoded: TokenText.encode), else the engine's."""
+        loaded = _TOKENIZERS.get((self.args.model, self.args.path, self.args.dummy))
+        return loaded if loaded is not None else self.engine.tokenizer
 
     @property
     def max_seq_len(self) -> int:

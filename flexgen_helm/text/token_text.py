@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections import OrderedDict
 from functools import lru_cache
 
 
@@ -41,6 +42,10 @@ def _is_byte_level(tokenizer) -> bool:
     return "ByteLevel" in kinds
 
 
+# what TokenText.encode remembers: a few-shot scenario's prompts many times over
+ENCODED_CHARS = 1 << 24
+
+
 class TokenText:
     """Bytes and text of token ids for one tokenizer (cached per id)."""
 
@@ -55,11 +60,23 @@ class TokenText:
         # every encode / decode of this tokenizer goes through this lock.
         self.call_lock = threading.Lock()
         self._starts_with_bos: bool | None = None
+        # the last texts encoded, up to ENCODED_CHARS characters: HELM's window service encodes
+        # each prompt to check that it fits, then the client encodes the same text
+        self._encoded: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._encoded_chars = 0
 
     def encode(self, text: str) -> list[int]:
         """The tokens of `text` alone (no BOS or other special tokens)."""
         with self.call_lock:
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
+            ids = self._encoded.get(text)
+            if ids is None:
+                ids = self._encoded[text] = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                self._encoded_chars += len(text)
+                while self._encoded_chars > ENCODED_CHARS:
+                    self._encoded_chars -= len(self._encoded.popitem(last=False)[0])
+            else:
+                self._encoded.move_to_end(text)
+            return list(ids)
 
     def encode_prompt(self, text: str) -> list[int]:
         """The tokenizer's default encoding: with the BOS the model was trained with, if any."""
