@@ -23,7 +23,7 @@ from flexgen_helm.memory.machine import machine_info
 from flexgen_helm.planner.cost_model import CostModel, Workload
 from flexgen_helm.planner.hardware_profile import DeviceSpeeds, HardwareProfile, load_or_profile
 from flexgen_helm.policy.policy import Policy, Split
-from flexgen_helm.tools.compare import accelerate_offload, table
+from flexgen_helm.tools.compare import accelerate_offload, run, table
 from flexgen_helm.tools.compare.disk import measure_read_bandwidth
 from flexgen_helm.tools.compare.ours import BudgetCheck, deepspeed_policy
 from flexgen_helm.tools.compare.roofline import Roofline
@@ -60,7 +60,9 @@ def bandwidth(tmp_path_factory):
     return measure_read_bandwidth(tmp_path_factory.mktemp("bw"), nbytes=64 << 20, repeats=1)
 
 
-def test_harness_rows(tmp_path, bandwidth, profile_path):
+def test_harness_rows(tmp_path, bandwidth, profile_path, monkeypatch):
+    # the machine multiplies at half its profiled speed just before each row
+    monkeypatch.setattr(run, "matmul_flops_now", lambda profile: (100e9, 200e9))
     rows, ablations, commands = run_compare(TINY, tmp_path / "out", warmup=0, timeout_s=300,
                                             systems=("ours-deepspeed-policy", "hf-accelerate"), bandwidth=bandwidth,
                                             ablations=False, profile_path=profile_path)
@@ -74,10 +76,13 @@ def test_harness_rows(tmp_path, bandwidth, profile_path):
         assert r["disk_device_gb_s"] > 0
     ours, acc = rows
     assert ours["predicted_tok_s"] > 0 and acc["predicted_tok_s"] is None  # the cost model predicts ours only
-    # predicted with the disk speed this run measured (the bandwidth it was given), not the saved one
+    # predicted with the disk speed this run measured (the bandwidth it was given), not the saved one,
+    # and the compute terms twice the profile's: the speed measured before the row
     policy_file = tmp_path / "out" / TINY.name / "ours-deepspeed-policy.policy.json"
     policy = Policy.from_dict(json.loads(policy_file.read_text()))
     profile = with_measured_disk(load_or_profile(profile_path), bandwidth)
+    profile = replace(profile, time_scale={"prefill.compute": 2.0, "decode.compute": 2.0})
+    assert ours["compute_time_scale"] == 2.0
     model = CostModel(resolve(TINY.model, dummy=True).config, profile, Workload(TINY.prompt_len, TINY.gen_len),
                       torch.bfloat16)
     assert ours["predicted_tok_s"] == round(model.estimate(policy).throughput, 4)

@@ -442,6 +442,22 @@ def _cycled_linears(x: torch.Tensor, weights: list[torch.Tensor], n: int) -> Non
         F.linear(x, weights[i % len(weights)])
 
 
+# The product a comparison times its machine's compute speed with before each row: the
+# MATMUL_SHAPE layer at a prefill's rows (tools/compare/run.with_compute_speed_now)
+SPEED_CHECK_ROWS = 1024
+
+
+def matmul_flops_now(profile: HardwareProfile, rows: int = SPEED_CHECK_ROWS) -> tuple[float, float]:
+    """FLOP/s of the profile's compute device multiplying `rows` rows in the profile's dtype,
+    measured now as the profile measured it (the fastest of several calls), and the profile's
+    own figure at those rows: a shared VM's CPU ran 10-22% slower in the afternoon than its
+    morning profile (runs/compare/olmoe-1b-7b-p512-g32/NOTES.md)."""
+    device = torch.device(profile.compute_device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    now = _matmul_flops(device, DTYPES[profile.dtype], (rows,), sync)[rows]
+    return now, _interpolate_log(profile.compute.matmul_flops[profile.dtype], rows)
+
+
 def _matmul_flops(device: torch.device, dtype: torch.dtype, rows_list, sync) -> dict[int, float]:
     """FLOP/s of a MATMUL_SHAPE linear layer, by the number of rows multiplied."""
     out_f, in_f = MATMUL_SHAPE

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from flexgen_helm.errors import FlexGenError
 from flexgen_helm.memory.devices import DTYPES
 from flexgen_helm.planner.cost_model import CostModel, Workload
-from flexgen_helm.planner.hardware_profile import HardwareProfile, load_or_profile
+from flexgen_helm.planner.hardware_profile import HardwareProfile, load_or_profile, matmul_flops_now
 from flexgen_helm.policy.policy import Policy
 from flexgen_helm.tools.compare import table
 from flexgen_helm.tools.compare.ablations import ablation_policies
@@ -124,11 +124,26 @@ def with_measured_disk(profile: HardwareProfile, bandwidth: dict) -> HardwarePro
                    disk_read_modes=dict(bandwidth["read_bytes_per_s"]))
 
 
+def with_compute_speed_now(profile: HardwareProfile) -> tuple[HardwareProfile, float]:
+    """The profile with its compute terms (prefill and decode) scaled by how much slower (or
+    faster) the device multiplies now than when it was profiled, for the search and each row's
+    prediction, as with_measured_disk does for the disk; and that scale. The profile records the
+    hardware at its best (the fastest of several calls); a shared VM's CPU runs slower at times
+    of the day, and the predictions then read its morning speed as the afternoon's."""
+    now, profiled = matmul_flops_now(profile)
+    scale = profiled / now
+    time_scale = dict(profile.time_scale)
+    for phase in ("prefill", "decode"):
+        time_scale[f"{phase}.compute"] = time_scale.get(f"{phase}.compute", 1.0) * scale
+    return replace(profile, time_scale=time_scale), scale
+
+
 def row_context(setup: Setup, record: dict, policy: Policy | None, profile: HardwareProfile, bandwidth: dict,
                 load: float) -> dict:
     """What the table needs besides the record: roofline, the cost model's prediction, RSS limit."""
     ctx = {"loadavg": load, "device_bytes_per_s": bandwidth["device_read_bytes_per_s"],
-           "rss_limit_bytes": setup.gpu_bytes + setup.cpu_bytes + table.RSS_SLACK}
+           "rss_limit_bytes": setup.gpu_bytes + setup.cpu_bytes + table.RSS_SLACK,
+           "compute_time_scale": profile.time_scale.get("prefill.compute")}
     if record.get("skipped"):
         return ctx
     cfg = resolve(setup.model, dummy=True).config
@@ -152,7 +167,8 @@ def run_compare(setup: Setup, out: Path, warmup: int, timeout_s: int, systems: t
         raise FlexGenError(f"{setup.name}: the FlexGen reference rows need a GPU setup with a policy FlexGen "
                            f"publishes ({', '.join(PUBLISHED)})")
     bandwidth = bandwidth or measure_read_bandwidth(offload_dir(setup))
-    profile = with_measured_disk(load_or_profile(profile_path, offload_dir=str(offload_dir(setup))), bandwidth)
+    measured_disk = with_measured_disk(load_or_profile(profile_path, offload_dir=str(offload_dir(setup))), bandwidth)
+    profile, _ = with_compute_speed_now(measured_disk)
     ours, extra, best = plan_ours(setup, systems, ablations, profile)  # fails here, before any run
     folder = out / setup.name
     folder.mkdir(parents=True, exist_ok=True)
@@ -178,9 +194,10 @@ def run_compare(setup: Setup, out: Path, warmup: int, timeout_s: int, systems: t
         else:
             path = folder / f"{system}.json"
             argv = ["-m", "flexgen_helm", *bench_flags(setup, policy, offload_dir(setup), label, path, warmup)]
+        row_profile, _ = with_compute_speed_now(measured_disk)  # as fast as the machine is just before this row
         record, load = run(argv, path)
         record.setdefault("label", label)
-        return table.row(setup.name, system, record, row_context(setup, record, policy, profile, bandwidth, load))
+        return table.row(setup.name, system, record, row_context(setup, record, policy, row_profile, bandwidth, load))
 
     # every row of both tables, one bar: row i of N, and the time left at the rows' mean so far
     # (each row's bench shows its own decode steps and their time left below it)
@@ -240,7 +257,10 @@ def notes(setup_names: list[str], bandwidth: dict | None, extra: list[str]) -> l
         "the KV cache on disk, as long as it is so far - at the device's bandwidth); "
         "pct_of_roofline = measured / roofline throughput. predicted_tok_s: the cost model's prediction "
         "for the policy that ran, from this machine's hardware profile with the disk read speeds measured at the "
-        "run's start (above), which the search planned with too.",
+        "run's start (above), which the search planned with too, and its compute terms scaled by "
+        "compute_time_scale: the profile's matmul rate over the one measured just before the row "
+        "(planner/hardware_profile.matmul_flops_now; > 1: the machine multiplies slower than when profiled). "
+        "The roofline keeps the profile's rates: the hardware at its best.",
         "disk_reads_per_token = bytes the process read from storage during the timed generation (/proc/self/io) "
         "/ (disk-resident weight bytes x generated tokens): about 1 means every token's weights came from disk "
         "(KV cache or activations placed on disk add their own reads on top).",

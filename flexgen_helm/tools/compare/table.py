@@ -18,7 +18,7 @@ COLUMNS = ["setup", "system", "label", "policy", "effective_batch", "prefill_s",
            "throughput_tok_s", "vs_accelerate", "predicted_tok_s", "predicted_over_measured", "roofline_tok_s",
            "pct_of_roofline", "roofline_bound", "disk_device_gb_s", "disk_weight_gib", "disk_read_gib",
            "disk_reads_per_token", "weights_read_from", "peak_rss_gib", "rss_limit_gib", "rss_within_limit",
-           "loadavg_1m", "host"]
+           "compute_time_scale", "loadavg_1m", "host"]
 
 
 def disk_weight_bytes(record: dict) -> int:
@@ -41,7 +41,8 @@ def _peak_rss_bytes(record: dict) -> int:
 def row(setup: str, system: str, record: dict, context: dict) -> dict:
     """One table row. `context`: "roofline" (roofline.Roofline or None), "predicted_tok_s" (the
     cost model's, ours only), "rss_limit_bytes" (gpu + cpu budgets + RSS_SLACK),
-    "device_bytes_per_s" (the disk's bandwidth), "loadavg"."""
+    "device_bytes_per_s" (the disk's bandwidth), "compute_time_scale" (run.with_compute_speed_now),
+    "loadavg"."""
     if record.get("skipped"):
         return {"setup": setup, "system": system, "label": record.get("label", system),
                 "policy": record.get("policy_summary", ""), "weights_read_from": record["skipped"]}
@@ -76,6 +77,8 @@ def row(setup: str, system: str, record: dict, context: dict) -> dict:
         "peak_rss_gib": round(rss / GIB, 2),
         "rss_limit_gib": None if limit is None else round(limit / GIB, 2),
         "rss_within_limit": None if limit is None else rss <= limit,
+        "compute_time_scale": None if context.get("compute_time_scale") is None
+        else round(context["compute_time_scale"], 2),
         "loadavg_1m": context.get("loadavg"),
         "host": machine_label(record["hardware"]) if record.get("hardware") else None,
     }
