@@ -451,7 +451,7 @@ def matmul_flops_now(profile: HardwareProfile, rows: int = SPEED_CHECK_ROWS) -> 
     """FLOP/s of the profile's compute device multiplying `rows` rows in the profile's dtype,
     measured now as the profile measured it (the fastest of several calls), and the profile's
     own figure at those rows: a shared VM's CPU ran 10-22% slower in the afternoon than its
-    morning profile (runs/compare/olmoe-1b-7b-p512-g32/NOTES.md)."""
+    morning profile (runs/compare/NOTES.md, 2026-11-28)."""
     device = torch.device(profile.compute_device)
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     now = _matmul_flops(device, DTYPES[profile.dtype], (rows,), sync)[rows]
