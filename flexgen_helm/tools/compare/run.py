@@ -124,18 +124,19 @@ def with_measured_disk(profile: HardwareProfile, bandwidth: dict) -> HardwarePro
                    disk_read_modes=dict(bandwidth["read_bytes_per_s"]))
 
 
-def with_compute_speed_now(profile: HardwareProfile) -> tuple[HardwareProfile, float]:
+def with_compute_speed_now(profile: HardwareProfile) -> HardwareProfile:
     """The profile with its compute terms (prefill and decode) scaled by how much slower (or
-    faster) the device multiplies now than when it was profiled, for the search and each row's
-    prediction, as with_measured_disk does for the disk; and that scale. The profile records the
-    hardware at its best (the fastest of several calls); a shared VM's CPU runs slower at times
-    of the day, and the predictions then read its morning speed as the afternoon's."""
+    faster) the device multiplies now than when it was profiled (on top of any refit's scale),
+    for the search and each row's prediction, as with_measured_disk does for the disk. The
+    profile records the hardware at its best (the fastest of several calls); a shared VM's CPU
+    runs slower at times of the day, and the predictions then read its morning speed as the
+    afternoon's."""
     now, profiled = matmul_flops_now(profile)
     scale = profiled / now
     time_scale = dict(profile.time_scale)
     for phase in ("prefill", "decode"):
         time_scale[f"{phase}.compute"] = time_scale.get(f"{phase}.compute", 1.0) * scale
-    return replace(profile, time_scale=time_scale), scale
+    return replace(profile, time_scale=time_scale)
 
 
 def row_context(setup: Setup, record: dict, policy: Policy | None, profile: HardwareProfile, bandwidth: dict,
@@ -168,7 +169,7 @@ def run_compare(setup: Setup, out: Path, warmup: int, timeout_s: int, systems: t
                            f"publishes ({', '.join(PUBLISHED)})")
     bandwidth = bandwidth or measure_read_bandwidth(offload_dir(setup))
     measured_disk = with_measured_disk(load_or_profile(profile_path, offload_dir=str(offload_dir(setup))), bandwidth)
-    profile, _ = with_compute_speed_now(measured_disk)
+    profile = with_compute_speed_now(measured_disk)
     ours, extra, best = plan_ours(setup, systems, ablations, profile)  # fails here, before any run
     folder = out / setup.name
     folder.mkdir(parents=True, exist_ok=True)
@@ -194,7 +195,7 @@ def run_compare(setup: Setup, out: Path, warmup: int, timeout_s: int, systems: t
         else:
             path = folder / f"{system}.json"
             argv = ["-m", "flexgen_helm", *bench_flags(setup, policy, offload_dir(setup), label, path, warmup)]
-        row_profile, _ = with_compute_speed_now(measured_disk)  # as fast as the machine is just before this row
+        row_profile = with_compute_speed_now(measured_disk)  # as fast as the machine is just before this row
         record, load = run(argv, path)
         record.setdefault("label", label)
         return table.row(setup.name, system, record, row_context(setup, record, policy, row_profile, bandwidth, load))
@@ -258,8 +259,9 @@ def notes(setup_names: list[str], bandwidth: dict | None, extra: list[str]) -> l
         "pct_of_roofline = measured / roofline throughput. predicted_tok_s: the cost model's prediction "
         "for the policy that ran, from this machine's hardware profile with the disk read speeds measured at the "
         "run's start (above), which the search planned with too, and its compute terms scaled by "
-        "compute_time_scale: the profile's matmul rate over the one measured just before the row "
-        "(planner/hardware_profile.matmul_flops_now; > 1: the machine multiplies slower than when profiled). "
+        "compute_time_scale: the profile's matmul rate over the one measured just before the row, times any "
+        "refit's (planner/hardware_profile.matmul_flops_now; > 1: the machine multiplies slower than when "
+        "profiled). "
         "The roofline keeps the profile's rates: the hardware at its best.",
         "disk_reads_per_token = bytes the process read from storage during the timed generation (/proc/self/io) "
         "/ (disk-resident weight bytes x generated tokens): about 1 means every token's weights came from disk "
