@@ -37,8 +37,10 @@ from flexgen_helm.weights.registry import default_cache_dir
 logger = logging.getLogger(__name__)
 _TOLD_UNMEASURED: set[str] = set()  # profiles (by when measured) use_profile said this of, once each
 
-# /2: fixed costs and the disk's ways of reading; /3: the int4 kernel's speed by row count
-FORMAT = "flexgen-helm-hardware/3"
+# /2: fixed costs and the disk's ways of reading; /3: the int4 kernel's speed by row count;
+# /4: a decode step's attention over a memory tier's cache read in place (a view of its slot)
+FORMAT = "flexgen-helm-hardware/4"
+FORMAT_MEASURES = "a decode step's attention read in place from a slot, as the schedule reads it"
 
 # Activation rows of the profiled Linear: 1-64 are decode (one token per sequence of a GPU
 # batch), 256-4096 prefill (a GPU batch times the prompt). The weight is (4096, 2048): big
@@ -322,7 +324,7 @@ def _saved_profile(p: Path) -> tuple[HardwareProfile | None, str]:
 
 def _other_format(path: Path, d: dict) -> str:
     return (f"the hardware profile at {path} is of format {d.get('format')}, without what {FORMAT} measures "
-            "(the int4 kernel's speed by row count)")
+            f"({FORMAT_MEASURES})")
 
 
 def use_profile(path: str | os.PathLike | None = None) -> HardwareProfile | None:
@@ -630,15 +632,17 @@ def _attention_speeds(device: torch.device, dtype: torch.dtype, sync) -> tuple[f
     prefill_flops = 4 * units * s * s * d / _timed(lambda: attend(q, k, k, valid, causal=True), sync=sync)
 
     units, t = 256, 512
-    kc = torch.randn(t, units, d, device=device).to(dtype)  # the cache's sequence-major layout
-    k1 = torch.randn(units, 1, d, device=device).to(dtype)
+    # a memory tier's slot, (rows, units, d), as the schedule reads it in place: the new
+    # position's key and value written into its row, the positions up to it attended as a view
+    kc, vc = (torch.randn(t + 1, units, d, device=device).to(dtype) for _ in range(2))
+    k1 = torch.randn(units, d, device=device).to(dtype)
     q1 = torch.randn(units, 1, 1, d, device=device).to(dtype)
     valid_t = torch.ones(units, t + 1, dtype=torch.bool, device=device)
 
-    def decode_attention():  # what the schedule does per tier: join the new key, attend
-        keys = torch.cat([kc.transpose(0, 1), k1], dim=1)
-        values = torch.cat([kc.transpose(0, 1), k1], dim=1)
-        return attend(q1, keys, values, valid_t, causal=False)
+    def decode_attention():
+        kc[t].copy_(k1)
+        vc[t].copy_(k1)
+        return attend(q1, kc.transpose(0, 1), vc.transpose(0, 1), valid_t, causal=False)
 
     cache_bytes = 2 * t * units * d * kc.element_size()
     return prefill_flops, cache_bytes / _timed(decode_attention, sync=sync)
