@@ -51,6 +51,10 @@ MATMUL_SHAPE = (4096, 2048)  # (out, in)
 # 32 x 16 MiB (bf16) = 512 MiB, several times any last-level cache (a server CPU's shared L3
 # reaches ~100 MiB: 8 weights were partly served from it and made decode look 2x faster)
 STREAMED_WEIGHTS = 32
+# decode attention's caches, read one after another: 8 layers x 32 MiB (bf16), several times a
+# desktop's last-level cache; one cache read again and again sat partly in this project's
+# EPYC's 32 MiB and measured 16.9 GB/s, where the engine reaches ~12 over OLMoE's
+DECODE_CACHE_LAYERS = 8
 MAX_STREAMED_ROWS = 64  # above this the product is compute-bound: one (cached) weight will do
 # Activation rows of the profiled int4 kernel (4-bit weights, groups of 64 along the input dim):
 # decode-sized up to prefill-sized, past where the kernel loses to dequantize-then-matmul on a CPU
@@ -632,19 +636,23 @@ def _attention_speeds(device: torch.device, dtype: torch.dtype, sync) -> tuple[f
     prefill_flops = 4 * units * s * s * d / _timed(lambda: attend(q, k, k, valid, causal=True), sync=sync)
 
     units, t = 256, 512
-    # a memory tier's slot, (rows, units, d), as the schedule reads it in place: the new
-    # position's key and value written into its row, the positions up to it attended as a view
-    kc, vc = (torch.randn(t + 1, units, d, device=device).to(dtype) for _ in range(2))
+    # memory tiers' slots, (rows, units, d), as the schedule reads them in place: the new
+    # position's key and value written into its row, the positions up to it attended as a
+    # view; a layer after another, as a decode step reads them, so that no layer's cache is
+    # still in the CPU's caches when it is read again
+    slots = [[torch.randn(t + 1, units, d, device=device).to(dtype) for _ in range(2)]
+             for _ in range(DECODE_CACHE_LAYERS)]
     k1 = torch.randn(units, d, device=device).to(dtype)
     q1 = torch.randn(units, 1, 1, d, device=device).to(dtype)
     valid_t = torch.ones(units, t + 1, dtype=torch.bool, device=device)
 
     def decode_attention():
-        kc[t].copy_(k1)
-        vc[t].copy_(k1)
-        return attend(q1, kc.transpose(0, 1), vc.transpose(0, 1), valid_t, causal=False)
+        for kc, vc in slots:
+            kc[t].copy_(k1)
+            vc[t].copy_(k1)
+            attend(q1, kc.transpose(0, 1), vc.transpose(0, 1), valid_t, causal=False)
 
-    cache_bytes = 2 * t * units * d * kc.element_size()
+    cache_bytes = DECODE_CACHE_LAYERS * 2 * t * units * d * slots[0][0].element_size()
     return prefill_flops, cache_bytes / _timed(decode_attention, sync=sync)
 
 
