@@ -396,9 +396,9 @@ def attend_past_held_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | 
     by_head, per_unit = _stacked_by_head(qf, first_unit, kvh)
     if keep_fraction == 1.0:
         v = v(list(range(k.shape[1]))) if callable(v) else v
-        own = _normalized_part(qf, k, v, own_valid, softcap)
-        shared = _normalized_part(by_head, prefix_keys, prefix_values, None, softcap)
-        return _merged(own, tuple(map(per_unit, shared)), sinks).view(u, r, 1, d).to(q.dtype)
+        shared = _normalized_part(by_head, prefix_keys, prefix_values, softcap)
+        return _own_keys_and_prefix(qf, k, v, own_valid, softcap, tuple(map(per_unit, shared)),
+                                    sinks).view(u, r, 1, d).to(q.dtype)
     # the scores attend() computes over each whole cache, the prefix's first
     own = _capped(torch.bmm(qf, k.float().transpose(1, 2)) / math.sqrt(d), softcap)
     own = own.masked_fill_(~own_valid[:, None, :], -math.inf)
@@ -543,13 +543,13 @@ def attend_past_shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     u, r, _, d = q.shape
     kvh = prefix.values.shape[0]
     qf = q.float().view(u, r, d)
-    own_part = _normalized_part(qf, k, v, own, softcap)
     by_head, per_unit = _stacked_by_head(qf, first_unit, kvh)
     if prefix.key_mean is None:
-        shared = _normalized_part(by_head, prefix.keys, prefix.values, None, softcap)
+        shared = _normalized_part(by_head, prefix.keys, prefix.values, softcap)
     else:
         shared = _bf16_prefix_part(by_head, prefix)
-    return _merged(own_part, tuple(map(per_unit, shared)), sinks).view(u, r, 1, d).to(q.dtype)
+    return _own_keys_and_prefix(qf, k, v, own, softcap, tuple(map(per_unit, shared)),
+                                sinks).view(u, r, 1, d).to(q.dtype)
 
 
 def _stacked_by_head(qf: torch.Tensor, first_unit: int, kvh: int) -> tuple[torch.Tensor, Callable]:
@@ -571,20 +571,24 @@ def _stacked_by_head(qf: torch.Tensor, first_unit: int, kvh: int) -> tuple[torch
     return by_head, per_unit
 
 
-def _merged(own: tuple[torch.Tensor, torch.Tensor], prefix: tuple[torch.Tensor, torch.Tensor],
-            sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention over two parts of the keys, each (output, log-sum-exp) normalised over its
-    own (_normalized_part): each part's weight in the whole softmax is its share of the two
-    exp-sums, the own part's sigmoid(own_lse - prefix_lse) (0 where a unit has no key of its
-    own: -inf). With sinks (rows, r): a sink adds exp(sink) to the whole softmax's
-    denominator and nothing to its numerator, so the merged output shrinks by
-    sigmoid(lse - sink), lse the log-sum-exp of both parts together."""
-    (own_out, own_lse), (prefix_out, prefix_lse) = own, prefix
-    out = torch.lerp(prefix_out, own_out, torch.sigmoid(own_lse - prefix_lse))
-    if sinks is None:
-        return out
-    lse = torch.logaddexp(own_lse, prefix_lse)
-    return out * torch.sigmoid(lse - sinks.to(out.device)[..., None])
+def _own_keys_and_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, softcap: float,
+                         prefix: tuple[torch.Tensor, torch.Tensor], sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """A decode step's attention of q (u, r, d) over its own keys k, v (u, t, d), those valid
+    (u, t) may see, and the shared prefix's part, (output, log-sum-exp) normalised over the
+    prefix's keys alone (_normalized_part, _bf16_prefix_part): (u, r, d), float32. The prefix
+    enters the softmax as one more key, whose score is its log-sum-exp and whose value its
+    output: exp(lse) is the prefix's exp-sum, so this softmax is the one over all the keys,
+    and the output the whole attention's. A sink (u, r) (gpt-oss) is one more key again, of
+    value 0: it adds exp(sink) to the denominator and nothing to the output. One fused
+    softmax and one matmul with an add: fewer passes over these small tensors than a
+    normalised own part merged afterwards (runs/prefix_sharing/README.md)."""
+    prefix_out, prefix_lse = prefix
+    t = k.shape[1]
+    scores = _capped(torch.bmm(q * (1 / math.sqrt(q.shape[-1])), k.float().transpose(1, 2)), softcap)
+    scores = scores.masked_fill_(~valid[:, None, :], -math.inf)
+    extra = [prefix_lse] if sinks is None else [prefix_lse, sinks.to(q.device, torch.float32)[..., None]]
+    weights = torch.cat([scores, *extra], -1).softmax(-1)
+    return torch.baddbmm(weights[..., t:t + 1] * prefix_out, weights[..., :t], v.float())
 
 
 def _bf16_prefix_part(q: torch.Tensor, prefix: DecodePrefix) -> tuple[torch.Tensor, torch.Tensor]:
@@ -603,11 +607,11 @@ def _bf16_prefix_part(q: torch.Tensor, prefix: DecodePrefix) -> tuple[torch.Tens
     return out, (peak + total.log2_()).mul_(math.log(2)).add_(torch.bmm(q, prefix.key_mean.transpose(1, 2)))
 
 
-def _normalized_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
+def _normalized_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q (g, m, d) over k, v (g, t, d), normalised over these keys alone, as the
-    part a two-part softmax merges from: the output (g, m, d) and each row's log-sum-exp of
-    its scores (g, m, 1); a row that may see no key gives 0 and -inf.
+    """Attention of q (g, m, d) over all the keys k, v (g, t, d), normalised over these keys
+    alone, as the part a two-part softmax merges from (_own_keys_and_prefix): the output (g,
+    m, d) and each row's log-sum-exp of its scores (g, m, 1).
 
     A shared prefix's scores are every sequence's queries against all of its keys, so each
     pass over them costs a good part of its matmuls: the scale goes on the (few) queries, the
@@ -619,11 +623,7 @@ def _normalized_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: t
         scores = _capped(torch.bmm(q * scale, k.float().transpose(1, 2)), softcap).mul_(LOG2_E)
     else:
         scores = torch.bmm(q * (scale * LOG2_E), k.float().transpose(1, 2))
-    if valid is not None:
-        scores = scores.masked_fill_(~valid[:, None, :], -math.inf)
     peak = scores.amax(-1, keepdim=True)
-    if valid is not None:  # a row that sees no key: every weight exp2(-inf) = 0
-        peak = peak.masked_fill_(torch.isneginf(peak), 0)
     weights = scores.sub_(peak).exp2_()
-    total = weights.sum(-1, keepdim=True)  # >= 1 (its largest score's weight) where a row sees a key
-    return torch.bmm(weights, v.float()).div_(total.clamp(min=1)), (peak + total.log2()) * math.log(2)
+    total = weights.sum(-1, keepdim=True)  # >= 1: its largest score's weight
+    return torch.bmm(weights, v.float()).div_(total), (peak + total.log2()) * math.log(2)
