@@ -128,6 +128,38 @@ def test_cost_model_reads_the_experts_a_step_is_expected_to_touch():
     assert prefill["disk_cpu"] == pytest.approx(rest + 64 * expert, rel=1e-6)
 
 
+def test_cost_model_counts_each_chosen_experts_routing_passes():
+    """A sparse block's elementwise work per token: the dense block's passes (per hidden-size
+    and per MLP-width element, k experts' width), and per chosen expert its row gathered, its
+    output weighted and added back (models/moe.expert_mlp), which on OLMoE's geometry is
+    more than half of it."""
+    from dataclasses import replace
+
+    from test_policy_search import cpu_profile, speeds
+
+    from flexgen_helm.models.moe import geometry
+    from flexgen_helm.planner.cost_model import ELEMENTWISE_PASSES, CostModel, Fractions, Workload
+    from flexgen_helm.policy import Policy
+
+    cfg = geometry("olmoe-1b-7b")
+    policy = Policy(4, 2)
+
+    def block_prefill(elementwise: float) -> float:
+        prof = replace(cpu_profile(), devices={"cpu": speeds(elementwise_elems_per_s=elementwise)})
+        model = CostModel(cfg, prof, Workload(64, 4))
+        (layer, _), lw = next((g, lw) for g, lw in zip(model.groups, model.weights_per_layer(policy))
+                              if g[0].kind == "block")
+        return model._layer_work(layer, lw, policy, Fractions.of(policy), "prefill")[0]["compute"]
+
+    per_hidden, per_mlp = ELEMENTWISE_PASSES["llama"]
+    k, h = cfg.experts_per_token, cfg.hidden_size
+    dense = per_hidden * h + per_mlp * k * cfg.expert_ffn_size
+    routing = 5 * k * h  # gather (2), weight (2), add back (1)
+    tokens = 2 * 4 * 64  # GPU batches x rows x prompt
+    assert block_prefill(1e9) - block_prefill(2e9) == pytest.approx(tokens * (dense + routing) * (1 / 1e9 - 1 / 2e9))
+    assert routing > dense
+
+
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"])
 def test_export_hf_gives_transformers_the_same_model(kind, tmp_path):
     """What `flexgen-helm compare` hands HF accelerate: our store written back as a checkpoint

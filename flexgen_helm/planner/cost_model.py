@@ -91,6 +91,14 @@ ATTENTION_MASK_BYTES = 1  # per score element in `attend`: fused attention keeps
 # gate product. Gemma: Llama's plus two more norms (~5 each, (1 + w) in float32), the embedding
 # scale and the query's rescale (~1 each); tanh GELU (~3) and the gate product over the MLP.
 ELEMENTWISE_PASSES = {"opt": (12.0, 1.0), "llama": (22.0, 2.0), "phi3": (22.0, 2.0), "gemma": (34.0, 4.0)}
+# A sparse MoE block's passes over the hidden size per (token, chosen expert), models/moe.expert_mlp:
+# the row gathered for its expert (index_select: a read and a write), the expert's output times
+# its routing weight (a read and a write), and added back to its token (index_add_: a read).
+# On OLMoE-1B-7B (k = 8) that is 40 passes of the hidden size a token, about as many as the rest
+# of the block's elementwise work. In a 4-bit OLMoE prefill (16 x 512 tokens, the compare's) that
+# work, with the sort and the routing, took 1.2 s of 26.4 (cProfile, 2026-11-28); at the
+# profile's rate of a plain pass these passes price 0.6 s (index_select and index_add_ are slower).
+EXPERT_ROUTING_PASSES = 5.0
 
 
 @dataclass(frozen=True)
@@ -362,6 +370,8 @@ class CostModel:
             mlp_width = (cfg.experts_per_token * cfg.expert_ffn_size + cfg.shared_expert_ffn_size
                          if cfg.sparse_block(layer.index) else cfg.ffn_size)
             passes = per_hidden * cfg.hidden_size + per_mlp * mlp_width
+            if cfg.sparse_block(layer.index):
+                passes += cfg.experts_per_token * EXPERT_ROUTING_PASSES * cfg.hidden_size
             b["compute"] += nb * gbs * tokens * passes / dev.elementwise_elems_per_s
 
         # activations: stored after each layer but the head, loaded before each but the embedding
