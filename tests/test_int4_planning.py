@@ -108,7 +108,8 @@ def test_a_profile_of_the_old_format_is_refused_with_what_to_do(tmp_path, monkey
     fresh = profile(FAST_KERNEL, machine=machine_info())
     monkeypatch.setattr(hardware_profile, "measure", lambda offload_dir=None: fresh)
     assert hardware_profile.load_or_profile(path).compute.int4_matmul_flops == FAST_KERNEL
-    assert f"of format flexgen-helm-hardware/2, without what {hardware_profile.FORMAT} measures" in capsys.readouterr().out
+    told = capsys.readouterr().out
+    assert f"of format flexgen-helm-hardware/2, without what {hardware_profile.FORMAT} measures" in told
 
 
 def test_a_profile_without_kernel_speeds_cannot_plan_packed_weights():

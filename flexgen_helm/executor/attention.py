@@ -140,9 +140,9 @@ def _by_positions(k: torch.Tensor, v: torch.Tensor) -> bool:
 def _decode_by_positions(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor,
                          softcap: float, sinks: torch.Tensor | None) -> torch.Tensor:
     """attend()'s CPU decode step over a large 16-bit cache (_by_positions), in float32 as the
-    whole step, a piece of PIECE_ELEMENTS positions' keys, then values, at a time: each
-    piece's float32 copy is made and read while in the core's cache, where the whole cache's
-    copy streams out to memory and back. The output sums the pieces' products with the
+    whole step, its keys, then its values, a piece of positions (PIECE_ELEMENTS elements) at a
+    time: each piece's float32 copy is made and read while in the core's cache, where the
+    whole cache's copy streams out to memory and back. The output sums the pieces' products with the
     values, so its last bits depend on the pieces (that is, on the units a call holds).
     OLMoE's 512 units (a batch of 32) x 200 keys, eight layers' caches in turn on the 2-core
     EPYC: 7.4 ms a layer whole, 3.0 in pieces (runs/bench/decode_by_positions); but where
