@@ -99,6 +99,19 @@ def test_dequantized_packed_weight_is_the_quantized_one():
         assert ((got - want).abs() <= zero.abs() * 2 ** -8 + want.abs() * 2 ** -8).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_dense_copy_rounds_the_float32_weight_once(dtype):
+    """Dequantizing into a 16-bit dtype gives the float32 weight rounded once, in either
+    orientation and for looked-up rows: a 16-bit affine step that rounded its product and
+    its sum apart would move weights by a unit of the last place."""
+    p = _weight((256 + 48, 512)).parts[0][1]  # whole blocks and a tail
+    exact = dequantize_packed(p, torch.float32)
+    for by_column in (True, False):
+        assert torch.equal(dequantize_packed(p, dtype, by_column), exact.to(dtype))
+    ids = torch.tensor([[0, 300], [64, 17]])
+    assert torch.equal(int4.packed_rows_of(p, ids, dtype), exact[ids].to(dtype))
+
+
 @pytest.mark.parametrize("n", [256, 256 + 48], ids=["blocks", "tail"])
 def test_embedding_lookup_dequantizes_only_its_rows(n, monkeypatch):
     """A vocabulary-sized table is looked up a few rows at a time (every decode step): the

@@ -39,8 +39,8 @@ _TOLD_UNMEASURED: set[str] = set()  # profiles (by when measured) use_profile sa
 
 # /2: fixed costs and the disk's ways of reading; /3: the int4 kernel's speed by row count;
 # /4: a decode step's attention over a memory tier's cache read in place (a view of its slot)
-FORMAT = "flexgen-helm-hardware/4"
-FORMAT_MEASURES = "a decode step's attention read in place from a slot, as the schedule reads it"
+FORMAT = "flexgen-helm-hardware/5"
+FORMAT_MEASURES = "4-bit weights dequantized by one addcmul in the compute dtype (compression/int4._affine_into)"
 
 # Activation rows of the profiled Linear: 1-64 are decode (one token per sequence of a GPU
 # batch), 256-4096 prefill (a GPU batch times the prompt). The weight is (4096, 2048): big
