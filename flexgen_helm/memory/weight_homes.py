@@ -140,7 +140,9 @@ def load_home(home: WeightHome, devices: Devices, store, parts: list[Stored] | N
     when compressed). A compressed one stays compressed: a CompressedWeight of its parts."""
     parts = read_parts(home, store) if parts is None else parts
     if home.group_dim is not None:
-        on_device = [(s.start, p.to(devices.compute, non_blocking=True)) for s, p in zip(home.segments, parts)]
+        # a part held in the compute device's memory is there already (no walk over its tensors)
+        on_device = [(s.start, p if s.tier != "disk" and devices.tier_device(s.tier) == devices.compute
+                      else p.to(devices.compute, non_blocking=True)) for s, p in zip(home.segments, parts)]
         rows = kernel_rows(home.layout, devices.compute.type)
         return CompressedWeight(on_device, home.spec.shape, devices.dtype, rows)
     if isinstance(parts[0], PackedLinear):  # in the compute device's memory, where it was packed
