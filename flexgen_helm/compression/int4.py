@@ -284,8 +284,9 @@ def _affine_into(signed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     packed weight goes through it, so all round alike. One addcmul: in bf16 too, torch
     computes it in float32 and rounds once, and (q - 8) * scale is exact there (4 x 8
     significant bits), so a bf16 result has the bits of the float32 one rounded to bf16,
-    at a third of the float32 passes (an OLMoE expert's 2048 x 1024 weight: 0.82 -> 0.60 ms)."""
-    return torch.addcmul(zero, signed, scale, out=out) if out is not None else torch.addcmul(zero, signed, scale)
+    at a third of the float32 passes: an OLMoE expert's dense copy by column 1.2-1.3x faster
+    than three float32 passes and a conversion (1024 x 2048 and 2048 x 1024, alone, 2-core EPYC)."""
+    return torch.addcmul(zero, signed, scale, out=out)
 
 
 def _cpu_codes_by_column(packed: torch.Tensor, n: int, k: int, block: int | None = None) -> torch.Tensor:

@@ -39,6 +39,7 @@ _TOLD_UNMEASURED: set[str] = set()  # profiles (by when measured) use_profile sa
 
 # /2: fixed costs and the disk's ways of reading; /3: the int4 kernel's speed by row count;
 # /4: a decode step's attention over a memory tier's cache read in place (a view of its slot)
+# /5: 4-bit dequantization at the speed of its one-addcmul form (compression/int4.py)
 FORMAT = "flexgen-helm-hardware/5"
 FORMAT_MEASURES = "4-bit weights dequantized by one addcmul in the compute dtype (compression/int4._affine_into)"
 
