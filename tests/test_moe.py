@@ -97,6 +97,31 @@ def test_only_the_chosen_experts_are_read_off_disk(tmp_path):
     assert timers["decode_expert_read_bytes"] == 3 * per_step * expert_bytes
 
 
+def test_a_resident_blocks_experts_load_in_place_beside_its_other_weights(tmp_path, monkeypatch):
+    """Weights resident on the compute device: a sparse block's other weights and each of its
+    experts (a spec of their own, executor/expert_weights.py) load as their homes, every one
+    kept from its first load; loading an expert does not evict the block's entry."""
+    from flexgen_helm.engine import Engine
+    from flexgen_helm.executor import runtime as runtime_module
+    from flexgen_helm.executor.expert_weights import sparse_layer_plan
+    from flexgen_helm.policy import Policy, Split
+
+    path = save_tiny("qwen3_moe", tmp_path / "m")
+    rt = Engine.load(str(path), Policy(weights=Split(1, 0, 0)), offload_dir=tmp_path, dtype="float32",
+                     device="cpu", progress=False).runtime
+    block = next(layer for layer in rt.layers if layer.kind == "block" and sparse_layer_plan(rt, layer))
+    plan = sparse_layer_plan(rt, block)
+    specs = [plan.ahead, plan.experts[0].spec, plan.experts[1].spec]
+    first = [rt.load_layer(spec) for spec in specs]
+    loads = []
+    real = runtime_module.load_layer
+    monkeypatch.setattr(runtime_module, "load_layer", lambda *a, **k: loads.append(a[0]) or real(*a, **k))
+    for spec, weights in zip(specs * 2, first * 2):
+        again = rt.load_layer(spec)
+        assert all(again[t.key] is weights[t.key] is rt.homes[t.store_name].data[0] for t in spec.tensors)
+    assert loads == []
+
+
 def test_expected_experts_touched():
     from flexgen_helm.models.moe import expected_experts_touched
 
