@@ -140,7 +140,8 @@ def load_home(home: WeightHome, devices: Devices, store, parts: list[Stored] | N
     when compressed). A compressed one stays compressed: a CompressedWeight of its parts."""
     parts = read_parts(home, store) if parts is None else parts
     if home.group_dim is not None:
-        # a part held in the compute device's memory is there already (no walk over its tensors)
+        # a part held in the compute device's memory is there already: not even bundle.to's look at
+        # its tensors (an OLMoE expert's load of three 4-bit weights, 4-layer decode: 19 -> 13 us)
         on_device = [(s.start, p if s.tier != "disk" and devices.tier_device(s.tier) == devices.compute
                       else p.to(devices.compute, non_blocking=True)) for s, p in zip(home.segments, parts)]
         rows = kernel_rows(home.layout, devices.compute.type)
