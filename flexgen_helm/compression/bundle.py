@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
@@ -17,7 +16,7 @@ class TensorBundle:
     def parts(self) -> tuple[torch.Tensor, ...]:
         """The stored tensors, in field order (a bundle field's parts in its place)."""
         out = []
-        for v in (getattr(self, name) for name in _field_names(type(self))):
+        for v in (getattr(self, f.name) for f in dataclasses.fields(self)):
             if isinstance(v, torch.Tensor):
                 out.append(v)
             elif isinstance(v, TensorBundle):
@@ -46,18 +45,10 @@ class TensorBundle:
 
     def _map(self, fn):
         changes = {}
-        for name in _field_names(type(self)):
-            v = getattr(self, name)
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
             if isinstance(v, torch.Tensor):
-                changes[name] = fn(v)
+                changes[f.name] = fn(v)
             elif isinstance(v, TensorBundle):
-                changes[name] = v._map(fn)
+                changes[f.name] = v._map(fn)
         return dataclasses.replace(self, **changes)
-
-
-@functools.cache
-def _field_names(cls: type) -> tuple[str, ...]:
-    """A bundle class's field names, worked out once: dataclasses.fields walks the class on
-    every call (~5 us), and an MoE decode step loads each chosen expert's bundles anew
-    (executor/expert_weights.py: ~2,700 loads a step for OLMoE-1B-7B's 16 blocks)."""
-    return tuple(f.name for f in dataclasses.fields(cls))
