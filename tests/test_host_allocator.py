@@ -59,6 +59,48 @@ def test_freed_memory_beyond_what_is_kept_goes_back_to_the_os():
     assert done.stdout.split() == ["True", "False", "True", "True", "True", "False"]
 
 
+HOLES = """
+import sys
+import torch
+from flexgen_helm.memory.host_allocator import big_allocations_outside_heap, heap_free_bytes, keep_freed_host_memory
+from flexgen_helm.memory.usage import resident_anonymous_bytes
+keep_freed_host_memory()
+def make(count):  # as dense copies are made at load: a temporary, then what stays, above it
+    kept = []
+    for i in range(count):
+        temporary = torch.ones((4 + i) << 16)  # 1 MiB and more: each larger than the hole before it
+        kept.append(temporary[: 1 << 17].clone())  # 512 KiB
+        del temporary
+    return kept
+start = heap_free_bytes()
+if sys.argv[1] == "apart":
+    with big_allocations_outside_heap():
+        kept = make(24)
+else:
+    kept = make(24)
+holes = heap_free_bytes() - start
+after = torch.ones(1 << 20)  # after the context, a freed block stays resident for reuse again
+resident = resident_anonymous_bytes()
+del after
+print(holes >> 20, resident - resident_anonymous_bytes() < 1 << 20)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="a glibc setting")
+def test_temporaries_made_outside_the_heap_leave_no_holes_between_what_stays():
+    """Tensors that stay, each made through a larger temporary: in the heap the temporaries
+    leave holes between them (which later allocations fault in again); inside
+    big_allocations_outside_heap they are mappings of their own, gone when freed, and the
+    heap's setting is back once it ends."""
+    def holes(mode: str) -> list[str]:
+        done = subprocess.run([sys.executable, "-c", HOLES, mode], capture_output=True, text=True, check=True)
+        return done.stdout.split()
+
+    plain, apart = holes("plain"), holes("apart")
+    assert int(plain[0]) >= 16 and plain[1] == "True"
+    assert int(apart[0]) <= 2 and apart[1] == "True"
+
+
 def test_what_a_hand_back_leaves_is_no_reason_for_the_next(monkeypatch):
     """Memory a hand-back could not return (not malloc's, or free bytes in pages in use) does
     not make every later check trim again: only what is freed beyond it counts."""

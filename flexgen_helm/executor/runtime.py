@@ -11,6 +11,7 @@ import torch
 
 from flexgen_helm.executor.kept_weights import KeptDenseWeights
 from flexgen_helm.memory.devices import Devices
+from flexgen_helm.memory.host_allocator import big_allocations_outside_heap
 from flexgen_helm.memory.placement import Segment, achieved_fractions
 from flexgen_helm.memory.usage import TierUsage
 from flexgen_helm.memory.weight_homes import WeightHome, home_bytes, load_layer
@@ -76,7 +77,10 @@ class ModelRuntime:
         if not (policy.keep_dense_weights and policy.dense_copies_across_blocks):
             return 0.0
         start = time.perf_counter()
-        self.dense_copies(True, True)
+        # apart from the heap, so that the temporaries they are made through leave no holes
+        # between them for the run's activations to fault in again (host_allocator.py)
+        with big_allocations_outside_heap():
+            self.dense_copies(True, True)
         return time.perf_counter() - start
 
     def load_layer(self, layer: LayerSpec, loaded: dict | None = None,

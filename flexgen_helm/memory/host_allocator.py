@@ -19,9 +19,11 @@ Off with FLEXGEN_HELM_KEEP_FREED_MEMORY=0; a no-op where the C library is not gl
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
+from collections.abc import Iterator
 
 from flexgen_helm.memory.usage import resident_anonymous_bytes
 
@@ -33,6 +35,7 @@ _MMAP_THRESHOLDS = (1 << 30, 32 << 20)
 _TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: trim only beyond 2 GiB of free heap top
 
 _applied = False
+_mmap_threshold = 0  # the one glibc accepted (keep_freed_host_memory)
 _not_malloc_bytes = 0  # anonymous resident memory malloc does not hand out (Python's own arenas, stacks)
 _untrimmable = 0  # freed-looking resident memory the last hand-back left (release_freed_host_memory)
 
@@ -44,7 +47,7 @@ class _MallInfo2(ctypes.Structure):  # malloc.h, glibc >= 2.33
 
 def keep_freed_host_memory() -> bool:
     """Apply once per process; True when glibc accepted both settings."""
-    global _applied, _not_malloc_bytes
+    global _applied, _not_malloc_bytes, _mmap_threshold
     if _applied or os.environ.get("FLEXGEN_HELM_KEEP_FREED_MEMORY", "1") == "0":
         return _applied
     try:
@@ -52,7 +55,8 @@ def keep_freed_host_memory() -> bool:
     except (OSError, AttributeError):  # not glibc (macOS, musl without mallopt)
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    mmap_ok = any(mallopt(_M_MMAP_THRESHOLD, t) for t in _MMAP_THRESHOLDS)
+    _mmap_threshold = next((t for t in _MMAP_THRESHOLDS if mallopt(_M_MMAP_THRESHOLD, t)), 0)
+    mmap_ok = bool(_mmap_threshold)
     _applied = mmap_ok and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
     if _applied and _malloc_in_use() is not None:
         _not_malloc_bytes = max(0, resident_anonymous_bytes() - _malloc_in_use())
@@ -74,6 +78,12 @@ def _malloc_in_use() -> int | None:
         return None
     info = _libc().mallinfo2()
     return info.uordblks + info.hblkhd
+
+
+def heap_free_bytes() -> int:
+    """Bytes of the heap's free chunks, resident or not (mallinfo2's fordblks; 0 where glibc
+    cannot say)."""
+    return _libc().mallinfo2().fordblks if hasattr(_libc(), "mallinfo2") else 0
 
 
 def freed_resident_bytes() -> int:
@@ -108,3 +118,26 @@ def hand_back_freed_memory() -> bool:
     done = bool(_libc().malloc_trim(0))
     _untrimmable = freed_resident_bytes()
     return done
+
+
+@contextlib.contextmanager
+def big_allocations_outside_heap(min_bytes: int = 256 << 10) -> Iterator[None]:
+    """Inside, an allocation of at least `min_bytes` that the heap's free chunks cannot serve
+    gets a mapping of its own, handed back to the OS whole when freed, instead of growing the
+    heap. For work that leaves long-lived tensors between its freed temporaries (the dense
+    copies made at load: each dequantized, packed into a new buffer, then dropped): in the
+    heap those temporaries stay behind as holes between the live tensors (156 MB of them after
+    the 4-bit SmolLM2 deployment's load), which the run's activations then wander over,
+    faulting pages in until a look hands them back, over and over: its prefill took 1.1-1.2x
+    BF16's on the same dense copies (runs/compression_8bit/load_holes/). The price: the
+    temporaries' pages are faulted in afresh for each tensor. A no-op where
+    keep_freed_host_memory is not applied."""
+    if not _applied:
+        yield
+        return
+    mallopt = _libc().mallopt
+    mallopt(_M_MMAP_THRESHOLD, min_bytes)
+    try:
+        yield
+    finally:
+        mallopt(_M_MMAP_THRESHOLD, _mmap_threshold)
