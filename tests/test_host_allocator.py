@@ -65,13 +65,9 @@ import torch
 from flexgen_helm.memory.host_allocator import big_allocations_outside_heap, heap_free_bytes, keep_freed_host_memory
 from flexgen_helm.memory.usage import resident_anonymous_bytes
 keep_freed_host_memory()
-def make(count):  # as dense copies are made at load: a temporary, then what stays, above it
-    kept = []
-    for i in range(count):
-        temporary = torch.ones((4 + i) << 16)  # 1 MiB and more: each larger than the hole before it
-        kept.append(temporary[: 1 << 17].clone())  # 512 KiB
-        del temporary
-    return kept
+def make(count):  # as dense copies are made at load: temporaries, between what stays
+    made = [(torch.ones(1 << 18), torch.ones(1 << 17)) for _ in range(count)]  # 1 MiB, then 512 KiB
+    return [kept for _, kept in made]  # the temporaries freed
 start = heap_free_bytes()
 if sys.argv[1] == "apart":
     with big_allocations_outside_heap():
@@ -88,8 +84,8 @@ print(holes >> 20, resident - resident_anonymous_bytes() < 1 << 20)
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="a glibc setting")
 def test_temporaries_made_outside_the_heap_leave_no_holes_between_what_stays():
-    """Tensors that stay, each made through a larger temporary: in the heap the temporaries
-    leave holes between them (which later allocations fault in again); inside
+    """Tensors that stay, made between temporaries: in the heap the freed temporaries leave
+    holes between them (which later allocations fault in again); inside
     big_allocations_outside_heap they are mappings of their own, gone when freed, and the
     heap's setting is back once it ends."""
     def holes(mode: str) -> list[str]:
