@@ -302,6 +302,30 @@ def test_shared_prefix_attention_is_attention(softcap):
     assert torch.allclose(got, want, atol=1e-6)
 
 
+@pytest.mark.parametrize("softcap", [0.0, 3.0])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_a_window_prefill_attends_to_the_prefix_as_over_each_rows_columns(softcap, with_sinks):
+    """A GPU batch's window queries (rows padded differently, so each row's columns hold the
+    prefix from its own offset and recompute its last tokens) over the one copy of the prefix
+    that every row's columns hold, and the rest per row: what causal attention over each
+    row's joined columns computes."""
+    from flexgen_helm.executor.attention import attend
+    from flexgen_helm.executor.shared_prefix import PrefixLayer
+
+    torch.manual_seed(0)
+    kvh, width, d, r, s = 2, MIN_SHARED_TOKENS + 9, 8, 3, 7
+    pad = torch.tensor([0, 2, 5])
+    u = len(pad) * kvh
+    prefix = PrefixLayer(torch.randn(kvh, width, d), torch.randn(kvh, width, d))
+    q, own_k, own_v = torch.randn(u, r, s, d), torch.randn(u, s, d), torch.randn(u, s, d)
+    keys, values = prefix.with_context(pad, own_k, own_v)
+    valid = torch.arange(width + s)[None, :] >= pad.repeat_interleave(kvh)[:, None]  # a row's padding first
+    sinks = torch.randn(u, r) if with_sinks else None
+    want = attend(q, keys, values, valid, causal=True, softcap=softcap, sinks=sinks)
+    got = prefix.attend_window(q, keys, values, pad, valid, softcap, sinks)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
 def test_shared_prefix_attention_over_a_slot_that_holds_out_the_common_prefix():
     """A tier's units (any run of them, cutting sequences) over a cache without the positions
     every sequence's prefix covers: what plain attention over each whole cache computes."""

@@ -566,6 +566,44 @@ def attend_past_shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 sinks).view(u, r, 1, d).to(q.dtype)
 
 
+# attend_window_past_shared_prefix: the scores (float32) one product holds at most
+WINDOW_MAX_SCORES = 1 << 22
+
+
+def attend_window_past_shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor,
+                                     prefix: DecodePrefix, softcap: float = 0.0,
+                                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """A prefill's attention where every row's keys begin with the same prefix, which all of its
+    queries see whole: q (u, r, s, d), the queries of the last s of the columns of k, v (u, t,
+    d), the keys after the prefix (causal over them, those key_valid (u, t) marks); prefix
+    (DecodePrefix): the keys before, of whole sequences (kv_heads units each, u of them in all).
+    The prefix part is one product per key-value head for the queries of every row at once
+    (attend_past_shared_prefix's, Hydragen's), where attention over each row's copy of the
+    prefix read it once per row: a few-shot block's suffix prefill at SmolLM2's shapes spent
+    more in that than in its own linears (runs/prefix_sharing/README.md). The rest attends per
+    unit to its own keys and the parts merge by their log-sum-exp (_own_keys_and_prefix), in
+    float32; sinks (u, r) apply once to the merged softmax. Returns (u, r, s, d) in q's dtype."""
+    u, r, s, d = q.shape
+    t, kvh, m = k.shape[1], prefix.values.shape[0], r * s
+    qf = q.float().reshape(u, m, d)
+    by_head, per_unit = _stacked_by_head(qf, 0, kvh)
+    rows = max(1, WINDOW_MAX_SCORES // (kvh * prefix.length))
+    parts = [_bf16_prefix_part(by_head[:, a:a + rows], prefix) if prefix.key_mean is not None
+             else _normalized_part(by_head[:, a:a + rows], prefix.keys, prefix.values, softcap)
+             for a in range(0, by_head.shape[1], rows)]
+    shared_out, shared_lse = (per_unit(torch.cat(x, 1)) for x in zip(*parts))
+    causal = torch.arange(t, device=q.device)[None, :] <= torch.arange(t - s, t, device=q.device)[:, None]
+    sinks = None if sinks is None else sinks[:, :, None].expand(u, r, s).reshape(u, m)
+    out = torch.empty(u, m, d, device=q.device)
+    units = max(1, WINDOW_MAX_SCORES // (m * (t + 1)))
+    for a in range(0, u, units):
+        b = min(u, a + units)
+        valid = (key_valid[a:b, None, None, :] & causal).expand(b - a, r, s, t).reshape(b - a, m, t)
+        out[a:b] = _own_keys_and_prefix(qf[a:b], k[a:b], v[a:b], valid, softcap, (shared_out[a:b], shared_lse[a:b]),
+                                        None if sinks is None else sinks[a:b])
+    return out.view(u, r, s, d).to(q.dtype)
+
+
 def _stacked_by_head(qf: torch.Tensor, first_unit: int, kvh: int) -> tuple[torch.Tensor, Callable]:
     """Queries (u, r, d) of the units first_unit, first_unit + 1, ... of whole sequences
     (kv_heads units each) as the rows of one product per key-value head: (kv_heads,
@@ -588,8 +626,9 @@ def _stacked_by_head(qf: torch.Tensor, first_unit: int, kvh: int) -> tuple[torch
 def _own_keys_and_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, softcap: float,
                          prefix: tuple[torch.Tensor, torch.Tensor], sinks: torch.Tensor | None = None) -> torch.Tensor:
     """A decode step's attention of q (u, r, d) over its own keys k, v (u, t, d), those valid
-    (u, t) may see, and the shared prefix's part, (output, log-sum-exp) normalised over the
-    prefix's keys alone (_normalized_part, _bf16_prefix_part): (u, r, d), float32. The prefix
+    (u, t) may see (or (u, r, t): each query its own, as a prefill window's), and the shared
+    prefix's part, (output, log-sum-exp) normalised over the prefix's keys alone
+    (_normalized_part, _bf16_prefix_part): (u, r, d), float32. The prefix
     enters the softmax as one more key, whose score is its log-sum-exp and whose value its
     output: exp(lse) is the prefix's exp-sum, so this softmax is the one over all the keys,
     and the output the whole attention's. A sink (u, r) (gpt-oss) is one more key again, of
@@ -599,7 +638,7 @@ def _own_keys_and_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vali
     prefix_out, prefix_lse = prefix
     t = k.shape[1]
     scores = _capped(torch.bmm(q * (1 / math.sqrt(q.shape[-1])), k.float().transpose(1, 2)), softcap)
-    scores = scores.masked_fill_(~valid[:, None, :], -math.inf)
+    scores = scores.masked_fill_(~(valid if valid.dim() == 3 else valid[:, None, :]), -math.inf)
     extra = [prefix_lse] if sinks is None else [prefix_lse, sinks.to(q.device, torch.float32)[..., None]]
     weights = torch.cat([scores, *extra], -1).softmax(-1)
     return torch.baddbmm(weights[..., t:t + 1] * prefix_out, weights[..., :t], v.float())

@@ -798,9 +798,14 @@ class BlockSchedule:
                                    self.policy.attn_sparsity, window=window, softcap=softcap, fresh_group=fresh,
                                    starts=starts, sinks=sinks)
         elif prefill:
+            out = None
             if self.shared is not None:  # the columns before the window: the shared prefix's keys and values
-                ku, vu = self.prefix_here.with_context((~self.batches[k].valid).sum(1), ku, vu)
-            out = attend(qu, ku, vu, rows.valid, causal=True, window=window, softcap=softcap, sinks=sinks)
+                pad = (~self.batches[k].valid).sum(1)
+                ku, vu = self.prefix_here.with_context(pad, ku, vu)
+                if not window:
+                    out = self.prefix_here.attend_window(qu, ku, vu, pad, rows.valid, softcap, sinks)
+            if out is None:
+                out = attend(qu, ku, vu, rows.valid, causal=True, window=window, softcap=softcap, sinks=sinks)
         else:
             t0 = time.perf_counter()
             out, unwritten = self._decode_attention(slot, cache, qu, ku, vu, rows, window, index,

@@ -40,7 +40,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flexgen_helm.executor.attention import attend, from_units, to_units, unit_sinks
+from flexgen_helm.executor.attention import (
+    attend,
+    attend_window_past_shared_prefix,
+    from_units,
+    prefix_for_decode,
+    to_units,
+    unit_sinks,
+)
 from flexgen_helm.models.spec import SINKS
 
 # Fewer shared tokens than this are not worth a second code path: the suffix attention
@@ -86,6 +93,8 @@ class PrefixLayer:
     keys: torch.Tensor
     values: torch.Tensor
     decode: dict = field(default_factory=dict)  # device type -> attention.DecodePrefix or held_prefix.HeldPrefix
+    # (positions, device type, dtype, softcap) -> DecodePrefix of the first positions (attend_window)
+    _heads: dict = field(default_factory=dict)
     _led: tuple[torch.Tensor, torch.Tensor] | None = None  # keys, values led by zeros (with_context)
 
     def with_context(self, pad: torch.Tensor, own_keys: torch.Tensor, own_values: torch.Tensor
@@ -112,6 +121,34 @@ class PrefixLayer:
             self._led = tuple(torch.cat([x.new_zeros(kvh, width, d), x], 1).transpose(0, 1).contiguous()
                               for x in (self.keys, self.values))
         return joined(self._led[0], own_keys), joined(self._led[1], own_values)
+
+
+    def attend_window(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pad: torch.Tensor,
+                      key_valid: torch.Tensor, softcap: float = 0.0, sinks: torch.Tensor | None = None
+                      ) -> torch.Tensor | None:
+        """A global block's prefill attention of a GPU batch's window queries q (b * kv_heads,
+        r, s, d) over its joined keys and values (with_context's) and key_valid (b * kv_heads,
+        width + s), with the prefix's positions that every row's columns hold (all but the last
+        max(pad) of them) as one copy that every row's queries see whole
+        (attention.attend_window_past_shared_prefix), the rest per row; None where that copy is
+        too short to pay (then attend() over the joined columns, as before). On a CPU only:
+        a GPU's fused kernel reads the joined columns at its memory's speed, and this path has
+        not run there."""
+        kvh, width, d = self.keys.shape
+        tail = int(pad.max())
+        split = width - tail
+        if q.device.type != "cpu" or split < MIN_SHARED_TOKENS:
+            return None
+        key = (split, q.device.type, q.dtype, softcap)
+        head = self._heads.get(key)
+        if head is None:
+            head = self._heads[key] = prefix_for_decode(self.keys[:, :split], self.values[:, :split], q.device,
+                                                        q.dtype, softcap)
+        # window column c < tail holds prefix position split + c - pad: the one copy's, where below split
+        unit_pad = pad.to(q.device).repeat_interleave(kvh)
+        valid = key_valid[:, split:].clone()
+        valid[:, :tail] &= torch.arange(tail, device=q.device)[None, :] >= unit_pad[:, None]
+        return attend_window_past_shared_prefix(q, keys[:, split:], values[:, split:], valid, head, softcap, sinks)
 
 
 class SharedPrefix:
