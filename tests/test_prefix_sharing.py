@@ -326,6 +326,37 @@ def test_a_window_prefill_attends_to_the_prefix_as_over_each_rows_columns(softca
     assert torch.allclose(got, want, atol=1e-5)
 
 
+@pytest.mark.parametrize("tier", ["gpu", "cpu", "disk"])
+def test_a_dense_slot_reads_nothing_of_the_positions_it_holds_out(tier, tmp_path):
+    """What a prefill window leaves unmade (PrefixLayer.with_context's unread columns) is
+    never read where the slot says it ignores writes there: positions written as NaN inside
+    its held-out range come back nowhere; a compressed or rounding slot, or a range past what
+    it holds out, says no."""
+    from flexgen_helm.executor.kv_cache import KVCacheSlot
+    from flexgen_helm.memory.devices import pick_devices
+    from flexgen_helm.memory.usage import TierUsage
+
+    devices, units = pick_devices("cpu", "float32"), {"gpu": 0, "cpu": 0, "disk": 0}
+    units[tier] = 4
+
+    def slot(**kw):
+        return KVCacheSlot(units, 30, 8, devices, TierUsage(), tmp_path / f"kv-{len(kw)}.bin", False,
+                           held_out=(3, 20), **kw)
+
+    plain = slot()
+    assert plain.ignores_writes_to(3, 20) and plain.ignores_writes_to(5, 12)
+    assert not plain.ignores_writes_to(2, 12) and not plain.ignores_writes_to(5, 21)
+    assert not slot(compression=Compression(4, 8, cache_grouping="per-token")).ignores_writes_to(5, 12)
+    assert not slot(rounding=Compression(8, 8, cache_grouping="per-token")).ignores_writes_to(5, 12)
+    k, v = torch.randn(25, 4, 8), torch.randn(25, 4, 8)
+    k[3:20], v[3:20] = math.nan, math.nan
+    plain.write(k, v, 0)
+    held_k, held_v = plain.read(tier, 25)
+    want = torch.cat([torch.arange(3), torch.arange(20, 25)])
+    assert torch.equal(held_k, k[want]) and torch.equal(held_v, v[want])
+    plain.close()
+
+
 def test_shared_prefix_attention_over_a_slot_that_holds_out_the_common_prefix():
     """A tier's units (any run of them, cutting sequences) over a cache without the positions
     every sequence's prefix covers: what plain attention over each whole cache computes."""

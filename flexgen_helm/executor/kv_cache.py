@@ -335,6 +335,12 @@ class KVCacheSlot:
         if self._starts is not None:
             self._round_completed_groups(*written, units)
 
+    def ignores_writes_to(self, a: int, b: int) -> bool:
+        """Whether a write's positions [a, b) are never read: the slot holds them out and
+        stores what it holds as given (dense, not rounded), so they may be left unmade."""
+        return (self.compression is None and self.rounding is None and not self.window and self.held_out is not None
+                and self.held_out[0] <= a and b <= self.held_out[1])
+
     def _rewrites_packed(self, positions: int, tiers: tuple[str, ...]) -> bool:
         """Whether a write is a decode step's per-token rewrite of tiers whose computed units
         append_in_place packed to their front (each tier holding units): then it rounds and

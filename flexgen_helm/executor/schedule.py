@@ -801,8 +801,14 @@ class BlockSchedule:
             out = None
             if self.shared is not None:  # the columns before the window: the shared prefix's keys and values
                 pad = (~self.batches[k].valid).sum(1)
-                ku, vu = self.prefix_here.with_context(pad, ku, vu)
-                if not window:
+                split = None if window else self.prefix_here.window_split(pad, qu.device)
+                unread = (0, 0)
+                if split is not None:  # columns [max(pad), split) are the one copy's: unmade where nothing reads them
+                    unread = (0, split) if not unwritten else (int(pad.max()), split)
+                    if unwritten and not slot.ignores_writes_to(*unread):
+                        unread = (0, 0)
+                ku, vu = self.prefix_here.with_context(pad, ku, vu, unread)
+                if split is not None:
                     out = self.prefix_here.attend_window(qu, ku, vu, pad, rows.valid, softcap, sinks)
             if out is None:
                 out = attend(qu, ku, vu, rows.valid, causal=True, window=window, softcap=softcap, sinks=sinks)

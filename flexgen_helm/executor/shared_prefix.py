@@ -97,23 +97,29 @@ class PrefixLayer:
     _heads: dict = field(default_factory=dict)
     _led: tuple[torch.Tensor, torch.Tensor] | None = None  # keys, values led by zeros (with_context)
 
-    def with_context(self, pad: torch.Tensor, own_keys: torch.Tensor, own_values: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    def with_context(self, pad: torch.Tensor, own_keys: torch.Tensor, own_values: torch.Tensor,
+                     unread: tuple[int, int] = (0, 0)) -> tuple[torch.Tensor, torch.Tensor]:
         """A GPU batch's keys and values over its columns, (b * kv_heads, width + s, head_dim):
         the shared prefix's columns before its window (width = the prefix's length), then its
         own (b * kv_heads, s, head_dim). Row r's prefix starts after its `pad[r]` padding
         columns (zeros there: padding is never a valid key). Gathered from the prefix led by
         `width` zero positions, straight into the joined tensor: a masked copy, a reshape and a
         concatenation fewer, bit for bit the same (the induction scenario's prefill spent
-        ~11% in them: runs/prefix_sharing/README.md)."""
+        ~11% in them: runs/prefix_sharing/README.md). Columns [unread[0], unread[1]) are left
+        unmade, for a caller that reads none of them (attend_window, and a slot that holds them
+        out: KVCacheSlot.ignores_writes_to): copying every row's copy of the prefix was a fifth
+        of a few-shot block's prefill (runs/prefix_sharing/README.md)."""
         kvh, width, d = self.keys.shape
         b, s = len(pad), own_keys.shape[1]
-        index = (torch.arange(width, device=self.keys.device)[None, :]
-                 + (width - pad.to(self.keys.device))[:, None]).clamp(min=0).flatten()  # (b * w,)
+        made = [(a, z) for a, z in ((0, unread[0]), (unread[1], width)) if a < z] if unread[0] < unread[1] \
+            else [(0, width)]
 
         def joined(led: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
             out = own.new_empty(b, kvh, width + s, d)
-            out[:, :, :width] = led.index_select(0, index).view(b, width, kvh, d).transpose(1, 2)
+            for a, z in made:
+                index = (torch.arange(a, z, device=self.keys.device)[None, :]
+                         + (width - pad.to(self.keys.device))[:, None]).clamp(min=0).flatten()  # (b * (z - a),)
+                out[:, :, a:z] = led.index_select(0, index).view(b, z - a, kvh, d).transpose(1, 2)
             out[:, :, width:] = own.view(b, kvh, s, d)
             return out.view(b * kvh, width + s, d)
 
@@ -122,6 +128,13 @@ class PrefixLayer:
                               for x in (self.keys, self.values))
         return joined(self._led[0], own_keys), joined(self._led[1], own_values)
 
+
+    def window_split(self, pad: torch.Tensor, device: torch.device) -> int | None:
+        """The prefix positions [0, split) that every row of a GPU batch with these paddings
+        holds in its columns (all but the last max(pad)), which attend_window reads as the one
+        copy; None where it does not (attend() over the joined columns)."""
+        split = self.keys.shape[1] - int(pad.max())
+        return split if torch.device(device).type == "cpu" and split >= MIN_SHARED_TOKENS else None
 
     def attend_window(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pad: torch.Tensor,
                       key_valid: torch.Tensor, softcap: float = 0.0, sinks: torch.Tensor | None = None
@@ -135,10 +148,10 @@ class PrefixLayer:
         a GPU's fused kernel reads the joined columns at its memory's speed, and this path has
         not run there."""
         kvh, width, d = self.keys.shape
-        tail = int(pad.max())
-        split = width - tail
-        if q.device.type != "cpu" or split < MIN_SHARED_TOKENS:
+        split = self.window_split(pad, q.device)
+        if split is None:
             return None
+        tail = width - split
         key = (split, q.device.type, q.dtype, softcap)
         head = self._heads.get(key)
         if head is None:
