@@ -102,11 +102,11 @@ class KiviCacheSlot:
             self.disk = DiskBuffer(disk_path, nbytes)
             usage.add("disk", nbytes)
 
-
     def ignores_writes_to(self, a: int, b: int) -> bool:
         """A KIVI slot quantizes each row's groups from all the positions written
         (KVCacheSlot.ignores_writes_to): none may be left unmade."""
         return False
+
     def in_place(self, tier: str, device: torch.device) -> bool:
         """Never: attention reads a dequantized copy."""
         return False

@@ -111,8 +111,9 @@ class PrefixLayer:
         of a few-shot block's prefill (runs/prefix_sharing/README.md)."""
         kvh, width, d = self.keys.shape
         b, s = len(pad), own_keys.shape[1]
-        made = [(a, z) for a, z in ((0, unread[0]), (unread[1], width)) if a < z] if unread[0] < unread[1] \
-            else [(0, width)]
+        made = [(0, width)]  # the prefix's columns made: [a, z) ranges
+        if unread[0] < unread[1]:
+            made = [(a, z) for a, z in ((0, unread[0]), (unread[1], width)) if a < z]
 
         def joined(led: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
             out = own.new_empty(b, kvh, width + s, d)
@@ -127,7 +128,6 @@ class PrefixLayer:
             self._led = tuple(torch.cat([x.new_zeros(kvh, width, d), x], 1).transpose(0, 1).contiguous()
                               for x in (self.keys, self.values))
         return joined(self._led[0], own_keys), joined(self._led[1], own_values)
-
 
     def window_split(self, pad: torch.Tensor, device: torch.device) -> int | None:
         """The prefix positions [0, split) that every row of a GPU batch with these paddings
