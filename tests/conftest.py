@@ -131,9 +131,9 @@ def save_tiny(kind: str, path: Path, **overrides) -> Path:
                                      ffn_dim=64, max_position_embeddings=64, word_embed_proj_dim=32), **overrides})
         model = tf.OPTForCausalLM(cfg)
     elif kind == "llama":
-        cfg = tf.LlamaConfig(vocab_size=300, hidden_size=48, num_hidden_layers=3, num_attention_heads=6,
-                             num_key_value_heads=2, intermediate_size=96, max_position_embeddings=64,
-                             rope_theta=50000.0, **overrides)
+        cfg = tf.LlamaConfig(**{**dict(vocab_size=300, hidden_size=48, num_hidden_layers=3, num_attention_heads=6,
+                                       num_key_value_heads=2, intermediate_size=96, max_position_embeddings=64,
+                                       rope_theta=50000.0), **overrides})
         model = tf.LlamaForCausalLM(cfg)
     elif kind == "qwen2":
         cfg = tf.Qwen2Config(vocab_size=300, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,

@@ -116,6 +116,38 @@ def _check_same_with_and_without_sharing(model_path, policy: Policy, tmp_path) -
         assert a.completions[0].logprobs == pytest.approx(b.completions[0].logprobs, abs=1e-4)
 
 
+@pytest.fixture(scope="module")
+def tiny_llama_long(tmp_path_factory):
+    """Room for a prefix long against each row's own tokens (100 against 1-7)."""
+    return save_tiny("llama", tmp_path_factory.mktemp("tiny-llama-long"), max_position_embeddings=256)
+
+
+@pytest.mark.parametrize("name", ["all-in-one-batch", "blocks-4x2", "everything-split-no-overlap", "kivi-cache",
+                                  "per-token-cache-8bit-held-dense"])
+def test_a_long_prefix_read_as_one_copy_in_the_prefill_gives_the_same(tiny_llama_long, name, tmp_path, monkeypatch):
+    """Prompts whose shared prefix is long against their own tokens: each GPU batch's prefill
+    window reads the prefix positions every row holds as one copy (and, over a dense slot that
+    holds them out, leaves its joined columns unmade); the same tokens and log-probs as
+    without sharing."""
+    import flexgen_helm.executor.shared_prefix as shared_prefix
+
+    calls = []
+    read_as_one = shared_prefix.attend_window_past_shared_prefix
+    monkeypatch.setattr(shared_prefix, "attend_window_past_shared_prefix",
+                        lambda *a, **k: calls.append(1) or read_as_one(*a, **k))
+    rng = random.Random(1)
+    prefix = [rng.randrange(3, 290) for _ in range(100)]
+    prompts = [prefix + [rng.randrange(3, 290) for _ in range(rng.randrange(1, 8))] for _ in range(10)]
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True, top_logprobs=2)
+    policy = POLICIES[name]
+    plain, shared = (_engine(tiny_llama_long, policy, tmp_path, sharing).generate(prompts, params)
+                     for sharing in (False, True))
+    assert calls and shared.stats.computed_prompt_tokens < plain.stats.computed_prompt_tokens
+    for a, b in zip(plain.results, shared.results):
+        assert a.completions[0].token_ids == b.completions[0].token_ids
+        assert a.completions[0].logprobs == pytest.approx(b.completions[0].logprobs, abs=1e-4)
+
+
 @pytest.mark.parametrize("name", ["all-in-one-batch", "compressed-cache-split-delegated",
                                   "kivi-cache-split-delegated-no-overlap", "kivi-cache-held-dense"])
 def test_sequences_that_finish_early_leave_a_block_that_holds_its_prefix_once(tiny_llama, name, tmp_path):
