@@ -358,6 +358,31 @@ def test_a_window_prefill_attends_to_the_prefix_as_over_each_rows_columns(softca
     assert torch.allclose(got, want, atol=1e-5)
 
 
+@pytest.mark.parametrize("offset", [0.0, 3.0])
+def test_a_bf16_window_prefill_stays_within_bf16_rounding_of_the_float32_attention(offset):
+    """In bfloat16 (on a CPU with bf16 arithmetic, the window's own part's products in bf16, the
+    keys' shared component taken out first): as far from the float32 attention as torch's fused
+    kernel over the joined columns is, give or take rounding, keys with a large shared part too."""
+    from flexgen_helm.executor.attention import attend
+    from flexgen_helm.executor.shared_prefix import PrefixLayer
+
+    torch.manual_seed(0)
+    kvh, width, d, r, s = 3, 200, 64, 3, 30
+    pad = torch.tensor([0, 4, 9, 2])
+    u = len(pad) * kvh
+    prefix_k, prefix_v = torch.randn(kvh, width, d) + offset, torch.randn(kvh, width, d)
+    q, own_k, own_v = torch.randn(u, r, s, d), torch.randn(u, s, d) + offset, torch.randn(u, s, d)
+    valid = torch.arange(width + s)[None, :] >= pad.repeat_interleave(kvh)[:, None]
+    keys, values = PrefixLayer(prefix_k, prefix_v).with_context(pad, own_k, own_v)
+    want = attend(q, keys, values, valid, causal=True)
+    prefix = PrefixLayer(prefix_k.bfloat16(), prefix_v.bfloat16())
+    keys, values = prefix.with_context(pad, own_k.bfloat16(), own_v.bfloat16())
+    got = prefix.attend_window(q.bfloat16(), keys, values, pad, valid)
+    fused = attend(q.bfloat16(), keys, values, valid, causal=True)
+    err, fused_err = ((x.float() - want).abs().max().item() for x in (got, fused))
+    assert err <= max(2 * fused_err, 5e-3), (err, fused_err)
+
+
 @pytest.mark.parametrize("tier", ["gpu", "cpu", "disk"])
 def test_a_dense_slot_reads_nothing_of_the_positions_it_holds_out(tier, tmp_path):
     """What a prefill window leaves unmade (PrefixLayer.with_context's unread columns) is
