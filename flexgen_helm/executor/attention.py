@@ -581,8 +581,10 @@ def attend_window_past_shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.
     (attend_past_shared_prefix's, Hydragen's), where attention over each row's copy of the
     prefix read it once per row: a few-shot block's suffix prefill at SmolLM2's shapes spent
     more in that than in its own linears (runs/prefix_sharing/README.md). The rest attends per
-    unit to its own keys and the parts merge by their log-sum-exp (_own_keys_and_prefix), in
-    float32; sinks (u, r) apply once to the merged softmax. Returns (u, r, s, d) in q's dtype."""
+    unit to its own keys and the parts merge by their log-sum-exp (_own_keys_and_prefix, in
+    float32; _own_window_bf16, its products in bf16, where the prefix part's are:
+    DecodePrefix); sinks (u, r) apply once to the merged softmax. Returns (u, r, s, d) in q's
+    dtype."""
     u, r, s, d = q.shape
     t, kvh, m = k.shape[1], prefix.values.shape[0], r * s
     qf = q.float().reshape(u, m, d)
