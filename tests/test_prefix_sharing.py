@@ -354,7 +354,7 @@ def test_a_window_prefill_attends_to_the_prefix_as_over_each_rows_columns(softca
     valid = torch.arange(width + s)[None, :] >= pad.repeat_interleave(kvh)[:, None]  # a row's padding first
     sinks = torch.randn(u, r) if with_sinks else None
     want = attend(q, keys, values, valid, causal=True, softcap=softcap, sinks=sinks)
-    got = prefix.attend_window(q, keys, values, pad, valid, softcap, sinks)
+    got = prefix.attend_window(q, keys, values, pad, prefix.window_split(pad, q.device), valid, softcap, sinks)
     assert torch.allclose(got, want, atol=1e-5)
 
 
@@ -377,7 +377,7 @@ def test_a_bf16_window_prefill_stays_within_bf16_rounding_of_the_float32_attenti
     want = attend(q, keys, values, valid, causal=True)
     prefix = PrefixLayer(prefix_k.bfloat16(), prefix_v.bfloat16())
     keys, values = prefix.with_context(pad, own_k.bfloat16(), own_v.bfloat16())
-    got = prefix.attend_window(q.bfloat16(), keys, values, pad, valid)
+    got = prefix.attend_window(q.bfloat16(), keys, values, pad, prefix.window_split(pad, q.device), valid)
     fused = attend(q.bfloat16(), keys, values, valid, causal=True)
     err, fused_err = ((x.float() - want).abs().max().item() for x in (got, fused))
     assert err <= max(2 * fused_err, 5e-3), (err, fused_err)

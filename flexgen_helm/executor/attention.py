@@ -602,21 +602,22 @@ def attend_window_past_shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.
     for a in range(0, u, units):
         b = min(u, a + units)
         valid = (key_valid[a:b, None, None, :] & causal).expand(b - a, r, s, t).reshape(b - a, m, t)
-        parts = (qf[a:b], k[a:b], v[a:b], valid, softcap, (shared_out[a:b], shared_lse[a:b]),
-                 None if sinks is None else sinks[a:b])
-        out[a:b] = _own_window_bf16(q[a:b].reshape(b - a, m, d), *parts) if in_bf16 else _own_keys_and_prefix(*parts)
+        shared, sink = (shared_out[a:b], shared_lse[a:b]), None if sinks is None else sinks[a:b]
+        if in_bf16:
+            out[a:b] = _own_window_bf16(q[a:b].reshape(b - a, m, d), qf[a:b], k[a:b], v[a:b], valid, shared, sink)
+        else:
+            out[a:b] = _own_keys_and_prefix(qf[a:b], k[a:b], v[a:b], valid, softcap, shared, sink)
     return out.view(u, r, s, d).to(q.dtype)
 
 
 def _own_window_bf16(q: torch.Tensor, qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
-                     softcap: float, prefix: tuple[torch.Tensor, torch.Tensor],
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     prefix: tuple[torch.Tensor, torch.Tensor], sinks: torch.Tensor | None = None) -> torch.Tensor:
     """_own_keys_and_prefix of a prefill window in bfloat16 on a CPU with bf16 arithmetic (no
     softcap): its two products over each unit's own columns in bf16 (a window's own part in
     float32 was most of attend_window_past_shared_prefix's time at SmolLM2's shapes), the keys'
     mean taken out before their rounding as _causal_rows does, and q . mean / sqrt(d), the
     part every key of a query shares, taken out of the prefix's log-sum-exp (and the sink)
-    instead, so that all the softmax's entries move alike. q: (u, m, d) bf16; qf: q in float32."""
+    instead, so that all the softmax's entries move alike. q: (u, m, d), k, v: bf16; qf: q in float32."""
     t, d = k.shape[1], k.shape[2]
     scale = 1 / math.sqrt(d)
     kf = k.float()
@@ -627,7 +628,7 @@ def _own_window_bf16(q: torch.Tensor, qf: torch.Tensor, k: torch.Tensor, v: torc
     prefix_out, prefix_lse = prefix
     extra = [prefix_lse - shift] if sinks is None else [prefix_lse - shift, sinks.float()[..., None] - shift]
     weights = torch.cat([scores, *extra], -1).softmax(-1)
-    own = torch.bmm(weights[..., :t].to(torch.bfloat16), v.to(torch.bfloat16)).float()
+    own = torch.bmm(weights[..., :t].to(torch.bfloat16), v).float()
     return own.add_(weights[..., t:t + 1] * prefix_out)
 
 

@@ -809,7 +809,7 @@ class BlockSchedule:
                         unread = (0, 0)
                 ku, vu = self.prefix_here.with_context(pad, ku, vu, unread)
                 if split is not None:
-                    out = self.prefix_here.attend_window(qu, ku, vu, pad, rows.valid, softcap, sinks)
+                    out = self.prefix_here.attend_window(qu, ku, vu, pad, split, rows.valid, softcap, sinks)
             if out is None:
                 out = attend(qu, ku, vu, rows.valid, causal=True, window=window, softcap=softcap, sinks=sinks)
         else:

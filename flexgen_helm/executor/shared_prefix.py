@@ -137,20 +137,16 @@ class PrefixLayer:
         return split if torch.device(device).type == "cpu" and split >= MIN_SHARED_TOKENS else None
 
     def attend_window(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pad: torch.Tensor,
-                      key_valid: torch.Tensor, softcap: float = 0.0, sinks: torch.Tensor | None = None
-                      ) -> torch.Tensor | None:
+                      split: int, key_valid: torch.Tensor, softcap: float = 0.0,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
         """A global block's prefill attention of a GPU batch's window queries q (b * kv_heads,
         r, s, d) over its joined keys and values (with_context's) and key_valid (b * kv_heads,
-        width + s), with the prefix's positions that every row's columns hold (all but the last
-        max(pad) of them) as one copy that every row's queries see whole
-        (attention.attend_window_past_shared_prefix), the rest per row; None where that copy is
-        too short to pay (then attend() over the joined columns, as before). On a CPU only:
-        a GPU's fused kernel reads the joined columns at its memory's speed, and this path has
-        not run there."""
+        width + s), with the prefix's positions [0, split) that every row's columns hold
+        (window_split) as one copy that every row's queries see whole
+        (attention.attend_window_past_shared_prefix), the rest per row. On a CPU only (the
+        caller asks window_split): a GPU's fused kernel reads the joined columns at its memory's
+        speed, and this path has not run there."""
         kvh, width, d = self.keys.shape
-        split = self.window_split(pad, q.device)
-        if split is None:
-            return None
         tail = width - split
         key = (split, q.device.type, q.dtype, softcap)
         head = self._heads.get(key)
