@@ -1,13 +1,16 @@
 """What the benches under runs/bench that time rounds in one process share
 (kivi_held_dense/slot_writes.py, pertoken_rewrite/rewrite.py): their arguments, and their result
 appended as one JSON line with what it ran on (the host, the load average before and after, the
-command)."""
+command); and the median time of a call (read_rates/bench.py, compression/kernel_crossover.py,
+runs/prefix_sharing/window_one_copy/window_vs_joined.py)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -34,3 +37,14 @@ def append_record(out: Path, record: dict, load_before: float, command: str, **f
     print(json.dumps(record))
     with open(out, "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def median_seconds(fn, rounds: int) -> float:
+    """The median of `rounds` timed calls of fn, after one untimed (warm-up) call."""
+    fn()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+import sys
 from pathlib import Path
 
 import torch
@@ -24,21 +23,14 @@ from flexgen_helm.compression.int4 import CompressedWeight, pack_int4
 from flexgen_helm.compression.quantize import quantize
 from flexgen_helm.policy.policy import Compression
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from record import median_seconds
+
 LAYERS = {  # (out, in) of a block's linears
     "opt-1.3b": [(2048, 2048)] * 4 + [(8192, 2048), (2048, 8192)],
     "smollm2-135m": [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)],
 }
 ROWS = (1, 8, 32, 64, 128, 256, 512, 1024, 2048)
-
-
-def median_s(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def weights(shapes, group_size: int) -> list[CompressedWeight]:
@@ -51,13 +43,13 @@ def weights(shapes, group_size: int) -> list[CompressedWeight]:
 
 def measure(model: str, group_size: int, repeats: int) -> dict:
     ws = weights(LAYERS[model], group_size)
-    dequant = sum(median_s(lambda w=w: (setattr(w, "_dense", None), w.dense()), repeats) for w in ws)
+    dequant = sum(median_seconds(lambda w=w: (setattr(w, "_dense", None), w.dense()), repeats) for w in ws)
     dense = [w.dense() for w in ws]
     rows = {}
     for m in ROWS:
         xs = [torch.randn(m, w.shape[1], dtype=torch.bfloat16) for w in ws]
-        kernel = sum(median_s(lambda w=w, x=x: w.linear(x), repeats) for w, x in zip(ws, xs))
-        matmul = sum(median_s(lambda d=d, x=x: F.linear(x, d), repeats) for d, x in zip(dense, xs))
+        kernel = sum(median_seconds(lambda w=w, x=x: w.linear(x), repeats) for w, x in zip(ws, xs))
+        matmul = sum(median_seconds(lambda d=d, x=x: F.linear(x, d), repeats) for d, x in zip(dense, xs))
         rows[m] = {"kernel_ms": kernel * 1e3, "bf16_matmul_ms": matmul * 1e3,
                    "dequantize_then_matmul_ms": (dequant + matmul) * 1e3}
         print(f"{model:14s} rows {m:5d}: kernel {kernel * 1e3:8.2f} ms  bf16 matmul {matmul * 1e3:8.2f} ms  "

@@ -13,8 +13,8 @@ import argparse
 import datetime
 import json
 import os
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -25,18 +25,11 @@ from flexgen_helm.memory.host_allocator import keep_freed_host_memory
 from flexgen_helm.memory.machine import machine_label
 from flexgen_helm.policy.policy import Compression
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from record import median_seconds
+
 WEIGHTS, OUT_F, IN_F = 192, 1024, 2048  # OLMoE-1B-7B: one block's 64 experts x 3 projections
 ROWS = (1, 2, 4, 8, 16)
-
-
-def _seconds(fn, rounds: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -47,7 +40,7 @@ def main() -> None:
     row = {"when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "host": machine_label(), "load_before": os.getloadavg()[0], "threads": torch.get_num_threads()}
     big = torch.ones(1 << 30, dtype=torch.bfloat16)
-    row["sum_2gib_gb_s"] = round(big.numel() * 2 / _seconds(big.sum) / 1e9, 1)
+    row["sum_2gib_gb_s"] = round(big.numel() * 2 / median_seconds(big.sum, 5) / 1e9, 1)
     del big
     g = torch.Generator().manual_seed(0)
     dense = [torch.randn(OUT_F, IN_F, generator=g).to(torch.bfloat16) for _ in range(WEIGHTS)]
@@ -56,8 +49,8 @@ def main() -> None:
     int4_bytes = sum(p.parts[0][1].nbytes for p in packed)
     for rows in ROWS:
         x = torch.randn(rows, IN_F, generator=g).to(torch.bfloat16)
-        bf16_s = _seconds(lambda x=x: [F.linear(x, w) for w in dense])
-        int4_s = _seconds(lambda x=x: [p.kernel_linear(x) for p in packed])
+        bf16_s = median_seconds(lambda x=x: [F.linear(x, w) for w in dense], 5)
+        int4_s = median_seconds(lambda x=x: [p.kernel_linear(x) for p in packed], 5)
         row[f"bf16_rows{rows}_gb_s"] = round(WEIGHTS * OUT_F * IN_F * 2 / bf16_s / 1e9, 1)
         row[f"int4_rows{rows}_gb_s"] = round(int4_bytes / int4_s / 1e9, 1)
         row[f"int4_rows{rows}_us_a_call"] = round(int4_s / WEIGHTS * 1e6, 1)

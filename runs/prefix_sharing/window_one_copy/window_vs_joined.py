@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
+import sys
+from pathlib import Path
 
 import torch
 
@@ -21,17 +22,10 @@ from flexgen_helm.executor import attention
 from flexgen_helm.memory.host_allocator import keep_freed_host_memory
 from flexgen_helm.memory.machine import machine_label
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from record import median_seconds
+
 SIZES = ["90,180,120", "90,10,290", "50,50,100", "30,100,150", "90,60,160", "8,0,1000", "40,0,60"]
-
-
-def median_ms(fn, calls: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[calls // 2] * 1e3
 
 
 def one(window: int, tail: int, split: int) -> tuple[float, float]:
@@ -45,8 +39,8 @@ def one(window: int, tail: int, split: int) -> tuple[float, float]:
     joined_k = torch.cat([torch.randn(u, split, d).bfloat16(), k], 1)
     joined_v = torch.cat([torch.randn(u, split, d).bfloat16(), v], 1)
     valid, joined_valid = torch.ones(u, t, dtype=torch.bool), torch.ones(u, split + t, dtype=torch.bool)
-    return (median_ms(lambda: attention.attend_window_past_shared_prefix(q, k, v, valid, copy)),
-            median_ms(lambda: attention.attend(q, joined_k, joined_v, joined_valid, causal=True)))
+    return (median_seconds(lambda: attention.attend_window_past_shared_prefix(q, k, v, valid, copy), 5) * 1e3,
+            median_seconds(lambda: attention.attend(q, joined_k, joined_v, joined_valid, causal=True), 5) * 1e3)
 
 
 def main() -> None:
