@@ -252,24 +252,25 @@ def test_a_per_token_rewrite_of_packed_units_writes_what_the_general_write_does(
             assert torch.equal(v, held["general", position][tier][1])
 
 
-@pytest.mark.parametrize("gbs, nb", [(1, 4), (2, 2)], ids=["four-batches", "two-batches-units-packed"])
+@pytest.mark.parametrize("gbs, nb", [(1, 4), (2, 2), (4, 1)], ids=["four-batches", "two-batches-units-packed",
+                                                              "one-batch"])
 @pytest.mark.parametrize("cache", [KV8, KV4], ids=["8bit", "4bit"])
-def test_a_decode_steps_writes_of_several_gpu_batches_round_in_one_call_to_the_same_bits(tiny_llama, tmp_path,
-                                                                                         monkeypatch, cache, gbs, nb):
-    """A per-token cache held dense rounds the new positions of all the GPU batches a decode
-    step merges in one call (BlockSchedule._rounded_together): each position and unit is its
-    own group, so the run's every token and log-prob is the one of each batch rounding its own
-    (in blocks of two, a batch whose sequences stop apart writes its running units packed)."""
+def test_a_decode_steps_writes_of_every_layer_and_batch_round_in_one_call_to_the_same_bits(tiny_llama, tmp_path,
+                                                                                          monkeypatch, cache, gbs, nb):
+    """A per-token cache held dense rounds the new positions of a decode step, every layer's
+    and GPU batch's, in one call at the step's end (BlockSchedule._write_rounded_together):
+    each position and unit is its own group, so the run's every token and log-prob is the one
+    of each write rounding itself (in blocks of two, a batch whose sequences stop apart writes
+    its running units packed)."""
     from flexgen_helm.executor import schedule
 
     policy = Policy(gbs, nb, compress_cache=cache, keep_dense_cache=True)
     calls = []
-    together = schedule.BlockSchedule._rounded_together
+    together = schedule.BlockSchedule._write_rounded_together
 
-    def counted(self, index, live, writes):
-        out = together(self, index, live, writes)
-        calls.append(sum(w is not None and len(w) == 6 for w in out))
-        return out
+    def counted(self):
+        calls.append(len(self._rounding_writes))
+        return together(self)
 
     # the sequences stop at their own steps: the later steps write the batches still running
     prompts = [[5, 17, 42, 7, 99], [3, 8, 1, 4, 4], [9, 9, 4, 2, 11], [6, 1, 30, 2, 8]]
@@ -278,7 +279,7 @@ def test_a_decode_steps_writes_of_several_gpu_batches_round_in_one_call_to_the_s
     def run(where):
         engine = Engine.load(str(tiny_llama), policy, dtype="float32", device="cpu", offload_dir=where,
                              progress=False)
-        return [r.completions[0] for r in engine.generate(prompts, params).results]
+        return engine, [r.completions[0] for r in engine.generate(prompts, params).results]
 
     packed_rewrites = []
     rewrite = KVCacheSlot._rewrite_packed
@@ -287,12 +288,13 @@ def test_a_decode_steps_writes_of_several_gpu_batches_round_in_one_call_to_the_s
         packed_rewrites.append(rounded)
         return rewrite(self, k, v, start, units, tiers, rounded)
 
-    monkeypatch.setattr(schedule.BlockSchedule, "_rounded_together", counted)
+    monkeypatch.setattr(schedule.BlockSchedule, "_write_rounded_together", counted)
     monkeypatch.setattr(KVCacheSlot, "_rewrite_packed", spied)
-    merged = run(tmp_path / "merged")
-    assert calls and max(calls) >= 2 and 2 in calls  # the batches' writes rounded together, then two's
+    engine, together_bits = run(tmp_path / "together")
+    layers = engine.config.num_layers
+    assert max(calls) == layers * nb  # a decode step rounds all its layers' and batches' writes in one call
     assert any(packed_rewrites) == (gbs > 1)  # units of a batch written packed, pre-rounded
-    monkeypatch.setattr(schedule.BlockSchedule, "_rounded_together", lambda self, index, live, writes: writes)
-    apart = run(tmp_path / "apart")
-    for a, b in zip(merged, apart):
+    monkeypatch.setattr(schedule.BlockSchedule, "_rounds_at_step_end", lambda self, index, k, new_kv: False)
+    _, apart = run(tmp_path / "apart")
+    for a, b in zip(together_bits, apart):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs and a.top_logprobs == b.top_logprobs

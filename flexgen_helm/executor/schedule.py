@@ -231,6 +231,7 @@ class BlockSchedule:
         self.active: list[list[int] | None] = [None] * len(batches)
         self.step_rows: list[StepRows | None] = [None] * len(batches)
         self._weights_ahead = None
+        self._rounding_writes: list = []  # a decode step's (block, batch, write) rounded at its end
         self.prefill_as_decode = False
         self.stores_prefill_cache = True
         # freed host memory kept for reuse beyond this is handed back (memory/host_allocator.py)
@@ -468,6 +469,7 @@ class BlockSchedule:
             del w
             self._bound_freed_memory()
         self._weights_ahead = weights
+        self._write_rounded_together()
         if self.kept is not None:
             self.kept.count_dense_copies()
         if layers[-1].kind != "head":
@@ -524,10 +526,43 @@ class BlockSchedule:
         return out, new_kv
 
     def _submit_stores(self, layer, k: int, hidden: torch.Tensor, new_kv, stage: str) -> None:
-        """Batch k's new cache positions (of a block) and hidden state go to their tiers."""
-        if new_kv is not None:
+        """Batch k's new cache positions (of a block) and hidden state go to their tiers; a
+        decode step's positions that round to the per-token grid wait for the step's end
+        (_write_rounded_together)."""
+        if new_kv is not None and stage == "decode" and self._rounds_at_step_end(layer.index, k, new_kv):
+            self._rounding_writes.append((layer.index, k, new_kv))
+        elif new_kv is not None:
             self.io.submit(self.slots[layer.index, k].write, *new_kv, kind=f"{stage}_store_cache")
         self.io.submit(self.acts[k].store, hidden, kind=f"{stage}_store_hidden")
+
+    def _rounds_at_step_end(self, index: int, k: int, new_kv: tuple) -> bool:
+        """Whether a decode step's write of batch k's new position at block `index` is rounded
+        with the step's others (_write_rounded_together): its slot rounds each write to the
+        per-token grid, RTN's, whose min, max and division give each group the same bits in
+        any call (HQQ's fitted scales come out of reductions whose order may follow the call's
+        size), and it is not rounded yet."""
+        slot = self.slots[index, k]
+        return getattr(slot, "rounds_each_write", False) and slot.rounding.method == "rtn" and len(new_kv) < 6
+
+    def _write_rounded_together(self) -> None:
+        """A decode step's new positions of every layer and GPU batch whose slots round each
+        write to the per-token grid (_rounds_at_step_end), rounded in one call and then
+        written: the rounding is ~20 small ops whatever the rows, once per layer and batch the
+        main job's 8-bit decode spent ~10% of its time in them (runs/compression_8bit/
+        generate_timers). Each position and unit is its own group, so the bits are those of
+        rounding each write apart. Nothing reads a layer's cache again before the next step's
+        loads, which its lane runs after these writes (copy_engine: in submission order)."""
+        pending, self._rounding_writes = self._rounding_writes, []
+        if not pending:
+            return
+        t0 = time.perf_counter()
+        sizes = [new_kv[0].shape[1] for _, _, new_kv in pending]  # (1 position, units, d) each
+        kv = torch.cat([torch.cat([new_kv[j] for _, _, new_kv in pending], dim=1) for j in (0, 1)])
+        index, k, _ = pending[0]
+        kv = fake_quantize(kv, self.slots[index, k].rounding, CACHE_GROUP_DIM)
+        self._time_compute(t0, "decode")
+        for (index, k, new_kv), k_part, v_part in zip(pending, kv[:1].split(sizes, dim=1), kv[1:].split(sizes, dim=1)):
+            self.io.submit(self.slots[index, k].write, k_part, v_part, *new_kv[2:], True, kind="decode_store_cache")
 
     def _wait(self, future, what: str):
         t0 = time.perf_counter()
@@ -659,33 +694,10 @@ class BlockSchedule:
             writes.append(write)
             self._time_compute(t0)
         t0 = time.perf_counter()
-        writes = self._rounded_together(layer.index, live, writes)
         after = self.family.finish_block(self.cfg, w, h_all, torch.cat(attn)).split(sizes)
         outs = [(r.put(h, part), write) for r, h, part, write in zip(rows, hs, after, writes)]
         self._time_compute(t0)
         return outs, cache
-
-    def _rounded_together(self, index: int, live: list[int], writes: list) -> list:
-        """The live GPU batches' cache writes of a decode step (the arguments of their slots'
-        write, None where nothing is left to write), those of slots that round each write to
-        the per-token grid rounded in one call: the rounding is ~20 small ops whatever the
-        rows, and the main job's LAMBADA block writes 4-5 batches a layer and step (its 8-bit
-        decode 0.267-0.276 s rounded together, 0.290-0.294 s apart:
-        runs/compression_8bit/decode_paths/rounded_together_ab.py)."""
-        # RTN's grid only: min, max and a division give each group the same bits in any call,
-        # where HQQ's fitted scales come out of reductions whose order may follow the call's size
-        todo = [i for i, (k, write) in enumerate(zip(live, writes))
-                if write is not None and getattr(self.slots[index, k], "rounds_each_write", False)
-                and self.slots[index, k].rounding.method == "rtn"]
-        if len(todo) < 2:
-            return writes
-        sizes = [writes[i][0].shape[1] for i in todo]  # (1 position, units, d) each
-        kv = torch.cat([torch.cat([writes[i][j] for i in todo], dim=1) for j in (0, 1)])
-        kv = fake_quantize(kv, self.slots[index, live[todo[0]]].rounding, CACHE_GROUP_DIM)
-        out = list(writes)
-        for i, k_part, v_part in zip(todo, kv[:1].split(sizes, dim=1), kv[1:].split(sizes, dim=1)):
-            out[i] = (k_part, v_part, *writes[i][2:], True)
-        return out
 
     def _live_hidden(self, layer, live: list[int]) -> list[torch.Tensor]:
         """The live GPU batches' hidden states before `layer` in a decode step, their loads in

@@ -427,7 +427,7 @@ def measure_device(device: torch.device, dtype: torch.dtype) -> DeviceSpeeds:
     if device.type == "cpu":  # a GPU's GEMMs are not known to gain (never measured on one)
         speeds.flipped_gains = {DTYPE_NAMES[dt]: _flipped_gains(device, dt) for dt in {dtype, torch.float32}}
         speeds.kernel_over_kept_gains = _kernel_over_kept_gains(device, dtype)
-    speeds.elementwise_elems_per_s = _elementwise_elems_per_s(device, dtype, sync)
+    speeds.elementwise_elems_per_s = measure_elementwise_rate(device, dtype, sync)
     tiny_x, tiny_w = torch.randn(1, 64, device=device).to(dtype), torch.randn(64, 64, device=device).to(dtype)
     speeds.op_latency_s = _timed(lambda: F.linear(tiny_x, tiny_w), min_reps=200, sync=sync)
     return speeds
@@ -657,7 +657,7 @@ def _attention_speeds(device: torch.device, dtype: torch.dtype, sync) -> tuple[f
     return prefill_flops, cache_bytes / _timed(decode_attention, sync=sync)
 
 
-def _elementwise_elems_per_s(device: torch.device, dtype: torch.dtype, sync) -> float:
+def measure_elementwise_rate(device: torch.device, dtype: torch.dtype, sync=None) -> float:
     """Elements per second of the kinds of pass a block makes (an activation, an add, a
     copy), over a prefill's activations (1024 rows x an 8192-wide MLP: bigger than a CPU's caches)."""
     a, b = torch.randn(1024, 8192, device=device).to(dtype), torch.randn(1024, 8192, device=device).to(dtype)

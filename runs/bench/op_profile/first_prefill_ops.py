@@ -1,7 +1,7 @@
 """A `flexgen-helm` command with its first prefill under torch.profiler: the ops that took the
 most of it (self CPU time, calls), printed at exit (stderr). LAYERS=N cuts OLMoE-1B-7B's
 geometry to N blocks (its dummy weights take minutes to place at 16); SHAPES=1 groups the ops
-by input shape.
+by input shape; ROWS=N prints the N busiest (default 30).
 
     LAYERS=4 python runs/bench/op_profile/first_prefill_ops.py bench --model olmoe-1b-7b --dummy \\
         --dtype bfloat16 --device cpu --prompt-len 512 --gen-len 2 \\
@@ -48,7 +48,7 @@ def report() -> None:
     rows = sorted(((e.key + (f" {e.input_shapes}"[:90] if SHAPES else ""), e.self_cpu_time_total / 1e6, e.count)
                    for e in events), key=lambda row: -row[1])
     print(f"first prefill, self CPU time of all ops: {sum(r[1] for r in rows):.2f} s", file=sys.stderr)
-    for name, seconds, count in rows[:30]:
+    for name, seconds, count in rows[:int(os.environ.get("ROWS", 30))]:
         print(f"{name:100s} {seconds:8.3f} s {count:7d}", file=sys.stderr)
 
 

@@ -1,17 +1,20 @@
-"""The 8-bit deployment (a per-token 8-bit cache held dense) with a decode step's cache writes of
-its merged GPU batches rounded in one call (BlockSchedule._rounded_together) against each batch
-rounding its own (the call made a no-op), beside the BF16 deployment, in bfloat16.
+"""The 8-bit deployment (a per-token 8-bit cache held dense) with a decode step's cache writes,
+every layer's and GPU batch's, rounded in one call at the step's end
+(BlockSchedule._write_rounded_together) against each write rounding itself
+(_rounds_at_step_end made False), beside the BF16 deployment, in bfloat16.
 
-    python runs/compression_8bit/decode_paths/rounded_together_ab.py [--rounds 3]
+    python runs/compression_8bit/decode_paths/step_rounding_ab.py [--rounds 3]
 
 The main job's saved requests through our client, SmolLM2 in RAM: LAMBADA's 10
 (runs/bench/merged_head/lambada_requests.json, from `flexgen-helm demo -m 10`) and pattern_match's
 first 10 (scenario_paths.py's STATE); each (workload, deployment, setting) in its own process,
 the order rotated round by round; seconds in the block schedule's prefill and decode, and how
-many decode-step calls rounded several batches' writes together (on LAMBADA a "together" run
-with none fails: it would not measure the change; pattern_match's block is one batch). The two
-settings give the same tokens and log-probs (tests/test_keep_dense_cache.py). Appends one JSON
-line per run to rounded_together_ab.jsonl beside this file, with the host and the load average.
+many step-end calls rounded writes, and how many writes they rounded (a "together" run of the
+8-bit deployment with none fails: it would not measure the change). The two settings give the
+same tokens and log-probs (tests/test_keep_dense_cache.py). Appends one JSON line per run to
+step_rounding_ab.jsonl beside this file, with the host and the load average. (Its forerunner,
+rounded_together_ab.py, measured the merged batches of one layer rounded together: its rows are
+in rounded_together_ab.jsonl.)
 """
 
 from __future__ import annotations
@@ -27,23 +30,21 @@ from scenario_paths import PATHS, REPO, STATE, TIMED_CHILD_HEAD, run_child  # no
 
 CHILD = TIMED_CHILD_HEAD + r"""
 name, policy, setting = sys.argv[4], json.loads(sys.argv[5]), sys.argv[6]
-merged = collections.Counter()  # calls that rounded several batches' writes together, and writes so rounded
-together = schedule.BlockSchedule._rounded_together
-def counted(self, index, live, writes):
-    out = together(self, index, live, writes)
-    rounded = sum(w is not None and len(w) == 6 for w in out)
-    merged["calls"] += rounded > 0
-    merged["writes"] += rounded
-    return out
-schedule.BlockSchedule._rounded_together = counted
+merged = collections.Counter()  # step-end calls that rounded writes, and the writes they rounded
+together = schedule.BlockSchedule._write_rounded_together
+def counted(self):
+    merged["calls"] += bool(self._rounding_writes)
+    merged["writes"] += len(self._rounding_writes)
+    return together(self)
+schedule.BlockSchedule._write_rounded_together = counted
 if setting == "apart":
-    schedule.BlockSchedule._rounded_together = lambda self, index, live, writes: writes
+    schedule.BlockSchedule._rounds_at_step_end = lambda self, index, k, new_kv: False
 client = FlexGenClient(BlackHoleCacheConfig(), model="smollm2-135m", deployment=f"flexgen/smollm2-135m-{name}",
                        dtype="bfloat16", **({"policy": policy} if policy else {}))
 _ = client.handle, client.handle.tokenizer  # loaded before the clock starts
 client.prefetch(requests)
-if setting == "together" and name != "fp32" and not merged["calls"] and "lambada" in sys.argv[2]:
-    sys.exit("no decode step rounded several GPU batches' writes together: this run would not measure the change")
+if setting == "together" and name != "fp32" and not merged["calls"]:
+    sys.exit("no decode step rounded its writes at its end: this run would not measure the change")
 print(json.dumps({"setting": setting, "merged_roundings": dict(merged), "prefill_s": round(spent["prefill"], 3),
                   "decode_s": round(spent["decode"], 3)}))
 """
@@ -56,12 +57,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
-    command = f"python runs/compression_8bit/decode_paths/rounded_together_ab.py --rounds {args.rounds}"
+    command = f"python runs/compression_8bit/decode_paths/step_rounding_ab.py --rounds {args.rounds}"
     for workload, state in WORKLOADS.items():
         for r in range(args.rounds):
             for name, setting in RUNS[r % len(RUNS):] + RUNS[:r % len(RUNS)]:
                 run_child(CHILD, name, [json.dumps(PATHS[name]), setting], 10, command,
-                          HERE / "rounded_together_ab.jsonl", state=state, workload=workload, round=r)
+                          HERE / "step_rounding_ab.jsonl", state=state, workload=workload, round=r)
 
 
 if __name__ == "__main__":
