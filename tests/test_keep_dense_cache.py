@@ -255,22 +255,27 @@ def test_a_per_token_rewrite_of_packed_units_writes_what_the_general_write_does(
 @pytest.mark.parametrize("gbs, nb", [(1, 4), (2, 2), (4, 1)], ids=["four-batches", "two-batches-units-packed",
                                                               "one-batch"])
 @pytest.mark.parametrize("cache", [KV8, KV4], ids=["8bit", "4bit"])
-def test_a_decode_steps_writes_of_every_layer_and_batch_round_in_one_call_to_the_same_bits(tiny_llama, tmp_path,
-                                                                                          monkeypatch, cache, gbs, nb):
+@pytest.mark.parametrize("bound", [None, 300], ids=["whole-steps", "bounded"])
+def test_a_steps_writes_of_every_layer_and_batch_round_in_one_call_to_the_same_bits(tiny_llama, tmp_path, monkeypatch,
+                                                                                   cache, gbs, nb, bound):
     """A per-token cache held dense rounds the new positions of a decode step, every layer's
     and GPU batch's, in one call at the step's end (BlockSchedule._write_rounded_together):
     each position and unit is its own group, so the run's every token and log-prob is the one
     of each write rounding itself (in blocks of two, a batch whose sequences stop apart writes
-    its running units packed)."""
+    its running units packed). Bounded (ROUNDED_TOGETHER_ELEMENTS), the writes waiting are
+    rounded whenever they reach the bound."""
     from flexgen_helm.executor import schedule
 
+    if bound is not None:
+        monkeypatch.setattr(schedule, "ROUNDED_TOGETHER_ELEMENTS", bound)
     policy = Policy(gbs, nb, compress_cache=cache, keep_dense_cache=True)
-    calls = []
+    calls, held = [], []  # per call: the writes it rounded, and their elements
     together = schedule.BlockSchedule._write_rounded_together
 
-    def counted(self):
+    def counted(self, stage):
         calls.append(len(self._rounding_writes))
-        return together(self)
+        held.append([2 * kv[0].numel() for _, _, kv in self._rounding_writes])
+        return together(self, stage)
 
     # the sequences stop at their own steps: the later steps write the batches still running
     prompts = [[5, 17, 42, 7, 99], [3, 8, 1, 4, 4], [9, 9, 4, 2, 11], [6, 1, 30, 2, 8]]
@@ -292,9 +297,13 @@ def test_a_decode_steps_writes_of_every_layer_and_batch_round_in_one_call_to_the
     monkeypatch.setattr(KVCacheSlot, "_rewrite_packed", spied)
     engine, together_bits = run(tmp_path / "together")
     layers = engine.config.num_layers
-    assert max(calls) == layers * nb  # a decode step rounds all its layers' and batches' writes in one call
+    if bound is None:
+        assert calls[0] == 0  # a prefill's round as they are stored
+        assert max(calls) == layers * nb  # a decode step's, of every layer and batch, in one call
+    else:  # rounded as soon as they reach the bound: each call's writes but the last within it
+        assert max(calls) > 1 and all(sum(e[:-1]) < bound for e in held if e)
     assert any(packed_rewrites) == (gbs > 1)  # units of a batch written packed, pre-rounded
-    monkeypatch.setattr(schedule.BlockSchedule, "_rounds_at_step_end", lambda self, index, k, new_kv: False)
+    monkeypatch.setattr(schedule.BlockSchedule, "_rounds_together", lambda self, index, k, new_kv: False)
     _, apart = run(tmp_path / "apart")
     for a, b in zip(together_bits, apart):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs and a.top_logprobs == b.top_logprobs

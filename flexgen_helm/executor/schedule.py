@@ -132,6 +132,9 @@ HeadFn = Callable[[int | None, dict, torch.Tensor], object]
 # free lists, 4 us on a fresh heap but 2.7 ms in a SmolLM2 LAMBADA eval, where one look
 # every 50 ms took 5% of the scoring time
 RELEASE_CHECK_S = 0.05
+# the most elements of K and V (both) that wait to be rounded together (_write_rounded_together):
+# past a few million a write's rounding is its passes over them, not its ops' fixed costs
+ROUNDED_TOGETHER_ELEMENTS = 1 << 22
 RELEASE_CHECK_SHARE = 0.01
 
 
@@ -469,7 +472,7 @@ class BlockSchedule:
             del w
             self._bound_freed_memory()
         self._weights_ahead = weights
-        self._write_rounded_together()
+        self._write_rounded_together(stage)
         if self.kept is not None:
             self.kept.count_dense_copies()
         if layers[-1].kind != "head":
@@ -527,42 +530,50 @@ class BlockSchedule:
 
     def _submit_stores(self, layer, k: int, hidden: torch.Tensor, new_kv, stage: str) -> None:
         """Batch k's new cache positions (of a block) and hidden state go to their tiers; a
-        decode step's positions that round to the per-token grid wait for the step's end
-        (_write_rounded_together)."""
-        if new_kv is not None and stage == "decode" and self._rounds_at_step_end(layer.index, k, new_kv):
+        decode step's writes that round to the per-token grid wait to be rounded with the
+        step's others (_write_rounded_together)."""
+        if new_kv is not None and stage == "decode" and self._rounds_together(layer.index, k, new_kv):
             self._rounding_writes.append((layer.index, k, new_kv))
+            if sum(2 * kv[0].numel() for _, _, kv in self._rounding_writes) >= ROUNDED_TOGETHER_ELEMENTS:
+                self._write_rounded_together(stage)
         elif new_kv is not None:
             self.io.submit(self.slots[layer.index, k].write, *new_kv, kind=f"{stage}_store_cache")
         self.io.submit(self.acts[k].store, hidden, kind=f"{stage}_store_hidden")
 
-    def _rounds_at_step_end(self, index: int, k: int, new_kv: tuple) -> bool:
-        """Whether a decode step's write of batch k's new position at block `index` is rounded
-        with the step's others (_write_rounded_together): its slot rounds each write to the
-        per-token grid, RTN's, whose min, max and division give each group the same bits in
-        any call (HQQ's fitted scales come out of reductions whose order may follow the call's
-        size), and it is not rounded yet."""
+    def _rounds_together(self, index: int, k: int, new_kv: tuple) -> bool:
+        """Whether batch k's decode write at block `index` is rounded with the step's others
+        (_write_rounded_together): a small one (ROUNDED_TOGETHER_ELEMENTS), not rounded yet, to
+        a slot that rounds each write to the per-token grid, RTN's, whose min, max and division
+        give each group the same bits in any call (HQQ's fitted scales come out of reductions
+        whose order may follow the call's size). A prefill's writes round as they are stored,
+        on the copy thread beside the next layers' compute: rounded together at the prefill's
+        end instead, the main job's 8-bit prefills took 3-7% longer
+        (runs/compression_8bit/decode_paths/step_rounding_ab.jsonl)."""
         slot = self.slots[index, k]
-        return getattr(slot, "rounds_each_write", False) and slot.rounding.method == "rtn" and len(new_kv) < 6
+        return (getattr(slot, "rounds_each_write", False) and slot.rounding.method == "rtn" and len(new_kv) < 6
+                and 2 * new_kv[0].numel() < ROUNDED_TOGETHER_ELEMENTS)
 
-    def _write_rounded_together(self) -> None:
-        """A decode step's new positions of every layer and GPU batch whose slots round each
-        write to the per-token grid (_rounds_at_step_end), rounded in one call and then
-        written: the rounding is ~20 small ops whatever the rows, once per layer and batch the
-        main job's 8-bit decode spent ~10% of its time in them (runs/compression_8bit/
-        generate_timers). Each position and unit is its own group, so the bits are those of
-        rounding each write apart. Nothing reads a layer's cache again before the next step's
-        loads, which its lane runs after these writes (copy_engine: in submission order)."""
+    def _write_rounded_together(self, stage: str) -> None:
+        """The decode writes waiting to be rounded (_rounds_together), every layer's and GPU
+        batch's of the step so far, rounded in one call and then written: the rounding is ~20
+        small ops whatever the rows, and once per layer and batch the main job's 8-bit decode
+        spent ~10% of its time in them (runs/compression_8bit/README.md). Each position and
+        unit is its own group, so the bits are those of rounding each write apart. Nothing
+        reads a layer's cache again within its step, and the next step's loads run after
+        these writes on their lane (copy_engine: in submission order)."""
         pending, self._rounding_writes = self._rounding_writes, []
         if not pending:
             return
         t0 = time.perf_counter()
-        sizes = [new_kv[0].shape[1] for _, _, new_kv in pending]  # (1 position, units, d) each
-        kv = torch.cat([torch.cat([new_kv[j] for _, _, new_kv in pending], dim=1) for j in (0, 1)])
+        parts = [x.reshape(-1, x.shape[-1]) for _, _, new_kv in pending for x in new_kv[:2]]
         index, k, _ = pending[0]
-        kv = fake_quantize(kv, self.slots[index, k].rounding, CACHE_GROUP_DIM)
-        self._time_compute(t0, "decode")
-        for (index, k, new_kv), k_part, v_part in zip(pending, kv[:1].split(sizes, dim=1), kv[1:].split(sizes, dim=1)):
-            self.io.submit(self.slots[index, k].write, k_part, v_part, *new_kv[2:], True, kind="decode_store_cache")
+        rounded = fake_quantize(torch.cat(parts)[None], self.slots[index, k].rounding, CACHE_GROUP_DIM)[0]
+        rounded = rounded.split([len(x) for x in parts])
+        self._time_compute(t0, stage)
+        for i, (index, k, new_kv) in enumerate(pending):
+            k_part, v_part = (rounded[2 * i + j].view(new_kv[j].shape) for j in (0, 1))
+            self.io.submit(self.slots[index, k].write, k_part, v_part, *new_kv[2:], True,
+                           kind=f"{stage}_store_cache")
 
     def _wait(self, future, what: str):
         t0 = time.perf_counter()

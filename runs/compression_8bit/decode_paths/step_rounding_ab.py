@@ -1,7 +1,7 @@
 """The 8-bit deployment (a per-token 8-bit cache held dense) with a decode step's cache writes,
 every layer's and GPU batch's, rounded in one call at the step's end
 (BlockSchedule._write_rounded_together) against each write rounding itself
-(_rounds_at_step_end made False), beside the BF16 deployment, in bfloat16.
+(_rounds_together made False), beside the BF16 deployment, in bfloat16.
 
     python runs/compression_8bit/decode_paths/step_rounding_ab.py [--rounds 3]
 
@@ -32,13 +32,13 @@ CHILD = TIMED_CHILD_HEAD + r"""
 name, policy, setting = sys.argv[4], json.loads(sys.argv[5]), sys.argv[6]
 merged = collections.Counter()  # step-end calls that rounded writes, and the writes they rounded
 together = schedule.BlockSchedule._write_rounded_together
-def counted(self):
+def counted(self, stage):
     merged["calls"] += bool(self._rounding_writes)
     merged["writes"] += len(self._rounding_writes)
-    return together(self)
+    return together(self, stage)
 schedule.BlockSchedule._write_rounded_together = counted
 if setting == "apart":
-    schedule.BlockSchedule._rounds_at_step_end = lambda self, index, k, new_kv: False
+    schedule.BlockSchedule._rounds_together = lambda self, index, k, new_kv: False
 client = FlexGenClient(BlackHoleCacheConfig(), model="smollm2-135m", deployment=f"flexgen/smollm2-135m-{name}",
                        dtype="bfloat16", **({"policy": policy} if policy else {}))
 _ = client.handle, client.handle.tokenizer  # loaded before the clock starts
