@@ -132,10 +132,10 @@ HeadFn = Callable[[int | None, dict, torch.Tensor], object]
 # free lists, 4 us on a fresh heap but 2.7 ms in a SmolLM2 LAMBADA eval, where one look
 # every 50 ms took 5% of the scoring time
 RELEASE_CHECK_S = 0.05
+RELEASE_CHECK_SHARE = 0.01
 # the most elements of K and V (both) that wait to be rounded together (_write_rounded_together):
 # past a few million a write's rounding is its passes over them, not its ops' fixed costs
 ROUNDED_TOGETHER_ELEMENTS = 1 << 22
-RELEASE_CHECK_SHARE = 0.01
 
 
 def shared_weights(layer, loaded: dict, following) -> dict:
