@@ -167,6 +167,32 @@ def test_a_kivi_slot_held_dense_holds_what_kivi_returns(window):
         assert not torch.equal(got, fresh[slot.first_held(t):])  # something was rounded
 
 
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_kivi_slots_split_over_other_tiers_hold_the_same_values_written_in_turn(window):
+    """The layers of a GPU batch write the same positions in turn, and the plan of which
+    groups a write completes is worked out once for the slots it fits (KVCacheSlot._group_plan):
+    slots whose units lie on other tiers each hold what KIVI returns, written alternately."""
+    devices = Devices(torch.device("cpu"), torch.float32)
+    cfg, d, t = Compression(4, 4, cache_grouping="kivi"), 8, 13
+    starts = torch.tensor([0, 2, 3, 3])
+    splits = [{"gpu": 4, "cpu": 0, "disk": 0}, {"gpu": 1, "cpu": 3, "disk": 0}, {"gpu": 3, "cpu": 1, "disk": 0}]
+    slots = [KVCacheSlot(units, 16, d, devices, TierUsage(), None, False, window=window, rounding=cfg, starts=starts)
+             for units in splits]
+    k, v = torch.randn(t, 4, d), torch.randn(t, 4, d)
+    for slot in slots:
+        slot.write(k[:6], v[:6], 0)
+    for p in range(6, t):
+        for slot in slots:
+            slot.write(k[p:p + 1], v[p:p + 1], p)
+    want = [x.transpose(0, 1) for x in as_stored(k.transpose(0, 1), v.transpose(0, 1), cfg, starts, torch.float32)]
+    complete = (torch.arange(t)[:, None] - starts[None, :]) < (t - starts) // cfg.group_size * cfg.group_size
+    for slot in slots:
+        tiers = [slot.read(tier, t) for tier in ("gpu", "cpu") if slot.units[tier]]
+        for j, (rounded, fresh) in enumerate(zip(want, (k, v))):
+            got = torch.cat([held[j] for held in tiers], dim=1)
+            assert torch.equal(got, torch.where(complete[..., None], rounded, fresh)[slot.first_held(t):])
+
 def test_what_a_dense_cache_cannot_do_is_refused():
     with pytest.raises(PolicyError, match="compress_cache is not set"):
         Policy(keep_dense_cache=True)
