@@ -408,11 +408,13 @@ class KVCacheSlot:
                tuple(sorted(self.ranges.items())),
                tuple((t, tuple(p.tolist())) for t, p in sorted(self._packed.items())),
                tuple((t, str(x.device)) for t, x in sorted(self.k.items()) if x is not None))
-        if key not in GROUP_PLANS:
+        plan = GROUP_PLANS.get(key, _NO_PLAN)  # (one lookup: another engine's copy thread may clear them)
+        if plan is _NO_PLAN:
+            plan = self._worked_out_plan(start, s, units)
             if len(GROUP_PLANS) >= GROUP_PLANS_KEPT:
                 GROUP_PLANS.clear()
-            GROUP_PLANS[key] = self._worked_out_plan(start, s, units)
-        return GROUP_PLANS[key]
+            GROUP_PLANS[key] = plan
+        return plan
 
     def _worked_out_plan(self, start: int, s: int, units: torch.Tensor | None) -> "GroupPlan | None":
         G = self.rounding.group_size
@@ -715,6 +717,7 @@ class GroupPlan:
 # its start, so the few of one step are the ones looked up again (by the other layers' slots)
 GROUP_PLANS: dict[tuple, GroupPlan | None] = {}
 GROUP_PLANS_KEPT = 64
+_NO_PLAN = object()
 
 
 def _pick(x: torch.Tensor, i: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
