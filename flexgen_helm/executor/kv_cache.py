@@ -382,12 +382,12 @@ class KVCacheSlot:
         plan = self._group_plan(start, s, units)
         if plan is None:
             return
-        if plan.all_new:  # a prefill's: (rows picked by one index_select: ~4x faster than x[i, u])
-            kg, vg = (_pick(x, plan.offsets, plan.unit) for x in (k, v))
+        if plan.taken is None:  # a prefill's: (rows picked by one index_select: ~4x faster than x[i, u])
+            kg, vg = (_pick(x, plan.offsets, plan.units) for x in (k, v))
         else:
             kg, vg = (torch.empty(plan.pairs, d, dtype=k.dtype, device=k.device) for _ in range(2))
             for out, x in ((kg, k), (vg, v)):
-                out[plan.taken.to(k.device)] = _pick(x, plan.offsets, plan.unit_taken)
+                out[plan.taken.to(k.device)] = _pick(x, plan.offsets, plan.units)
             for tier, which, rows, cols in plan.read_from:
                 for out, x in ((kg, self.k[tier]), (vg, self.v[tier])):
                     out[which.to(k.device)] = _pick(x, rows, cols).to(k.device)
@@ -435,9 +435,9 @@ class KVCacheSlot:
         new = positions >= start
         write_to = self._held_at(positions, unit, self._holds(positions, start + s))
         if bool(new.all()):
-            return GroupPlan(len(positions), True, positions - start, unit, None, None, [], write_to)
+            return GroupPlan(len(positions), positions - start, unit, None, [], write_to)
         taken = new.nonzero().squeeze(1)
-        return GroupPlan(len(positions), False, positions[taken] - start, None, unit[taken], taken,
+        return GroupPlan(len(positions), positions[taken] - start, unit[taken], taken,
                          self._held_at(positions, unit, ~new), write_to)
 
     def _holds(self, positions: torch.Tensor, end: int) -> torch.Tensor:
@@ -698,16 +698,14 @@ class KVCacheSlot:
 @dataclasses.dataclass(frozen=True)
 class GroupPlan:
     """What a KIVI cache held dense rounds after a write (KVCacheSlot._group_plan): its `pairs`
-    (position, unit) pairs, G a group, in order; offsets: their positions within the write, of
-    all of them where all_new (with `unit`), else of those the write holds (`taken` among the
-    pairs, of units unit_taken); read_from: where the slot holds the others, and write_to:
-    where the rounded pairs go, each (tier, which of the pairs, rows, columns)."""
+    (position, unit) pairs, G a group, in order; offsets and units: those the write holds, their
+    positions within it and their units (`taken`: which of the pairs they are; None: all);
+    read_from: where the slot holds the others, and write_to: where the rounded pairs go, each
+    (tier, which of the pairs, rows, columns)."""
 
     pairs: int
-    all_new: bool
     offsets: torch.Tensor
-    unit: torch.Tensor | None
-    unit_taken: torch.Tensor | None
+    units: torch.Tensor
     taken: torch.Tensor | None
     read_from: list
     write_to: list

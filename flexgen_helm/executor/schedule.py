@@ -542,15 +542,15 @@ class BlockSchedule:
 
     def _rounds_together(self, index: int, k: int, new_kv: tuple) -> bool:
         """Whether batch k's decode write at block `index` is rounded with the step's others
-        (_write_rounded_together): a small one (ROUNDED_TOGETHER_ELEMENTS), not rounded yet, to
-        a slot that rounds each write to the per-token grid, RTN's, whose min, max and division
+        (_write_rounded_together): a small one (ROUNDED_TOGETHER_ELEMENTS) to a slot that rounds
+        each write to the per-token grid, RTN's, whose min, max and division
         give each group the same bits in any call (HQQ's fitted scales come out of reductions
         whose order may follow the call's size). A prefill's writes round as they are stored,
         on the copy thread beside the next layers' compute: rounded together at the prefill's
         end instead, the main job's 8-bit prefills took 3-7% longer
         (runs/compression_8bit/decode_paths/step_rounding_ab.jsonl)."""
         slot = self.slots[index, k]
-        return (getattr(slot, "rounds_each_write", False) and slot.rounding.method == "rtn" and len(new_kv) < 6
+        return (getattr(slot, "rounds_each_write", False) and slot.rounding.method == "rtn"
                 and 2 * new_kv[0].numel() < ROUNDED_TOGETHER_ELEMENTS)
 
     def _write_rounded_together(self, stage: str) -> None:
