@@ -22,7 +22,7 @@ import argparse
 import dataclasses
 import json
 import os
-import random
+import sys
 import time
 from pathlib import Path
 
@@ -30,6 +30,9 @@ from flexgen_helm.engine import Engine
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.memory.machine import machine_label
 from flexgen_helm.policy import Policy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shared_block import prefix_and_own
 
 HERE = Path(__file__).resolve().parent
 
@@ -47,10 +50,7 @@ def main() -> None:
     args = p.parse_args()
     policy = Policy(gpu_batch_size=args.sequences, num_gpu_batches=1)
     engine = Engine.load(args.model, policy, dummy=args.dummy, progress=False)
-    rng = random.Random(0)
-    vocab = engine.config.vocab_size
-    prefix = [rng.randrange(10, vocab) for _ in range(args.prefix)]
-    own = [[rng.randrange(10, vocab) for _ in range(8)] for _ in range(args.sequences)]
+    prefix, own = prefix_and_own(engine.config.vocab_size, args.prefix, 8, args.sequences)
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     cases = {"shared prefix": ([prefix + o for o in own], True), "no prefix": (own, True),
              "prefix, sharing off": ([prefix + o for o in own], False)}

@@ -10,7 +10,8 @@ the prefix, without it, and the difference, largest first.
 from __future__ import annotations
 
 import argparse
-import random
+import sys
+from pathlib import Path
 
 from torch.profiler import profile
 
@@ -19,6 +20,9 @@ from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.memory.host_allocator import keep_freed_host_memory
 from flexgen_helm.memory.machine import machine_label
 from flexgen_helm.policy import Policy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shared_block import prefix_and_own
 
 LONG, SHORT = 17, 2
 
@@ -38,10 +42,7 @@ def main() -> None:
     args = p.parse_args()
     keep_freed_host_memory()
     engine = Engine.load("smollm2-135m", Policy(gpu_batch_size=args.sequences), progress=False)
-    rng = random.Random(0)
-    vocab = engine.config.vocab_size
-    prefix = [rng.randrange(10, vocab) for _ in range(args.prefix)]
-    own = [[rng.randrange(10, vocab) for _ in range(8)] for _ in range(args.sequences)]
+    prefix, own = prefix_and_own(engine.config.vocab_size, args.prefix, 8, args.sequences)
     per_step = {}
     for name, prompts in (("shared", [prefix + o for o in own]), ("none", own)):
         long, short = op_times(engine, prompts, LONG), op_times(engine, prompts, SHORT)

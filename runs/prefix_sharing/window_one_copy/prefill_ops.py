@@ -9,7 +9,8 @@ shape.
 from __future__ import annotations
 
 import argparse
-import random
+import sys
+from pathlib import Path
 
 from torch.profiler import profile
 
@@ -18,6 +19,9 @@ from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.memory.host_allocator import keep_freed_host_memory
 from flexgen_helm.memory.machine import machine_label
 from flexgen_helm.policy import Policy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from shared_block import prefix_and_own
 
 
 def main() -> None:
@@ -28,10 +32,8 @@ def main() -> None:
     args = p.parse_args()
     keep_freed_host_memory()
     engine = Engine.load("smollm2-135m", Policy(gpu_batch_size=args.sequences), progress=False)
-    rng = random.Random(0)
-    vocab = engine.config.vocab_size
-    prefix = [rng.randrange(10, vocab) for _ in range(args.prefix)]
-    prompts = [prefix + [rng.randrange(10, vocab) for _ in range(args.own)] for _ in range(args.sequences)]
+    prefix, own = prefix_and_own(engine.config.vocab_size, args.prefix, args.own, args.sequences)
+    prompts = [prefix + o for o in own]
     params = SamplingParams(max_new_tokens=1, ignore_eos=True)
     for _ in range(2):  # warm-up, then one timed
         run = engine.generate(prompts, params)
