@@ -561,6 +561,39 @@ def test_shared_prefix_attention_in_bf16_keeps_float32_precision_of_the_keys_sha
     assert (rounded - want).abs().max().item() > 3 * err
 
 
+@pytest.mark.parametrize("scale", [1.0, 40.0])
+def test_a_bf16_prefix_part_takes_its_weights_unshifted_only_where_they_stay_normal_floats(scale, monkeypatch):
+    """The prefix part in bf16 takes its weights without each row's peak where its scores
+    allow (scale 1: within bf16 rounding of the float32 attention) and with the peak out
+    where unshifted weights would leave the floats (scale 40: scores of several hundred in
+    base 2, where exp2 overflows): then the softmax of its bf16 scores, finite, as exact as
+    those scores allow."""
+    from flexgen_helm.executor import attention
+    from flexgen_helm.executor.attention import prefix_for_decode
+    from flexgen_helm.memory.devices import cpu_has_bf16_arithmetic
+
+    if not cpu_has_bf16_arithmetic():
+        pytest.skip("this CPU emulates bf16 matmuls: the float32 layout serves it")
+    torch.manual_seed(3)
+    kvh, m, d, n = 2, 40, 64, 500
+    keys, values = torch.randn(kvh, n, d), torch.randn(kvh, n, d)
+    q = scale * torch.randn(kvh, m, d)
+    prefix = prefix_for_decode(keys, values, torch.device("cpu"), torch.bfloat16)
+    shifted = []
+    real = attention._shifted_bf16_prefix_part
+    monkeypatch.setattr(attention, "_shifted_bf16_prefix_part", lambda *a: shifted.append(1) or real(*a))
+    out, lse = attention._bf16_prefix_part(q, prefix)
+    assert bool(shifted) == (scale > 1)
+    if scale == 1:
+        scores = (q.double() @ keys.double().transpose(1, 2)) / math.sqrt(d)
+    else:  # the layout's bf16 scores (base 2, relative to the keys' mean), back in natural units
+        rounded = torch.bmm(q.bfloat16(), prefix.keys).double() * math.log(2)
+        scores = rounded + (q.double() @ prefix.key_mean.double().transpose(1, 2))
+    want_out, want_lse = scores.softmax(-1) @ values.double(), scores.logsumexp(-1, keepdim=True)
+    assert (out.double() - want_out).abs().max().item() < 0.03
+    assert ((lse.double() - want_lse).abs() / want_lse.abs().clamp(min=1)).max().item() < 1e-3
+
+
 def _planning_profile():
     """A hand-made bf16 CPU profile for the planner (24 GiB of RAM, 100 GiB of disk)."""
     from flexgen_helm.planner.hardware_profile import DeviceSpeeds, HardwareProfile
