@@ -700,8 +700,8 @@ def _bf16_prefix_part(q: torch.Tensor, prefix: DecodePrefix) -> tuple[torch.Tens
     low, high = lse2.aminmax()
     if not (-UNSHIFTED_LSE2_BOUND < low.item() and high.item() < UNSHIFTED_LSE2_BOUND):  # also NaN
         return _shifted_bf16_prefix_part(q, prefix)
-    out = torch.bmm(weights, prefix.values).float().div_(total)
-    return out, lse2.mul_(math.log(2)).add_(torch.bmm(q, prefix.key_mean.transpose(1, 2)))
+    out = torch.bmm(weights, prefix.values).div(total)  # to float32 by the division's promotion
+    return out, torch.baddbmm(lse2, q, prefix.key_mean.transpose(1, 2), beta=math.log(2))
 
 
 def _shifted_bf16_prefix_part(q: torch.Tensor, prefix: DecodePrefix) -> tuple[torch.Tensor, torch.Tensor]:
