@@ -288,6 +288,7 @@ def test_experts_padded_to_a_row_multiple_give_each_row_the_same_output(dtype, m
             w[moe.expert_key(e, proj)] = (torch.randn(*shape, generator=g) / 6).to(dtype)
     x = torch.randn(301, 32, generator=g).to(dtype)
     padded_rows = []
+    monkeypatch.setattr(moe, "GATHERED_ELEMENTS", 0)  # a prefill's: expert by expert, where rows are padded
     monkeypatch.setattr(moe, "EXPERT_PADDED_FROM", 8)
     gated = moe.gated_mlp
     monkeypatch.setattr(moe, "gated_mlp", lambda rows, *rest: padded_rows.append(len(rows)) or gated(rows, *rest))
@@ -296,3 +297,25 @@ def test_experts_padded_to_a_row_multiple_give_each_row_the_same_output(dtype, m
     plain = moe.expert_mlp(cfg, w, x)
     assert all(n % moe.EXPERT_ROWS_MULTIPLE == 0 for n in padded_rows[:2]) and sum(padded_rows[:2]) > 301
     assert torch.equal(padded, plain)
+
+
+@pytest.mark.parametrize("kind", ["olmoe", "qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_over_rows_gathered_once_give_the_bits_of_experts_one_by_one(kind, dtype, tmp_path, monkeypatch):
+    """A decode step's experts take their rows gathered at once and added back in one
+    index_add_ (moe.GATHERED_ELEMENTS); a prefill's, one expert at a time. Both give the
+    same bits: the same products, and each token's outputs added in the same order."""
+    from flexgen_helm.models import moe
+
+    # four choices a token: so that the order of its outputs' sum can matter
+    cfg = HFCheckpoint(save_tiny(kind, tmp_path / "m", num_experts_per_tok=4)).config
+    assert cfg.experts_per_token == 4
+    torch.manual_seed(0)
+    w = {t.key: (torch.randn(t.shape) * 0.3).to(dtype) for t in moe.moe_tensors(cfg, "layers.0")
+         if t.key.startswith(("experts.", "router.", "shared_expert"))}
+    x = torch.randn(3, 7, cfg.hidden_size).to(dtype)
+    assert x.numel() * cfg.experts_per_token <= moe.GATHERED_ELEMENTS
+    gathered = moe.expert_mlp(cfg, w, x)
+    monkeypatch.setattr(moe, "GATHERED_ELEMENTS", 0)
+    one_by_one = moe.expert_mlp(cfg, w, x)
+    assert torch.equal(gathered, one_by_one)
