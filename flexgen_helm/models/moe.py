@@ -294,9 +294,9 @@ def route(cfg: ModelConfig, router, x: torch.Tensor, bias=None) -> tuple[torch.T
 
 def expert_mlp(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     """The experts' output for x (..., hidden): every row's (token, choice) pairs sorted by
-    expert, each expert's rows gathered (index_select: a decode step's all at once,
+    expert, each expert's rows gathered (index_select; a decode step's all at once,
     GATHERED_ELEMENTS) and multiplied once, then added back to their tokens with their
-    routing weights (index_add_). torch's grouped_mm would need the
+    routing weights. torch's grouped_mm would need the
     experts as one (E, out, in) tensor, which the store keeps apart (placed and compressed per
     expert), and a compressed expert multiplies itself; one matmul per expert it is."""
     flat = x.reshape(-1, x.shape[-1])
@@ -317,35 +317,51 @@ def expert_mlp(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     if hasattr(w, "fetch"):
         w.fetch([e for e, count in enumerate(counts) if count])
     rows, slot_weights = order // k, weights.reshape(-1)[order]
-    # each token's k weighted outputs are summed in float32 and rounded once (as ggml sums
-    # them, and as torch's 16-bit index_add_ sums within one call), so that gathering a
-    # call's rows at once or expert by expert gives the same bits
-    total = torch.zeros(flat.shape, dtype=torch.promote_types(flat.dtype, torch.float32), device=flat.device)
+    out = torch.zeros_like(flat)
     if rows.numel() * flat.shape[-1] <= GATHERED_ELEMENTS:
-        _experts_gathered(cfg, w, flat, rows, slot_weights, counts, total)
+        _experts_gathered(cfg, w, flat, chosen, order, slot_weights, counts, out)
     else:
-        _experts_one_by_one(cfg, w, flat, rows, slot_weights, counts, total)
-    out = total.to(flat.dtype)
+        _experts_one_by_one(cfg, w, flat, rows, slot_weights, counts, out)
     if shared is not None:
         out.add_(shared)
     return out.reshape(x.shape)
 
 
-# expert_mlp gathers the rows of all its experts at once (one gather and one scatter-add a
-# call) where they hold at most this many elements: a decode step's few rows an expert, where
-# each expert's own gather, weighting and scatter-add took ~13 us beside its ~140 us of
-# products (OLMoE-1B-7B, 4-bit, 16 rows: runs/bench/moe_decode_step). A prefill's rows
-# (8,192 tokens x 8 choices of OLMoE: 268 MB in bf16) go expert by expert, so that only one
-# expert's rows are copied at a time.
+# expert_mlp gathers the rows of all its experts at once (one gather, one scatter) where they
+# hold at most this many elements: a decode step's few rows an expert, where each expert's
+# own gather, weighting and scatter-add took ~13 us beside its ~140 us of products
+# (OLMoE-1B-7B, 4-bit, 16 rows: runs/bench/moe_decode_step). A prefill's rows (8,192 tokens x
+# 8 choices of OLMoE: 268 MB in bf16) go expert by expert, so that only one expert's rows
+# are copied at a time.
 GATHERED_ELEMENTS = 1 << 22
 
 
-def _experts_gathered(cfg: ModelConfig, w: dict, flat: torch.Tensor, rows: torch.Tensor,
-                      slot_weights: torch.Tensor, counts: list[int], total: torch.Tensor) -> None:
-    """expert_mlp's experts over every (token, choice) row gathered once, by expert: each
-    expert multiplies its slice, and the weighted outputs are added into their tokens' totals
-    in one index_add_, row by row in the same order as one index_add_ per expert."""
-    gathered = flat.index_select(0, rows)
+def _experts_one_by_one(cfg: ModelConfig, w: dict, flat: torch.Tensor, rows: torch.Tensor,
+                        slot_weights: torch.Tensor, counts: list[int], out: torch.Tensor) -> None:
+    """expert_mlp's experts each over its own rows, gathered, multiplied and added back to
+    their tokens in turn, by expert: each token's outputs summed in the order of their
+    experts, rounded to out's dtype after each."""
+    start = 0
+    for e, count in enumerate(counts):
+        if not count:
+            continue
+        picked = rows[start:start + count]
+        y = _expert(cfg, w, e, flat.index_select(0, _padded(picked)))[:count]
+        out.index_add_(0, picked, (y * slot_weights[start:start + count, None]).to(out.dtype))
+        start += count
+        if hasattr(w, "release"):  # its rows are done: one expert read off its tier held at a time
+            w.release(e)
+
+
+def _experts_gathered(cfg: ModelConfig, w: dict, flat: torch.Tensor, chosen: torch.Tensor, order: torch.Tensor,
+                      slot_weights: torch.Tensor, counts: list[int], out: torch.Tensor) -> None:
+    """_experts_one_by_one's sums over every (token, choice) row gathered at once (order:
+    the flat choices sorted by expert): each expert multiplies its slice, then each token's
+    weighted outputs are put in the order of their experts and added to out one choice at a
+    time, so that each sum rounds as there (one index_add_ would sum a token's outputs in
+    float32 and round once: other bits in 16-bit dtypes)."""
+    n, k = chosen.shape
+    gathered = flat.index_select(0, order // k)
     outputs = torch.empty_like(gathered)
     start = 0
     for e, count in enumerate(counts):
@@ -355,23 +371,13 @@ def _experts_gathered(cfg: ModelConfig, w: dict, flat: torch.Tensor, rows: torch
         start += count
         if hasattr(w, "release"):  # its rows are done: one expert read off its tier held at a time
             w.release(e)
-    total.index_add_(0, rows, (outputs * slot_weights[:, None]).to(total.dtype))
-
-
-def _experts_one_by_one(cfg: ModelConfig, w: dict, flat: torch.Tensor, rows: torch.Tensor,
-                        slot_weights: torch.Tensor, counts: list[int], total: torch.Tensor) -> None:
-    """expert_mlp's experts each over its own rows, gathered, multiplied and added into
-    their tokens' totals in turn."""
-    start = 0
-    for e, count in enumerate(counts):
-        if not count:
-            continue
-        picked = rows[start:start + count]
-        y = _expert(cfg, w, e, flat.index_select(0, _padded(picked)))[:count]
-        total.index_add_(0, picked, (y * slot_weights[start:start + count, None]).to(total.dtype))
-        start += count
-        if hasattr(w, "release"):  # its rows are done: one expert read off its tier held at a time
-            w.release(e)
+    # a choice's rank among its token's choices by expert: where its output goes
+    rank = torch.empty_like(chosen).scatter_(1, chosen.argsort(1), torch.arange(k, device=chosen.device).expand(n, k))
+    slots = order - order % k + rank.reshape(-1)[order]
+    by_token = torch.empty_like(outputs, dtype=out.dtype).index_copy_(
+        0, slots, (outputs * slot_weights[:, None]).to(out.dtype)).view(n, k, -1)
+    for j in range(k):
+        out.add_(by_token[:, j])
 
 
 # An expert multiplying many rows (a prefill's gathered block) takes them padded up to a
