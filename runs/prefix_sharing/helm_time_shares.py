@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from flexgen_helm.engine import Engine
+from flexgen_helm.executor.shared_prefix import common_prefix_len
 from flexgen_helm.memory.machine import machine_label
 from flexgen_helm.tools.compare.helm_clients import SCENARIOS, SYSTEMS, export_checkpoint, prod_env_yaml
 from flexgen_helm.tools.compare.run import loadavg
@@ -37,10 +38,19 @@ def _wrap(name: str):
     def timed(self, *args, **kwargs):
         t0 = time.perf_counter()
         run = plain(self, *args, **kwargs)
-        CALLS.append({"call": name, "wall_s": time.perf_counter() - t0, "stats": run.stats.as_dict()})
+        CALLS.append({"call": name, "wall_s": time.perf_counter() - t0, "stats": run.stats.as_dict(),
+                      "prompts": _lengths(args[0] if args else kwargs["prompts"])})
         return run
 
     setattr(Engine, name, timed)
+
+
+def _lengths(prompts) -> dict:
+    """A call's prompts: how many, the tokens they all begin with, and each one's own tokens after them."""
+    shared = common_prefix_len(prompts) if len(prompts) > 1 else 0
+    own = [len(p) - shared for p in prompts]
+    return {"count": len(prompts), "common_prefix": shared, "own_min": min(own), "own_max": max(own),
+            "own_sum": sum(own)}
 
 
 def _wrap_load():
@@ -76,6 +86,7 @@ def shares(wall: float) -> dict:
         "prefill_compute_s": round(timer("prefill_compute"), 2),
         "engine_calls": len(runs),
         "batch_sequences": [s["sequences"] for s in stats],
+        "calls_prompts": [c["prompts"] for c in runs],
         "block_sizes": sorted({s["block_size"] for s in stats}),
         "prompt_tokens": sum(s["prompt_tokens"] for s in stats),
         "padded_prompt_tokens": sum(s["padded_prompt_tokens"] for s in stats),
