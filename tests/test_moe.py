@@ -315,9 +315,17 @@ def test_experts_over_rows_gathered_once_give_the_bits_of_experts_one_by_one(kin
     w = {t.key: (torch.randn(t.shape) * 0.3).to(dtype) for t in moe.moe_tensors(cfg, "layers.0")
          if t.key.startswith(("experts.", "router.", "shared_expert"))}
     x = torch.randn(3, 7, cfg.hidden_size).to(dtype)
-    assert x.numel() * cfg.experts_per_token <= moe.GATHERED_ELEMENTS
+    paths = []
+    for name in ("_experts_gathered", "_experts_one_by_one"):
+        real = getattr(moe, name)
+        monkeypatch.setattr(moe, name, lambda *a, name=name, real=real: paths.append(name) or real(*a))
     gathered = moe.expert_mlp(cfg, w, x)
     monkeypatch.setattr(moe, "GATHERED_ELEMENTS", 0)
     one_by_one = moe.expert_mlp(cfg, w, x)
+    assert paths == ["_experts_gathered", "_experts_one_by_one"]
+    # no rows at all (a step whose batch has none left): zeros of the width, either way
+    for limit in (0, 1 << 22):
+        monkeypatch.setattr(moe, "GATHERED_ELEMENTS", limit)
+        assert moe.expert_mlp(cfg, w, x[:0]).shape == (0, 7, cfg.hidden_size)
     as_bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
     assert torch.equal(gathered.view(as_bits), one_by_one.view(as_bits))

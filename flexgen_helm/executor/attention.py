@@ -673,8 +673,10 @@ def _own_keys_and_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vali
 
 
 # _bf16_prefix_part: the base-2 log-sum-exp within which a prefix part's weights, taken
-# without their peak, stay normal floats (bf16 has float32's exponent range, 2^-126..2^127):
-# below it the peak weight would lose bits, above it a sum over many keys could overflow
+# without their peak, stay normal floats (bf16 has float32's exponent range, 2^-126..2^127).
+# Above it a weight or a sum over many keys could overflow. Below it the peak weight would
+# lose bits; the layout's keys are centred, so a row's scores average ~0 and its log-sum-exp
+# is at least ~0: the lower bound guards other inputs only.
 UNSHIFTED_LSE2_BOUND = 100.0
 
 

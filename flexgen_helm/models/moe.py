@@ -318,7 +318,7 @@ def expert_mlp(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
         w.fetch([e for e, count in enumerate(counts) if count])
     rows, slot_weights = order // k, weights.reshape(-1)[order]
     out = torch.zeros_like(flat)
-    if rows.numel() * flat.shape[-1] <= GATHERED_ELEMENTS:
+    if rows.numel() * flat.shape[-1] <= GATHERED_ELEMENTS and max(counts) < EXPERT_PADDED_FROM:
         _experts_gathered(cfg, w, flat, chosen, order, slot_weights, counts, out)
     else:
         _experts_one_by_one(cfg, w, flat, rows, slot_weights, counts, out)
@@ -328,11 +328,11 @@ def expert_mlp(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
 
 
 # expert_mlp gathers the rows of all its experts at once (one gather, one scatter) where they
-# hold at most this many elements: a decode step's few rows an expert, where each expert's
-# own gather, weighting and scatter-add took ~13 us beside its ~140 us of products
-# (OLMoE-1B-7B, 4-bit, 16 rows: runs/bench/moe_decode_step). A prefill's rows (8,192 tokens x
-# 8 choices of OLMoE: 268 MB in bf16) go expert by expert, so that only one expert's rows
-# are copied at a time.
+# hold at most this many elements and no expert has rows to pad (_padded): a decode step's
+# few rows an expert, where each expert's own gather, weighting and scatter-add took ~13 us
+# beside its ~140 us of products (OLMoE-1B-7B, 4-bit, 16 rows: runs/bench/moe_decode_step).
+# A prefill's rows (8,192 tokens x 8 choices of OLMoE: 268 MB in bf16) go expert by expert,
+# so that only one expert's rows are copied at a time.
 GATHERED_ELEMENTS = 1 << 22
 
 
@@ -358,24 +358,30 @@ def _experts_gathered(cfg: ModelConfig, w: dict, flat: torch.Tensor, chosen: tor
     """_experts_one_by_one's sums over every (token, choice) row gathered at once (order:
     the flat choices sorted by expert): each expert multiplies its slice, then each token's
     weighted outputs are put in the order of their experts and added to out one choice at a
-    time, so that each sum rounds as there (one index_add_ would sum a token's outputs in
-    float32 and round once: other bits in 16-bit dtypes)."""
+    time, so that each sum rounds as there. (One index_add_ of all the rows would not: torch
+    2.13's CPU index_add_ in a 16-bit dtype sums a call's rows into a token in float32 and
+    rounds once; on CUDA its atomic adds come in no fixed order.)"""
     n, k = chosen.shape
     gathered = flat.index_select(0, order // k)
-    outputs = torch.empty_like(gathered)
+    outputs = None  # in the experts' output dtype, as the one-by-one path weights them
     start = 0
     for e, count in enumerate(counts):
         if not count:
             continue
-        outputs[start:start + count] = _expert(cfg, w, e, gathered[start:start + count])
+        y = _expert(cfg, w, e, gathered[start:start + count])
+        if outputs is None:
+            outputs = gathered.new_empty((gathered.shape[0], y.shape[-1]), dtype=y.dtype)
+        outputs[start:start + count] = y
         start += count
         if hasattr(w, "release"):  # its rows are done: one expert read off its tier held at a time
             w.release(e)
+    if outputs is None:  # no rows
+        return
     # a choice's rank among its token's choices by expert: where its output goes
     rank = torch.empty_like(chosen).scatter_(1, chosen.argsort(1), torch.arange(k, device=chosen.device).expand(n, k))
     slots = order - order % k + rank.reshape(-1)[order]
     by_token = torch.empty_like(outputs, dtype=out.dtype).index_copy_(
-        0, slots, (outputs * slot_weights[:, None]).to(out.dtype)).view(n, k, -1)
+        0, slots, (outputs * slot_weights[:, None]).to(out.dtype)).view(n, k, out.shape[-1])
     for j in range(k):
         out.add_(by_token[:, j])
 
