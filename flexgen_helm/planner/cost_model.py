@@ -91,6 +91,11 @@ ATTENTION_MASK_BYTES = 1  # per score element in `attend`: fused attention keeps
 # gate product. Gemma: Llama's plus two more norms (~5 each, (1 + w) in float32), the embedding
 # scale and the query's rescale (~1 each); tanh GELU (~3) and the gate product over the MLP.
 ELEMENTWISE_PASSES = {"opt": (12.0, 1.0), "llama": (22.0, 2.0), "phi3": (22.0, 2.0), "gemma": (34.0, 4.0)}
+# A model with q/k norms (ModelConfig.qk_norm: Qwen3, Gemma 3, OLMoE, Qwen3-MoE) adds an RMS
+# norm (~5 passes, as above) over every query and key element: (heads + kv_heads) x head_dim
+# a token, whether per head or over the whole projection (OLMoE). Measured at OLMoE's shapes,
+# an RMS norm took 5.8-6.3 plain passes (runs/bench/elementwise_passes).
+QK_NORM_PASSES = 5.0
 # A sparse MoE block's passes over the hidden size per (token, chosen expert), models/moe.expert_mlp:
 # the row gathered for its expert (index_select: a read and a write), the expert's output times
 # its routing weight (a read and a write), and added back to its token (index_add_: a read).
@@ -370,6 +375,8 @@ class CostModel:
             mlp_width = (cfg.experts_per_token * cfg.expert_ffn_size + cfg.shared_expert_ffn_size
                          if cfg.sparse_block(layer.index) else cfg.ffn_size)
             passes = per_hidden * cfg.hidden_size + per_mlp * mlp_width
+            if cfg.qk_norm:
+                passes += QK_NORM_PASSES * (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim
             if cfg.sparse_block(layer.index):
                 passes += cfg.experts_per_token * EXPERT_ROUTING_PASSES * cfg.hidden_size
             b["compute"] += nb * gbs * tokens * passes / dev.elementwise_elems_per_s
