@@ -324,7 +324,7 @@ def test_experts_over_rows_gathered_once_give_the_bits_of_experts_one_by_one(kin
     monkeypatch.setattr(moe, "GATHERED_ELEMENTS", 0)
     one_by_one = moe.expert_mlp(cfg, w, x)
     assert paths == ["_experts_gathered", "_experts_one_by_one"]
-    # no rows at all (a step whose batch has none left): zeros of the width, either way
+    # no rows at all (a step whose batch has none left): an empty output of the width, either way
     for limit in (0, 1 << 22):
         monkeypatch.setattr(moe, "GATHERED_ELEMENTS", limit)
         assert moe.expert_mlp(cfg, w, x[:0]).shape == (0, 7, cfg.hidden_size)
