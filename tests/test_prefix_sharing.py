@@ -336,11 +336,14 @@ def test_shared_prefix_attention_is_attention(softcap):
 
 @pytest.mark.parametrize("softcap", [0.0, 3.0])
 @pytest.mark.parametrize("with_sinks", [False, True])
-def test_a_window_prefill_attends_to_the_prefix_as_over_each_rows_columns(softcap, with_sinks):
+@pytest.mark.parametrize("slices", ["one", "of two sequences", "of five rows"])
+def test_a_window_prefill_attends_to_the_prefix_as_over_each_rows_columns(softcap, with_sinks, slices, monkeypatch):
     """A GPU batch's window queries (rows padded differently, so each row's columns hold the
     prefix from its own offset and recompute its last tokens) over the one copy of the prefix
     that every row's columns hold, and the rest per row: what causal attention over each
-    row's joined columns computes."""
+    row's joined columns computes; also where the prefix part takes the queries a slice at a
+    time (attention.WINDOW_MAX_SCORES): slices of whole sequences, or of one sequence's rows."""
+    from flexgen_helm.executor import attention
     from flexgen_helm.executor.attention import attend
     from flexgen_helm.executor.shared_prefix import PrefixLayer
 
@@ -354,7 +357,11 @@ def test_a_window_prefill_attends_to_the_prefix_as_over_each_rows_columns(softca
     valid = torch.arange(width + s)[None, :] >= pad.repeat_interleave(kvh)[:, None]  # a row's padding first
     sinks = torch.randn(u, r) if with_sinks else None
     want = attend(q, keys, values, valid, causal=True, softcap=softcap, sinks=sinks)
-    got = prefix.attend_window(q, keys, values, pad, prefix.window_split(pad, q.device), valid, softcap, sinks)
+    split = prefix.window_split(pad, q.device)
+    cap = {"one": attention.WINDOW_MAX_SCORES, "of two sequences": 2 * kvh * r * s * split,
+           "of five rows": 5 * kvh * split}[slices]
+    monkeypatch.setattr(attention, "WINDOW_MAX_SCORES", cap)
+    got = prefix.attend_window(q, keys, values, pad, split, valid, softcap, sinks)
     assert torch.allclose(got, want, atol=1e-5)
 
 

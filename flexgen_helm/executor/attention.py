@@ -586,14 +586,9 @@ def attend_window_past_shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.
     DecodePrefix); sinks (u, r) apply once to the merged softmax. Returns (u, r, s, d) in q's
     dtype."""
     u, r, s, d = q.shape
-    t, kvh, m = k.shape[1], prefix.values.shape[0], r * s
+    t, m = k.shape[1], r * s
     qf = q.float().reshape(u, m, d)
-    by_head, per_unit = _stacked_by_head(qf, 0, kvh)
-    rows = max(1, WINDOW_MAX_SCORES // (kvh * prefix.length))
-    parts = [_bf16_prefix_part(by_head[:, a:a + rows], prefix) if prefix.key_mean is not None
-             else _normalized_part(by_head[:, a:a + rows], prefix.keys, prefix.values, softcap)
-             for a in range(0, by_head.shape[1], rows)]
-    shared_out, shared_lse = (per_unit(torch.cat(x, 1)) for x in zip(*parts))
+    shared_out, shared_lse = _window_prefix_part(qf, prefix, softcap)
     causal = torch.arange(t, device=q.device)[None, :] <= torch.arange(t - s, t, device=q.device)[:, None]
     sinks = None if sinks is None else sinks[:, :, None].expand(u, r, s).reshape(u, m)
     in_bf16 = q.dtype == torch.bfloat16 and q.device.type == "cpu" and not softcap and _bf16_matmuls_native()
@@ -601,35 +596,84 @@ def attend_window_past_shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.
     units = max(1, WINDOW_MAX_SCORES // (m * (t + 1)))
     for a in range(0, u, units):
         b = min(u, a + units)
-        valid = (key_valid[a:b, None, None, :] & causal).expand(b - a, r, s, t).reshape(b - a, m, t)
         shared, sink = (shared_out[a:b], shared_lse[a:b]), None if sinks is None else sinks[a:b]
-        if in_bf16:
-            out[a:b] = _own_window_bf16(q[a:b].reshape(b - a, m, d), qf[a:b], k[a:b], v[a:b], valid, shared, sink)
+        if in_bf16:  # the mask as (units, 1, s, t): each query head of a unit sees the same keys
+            hidden = ~key_valid[a:b, None, None, :] | ~causal
+            _own_window_bf16(q[a:b].reshape(b - a, m, d), qf[a:b], k[a:b], v[a:b], hidden, shared, sink, out[a:b])
         else:
+            valid = (key_valid[a:b, None, None, :] & causal).expand(b - a, r, s, t).reshape(b - a, m, t)
             out[a:b] = _own_keys_and_prefix(qf[a:b], k[a:b], v[a:b], valid, softcap, shared, sink)
     return out.view(u, r, s, d).to(q.dtype)
 
 
-def _own_window_bf16(q: torch.Tensor, qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
-                     prefix: tuple[torch.Tensor, torch.Tensor], sinks: torch.Tensor | None = None) -> torch.Tensor:
+def _window_prefix_part(qf: torch.Tensor, prefix: DecodePrefix, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefix part (output, log-sum-exp) of window queries qf (u, m, d), float32, of whole
+    sequences (kv_heads units each), in the units' layout: one product per key-value head for a
+    slice of the sequences at a time (of whole sequences while one's scores fit
+    WINDOW_MAX_SCORES, else of one sequence's rows), each slice's result copied into its
+    place, where joining the slices and reordering them by unit were two more passes over all
+    of it (runs/prefix_sharing/window_passes.py). The slices follow the shapes only, so every
+    policy slices a block alike; a row's last bits may follow its slice's size (the products'
+    kernels block their rows by it), and a slice whose scores leave the normal floats is
+    taken again with the peak out (_bf16_prefix_part)."""
+    u, m, d = qf.shape
+    kvh, keys = prefix.values.shape[0], prefix.length
+    sequences, per_sequence = u // kvh, kvh * m * keys
+    if per_sequence <= WINDOW_MAX_SCORES:
+        at_once, rows = WINDOW_MAX_SCORES // per_sequence, m
+    else:
+        at_once, rows = 1, max(1, WINDOW_MAX_SCORES // (kvh * keys))
+    out, lse = qf.new_empty(u, m, d), qf.new_empty(u, m, 1)
+
+    def by_sequence(x: torch.Tensor) -> torch.Tensor:
+        return x.view(sequences, kvh, m, x.shape[-1])
+
+    for a in range(0, sequences, at_once):
+        b = min(sequences, a + at_once)
+        for c in range(0, m, rows):
+            e = min(m, c + rows)
+            queries = by_sequence(qf)[a:b, :, c:e].transpose(0, 1).reshape(kvh, (b - a) * (e - c), d)
+            part = (_bf16_prefix_part(queries, prefix) if prefix.key_mean is not None
+                    else _normalized_part(queries, prefix.keys, prefix.values, softcap))
+            for whole, piece in zip((out, lse), part):
+                by_sequence(whole)[a:b, :, c:e].copy_(piece.view(kvh, b - a, e - c, -1).transpose(0, 1))
+    return out, lse
+
+
+def _own_window_bf16(q: torch.Tensor, qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor,
+                     prefix: tuple[torch.Tensor, torch.Tensor], sinks: torch.Tensor | None, out: torch.Tensor) -> None:
     """_own_keys_and_prefix of a prefill window in bfloat16 on a CPU with bf16 arithmetic (no
-    softcap): its two products over each unit's own columns in bf16 (a window's own part in
-    float32 was most of attend_window_past_shared_prefix's time at SmolLM2's shapes), the keys'
-    mean taken out before their rounding as _causal_rows does, and q . mean / sqrt(d), the
-    part every key of a query shares, taken out of the prefix's log-sum-exp (and the sink)
-    instead, so that all the softmax's entries move alike. q: (u, m, d), k, v: bf16; qf: q in float32."""
-    t, d = k.shape[1], k.shape[2]
+    softcap), into out (u, m, d) float32: its two products over each unit's own columns in
+    bf16 (a window's own part in float32 was most of attend_window_past_shared_prefix's time
+    at SmolLM2's shapes), the keys' mean taken out before their rounding as _causal_rows does,
+    and q . mean / sqrt(d), the part every key of a query shares, taken out of the prefix's
+    log-sum-exp (and the sink) instead, so that all the softmax's entries move alike. q: (u,
+    m, d), k, v: bf16; qf: q in float32; hidden (u, 1, s, t): the columns the last s queries
+    of each unit's m (r query heads of s positions) do not see.
+
+    The softmax's inputs are written into one tensor, own scores then the prefix's (and the
+    sink's) column, and the output is the prefix's part with the own part added in place:
+    each pass over these (u, m, t) tensors is a pass over tens of MB at a few-shot block's
+    shapes, and a concatenation, a widening copy and a mask expanded over the query heads
+    were three more of them (runs/prefix_sharing/window_passes.py). The same bits as
+    computing them apart: the same values go into the softmax, and float addition commutes."""
+    u, m, d = q.shape
+    t = k.shape[1]
     scale = 1 / math.sqrt(d)
     kf = k.float()
     mean = kf.mean(1, keepdim=True)
     shift = torch.bmm(qf, mean.transpose(1, 2)).mul_(scale)  # (u, m, 1)
     keys = kf.sub_(mean).mul_(scale).to(torch.bfloat16).transpose(1, 2)
-    scores = torch.bmm(q, keys).float().masked_fill_(~valid, -math.inf)
     prefix_out, prefix_lse = prefix
-    extra = [prefix_lse - shift] if sinks is None else [prefix_lse - shift, sinks.float()[..., None] - shift]
-    weights = torch.cat([scores, *extra], -1).softmax(-1)
-    own = torch.bmm(weights[..., :t].to(torch.bfloat16), v).float()
-    return own.add_(weights[..., t:t + 1] * prefix_out)
+    scores = torch.empty(u, m, t + (1 if sinks is None else 2), device=q.device)
+    own_scores = scores[..., :t]
+    own_scores.copy_(torch.bmm(q, keys))
+    own_scores.unflatten(1, (-1, hidden.shape[-2])).masked_fill_(hidden, -math.inf)
+    torch.sub(prefix_lse, shift, out=scores[..., t:t + 1])
+    if sinks is not None:
+        torch.sub(sinks.float()[..., None], shift, out=scores[..., t + 1:])
+    weights = scores.softmax(-1)
+    torch.mul(weights[..., t:t + 1], prefix_out, out=out).add_(torch.bmm(weights[..., :t].to(torch.bfloat16), v))
 
 
 def _stacked_by_head(qf: torch.Tensor, first_unit: int, kvh: int) -> tuple[torch.Tensor, Callable]:
