@@ -366,12 +366,18 @@ def test_a_window_prefill_attends_to_the_prefix_as_over_each_rows_columns(softca
 
 
 @pytest.mark.parametrize("offset", [0.0, 3.0])
-def test_a_bf16_window_prefill_stays_within_bf16_rounding_of_the_float32_attention(offset):
+@pytest.mark.parametrize("row_sums", ["whole", "a few rows at a time"])
+def test_a_bf16_window_prefill_stays_within_bf16_rounding_of_the_float32_attention(offset, row_sums, monkeypatch):
     """In bfloat16 (on a CPU with bf16 arithmetic, the window's own part's products in bf16, the
     keys' shared component taken out first): as far from the float32 attention as torch's fused
-    kernel over the joined columns is, give or take rounding, keys with a large shared part too."""
+    kernel over the joined columns is, give or take rounding, keys with a large shared part too;
+    also where the prefix part sums its weights a few rows at a time (attention.ROW_SUM_ELEMENTS)."""
+    from flexgen_helm.executor import attention
     from flexgen_helm.executor.attention import attend
     from flexgen_helm.executor.shared_prefix import PrefixLayer
+
+    if row_sums != "whole":
+        monkeypatch.setattr(attention, "ROW_SUM_ELEMENTS", 3 * 200 * 7)
 
     torch.manual_seed(0)
     kvh, width, d, r, s = 3, 200, 64, 3, 30
