@@ -758,7 +758,7 @@ def _row_sums(weights: torch.Tensor) -> torch.Tensor:
     """Each row's sum (g, m, 1), float32, of bf16 weights (g, m, n), a slice of the rows at a
     time: torch sums bf16 into float32 by widening the whole input first, and a prefill
     window's 4M weights widened at once go out to memory and back, where a slice's stay in
-    the core's cache (the window's attention at natural-easy's shapes: 3-7% less time,
+    the core's cache (the window's attention at natural-easy's shapes: 5-8% less time,
     runs/prefix_sharing/window_passes_2026-11-29.txt). A row's sum is the same in any slicing."""
     g, m, n = weights.shape
     rows = max(1, ROW_SUM_ELEMENTS // (g * n))
