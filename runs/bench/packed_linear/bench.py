@@ -2,6 +2,9 @@
 per row count and weight shape, and whether the outputs are bit for bit the same.
 
     python runs/bench/packed_linear/bench.py [--dtypes bfloat16 float32] [--repeats 10]
+        [--shapes 49152x576] [--rows 1 8 32 128]
+
+(49152x576: SmolLM2's tied embedding as its head multiplies it, a decode step's largest product.)
 
 Each shape's weights are distinct matrices adding up to ~64 MB (no cache reuse between calls,
 as a decode step's weights stream from memory). Appends one JSON line to results.jsonl beside
@@ -40,14 +43,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--shapes", nargs="+", default=[f"{o}x{i}" for o, i in SHAPES], help="out x in features")
+    p.add_argument("--rows", nargs="+", type=int, default=ROWS)
     args = p.parse_args()
+    shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes]
     rows_out = []
     for name in args.dtypes:
         dtype = getattr(torch, name)
-        for out_f, in_f in SHAPES:
+        for out_f, in_f in shapes:
             weights = [torch.randn(out_f, in_f, dtype=dtype) for _ in range(max(2, int(64e6 // (out_f * in_f * 2))))]
             packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
-            for rows in ROWS:
+            for rows in args.rows:
                 x = torch.randn(rows, in_f, dtype=dtype)
                 repeats = max(2, args.repeats // (4 if rows >= 512 else 1))
                 plain = seconds(F.linear, x, weights, repeats)
@@ -63,7 +69,8 @@ def main() -> None:
                       f"({plain / fast:.2f}x, {row['packed_gb_s']:.1f} GB/s), bit for bit: {same}", flush=True)
     record = {"host": machine_label(), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "loadavg_1m": os.getloadavg()[0], "command": "python runs/bench/packed_linear/bench.py --dtypes "
-              + " ".join(args.dtypes) + f" --repeats {args.repeats}", "rows": rows_out}
+              + " ".join(args.dtypes) + f" --repeats {args.repeats} --shapes {' '.join(args.shapes)} --rows "
+              + " ".join(map(str, args.rows)), "rows": rows_out}
     with (HERE / "results.jsonl").open("a") as f:
         f.write(json.dumps(record) + "\n")
 
