@@ -367,11 +367,14 @@ def test_a_window_prefill_attends_to_the_prefix_as_over_each_rows_columns(softca
 
 @pytest.mark.parametrize("offset", [0.0, 3.0])
 @pytest.mark.parametrize("row_sums", ["whole", "a few rows at a time"])
-def test_a_bf16_window_prefill_stays_within_bf16_rounding_of_the_float32_attention(offset, row_sums, monkeypatch):
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_a_bf16_window_prefill_stays_within_bf16_rounding_of_the_float32_attention(offset, row_sums, with_sinks,
+                                                                                    monkeypatch):
     """In bfloat16 (on a CPU with bf16 arithmetic, the window's own part's products in bf16, the
     keys' shared component taken out first): as far from the float32 attention as torch's fused
     kernel over the joined columns is, give or take rounding, keys with a large shared part too;
-    also where the prefix part sums its weights a few rows at a time (attention.ROW_SUM_ELEMENTS)."""
+    also where the prefix part sums its weights a few rows at a time (attention.ROW_SUM_ELEMENTS),
+    and with attention sinks (gpt-oss: one more column of the own part's softmax)."""
     from flexgen_helm.executor import attention
     from flexgen_helm.executor.attention import attend
     from flexgen_helm.executor.shared_prefix import PrefixLayer
@@ -386,12 +389,13 @@ def test_a_bf16_window_prefill_stays_within_bf16_rounding_of_the_float32_attenti
     prefix_k, prefix_v = torch.randn(kvh, width, d) + offset, torch.randn(kvh, width, d)
     q, own_k, own_v = torch.randn(u, r, s, d), torch.randn(u, s, d) + offset, torch.randn(u, s, d)
     valid = torch.arange(width + s)[None, :] >= pad.repeat_interleave(kvh)[:, None]
+    sinks = 2 * torch.randn(u, r) if with_sinks else None
     keys, values = PrefixLayer(prefix_k, prefix_v).with_context(pad, own_k, own_v)
-    want = attend(q, keys, values, valid, causal=True)
+    want = attend(q, keys, values, valid, causal=True, sinks=sinks)
     prefix = PrefixLayer(prefix_k.bfloat16(), prefix_v.bfloat16())
     keys, values = prefix.with_context(pad, own_k.bfloat16(), own_v.bfloat16())
-    got = prefix.attend_window(q.bfloat16(), keys, values, pad, prefix.window_split(pad, q.device), valid)
-    fused = attend(q.bfloat16(), keys, values, valid, causal=True)
+    got = prefix.attend_window(q.bfloat16(), keys, values, pad, prefix.window_split(pad, q.device), valid, sinks=sinks)
+    fused = attend(q.bfloat16(), keys, values, valid, causal=True, sinks=sinks)
     err, fused_err = ((x.float() - want).abs().max().item() for x in (got, fused))
     assert err <= max(2 * fused_err, 5e-3), (err, fused_err)
 
