@@ -46,6 +46,9 @@ def main() -> None:
     p.add_argument("--sequences", type=int, default=126)
     args = p.parse_args()
     keep_freed_host_memory()
+    if not current._bf16_matmuls_native():
+        raise SystemExit("this CPU has no native bf16 matmuls: the window's bf16 path this benchmark names "
+                         "does not run here (attention.prefix_for_decode takes the float32 layout)")
     base = attention_at(args.base_commit)
     torch.manual_seed(0)
     units = args.sequences * KV_HEADS

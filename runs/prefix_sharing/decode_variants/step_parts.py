@@ -39,8 +39,12 @@ AS_IT_RUNS = attention.attend_past_shared_prefix
 COMPUTED_PART = attention._bf16_prefix_part
 
 
+REUSED: list[dict] = []  # each prefix_part_reused's parts, to check the variant ran what it names
+
+
 def prefix_part_reused():
     parts = {}
+    REUSED.append(parts)
 
     def part(q, prefix):
         key = (tuple(q.shape), id(prefix))
@@ -72,6 +76,9 @@ def main() -> None:
             attention._bf16_prefix_part = prefix_part_reused() if reuse else COMPUTED_PART
             steps[name].append(engine.generate(prompts, params).stats.decode_s / (NEW_TOKENS - 1) * 1e3)
     schedule.attend_past_shared_prefix, attention._bf16_prefix_part = AS_IT_RUNS, COMPUTED_PART
+    if not any(REUSED):
+        raise SystemExit("the prefix part was never computed in bf16 (attention._bf16_prefix_part): this host or "
+                         "dtype takes the float32 layout, so 'prefix part reused' would time the step as it runs")
     best = {name: min(s) for name, s in steps.items()}
     print(f"# {machine_label()}, load {os.getloadavg()[0]:.2f}: mean decode step (ms), fastest of {args.rounds}")
     for name, s in steps.items():
