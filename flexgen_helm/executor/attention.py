@@ -750,24 +750,27 @@ def _bf16_prefix_part(q: torch.Tensor, prefix: DecodePrefix) -> tuple[torch.Tens
     return out, torch.baddbmm(lse2, q, prefix.key_mean.transpose(1, 2), beta=math.log(2))
 
 
-# _row_sums: the most elements widened to float32 at once (1 MiB of them)
-ROW_SUM_ELEMENTS = 1 << 18
+# _row_sums: the most elements widened to float32 at once (2 MiB of them)
+ROW_SUM_ELEMENTS = 1 << 19
 
 
 def _row_sums(weights: torch.Tensor) -> torch.Tensor:
     """Each row's sum (g, m, 1), float32, of bf16 weights (g, m, n), a slice of the rows at a
     time: torch sums bf16 into float32 by widening the whole input first, and a prefill
     window's 4M weights widened at once go out to memory and back, where a slice's stay in
-    the core's cache (the window's attention at natural-easy's shapes: 5-8% less time,
-    runs/prefix_sharing/window_passes_2026-11-29.txt). A row's sum is the same in any slicing."""
+    the core's cache. The slices are of the rows flattened, so each is contiguous (slices
+    across the g heads' rows took 3x one whole sum at a decode step's 3 x 96 x 1000), and a
+    decode step's weights sum in one call (runs/prefix_sharing/README.md, "Row sums"). A
+    row's sum is the same in any slicing."""
     g, m, n = weights.shape
-    rows = max(1, ROW_SUM_ELEMENTS // (g * n))
-    if rows >= m:
+    rows = max(1, ROW_SUM_ELEMENTS // n)
+    if rows >= g * m:
         return weights.sum(-1, keepdim=True, dtype=torch.float32)
-    total = weights.new_empty(g, m, 1, dtype=torch.float32)
-    for a in range(0, m, rows):
-        torch.sum(weights[:, a:a + rows], -1, keepdim=True, dtype=torch.float32, out=total[:, a:a + rows])
-    return total
+    flat = weights.view(g * m, n)
+    total = weights.new_empty(g * m, 1, dtype=torch.float32)
+    for a in range(0, g * m, rows):
+        torch.sum(flat[a:a + rows], -1, keepdim=True, dtype=torch.float32, out=total[a:a + rows])
+    return total.view(g, m, 1)
 
 
 def _shifted_bf16_prefix_part(q: torch.Tensor, prefix: DecodePrefix) -> tuple[torch.Tensor, torch.Tensor]:
