@@ -186,6 +186,54 @@ def test_cost_model_counts_each_chosen_experts_routing_passes():
     assert routing >= dense
 
 
+def test_cost_model_charges_each_touched_expert_its_profiled_fixed_cost():
+    """A decode step's call of a sparse block's experts costs, besides their arithmetic, the
+    profile's per_expert for each expert its rows are expected to choose (~56 of OLMoE's 64
+    at 16 rows x 8 choices); a profile without it counts EXPERT_CALL_OPS tiny ops."""
+    from dataclasses import replace
+
+    from test_policy_search import cpu_profile, speeds
+
+    from flexgen_helm.models.moe import expected_experts_touched, geometry
+    from flexgen_helm.planner.cost_model import EXPERT_CALL_OPS, CostModel, Fractions, Workload
+    from flexgen_helm.policy import Policy
+
+    cfg = geometry("olmoe-1b-7b")
+    policy = Policy(8, 2)
+
+    def block_decode(fixed_costs: dict) -> float:
+        prof = replace(cpu_profile(), devices={"cpu": speeds(fixed_costs=fixed_costs)})
+        model = CostModel(cfg, prof, Workload(512, 32))
+        (layer, _), lw = next((g, lw) for g, lw in zip(model.groups, model.weights_per_layer(policy))
+                              if g[0].kind == "block")
+        return model._layer_work(layer, lw, policy, Fractions.of(policy), "decode")[0]["compute"]
+
+    def costs(**per_expert) -> dict:
+        phase = {"per_layer_batch": 1e-4, "per_step": 1e-3, **per_expert}
+        return {"moe": {"prefill": phase, "decode": phase}}
+
+    touched = expected_experts_touched(64, 8, 16)
+    assert 55 < touched < 57
+    assert block_decode(costs(per_expert=5e-5)) - block_decode(costs(per_expert=0.0)) == pytest.approx(touched * 5e-5)
+    tiny_op = cpu_profile().compute.op_latency_s
+    assert block_decode(costs()) - block_decode(costs(per_expert=0.0)) == pytest.approx(
+        touched * EXPERT_CALL_OPS * tiny_op)
+
+
+def test_profile_measures_what_each_expert_of_a_call_costs(monkeypatch):
+    """The overhead profile's MoE probe: a per-expert figure beside the per-layer and per-step
+    ones, in both phases, from the engine's own block driver on a tiny MoE."""
+    from flexgen_helm.memory.devices import pick_devices
+    from flexgen_helm.planner import overhead_profile
+
+    monkeypatch.setattr(overhead_profile, "FAMILIES", ("moe",))
+    costs = overhead_profile.measure_fixed_costs(pick_devices("cpu", "float32"), repeats=2)
+    for phase in ("prefill", "decode"):
+        assert set(costs["moe"][phase]) == {"per_layer_batch", "per_step", "per_expert"}
+        assert all(0.0 <= v < 0.1 for v in costs["moe"][phase].values())
+    assert costs["moe"]["decode"]["per_expert"] > 0.0  # seven experts more a layer cost something
+
+
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"])
 def test_export_hf_gives_transformers_the_same_model(kind, tmp_path):
     """What `flexgen-helm compare` hands HF accelerate: our store written back as a checkpoint

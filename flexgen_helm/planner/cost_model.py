@@ -104,6 +104,11 @@ QK_NORM_PASSES = 5.0
 # work, with the sort and the routing, took 1.2 s of 26.4 (cProfile, 2026-11-28); at the
 # profile's rate of a plain pass these passes price 0.6 s (index_select and index_add_ are slower).
 EXPERT_ROUTING_PASSES = 5.0
+# What an MoE block's call costs for each expert its rows choose, besides the arithmetic, where
+# the hardware profile has not measured it (planner/overhead_profile.py: per_expert): the ops of
+# models/moe._expert and its bookkeeping (the rows' slice, three products, the activation and
+# gate product, the copy of its outputs, its load and release), at the tiny-op latency.
+EXPERT_CALL_OPS = 10
 
 
 @dataclass(frozen=True)
@@ -357,6 +362,8 @@ class CostModel:
             touched = expected_experts_touched(cfg.num_experts, cfg.experts_per_token, gbs * nb * tokens)
             weights_compute += self._experts_compute(lw.experts, rows, calls) - self._weights_compute(
                 lw.experts, rows, calls)
+            # one call a layer and step, the block's rows merged (models/moe.expert_mlp)
+            weights_compute += touched * self._per_expert_s(phase)
             lw = lw.plus(lw.experts.scaled(touched / cfg.num_experts - 1.0))
         if kept != "decode":  # a block that keeps its weights loads each layer once, in its prefill
             b["disk_cpu"] += lw.stored["disk"]
@@ -484,6 +491,12 @@ class CostModel:
         threaded = policy.overlap and (self.hw.is_cuda or any(
             split.disk > 0 for split in (policy.weights, policy.cache, policy.activations)))
         return fixed["per_layer_batch"] + (TRANSFERS_PER_LAYER_BATCH * dev.copy_handoff_s if threaded else 0.0)
+
+    def _per_expert_s(self, phase: str) -> float:
+        """What each expert an MoE block's call touches costs besides its arithmetic: the
+        profiled per_expert, or EXPERT_CALL_OPS at the tiny-op latency."""
+        fixed = self.hw.compute.fixed_costs.get(self.cfg.family, {}).get(phase, {})
+        return fixed.get("per_expert", EXPERT_CALL_OPS * self.hw.compute.op_latency_s)
 
     def step_overhead_s(self, phase: str) -> float:
         """The profiled fixed cost of one token step of the block (sampling, bookkeeping)."""

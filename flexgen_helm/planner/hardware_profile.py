@@ -833,6 +833,7 @@ def describe(p: HardwareProfile) -> str:
             lines.append(f"  {name} fixed costs ({fam}): " + "; ".join(
                 f"{ph} {c['per_layer_batch'] * 1e3:.2f} ms per layer and GPU batch + "
                 f"{c['per_step'] * 1e3:.2f} ms per step"
+                + (f" + {c['per_expert'] * 1e6:.1f} us per expert a layer's call touches" if "per_expert" in c else "")
                 for ph, c in phases.items()))
         if s.copy_handoff_s:
             lines.append(f"  {name} copy-thread hand-off {s.copy_handoff_s * 1e6:.1f} us per transfer")

@@ -8,7 +8,17 @@ size 32: its arithmetic is negligible) with 1 and with NB_PROBE GPU batches per 
     step time = per_step + NB x layers x per_layer_batch
 
 per phase (prefill, decode) and per model family (their layers launch different ops). A
-second figure, the copy thread's hand-off, is what each transfer costs when the schedule
+mixture-of-experts block's call of its experts (one a layer and step: the block's rows
+merged) costs a third figure per expert its rows choose (the gathered rows' slice, three
+products, the activation, the copy of its outputs, its load and release): measured apart,
+on a tiny MoE whose every token takes all PROBE_EXPERTS experts against one whose single
+sequence takes one, so that
+
+    step time = per_step + NB x layers x per_layer_batch + layers x experts x per_expert
+
+An OLMoE-1B-7B decode step touches ~56 of 64 experts a layer (16 rows x 8 choices): the
+figure is ~10% of its step on a 2-core CPU, where a step's products are ~2 rows an expert.
+A second figure, the copy thread's hand-off, is what each transfer costs when the schedule
 runs transfers on its copy thread (a disk tier, or a GPU) instead of inline."""
 
 from __future__ import annotations
@@ -29,15 +39,24 @@ from flexgen_helm.memory.usage import TierUsage
 from flexgen_helm.memory.weight_homes import build_homes
 from flexgen_helm.models import family_of
 from flexgen_helm.models.config import ModelConfig
+from flexgen_helm.models.moe import config_from_hf as moe_config_from_hf
 from flexgen_helm.policy.policy import Policy, Split
 from flexgen_helm.weights.dummy import DummyWeights
 
 NB_PROBE = 4
 PROMPT, NEW_TOKENS = 8, 6
-FAMILIES = ("opt", "llama")
+FAMILIES = ("opt", "llama", "moe")
+PROBE_EXPERTS = 8
 
 
-def tiny_config(family: str) -> ModelConfig:
+def tiny_config(family: str, experts_per_token: int = PROBE_EXPERTS) -> ModelConfig:
+    if family == "moe":  # Mixtral's block: the router and experts alone, no family's extras
+        return moe_config_from_hf({
+            "model_type": "mixtral", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 2,
+            "num_local_experts": PROBE_EXPERTS, "num_experts_per_tok": experts_per_token,
+            "max_position_embeddings": 64, "eos_token_id": 1, "pad_token_id": 0},
+            f"overhead-probe-moe-{experts_per_token}")
     return ModelConfig(family=family, name=f"overhead-probe-{family}", vocab_size=64, hidden_size=32, num_layers=4,
                        num_heads=2, num_kv_heads=2, ffn_size=64, max_seq_len=64, eos_token_id=1, pad_token_id=0)
 
@@ -52,33 +71,47 @@ def _runtime(cfg: ModelConfig, devices: Devices) -> ModelRuntime:
     return ModelRuntime(cfg, family, layers, placement, homes, None, devices, usage)
 
 
-def _run(rt: ModelRuntime, nb: int, workdir: Path) -> tuple[float, float]:
+def _run(rt: ModelRuntime, nb: int, workdir: Path, prompt: int = PROMPT) -> tuple[float, float]:
     """(prefill s, one decode step s) of a block of nb GPU batches of one sequence."""
     policy = Policy(gpu_batch_size=1, num_gpu_batches=nb)
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    seqs = [Sequence(list(range(2, 2 + PROMPT)), params, None, frozenset()) for _ in range(nb)]
+    seqs = [Sequence(list(range(2, 2 + prompt)), params, None, frozenset()) for _ in range(nb)]
     stats = RunStats()
     BlockDriver(rt, policy, workdir, stats).generate(seqs)
     return stats.prefill_s, stats.decode_s / (NEW_TOKENS - 1)
 
 
 def measure_fixed_costs(devices: Devices, repeats: int = 5) -> dict[str, dict[str, dict[str, float]]]:
-    """family -> phase -> {"per_layer_batch": s, "per_step": s}."""
+    """family -> phase -> {"per_layer_batch": s, "per_step": s}, and for "moe" "per_expert": s."""
     out = {}
     with tempfile.TemporaryDirectory(prefix="flexgen-overhead-") as tmp:
         for fam in FAMILIES:
             rt = _runtime(tiny_config(fam), devices)
             layers = len(rt.layers)
-            _run(rt, NB_PROBE, Path(tmp))  # warm-up: first calls of every op
-            best = {nb: [min(x) for x in zip(*(_run(rt, nb, Path(tmp)) for _ in range(repeats)))]
-                    for nb in (1, NB_PROBE)}
+            best = _best_runs(rt, (1, NB_PROBE), Path(tmp), repeats)
+            # the MoE probe: a single one-token sequence whose token takes one expert, against
+            # best[1], where every token takes all PROBE_EXPERTS (the same count at any rows)
+            single = _best_runs(_runtime(tiny_config(fam, 1), devices), (1,), Path(tmp), repeats, prompt=1)[1] \
+                if fam == "moe" else None
             out[fam] = {}
             for i, phase in enumerate(("prefill", "decode")):
                 one, many = best[1][i], best[NB_PROBE][i]
                 per_layer_batch = max(0.0, (many - one) / ((NB_PROBE - 1) * layers))
-                out[fam][phase] = {"per_layer_batch": per_layer_batch,
-                                   "per_step": max(0.0, one - layers * per_layer_batch)}
+                costs = {"per_layer_batch": per_layer_batch, "per_step": max(0.0, one - layers * per_layer_batch)}
+                if single is not None:
+                    per_expert = max(0.0, (one - single[i]) / ((PROBE_EXPERTS - 1) * layers))
+                    costs.update(per_expert=per_expert, per_step=max(0.0, costs["per_step"] - layers * PROBE_EXPERTS
+                                                                     * per_expert))
+                out[fam][phase] = costs
     return out
+
+
+def _best_runs(rt: ModelRuntime, nbs: tuple[int, ...], workdir: Path, repeats: int, prompt: int = PROMPT
+               ) -> dict[int, list[float]]:
+    """nb -> the least (prefill s, decode step s) of `repeats` runs, after a warm-up (the first
+    calls of every op)."""
+    _run(rt, max(nbs), workdir, prompt)
+    return {nb: [min(x) for x in zip(*(_run(rt, nb, workdir, prompt) for _ in range(repeats)))] for nb in nbs}
 
 
 def measure_handoff_s(device: torch.device, reps: int = 200) -> float:
