@@ -17,6 +17,7 @@ decides whether a compressed deployment can be faster than BF16.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -39,6 +40,27 @@ ROWS = (1, 2, 4, 6, 8, 10, 16, 32)
 STREAMED_BYTES = 256 << 20  # of bf16 weights per shape: several times this host's 32 MiB L3
 
 
+def _each(product, x: torch.Tensor, weights: list) -> None:
+    for w in weights:
+        product(x, w)
+
+
+def _held(x, w):
+    return w.linear(x)
+
+
+def _int4(x, p):
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, p.packed, p.group_size, p.scales_zeros)
+
+
+def _int8_alone(x, p):
+    return torch.ops.aten._weight_int8pack_mm(x, p.packed, p.scales)
+
+
+def _int8_with_zero(x, p):
+    return int8_mm(x, p)
+
+
 def main() -> None:
     args = bench_args(__doc__, HERE, rounds=5)
     args.out = HERE / "kernel_rows.jsonl" if args.out.name == "results.jsonl" else args.out
@@ -57,15 +79,10 @@ def main() -> None:
         table[name] = {}
         for rows in ROWS:
             x = torch.randn(rows, k).to(torch.bfloat16)
-            paths = {
-                "held bf16": lambda: [w.linear(x) for w in held],
-                "int4": lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(x, p.packed, p.group_size,
-                                                                            p.scales_zeros) for p in int4],
-                "int8 alone": lambda: [torch.ops.aten._weight_int8pack_mm(x, p.packed, p.scales) for p in int8],
-                "int8 + zero term": lambda: [int8_mm(x, p) for p in int8],
-            }
-            table[name][rows] = {path: round(median_seconds(fn, args.rounds) / copies * 1e6, 1)
-                                 for path, fn in paths.items()}
+            paths = {"held bf16": (_held, held), "int4": (_int4, int4), "int8 alone": (_int8_alone, int8),
+                     "int8 + zero term": (_int8_with_zero, int8)}
+            table[name][rows] = {path: round(median_seconds(functools.partial(_each, fn, x, ws), args.rounds)
+                                             / copies * 1e6, 1) for path, (fn, ws) in paths.items()}
         print(f"{name} ({copies} copies), us a call; speed over the held bf16 copy:")
         for rows, us in table[name].items():
             print(f"  {rows:3d} rows: " + ", ".join(
