@@ -299,7 +299,7 @@ def build_runtime(resolved: ResolvedModel, policy: Policy, devices: Devices, off
     homes = build_homes(layers, placement, devices, read_full, usage, policy.pin_weight, compression,
                         progress, store if isinstance(store, CompressedStore) else None)
     release_freed_host_memory(0)  # what reading whole tensors to keep parts of them left behind
-    runtime = ModelRuntime(cfg, family, layers, placement, homes, store, devices, usage)
+    runtime = ModelRuntime(cfg, family, layers, placement, homes, store, devices, usage, weight_compression=compression)
     seconds = runtime.make_dense_copies(policy)
     if seconds:
         logger.info("dense copies of the compressed weights made at load, kept for every block: %.0f MiB in %.2f s",

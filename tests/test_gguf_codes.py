@@ -116,3 +116,33 @@ def test_gguf_codes_of_a_float_checkpoint_are_refused_before_reading(tmp_path):
 def test_a_kv_cache_takes_no_source_codes():
     with pytest.raises(PolicyError, match="compress_cache: gguf"):
         Policy(compress_cache=GGUF_4BIT)
+
+
+def test_a_scenarios_block_is_priced_with_the_gguf_tensors_as_stored(smollm2_gguf):
+    """The planner prices a loaded engine's weights as it stores them (SearchOptions.weight_grids,
+    from the engine's resolved compression: helm/block_planning.py): the bundled GGUF keeps its
+    Q8_0 table as 8-bit groups beside the Q4_1 blocks, so a block that does not keep dense copies
+    dequantizes the whole table at every decode step (the tied head), which the setting alone
+    (4-bit for every weight, the table on the int4 kernel) leaves out. Planned from the setting
+    alone, a few-shot scenario of the main job ran its decode on such a block at twice the
+    time of the block that keeps the copies."""
+    from test_policy_search import cpu_profile
+
+    from flexgen_helm.models import family_of
+    from flexgen_helm.models.spec import all_store_tensors
+    from flexgen_helm.planner.cost_model import CostModel, Workload
+    from flexgen_helm.weights.source_grids import weight_grids
+
+    cfg = smollm2_gguf.config
+    grids = weight_grids(GGUF_4BIT, smollm2_gguf, all_store_tensors(family_of(cfg).layer_specs(cfg)))
+    profile = cpu_profile()
+    work = Workload(235, 50, 197)  # the main job's pattern_match
+    setting_alone = CostModel(cfg, profile, work, torch.bfloat16)
+    as_stored = CostModel(cfg, profile, work, torch.bfloat16, weight_grids=grids)
+    apart = Policy(16, 1, compress_weight=GGUF_4BIT, keep_dense_weights=False)
+    head = next(i for i, (layer, _) in enumerate(as_stored.groups) if layer.kind == "head")
+    table = cfg.vocab_size * cfg.hidden_size
+    assert setting_alone.weights_per_layer(apart)[head].grouped_numel == 0
+    assert as_stored.weights_per_layer(apart)[head].grouped_numel == table
+    extra = as_stored.estimate(apart).decode_step_s - setting_alone.estimate(apart).decode_step_s
+    assert extra >= table / profile.compute.dequant_elems_per_s

@@ -223,3 +223,37 @@ def test_a_block_planned_for_the_prompts_bounds_a_generating_batch_not_a_token_c
     assert batches() == [200]
     per_batch = MAX_BATCH_TOKENS // 52
     assert batches(gpu_batch_size=64, num_gpu_batches=4) == [200 - per_batch, per_batch]
+
+
+def test_a_gguf_deployments_scenario_block_is_priced_with_its_tensors_as_stored(helm_engines, monkeypatch):
+    """The bundled SmolLM2's 4-bit deployment keeps the GGUF's own codes, its Q8_0 table as 8-bit
+    groups beside the Q4_1 blocks: a scenario's block is planned with the weights as the loaded
+    engine stores them (the cost model's pricing of the table: tests/test_gguf_codes.py), not
+    as the setting alone, which stands every weight on the 4-bit grid."""
+    from flexgen_helm.compression.grids import WeightGrids
+    from flexgen_helm.helm import block_planning
+    from flexgen_helm.helm.client import FlexGenClient
+
+    speeds = DeviceSpeeds(matmul_flops={"float32": {1: 2e9, 16: 30e9, 256: 100e9}}, attn_prefill_flops=50e9,
+                          attn_decode_bytes_per_s=5e9, int4_matmul_flops={1: 2e9, 128: 100e9},
+                          int4_dequant_elems_per_s=1e9)
+    HardwareProfile(devices={"cpu": speeds}, memcpy_bytes_per_s=5e9, cpu_mem_bytes=8 << 30,
+                    cpu_available_bytes=8 << 30, disk_free_bytes=0).save(default_profile_path())
+    priced = []
+    plan = block_planning.block_for_requests
+
+    def planned(*args, **kwargs):
+        priced.append(args[6] if len(args) > 6 else kwargs.get("weight_grids"))
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(block_planning, "block_for_requests", planned)
+    deployment = "flexgen/smollm2-135m-4bit"
+    client = FlexGenClient(BlackHoleCacheConfig(), model="smollm2-135m", deployment=deployment, dtype="float32",
+                           policy={"compress_weight": {"bits": 4, "group_size": 32, "method": "gguf"}})
+    requests = [Request(model=deployment, model_deployment=deployment, prompt=PREFIX + f"{i:x} ok?", max_tokens=4,
+                        temperature=0.0) for i in range(4)]
+    jobs = [client.make_job(r, raw, client.handle)[0] for r, raw in client.unique_requests(requests).values()]
+    assert block_planning.plan_block(client.handle, jobs) is not None
+    [grids] = priced
+    assert isinstance(grids, WeightGrids)
+    assert grids.of("embed.tokens.weight").bits == 8 and grids.of("layers.0.q_proj.weight").bits == 4

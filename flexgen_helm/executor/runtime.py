@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 
+from flexgen_helm.compression.grids import WeightCompression
 from flexgen_helm.executor.kept_weights import KeptDenseWeights
 from flexgen_helm.memory.devices import Devices
 from flexgen_helm.memory.host_allocator import big_allocations_outside_heap
@@ -45,6 +46,9 @@ class ModelRuntime:
     # each layer's kernels while the GPU still runs the last, and the compute timers hold the
     # host's time. A CPU computes synchronously: its timers are exact either way.
     sync_stage_timers: bool = False
+    # each weight's compression as stored (a GGUF's own codes resolved tensor by tensor:
+    # weights/source_grids.py), for the planner to price a scenario's block with (helm/block_planning.py)
+    weight_compression: WeightCompression = None
 
     def dense_copies(self, keep: bool, across_blocks: bool) -> KeptDenseWeights | None:
         """Where a block keeps the dense copies of its compressed weights (Policy.keep_dense_weights;

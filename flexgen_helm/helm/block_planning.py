@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from helm.common.hierarchical_logger import hlog
 
+from flexgen_helm.compression.grids import WeightGrids
 from flexgen_helm.errors import PolicyError
 from flexgen_helm.executor.shared_prefix import MIN_SHARED_TOKENS, common_prefix_len
 from flexgen_helm.helm.batching import GENERATE, Job
@@ -57,7 +58,8 @@ def plan_block(handle: EngineHandle, jobs: list[Job]) -> ScenarioBlock | None:
     work = scenario_workload(jobs)
     dtype = pick_devices(handle.args.device, handle.args.dtype).dtype
     try:
-        block = block_for_requests(handle.engine.config, loaded, pinned, work, profile, dtype)
+        block = block_for_requests(handle.engine.config, loaded, pinned, work, profile, dtype,
+                                   _stored_grids(handle))
     except PolicyError as e:
         hlog(f"flexgen: no block planned for this scenario's requests fits the budgets, so it runs in the "
              f"loaded one ({loaded.describe()}): {e}")
@@ -75,3 +77,10 @@ def plan_block(handle: EngineHandle, jobs: list[Job]) -> ScenarioBlock | None:
          f"{policy.block_size} sequences (was {loaded.block_size} as loaded) for {work.sequences} sequences, prompts "
          f"up to {work.prompt_len} tokens, {work.gen_len} new; {why}; predicted {block.predicted_s:.1f} s for them all")
     return block
+
+
+def _stored_grids(handle: EngineHandle) -> WeightGrids | None:
+    """The loaded engine's compressed weights as it stores them, where that is more than its
+    policy's setting says (a GGUF's own codes, each tensor in its file's format)."""
+    compression = handle.engine.runtime.weight_compression
+    return compression if isinstance(compression, WeightGrids) else None

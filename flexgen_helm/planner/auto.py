@@ -19,6 +19,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, replace
 
+from flexgen_helm.compression.grids import WeightGrids
 from flexgen_helm.errors import PolicyError
 from flexgen_helm.models.config import ModelConfig
 from flexgen_helm.planner.budget import parse_size
@@ -104,13 +105,16 @@ def planned_policy(cfg: ModelConfig, workload: CommandWorkload, pinned: dict | N
 
 def searched_policy(cfg: ModelConfig, workload: CommandWorkload, pinned: dict, profile: HardwareProfile | None,
                     budgets: dict | None = None, max_latency_s: float | None = None, offload_dir: str | None = None,
-                    dtype=None, placement: tuple | None = None) -> tuple[Policy, SearchResult]:
+                    dtype=None, placement: tuple | None = None, weight_grids: WeightGrids | None = None
+                    ) -> tuple[Policy, SearchResult]:
     """The search's policy for `workload` with `pinned` kept (and `placement`, the weights',
-    cache's and activations' Splits, where given), said nothing about; and the search's result.
+    cache's and activations' Splits, where given; and `weight_grids`, the compressed weights as
+    a loaded engine stores them: SearchOptions.weight_grids), said nothing about; and the search's result.
     The shared prefix counts where the policy shares prefixes (`prefix_sharing`, default on);
     where held once it fits no block but per sequence it does, and `prefix_sharing` is not
     pinned, the policy does not share it and the result says why (`unshared_because`)."""
     options = options_for(pinned, max_latency_s)
+    options.weight_grids = weight_grids
     if placement is not None:
         options.placement = placement
     if workload.sequences is not None:  # a bigger block than the sequences is padding, unless the user set it

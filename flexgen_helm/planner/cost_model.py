@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flexgen_helm.compression.grids import WeightCompression, tensor_compression
+from flexgen_helm.compression.grids import WeightCompression, WeightGrids, tensor_compression
 from flexgen_helm.compression.int8 import LAYOUT as INT8_LAYOUT
 from flexgen_helm.compression.stored import weight_groups, weight_layout
 from flexgen_helm.errors import ProfileFormatError
@@ -307,8 +307,10 @@ class CostModel:
     """The cost of running `cfg` on this hardware for this workload, under any policy."""
 
     def __init__(self, cfg: ModelConfig, profile: HardwareProfile, workload: Workload,
-                 dtype: torch.dtype | None = None):
-        self.cfg, self.hw, self.work = cfg, profile, workload
+                 dtype: torch.dtype | None = None, weight_grids: WeightGrids | None = None):
+        """weight_grids: the weights' compression as a loaded engine resolved it for its source
+        (search.SearchOptions.weight_grids), priced where a policy's compress_weight is its setting."""
+        self.cfg, self.hw, self.work, self.weight_grids = cfg, profile, workload, weight_grids
         self.dtype = dtype or DTYPES[profile.dtype]
         self.elt = torch.empty((), dtype=self.dtype).element_size()
         self.layers = family_of(cfg).layer_specs(cfg)
@@ -599,12 +601,21 @@ class CostModel:
 
     # ---- whole model -------------------------------------------------------------------
 
+    def weight_compression(self, policy: Policy) -> WeightCompression:
+        """How the policy's weights are stored, as far as known: its compress_weight resolved for
+        the model's source (a GGUF's own codes keep each tensor's format: the bundled SmolLM2's
+        Q8_0 table beside its Q4_1 blocks) where the engine resolved it, else the setting, which
+        stands for every weight (compression/grids.tensor_compression)."""
+        grids = self.weight_grids
+        return grids if grids is not None and grids.setting == policy.compress_weight else policy.compress_weight
+
     def weights_per_layer(self, policy: Policy) -> list[LayerWeights]:
         key = (policy.weights, policy.compress_weight)
         if key not in self._weights_cache:  # the search asks for the same weight placement many times
-            placement = place_weights(self.layers, policy.weights, policy.compress_weight)
+            compression = self.weight_compression(policy)
+            placement = place_weights(self.layers, policy.weights, compression)
             device = torch.device(self.hw.compute_device)
-            lws = [layer_weights(layer, placement, policy.compress_weight, self.dtype, device)
+            lws = [layer_weights(layer, placement, compression, self.dtype, device)
                    for layer, _ in self.groups]
             if any(lw.packed_numel or lw.row_lookup_width for lw in lws) and not (self.hw.compute.int4_matmul_flops
                                                           and self.hw.compute.int4_dequant_elems_per_s):
@@ -680,7 +691,8 @@ class CostModel:
         load_buffers = max(sum(lw.loaded.values()) for lw in lws)
         host = "cpu" if self.hw.is_cuda else "gpu"
         kept = kept_freed_bytes(cfg, gbs, work.prompt_len, self.dtype,
-                                dense_weight_numel([layer for layer, _ in self.groups], policy.compress_weight),
+                                dense_weight_numel([layer for layer, _ in self.groups],
+                                                   self.weight_compression(policy)),
                                 head_rows=decode_head_rows(gbs, nb))  # the schedule's default
         kept_dense = self.kept_dense_bytes(policy)
         out = {}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from flexgen_helm.compression.grids import WeightGrids
 from flexgen_helm.models.config import ModelConfig
 from flexgen_helm.planner.auto import CommandWorkload, searched_policy
 from flexgen_helm.planner.hardware_profile import HardwareProfile
@@ -36,20 +37,22 @@ class ScenarioBlock:
 
 
 def block_for_requests(cfg: ModelConfig, loaded: Policy, pinned: dict, workload: CommandWorkload,
-                       profile: HardwareProfile, dtype=None) -> ScenarioBlock:
+                       profile: HardwareProfile, dtype=None, weight_grids: WeightGrids | None = None) -> ScenarioBlock:
     """The block for `workload` (the requests' lengths, count and shared prefix), `pinned`
-    (the deployment's Policy fields) kept as given, the weights where `loaded` placed them.
-    A PolicyError where nothing fits the budgets (the caller keeps the loaded policy)."""
-    free, result = searched_policy(cfg, workload, pinned, profile, dtype=dtype)
+    (the deployment's Policy fields) kept as given, the weights where `loaded` placed them,
+    priced as the loaded engine stores them (`weight_grids`: a GGUF's own codes, tensor by
+    tensor). A PolicyError where nothing fits the budgets (the caller keeps the loaded policy)."""
+    free, result = searched_policy(cfg, workload, pinned, profile, dtype=dtype, weight_grids=weight_grids)
     placement, moved = None, None
     if free.weights != loaded.weights:
         placement, moved = (loaded.weights, loaded.cache, loaded.activations), free
-        policy, result = searched_policy(cfg, workload, pinned, profile, dtype=dtype, placement=placement)
+        policy, result = searched_policy(cfg, workload, pinned, profile, dtype=dtype, placement=placement,
+                                         weight_grids=weight_grids)
     else:
         policy = free
     unshared = policy
     if workload.shared_prefix and policy.prefix_sharing:
         unshared, _ = searched_policy(cfg, replace(workload, shared_prefix=0), pinned, profile, dtype=dtype,
-                                      placement=placement)
+                                      placement=placement, weight_grids=weight_grids)
     blocks = math.ceil(workload.sequences / policy.block_size) if workload.sequences else 1
     return ScenarioBlock(policy, unshared, moved, result.unshared_because, blocks * result.estimate.total_s)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from scipy.optimize import linprog
 
+from flexgen_helm.compression.grids import WeightGrids
 from flexgen_helm.errors import PolicyError
 from flexgen_helm.executor.kept_weights import check_keep_dense
 from flexgen_helm.memory.disk_space import size_text
@@ -117,6 +118,10 @@ class SearchOptions:
     gpu_batch_size: int | None = None
     num_gpu_batches: int | None = None
     placement: tuple[Split, Split, Split] | None = None  # weights, KV cache, activations
+    # compress_weight as a loaded engine resolved it for its source (a GGUF's own codes, tensor
+    # by tensor, whose formats the setting alone does not say: compression/grids.WeightGrids),
+    # priced as stored where its setting is compress_weight's
+    weight_grids: WeightGrids | None = None
 
 
 @dataclass
@@ -284,7 +289,7 @@ def search(cfg: ModelConfig, profile: HardwareProfile, prompt_len: int, gen_len:
     sequences)."""
     options = options or SearchOptions()
     check_keep_dense(bool(options.keep_dense_weights), cfg)
-    model = CostModel(cfg, profile, Workload(prompt_len, gen_len, shared_prefix), dtype)
+    model = CostModel(cfg, profile, Workload(prompt_len, gen_len, shared_prefix), dtype, options.weight_grids)
     delegation = (False, True) if options.cpu_cache_compute is None else (options.cpu_cache_compute,)
     keeping = ((False, True) if options.compress_weight is not None and not cfg.is_moe else (False,)
                ) if options.keep_dense_weights is None else (options.keep_dense_weights,)
