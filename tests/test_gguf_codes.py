@@ -146,3 +146,34 @@ def test_a_scenarios_block_is_priced_with_the_gguf_tensors_as_stored(smollm2_ggu
     assert as_stored.weights_per_layer(apart)[head].grouped_numel == table
     extra = as_stored.estimate(apart).decode_step_s - setting_alone.estimate(apart).decode_step_s
     assert extra >= table / profile.compute.dequant_elems_per_s
+
+
+def test_the_load_time_plan_prices_the_gguf_tensors_as_stored_too(smollm2_gguf, tmp_path, monkeypatch):
+    """A deployment's (or `--policy auto` command's) plan, before the engine loads, prices the
+    GGUF's own codes tensor by tensor as the scenario's does (planner/auto.stored_grids,
+    quietly: the load says it); a checkpoint without codes is refused there, as at load."""
+    from test_policy_search import cpu_profile
+
+    from flexgen_helm.compression.grids import WeightGrids
+    from flexgen_helm.planner import auto
+    from flexgen_helm.planner.hardware_profile import default_profile_path
+
+    monkeypatch.setenv("FLEXGEN_HELM_CACHE", str(tmp_path / "cache"))
+    cpu_profile().save(default_profile_path())
+    priced = []
+    search = auto.searched_policy
+
+    def searched(*args, **kwargs):
+        priced.append(kwargs.get("weight_grids"))
+        return search(*args, **kwargs)
+
+    monkeypatch.setattr(auto, "searched_policy", searched)
+    pinned = {"compress_weight": {"bits": 4, "group_size": 32, "method": "gguf"}}
+    policy = auto.policy_for_model("smollm2-135m", pinned=pinned, dtype="float32")
+    assert policy.compress_weight == GGUF_4BIT
+    [grids] = priced
+    assert isinstance(grids, WeightGrids)
+    assert grids.of("embed.tokens.weight").bits == 8 and grids.of("layers.0.q_proj.weight").bits == 4
+    ckpt = save_tiny("llama", tmp_path / "hf")
+    with pytest.raises(PolicyError, match="takes a GGUF file's own codes"):
+        auto.policy_for_model("tiny-llama", path=str(ckpt), pinned=pinned, dtype="float32")

@@ -215,12 +215,14 @@ def policy_from_args(args, workload: CommandWorkload | None = None) -> Policy:
     pinned = pinned_fields(args)
     if leaves_open(pinned):
         workload = workload or workload_from_args(args)
-        cfg = resolve(args.model, path=args.path, dummy=args.dummy).config
+        resolved = resolve(args.model, path=args.path, dummy=args.dummy)
+        cfg = resolved.config
         prompt_len = max(1, min(workload.prompt_len, cfg.max_seq_len - workload.gen_len))
         shared = min(workload.shared_prefix, prompt_len - 1)
         policy = planned_policy(cfg, CommandWorkload(prompt_len, workload.gen_len, workload.sequences, shared), pinned,
                                 budgets_from_args(args), profile_when_missing=args.policy == "auto",
-                                offload_dir=args.offload_dir, dtype=pick_devices(args.device, args.dtype).dtype)
+                                offload_dir=args.offload_dir, dtype=pick_devices(args.device, args.dtype).dtype,
+                                source=resolved.source)
     else:
         policy = Policy.from_dict(pinned)
     use_profile()  # after an auto policy's search, which saves a profile where none was

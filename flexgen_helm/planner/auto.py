@@ -19,13 +19,17 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, replace
 
-from flexgen_helm.compression.grids import WeightGrids
+from flexgen_helm.compression.grids import WeightGrids, takes_source_codes
 from flexgen_helm.errors import PolicyError
+from flexgen_helm.models import family_of
 from flexgen_helm.models.config import ModelConfig
+from flexgen_helm.models.spec import all_store_tensors
 from flexgen_helm.planner.budget import parse_size
 from flexgen_helm.planner.hardware_profile import HardwareProfile, load_or_profile, saved_profile
 from flexgen_helm.planner.search import SearchOptions, SearchResult, default_budgets, search
 from flexgen_helm.policy.policy import Policy
+from flexgen_helm.weights.source import WeightSource
+from flexgen_helm.weights.source_grids import weight_grids
 
 BLOCK_FIELDS = ("gpu_batch_size", "num_gpu_batches")
 PLACEMENT_FIELDS = ("weights", "cache", "activations")
@@ -77,10 +81,12 @@ def leaves_open(pinned: dict) -> bool:
 
 def planned_policy(cfg: ModelConfig, workload: CommandWorkload, pinned: dict | None = None,
                    budgets: dict | None = None, profile_when_missing: bool = False, max_latency_s: float | None = None,
-                   offload_dir: str | None = None, dtype=None) -> Policy:
+                   offload_dir: str | None = None, dtype=None, source: WeightSource | None = None) -> Policy:
     """The policy for `workload`: `pinned` as given, the planner's choice for the rest (see
     the module doc; `profile_when_missing`: `--policy auto`, which profiles a machine
-    without a saved profile instead of running the fixed default)."""
+    without a saved profile instead of running the fixed default). `source`: the model's
+    weights, whose GGUF codes a compression that keeps them stores tensor by tensor
+    (stored_grids), priced as stored."""
     pinned = dict(pinned or {})
     if not leaves_open(pinned):
         return Policy.from_dict(pinned)
@@ -91,7 +97,8 @@ def planned_policy(cfg: ModelConfig, workload: CommandWorkload, pinned: dict | N
               f"not set ({policy.describe()}); `flexgen-helm profile` (under a minute) lets it pick the fastest "
               "block for this machine", file=sys.stderr, flush=True)
         return policy
-    policy, result = searched_policy(cfg, workload, pinned, profile, budgets, max_latency_s, offload_dir, dtype)
+    policy, result = searched_policy(cfg, workload, pinned, profile, budgets, max_latency_s, offload_dir, dtype,
+                                     weight_grids=stored_grids(cfg, pinned, source))
     if result.unshared_because:
         print(f"flexgen-helm: {result.unshared_because}", file=sys.stderr, flush=True)
     shared = workload.shared_prefix if policy.prefix_sharing else 0
@@ -101,6 +108,17 @@ def planned_policy(cfg: ModelConfig, workload: CommandWorkload, pinned: dict | N
           f"{policy.describe()}; predicted {result.estimate.throughput:.2f} "
           f"{'sequences' if workload.gen_len <= 1 else 'token'}/s", file=sys.stderr, flush=True)
     return policy
+
+
+def stored_grids(cfg: ModelConfig, pinned: dict, source: WeightSource | None) -> WeightGrids | None:
+    """The pinned compress_weight as the engine will store `source`'s weights, where it keeps a
+    GGUF's own codes (each tensor in its file's format: the bundled SmolLM2's Q8_0 table beside
+    its Q4_1 blocks), for the search to price them as stored (SearchOptions.weight_grids); None
+    where the setting says it all. A source that holds no codes is refused here, as at load."""
+    setting = Policy.from_dict(pinned).compress_weight
+    if source is None or not takes_source_codes(setting):
+        return None
+    return weight_grids(setting, source, all_store_tensors(family_of(cfg).layer_specs(cfg)), say=False)
 
 
 def searched_policy(cfg: ModelConfig, workload: CommandWorkload, pinned: dict, profile: HardwareProfile | None,
@@ -162,8 +180,10 @@ def policy_for_model(model: str, path: str | None = None, dummy: bool = False, p
     from flexgen_helm.memory.devices import pick_devices
     from flexgen_helm.weights.registry import resolve
 
-    cfg = resolve(model, path=path, dummy=dummy).config
+    resolved = resolve(model, path=path, dummy=dummy)
+    cfg = resolved.config
     longest = max(1, cfg.max_seq_len - HELM_NEW_TOKENS)
     workload = (CommandWorkload(longest, HELM_NEW_TOKENS) if auto
                 else CommandWorkload(min(HELM_PROMPT_TOKENS, longest), HELM_NEW_TOKENS, HELM_BATCH))
-    return planned_policy(cfg, workload, pinned, profile_when_missing=auto, dtype=pick_devices(device, dtype).dtype)
+    return planned_policy(cfg, workload, pinned, profile_when_missing=auto, dtype=pick_devices(device, dtype).dtype,
+                          source=resolved.source)

@@ -18,9 +18,11 @@ from flexgen_helm.weights.source import WeightSource
 logger = logging.getLogger(__name__)
 
 
-def weight_grids(cfg: WeightCompression, source: WeightSource, specs: list[TensorSpec]) -> WeightCompression:
+def weight_grids(cfg: WeightCompression, source: WeightSource, specs: list[TensorSpec],
+                 say: bool = True) -> WeightCompression:
     """`cfg` as it is, or, for a SOURCE_CODE_METHODS setting, resolved for `source`'s tensors
-    (once: a resolved one is returned as it is)."""
+    (once: a resolved one is returned as it is), in a log line (say: the engine's load; the
+    planner, pricing the same weights before it, says nothing)."""
     if isinstance(cfg, WeightGrids) or not takes_source_codes(cfg):
         return cfg
     if not isinstance(source, GGUFFile):
@@ -37,6 +39,9 @@ def weight_grids(cfg: WeightCompression, source: WeightSource, specs: list[Tenso
             kept.append((spec.store_name, bits, kind))
         else:
             requantized[kind].append(spec.store_name)
+    grids = WeightGrids(cfg, tuple((name, bits) for name, bits, _ in kept))
+    if not say:
+        return grids
     by_type = defaultdict(int)
     for _, bits, kind in kept:
         by_type[(kind, bits)] += 1
@@ -48,4 +53,4 @@ def weight_grids(cfg: WeightCompression, source: WeightSource, specs: list[Tenso
                        "(held: %s, whole blocks along the input dim); re-quantized by min/max onto %d-bit groups "
                        "of %d instead", len(names), kind, names[0], ", ".join(held_types()), cfg.bits,
                        cfg.group_size)
-    return WeightGrids(cfg, tuple((name, bits) for name, bits, _ in kept))
+    return grids
