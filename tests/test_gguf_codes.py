@@ -146,6 +146,9 @@ def test_a_scenarios_block_is_priced_with_the_gguf_tensors_as_stored(smollm2_ggu
     assert as_stored.weights_per_layer(apart)[head].grouped_numel == table
     extra = as_stored.estimate(apart).decode_step_s - setting_alone.estimate(apart).decode_step_s
     assert extra >= table / profile.compute.dequant_elems_per_s
+    # and held as stored: one byte a code, not half of one (the budget's weight bytes)
+    held = as_stored.accounted_bytes(apart)["gpu"] - setting_alone.accounted_bytes(apart)["gpu"]
+    assert 0.45 * table < held < 0.6 * table
 
 
 def test_the_load_time_plan_prices_the_gguf_tensors_as_stored_too(smollm2_gguf, tmp_path, monkeypatch):

@@ -255,5 +255,5 @@ def test_a_gguf_deployments_scenario_block_is_priced_with_its_tensors_as_stored(
     jobs = [client.make_job(r, raw, client.handle)[0] for r, raw in client.unique_requests(requests).values()]
     assert block_planning.plan_block(client.handle, jobs) is not None
     [grids] = priced
-    assert isinstance(grids, WeightGrids)
+    assert isinstance(grids, WeightGrids) and grids.setting == client.handle.engine.policy.compress_weight
     assert grids.of("embed.tokens.weight").bits == 8 and grids.of("layers.0.q_proj.weight").bits == 4

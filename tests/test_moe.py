@@ -222,16 +222,32 @@ def test_cost_model_charges_each_touched_expert_its_profiled_fixed_cost():
 
 def test_profile_measures_what_each_expert_of_a_call_costs(monkeypatch):
     """The overhead profile's MoE probe: a per-expert figure beside the per-layer and per-step
-    ones, in both phases, from the engine's own block driver on a tiny MoE."""
+    ones, in both phases, from the engine's own block driver on a tiny MoE, recovered exactly
+    from step times that follow the cost model's formula (the experts only in the blocks that
+    have them, which the model charges), and measured for real."""
     from flexgen_helm.memory.devices import pick_devices
     from flexgen_helm.planner import overhead_profile
 
+    devices = pick_devices("cpu", "float32")
     monkeypatch.setattr(overhead_profile, "FAMILIES", ("moe",))
-    costs = overhead_profile.measure_fixed_costs(pick_devices("cpu", "float32"), repeats=2)
+    costs = overhead_profile.measure_fixed_costs(devices, repeats=2)
     for phase in ("prefill", "decode"):
         assert set(costs["moe"][phase]) == {"per_layer_batch", "per_step", "per_expert"}
         assert all(0.0 <= v < 0.1 for v in costs["moe"][phase].values())
     assert costs["moe"]["decode"]["per_expert"] > 0.0  # seven experts more a layer cost something
+
+    truth = {"prefill": (3e-3, 2e-4, 5e-5), "decode": (1e-3, 1e-4, 3e-5)}  # per_step, per_layer_batch, per_expert
+
+    def timed(rt, nb, workdir, prompt=overhead_profile.PROMPT):
+        sparse = sum(layer.kind == "block" for layer in rt.layers)
+        return tuple(step + nb * len(rt.layers) * layer_batch + sparse * rt.config.experts_per_token * expert
+                     for step, layer_batch, expert in truth.values())
+
+    monkeypatch.setattr(overhead_profile, "_run", timed)
+    costs = overhead_profile.measure_fixed_costs(devices, repeats=1)
+    for phase, (step, layer_batch, expert) in truth.items():
+        assert costs["moe"][phase] == pytest.approx({"per_step": step, "per_layer_batch": layer_batch,
+                                                     "per_expert": expert})
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"])

@@ -380,7 +380,7 @@ def test_a_bf16_window_prefill_stays_within_bf16_rounding_of_the_float32_attenti
     from flexgen_helm.executor.shared_prefix import PrefixLayer
 
     if row_sums != "whole":
-        monkeypatch.setattr(attention, "ROW_SUM_ELEMENTS", 3 * 200 * 7)
+        monkeypatch.setattr(attention, "ROW_SUM_ELEMENTS", 7 * 200)  # slices of 7 rows of the 200 prefix keys
 
     torch.manual_seed(0)
     kvh, width, d, r, s = 3, 200, 64, 3, 30

@@ -761,7 +761,8 @@ def _row_sums(weights: torch.Tensor) -> torch.Tensor:
     the core's cache. The slices are of the rows flattened, so each is contiguous (slices
     across the g heads' rows took 3x one whole sum at a decode step's 3 x 96 x 1000), and a
     decode step's weights sum in one call (runs/prefix_sharing/README.md, "Row sums"). A
-    row's sum is the same in any slicing."""
+    row's sum is the same in any slicing. `weights`: contiguous (a product's output), so that
+    its rows flatten as a view."""
     g, m, n = weights.shape
     rows = max(1, ROW_SUM_ELEMENTS // n)
     if rows >= g * m:

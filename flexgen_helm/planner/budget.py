@@ -26,7 +26,8 @@ from flexgen_helm.policy.policy import TIERS, Policy, Split
 
 
 def planned_components(cfg: ModelConfig, policy: Policy, max_len: int, dtype: torch.dtype, act_len: int | None = None,
-                       shared_prefix: int = 0, gpu_compute: bool = False) -> dict[str, dict[str, int]]:
+                       shared_prefix: int = 0, gpu_compute: bool = False,
+                       weight_compression: WeightCompression = None) -> dict[str, dict[str, int]]:
     """Bytes of weights, KV cache and activations on each tier as stored (compressed when the
     policy compresses), before transient buffers. Activations in memory hold one block of
     `act_len` positions (default max_len; a prefill's are the prompt's); on disk, their file
@@ -34,9 +35,13 @@ def planned_components(cfg: ModelConfig, policy: Policy, max_len: int, dtype: to
     prompt of a block starts with, whose KV a block holds once (executor/kv_cache.held_out_prefix:
     under KIVI its complete groups): its one copy, as the cache stores it, is counted where
     attention reads it: on the compute tier, and, where a GPU computes (gpu_compute) and CPU
-    delegation attends to the cache's cpu and disk shares in RAM, a second copy on the cpu tier."""
+    delegation attends to the cache's cpu and disk shares in RAM, a second copy on the cpu tier.
+    weight_compression: the policy's compress_weight as the engine stores it, where known (a
+    GGUF's own codes, tensor by tensor: planner/cost_model.CostModel.weight_compression);
+    None: the setting, which stands for every weight."""
     elt = torch.empty((), dtype=dtype).element_size()
-    weights = dict(_weight_bytes(cfg, policy.weights, policy.compress_weight, dtype))
+    stored = policy.compress_weight if weight_compression is None else weight_compression
+    weights = dict(_weight_bytes(cfg, policy.weights, stored, dtype))
     cache = dict(_cache_bytes(cfg, policy, max_len, dtype, shared_prefix, gpu_compute))
     rows = _activation_rows(policy.activations, policy.gpu_batch_size, policy.num_gpu_batches)
     positions = {t: max_len if t == "disk" else act_len or max_len for t in TIERS}

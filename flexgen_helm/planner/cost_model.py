@@ -691,8 +691,7 @@ class CostModel:
         load_buffers = max(sum(lw.loaded.values()) for lw in lws)
         host = "cpu" if self.hw.is_cuda else "gpu"
         kept = kept_freed_bytes(cfg, gbs, work.prompt_len, self.dtype,
-                                dense_weight_numel([layer for layer, _ in self.groups],
-                                                   self.weight_compression(policy)),
+                                dense_weight_numel([layer for layer, _ in self.groups], policy.compress_weight),
                                 head_rows=decode_head_rows(gbs, nb))  # the schedule's default
         kept_dense = self.kept_dense_bytes(policy)
         out = {}
@@ -700,7 +699,8 @@ class CostModel:
             tokens = work.prompt_len if phase == "prefill" else 1
             keys = work.prompt_len if phase == "prefill" else work.max_len
             placed = planned_components(cfg, policy, work.max_len, self.dtype, act_len=tokens,
-                                        shared_prefix=work.shared_prefix, gpu_compute=self.hw.is_cuda)
+                                        shared_prefix=work.shared_prefix, gpu_compute=self.hw.is_cuda,
+                                        weight_compression=self.weight_compression(policy))
             # a decode step's blocks run the block's rows together, and so do a prefill's MoE blocks
             together = phase == "decode" or cfg.is_moe
             inner = batch_working_bytes(cfg, (gbs * nb if together else gbs) * tokens, self.dtype)
@@ -752,7 +752,8 @@ class CostModel:
         weights stay in the weight store, which it does not count), the KV cache, one prefill
         hidden state per GPU batch, and the dense copies a block keeps (kept_dense_bytes)."""
         comps = planned_components(self.cfg, policy, self.work.max_len, self.dtype, act_len=self.work.prompt_len,
-                                   shared_prefix=self.work.shared_prefix, gpu_compute=self.hw.is_cuda)
+                                   shared_prefix=self.work.shared_prefix, gpu_compute=self.hw.is_cuda,
+                                   weight_compression=self.weight_compression(policy))
         comps["weights"]["disk"] = 0
         out = {t: sum(comps[k][t] for k in comps) for t in TIERS}
         out["gpu"] += self.kept_dense_bytes(policy)

@@ -102,7 +102,8 @@ class DeviceSpeeds:
     elementwise_elems_per_s: float = 1e9
     op_latency_s: float = 1e-5  # a tiny kernel: the floor under every op of a layer
     # the engine's fixed costs (planner/overhead_profile.py): family -> phase -> {"per_layer_batch",
-    # "per_step"} seconds; empty in a hand-made profile, where the cost model counts ops x op_latency_s
+    # "per_step"} seconds, and for "moe" "per_expert" (each expert a block's call touches); empty in
+    # a hand-made profile, where the cost model counts ops x op_latency_s
     fixed_costs: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     copy_handoff_s: float = 0.0  # one transfer handed to the copy thread and waited for
     # dtype name -> rows (FLIPPED_ROW_COUNTS) -> time of F.linear over time of the same product as

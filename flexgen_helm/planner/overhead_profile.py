@@ -89,21 +89,30 @@ def measure_fixed_costs(devices: Devices, repeats: int = 5) -> dict[str, dict[st
             rt = _runtime(tiny_config(fam), devices)
             layers = len(rt.layers)
             best = _best_runs(rt, (1, NB_PROBE), Path(tmp), repeats)
-            # the MoE probe: a single one-token sequence whose token takes one expert, against
-            # best[1], where every token takes all PROBE_EXPERTS (the same count at any rows)
-            single = _best_runs(_runtime(tiny_config(fam, 1), devices), (1,), Path(tmp), repeats, prompt=1)[1] \
-                if fam == "moe" else None
             out[fam] = {}
             for i, phase in enumerate(("prefill", "decode")):
                 one, many = best[1][i], best[NB_PROBE][i]
                 per_layer_batch = max(0.0, (many - one) / ((NB_PROBE - 1) * layers))
-                costs = {"per_layer_batch": per_layer_batch, "per_step": max(0.0, one - layers * per_layer_batch)}
-                if single is not None:
-                    per_expert = max(0.0, (one - single[i]) / ((PROBE_EXPERTS - 1) * layers))
-                    costs.update(per_expert=per_expert, per_step=max(0.0, costs["per_step"] - layers * PROBE_EXPERTS
-                                                                     * per_expert))
-                out[fam][phase] = costs
+                out[fam][phase] = {"per_layer_batch": per_layer_batch,
+                                   "per_step": max(0.0, one - layers * per_layer_batch)}
+            if fam == "moe":
+                _add_per_expert(out[fam], rt, devices, Path(tmp), repeats)
     return out
+
+
+def _add_per_expert(costs: dict[str, dict[str, float]], rt: ModelRuntime, devices: Devices, workdir: Path,
+                    repeats: int) -> None:
+    """The MoE probe: a single one-token sequence whose token takes all PROBE_EXPERTS experts
+    against one whose token takes one (one token: the rows each expert multiplies are the same),
+    over the blocks that have experts (the cost model charges per_expert on those alone); what
+    the experts cost comes out of per_step, which held it."""
+    every = _best_runs(rt, (1,), workdir, repeats, prompt=1)[1]
+    one = _best_runs(_runtime(tiny_config("moe", 1), devices), (1,), workdir, repeats, prompt=1)[1]
+    sparse = sum(layer.kind == "block" and rt.config.sparse_block(layer.index) for layer in rt.layers)
+    for i, phase in enumerate(("prefill", "decode")):
+        per_expert = max(0.0, (every[i] - one[i]) / ((PROBE_EXPERTS - 1) * sparse))
+        costs[phase]["per_expert"] = per_expert
+        costs[phase]["per_step"] = max(0.0, costs[phase]["per_step"] - sparse * PROBE_EXPERTS * per_expert)
 
 
 def _best_runs(rt: ModelRuntime, nbs: tuple[int, ...], workdir: Path, repeats: int, prompt: int = PROMPT
