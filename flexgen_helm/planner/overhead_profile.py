@@ -16,8 +16,8 @@ sequence takes one, so that
 
     step time = per_step + NB x layers x per_layer_batch + layers x experts x per_expert
 
-An OLMoE-1B-7B decode step touches ~56 of 64 experts a layer (16 rows x 8 choices): at ~29 us
-an expert (a 2-core EPYC) that is ~26 ms of its ~360 ms step, whose products are ~2 rows an expert.
+An OLMoE-1B-7B decode step touches ~56 of 64 experts a layer (16 rows x 8 choices): at ~44 us
+an expert (a 2-core EPYC) that is ~40 ms of its ~340 ms step, whose products are ~2 rows an expert.
 A second figure, the copy thread's hand-off, is what each transfer costs when the schedule
 runs transfers on its copy thread (a disk tier, or a GPU) instead of inline."""
 
