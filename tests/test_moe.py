@@ -153,28 +153,34 @@ def test_cost_model_reads_the_experts_a_step_is_expected_to_touch():
     assert prefill["disk_cpu"] == pytest.approx(rest + 64 * expert, rel=1e-6)
 
 
+def _block_compute(cfg, policy, workload, phase: str, **device_speeds) -> float:
+    """The cost model's compute seconds of one sparse block layer of `cfg` in `phase`, on a
+    hand-made CPU profile with `device_speeds` (test_policy_search.speeds) as given."""
+    from dataclasses import replace
+
+    from test_policy_search import cpu_profile, speeds
+
+    from flexgen_helm.planner.cost_model import CostModel, Fractions
+
+    model = CostModel(cfg, replace(cpu_profile(), devices={"cpu": speeds(**device_speeds)}), workload)
+    (layer, _), lw = next((g, lw) for g, lw in zip(model.groups, model.weights_per_layer(policy))
+                          if g[0].kind == "block")
+    return model._layer_work(layer, lw, policy, Fractions.of(policy), phase)[0]["compute"]
+
+
 def test_cost_model_counts_each_chosen_experts_routing_passes():
     """A sparse block's elementwise work per token: the dense block's passes (per hidden-size
     and per MLP-width element, k experts' width), and per chosen expert its row gathered, its
     output weighted and added back (models/moe.expert_mlp), which on OLMoE's geometry is
     as much as the rest (its q/k norms included)."""
-    from dataclasses import replace
-
-    from test_policy_search import cpu_profile, speeds
-
     from flexgen_helm.models.moe import geometry
-    from flexgen_helm.planner.cost_model import ELEMENTWISE_PASSES, QK_NORM_PASSES, CostModel, Fractions, Workload
+    from flexgen_helm.planner.cost_model import ELEMENTWISE_PASSES, QK_NORM_PASSES, Workload
     from flexgen_helm.policy import Policy
 
     cfg = geometry("olmoe-1b-7b")
-    policy = Policy(4, 2)
 
     def block_prefill(elementwise: float) -> float:
-        prof = replace(cpu_profile(), devices={"cpu": speeds(elementwise_elems_per_s=elementwise)})
-        model = CostModel(cfg, prof, Workload(64, 4))
-        (layer, _), lw = next((g, lw) for g, lw in zip(model.groups, model.weights_per_layer(policy))
-                              if g[0].kind == "block")
-        return model._layer_work(layer, lw, policy, Fractions.of(policy), "prefill")[0]["compute"]
+        return _block_compute(cfg, Policy(4, 2), Workload(64, 4), "prefill", elementwise_elems_per_s=elementwise)
 
     per_hidden, per_mlp = ELEMENTWISE_PASSES["llama"]
     k, h = cfg.experts_per_token, cfg.hidden_size
@@ -190,23 +196,16 @@ def test_cost_model_charges_each_touched_expert_its_profiled_fixed_cost():
     """A decode step's call of a sparse block's experts costs, besides their arithmetic, the
     profile's per_expert for each expert its rows are expected to choose (~56 of OLMoE's 64
     at 16 rows x 8 choices); a profile without it counts EXPERT_CALL_OPS tiny ops."""
-    from dataclasses import replace
-
-    from test_policy_search import cpu_profile, speeds
+    from test_policy_search import cpu_profile
 
     from flexgen_helm.models.moe import expected_experts_touched, geometry
-    from flexgen_helm.planner.cost_model import EXPERT_CALL_OPS, CostModel, Fractions, Workload
+    from flexgen_helm.planner.cost_model import EXPERT_CALL_OPS, Workload
     from flexgen_helm.policy import Policy
 
     cfg = geometry("olmoe-1b-7b")
-    policy = Policy(8, 2)
 
     def block_decode(fixed_costs: dict) -> float:
-        prof = replace(cpu_profile(), devices={"cpu": speeds(fixed_costs=fixed_costs)})
-        model = CostModel(cfg, prof, Workload(512, 32))
-        (layer, _), lw = next((g, lw) for g, lw in zip(model.groups, model.weights_per_layer(policy))
-                              if g[0].kind == "block")
-        return model._layer_work(layer, lw, policy, Fractions.of(policy), "decode")[0]["compute"]
+        return _block_compute(cfg, Policy(8, 2), Workload(512, 32), "decode", fixed_costs=fixed_costs)
 
     def costs(**per_expert) -> dict:
         phase = {"per_layer_batch": 1e-4, "per_step": 1e-3, **per_expert}
