@@ -1,8 +1,8 @@
 """What the benches under runs/bench that time rounds in one process share
 (kivi_held_dense/slot_writes.py, pertoken_rewrite/rewrite.py): their arguments, and their result
 appended as one JSON line with what it ran on (the host, the load average before and after, the
-command); and the median time of a call (read_rates/bench.py, compression/kernel_crossover.py,
-runs/prefix_sharing/window_one_copy/window_vs_joined.py)."""
+command); and the median time of a call, timed alone or in runs of many (read_rates/bench.py,
+compression/kernel_crossover.py, runs/prefix_sharing/window_one_copy/window_vs_joined.py)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,21 @@ def append_record(out: Path, record: dict, load_before: float, command: str, **f
     print(json.dumps(record))
     with open(out, "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def median_per_call(fn, calls: int, rounds: int, warmup: int) -> float:
+    """Seconds a call of fn, the median over `rounds` timings of `calls` calls each, after
+    `warmup` untimed calls (calls too short to time one at a time: cache_step_costs.py,
+    prefix_sharing/decode_variants/prefix_part_pieces.py)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times)
 
 
 def median_seconds(fn, rounds: int) -> float:

@@ -16,8 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
+import sys
 from pathlib import Path
 
 import torch
@@ -26,21 +25,16 @@ from flexgen_helm.compression.quantize import CACHE_GROUP_DIM, dequantize, dequa
 from flexgen_helm.memory.machine import machine_label
 from flexgen_helm.policy.policy import Compression
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from record import median_per_call
+
 HERE = Path(__file__).resolve().parent
 CACHE = Compression(8, 64, cache_grouping="per-token")
 HEAD_DIM = 64
 
 
 def ms_per_call(fn, calls: int = 200, repeats: int = 7) -> float:
-    for _ in range(20):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t0) / calls * 1e3)
-    return round(statistics.median(times), 4)
+    return round(median_per_call(fn, calls, repeats, warmup=20) * 1e3, 4)
 
 
 def main() -> None:

@@ -13,13 +13,16 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 
 from flexgen_helm.executor import attention
 from flexgen_helm.memory.machine import machine_label
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from record import median_per_call
 
 KV_HEADS, QUERY_HEADS, WIDTH, PREFIX, SEQUENCES, OWN, CALLS = 3, 3, 64, 1000, 32, 24, 2000
 
@@ -37,15 +40,7 @@ def by_head_slices(weights: torch.Tensor, limit: int = 1 << 18) -> torch.Tensor:
 
 
 def micros(fn, rounds: int) -> float:
-    for _ in range(100):
-        fn()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(CALLS):
-            fn()
-        times.append((time.perf_counter() - start) / CALLS * 1e6)
-    return statistics.median(times)
+    return median_per_call(fn, CALLS, rounds, warmup=100) * 1e6
 
 
 def main() -> None:
