@@ -14,7 +14,7 @@ products, the activation, the copy of its outputs, its load and release): measur
 on a tiny MoE whose every token takes all PROBE_EXPERTS experts against one whose single
 sequence takes one, so that
 
-    step time = per_step + NB x layers x per_layer_batch + layers x experts x per_expert
+    step time = per_step + NB x layers x per_layer_batch + sparse blocks x experts x per_expert
 
 An OLMoE-1B-7B decode step touches ~56 of 64 experts a layer (16 rows x 8 choices): at ~44 us
 an expert (a 2-core EPYC) that is ~40 ms of its ~340 ms step, whose products are ~2 rows an expert.
