@@ -274,16 +274,18 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 def _profiled_kernel_crossover_restored(monkeypatch):
     """A test whose saved profile is applied (use_profile, which every command that loads an
     engine calls) sets the int4 and int8 kernels' crossovers, and the row counts multiplied
-    as W x^T, and where a held copy's rows take a kernel, for the process: the next test
-    starts from the defaults again."""
+    as W x^T, where a held copy's rows take a kernel, and the decode attention's path, for
+    the process: the next test starts from the defaults again."""
     from flexgen_helm import dense_linear
     from flexgen_helm.compression import int4, int8
+    from flexgen_helm.executor import attention
 
     for table in (int4.MAX_KERNEL_ROWS, int8.MAX_KERNEL_ROWS):
         for device_type, rows in table.items():
             monkeypatch.setitem(table, device_type, rows)
     monkeypatch.setattr(dense_linear, "FLIPPED_ROWS", dict(dense_linear.FLIPPED_ROWS))
     monkeypatch.setattr(int4, "KERNEL_OVER_KEPT_ROWS", dict(int4.KERNEL_OVER_KEPT_ROWS))
+    monkeypatch.setitem(attention.FUSED_DECODE, "cpu", attention.FUSED_DECODE["cpu"])
 
 
 @pytest.fixture

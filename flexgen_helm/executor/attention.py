@@ -104,12 +104,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | ValueRows, key_va
     # (a one-query prefill of a sliding-window block, after a shared prefix, still needs its window's mask)
     if q_len == 1 and (keep_fraction < 1.0 or q.device.type == "cpu") and not (window and t > window):
         # A decode step on CPU: float32 matmuls over the unit's keys, the r query heads of a
-        # unit as the rows of one product. torch's fused kernel spends most of a decode
-        # step on one query a head (SmolLM2, 96 units x 200 keys: 2.6-2.8x slower than this,
-        # 1 thread) and rounds the weights to the input dtype; this is exact to float32.
+        # unit as the rows of one product, exact to float32. torch's fused kernel rounds the
+        # weights to the input dtype, and its speed is the machine's: on one 2-core CPU it spent
+        # most of a decode step on one query a head (SmolLM2, 96 units x 200 keys: 2.6-2.8x
+        # slower than this, 1 thread), on another it took 0.55-0.8x this path's time past 200
+        # keys but lost at 24 (a 2-core Xeon with AMX: runs/bench/decode_attention_paths); a
+        # bf16 step takes it where `flexgen-helm profile` measured it faster (fused_decode).
         # (bmm, not a broadcast matmul: that would copy the keys once per query head.)
         # A sliding-window block's decode keys are its window already (the caller's).
         v = v(list(range(t))) if callable(v) and keep_fraction == 1.0 else v
+        if fused_decode(q, t, keep_fraction, softcap, sinks):
+            return _dense_attention(q, k, v, key_valid, causal=False)
         if keep_fraction == 1.0 and _by_positions(k, v):
             return _decode_by_positions(q, k, v, key_valid, softcap, sinks)
         scores = _capped(torch.bmm(q.float().view(u, r, d), k.float().transpose(1, 2)) / math.sqrt(d), softcap)
@@ -122,6 +127,41 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | ValueRows, key_va
     if softcap or sinks is not None:
         return _explicit_attention(q, k, v, key_valid, causal, window, softcap, sinks)
     return _dense_attention(q, k, v, key_valid, causal, window)
+
+
+# Device type -> the fewest keys from which a bfloat16 decode step takes torch's fused kernel
+# (_dense_attention) instead of attend()'s float32 products (None: never): where `flexgen-helm
+# profile` timed it faster on this machine, from that cache length on (planner/hardware_profile
+# .use_profile; DeviceSpeeds.attn_decode_fused_gains). Its time per step is near fixed at a few
+# dozen keys, where the float32 products' is not: runs/bench/decode_attention_paths.
+FUSED_DECODE: dict[str, int | None] = {"cpu": None}
+
+
+def set_fused_decode(device_type: str, from_keys: int | None) -> int | None:
+    """The fewest keys from which bfloat16 decode steps on `device_type` take the fused kernel
+    from now on (None: none do); returns the setting before."""
+    if device_type not in FUSED_DECODE:
+        raise ValueError(f"the decode path is chosen on {', '.join(FUSED_DECODE)}, not {device_type!r}")
+    if from_keys is not None and from_keys < 1:
+        raise ValueError(f"a decode step's keys are at least 1, got {from_keys}")
+    before, FUSED_DECODE[device_type] = FUSED_DECODE[device_type], from_keys
+    return before
+
+
+def fused_decode(q: torch.Tensor, keys: int, keep_fraction: float = 1.0, softcap: float = 0.0,
+                 sinks: torch.Tensor | None = None) -> bool:
+    """Whether attend() takes a decode step of queries q over `keys` keys on the fused kernel:
+    bfloat16, as many keys as the device's FUSED_DECODE or more, dense attention without a
+    softcap or sinks (which the kernel cannot compute). torch's CPU kernel computes the scores
+    and the softmax in float32 and multiplies the values by the weights rounded to bfloat16,
+    as the prompt's bf16 attention (_causal_rows) and the shared prefix's part
+    (attend_past_shared_prefix) do: an output's error is then up to ~2^-9 of the values'
+    scale, not of its own (its small components lose relative precision; the float32 path
+    rounds only the output). float32 steps keep the exact path, so that float32 runs give the
+    same tokens under every placement."""
+    most = FUSED_DECODE.get(q.device.type)
+    return (most is not None and keys >= most and q.dtype == torch.bfloat16 and keep_fraction == 1.0
+            and not softcap and sinks is None)
 
 
 def _by_positions(k: torch.Tensor, v: torch.Tensor) -> bool:

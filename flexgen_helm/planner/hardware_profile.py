@@ -28,6 +28,7 @@ from flexgen_helm.compression.int4 import clear_kernel_over_kept_rows, set_kerne
 from flexgen_helm.compression.int8 import set_max_kernel_rows as set_max_int8_kernel_rows
 from flexgen_helm.dense_linear import NO_ROWS, flipped_linear, flips, set_flipped_rows
 from flexgen_helm.errors import ProfileFormatError
+from flexgen_helm.executor.attention import FUSED_DECODE, attend, set_fused_decode
 from flexgen_helm.memory.devices import DTYPE_NAMES, DTYPES
 from flexgen_helm.memory.direct_io import set_reads_in_flight
 from flexgen_helm.memory.disk_speed import fastest_direct
@@ -56,6 +57,13 @@ STREAMED_WEIGHTS = 32
 # desktop's last-level cache; one cache read again and again sat partly in this project's
 # EPYC's 32 MiB and measured 16.9 GB/s, where the engine reaches ~12 over OLMoE's
 DECODE_CACHE_LAYERS = 8
+# Keys at which a bf16 decode step's attention is timed on both of its paths
+# (executor/attention.fused_decode): a shared-prefix block's own keys up to a long prompt's;
+# on units of one query head (OPT's, OLMoE's) and of three (grouped-query heads, SmolLM2's 32
+# sequences), the smaller gain of the two: on a 2-core Xeon the fused kernel gained 1.58x at
+# 32 keys on the first and lost (0.82x at 24) on the second (runs/bench/decode_attention_paths)
+FUSED_DECODE_KEYS = (32, 128, 512)
+FUSED_DECODE_UNITS = ((256, 1), (96, 3))  # (units, query heads a unit)
 MAX_STREAMED_ROWS = 64  # above this the product is compute-bound: one (cached) weight will do
 # Activation rows of the profiled int4 kernel (4-bit weights, groups of 64 along the input dim):
 # decode-sized up to prefill-sized, past where the kernel loses to dequantize-then-matmul on a CPU
@@ -87,6 +95,12 @@ class DeviceSpeeds:
     matmul_flops: dict[str, dict[int, float]] = field(default_factory=dict)
     attn_prefill_flops: float = 1e11  # causal attention over a prompt, counted as the full s x s
     attn_decode_bytes_per_s: float = 5e9  # bytes of K and V cache one decode attention step gets through
+    # keys (FUSED_DECODE_KEYS) -> time of a bfloat16 decode step's attention on attend()'s
+    # float32 path over its time on torch's fused kernel (executor/attention.fused_decode),
+    # timed in pairs; the engine takes the fused one from fused_decode_from_keys() on, and
+    # attn_decode_bytes_per_s is the path it takes at 512 keys. Empty: not measured (another
+    # dtype, a GPU's own attention, a profile from before)
+    attn_decode_fused_gains: dict[int, float] = field(default_factory=dict)
     dequant_elems_per_s: float = 1e9  # 4-bit groups (QuantizedTensor) turned back into the compute dtype
     # 4-bit weights in the int4 kernel's packed layout (compression/int4.py), in the profile's
     # dtype: rows -> FLOP/s of the kernel's matmul (interpolated in log(rows)), and elements/s of
@@ -114,6 +128,11 @@ class DeviceSpeeds:
     # held in memory (packed where the engine packs it) over time of the kernel's on the codes,
     # in the profile's dtype; empty where not measured (a GPU, a dtype no kernel takes)
     kernel_over_kept_gains: dict[str, dict[int, float]] = field(default_factory=dict)
+
+    def fused_decode_from_keys(self) -> int | None:
+        """The fewest keys measured from which the fused kernel gained at every count measured
+        above it too (None: at none, or not measured)."""
+        return _fused_decode_from_keys(self.attn_decode_fused_gains)
 
     def kernel_over_kept_rows(self, kernel: str) -> int:
         """The most rows up to which `kernel` beat the held dense copy at every measured row
@@ -264,7 +283,7 @@ class HardwareProfile:
             s = dict(s)
             s["matmul_flops"] = {dt: {int(m): float(f) for m, f in t.items()}
                                  for dt, t in s.get("matmul_flops", {}).items()}
-            for kernel in ("int4_matmul_flops", "int8_matmul_flops"):
+            for kernel in ("int4_matmul_flops", "int8_matmul_flops", "attn_decode_fused_gains"):
                 s[kernel] = {int(m): float(f) for m, f in s.get(kernel, {}).items()}
             for tables in ("flipped_gains", "kernel_over_kept_gains"):
                 s[tables] = {name: {int(m): float(g) for m, g in t.items()} for name, t in s.get(tables, {}).items()}
@@ -337,9 +356,11 @@ def use_profile(path: str | os.PathLike | None = None) -> HardwareProfile | None
     """Set what the engines this process loads choose by this machine's saved profile: the
     disk tier's reader (memory/direct_io.py) reads the way measured faster, and 4-bit weights
     take the int4 kernel up to the crossover measured on the compute device
-    (compression/int4.py), and decode-sized products run as W x^T where that was measured
-    faster (dense_linear.py). Returns that profile, or None (the defaults stay) without a saved
-    profile of this machine. Measures nothing: `flexgen-helm profile` (or --policy auto) does."""
+    (compression/int4.py), decode-sized products run as W x^T where that was measured
+    faster (dense_linear.py), and bfloat16 decode steps' attention takes torch's fused kernel
+    where that was (executor/attention.fused_decode). Returns that profile, or None (the
+    defaults stay) without a saved profile of this machine. Measures nothing: `flexgen-helm
+    profile` (or --policy auto) does."""
     saved, _ = _saved_profile(Path(path) if path else default_profile_path())
     if saved is None:
         return None
@@ -355,6 +376,9 @@ def use_profile(path: str | os.PathLike | None = None) -> HardwareProfile | None
                                   saved.compute.kernel_over_kept_rows(kernel))
     for name in saved.compute.flipped_gains:
         set_flipped_rows(saved.compute_device, DTYPES[name], saved.compute.flipped_rows(name))
+    # the CPU's decode path: its own profile's, or a GPU profile's host attention (delegation)
+    host = saved.devices.get("cpu")
+    set_fused_decode("cpu", None if host is None else host.fused_decode_from_keys())
     # only a CPU's profile measures them (a GPU's GEMMs are not known to gain: measure_device)
     unmeasured = saved.compute_device == "cpu" and not saved.compute.flipped_gains
     before_band = saved.compute_device == "cpu" and not unmeasured and not all(
@@ -418,7 +442,8 @@ def measure_device(device: torch.device, dtype: torch.dtype) -> DeviceSpeeds:
     for dt, rows_list in ((dtype, MATMUL_ROWS), (torch.float32, MATMUL_ROWS_FP32)):
         if DTYPE_NAMES[dt] not in speeds.matmul_flops:  # the engine dtype may be float32 itself
             speeds.matmul_flops[DTYPE_NAMES[dt]] = _matmul_flops(device, dt, rows_list, sync)
-    speeds.attn_prefill_flops, speeds.attn_decode_bytes_per_s = _attention_speeds(device, dtype, sync)
+    (speeds.attn_prefill_flops, speeds.attn_decode_bytes_per_s,
+     speeds.attn_decode_fused_gains) = _attention_speeds(device, dtype, sync)
 
     out_f, in_f = MATMUL_SHAPE
     wq = quantize(torch.randn(out_f, in_f, device=device).to(dtype), Compression(4, 64), 0)
@@ -440,7 +465,8 @@ def measure_host_attention(dtype: torch.dtype) -> DeviceSpeeds:
     2-core EPYC, time a GPU lease would pay for nothing; the GPU profile took 16 s on an H100's
     machine without it (runs/gpu/h100-2026-11-26)."""
     speeds = DeviceSpeeds()
-    speeds.attn_prefill_flops, speeds.attn_decode_bytes_per_s = _attention_speeds(torch.device("cpu"), dtype, None)
+    (speeds.attn_prefill_flops, speeds.attn_decode_bytes_per_s,
+     speeds.attn_decode_fused_gains) = _attention_speeds(torch.device("cpu"), dtype, None)
     return speeds
 
 
@@ -626,11 +652,12 @@ def _kernel_speeds(packed, dequantize, device: torch.device, dtype: torch.dtype,
     return table, out_f * in_f / _timed(dequantize, sync=sync)
 
 
-def _attention_speeds(device: torch.device, dtype: torch.dtype, sync) -> tuple[float, float]:
+def _attention_speeds(device: torch.device, dtype: torch.dtype, sync) -> tuple[float, float, dict[int, float]]:
     """Attention as the executor runs it (`attend`: fused, in the engine dtype), at
-    OPT-1.3B-like head sizes: a prefill's FLOP/s, and a decode step's cache bytes read per second."""
-    from flexgen_helm.executor.attention import attend
-
+    OPT-1.3B-like head sizes: a prefill's FLOP/s, a decode step's cache bytes read per second
+    at 512 keys on the path the engine will take, and by FUSED_DECODE_KEYS the fused kernel's
+    gain over the float32 path (DeviceSpeeds.attn_decode_fused_gains; empty where the engine
+    has no choice)."""
     units, s, d = 16, 512, 64
     q = torch.randn(units, 1, s, d, device=device).to(dtype)
     k = torch.randn(units, s, d, device=device).to(dtype)
@@ -638,24 +665,60 @@ def _attention_speeds(device: torch.device, dtype: torch.dtype, sync) -> tuple[f
     prefill_flops = 4 * units * s * s * d / _timed(lambda: attend(q, k, k, valid, causal=True), sync=sync)
 
     units, t = 256, 512
-    # memory tiers' slots, (rows, units, d), as the schedule reads them in place: the new
-    # position's key and value written into its row, the positions up to it attended as a
-    # view; a layer after another, as a decode step reads them, so that no layer's cache is
-    # still in the CPU's caches when it is read again
+    gains, step = {}, _decode_attention(device, dtype, units, 1, t, d)
+    if device.type in FUSED_DECODE and dtype == torch.bfloat16:  # the steps fused_decode may send there
+        for keys in FUSED_DECODE_KEYS:
+            per_shape = []
+            for n, r in FUSED_DECODE_UNITS:
+                timed = _decode_attention(device, dtype, n, r, keys, d)
+                float32_path, fused = (_on_decode_path(device, most, timed) for most in (None, 1))
+                per_shape.append(_paired_ratio(float32_path, fused))
+            gains[keys] = round(min(per_shape), 3)
+        step = _on_decode_path(device, _fused_decode_from_keys(gains), step)
+    cache_bytes = DECODE_CACHE_LAYERS * 2 * t * units * d * torch.finfo(dtype).bits // 8
+    return prefill_flops, cache_bytes / _timed(step, sync=sync), gains
+
+
+def _decode_attention(device: torch.device, dtype: torch.dtype, units: int, r: int, t: int, d: int):
+    """A decode step's attention (r query heads a unit) over DECODE_CACHE_LAYERS layers' caches
+    of t keys: memory tiers' slots, (rows, units, d), as the schedule reads them in place (the
+    new position's key and value written into its row, the positions up to it attended as a
+    view), a layer after another, so that no layer's cache is still in the CPU's caches when it
+    is read again."""
     slots = [[torch.randn(t + 1, units, d, device=device).to(dtype) for _ in range(2)]
              for _ in range(DECODE_CACHE_LAYERS)]
     k1 = torch.randn(units, d, device=device).to(dtype)
-    q1 = torch.randn(units, 1, 1, d, device=device).to(dtype)
-    valid_t = torch.ones(units, t + 1, dtype=torch.bool, device=device)
+    q1 = torch.randn(units, r, 1, d, device=device).to(dtype)
+    valid = torch.ones(units, t + 1, dtype=torch.bool, device=device)
 
-    def decode_attention():
+    def step():
         for kc, vc in slots:
             kc[t].copy_(k1)
             vc[t].copy_(k1)
-            attend(q1, kc.transpose(0, 1), vc.transpose(0, 1), valid_t, causal=False)
+            attend(q1, kc.transpose(0, 1), vc.transpose(0, 1), valid, causal=False)
+    return step
 
-    cache_bytes = DECODE_CACHE_LAYERS * 2 * t * units * d * slots[0][0].element_size()
-    return prefill_flops, cache_bytes / _timed(decode_attention, sync=sync)
+
+def _on_decode_path(device: torch.device, from_keys: int | None, step):
+    """step, with bf16 decode steps on the fused kernel from `from_keys` keys (None: never)
+    while it runs, the setting put back after."""
+    def on_path():
+        before = set_fused_decode(device.type, from_keys)
+        try:
+            step()
+        finally:
+            set_fused_decode(device.type, before)
+    return on_path
+
+
+def _fused_decode_from_keys(gains: dict[int, float]) -> int | None:
+    """DeviceSpeeds.fused_decode_from_keys of a gains table."""
+    most = None
+    for keys in sorted(gains, reverse=True):
+        if gains[keys] <= FLIPPED_MIN_GAIN:
+            break
+        most = keys
+    return most
 
 
 def measure_elementwise_rate(device: torch.device, dtype: torch.dtype, sync=None) -> float:
@@ -854,8 +917,14 @@ def describe(p: HardwareProfile) -> str:
             lines.append(f"  {name} {kernel} kernel over a held dense copy ({p.dtype}): " + ", ".join(
                 f"{m} rows {g:.2f}x" for m, g in table.items())
                 + f"; the kernel takes up to {s.kernel_over_kept_rows(kernel)} rows of a weight kept dense")
+        path = ""
+        if s.attn_decode_fused_gains:
+            most = s.fused_decode_from_keys()
+            path = (" (fused kernel over the float32 path: " + ", ".join(
+                f"{keys} keys {g:.2f}x" for keys, g in s.attn_decode_fused_gains.items()) + "; bf16 steps take it "
+                + ("never" if most is None else f"from {most} keys") + ")")
         lines.append(f"  {name} attention: prefill {s.attn_prefill_flops / 1e9:.1f} GFLOP/s, decode "
-                     f"{s.attn_decode_bytes_per_s / gb:.2f} GB/s of cache; dequantize "
+                     f"{s.attn_decode_bytes_per_s / gb:.2f} GB/s of cache{path}; dequantize "
                      f"{s.dequant_elems_per_s / 1e9:.2f} G elements/s; op latency {s.op_latency_s * 1e6:.1f} us")
     lines.append(f"memcpy {p.memcpy_bytes_per_s / gb:.2f} GB/s")
     if p.is_cuda:
