@@ -672,7 +672,7 @@ def _attention_speeds(device: torch.device, dtype: torch.dtype, sync) -> tuple[f
             for n, r in FUSED_DECODE_UNITS:
                 timed = _decode_attention(device, dtype, n, r, keys, d)
                 float32_path, fused = (_on_decode_path(device, most, timed) for most in (None, 1))
-                per_shape.append(_paired_ratio(float32_path, fused))
+                per_shape.append(_paired_ratio(float32_path, fused, pairs=9))  # a few ms a pair
             gains[keys] = round(min(per_shape), 3)
         step = _on_decode_path(device, _fused_decode_from_keys(gains), step)
     cache_bytes = DECODE_CACHE_LAYERS * 2 * t * units * d * torch.finfo(dtype).bits // 8
