@@ -41,8 +41,10 @@ _TOLD_UNMEASURED: set[str] = set()  # profiles (by when measured) use_profile sa
 # /2: fixed costs and the disk's ways of reading; /3: the int4 kernel's speed by row count;
 # /4: a decode step's attention over a memory tier's cache read in place (a view of its slot)
 # /5: 4-bit dequantization at the speed of its one-addcmul form (compression/int4.py)
-FORMAT = "flexgen-helm-hardware/5"
-FORMAT_MEASURES = "4-bit weights dequantized by one addcmul in the compute dtype (compression/int4._affine_into)"
+# /6: a bf16 decode step's attention on both of its paths (executor/attention.fused_decode)
+FORMAT = "flexgen-helm-hardware/6"
+FORMAT_MEASURES = ("a bf16 decode step's attention on the float32 path and on torch's fused kernel, by cache "
+                   "length (executor/attention.fused_decode)")
 
 # Activation rows of the profiled Linear: 1-64 are decode (one token per sequence of a GPU
 # batch), 256-4096 prefill (a GPU batch times the prompt). The weight is (4096, 2048): big
@@ -690,6 +692,7 @@ def _decode_attention(device: torch.device, dtype: torch.dtype, units: int, r: i
     k1 = torch.randn(units, d, device=device).to(dtype)
     q1 = torch.randn(units, r, 1, d, device=device).to(dtype)
     valid = torch.ones(units, t + 1, dtype=torch.bool, device=device)
+    valid[::4, :t // 8] = False  # a block's left padding (the fused kernel then takes a mask)
 
     def step():
         for kc, vc in slots:

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from flexgen_helm.executor import attention
+from flexgen_helm.memory.host_allocator import keep_freed_host_memory
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -64,6 +65,7 @@ def main() -> None:
     args = bench_args(__doc__, HERE, rounds=7)
     if not attention._bf16_matmuls_native():
         raise SystemExit("this CPU has no native bf16 arithmetic: bf16 decode steps do not run here")
+    keep_freed_host_memory()  # as the engine (engine.py) and the profile do
     load = os.getloadavg()[0]
     g = torch.Generator().manual_seed(0)
     rows = {}
