@@ -286,6 +286,7 @@ def _profiled_kernel_crossover_restored(monkeypatch):
     monkeypatch.setattr(dense_linear, "FLIPPED_ROWS", dict(dense_linear.FLIPPED_ROWS))
     monkeypatch.setattr(int4, "KERNEL_OVER_KEPT_ROWS", dict(int4.KERNEL_OVER_KEPT_ROWS))
     monkeypatch.setitem(attention.FUSED_DECODE, "cpu", attention.FUSED_DECODE["cpu"])
+    monkeypatch.setitem(attention.FUSED_PREFIX_PART, "cpu", attention.FUSED_PREFIX_PART["cpu"])
 
 
 @pytest.fixture

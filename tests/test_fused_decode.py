@@ -121,3 +121,30 @@ def test_the_profile_times_both_paths_and_rates_the_one_it_chooses(dtype, measur
     chosen = hardware_profile._fused_decode_from_keys(gains)
     assert steps[-1] == (513, chosen is not None and chosen <= 513)  # the rate's timing: the path chosen
     assert attention.FUSED_DECODE["cpu"] is None  # the measurement leaves the setting as it was
+
+
+@pytest.mark.parametrize("gain, fused", [(1.24, True), (1.03, False), (0.0, False)])
+def test_the_saved_profile_chooses_the_prefix_parts_kernel(tmp_path, gain, fused):
+    path = tmp_path / "hardware.json"
+    attention.set_fused_prefix_part("cpu", not fused)
+    profile = HardwareProfile(machine=machine_info(), devices={"cpu": DeviceSpeeds(attn_prefix_fused_gain=gain)})
+    profile.save(path)
+    assert use_profile(path) is not None
+    assert attention.FUSED_PREFIX_PART["cpu"] is fused
+    line = next(x for x in describe(profile).splitlines() if "attention:" in x)
+    assert ("past a shared prefix" in line) == bool(gain) and ("(taken)" in line) == fused
+
+
+def test_the_profile_times_the_prefix_part_both_ways_where_a_bf16_layout_is_made(monkeypatch):
+    layouts = []
+    real = attention.attend_past_shared_prefix
+    monkeypatch.setattr(hardware_profile, "attend_past_shared_prefix", lambda q, k, v, own, prefix: layouts.append(
+        prefix.by_position) or real(q, k, v, own, prefix))
+    gain = hardware_profile.prefix_part_fused_gain(torch.device("cpu"), torch.bfloat16, calls=1)
+    if not attention._bf16_matmuls_native():
+        assert gain == 0.0 and not layouts
+        return
+    assert gain > 0 and set(layouts) == {False, True}
+    assert attention.FUSED_PREFIX_PART["cpu"] is False  # left as it was
+    assert hardware_profile.prefix_part_fused_gain(torch.device("cpu"), torch.float32) == 0.0
+

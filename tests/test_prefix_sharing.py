@@ -366,7 +366,7 @@ def test_a_window_prefill_attends_to_the_prefix_as_over_each_rows_columns(softca
 
 
 @pytest.mark.parametrize("offset", [0.0, 3.0])
-@pytest.mark.parametrize("row_sums", ["whole", "a few rows at a time"])
+@pytest.mark.parametrize("row_sums", ["whole", "a few rows at a time", "the fused kernel"])
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_a_bf16_window_prefill_stays_within_bf16_rounding_of_the_float32_attention(offset, row_sums, with_sinks,
                                                                                     monkeypatch):
@@ -374,12 +374,14 @@ def test_a_bf16_window_prefill_stays_within_bf16_rounding_of_the_float32_attenti
     keys' shared component taken out first): as far from the float32 attention as torch's fused
     kernel over the joined columns is, give or take rounding, keys with a large shared part too;
     also where the prefix part sums its weights a few rows at a time (attention.ROW_SUM_ELEMENTS),
-    and with attention sinks (gpt-oss: one more column of the own part's softmax)."""
+    and with attention sinks (gpt-oss: one more column of the own part's softmax); and with the
+    prefix part on torch's fused kernel (attention.FUSED_PREFIX_PART)."""
     from flexgen_helm.executor import attention
     from flexgen_helm.executor.attention import attend
     from flexgen_helm.executor.shared_prefix import PrefixLayer
 
-    if row_sums != "whole":
+    attention.set_fused_prefix_part("cpu", row_sums == "the fused kernel")
+    if row_sums == "a few rows at a time":
         monkeypatch.setattr(attention, "ROW_SUM_ELEMENTS", 7 * 200)  # slices of 7 rows of the 200 prefix keys
 
     torch.manual_seed(0)
@@ -533,11 +535,13 @@ def test_a_compressed_or_sparse_block_holds_the_shared_prefix_once(tiny_llama, t
     assert taken[0] - taken[1] == cfg.num_layers * sum(map(slot_saves, block))
 
 
-def test_shared_prefix_attention_in_bf16_keeps_float32_precision_of_the_keys_shared_part():
+@pytest.mark.parametrize("fused", [False, True], ids=["our products", "the fused kernel"])
+def test_shared_prefix_attention_in_bf16_keeps_float32_precision_of_the_keys_shared_part(fused, monkeypatch):
     """The bf16 layout (a bf16 model on a CPU) takes the keys' mean out before rounding: with
     keys that share a large component, as trained models' do, the output stays as close to
-    float32 attention as bf16 inputs allow, where rounding the plain scores would not."""
-
+    float32 attention as bf16 inputs allow, where rounding the plain scores would not; on our
+    products and on torch's fused kernel (attention.FUSED_PREFIX_PART, keys by position)."""
+    from flexgen_helm.executor import attention
     from flexgen_helm.executor.attention import (
         DecodePrefix,
         attend,
@@ -562,12 +566,17 @@ def test_shared_prefix_attention_in_bf16_keeps_float32_precision_of_the_keys_sha
         k[unit, s + n:] += shared[h]
     q = torch.randn(sequences * kvh, r, 1, d).bfloat16()
     want = attend(q.float(), k, v, valid, causal=False)
+    attention.set_fused_prefix_part("cpu", fused)
+    calls = []
+    real = attention._fused_prefix_part
+    monkeypatch.setattr(attention, "_fused_prefix_part", lambda *a: calls.append(1) or real(*a))
     bf16 = prefix_for_decode(prefix_k, prefix_v, torch.device("cpu"), torch.bfloat16)
     assert (bf16.key_mean is not None) == cpu_has_bf16_arithmetic()
     if bf16.key_mean is None:
         pytest.skip("this CPU emulates bf16 matmuls: the float32 layout serves it (checked above)")
     own = keys_outside_prefix(valid, starts[torch.arange(q.shape[0]) // kvh], n)
     got = attend_past_shared_prefix(q, k, v, own, bf16).float()
+    assert bool(calls) == fused and bf16.by_position == fused
     err = (got - want).abs().max().item()
     assert err < 1e-2, err
     # what rounding the plain scores to bf16 would have cost: the mean is what keeps it small

@@ -551,11 +551,14 @@ class DecodePrefix:
     float32 (mean / sqrt(d), natural base), so that the prefix's two matmuls a step run at
     bf16's rate (3-4x float32's on this project's CPU, runs/prefix_sharing/README.md) while its
     scores keep float32's precision where it matters: q . mean, the component every key
-    shares, is added back in float32."""
+    shares, is added back in float32. by_position: the bf16 keys as (kv_heads, P, d) instead,
+    for torch's fused kernel (FUSED_PREFIX_PART), which must get them contiguous: over a
+    transposed view of the other layout it computed wrong scores (torch 2.13)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     key_mean: torch.Tensor | None = None  # set: the bf16 layout above
+    by_position: bool = False
 
     @property
     def length(self) -> int:
@@ -567,13 +570,16 @@ def prefix_for_decode(keys: torch.Tensor, values: torch.Tensor, device: torch.de
     """The prefix keys and values (kv_heads, P, d) of one layer in the layout decode steps of
     a `dtype` model on `device` read them in (DecodePrefix), converted once per block. The
     bf16 layout needs scores that a shift leaves the softmax of (no softcap: tanh is not
-    shift-invariant) and native bf16 matmuls (emulated ones are slower than float32)."""
+    shift-invariant) and native bf16 matmuls (emulated ones are slower than float32); its keys
+    by position where the device's prefix part runs on the fused kernel (FUSED_PREFIX_PART)."""
     device = torch.device(device)
     if device.type == "cpu" and dtype == torch.bfloat16 and not softcap and _bf16_matmuls_native():
         kf = keys.to(torch.float32, copy=True).mul_(1 / math.sqrt(keys.shape[-1]))
         mean = kf.mean(1, keepdim=True)
-        kt = kf.sub_(mean).mul_(1 / math.log(2)).to(dtype).transpose(1, 2).contiguous()
-        return DecodePrefix(kt, values.to(dtype).contiguous(), mean)
+        centred = kf.sub_(mean).mul_(1 / math.log(2)).to(dtype)
+        by_position = FUSED_PREFIX_PART.get(device.type, False)
+        kt = centred if by_position else centred.transpose(1, 2).contiguous()
+        return DecodePrefix(kt, values.to(dtype).contiguous(), mean, by_position)
     read_as = decode_cache_dtype(device, dtype)
     return DecodePrefix(keys.to(read_as, copy=True), values.to(read_as, copy=True))
 
@@ -764,6 +770,35 @@ def _own_keys_and_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vali
 UNSHIFTED_LSE2_BOUND = 100.0
 
 
+# Device type -> whether a bf16 shared prefix's part (_bf16_prefix_part) runs on torch's fused CPU
+# flash kernel, which returns the log-sum-exp the merge needs, instead of our products: set where
+# `flexgen-helm profile` timed it faster (planner/hardware_profile.use_profile;
+# DeviceSpeeds.attn_prefix_fused_gain). On the 2-core EPYC it was slower than our whole step
+# (runs/prefix_sharing/prefix_part_kernels_2026-11-28.txt); on the 2-core Xeon with AMX it took
+# 0.55-0.65x our part's time at SmolLM2's decode shape (runs/prefix_sharing/README.md).
+FUSED_PREFIX_PART = {"cpu": False}
+
+
+def set_fused_prefix_part(device_type: str, fused: bool) -> bool:
+    """Whether bf16 prefixes made for `device_type` from now on (prefix_for_decode) take the
+    fused kernel in their part of attention; returns the setting before."""
+    if device_type not in FUSED_PREFIX_PART:
+        raise ValueError(f"the prefix part's path is chosen on {', '.join(FUSED_PREFIX_PART)}, not {device_type!r}")
+    before, FUSED_PREFIX_PART[device_type] = FUSED_PREFIX_PART[device_type], fused
+    return before
+
+
+def _fused_prefix_part(q: torch.Tensor, prefix: DecodePrefix) -> tuple[torch.Tensor, torch.Tensor]:
+    """_bf16_prefix_part on torch's fused CPU flash kernel, over the keys by position: the
+    layout's keys carry 1/(sqrt(d) ln 2), so a scale of ln 2 gives the natural-base scores
+    relative to the keys' mean; the kernel keeps them in float32 (ours rounds them to bf16)
+    and rounds the weights to bf16 for the values, as ours does; its log-sum-exp is natural,
+    and q . mean goes back into it in float32."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.to(prefix.values.dtype)[None], prefix.keys[None], prefix.values[None], scale=math.log(2))
+    return out[0].float(), torch.baddbmm(lse[0, :, :, None], q, prefix.key_mean.transpose(1, 2))
+
+
 def _bf16_prefix_part(q: torch.Tensor, prefix: DecodePrefix) -> tuple[torch.Tensor, torch.Tensor]:
     """_normalized_part of float32 queries q (kv_heads, m, d) over a prefix in DecodePrefix's
     bf16 layout: the scores leave their matmul rounded to bf16 relative to the keys' mean, in
@@ -779,7 +814,10 @@ def _bf16_prefix_part(q: torch.Tensor, prefix: DecodePrefix) -> tuple[torch.Tens
     (runs/prefix_sharing/decode_variants/unshifted_weights.py). Where a
     row's log-sum-exp leaves +-UNSHIFTED_LSE2_BOUND (a head whose queries meet its keys at
     scores of ~100 and more), the row's weights may have left the normal floats, and the
-    part is taken again with the peak out (_shifted_bf16_prefix_part)."""
+    part is taken again with the peak out (_shifted_bf16_prefix_part). A prefix laid out by
+    position takes the fused kernel instead (_fused_prefix_part)."""
+    if prefix.by_position:
+        return _fused_prefix_part(q, prefix)
     weights = torch.bmm(q.to(prefix.values.dtype), prefix.keys).exp2_()
     total = _row_sums(weights)
     lse2 = total.log2()

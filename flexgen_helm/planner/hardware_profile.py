@@ -28,7 +28,15 @@ from flexgen_helm.compression.int4 import clear_kernel_over_kept_rows, set_kerne
 from flexgen_helm.compression.int8 import set_max_kernel_rows as set_max_int8_kernel_rows
 from flexgen_helm.dense_linear import NO_ROWS, flipped_linear, flips, set_flipped_rows
 from flexgen_helm.errors import ProfileFormatError
-from flexgen_helm.executor.attention import FUSED_DECODE, attend, set_fused_decode
+from flexgen_helm.executor.attention import (
+    FUSED_DECODE,
+    FUSED_PREFIX_PART,
+    attend,
+    attend_past_shared_prefix,
+    prefix_for_decode,
+    set_fused_decode,
+    set_fused_prefix_part,
+)
 from flexgen_helm.memory.devices import DTYPE_NAMES, DTYPES
 from flexgen_helm.memory.direct_io import set_reads_in_flight
 from flexgen_helm.memory.disk_speed import fastest_direct
@@ -41,7 +49,8 @@ _TOLD_UNMEASURED: set[str] = set()  # profiles (by when measured) use_profile sa
 # /2: fixed costs and the disk's ways of reading; /3: the int4 kernel's speed by row count;
 # /4: a decode step's attention over a memory tier's cache read in place (a view of its slot)
 # /5: 4-bit dequantization at the speed of its one-addcmul form (compression/int4.py)
-# /6: a bf16 decode step's attention on both of its paths (executor/attention.fused_decode)
+# /6: a bf16 decode step's attention on both of its paths (executor/attention.fused_decode), and
+# its part past a shared prefix on both (FUSED_PREFIX_PART)
 FORMAT = "flexgen-helm-hardware/6"
 FORMAT_MEASURES = ("a bf16 decode step's attention on the float32 path and on torch's fused kernel, by cache "
                    "length (executor/attention.fused_decode)")
@@ -103,6 +112,11 @@ class DeviceSpeeds:
     # attn_decode_bytes_per_s is the path it takes at 512 keys. Empty: not measured (another
     # dtype, a GPU's own attention, a profile from before)
     attn_decode_fused_gains: dict[int, float] = field(default_factory=dict)
+    # time of a bf16 shared prefix's part of a decode step's attention (SmolLM2's 32 sequences
+    # past 1,000 keys) on our products over its time on torch's fused kernel
+    # (executor/attention.FUSED_PREFIX_PART), timed in pairs; taken above FLIPPED_MIN_GAIN.
+    # 0.0: not measured (another dtype, a CPU without bf16 arithmetic, a GPU)
+    attn_prefix_fused_gain: float = 0.0
     dequant_elems_per_s: float = 1e9  # 4-bit groups (QuantizedTensor) turned back into the compute dtype
     # 4-bit weights in the int4 kernel's packed layout (compression/int4.py), in the profile's
     # dtype: rows -> FLOP/s of the kernel's matmul (interpolated in log(rows)), and elements/s of
@@ -381,6 +395,7 @@ def use_profile(path: str | os.PathLike | None = None) -> HardwareProfile | None
     # the CPU's decode path: its own profile's, or a GPU profile's host attention (delegation)
     host = saved.devices.get("cpu")
     set_fused_decode("cpu", None if host is None else host.fused_decode_from_keys())
+    set_fused_prefix_part("cpu", host is not None and host.attn_prefix_fused_gain > FLIPPED_MIN_GAIN)
     # only a CPU's profile measures them (a GPU's GEMMs are not known to gain: measure_device)
     unmeasured = saved.compute_device == "cpu" and not saved.compute.flipped_gains
     before_band = saved.compute_device == "cpu" and not unmeasured and not all(
@@ -446,6 +461,7 @@ def measure_device(device: torch.device, dtype: torch.dtype) -> DeviceSpeeds:
             speeds.matmul_flops[DTYPE_NAMES[dt]] = _matmul_flops(device, dt, rows_list, sync)
     (speeds.attn_prefill_flops, speeds.attn_decode_bytes_per_s,
      speeds.attn_decode_fused_gains) = _attention_speeds(device, dtype, sync)
+    speeds.attn_prefix_fused_gain = prefix_part_fused_gain(device, dtype)
 
     out_f, in_f = MATMUL_SHAPE
     wq = quantize(torch.randn(out_f, in_f, device=device).to(dtype), Compression(4, 64), 0)
@@ -679,6 +695,36 @@ def _attention_speeds(device: torch.device, dtype: torch.dtype, sync) -> tuple[f
         step = _on_decode_path(device, _fused_decode_from_keys(gains), step)
     cache_bytes = DECODE_CACHE_LAYERS * 2 * t * units * d * torch.finfo(dtype).bits // 8
     return prefill_flops, cache_bytes / _timed(step, sync=sync), gains
+
+
+def prefix_part_fused_gain(device: torch.device, dtype: torch.dtype, calls: int = 20) -> float:
+    """DeviceSpeeds.attn_prefix_fused_gain: a decode step's attention past a bf16 shared prefix
+    (attention.attend_past_shared_prefix) at SmolLM2's shapes, 32 sequences past a 1,000-token
+    prefix with 16 keys of their own, its prefix laid out for our products and for the fused
+    kernel, `calls` calls a timing (one takes a few hundred us); 0.0 where no bf16 layout is
+    made (attention.prefix_for_decode)."""
+    kvh, r, d, length, sequences, own = 3, 3, 64, 1000, 32, 16
+    keys, values = (torch.randn(kvh, length, d, device=device) for _ in range(2))
+    if device.type not in FUSED_PREFIX_PART or prefix_for_decode(keys, values, device, dtype).key_mean is None:
+        return 0.0
+    layouts = []
+    for fused in (False, True):
+        before = set_fused_prefix_part(device.type, fused)
+        try:
+            layouts.append(prefix_for_decode(keys, values, device, dtype))
+        finally:
+            set_fused_prefix_part(device.type, before)
+    units = sequences * kvh
+    q = torch.randn(units, r, 1, d, device=device).to(dtype)
+    k, v = (torch.randn(units, own, d, device=device).to(dtype) for _ in range(2))
+    mine = torch.ones(units, own, dtype=torch.bool, device=device)
+
+    def steps(prefix):
+        def run():
+            for _ in range(calls):
+                attend_past_shared_prefix(q, k, v, mine, prefix)
+        return run
+    return round(_paired_ratio(*map(steps, layouts), pairs=9), 3)
 
 
 def _decode_attention(device: torch.device, dtype: torch.dtype, units: int, r: int, t: int, d: int):
@@ -926,6 +972,10 @@ def describe(p: HardwareProfile) -> str:
             path = (" (fused kernel over the float32 path: " + ", ".join(
                 f"{keys} keys {g:.2f}x" for keys, g in s.attn_decode_fused_gains.items()) + "; bf16 steps take it "
                 + ("never" if most is None else f"from {most} keys") + ")")
+        if s.attn_prefix_fused_gain:
+            fused = s.attn_prefix_fused_gain > FLIPPED_MIN_GAIN
+            path += (f"; past a shared prefix, the fused kernel {s.attn_prefix_fused_gain:.2f}x our products "
+                     f"({'taken' if fused else 'not taken'})")
         lines.append(f"  {name} attention: prefill {s.attn_prefill_flops / 1e9:.1f} GFLOP/s, decode "
                      f"{s.attn_decode_bytes_per_s / gb:.2f} GB/s of cache{path}; dequantize "
                      f"{s.dequant_elems_per_s / 1e9:.2f} G elements/s; op latency {s.op_latency_s * 1e6:.1f} us")

@@ -2,7 +2,9 @@
 
     python runs/prefix_sharing/decode_step.py [--model smollm2-135m] [--prefix 1000] [--sequences 32]
 
-One block of `--sequences` prompts: `--prefix` tokens they all start with, then 8 of their
+The machine's saved profile is applied first (use_profile), as every command that loads an
+engine does: the kernels it chose (e.g. the shared prefix's part on torch's fused kernel) are
+the record's. One block of `--sequences` prompts: `--prefix` tokens they all start with, then 8 of their
 own. Three runs of one engine (sharing on), after a warm-up, in turns: the block with its
 shared prefix, the block without any prefix (the 8 tokens alone), and the block with the
 prefix computed whole (sharing off). Per run: prefill seconds and the mean decode step
@@ -27,8 +29,10 @@ import time
 from pathlib import Path
 
 from flexgen_helm.engine import Engine
+from flexgen_helm.executor import attention
 from flexgen_helm.executor.sampling import SamplingParams
 from flexgen_helm.memory.machine import machine_label
+from flexgen_helm.planner.hardware_profile import use_profile
 from flexgen_helm.policy import Policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -48,6 +52,7 @@ def main() -> None:
     p.add_argument("--skip-unshared", action="store_true", help="no run with sharing off")
     p.add_argument("--label", default="", help="what the record measured (e.g. the commit)")
     args = p.parse_args()
+    profile = use_profile()  # what this machine's profile chose, as every command that loads an engine applies it
     policy = Policy(gpu_batch_size=args.sequences, num_gpu_batches=1)
     engine = Engine.load(args.model, policy, dummy=args.dummy, progress=False)
     prefix, own = prefix_and_own(engine.config.vocab_size, args.prefix, 8, args.sequences)
@@ -71,6 +76,9 @@ def main() -> None:
               "model": args.model,
               "prefix": args.prefix, "sequences": args.sequences, "new_tokens": args.new_tokens,
               "loadavg_1m": os.getloadavg()[0], "runs": rows, "best": best,
+              "profile": None if profile is None else profile.measured_at,
+              "fused_prefix_part": attention.FUSED_PREFIX_PART["cpu"],
+              "fused_decode_from_keys": attention.FUSED_DECODE["cpu"],
               "decode_step_ratio_shared_vs_no_prefix": best["shared prefix"]["decode_step_s"]
               / best["no prefix"]["decode_step_s"],
               "prefill_speedup_sharing": None if args.skip_unshared else
