@@ -60,11 +60,14 @@ def test_a_bf16_step_on_the_fused_kernel_is_attention_to_bf16_rounding(monkeypat
                 <= want.abs() * 2 ** -8 + scale * 2 ** -8).all()
 
 
-@pytest.mark.parametrize("case", ["float32", "softcap", "sinks", "sparse"])
+@pytest.mark.parametrize("case", ["float32", "float32 cache", "softcap", "sinks", "sparse"])
 def test_other_steps_keep_their_path_with_the_fused_kernel_chosen(case):
-    """float32 keeps its exact bits (the same tokens under every placement); soft caps and
-    sinks are what the fused kernel cannot compute; sparse attention picks its own keys."""
+    """float32 keeps its exact bits (the same tokens under every placement); a cache unpacked
+    to float32 (a loaded or compressed one's) is not rounded back; soft caps and sinks are
+    what the fused kernel cannot compute; sparse attention picks its own keys."""
     q, k, v, valid = _step(torch.float32 if case == "float32" else torch.bfloat16, seed=1)
+    if case == "float32 cache":
+        k, v = k.float(), v.float()
     kwargs = {"softcap": {"softcap": 5.0}, "sinks": {"sinks": torch.randn(q.shape[0], q.shape[1])},
               "sparse": {"keep_fraction": 0.5}}.get(case, {})
     attention.set_fused_decode("cpu", None)
@@ -109,7 +112,7 @@ def test_the_profile_times_both_paths_and_rates_the_one_it_chooses(dtype, measur
     steps = []  # (keys, whether the fused kernel took it) of each decode step attended
     real = attention.attend
     monkeypatch.setattr(hardware_profile, "attend", lambda q, k, *a, **kw: steps.append(
-        (k.shape[1], attention.fused_decode(q, k.shape[1]))) or real(q, k, *a, **kw))
+        (k.shape[1], attention.fused_decode(q, k))) or real(q, k, *a, **kw))
     attention.set_fused_decode("cpu", None)
     _, rate, gains = hardware_profile._attention_speeds(torch.device("cpu"), dtype, None)
     assert rate > 0
@@ -147,4 +150,27 @@ def test_the_profile_times_the_prefix_part_both_ways_where_a_bf16_layout_is_made
     assert gain > 0 and set(layouts) == {False, True}
     assert attention.FUSED_PREFIX_PART["cpu"] is False  # left as it was
     assert hardware_profile.prefix_part_fused_gain(torch.device("cpu"), torch.float32) == 0.0
+
+
+def test_a_prefix_from_a_caches_strided_view_takes_the_fused_kernel_exactly_as_a_contiguous_one():
+    """The engine hands prefix_for_decode keys as a view of its cache ((kvh, P, d) with other
+    strides); the fused kernel must get them laid out by position and contiguous."""
+    g = torch.Generator().manual_seed(3)
+    kvh, length, d = 3, 200, 64
+    keys, values = (torch.randn(length, kvh, d, generator=g) + 2 for _ in range(2))
+    strided = keys.transpose(0, 1)  # (kvh, P, d) with a cache's position-major strides
+    assert not strided.is_contiguous()
+    attention.set_fused_prefix_part("cpu", True)
+    prefixes = [attention.prefix_for_decode(x, values.transpose(0, 1), torch.device("cpu"), torch.bfloat16)
+                for x in (strided, strided.contiguous())]
+    if prefixes[0].key_mean is None:
+        pytest.skip("this CPU emulates bf16 matmuls: no bf16 layout is made")
+    assert all(p.by_position and p.keys.is_contiguous() for p in prefixes)
+    q = torch.randn(kvh, 40, d, generator=g)
+    (out_a, lse_a), (out_b, lse_b) = (attention._bf16_prefix_part(q, p) for p in prefixes)
+    assert torch.equal(out_a, out_b) and torch.equal(lse_a, lse_b)
+    scores = torch.einsum("hmd,hpd->hmp", q.double(), strided.double()) / d ** 0.5
+    want = torch.einsum("hmp,hpd->hmd", scores.softmax(-1), values.transpose(0, 1).double())
+    assert (out_a.double() - want).abs().max() < 2e-2
+    assert (lse_a[..., 0].double() - scores.logsumexp(-1)).abs().max() < 2e-2
 

@@ -113,7 +113,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | ValueRows, key_va
         # (bmm, not a broadcast matmul: that would copy the keys once per query head.)
         # A sliding-window block's decode keys are its window already (the caller's).
         v = v(list(range(t))) if callable(v) and keep_fraction == 1.0 else v
-        if fused_decode(q, t, keep_fraction, softcap, sinks):
+        if fused_decode(q, k, keep_fraction, softcap, sinks):
             return _dense_attention(q, k, v, key_valid, causal=False)
         if keep_fraction == 1.0 and _by_positions(k, v):
             return _decode_by_positions(q, k, v, key_valid, softcap, sinks)
@@ -148,11 +148,14 @@ def set_fused_decode(device_type: str, from_keys: int | None) -> int | None:
     return before
 
 
-def fused_decode(q: torch.Tensor, keys: int, keep_fraction: float = 1.0, softcap: float = 0.0,
+def fused_decode(q: torch.Tensor, k: torch.Tensor, keep_fraction: float = 1.0, softcap: float = 0.0,
                  sinks: torch.Tensor | None = None) -> bool:
-    """Whether attend() takes a decode step of queries q over `keys` keys on the fused kernel:
-    bfloat16, as many keys as the device's FUSED_DECODE or more, dense attention without a
-    softcap or sinks (which the kernel cannot compute). torch's CPU kernel computes the scores
+    """Whether attend() takes a decode step of queries q over keys k (u, t, d) on the fused
+    kernel: bfloat16 queries over a bfloat16 cache read in place (a cache unpacked to float32,
+    a loaded or compressed one's, keeps the float32 path rather than being rounded back), as
+    many keys as the device's FUSED_DECODE or more (padding columns count: which path a bf16
+    step takes, and so its last bits, can follow a GPU batch's padding), dense attention
+    without a softcap or sinks (which the kernel cannot compute). torch's CPU kernel computes the scores
     and the softmax in float32 and multiplies the values by the weights rounded to bfloat16,
     as the prompt's bf16 attention (_causal_rows) and the shared prefix's part
     (attend_past_shared_prefix) do: an output's error is then up to ~2^-9 of the values'
@@ -160,8 +163,8 @@ def fused_decode(q: torch.Tensor, keys: int, keep_fraction: float = 1.0, softcap
     rounds only the output). float32 steps keep the exact path, so that float32 runs give the
     same tokens under every placement."""
     most = FUSED_DECODE.get(q.device.type)
-    return (most is not None and keys >= most and q.dtype == torch.bfloat16 and keep_fraction == 1.0
-            and not softcap and sinks is None)
+    return (most is not None and k.shape[1] >= most and q.dtype == k.dtype == torch.bfloat16
+            and keep_fraction == 1.0 and not softcap and sinks is None)
 
 
 def _by_positions(k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -578,7 +581,7 @@ def prefix_for_decode(keys: torch.Tensor, values: torch.Tensor, device: torch.de
         mean = kf.mean(1, keepdim=True)
         centred = kf.sub_(mean).mul_(1 / math.log(2)).to(dtype)
         by_position = FUSED_PREFIX_PART.get(device.type, False)
-        kt = centred if by_position else centred.transpose(1, 2).contiguous()
+        kt = (centred if by_position else centred.transpose(1, 2)).contiguous()  # a cache's view keeps its strides
         return DecodePrefix(kt, values.to(dtype).contiguous(), mean, by_position)
     read_as = decode_cache_dtype(device, dtype)
     return DecodePrefix(keys.to(read_as, copy=True), values.to(read_as, copy=True))
@@ -660,8 +663,8 @@ def _window_prefix_part(qf: torch.Tensor, prefix: DecodePrefix, softcap: float) 
     place, where joining the slices and reordering them by unit were two more passes over all
     of it (runs/prefix_sharing/window_passes.py). The slices follow the shapes only, so every
     policy slices a block alike; a row's last bits may follow its slice's size (the products'
-    kernels block their rows by it), and a slice whose scores leave the normal floats is
-    taken again with the peak out (_bf16_prefix_part)."""
+    kernels block their rows by it), and on our products a slice whose scores leave the
+    normal floats is taken again with the peak out (_bf16_prefix_part)."""
     u, m, d = qf.shape
     kvh, keys = prefix.values.shape[0], prefix.length
     sequences, per_sequence = u // kvh, kvh * m * keys

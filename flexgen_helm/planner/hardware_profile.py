@@ -33,6 +33,7 @@ from flexgen_helm.executor.attention import (
     FUSED_PREFIX_PART,
     attend,
     attend_past_shared_prefix,
+    attend_window_past_shared_prefix,
     prefix_for_decode,
     set_fused_decode,
     set_fused_prefix_part,
@@ -53,7 +54,7 @@ _TOLD_UNMEASURED: set[str] = set()  # profiles (by when measured) use_profile sa
 # its part past a shared prefix on both (FUSED_PREFIX_PART)
 FORMAT = "flexgen-helm-hardware/6"
 FORMAT_MEASURES = ("a bf16 decode step's attention on the float32 path and on torch's fused kernel, by cache "
-                   "length (executor/attention.fused_decode)")
+                   "length (executor/attention.fused_decode), and a shared prefix's part on both")
 
 # Activation rows of the profiled Linear: 1-64 are decode (one token per sequence of a GPU
 # batch), 256-4096 prefill (a GPU batch times the prompt). The weight is (4096, 2048): big
@@ -112,9 +113,9 @@ class DeviceSpeeds:
     # attn_decode_bytes_per_s is the path it takes at 512 keys. Empty: not measured (another
     # dtype, a GPU's own attention, a profile from before)
     attn_decode_fused_gains: dict[int, float] = field(default_factory=dict)
-    # time of a bf16 shared prefix's part of a decode step's attention (SmolLM2's 32 sequences
-    # past 1,000 keys) on our products over its time on torch's fused kernel
-    # (executor/attention.FUSED_PREFIX_PART), timed in pairs; taken above FLIPPED_MIN_GAIN.
+    # time of a bf16 shared prefix's part of attention on our products over its time on torch's
+    # fused kernel (executor/attention.FUSED_PREFIX_PART), timed in pairs: the smaller gain of a
+    # decode step's whole call and a few-shot prefill window's part; taken above FLIPPED_MIN_GAIN.
     # 0.0: not measured (another dtype, a CPU without bf16 arithmetic, a GPU)
     attn_prefix_fused_gain: float = 0.0
     dequant_elems_per_s: float = 1e9  # 4-bit groups (QuantizedTensor) turned back into the compute dtype
@@ -392,7 +393,8 @@ def use_profile(path: str | os.PathLike | None = None) -> HardwareProfile | None
                                   saved.compute.kernel_over_kept_rows(kernel))
     for name in saved.compute.flipped_gains:
         set_flipped_rows(saved.compute_device, DTYPES[name], saved.compute.flipped_rows(name))
-    # the CPU's decode path: its own profile's, or a GPU profile's host attention (delegation)
+    # the CPU's decode path: its own profile's, or a GPU profile's host attention (delegation);
+    # the prefix part's kernel is timed in a CPU's profile only (a GPU profile leaves it off)
     host = saved.devices.get("cpu")
     set_fused_decode("cpu", None if host is None else host.fused_decode_from_keys())
     set_fused_prefix_part("cpu", host is not None and host.attn_prefix_fused_gain > FLIPPED_MIN_GAIN)
@@ -698,33 +700,49 @@ def _attention_speeds(device: torch.device, dtype: torch.dtype, sync) -> tuple[f
 
 
 def prefix_part_fused_gain(device: torch.device, dtype: torch.dtype, calls: int = 20) -> float:
-    """DeviceSpeeds.attn_prefix_fused_gain: a decode step's attention past a bf16 shared prefix
-    (attention.attend_past_shared_prefix) at SmolLM2's shapes, 32 sequences past a 1,000-token
-    prefix with 16 keys of their own, its prefix laid out for our products and for the fused
-    kernel, `calls` calls a timing (one takes a few hundred us); 0.0 where no bf16 layout is
-    made (attention.prefix_for_decode)."""
-    kvh, r, d, length, sequences, own = 3, 3, 64, 1000, 32, 16
-    keys, values = (torch.randn(kvh, length, d, device=device) for _ in range(2))
-    if device.type not in FUSED_PREFIX_PART or prefix_for_decode(keys, values, device, dtype).key_mean is None:
+    """DeviceSpeeds.attn_prefix_fused_gain: the smaller gain of (1) a decode step's attention
+    past a bf16 shared prefix (attention.attend_past_shared_prefix) at SmolLM2's shapes, 32
+    sequences past a 1,000-token prefix with 16 keys of their own, `calls` calls a timing (one
+    takes a few hundred us), and (2) a few-shot prefill window's attention
+    (attention.attend_window_past_shared_prefix: 8 prompts' 85 own tokens past 300 prefix
+    keys; its own part the same either way), its prefix laid out for our products and for the fused kernel; 0.0 where
+    no bf16 layout is made (attention.prefix_for_decode)."""
+    kvh, r, d, sequences, own = 3, 3, 64, 32, 16
+    if device.type not in FUSED_PREFIX_PART or prefix_for_decode(
+            *(torch.randn(kvh, 2, d, device=device) for _ in range(2)), device, dtype).key_mean is None:
         return 0.0
-    layouts = []
-    for fused in (False, True):
-        before = set_fused_prefix_part(device.type, fused)
-        try:
-            layouts.append(prefix_for_decode(keys, values, device, dtype))
-        finally:
-            set_fused_prefix_part(device.type, before)
+
+    def layouts(length: int) -> list:
+        keys, values = (torch.randn(kvh, length, d, device=device) for _ in range(2))
+        made = []
+        for fused in (False, True):
+            before = set_fused_prefix_part(device.type, fused)
+            try:
+                made.append(prefix_for_decode(keys, values, device, dtype))
+            finally:
+                set_fused_prefix_part(device.type, before)
+        return made
+
     units = sequences * kvh
     q = torch.randn(units, r, 1, d, device=device).to(dtype)
     k, v = (torch.randn(units, own, d, device=device).to(dtype) for _ in range(2))
     mine = torch.ones(units, own, dtype=torch.bool, device=device)
+    window = 85
+    window_q = torch.randn(8 * kvh, r, window, d, device=device).to(dtype)
+    window_k, window_v = (torch.randn(8 * kvh, window, d, device=device).to(dtype) for _ in range(2))
+    window_valid = torch.ones(8 * kvh, window, dtype=torch.bool, device=device)
 
-    def steps(prefix):
+    def decode_steps(prefix):
         def run():
             for _ in range(calls):
                 attend_past_shared_prefix(q, k, v, mine, prefix)
         return run
-    return round(_paired_ratio(*map(steps, layouts), pairs=9), 3)
+
+    def window_part(prefix):
+        return functools.partial(attend_window_past_shared_prefix, window_q, window_k, window_v, window_valid, prefix)
+    gains = (_paired_ratio(*map(decode_steps, layouts(1000)), pairs=9),
+             _paired_ratio(*map(window_part, layouts(300)), pairs=9))
+    return round(min(gains), 3)
 
 
 def _decode_attention(device: torch.device, dtype: torch.dtype, units: int, r: int, t: int, d: int):
