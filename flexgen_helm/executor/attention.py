@@ -155,8 +155,8 @@ def fused_decode(q: torch.Tensor, k: torch.Tensor, keep_fraction: float = 1.0, s
     a loaded or compressed one's, keeps the float32 path rather than being rounded back), as
     many keys as the device's FUSED_DECODE or more (padding columns count: which path a bf16
     step takes, and so its last bits, can follow a GPU batch's padding), dense attention
-    without a softcap or sinks (which the kernel cannot compute). torch's CPU kernel computes the scores
-    and the softmax in float32 and multiplies the values by the weights rounded to bfloat16,
+    without a softcap or sinks (which the kernel cannot compute). torch's CPU kernel computes
+    the scores and the softmax in float32 and multiplies the values by the weights rounded to bfloat16,
     as the prompt's bf16 attention (_causal_rows) and the shared prefix's part
     (attend_past_shared_prefix) do: an output's error is then up to ~2^-9 of the values'
     scale, not of its own (its small components lose relative precision; the float32 path
@@ -777,8 +777,8 @@ UNSHIFTED_LSE2_BOUND = 100.0
 # flash kernel, which returns the log-sum-exp the merge needs, instead of our products: set where
 # `flexgen-helm profile` timed it faster (planner/hardware_profile.use_profile;
 # DeviceSpeeds.attn_prefix_fused_gain). On the 2-core EPYC it was slower than our whole step
-# (runs/prefix_sharing/prefix_part_kernels_2026-11-28.txt); on the 2-core Xeon with AMX it took
-# 0.55-0.65x our part's time at SmolLM2's decode shape (runs/prefix_sharing/README.md).
+# (runs/prefix_sharing/prefix_part_kernels_2026-11-28.txt); on the 2-core Xeon with AMX the
+# whole decode call at SmolLM2's shapes ran 1.18-1.25x faster with it (runs/prefix_sharing/README.md).
 FUSED_PREFIX_PART = {"cpu": False}
 
 
