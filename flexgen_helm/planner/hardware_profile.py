@@ -72,8 +72,8 @@ DECODE_CACHE_LAYERS = 8
 # Keys at which a bf16 decode step's attention is timed on both of its paths
 # (executor/attention.fused_decode): a shared-prefix block's own keys up to a long prompt's;
 # on units of one query head (OPT's, OLMoE's) and of three (grouped-query heads, SmolLM2's 32
-# sequences), the smaller gain of the two: on a 2-core Xeon the fused kernel gained 1.58x at
-# 32 keys on the first and lost (0.82x at 24) on the second (runs/bench/decode_attention_paths)
+# sequences), the smaller gain of the two: on a 2-core Xeon the fused kernel gained 1.76-1.88x
+# on the first at 513 keys and lost on the second at 24 (0.82-0.86x: runs/bench/decode_attention_paths)
 FUSED_DECODE_KEYS = (32, 128, 512)
 FUSED_DECODE_UNITS = ((256, 1), (96, 3))  # (units, query heads a unit)
 MAX_STREAMED_ROWS = 64  # above this the product is compute-bound: one (cached) weight will do
@@ -705,8 +705,8 @@ def prefix_part_fused_gain(device: torch.device, dtype: torch.dtype, calls: int 
     sequences past a 1,000-token prefix with 16 keys of their own, `calls` calls a timing (one
     takes a few hundred us), and (2) a few-shot prefill window's attention
     (attention.attend_window_past_shared_prefix: 8 prompts' 85 own tokens past 300 prefix
-    keys; its own part the same either way), its prefix laid out for our products and for the fused kernel; 0.0 where
-    no bf16 layout is made (attention.prefix_for_decode)."""
+    keys; its own part the same either way), its prefix laid out for our products and for
+    the fused kernel; 0.0 where no bf16 layout is made (attention.prefix_for_decode)."""
     kvh, r, d, sequences, own = 3, 3, 64, 32, 16
     if device.type not in FUSED_PREFIX_PART or prefix_for_decode(
             *(torch.randn(kvh, 2, d, device=device) for _ in range(2)), device, dtype).key_mean is None:
