@@ -777,8 +777,8 @@ UNSHIFTED_LSE2_BOUND = 100.0
 # flash kernel, which returns the log-sum-exp the merge needs, instead of our products: set where
 # `flexgen-helm profile` timed it faster (planner/hardware_profile.use_profile;
 # DeviceSpeeds.attn_prefix_fused_gain). On the 2-core EPYC it was slower than our whole step
-# (runs/prefix_sharing/prefix_part_kernels_2026-11-28.txt); on the 2-core Xeon with AMX the
-# whole decode call at SmolLM2's shapes ran 1.18-1.25x faster with it (runs/prefix_sharing/README.md).
+# (runs/prefix_sharing/prefix_part_kernels_2026-11-28.txt); on the 2-core Xeon with AMX it gained
+# 1.05-1.09x, at the noise threshold (runs/prefix_sharing/profile_fused_choices_2026-11-29.txt).
 FUSED_PREFIX_PART = {"cpu": False}
 
 
