@@ -52,9 +52,10 @@ _TOLD_UNMEASURED: set[str] = set()  # profiles (by when measured) use_profile sa
 # /5: 4-bit dequantization at the speed of its one-addcmul form (compression/int4.py)
 # /6: a bf16 decode step's attention on both of its paths (executor/attention.fused_decode), and
 # its part past a shared prefix on both (FUSED_PREFIX_PART)
-FORMAT = "flexgen-helm-hardware/6"
-FORMAT_MEASURES = ("a bf16 decode step's attention on the float32 path and on torch's fused kernel, by cache "
-                   "length (executor/attention.fused_decode), and a shared prefix's part on both")
+# /7: every speed sustained over its measurement (the mean call), not its fastest call (_timed)
+FORMAT = "flexgen-helm-hardware/7"
+FORMAT_MEASURES = ("every speed as sustained over its measurement (the mean call, a table's entries timed in "
+                   "interleaved rounds), where /6 kept the fastest call")
 
 # Activation rows of the profiled Linear: 1-64 are decode (one token per sequence of a GPU
 # batch), 256-4096 prefill (a GPU batch times the prompt). The weight is (4096, 2048): big
@@ -434,22 +435,35 @@ def _interpolate_log(table: dict[int, float], x: float) -> float:
 # ---- measuring ----------------------------------------------------------------------------
 
 def _timed(fn, min_s: float = 0.4, min_reps: int = 5, sync=None) -> float:
-    """Seconds of one call: the fastest of several, after a warm-up call. The fastest, not
-    the median, because the profile describes the hardware: on a shared machine other jobs
-    only ever add time (the refit, policy/refit.py, absorbs a steady slowdown)."""
-    fn()
+    """Seconds of one call: the mean over the calls of a window of at least `min_s`, after a
+    warm-up call. The mean, not the fastest, because the profile predicts runs a minute long:
+    a shared host's products swing by 2x from one few-second window to the next, and its
+    fastest call (2,327 GFLOP/s on the 2-core Xeon) ran 2.4x its sustained rate (957;
+    runs/bench/matmul_sustained/results.jsonl)."""
+    return 1.0 / _sustained_rates({"call": (fn, 1.0)}, min_s, min_reps, sync)["call"]
+
+
+def _sustained_rates(jobs: dict, seconds: float, min_reps: int = 5, sync=None) -> dict:
+    """Work per second of each job (key -> (fn, work of one call)): every job's calls summed,
+    their time summed, over rounds that call each job once in turn until `seconds` have passed
+    (and each job ran min_reps times), after a warm-up call of each. Interleaved, so that the
+    jobs of one table share the host's good and bad moments and the table keeps its shape."""
+    for fn, _ in jobs.values():
+        fn()
     if sync:
         sync()
-    times, start = [], time.perf_counter()
-    while len(times) < min_reps or time.perf_counter() - start < min_s:
-        t0 = time.perf_counter()
-        fn()
-        if sync:
-            sync()
-        times.append(time.perf_counter() - t0)
-        if len(times) >= 50:
-            break
-    return min(times)
+    busy = dict.fromkeys(jobs, 0.0)
+    calls = dict.fromkeys(jobs, 0)
+    start = time.perf_counter()
+    while min(calls.values()) < min_reps or time.perf_counter() - start < seconds:
+        for key, (fn, _) in jobs.items():
+            t0 = time.perf_counter()
+            fn()
+            if sync:
+                sync()
+            busy[key] += time.perf_counter() - t0
+            calls[key] += 1
+    return {key: work * calls[key] / busy[key] for key, (_, work) in jobs.items()}
 
 
 def measure_device(device: torch.device, dtype: torch.dtype) -> DeviceSpeeds:
@@ -497,33 +511,49 @@ def _cycled_linears(x: torch.Tensor, weights: list[torch.Tensor], n: int) -> Non
 
 
 # The product a comparison times its machine's compute speed with before each row: the
-# MATMUL_SHAPE layer at a prefill's rows (tools/compare/run.with_compute_speed_now)
+# MATMUL_SHAPE layer at a prefill's rows (tools/compare/run.with_compute_speed_now), sustained
+# over SPEED_CHECK_SECONDS, since a shared host's rate holds for a few seconds at a time
 SPEED_CHECK_ROWS = 1024
+SPEED_CHECK_SECONDS = 4.0
+# The seconds a rate table spends per entry, its entries timed in interleaved rounds
+TABLE_SECONDS_PER_ENTRY = 0.6
 
 
 def matmul_flops_now(profile: HardwareProfile, rows: int = SPEED_CHECK_ROWS) -> tuple[float, float]:
     """FLOP/s of the profile's compute device multiplying `rows` rows in the profile's dtype,
-    measured now as the profile measured it (the fastest of several calls), and the profile's
-    own figure at those rows: a shared VM's CPU ran 10-22% slower in the afternoon than its
-    morning profile (runs/compare/NOTES.md, 2026-11-28)."""
+    measured now as the profile measured it (sustained), and the profile's own figure at
+    those rows: a shared VM's CPU ran 10-22% slower in the afternoon than its morning profile
+    (runs/compare/NOTES.md, 2026-11-28)."""
     device = torch.device(profile.compute_device)
     sync = torch.cuda.synchronize if device.type == "cuda" else None
-    now = _matmul_flops(device, DTYPES[profile.dtype], (rows,), sync)[rows]
+    now = _matmul_flops(device, DTYPES[profile.dtype], (rows,), sync, seconds=SPEED_CHECK_SECONDS)[rows]
     return now, _interpolate_log(profile.compute.matmul_flops[profile.dtype], rows)
 
 
-def _matmul_flops(device: torch.device, dtype: torch.dtype, rows_list, sync) -> dict[int, float]:
-    """FLOP/s of a MATMUL_SHAPE linear layer, by the number of rows multiplied."""
+def _matmul_flops(device: torch.device, dtype: torch.dtype, rows_list, sync, seconds: float | None = None
+                  ) -> dict[int, float]:
+    """FLOP/s of a MATMUL_SHAPE linear layer, by the number of rows multiplied, sustained over
+    `seconds` (default: TABLE_SECONDS_PER_ENTRY per entry)."""
     out_f, in_f = MATMUL_SHAPE
     # Decode-sized products stream their weight from memory, as a real layer's do: cycle
     # through weights larger than any CPU cache together, or a cached weight flatters them.
     ws = [torch.randn(out_f, in_f, device=device).to(dtype) for _ in range(STREAMED_WEIGHTS)]
-    table = {}
+    return _linear_rates(ws, rows_list, device, dtype, sync, seconds)
+
+
+def _linear_rates(ws: list, rows_list, device: torch.device, dtype: torch.dtype, sync, seconds: float | None
+                  ) -> dict[int, float]:
+    """FLOP/s of _linears over MATMUL_SHAPE weights ws (cycled through up to MAX_STREAMED_ROWS
+    rows, one of them above), by rows, timed together (_sustained_rates)."""
+    out_f, in_f = MATMUL_SHAPE
+    jobs = {}
     for rows in rows_list:
         x = torch.randn(rows, in_f, device=device).to(dtype)
         group = ws if rows <= MAX_STREAMED_ROWS else ws[:1]
-        table[rows] = 2 * rows * in_f * out_f * len(group) / _timed(functools.partial(_linears, x, group), sync=sync)
-    return table
+        jobs[rows] = (functools.partial(_linears, x, group), 2 * rows * in_f * out_f * len(group))
+    if seconds is None:
+        seconds = TABLE_SECONDS_PER_ENTRY * len(jobs)
+    return _sustained_rates(jobs, seconds, sync=sync)
 
 
 def _linears(x: torch.Tensor, weights: list) -> None:
@@ -664,12 +694,7 @@ def _kernel_speeds(packed, dequantize, device: torch.device, dtype: torch.dtype,
     # that together they are larger than any CPU cache
     ws = [CompressedWeight([(0, packed.clone())], MATMUL_SHAPE, dtype, max_kernel_rows=None)
           for _ in range(STREAMED_WEIGHTS)]
-    table = {}
-    for rows in KERNEL_ROWS:
-        x = torch.randn(rows, in_f, device=device).to(dtype)
-        group = ws if rows <= MAX_STREAMED_ROWS else ws[:1]
-        table[rows] = 2 * rows * in_f * out_f * len(group) / _timed(functools.partial(_linears, x, group), sync=sync)
-    return table, out_f * in_f / _timed(dequantize, sync=sync)
+    return _linear_rates(ws, KERNEL_ROWS, device, dtype, sync, None), out_f * in_f / _timed(dequantize, sync=sync)
 
 
 def _attention_speeds(device: torch.device, dtype: torch.dtype, sync) -> tuple[float, float, dict[int, float]]:

@@ -127,10 +127,10 @@ def with_measured_disk(profile: HardwareProfile, bandwidth: dict) -> HardwarePro
 def with_compute_speed_now(profile: HardwareProfile) -> HardwareProfile:
     """The profile with its compute terms (prefill and decode) scaled by how much slower (or
     faster) the device multiplies now than when it was profiled (on top of any refit's scale),
-    for the search and each row's prediction, as with_measured_disk does for the disk. The
-    profile records the hardware at its best (the fastest of several calls); a shared VM's CPU
-    runs slower at times of the day, and the predictions then read its morning speed as the
-    afternoon's."""
+    for the search and each row's prediction, as with_measured_disk does for the disk. Both
+    rates are sustained (the profile's over its minute, this one over SPEED_CHECK_SECONDS); a
+    shared VM's CPU runs slower at times of the day, and the predictions would then read its
+    morning speed as the afternoon's."""
     now, profiled = matmul_flops_now(profile)
     scale = profiled / now
     time_scale = dict(profile.time_scale)
@@ -259,10 +259,12 @@ def notes(setup_names: list[str], bandwidth: dict | None, extra: list[str]) -> l
         "pct_of_roofline = measured / roofline throughput. predicted_tok_s: the cost model's prediction "
         "for the policy that ran, from this machine's hardware profile with the disk read speeds measured at the "
         "run's start (above), which the search planned with too, and its compute terms scaled by "
-        "compute_time_scale: the profile's matmul rate over the one measured just before the row, times any "
-        "refit's (planner/hardware_profile.matmul_flops_now; > 1: the machine multiplies slower than when "
-        "profiled). "
-        "The roofline keeps the profile's rates: the hardware at its best.",
+        "compute_time_scale: the profile's matmul rate over the one sustained for a few seconds just before "
+        "the row, times any refit's (planner/hardware_profile.matmul_flops_now; > 1: the machine multiplies "
+        "slower than when profiled). "
+        "The roofline keeps the profile's rates: what the hardware sustained when profiled (each rate the mean "
+        "call of its measurement, not its fastest: a shared host's fastest call can be 2.4x what it sustains, "
+        "runs/bench/matmul_sustained).",
         "disk_reads_per_token = bytes the process read from storage during the timed generation (/proc/self/io) "
         "/ (disk-resident weight bytes x generated tokens): about 1 means every token's weights came from disk "
         "(KV cache or activations placed on disk add their own reads on top).",
