@@ -127,18 +127,22 @@ def test_embedding_lookup_dequantizes_only_its_rows(n, monkeypatch):
         assert got.shape == (3, 3, 128) and torch.equal(got, want[ids])
 
 
-def test_a_dense_copy_is_oriented_by_the_calls_rows_with_the_same_values():
-    """Made for a call over few rows, the dense copy is the transpose of an (in, out) matrix
-    (quickest to decode); for many rows, a plain (out, in) one (quickest to multiply)."""
+def test_a_calls_dense_copy_is_made_by_column_at_any_row_count_with_the_same_values():
+    """Made for a call, the dense copy is the transpose of an (in, out) matrix (quickest to
+    decode; by row never paid back its transposing pass, even over thousands of rows); a copy
+    asked for by row (kept for many calls) is a plain (out, in) one with the same values."""
     p = _weight((256 + 48, 128)).parts[0][1]  # whole blocks and a tail
     by_column, by_row = dequantize_packed(p, by_column=True), dequantize_packed(p, by_column=False)
     assert by_column.t().is_contiguous() and by_row.is_contiguous() and torch.equal(by_column, by_row)
     cut = [(0, p.narrow(0, 0, 64)), (64, p.narrow(0, 64, 240))]
     for parts in ([(0, p)], cut):
-        few = CompressedWeight(parts, p.shape, torch.bfloat16, 0).dense(int4.DENSE_BY_COLUMN_MAX_ROWS)
-        many = CompressedWeight(parts, p.shape, torch.bfloat16, 0).dense(int4.DENSE_BY_COLUMN_MAX_ROWS + 1)
-        assert few.t().is_contiguous() and many.is_contiguous()
-        assert torch.equal(few, by_row) and torch.equal(many, by_row)
+        for rows in (300, 4096):
+            cw = CompressedWeight(parts, p.shape, torch.bfloat16, 0)
+            x = torch.randn(rows, 128, dtype=torch.bfloat16)
+            assert torch.equal(cw.linear(x), torch.nn.functional.linear(x, by_column))
+            assert cw.dense().t().is_contiguous() and torch.equal(cw.dense(), by_row)
+        kept = CompressedWeight(parts, p.shape, torch.bfloat16, 0).dense(by_column=False)
+        assert kept.is_contiguous() and torch.equal(kept, by_row)
 
 
 def test_segments_cut_on_blocks_are_packed_matrices_of_their_own():

@@ -93,12 +93,6 @@ KERNEL_OVER_KEPT_ROWS: dict[tuple[str, str, torch.dtype], int] = {}
 # head: pieces of 16 M elements 42 ms, 1 M 32 ms, 256 K 35 ms, 64 K 72 ms (Python per piece);
 # OPT's 8192 x 2048: 26, 17, 20, 23 ms (indicative: thread CPU time, shared 2-core EPYC, load ~12).
 DEQUANTIZE_CHUNK_ELEMENTS = 1 << 20
-# Activation rows up to which a dense copy is made by column (dequantize_packed). Timed as whole
-# paths, dequantize then matmul, alone on a 2-core AVX512-BF16 EPYC (runs/bench/compression/int4/
-# dense_orientation_2026-11-25): by column is 1.04-1.71x faster for SmolLM2's and OPT-1.3B's
-# weights at every row count up to 2048, and the two are within 3% at 3072 and 4096, where the
-# matmul is the call. (An earlier cut at 512 came from thread CPU times under a load of ~14.)
-DENSE_BY_COLUMN_MAX_ROWS = 2048
 
 
 def set_max_kernel_rows(device_type: str, rows: int | None) -> None:
@@ -209,8 +203,8 @@ def dequantize_packed(p: PackedInt4, dtype: torch.dtype = KERNEL_DTYPE, by_colum
     bytes hold 32-byte runs of consecutive output rows per input column, so decoding them in
     that order copies runs instead of transposing bytes one by one, and the kernel's
     (groups, out) scales apply as they are (SmolLM2's 1536 x 576 weight, one thread: 0.53 ms
-    instead of 1.00 ms). Else contiguous (out, in): one transposing copy more, which only a
-    matmul over thousands of rows can repay (DENSE_BY_COLUMN_MAX_ROWS)."""
+    instead of 1.00 ms). Else contiguous (out, in): one transposing copy more, for a copy kept
+    for many calls (CompressedWeight.dense)."""
     if p.layout == "cuda":
         return _cuda_dequantize(p).to(dtype)
     n, k = p.shape
@@ -384,17 +378,18 @@ class CompressedWeight:
     def uses_kernel(self, rows: int) -> bool:
         return self.packed and (self.max_kernel_rows is None or rows <= self.max_kernel_rows)
 
-    def dense(self, rows: int | None = None, by_column: bool | None = None) -> torch.Tensor:
-        """The weight dequantized in the compute dtype; made once per use of the layer. rows:
-        the activation rows of the call that needs it, which pick its orientation on the CPU
-        (dequantize_packed): by column up to DENSE_BY_COLUMN_MAX_ROWS, where making it is a
-        large part of the call, else by row, where the matmul is; `by_column` says which
-        instead (a copy kept for many calls: executor/kept_weights.py)."""
+    def dense(self, by_column: bool = True) -> torch.Tensor:
+        """The weight dequantized in the compute dtype; made once per use of the layer. On the
+        CPU by column (dequantize_packed), the quicker to make, for a call at any row count:
+        timed as whole paths, dequantize then matmul, by row never paid back its transposing
+        pass (by column 1.04-1.71x faster up to 2048 rows and within 3% at 3072-4096 on the
+        EPYC, runs/bench/compression/int4/dense_orientation_2026-11-25; 1.05-1.6x faster at
+        1024-8192 rows on the Xeon, dense_orientation_2026-11-29_xeon). By row (by_column
+        False) for a copy kept for many calls, which is packed or flipped as a plain matrix
+        (executor/kept_weights.py)."""
         if self._packed is not None:
             raise AssertionError("a packed dense copy multiplies itself (linear); its rows are looked up stored")
         if self._dense is None:
-            if by_column is None:
-                by_column = rows is None or rows <= DENSE_BY_COLUMN_MAX_ROWS
             if len(self.parts) == 1:
                 self._dense = _dequantize_stored(self.parts[0][1], self.dtype, by_column)
             else:  # in the orientation its parts dequantize to, so that each copy is a plain one
@@ -453,7 +448,7 @@ class CompressedWeight:
         """F.linear(x, weight, bias) on the dense copy held (made now if it is not)."""
         if self._packed is not None:
             return self._packed.linear(x, bias)
-        return dense_linear(x, self.dense(x.numel() // self.shape[1]), bias)
+        return dense_linear(x, self.dense(), bias)
 
     def kernel_linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """F.linear(x, weight, bias) on the packed codes, by the kernel."""
