@@ -587,6 +587,12 @@ class CostModel:
                 b["compute"] += 2 * held * cfg.num_kv_heads * cfg.head_dim / dev.dequant_elems_per_s
         read = nb * t * stored / 2 * (1 + policy.attn_sparsity)
         b["disk_cpu"] += read * c["disk"]
+        if not cuda and not policy.cache_dequantized_per_step:
+            # the part read off disk is copied into the buffers attention reads (a memory tier's
+            # is read in place; a compressed one is dequantized into them, priced below): 0.42-0.53 s
+            # of a 2.1-2.3 s step of OLMoE-1B-7B at block 32 with 68% of its cache on disk
+            # (runs/compare/olmoe-1b-7b-p512-g32/2026-11-29_sustained_profile)
+            b["compute"] += read * c["disk"] / hw.memcpy_bytes_per_s
         if cuda and not delegated:
             b["cpu_gpu"] += read * (c["cpu"] + c["disk"])
         if cuda and delegated:  # q over, attention output back
