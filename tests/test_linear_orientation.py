@@ -201,5 +201,5 @@ def test_orientation_gain_is_the_median_of_paired_calls(monkeypatch):
             now[0] += seconds / speed[0]
         return run
 
-    assert hardware_profile._paired_ratio(work(3.0), work(1.0)) == pytest.approx(3.0)
+    assert hardware_profile.paired_ratio(work(3.0), work(1.0)) == pytest.approx(3.0)
     assert len(calls) == 12  # a warm-up of each, then five pairs

@@ -588,7 +588,7 @@ def flipped_gains_of(device: torch.device, dtype: torch.dtype, shape: tuple[int,
     gains = {}
     for rows in rows_list:
         x = torch.randn(rows, in_f, device=device).to(dtype)
-        gains[rows] = _paired_ratio(functools.partial(_linears, x, ws), functools.partial(_flipped_linears, x, ws))
+        gains[rows] = paired_ratio(functools.partial(_linears, x, ws), functools.partial(_flipped_linears, x, ws))
     return gains
 
 
@@ -621,7 +621,7 @@ def _kernel_over_kept_gains(device: torch.device, dtype: torch.dtype) -> dict[st
             table = {}
             for rows in KEPT_KERNEL_ROWS:
                 x = torch.randn(rows, shape[1], device=device).to(dtype)
-                table[rows] = _paired_ratio(functools.partial(_held_copy_linears, x, kept),
+                table[rows] = paired_ratio(functools.partial(_held_copy_linears, x, kept),
                                             functools.partial(_kernel_linears, x, codes))
             per_shape.append(table)
         gains[kernel] = {rows: round(min(t[rows] for t in per_shape), 3) for rows in KEPT_KERNEL_ROWS}
@@ -638,7 +638,7 @@ def _kernel_linears(x: torch.Tensor, ws: list) -> None:
         w.kernel_linear(x)
 
 
-def _paired_ratio(slow, fast, pairs: int = 5) -> float:
+def paired_ratio(slow, fast, pairs: int = 5) -> float:
     """time(slow) / time(fast) as the median over pairs of calls made one right after the
     other (after a warm-up of each). Each side's own fastest call, taken apart, compared two
     moments of a shared machine: a profile of the 2-core EPYC measured W x^T 4.14x faster than
@@ -717,7 +717,7 @@ def _attention_speeds(device: torch.device, dtype: torch.dtype, sync) -> tuple[f
             for n, r in FUSED_DECODE_UNITS:
                 timed = _decode_attention(device, dtype, n, r, keys, d)
                 float32_path, fused = (_on_decode_path(device, most, timed) for most in (None, 1))
-                per_shape.append(_paired_ratio(float32_path, fused, pairs=9))  # a few ms a pair
+                per_shape.append(paired_ratio(float32_path, fused, pairs=9))  # a few ms a pair
             gains[keys] = round(min(per_shape), 3)
         step = _on_decode_path(device, _fused_decode_from_keys(gains), step)
     cache_bytes = DECODE_CACHE_LAYERS * 2 * t * units * d * torch.finfo(dtype).bits // 8
@@ -765,8 +765,8 @@ def prefix_part_fused_gain(device: torch.device, dtype: torch.dtype, calls: int 
 
     def window_part(prefix):
         return functools.partial(attend_window_past_shared_prefix, window_q, window_k, window_v, window_valid, prefix)
-    gains = (_paired_ratio(*map(decode_steps, layouts(1000)), pairs=9),
-             _paired_ratio(*map(window_part, layouts(300)), pairs=9))
+    gains = (paired_ratio(*map(decode_steps, layouts(1000)), pairs=9),
+             paired_ratio(*map(window_part, layouts(300)), pairs=9))
     return round(min(gains), 3)
 
 

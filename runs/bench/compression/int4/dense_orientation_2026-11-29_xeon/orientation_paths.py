@@ -1,5 +1,5 @@
 """Dequantize-then-multiply, by column against by row, timed as whole paths in pairs (the
-median over 7 pairs of calls made back to back, after a warm-up of each), on OLMoE-1B-7B's
+profile's paired_ratio: the median over 7 pairs of calls made back to back, after a warm-up of each), on OLMoE-1B-7B's
 expert shapes and the profile's 4096 x 2048 layer, at 1024-8192 activation rows.
 
     python runs/bench/compression/int4/dense_orientation_2026-11-29_xeon/orientation_paths.py
@@ -7,8 +7,6 @@ expert shapes and the profile's 4096 x 2048 layer, at 1024-8192 activation rows.
 
 import functools
 import os
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -16,19 +14,8 @@ import torch.nn.functional as F
 from flexgen_helm.compression.int4 import dequantize_packed, pack_int4
 from flexgen_helm.compression.quantize import quantize
 from flexgen_helm.memory.host_allocator import keep_freed_host_memory
+from flexgen_helm.planner.hardware_profile import paired_ratio
 from flexgen_helm.policy.policy import Compression
-
-
-def paired_ratio(slow, fast, pairs: int = 7) -> float:
-    slow(), fast()
-    ratios = []
-    for _ in range(pairs):
-        t0 = time.perf_counter()
-        slow()
-        t1 = time.perf_counter()
-        fast()
-        ratios.append((t1 - t0) / (time.perf_counter() - t1))
-    return statistics.median(ratios)
 
 
 def path(p, x, by_column: bool) -> None:
@@ -41,7 +28,7 @@ def main() -> None:
         p = pack_int4(quantize(torch.randn(shape).to(torch.bfloat16), Compression(4, 64, 1), 1), torch.device("cpu"))
         for rows in (1024, 2048, 4096, 8192):
             x = torch.randn(rows, shape[1]).to(torch.bfloat16)
-            r = paired_ratio(functools.partial(path, p, x, True), functools.partial(path, p, x, False))
+            r = paired_ratio(functools.partial(path, p, x, True), functools.partial(path, p, x, False), pairs=7)
             print(shape, rows, f"by column / by row time: {r:.3f}", flush=True)
     print("load", os.getloadavg()[0])
 
