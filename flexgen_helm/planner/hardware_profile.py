@@ -622,7 +622,7 @@ def _kernel_over_kept_gains(device: torch.device, dtype: torch.dtype) -> dict[st
             for rows in KEPT_KERNEL_ROWS:
                 x = torch.randn(rows, shape[1], device=device).to(dtype)
                 table[rows] = paired_ratio(functools.partial(_held_copy_linears, x, kept),
-                                            functools.partial(_kernel_linears, x, codes))
+                                           functools.partial(_kernel_linears, x, codes))
             per_shape.append(table)
         gains[kernel] = {rows: round(min(t[rows] for t in per_shape), 3) for rows in KEPT_KERNEL_ROWS}
     return gains
