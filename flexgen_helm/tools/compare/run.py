@@ -128,9 +128,11 @@ def with_compute_speed_now(profile: HardwareProfile) -> HardwareProfile:
     """The profile with its compute terms (prefill and decode) scaled by how much slower (or
     faster) the device multiplies now than when it was profiled (on top of any refit's scale),
     for the search and each row's prediction, as with_measured_disk does for the disk. Both
-    rates are sustained (the profile's over its minute, this one over SPEED_CHECK_SECONDS); a
-    shared VM's CPU runs slower at times of the day, and the predictions would then read its
-    morning speed as the afternoon's."""
+    rates are sustained (the profile's over each of its measurements, this one over
+    SPEED_CHECK_SECONDS); a shared VM's CPU runs slower at times of the day, and the
+    predictions would then read its morning speed as the afternoon's. On the 2-core Xeon the
+    check helped one row of four and hurt three (runs/compare/olmoe-1b-7b-p512-g32/
+    2026-11-29_sustained_profile/NOTES.md): there a few seconds do not tell the next minute."""
     now, profiled = matmul_flops_now(profile)
     scale = profiled / now
     time_scale = dict(profile.time_scale)
