@@ -386,18 +386,26 @@ def _experts_gathered(cfg: ModelConfig, w: dict, flat: torch.Tensor, chosen: tor
         out.add_(by_token[:, j])
 
 
-# An expert multiplying many rows (a prefill's gathered block) takes them padded up to a
-# multiple of EXPERT_ROWS_MULTIPLE, repeating its first: oneDNN builds a primitive for every
-# row count it multiplies and keeps the last 1024 (~280 KB each), and a prefill's experts see
-# hundreds of counts. A 4-bit OLMoE-1B-7B run held 0.29 GiB more with them than with a cache
-# of 16, and building one costs ~0.6 ms (a 1024 x 2048 x 1024 bf16 product takes 4.4 ms).
-# Rows are independent, so a row's output does not depend on its companions.
-EXPERT_ROWS_MULTIPLE = 16
-EXPERT_PADDED_FROM = 256  # below, the padding's share of the work would grow past 6%
+# An expert multiplying many rows (a prefill's gathered block) takes them padded up to the
+# next of ROW_COUNTS_PER_OCTAVE row counts an octave (at most 1/16 more rows), repeating its
+# first: oneDNN builds a kernel for every row count it multiplies, and a prefill's experts each
+# meet their own count. Building one took 7-20 ms on a 2-core AMX Xeon (0.6 ms on the EPYC)
+# against 4.4 ms for a 1024 x 2048 x 1024 bf16 product, and each is kept (~280 KB, the last
+# 1024): OLMoE-1B-7B's 4-layer prefill built 101 per weight shape on multiples of 16 rows, 1.5 s
+# of its 8.3 s (runs/bench/row_buckets). Rows are independent, so a row's output does not
+# depend on its companions.
+ROW_COUNTS_PER_OCTAVE = 16
+EXPERT_PADDED_FROM = 256  # below, a decode step's few rows an expert: their counts recur
+
+
+def padded_row_count(rows: int) -> int:
+    """`rows` rounded up to the next of ROW_COUNTS_PER_OCTAVE counts in its octave."""
+    step = 1 << max(0, rows.bit_length() - ROW_COUNTS_PER_OCTAVE.bit_length())
+    return -(-rows // step) * step
 
 
 def _padded(picked: torch.Tensor) -> torch.Tensor:
-    short = -len(picked) % EXPERT_ROWS_MULTIPLE
+    short = padded_row_count(len(picked)) - len(picked)
     if len(picked) < EXPERT_PADDED_FROM or not short or picked.device.type != "cpu":  # (oneDNN's cache: a CPU's)
         return picked
     return torch.cat((picked, picked[:1].expand(short)))
