@@ -337,7 +337,7 @@ def test_compressed_experts_hold_one_dense_copy_as_the_planner_counts(kind, over
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_experts_padded_to_a_row_multiple_give_each_row_the_same_output(dtype, monkeypatch):
+def test_experts_padded_to_fewer_row_counts_give_each_row_the_same_output(dtype, monkeypatch):
     """A prefill's experts multiply their rows padded to the next of a few counts an octave (fewer
     distinct products for oneDNN to build and cache): every token's output is bit for bit the
     unpadded one's."""
