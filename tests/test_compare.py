@@ -254,6 +254,41 @@ def test_roofline_takes_the_slower_of_compute_and_disk_per_phase():
     assert r.prefill_s == pytest.approx(2 * (2 * matmul_params_per_token(cfg) * 8 + 2 * 64 * width * 12) / 1e12)
 
 
+def test_roofline_reads_a_cpu_runs_weights_and_cache_in_ram_at_twice_the_memcpy_rate():
+    """A CPU run's roof on RAM: 2 GB of OPT-125M's weights (the head tied to the embedding: all
+    read every pass) at 2 x a 1 GB/s memcpy make a 1-second prefill and decode step, where its
+    matmuls at 1 TFLOP/s take milliseconds; 1.2 GB of cache at full length (12 positions) adds
+    what a step reads of it as long as the sequences are on average (10 positions)."""
+    from flexgen_helm.tools.compare.roofline import roofline
+    from flexgen_helm.weights.registry import resolve
+
+    cfg = resolve("facebook/opt-125m", dummy=True).config
+    prof = HardwareProfile(devices={"cpu": DeviceSpeeds({"bfloat16": {1: 1e12}})}, memcpy_bytes_per_s=1e9)
+    r = roofline(cfg, prof, "bfloat16", 2, 1, 8, 4, 0.0, 1e9, ram_weight_bytes=2e9)
+    assert (r.prefill_s, r.decode_step_s, r.prefill_bound, r.decode_bound) == (1.0, 1.0, "memory", "memory")
+    r = roofline(cfg, prof, "bfloat16", 2, 1, 8, 4, 0.0, 1e9, ram_weight_bytes=2e9, ram_cache_bytes=1.2e9)
+    assert (r.prefill_s, r.decode_step_s) == (1.0, pytest.approx(1.5))
+
+
+def test_an_moe_pass_reads_the_experts_its_tokens_choose():
+    """OLMoE-1B-7B (64 experts, 8 a token, its embedding apart from its head): one token reads
+    its active parameters' share of all the weights (counted from the layers' tensors); 16
+    tokens read ~56 experts a layer; a large block every expert, the embedding table still not."""
+    from flexgen_helm.models import family_of
+    from flexgen_helm.models.moe import expected_experts_touched
+    from flexgen_helm.tools.compare.compute_floor import matmul_params_per_token
+    from flexgen_helm.tools.compare.roofline import weights_read_share
+    from flexgen_helm.weights.registry import resolve
+
+    cfg = resolve("allenai/olmoe-1b-7b-0924", dummy=True).config
+    every = sum(t.numel for layer in family_of(cfg).layer_specs(cfg) for t in layer.tensors)
+    assert weights_read_share(cfg, 1) == pytest.approx(matmul_params_per_token(cfg) / every, rel=1e-3)
+    assert 55 < expected_experts_touched(64, 8, 16) < 57
+    assert weights_read_share(cfg, 1) < weights_read_share(cfg, 16) < weights_read_share(cfg, 10**6)
+    embedding = cfg.vocab_size * cfg.hidden_size
+    assert weights_read_share(cfg, 10**6) == pytest.approx(1 - embedding / every, rel=1e-3)
+
+
 @pytest.mark.parametrize("fixture", ["tiny_opt", "tiny_llama"])
 def test_compute_floor_counts_every_matmul_weight(fixture, request):
     """The floor's weights per token are the model's Linear weights (the head included)."""

@@ -30,7 +30,7 @@ from flexgen_helm.tools.compare.accelerate_offload import largest_batch
 from flexgen_helm.tools.compare.disk import measure_read_bandwidth
 from flexgen_helm.tools.compare.flexgen_reference import PUBLISHED
 from flexgen_helm.tools.compare.ours import FOUR_BIT, bench_flags, deepspeed_policy, searched
-from flexgen_helm.tools.compare.roofline import roofline
+from flexgen_helm.tools.compare.roofline import ram_cache_bytes, roofline
 from flexgen_helm.tools.compare.workloads import DEFAULT_SYSTEMS, Setup, offload_dir, prepare_hf, prepare_store
 from flexgen_helm.weights.registry import resolve
 
@@ -152,9 +152,14 @@ def row_context(setup: Setup, record: dict, policy: Policy | None, profile: Hard
     cfg = resolve(setup.model, dummy=True).config
     batch = record["effective_batch_size"]
     gpu_batch = policy.gpu_batch_size if policy is not None else batch
+    in_ram = {}
+    if policy is not None and not profile.is_cuda:  # RAM's roof: a CPU's rows that say what they hold (ours)
+        in_ram = {"ram_weight_bytes": table.ram_weight_bytes(record),
+                  "ram_cache_bytes": ram_cache_bytes(cfg, policy, batch, setup.prompt_len + setup.gen_len,
+                                                     DTYPES[setup.dtype])}
     ctx["roofline"] = roofline(cfg, profile, setup.dtype, batch, gpu_batch, setup.prompt_len, setup.gen_len,
                                table.disk_weight_bytes(record), bandwidth["device_read_bytes_per_s"],
-                               table.disk_cache_bytes(record))
+                               table.disk_cache_bytes(record), **in_ram)
     if policy is not None:
         model = CostModel(cfg, profile, Workload(setup.prompt_len, setup.gen_len), DTYPES[setup.dtype])
         ctx["predicted_tok_s"] = model.estimate(policy).throughput
@@ -257,7 +262,8 @@ def notes(setup_names: list[str], bandwidth: dict | None, extra: list[str]) -> l
         *([bandwidth_note(bandwidth)] if bandwidth else []),
         "roofline_tok_s (flexgen_helm/tools/compare/roofline.py): per phase, time >= max(the matmuls at the "
         "profiled matmul rate for the rows one GPU batch multiplies, the disk-resident weights - and in decode "
-        "the KV cache on disk, as long as it is so far - at the device's bandwidth); "
+        "the KV cache on disk, as long as it is so far - at the device's bandwidth, and on a CPU, for our rows, "
+        "the weights and KV cache a pass reads from RAM at twice the profile's memcpy rate); "
         "pct_of_roofline = measured / roofline throughput. predicted_tok_s: the cost model's prediction "
         "for the policy that ran, from this machine's hardware profile with the disk read speeds measured at the "
         "run's start (above), which the search planned with too, and its compute terms scaled by "

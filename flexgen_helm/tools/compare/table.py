@@ -27,6 +27,13 @@ def disk_weight_bytes(record: dict) -> int:
     return record.get("memory", {}).get("placement", {}).get("weight_bytes", {}).get("disk", 0)
 
 
+def ram_weight_bytes(record: dict) -> int:
+    """The weights our run placed in RAM on a CPU machine: its gpu and cpu tiers' (accelerate's
+    records do not say: 0)."""
+    placed = record.get("memory", {}).get("placement", {}).get("weight_bytes", {})
+    return placed.get("gpu", 0) + placed.get("cpu", 0)
+
+
 def disk_cache_bytes(record: dict) -> int:
     """The KV cache and activations our run placed on the disk tier (accelerate keeps them on
     the device: 0)."""
