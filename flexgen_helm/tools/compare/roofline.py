@@ -22,7 +22,7 @@ byte, so reading alone may move RAM_TRAFFIC_PER_COPIED_BYTE bytes in the time a 
 The weights a pass reads are weights_read_share of those held (an MoE step reads only the
 experts its tokens choose); the cache, as long as the step's sequences are on average. Without
 it, a CPU run whose weights sit in RAM had a decode "bound" by its few rows' matmuls: OLMoE-1B-7B
-at block 16, 159 ms a step, where reading the ~4 GB its step needs takes 219 ms
+at block 16, 159 ms a step, where reading the ~4.5 GB its step needs takes 219 ms
 (runs/compare/olmoe-1b-7b-p512-g32/2026-11-29_row_buckets_b). The roof applies to a CPU's
 rows (on a GPU the weights it reads come from its own memory, which the profile does not time),
 and to rows whose records say what they hold in RAM (ours; accelerate's keep their compute and
