@@ -390,11 +390,11 @@ def _experts_gathered(cfg: ModelConfig, w: dict, flat: torch.Tensor, chosen: tor
 # next of ROW_COUNTS_PER_OCTAVE row counts an octave (at most 1/16 more rows), repeating its
 # first: oneDNN builds a kernel for every row count it multiplies and keeps the last 1024
 # (~280 KB each: a 4-bit OLMoE-1B-7B run held 0.29 GiB more with them than with a cache of 16),
-# and a prefill's experts each meet their own count. Building one took 7-20 ms on a 2-core AMX
-# Xeon, against 4.4 ms for a 1024 x 2048 x 1024 bf16 product: OLMoE-1B-7B's prefill (dummy
-# weights: 44-3,328 rows an expert, padded) built 397 kernels on multiples of 16 rows, 3.5-3.7 s of
-# 33-45 s, and 221 this way, 1.8-2.0 s (runs/bench/row_buckets). Rows are independent, so a
-# row's output does not depend on its companions.
+# and a prefill's experts each meet their own count. Building one took 7-10 ms on average on a
+# 2-core AMX Xeon, against 4.4 ms for a 1024 x 2048 x 1024 bf16 product: OLMoE-1B-7B's prefill
+# (dummy weights: 44-3,328 rows an expert, padded) built 397 kernels on multiples of 16 rows,
+# 3.5-3.7 s of 36-45 s, and 221 this way, 1.8-2.0 s (runs/bench/row_buckets). Rows are
+# independent, so a row's output does not depend on its companions.
 ROW_COUNTS_PER_OCTAVE = 16
 EXPERT_PADDED_FROM = 256  # below, a decode step's few rows an expert: their counts recur
 
