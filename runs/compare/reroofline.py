@@ -13,7 +13,7 @@ from flexgen_helm.memory.devices import DTYPES
 from flexgen_helm.planner.hardware_profile import load_or_profile
 from flexgen_helm.policy import Policy
 from flexgen_helm.tools.compare import table
-from flexgen_helm.tools.compare.roofline import ram_cache_bytes, roofline
+from flexgen_helm.tools.compare.roofline import ram_resident, roofline
 from flexgen_helm.tools.compare.workloads import SETUPS
 from flexgen_helm.weights.registry import resolve
 
@@ -30,10 +30,8 @@ def main(folder: Path) -> None:
         batch = record["effective_batch_size"]
         policy_path = folder / f"{system}.policy.json"
         policy = Policy.from_dict(json.loads(policy_path.read_text())) if policy_path.exists() else None
-        in_ram = {} if policy is None or profile.is_cuda else {
-            "ram_weight_bytes": table.ram_weight_bytes(record),
-            "ram_cache_bytes": ram_cache_bytes(cfg, policy, batch, setup.prompt_len + setup.gen_len,
-                                               DTYPES[setup.dtype])}
+        in_ram = ram_resident(cfg, profile, policy, record, batch, setup.prompt_len + setup.gen_len,
+                              DTYPES[setup.dtype])
         r = roofline(cfg, profile, setup.dtype, batch, policy.gpu_batch_size if policy else batch, setup.prompt_len,
                      setup.gen_len, table.disk_weight_bytes(record), bandwidth["device_read_bytes_per_s"],
                      table.disk_cache_bytes(record), **in_ram)

@@ -39,6 +39,7 @@ from flexgen_helm.models.config import ModelConfig
 from flexgen_helm.models.moe import expected_experts_touched
 from flexgen_helm.planner.hardware_profile import HardwareProfile
 from flexgen_helm.policy.policy import Policy
+from flexgen_helm.tools.compare import table
 from flexgen_helm.tools.compare.compute_floor import matmul_params_per_token
 
 RAM_TRAFFIC_PER_COPIED_BYTE = 2  # a memcpy reads each byte and writes it
@@ -67,12 +68,18 @@ def weights_read_share(cfg: ModelConfig, rows: float) -> float:
     return (rest + sparse * touched * expert) / (rest + sparse * cfg.num_experts * expert + embedding)
 
 
-def ram_cache_bytes(cfg: ModelConfig, policy: Policy, batch: int, positions: int, dtype: torch.dtype) -> float:
-    """The block's KV cache at `positions` on the tiers a CPU run keeps in RAM (its gpu and cpu
-    tiers), as stored (compressed where the policy compresses it; every layer's whole length,
-    a sliding window's too)."""
+def ram_resident(cfg: ModelConfig, profile: HardwareProfile, policy: Policy | None, record: dict, batch: int,
+                 positions: int, dtype: torch.dtype) -> dict[str, float]:
+    """roofline's RAM arguments for a row: the weights our run placed in RAM (table.ram_weight_bytes)
+    and the block's KV cache at `positions` on the tiers a CPU run keeps in RAM (its gpu and cpu
+    tiers), as stored (compressed where the policy compresses it; every layer's whole length, a
+    sliding window's too). Empty for a GPU's rows and for rows without a policy of ours (no
+    memory roof)."""
+    if policy is None or profile.is_cuda:
+        return {}
     per_layer = kv_nbytes(positions, batch * cfg.num_kv_heads, cfg.head_dim, dtype, policy.compress_cache)
-    return per_layer * cfg.num_layers * (policy.cache.gpu + policy.cache.cpu)
+    return {"ram_weight_bytes": table.ram_weight_bytes(record),
+            "ram_cache_bytes": per_layer * cfg.num_layers * (policy.cache.gpu + policy.cache.cpu)}
 
 
 def roofline(cfg: ModelConfig, profile: HardwareProfile, dtype: str, batch: int, gpu_batch: int, prompt_len: int,

@@ -30,7 +30,7 @@ from flexgen_helm.tools.compare.accelerate_offload import largest_batch
 from flexgen_helm.tools.compare.disk import measure_read_bandwidth
 from flexgen_helm.tools.compare.flexgen_reference import PUBLISHED
 from flexgen_helm.tools.compare.ours import FOUR_BIT, bench_flags, deepspeed_policy, searched
-from flexgen_helm.tools.compare.roofline import ram_cache_bytes, roofline
+from flexgen_helm.tools.compare.roofline import ram_resident, roofline
 from flexgen_helm.tools.compare.workloads import DEFAULT_SYSTEMS, Setup, offload_dir, prepare_hf, prepare_store
 from flexgen_helm.weights.registry import resolve
 
@@ -152,11 +152,7 @@ def row_context(setup: Setup, record: dict, policy: Policy | None, profile: Hard
     cfg = resolve(setup.model, dummy=True).config
     batch = record["effective_batch_size"]
     gpu_batch = policy.gpu_batch_size if policy is not None else batch
-    in_ram = {}
-    if policy is not None and not profile.is_cuda:  # RAM's roof: a CPU's rows that say what they hold (ours)
-        in_ram = {"ram_weight_bytes": table.ram_weight_bytes(record),
-                  "ram_cache_bytes": ram_cache_bytes(cfg, policy, batch, setup.prompt_len + setup.gen_len,
-                                                     DTYPES[setup.dtype])}
+    in_ram = ram_resident(cfg, profile, policy, record, batch, setup.prompt_len + setup.gen_len, DTYPES[setup.dtype])
     ctx["roofline"] = roofline(cfg, profile, setup.dtype, batch, gpu_batch, setup.prompt_len, setup.gen_len,
                                table.disk_weight_bytes(record), bandwidth["device_read_bytes_per_s"],
                                table.disk_cache_bytes(record), **in_ram)
