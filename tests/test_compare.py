@@ -270,6 +270,25 @@ def test_roofline_reads_a_cpu_runs_weights_and_cache_in_ram_at_twice_the_memcpy_
     assert (r.prefill_s, r.decode_step_s) == (1.0, pytest.approx(1.5))
 
 
+def test_a_cpu_rows_ram_cache_counts_a_sliding_window_layer_at_its_window():
+    """The RAM roof's cache: a block of 2 sequences at 12 positions, 1 KV head of 4 dims in bf16,
+    on the gpu and cpu tiers (the disk's part left out); a layer with a window of 4 keeps 4
+    positions; the weights as the record placed them in RAM (both tiers: a CPU's RAM); a GPU's
+    rows have no RAM roof."""
+    from flexgen_helm.models.config import ModelConfig
+    from flexgen_helm.tools.compare.roofline import ram_resident
+
+    cfg = ModelConfig(family="llama", name="w", vocab_size=16, hidden_size=8, num_layers=2, num_heads=2,
+                      num_kv_heads=1, ffn_size=16, max_seq_len=32, sliding_windows=(4, 0))
+    record = {"memory": {"placement": {"weight_bytes": {"gpu": 100, "cpu": 20, "disk": 7}}}}
+    policy = Policy(2, 1, cache=Split(0.5, 0.25, 0.25))
+    cpu = HardwareProfile(devices={"cpu": DeviceSpeeds({"bfloat16": {1: 1e12}})})
+    got = ram_resident(cfg, cpu, policy, record, 2, 12, torch.bfloat16)
+    per_position = 2 * 2 * 1 * 4 * 2  # K and V, 2 sequences, 1 head, 4 dims, 2 bytes
+    assert got == {"ram_weight_bytes": 120, "ram_cache_bytes": pytest.approx((4 + 12) * per_position * 0.75)}
+    assert ram_resident(cfg, replace(cpu, compute_device="cuda"), policy, record, 2, 12, torch.bfloat16) == {}
+
+
 def test_an_moe_pass_reads_the_experts_its_tokens_choose():
     """OLMoE-1B-7B (64 experts, 8 a token, its embedding apart from its head): one token reads
     its active parameters' share of all the weights (counted from the layers' tensors); 16

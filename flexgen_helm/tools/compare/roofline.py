@@ -72,14 +72,15 @@ def ram_resident(cfg: ModelConfig, profile: HardwareProfile, policy: Policy | No
                  positions: int, dtype: torch.dtype) -> dict[str, float]:
     """roofline's RAM arguments for a row: the weights our run placed in RAM (table.ram_weight_bytes)
     and the block's KV cache at `positions` on the tiers a CPU run keeps in RAM (its gpu and cpu
-    tiers), as stored (compressed where the policy compresses it; every layer's whole length, a
-    sliding window's too). Empty for a GPU's rows and for rows without a policy of ours (no
-    memory roof)."""
+    tiers), as stored (compressed where the policy compresses it; a sliding-window layer's, its
+    window's worth, all it keeps). Empty for a GPU's rows and for rows without a policy of ours
+    (no memory roof)."""
     if policy is None or profile.is_cuda:
         return {}
-    per_layer = kv_nbytes(positions, batch * cfg.num_kv_heads, cfg.head_dim, dtype, policy.compress_cache)
+    cache = sum(kv_nbytes(min(positions, cfg.window(i) or positions), batch * cfg.num_kv_heads, cfg.head_dim,
+                          dtype, policy.compress_cache) for i in range(cfg.num_layers))
     return {"ram_weight_bytes": table.ram_weight_bytes(record),
-            "ram_cache_bytes": per_layer * cfg.num_layers * (policy.cache.gpu + policy.cache.cpu)}
+            "ram_cache_bytes": cache * (policy.cache.gpu + policy.cache.cpu)}
 
 
 def roofline(cfg: ModelConfig, profile: HardwareProfile, dtype: str, batch: int, gpu_batch: int, prompt_len: int,
