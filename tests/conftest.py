@@ -274,7 +274,7 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 def _profiled_kernel_crossover_restored(monkeypatch):
     """A test whose saved profile is applied (use_profile, which every command that loads an
     engine calls) sets the int4 and int8 kernels' crossovers, and the row counts multiplied
-    as W x^T, where a held copy's rows take a kernel, and the attention's paths, for
+    as W x^T, where a held copy's rows take a kernel, and the decode attention's path, for
     the process: the next test starts from the defaults again."""
     from flexgen_helm import dense_linear
     from flexgen_helm.compression import int4, int8
@@ -287,7 +287,6 @@ def _profiled_kernel_crossover_restored(monkeypatch):
     monkeypatch.setattr(int4, "KERNEL_OVER_KEPT_ROWS", dict(int4.KERNEL_OVER_KEPT_ROWS))
     monkeypatch.setitem(attention.FUSED_DECODE, "cpu", attention.FUSED_DECODE["cpu"])
     monkeypatch.setitem(attention.FUSED_PREFIX_PART, "cpu", attention.FUSED_PREFIX_PART["cpu"])
-    monkeypatch.setitem(attention.FUSED_OWN_WINDOW, "cpu", attention.FUSED_OWN_WINDOW["cpu"])
 
 
 @pytest.fixture

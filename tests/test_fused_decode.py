@@ -138,35 +138,6 @@ def test_the_saved_profile_chooses_the_prefix_parts_kernel(tmp_path, gain, fused
     assert ("past a shared prefix" in line) == bool(gain) and ("(taken)" in line) == fused
 
 
-@pytest.mark.parametrize("gain, fused", [(1.4, True), (1.03, False), (0.0, False)])
-def test_the_saved_profile_chooses_the_prefill_windows_own_part(tmp_path, gain, fused):
-    path = tmp_path / "hardware.json"
-    attention.set_fused_own_window("cpu", not fused)
-    profile = HardwareProfile(machine=machine_info(), devices={"cpu": DeviceSpeeds(attn_window_own_fused_gain=gain)})
-    profile.save(path)
-    assert use_profile(path) is not None
-    assert attention.FUSED_OWN_WINDOW["cpu"] is fused
-    line = next(x for x in describe(profile).splitlines() if "attention:" in x)
-    assert ("own part on the fused kernel" in line) == bool(gain) and ("(taken)" in line) == fused
-
-
-def test_the_profile_times_a_prefill_window_both_ways_where_a_bf16_layout_is_made(monkeypatch):
-    from flexgen_helm.executor import shared_prefix
-
-    paths = []
-    real = shared_prefix.PrefixLayer.attend_window
-    monkeypatch.setattr(shared_prefix.PrefixLayer, "attend_window", lambda self, *a: paths.append(
-        attention.FUSED_OWN_WINDOW["cpu"]) or real(self, *a))
-    attention.set_fused_own_window("cpu", False)
-    gain = hardware_profile.window_own_fused_gain(torch.device("cpu"), torch.bfloat16, False, sequences=4)
-    assert attention.FUSED_OWN_WINDOW["cpu"] is False  # the measurement leaves the setting as it was
-    if not attention._bf16_matmuls_native():
-        assert gain == 0.0 and not paths
-        return
-    assert gain > 0 and set(paths) == {False, True}
-    assert hardware_profile.window_own_fused_gain(torch.device("cpu"), torch.float32, False) == 0.0
-
-
 def test_the_profile_times_the_prefix_part_both_ways_where_a_bf16_layout_is_made(monkeypatch):
     layouts = []
     real = attention.attend_past_shared_prefix

@@ -297,27 +297,20 @@ def test_decode_steps_attend_to_the_shared_prefix_once_for_all_sequences(tiny_ll
     assert sum(shape[0] for shape in calls) == engine.config.num_layers * 2 * len(PROMPTS) * engine.config.num_kv_heads
 
 
-@pytest.mark.parametrize("own_window", ["our products", "the fused kernel"])
-def test_bf16_decode_over_the_shared_prefix_stays_within_bf16_rounding(tiny_llama, tmp_path, monkeypatch, own_window):
+def test_bf16_decode_over_the_shared_prefix_stays_within_bf16_rounding(tiny_llama, tmp_path, monkeypatch):
     """A bfloat16 model's decode steps read the prefix in its bf16 layout (on a CPU with bf16
-    arithmetic): their logprobs stay within bf16's rounding of the run without sharing; with
-    the prefill windows' own part on the fused kernel too (attention.FUSED_OWN_WINDOW)."""
-    from flexgen_helm.executor import attention, shared_prefix
+    arithmetic): their logprobs stay within bf16's rounding of the run without sharing."""
+    from flexgen_helm.executor import attention
     from flexgen_helm.memory.devices import cpu_has_bf16_arithmetic
 
-    calls, windows = [], []
+    calls = []
     real = attention._bf16_prefix_part
     monkeypatch.setattr(attention, "_bf16_prefix_part", lambda *a: calls.append(1) or real(*a))
-    real_runs = shared_prefix.attend_window_past_prefix_runs
-    monkeypatch.setattr(shared_prefix, "attend_window_past_prefix_runs",
-                        lambda *a: windows.append(1) or real_runs(*a))
-    attention.set_fused_own_window("cpu", own_window == "the fused kernel")
     params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
     runs = [Engine.load(str(tiny_llama), Policy(gpu_batch_size=16, prefix_sharing=sharing), dtype="bfloat16",
                         device="cpu", offload_dir=tmp_path, progress=False).generate(PROMPTS, params)
             for sharing in (False, True)]
     assert bool(calls) == cpu_has_bf16_arithmetic()
-    assert bool(windows) == (cpu_has_bf16_arithmetic() and own_window == "the fused kernel")
     for a, b in zip(*(run.results for run in runs)):
         n = len(a.completions[0].token_ids)
         first_differs = next((i for i in range(n) if a.completions[0].token_ids[i] != b.completions[0].token_ids[i]), n)
@@ -375,28 +368,19 @@ def test_a_window_prefill_attends_to_the_prefix_as_over_each_rows_columns(softca
 @pytest.mark.parametrize("offset", [0.0, 3.0])
 @pytest.mark.parametrize("row_sums", ["whole", "a few rows at a time", "the fused kernel"])
 @pytest.mark.parametrize("with_sinks", [False, True])
-@pytest.mark.parametrize("own_part", ["our products", "the fused kernel"])
 def test_a_bf16_window_prefill_stays_within_bf16_rounding_of_the_float32_attention(offset, row_sums, with_sinks,
-                                                                                    own_part, monkeypatch):
+                                                                                    monkeypatch):
     """In bfloat16 (on a CPU with bf16 arithmetic, the window's own part's products in bf16, the
     keys' shared component taken out first): as far from the float32 attention as torch's fused
     kernel over the joined columns is, give or take rounding, keys with a large shared part too;
     also where the prefix part sums its weights a few rows at a time (attention.ROW_SUM_ELEMENTS),
     and with attention sinks (gpt-oss: one more column of the own part's softmax); and with the
-    prefix part on torch's fused kernel (attention.FUSED_PREFIX_PART); and with each row's own
-    length of the prefix and the window on the fused kernel (attention.FUSED_OWN_WINDOW), rows
-    padded unlike their neighbours too."""
-    from flexgen_helm.executor import attention, shared_prefix
+    prefix part on torch's fused kernel (attention.FUSED_PREFIX_PART)."""
+    from flexgen_helm.executor import attention
     from flexgen_helm.executor.attention import attend
     from flexgen_helm.executor.shared_prefix import PrefixLayer
 
     attention.set_fused_prefix_part("cpu", row_sums == "the fused kernel")
-    attention.set_fused_own_window("cpu", own_part == "the fused kernel")
-    runs = []
-    real = shared_prefix.attend_window_past_prefix_runs
-    monkeypatch.setattr(shared_prefix, "attend_window_past_prefix_runs",
-                        lambda q, k, v, parts, sinks: runs.append([(a, b, p.length) for a, b, p in parts])
-                        or real(q, k, v, parts, sinks))
     if row_sums == "a few rows at a time":
         monkeypatch.setattr(attention, "ROW_SUM_ELEMENTS", 7 * 200)  # slices of 7 rows of the 200 prefix keys
 
@@ -416,9 +400,6 @@ def test_a_bf16_window_prefill_stays_within_bf16_rounding_of_the_float32_attenti
     fused = attend(q.bfloat16(), keys, values, valid, causal=True, sinks=sinks)
     err, fused_err = ((x.float() - want).abs().max().item() for x in (got, fused))
     assert err <= max(2 * fused_err, 5e-3), (err, fused_err)
-    took = own_part == "the fused kernel" and attention._bf16_matmuls_native()
-    # each run of rows padded alike (here each row) reads the prefix but for its padding
-    assert runs == ([[(i * kvh, (i + 1) * kvh, width - int(p)) for i, p in enumerate(pad)]] if took else [])
 
 
 @pytest.mark.parametrize("tier", ["gpu", "cpu", "disk"])

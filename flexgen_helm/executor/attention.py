@@ -655,8 +655,7 @@ def attend_window_past_shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.
     return out.view(u, r, s, d).to(q.dtype)
 
 
-def _window_prefix_part(qf: torch.Tensor, prefix: DecodePrefix, softcap: float,
-                        into: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _window_prefix_part(qf: torch.Tensor, prefix: DecodePrefix, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The prefix part (output, log-sum-exp) of window queries qf (u, m, d), float32, of whole
     sequences (kv_heads units each), in the units' layout: one product per key-value head for a
     slice of the sequences at a time (of whole sequences while one's scores fit
@@ -665,8 +664,7 @@ def _window_prefix_part(qf: torch.Tensor, prefix: DecodePrefix, softcap: float,
     of it (runs/prefix_sharing/window_passes.py). The slices follow the shapes only, so every
     policy slices a block alike; a row's last bits may follow its slice's size (the products'
     kernels block their rows by it), and on our products a slice whose scores leave the
-    normal floats is taken again with the peak out (_bf16_prefix_part). into: the (out, lse)
-    tensors to write, views of a larger window's rows (attend_window_past_prefix_runs)."""
+    normal floats is taken again with the peak out (_bf16_prefix_part)."""
     u, m, d = qf.shape
     kvh, keys = prefix.values.shape[0], prefix.length
     sequences, per_sequence = u // kvh, kvh * m * keys
@@ -674,7 +672,7 @@ def _window_prefix_part(qf: torch.Tensor, prefix: DecodePrefix, softcap: float,
         at_once, rows = WINDOW_MAX_SCORES // per_sequence, m
     else:
         at_once, rows = 1, max(1, WINDOW_MAX_SCORES // (kvh * keys))
-    out, lse = into or (qf.new_empty(u, m, d), qf.new_empty(u, m, 1))
+    out, lse = qf.new_empty(u, m, d), qf.new_empty(u, m, 1)
 
     def by_sequence(x: torch.Tensor) -> torch.Tensor:
         return x.view(sequences, kvh, m, x.shape[-1])
@@ -689,69 +687,6 @@ def _window_prefix_part(qf: torch.Tensor, prefix: DecodePrefix, softcap: float,
             for whole, piece in zip((out, lse), part):
                 by_sequence(whole)[a:b, :, c:e].copy_(piece.view(kvh, b - a, e - c, -1).transpose(0, 1))
     return out, lse
-
-
-# Device type -> whether a bf16 prefill window past a shared prefix runs its own part on torch's
-# fused CPU flash kernel, each run of rows padded alike reading its own length of the prefix
-# (attend_window_past_prefix_runs), instead of one length for all and the rest per row
-# (attend_window_past_shared_prefix, _own_window_bf16): set where `flexgen-helm profile` timed it
-# faster (planner/hardware_profile.use_profile; DeviceSpeeds.attn_window_own_fused_gain).
-FUSED_OWN_WINDOW = {"cpu": False}
-
-
-def set_fused_own_window(device_type: str, fused: bool) -> bool:
-    """Whether bf16 prefill windows past a shared prefix on `device_type` take
-    attend_window_past_prefix_runs from now on; returns the setting before."""
-    if device_type not in FUSED_OWN_WINDOW:
-        raise ValueError(f"the own part's path is chosen on {', '.join(FUSED_OWN_WINDOW)}, not {device_type!r}")
-    before, FUSED_OWN_WINDOW[device_type] = FUSED_OWN_WINDOW[device_type], fused
-    return before
-
-
-def fused_own_window(q: torch.Tensor, softcap: float = 0.0) -> bool:
-    """Whether a prefill window of queries q past a shared prefix takes
-    attend_window_past_prefix_runs (bf16 on a CPU with bf16 arithmetic, no softcap, where the
-    profile took FUSED_OWN_WINDOW)."""
-    return (FUSED_OWN_WINDOW.get(q.device.type, False) and q.dtype == torch.bfloat16 and not softcap
-            and _bf16_matmuls_native())
-
-
-def attend_window_past_prefix_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                   runs: list[tuple[int, int, "DecodePrefix"]],
-                                   sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """A bf16 prefill's attention where each row's window of s queries sees a length of the
-    shared prefix whole, then the window's own columns causally (every one a key): q (u, r, s,
-    d); k, v (u, s, d), the window's keys; runs: (first unit, end unit, DecodePrefix), runs of
-    whole sequences (kv_heads units each) and the prefix each sees, in bf16's layout
-    (prefix_for_decode); sinks (u, r). Returns (u, r, s, d) bf16.
-
-    Row r of a left-padded GPU batch sees the prefix up to its padding's length short of the
-    end, its window holding the rest (attend_window_past_shared_prefix reads those positions
-    per row, past one copy of what every row sees). Here each run of rows padded alike reads
-    its own length of the one copy, so every window is the same causal square, which torch's
-    fused CPU flash kernel computes with its causal flag: it skips the blocks above the
-    diagonal and holds no score matrix in memory, where _own_window_bf16 makes a float32 one
-    over the window and its per-row columns and takes several passes over it (the kernel with
-    a mask for those columns measured no faster than ours). The parts merge by their
-    log-sum-exp (and the sinks', as one more column of value 0).
-
-    The kernel takes bf16 q and k as they are and keeps their scores in float32, so the keys'
-    mean need not be taken out first (as _own_window_bf16 does, whose scores leave their
-    product rounded to bf16); it rounds the weights to bf16 for the values, as that does."""
-    u, r, s, d = q.shape
-    m = r * s
-    qf = q.float().reshape(u, m, d)
-    prefix_out, prefix_lse = qf.new_empty(u, m, d), qf.new_empty(u, m, 1)
-    for a, b, prefix in runs:
-        _window_prefix_part(qf[a:b], prefix, 0.0, into=(prefix_out[a:b], prefix_lse[a:b]))
-    keys, values = (x[:, None].expand(u, r, s, d) for x in (k, v))  # a unit's r heads share them
-    own_out, own_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, keys, values, is_causal=True,
-                                                                                  scale=1 / math.sqrt(d))
-    own_out, own_lse = own_out.reshape(u, m, d), own_lse.reshape(u, m, 1)  # the kernel's lse is (u, s, r) inside
-    lses = [prefix_lse, own_lse] + ([] if sinks is None else [sinks[:, :, None].expand(u, r, s).reshape(u, m, 1)])
-    total = torch.logsumexp(torch.cat(lses, -1), -1, keepdim=True)
-    out = prefix_out.mul_((prefix_lse - total).exp_())
-    return out.addcmul_(own_out, own_lse.sub_(total).exp_()).view(u, r, s, d).to(q.dtype)
 
 
 def _own_window_bf16(q: torch.Tensor, qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor,

@@ -36,18 +36,14 @@ layer) ahead of its GPU batches' windows.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 import torch
 
 from flexgen_helm.executor.attention import (
-    DecodePrefix,
     attend,
-    attend_window_past_prefix_runs,
     attend_window_past_shared_prefix,
     from_units,
-    fused_own_window,
     prefix_for_decode,
     to_units,
     unit_sinks,
@@ -149,42 +145,19 @@ class PrefixLayer:
         (window_split) as one copy that every row's queries see whole
         (attention.attend_window_past_shared_prefix), the rest per row. On a CPU only (the
         caller asks window_split): a GPU's fused kernel reads the joined columns at its memory's
-        speed, and this path has not run there.
-
-        Where the profile took it (attention.fused_own_window) and every window column is a key,
-        each run of rows padded alike reads its own length of the prefix instead, width - pad,
-        and the window is one causal square for all (attention.attend_window_past_prefix_runs)."""
+        speed, and this path has not run there."""
         kvh, width, d = self.keys.shape
         tail = width - split
-        if fused_own_window(q, softcap) and bool(key_valid[:, width:].all()):
-            runs = [(a * kvh, b * kvh, self._head(width - p, q, softcap)) for a, b, p in _equal_runs(pad.tolist())]
-            return attend_window_past_prefix_runs(q, keys[:, width:], values[:, width:], runs, sinks)
-        head = self._head(split, q, softcap)
+        key = (split, q.device.type, q.dtype, softcap)
+        head = self._heads.get(key)
+        if head is None:
+            head = self._heads[key] = prefix_for_decode(self.keys[:, :split], self.values[:, :split], q.device,
+                                                        q.dtype, softcap)
         # window column c < tail holds prefix position split + c - pad: the one copy's, where below split
         unit_pad = pad.to(q.device).repeat_interleave(kvh)
         valid = key_valid[:, split:].clone()
         valid[:, :tail] &= torch.arange(tail, device=q.device)[None, :] >= unit_pad[:, None]
         return attend_window_past_shared_prefix(q, keys[:, split:], values[:, split:], valid, head, softcap, sinks)
-
-    def _head(self, length: int, q: torch.Tensor, softcap: float) -> DecodePrefix:
-        """The prefix's first `length` positions as queries like q read them (prefix_for_decode),
-        made once for the block's GPU batches."""
-        key = (length, q.device.type, q.dtype, softcap)
-        head = self._heads.get(key)
-        if head is None:
-            head = self._heads[key] = prefix_for_decode(self.keys[:, :length], self.values[:, :length], q.device,
-                                                        q.dtype, softcap)
-        return head
-
-
-def _equal_runs(values: list[int]) -> list[tuple[int, int, int]]:
-    """(start, end, value) of each run of equal neighbours in `values`."""
-    runs, start = [], 0
-    for value, run in itertools.groupby(values):
-        end = start + len(list(run))
-        runs.append((start, end, value))
-        start = end
-    return runs
 
 
 class SharedPrefix:

@@ -30,17 +30,14 @@ from flexgen_helm.dense_linear import NO_ROWS, flipped_linear, flips, set_flippe
 from flexgen_helm.errors import ProfileFormatError
 from flexgen_helm.executor.attention import (
     FUSED_DECODE,
-    FUSED_OWN_WINDOW,
     FUSED_PREFIX_PART,
     attend,
     attend_past_shared_prefix,
     attend_window_past_shared_prefix,
     prefix_for_decode,
     set_fused_decode,
-    set_fused_own_window,
     set_fused_prefix_part,
 )
-from flexgen_helm.executor.shared_prefix import PrefixLayer
 from flexgen_helm.memory.devices import DTYPE_NAMES, DTYPES
 from flexgen_helm.memory.direct_io import set_reads_in_flight
 from flexgen_helm.memory.disk_speed import fastest_direct
@@ -122,13 +119,6 @@ class DeviceSpeeds:
     # decode step's whole call and a few-shot prefill window's part; taken above FLIPPED_MIN_GAIN.
     # 0.0: not measured (another dtype, a CPU without bf16 arithmetic, a GPU)
     attn_prefix_fused_gain: float = 0.0
-    # time of a bf16 few-shot prefill window past a shared prefix (executor/shared_prefix.
-    # PrefixLayer.attend_window) with one length of the prefix for all rows and the rest per row
-    # over its time with each run of rows padded alike reading its own length and the window on
-    # torch's fused kernel (executor/attention.FUSED_OWN_WINDOW), timed in pairs; taken above
-    # FLIPPED_MIN_GAIN. 0.0: not measured (another dtype, a CPU without bf16 arithmetic, a GPU, a
-    # profile from before)
-    attn_window_own_fused_gain: float = 0.0
     dequant_elems_per_s: float = 1e9  # 4-bit groups (QuantizedTensor) turned back into the compute dtype
     # 4-bit weights in the int4 kernel's packed layout (compression/int4.py), in the profile's
     # dtype: rows -> FLOP/s of the kernel's matmul (interpolated in log(rows)), and elements/s of
@@ -409,7 +399,6 @@ def use_profile(path: str | os.PathLike | None = None) -> HardwareProfile | None
     host = saved.devices.get("cpu")
     set_fused_decode("cpu", None if host is None else host.fused_decode_from_keys())
     set_fused_prefix_part("cpu", host is not None and host.attn_prefix_fused_gain > FLIPPED_MIN_GAIN)
-    set_fused_own_window("cpu", host is not None and host.attn_window_own_fused_gain > FLIPPED_MIN_GAIN)
     # only a CPU's profile measures them (a GPU's GEMMs are not known to gain: measure_device)
     unmeasured = saved.compute_device == "cpu" and not saved.compute.flipped_gains
     before_band = saved.compute_device == "cpu" and not unmeasured and not all(
@@ -489,8 +478,6 @@ def measure_device(device: torch.device, dtype: torch.dtype) -> DeviceSpeeds:
     (speeds.attn_prefill_flops, speeds.attn_decode_bytes_per_s,
      speeds.attn_decode_fused_gains) = _attention_speeds(device, dtype, sync)
     speeds.attn_prefix_fused_gain = prefix_part_fused_gain(device, dtype)
-    speeds.attn_window_own_fused_gain = window_own_fused_gain(device, dtype,
-                                                              speeds.attn_prefix_fused_gain > FLIPPED_MIN_GAIN)
 
     out_f, in_f = MATMUL_SHAPE
     wq = quantize(torch.randn(out_f, in_f, device=device).to(dtype), Compression(4, 64), 0)
@@ -783,41 +770,6 @@ def prefix_part_fused_gain(device: torch.device, dtype: torch.dtype, calls: int 
     return round(min(gains), 3)
 
 
-def window_own_fused_gain(device: torch.device, dtype: torch.dtype, fused_prefix_part: bool,
-                          sequences: int = 64) -> float:
-    """DeviceSpeeds.attn_window_own_fused_gain: a few-shot prefill window's attention
-    (PrefixLayer.attend_window: `sequences` prompts' 85 own tokens past a 300-token prefix,
-    SmolLM2's heads, padded by 0-3 tokens in sorted runs as a length-bucketed GPU batch is)
-    with FUSED_OWN_WINDOW off over on, timed in pairs, the prefix's part on the path the profile
-    takes (fused_prefix_part); 0.0 where the bf16 layout is not made (prefix_for_decode)."""
-    kvh, r, d, width, own = 3, 3, 64, 300, 85
-    if device.type not in FUSED_OWN_WINDOW or prefix_for_decode(
-            *(torch.randn(kvh, 2, d, device=device) for _ in range(2)), device, dtype).key_mean is None:
-        return 0.0
-    pad = torch.arange(sequences, device=device) * 4 // sequences  # 0, 0, 0, 0, 1, ..., 3
-    prefix = PrefixLayer(*(torch.randn(kvh, width, d, device=device).to(dtype) for _ in range(2)))
-    keys, values = prefix.with_context(pad, *(torch.randn(sequences * kvh, own, d, device=device).to(dtype)
-                                              for _ in range(2)))
-    valid = torch.arange(width + own, device=device)[None, :] >= pad.repeat_interleave(kvh)[:, None]
-    q = torch.randn(sequences * kvh, r, own, d, device=device).to(dtype)
-    split = width - int(pad.max())
-
-    def window(fused: bool):
-        def run():
-            before = set_fused_own_window(device.type, fused)
-            try:
-                prefix.attend_window(q, keys, values, pad, split, valid)
-            finally:
-                set_fused_own_window(device.type, before)
-        return run
-
-    before = set_fused_prefix_part(device.type, fused_prefix_part)
-    try:
-        return round(paired_ratio(window(False), window(True), pairs=9), 3)
-    finally:
-        set_fused_prefix_part(device.type, before)
-
-
 def _decode_attention(device: torch.device, dtype: torch.dtype, units: int, r: int, t: int, d: int):
     """A decode step's attention (r query heads a unit) over DECODE_CACHE_LAYERS layers' caches
     of t keys: memory tiers' slots, (rows, units, d), as the schedule reads them in place (the
@@ -1066,10 +1018,6 @@ def describe(p: HardwareProfile) -> str:
         if s.attn_prefix_fused_gain:
             fused = s.attn_prefix_fused_gain > FLIPPED_MIN_GAIN
             path += (f"; past a shared prefix, the fused kernel {s.attn_prefix_fused_gain:.2f}x our products "
-                     f"({'taken' if fused else 'not taken'})")
-        if s.attn_window_own_fused_gain:
-            fused = s.attn_window_own_fused_gain > FLIPPED_MIN_GAIN
-            path += (f"; a prefill window's own part on the fused kernel {s.attn_window_own_fused_gain:.2f}x ours "
                      f"({'taken' if fused else 'not taken'})")
         lines.append(f"  {name} attention: prefill {s.attn_prefill_flops / 1e9:.1f} GFLOP/s, decode "
                      f"{s.attn_decode_bytes_per_s / gb:.2f} GB/s of cache{path}; dequantize "
