@@ -2,7 +2,7 @@
 kernel (the CPU layout, groups of 64), the int8 kernel (per output channel) and bf16 F.linear,
 on one 1024 x 2048 weight called again and again (so its bytes come from the CPU's caches:
 the kernels' compute, not memory, is what is timed), and memcpy of 64 MB for the memory's rate.
-Medians of 200 calls after 20 of warm-up; prints the host and the load.
+Medians of 200 calls after one of warm-up (runs/bench/record.py); prints the host and the load.
 
     python runs/bench/int4_rows/kernel_rows.py
 """
@@ -11,25 +11,18 @@ from __future__ import annotations
 
 import functools
 import os
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 
 from flexgen_helm.memory.machine import machine_label
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from record import median_seconds
+
+CALLS = 200
 N, K, GROUP = 1024, 2048, 64  # an OLMoE expert's gate (or up) projection: 2048 -> 1024
-
-
-def median_ms(fn, calls: int = 200) -> float:
-    for _ in range(20):
-        fn()
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def main() -> None:
@@ -43,13 +36,14 @@ def main() -> None:
     int4_bytes = N * K // 2 + scales_zeros.numel() * 2
     print(f"# {machine_label()}, load {os.getloadavg()[0]:.2f}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; a {N} x {K} weight")
-    print(f"memcpy 64 MB: {64 / 1024 / median_ms(lambda: dst.copy_(big), 20) * 1e3:.1f} GB/s copied")
+    print(f"memcpy 64 MB: {64 / 1024 / median_seconds(lambda: dst.copy_(big), 20):.1f} GB/s copied")
     print("rows | int4 kernel ms (GB/s of its bytes) | int8 kernel ms (GB/s) | bf16 F.linear ms (GB/s)")
     for rows in (1, 2, 4, 8, 16):
         x = torch.randn(rows, K).bfloat16()
-        t4 = median_ms(functools.partial(torch.ops.aten._weight_int4pack_mm_for_cpu, x, packed, GROUP, scales_zeros))
-        t8 = median_ms(functools.partial(torch.ops.aten._weight_int8pack_mm, x, w8, s8))
-        t16 = median_ms(functools.partial(torch.nn.functional.linear, x, w16))
+        int4_mm = functools.partial(torch.ops.aten._weight_int4pack_mm_for_cpu, x, packed, GROUP, scales_zeros)
+        t4 = 1e3 * median_seconds(int4_mm, CALLS)
+        t8 = 1e3 * median_seconds(functools.partial(torch.ops.aten._weight_int8pack_mm, x, w8, s8), CALLS)
+        t16 = 1e3 * median_seconds(functools.partial(torch.nn.functional.linear, x, w16), CALLS)
         print(f"{rows:4d} | {t4:.3f} ({int4_bytes / t4 / 1e6:.1f}) | {t8:.3f} ({N * K / t8 / 1e6:.1f}) | "
               f"{t16:.3f} ({2 * N * K / t16 / 1e6:.1f})")
 

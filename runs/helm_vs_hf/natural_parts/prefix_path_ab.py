@@ -9,7 +9,8 @@ decode, the prefill windows' attention (PrefixLayer.attend_window) and its prefi
 
 STATE.json: a HELM run's scenario_state.json (README.md says how to make one). Prints one JSON
 line (each round's seconds by path, the medians' ratios, host, load) and appends it to --out
-(prefix_path_ab.jsonl beside this file).
+(prefix_path_ab.jsonl beside this file). alternate_rounds() is the A/B itself, for another
+setting's (tried/own_window_ab.py).
 """
 
 from __future__ import annotations
@@ -22,17 +23,19 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "runs/bench/merged_head"))
 
+PARTS = ("windows: prefix part", "windows", "prefill", "decode", "wall_s")
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("state", type=Path)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--out", type=Path, default=Path(__file__).with_name("prefix_path_ab.jsonl"))
-    args = p.parse_args()
+
+def alternate_rounds(state: Path, rounds: int, settings: dict[str, Callable[[], None]]) -> dict:
+    """Each round sends the scenario's requests once per setting (its function called first,
+    after the client's load applied the saved profile), timed by part (PARTS). Returns the
+    record: the rounds by setting, each part's median ratio of the second setting over the
+    first, the saved profile's attention choices, the request count, host, load."""
     from helm.common.cache import BlackHoleCacheConfig
     from scenario_client import scenario_requests
 
@@ -61,33 +64,50 @@ def main() -> None:
         _ = client.handle, client.handle.tokenizer  # the saved profile applied here
         return client
 
-    requests = scenario_requests(args.state)
+    requests = scenario_requests(state)
     loaded_client()
-    profile_choice = attention.FUSED_PREFIX_PART["cpu"]
+    profile_choices = {"fused_prefix_part": attention.FUSED_PREFIX_PART["cpu"],
+                       "fused_decode_from_keys": attention.FUSED_DECODE["cpu"]}
     load = os.getloadavg()[0]
-    rounds = {"our products": [], "fused kernel": []}
-    for _ in range(args.rounds):
-        for name in rounds:
+    timings = {name: [] for name in settings}
+    for _ in range(rounds):
+        for name, apply in settings.items():
             client = loaded_client()
-            attention.set_fused_prefix_part("cpu", name == "fused kernel")
+            apply()
             spent.clear()
             t0 = time.perf_counter()
             client.prefetch(requests)
-            rounds[name].append({"wall_s": round(time.perf_counter() - t0, 2),
-                                 **{k: round(v, 2) for k, v in spent.items()}})
+            timings[name].append({"wall_s": round(time.perf_counter() - t0, 2),
+                                  **{k: round(v, 2) for k, v in spent.items()}})
+    first, second = settings
 
     def ratio(key: str) -> float:
-        ours, fused = (statistics.median(r[key] for r in rounds[name]) for name in rounds)
-        return round(fused / ours, 3)
-    record = {"requests": len(requests), "rounds": rounds,
-              **{f"{key}: fused over ours": ratio(key) for key in ("windows: prefix part", "windows", "prefill",
-                                                                    "decode", "wall_s")},
-              "profile_took_fused": profile_choice, "host": machine_label(), "loadavg_1m": round(load, 2),
-              "command": f"python runs/helm_vs_hf/natural_parts/prefix_path_ab.py {args.state.name} "
-                         f"--rounds {args.rounds}"}
+        a, b = (statistics.median(r[key] for r in timings[name]) for name in (first, second))
+        return round(b / a, 3)
+    return {"requests": len(requests), "rounds": timings,
+            **{f"{key}: {second} over {first}": ratio(key) for key in PARTS if key in timings[first][0]},
+            "profile_choices": profile_choices, "host": machine_label(), "loadavg_1m": round(load, 2)}
+
+
+def append(record: dict, out: Path) -> None:
     print(json.dumps(record, indent=1))
-    with open(args.out, "a") as f:
+    with open(out, "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("state", type=Path)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", type=Path, default=Path(__file__).with_name("prefix_path_ab.jsonl"))
+    args = p.parse_args()
+    from flexgen_helm.executor import attention
+
+    record = alternate_rounds(args.state, args.rounds, {
+        "our products": lambda: attention.set_fused_prefix_part("cpu", False),
+        "fused kernel": lambda: attention.set_fused_prefix_part("cpu", True)})
+    append({**record, "command": f"python runs/helm_vs_hf/natural_parts/prefix_path_ab.py {args.state.name} "
+                                 f"--rounds {args.rounds}"}, args.out)
 
 
 if __name__ == "__main__":

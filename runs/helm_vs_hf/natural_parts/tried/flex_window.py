@@ -10,14 +10,18 @@ the same inputs (PrefixLayer.attend_window, the prefix's part on our products).
 """
 
 import os
-import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from flexgen_helm.executor.attention import set_fused_prefix_part
 from flexgen_helm.executor.shared_prefix import PrefixLayer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+from record import median_seconds
 
 KVH, R, P, D, S, SEQS = 3, 3, 302, 64, 89, 64
 L = SEQS * S
@@ -26,16 +30,6 @@ L = SEQS * S
 def mask_mod(b, h, qi, kj):
     own = kj - P
     return (kj < P) | ((own >= 0) & (own // S == qi // S) & (own <= qi))
-
-
-def median_ms(fn, calls: int = 7) -> float:
-    fn()
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def main() -> None:
@@ -69,8 +63,8 @@ def main() -> None:
     mine = ours.view(SEQS, KVH, R, S, D).permute(1, 2, 0, 3, 4).reshape(1, KVH * R, L, D)
     print(f"ours against flex: max difference {(mine.float() - out.float()).abs().max().item():.4f}")
     for _ in range(3):
-        ms = median_ms(lambda: compiled(q, k, v, block_mask=block_mask, enable_gqa=True))
-        our_ms = median_ms(lambda: prefix.attend_window(units_q, keys, values, pad, P, valid))
+        ms = 1e3 * median_seconds(lambda: compiled(q, k, v, block_mask=block_mask, enable_gqa=True), 7)
+        our_ms = 1e3 * median_seconds(lambda: prefix.attend_window(units_q, keys, values, pad, P, valid), 7)
         print(f"the whole window of {SEQS} prompts: flex compiled {ms:.1f} ms, ours {our_ms:.1f} ms")
 
 
