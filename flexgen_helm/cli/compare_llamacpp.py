@@ -13,6 +13,9 @@ def add_command(sub) -> None:
                    help="where llama-batched-bench is built (once) from the llama-cpp-python source archive on PyPI; "
                         "outside the repository")
     k.add_argument("--build-jobs", type=int, default=2)
+    k.add_argument("--no-amx", action="store_true",
+                   help="build llama.cpp without its AMX kernels (into BUILD_DIR/build-no-amx), for a CPU that lists "
+                        "AMX but on which they die (SIGILL)")
     k.add_argument("--batches", nargs="+", type=int, default=[8, 32, 64])
     k.add_argument("--four-bit-batches", nargs="*", type=int, default=[32],
                    help="batch sizes at which ours also runs with 4-bit weights (--compress-weight)")

