@@ -77,9 +77,9 @@ def run_llamacpp(cmd: list[str], timeout_s: int, amx: bool) -> str:
     except CommandFailed as e:
         if amx and e.returncode == -signal.SIGILL:
             raise FlexGenError(f"{e}\nllama.cpp died on an instruction this CPU refused (SIGILL). Its AMX kernels "
-                               "do that on some virtual machines whose CPU lists AMX (in tilezero on a Xeon with "
-                               "AMX, 2026-11-29); run again with --no-amx, which builds it without them "
-                               "beside this build") from e
+                               "do that on some virtual machines whose CPU lists AMX (runs/llamacpp/2026-11-29_xeon/"
+                               "amx_sigill.txt); run again with --no-amx, which builds it without them beside this "
+                               "build") from e
         raise
 
 
