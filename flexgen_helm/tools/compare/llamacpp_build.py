@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from flexgen_helm.errors import FlexGenError
+from flexgen_helm.tools.compare.run import exit_status
 
 TARGET = "llama-batched-bench"
 
@@ -20,7 +21,7 @@ def _run(cmd: list[str], cwd: Path) -> None:
     print("+", " ".join(cmd), flush=True)
     done = subprocess.run(cmd, cwd=cwd)
     if done.returncode != 0:
-        raise FlexGenError(f"building llama.cpp failed at `{' '.join(cmd)}` (exit {done.returncode}; "
+        raise FlexGenError(f"building llama.cpp failed at `{' '.join(cmd)}` ({exit_status(done.returncode)}; "
                            "see the log above)")
 
 

@@ -98,7 +98,7 @@ class Runner:
         except subprocess.TimeoutExpired:
             return {"skipped": f"failed: timed out after {self.timeout_s} s"}, load
         if done.returncode != 0 or not json_path.exists():
-            return {"skipped": f"failed (exit {done.returncode}; see the log)"}, load
+            return {"skipped": f"failed ({exit_status(done.returncode)}; see the log)"}, load
         return json.loads(json_path.read_text()), load
 
 
