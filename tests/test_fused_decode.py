@@ -126,30 +126,46 @@ def test_the_profile_times_both_paths_and_rates_the_one_it_chooses(dtype, measur
     assert attention.FUSED_DECODE["cpu"] is None  # the measurement leaves the setting as it was
 
 
-@pytest.mark.parametrize("gain, fused", [(1.24, True), (1.03, False), (0.0, False)])
-def test_the_saved_profile_chooses_the_prefix_parts_kernel(tmp_path, gain, fused):
+@pytest.mark.parametrize("gains, taken", [({"decode": 1.31, "window": 1.03}, {"decode"}),
+                                          ({"decode": 1.02, "window": 1.2}, {"window"}),
+                                          ({"decode": 1.2, "window": 1.2}, {"decode", "window"}),
+                                          ({}, set())])
+def test_the_saved_profile_chooses_the_prefix_parts_kernel_for_each_use(tmp_path, gains, taken):
     path = tmp_path / "hardware.json"
-    attention.set_fused_prefix_part("cpu", not fused)
-    profile = HardwareProfile(machine=machine_info(), devices={"cpu": DeviceSpeeds(attn_prefix_fused_gain=gain)})
+    attention.set_fused_prefix_part("cpu", {"decode", "window"} - taken)
+    profile = HardwareProfile(machine=machine_info(), devices={"cpu": DeviceSpeeds(attn_prefix_fused_gains=gains)})
     profile.save(path)
     assert use_profile(path) is not None
-    assert attention.FUSED_PREFIX_PART["cpu"] is fused
+    assert attention.FUSED_PREFIX_PART["cpu"] == taken
     line = next(x for x in describe(profile).splitlines() if "attention:" in x)
-    assert ("past a shared prefix" in line) == bool(gain) and ("(taken)" in line) == fused
+    assert ("past a shared prefix" in line) == bool(gains)
+    for use in gains:
+        assert f"{use} {gains[use]:.2f}x ({'taken' if use in taken else 'not taken'})" in line
 
 
-def test_the_profile_times_the_prefix_part_both_ways_where_a_bf16_layout_is_made(monkeypatch):
-    layouts = []
-    real = attention.attend_past_shared_prefix
-    monkeypatch.setattr(hardware_profile, "attend_past_shared_prefix", lambda q, k, v, own, prefix: layouts.append(
-        prefix.by_position) or real(q, k, v, own, prefix))
-    gain = hardware_profile.prefix_part_fused_gain(torch.device("cpu"), torch.bfloat16, calls=1)
+def test_an_unknown_use_of_the_prefix_part_is_refused():
+    with pytest.raises(ValueError, match="decode, window, not prefill"):
+        attention.set_fused_prefix_part("cpu", {"prefill"})
+    with pytest.raises(ValueError, match="chosen on cpu, not 'cuda'"):
+        attention.set_fused_prefix_part("cuda", {"decode"})
+
+
+def test_the_profile_times_each_use_of_the_prefix_part_both_ways_where_a_bf16_layout_is_made(monkeypatch):
+    calls = []  # (function, the uses taking the fused kernel as it ran)
+    for name in ("_fused_past_prefix", "_fused_prefix_part", "_bf16_prefix_part"):
+        real = getattr(attention, name)
+        monkeypatch.setattr(attention, name, lambda *a, _real=real, _name=name: calls.append(
+            (_name, attention.FUSED_PREFIX_PART["cpu"])) or _real(*a))
+    gains = hardware_profile.prefix_part_fused_gains(torch.device("cpu"), torch.bfloat16, calls=1)
     if not attention._bf16_matmuls_native():
-        assert gain == 0.0 and not layouts
+        assert gains == {} and not calls
         return
-    assert gain > 0 and set(layouts) == {False, True}
-    assert attention.FUSED_PREFIX_PART["cpu"] is False  # left as it was
-    assert hardware_profile.prefix_part_fused_gain(torch.device("cpu"), torch.float32) == 0.0
+    assert set(gains) == {"decode", "window"} and all(g > 0 for g in gains.values())
+    assert {("_bf16_prefix_part", frozenset()), ("_fused_past_prefix", frozenset({"decode"})),
+            ("_fused_prefix_part", frozenset({"window"}))} <= set(calls)
+    assert all(name == "_bf16_prefix_part" for name, uses in calls if not uses)
+    assert attention.FUSED_PREFIX_PART["cpu"] == frozenset()  # left as it was
+    assert hardware_profile.prefix_part_fused_gains(torch.device("cpu"), torch.float32) == {}
 
 
 def test_a_prefix_from_a_caches_strided_view_takes_the_fused_kernel_exactly_as_a_contiguous_one():
@@ -160,14 +176,14 @@ def test_a_prefix_from_a_caches_strided_view_takes_the_fused_kernel_exactly_as_a
     keys, values = (torch.randn(length, kvh, d, generator=g) + 2 for _ in range(2))
     strided = keys.transpose(0, 1)  # (kvh, P, d) with a cache's position-major strides
     assert not strided.is_contiguous()
-    attention.set_fused_prefix_part("cpu", True)
+    attention.set_fused_prefix_part("cpu", {"decode"})
     prefixes = [attention.prefix_for_decode(x, values.transpose(0, 1), torch.device("cpu"), torch.bfloat16)
                 for x in (strided, strided.contiguous())]
     if prefixes[0].key_mean is None:
         pytest.skip("this CPU emulates bf16 matmuls: no bf16 layout is made")
     assert all(p.by_position and p.keys.is_contiguous() for p in prefixes)
     q = torch.randn(kvh, 40, d, generator=g)
-    (out_a, lse_a), (out_b, lse_b) = (attention._bf16_prefix_part(q, p) for p in prefixes)
+    (out_a, lse_a), (out_b, lse_b) = (attention._fused_prefix_part(q, p) for p in prefixes)
     assert torch.equal(out_a, out_b) and torch.equal(lse_a, lse_b)
     scores = torch.einsum("hmd,hpd->hmp", q.double(), strided.double()) / d ** 0.5
     want = torch.einsum("hmp,hpd->hmd", scores.softmax(-1), values.transpose(0, 1).double())

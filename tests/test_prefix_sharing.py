@@ -380,7 +380,7 @@ def test_a_bf16_window_prefill_stays_within_bf16_rounding_of_the_float32_attenti
     from flexgen_helm.executor.attention import attend
     from flexgen_helm.executor.shared_prefix import PrefixLayer
 
-    attention.set_fused_prefix_part("cpu", row_sums == "the fused kernel")
+    attention.set_fused_prefix_part("cpu", {"window"} if row_sums == "the fused kernel" else ())
     if row_sums == "a few rows at a time":
         monkeypatch.setattr(attention, "ROW_SUM_ELEMENTS", 7 * 200)  # slices of 7 rows of the 200 prefix keys
 
@@ -450,6 +450,39 @@ def test_shared_prefix_attention_over_a_slot_that_holds_out_the_common_prefix():
         got = attend_past_shared_prefix(q[first:last], k[first:last, held], v[first:last, held], own,
                                         DecodePrefix(prefix_k, prefix_v), first_unit=first)
         assert torch.allclose(got, want[first:last], atol=1e-6)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["our products", "the fused kernel"])
+def test_a_bf16_decode_step_past_a_prefix_is_float32_attention_to_bf16_rounding_for_any_run_of_units(fused,
+                                                                                                   monkeypatch):
+    """In bfloat16 over a bf16 cache that holds out the common prefix, for any run of units
+    (a tier's, cutting sequences): within bf16 rounding of float32 attention over the same
+    values, where the decode call runs on torch's fused kernel (attention.FUSED_PREFIX_PART:
+    the prefix part and the own keys, merged by a lerp) as on our products."""
+    from flexgen_helm.executor import attention
+    from flexgen_helm.executor.attention import attend, attend_past_shared_prefix, prefix_for_decode
+    from flexgen_helm.executor.kv_cache import keys_outside_prefix
+
+    q, k, v, valid, prefix_k, prefix_v, starts = (
+        x.bfloat16().float() if x.is_floating_point() else x for x in caches_holding_a_prefix(4))
+    want = attend(q, k, v, valid, causal=False)
+    attention.set_fused_prefix_part("cpu", {"decode"} if fused else ())
+    prefix = prefix_for_decode(prefix_k, prefix_v, torch.device("cpu"), torch.bfloat16)
+    if prefix.key_mean is None:
+        pytest.skip("this CPU emulates bf16 matmuls: the float32 layout serves it")
+    calls = []
+    real = attention._fused_past_prefix
+    monkeypatch.setattr(attention, "_fused_past_prefix", lambda *a: calls.append(1) or real(*a))
+    kvh, n = prefix_k.shape[0], prefix_k.shape[1]
+    a, b = int(starts.max()), int(starts.min()) + n  # held out: every copy covers them
+    held = torch.cat([torch.arange(a), torch.arange(b, k.shape[1])])
+    for first, last in [(0, 10), (3, 8), (1, 2)]:
+        own = keys_outside_prefix(valid[first:last, held], starts[torch.arange(first, last) // kvh], n, (a, b))
+        got = attend_past_shared_prefix(q[first:last].bfloat16(), k[first:last, held].bfloat16(),
+                                        v[first:last, held].bfloat16(), own, prefix, first_unit=first)
+        assert got.dtype == torch.bfloat16
+        assert (got.float() - want[first:last]).abs().max() < 2e-2
+    assert len(calls) == (3 if fused else 0)
 
 
 def _value_rows(values, asked: list):
@@ -535,12 +568,15 @@ def test_a_compressed_or_sparse_block_holds_the_shared_prefix_once(tiny_llama, t
     assert taken[0] - taken[1] == cfg.num_layers * sum(map(slot_saves, block))
 
 
+@pytest.mark.parametrize("cache", [torch.float32, torch.bfloat16], ids=["float32 cache", "bf16 cache"])
 @pytest.mark.parametrize("fused", [False, True], ids=["our products", "the fused kernel"])
-def test_shared_prefix_attention_in_bf16_keeps_float32_precision_of_the_keys_shared_part(fused, monkeypatch):
+def test_shared_prefix_attention_in_bf16_keeps_float32_precision_of_the_keys_shared_part(fused, cache, monkeypatch):
     """The bf16 layout (a bf16 model on a CPU) takes the keys' mean out before rounding: with
     keys that share a large component, as trained models' do, the output stays as close to
     float32 attention as bf16 inputs allow, where rounding the plain scores would not; on our
-    products and on torch's fused kernel (attention.FUSED_PREFIX_PART, keys by position)."""
+    products and, where decode steps take torch's fused kernel (attention.FUSED_PREFIX_PART),
+    on it: the whole call over a bf16 cache (the own keys on the kernel too), the prefix part
+    over a float32 one (a loaded cache's unpacked copy) taking our products."""
     from flexgen_helm.executor import attention
     from flexgen_helm.executor.attention import (
         DecodePrefix,
@@ -564,25 +600,27 @@ def test_shared_prefix_attention_in_bf16_keeps_float32_precision_of_the_keys_sha
         k[unit, s:s + n], v[unit, s:s + n], valid[unit, :s] = prefix_k[h], prefix_v[h], False
         k[unit, :s] += shared[h]
         k[unit, s + n:] += shared[h]
+    if cache == torch.bfloat16:  # the float32 attention of the values the bf16 cache holds
+        k, v, prefix_k, prefix_v = (x.bfloat16().float() for x in (k, v, prefix_k, prefix_v))
     q = torch.randn(sequences * kvh, r, 1, d).bfloat16()
     want = attend(q.float(), k, v, valid, causal=False)
-    attention.set_fused_prefix_part("cpu", fused)
+    k, v = k.to(cache), v.to(cache)
+    attention.set_fused_prefix_part("cpu", {"decode"} if fused else ())
     calls = []
-    real = attention._fused_prefix_part
-    monkeypatch.setattr(attention, "_fused_prefix_part", lambda *a: calls.append(1) or real(*a))
+    real = attention._fused_past_prefix
+    monkeypatch.setattr(attention, "_fused_past_prefix", lambda *a: calls.append(1) or real(*a))
     bf16 = prefix_for_decode(prefix_k, prefix_v, torch.device("cpu"), torch.bfloat16)
     assert (bf16.key_mean is not None) == cpu_has_bf16_arithmetic()
     if bf16.key_mean is None:
         pytest.skip("this CPU emulates bf16 matmuls: the float32 layout serves it (checked above)")
     own = keys_outside_prefix(valid, starts[torch.arange(q.shape[0]) // kvh], n)
     got = attend_past_shared_prefix(q, k, v, own, bf16).float()
-    assert bool(calls) == fused and bf16.by_position == fused
+    assert bool(calls) == (fused and cache == torch.bfloat16)
     err = (got - want).abs().max().item()
     assert err < 1e-2, err
     # what rounding the plain scores to bf16 would have cost: the mean is what keeps it small
-    plain = DecodePrefix(prefix_k.mul(d ** -0.5 / math.log(2)).bfloat16().transpose(1, 2).contiguous(),
-                         prefix_v.bfloat16(),
-                         torch.zeros(kvh, 1, d))
+    plain = DecodePrefix(prefix_k.mul(d ** -0.5 / math.log(2)).bfloat16(), prefix_v.bfloat16(),
+                         torch.zeros(kvh, 1, d), by_position=True)
     rounded = attend_past_shared_prefix(q, k, v, own, plain).float()
     assert (rounded - want).abs().max().item() > 3 * err
 

@@ -555,13 +555,19 @@ class DecodePrefix:
     bf16's rate (3-4x float32's on this project's CPU, runs/prefix_sharing/README.md) while its
     scores keep float32's precision where it matters: q . mean, the component every key
     shares, is added back in float32. by_position: the bf16 keys as (kv_heads, P, d) instead,
-    for torch's fused kernel (FUSED_PREFIX_PART), which must get them contiguous: over a
-    transposed view of the other layout it computed wrong scores (torch 2.13)."""
+    where some use of the prefix part runs on torch's fused kernel (FUSED_PREFIX_PART), which
+    must get them contiguous: over a transposed view it computed wrong scores (torch 2.13). Our
+    products read such keys as a transposed view: as fast at a prefill window's shapes, ~20%
+    slower at a decode step's (runs/prefix_sharing/decode_variants/keys_transposed_view.py)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     key_mean: torch.Tensor | None = None  # set: the bf16 layout above
     by_position: bool = False
+
+    def keys_by_dim(self) -> torch.Tensor:
+        """The bf16 layout's keys as (kv_heads, d, P), for our products' scores."""
+        return self.keys.transpose(1, 2) if self.by_position else self.keys
 
     @property
     def length(self) -> int:
@@ -574,13 +580,13 @@ def prefix_for_decode(keys: torch.Tensor, values: torch.Tensor, device: torch.de
     a `dtype` model on `device` read them in (DecodePrefix), converted once per block. The
     bf16 layout needs scores that a shift leaves the softmax of (no softcap: tanh is not
     shift-invariant) and native bf16 matmuls (emulated ones are slower than float32); its keys
-    by position where the device's prefix part runs on the fused kernel (FUSED_PREFIX_PART)."""
+    by position where some use of the prefix part runs on the fused kernel (FUSED_PREFIX_PART)."""
     device = torch.device(device)
     if device.type == "cpu" and dtype == torch.bfloat16 and not softcap and _bf16_matmuls_native():
         kf = keys.to(torch.float32, copy=True).mul_(1 / math.sqrt(keys.shape[-1]))
         mean = kf.mean(1, keepdim=True)
         centred = kf.sub_(mean).mul_(1 / math.log(2)).to(dtype)
-        by_position = FUSED_PREFIX_PART.get(device.type, False)
+        by_position = bool(FUSED_PREFIX_PART.get(device.type))
         kt = (centred if by_position else centred.transpose(1, 2)).contiguous()  # a cache's view keeps its strides
         return DecodePrefix(kt, values.to(dtype).contiguous(), mean, by_position)
     read_as = decode_cache_dtype(device, dtype)
@@ -605,6 +611,9 @@ def attend_past_shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q's dtype."""
     u, r, _, d = q.shape
     kvh = prefix.values.shape[0]
+    if (prefix.by_position and sinks is None and q.dtype == k.dtype == v.dtype == prefix.values.dtype
+            and "decode" in FUSED_PREFIX_PART.get(q.device.type, ())):
+        return _fused_past_prefix(q, k, v, own, prefix, first_unit)
     qf = q.float().view(u, r, d)
     by_head, per_unit = _stacked_by_head(qf, first_unit, kvh)
     if prefix.key_mean is None:
@@ -613,6 +622,30 @@ def attend_past_shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         shared = _bf16_prefix_part(by_head, prefix)
     return _own_keys_and_prefix(qf, k, v, own, softcap, tuple(map(per_unit, shared)),
                                 sinks).view(u, r, 1, d).to(q.dtype)
+
+
+def _fused_past_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, own: torch.Tensor,
+                       prefix: DecodePrefix, first_unit: int) -> torch.Tensor:
+    """attend_past_shared_prefix where the device's decode steps take torch's fused kernel for
+    the prefix's part (FUSED_PREFIX_PART; its keys by position) and the cache is bf16 as the
+    queries: the own keys on the same kernel, one call for every unit (the valid keys as an
+    additive mask), and the two parts merged by their log-sum-exps as a lerp from the own
+    part's output to the prefix part's, by the prefix's share of the softmax, sigmoid(lse_prefix
+    - lse_own). Where our products take 44 torch ops a layer, this takes 24: at a decode step's
+    shapes the ops' fixed cost is much of the difference (runs/prefix_sharing/decode_call_parts.py).
+    Both parts round their weights to bf16 for the values, as the fused decode step without
+    a prefix does (fused_decode); the lerp runs in float32, and the output is rounded once
+    (a lerp of the parts' bf16 outputs by a bf16 share doubled the error against float32
+    attention in tests/test_prefix_sharing.py's case of keys with a large shared part)."""
+    u, r, _, d = q.shape
+    t = k.shape[1]
+    by_head, per_unit = _stacked_by_head(q.view(u, r, d), first_unit, prefix.values.shape[0])
+    prefix_out, prefix_lse = map(per_unit, _fused_prefix_part(by_head, prefix))
+    hidden = own.to(q.dtype).log_()  # 0 where a key is seen, -inf where not
+    own_out, own_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.view(1, u, r, d), k[None], v[None], attn_mask=hidden.view(1, u, 1, t), scale=1 / math.sqrt(d))
+    share = torch.sigmoid(prefix_lse.view(u, r, 1) - own_lse.view(u, r, 1))
+    return torch.lerp(own_out.view(u, r, d).float(), prefix_out.float(), share).to(q.dtype).view(u, r, 1, d)
 
 
 # attend_window_past_shared_prefix: the scores (float32) one product holds at most
@@ -682,8 +715,13 @@ def _window_prefix_part(qf: torch.Tensor, prefix: DecodePrefix, softcap: float) 
         for c in range(0, m, rows):
             e = min(m, c + rows)
             queries = by_sequence(qf)[a:b, :, c:e].transpose(0, 1).reshape(kvh, (b - a) * (e - c), d)
-            part = (_bf16_prefix_part(queries, prefix) if prefix.key_mean is not None
-                    else _normalized_part(queries, prefix.keys, prefix.values, softcap))
+            if prefix.key_mean is None:
+                part = _normalized_part(queries, prefix.keys, prefix.values, softcap)
+            elif prefix.by_position and "window" in FUSED_PREFIX_PART.get(qf.device.type, ()):
+                out_bf16, part_lse = _fused_prefix_part(queries, prefix)
+                part = out_bf16.float(), part_lse
+            else:
+                part = _bf16_prefix_part(queries, prefix)
             for whole, piece in zip((out, lse), part):
                 by_sequence(whole)[a:b, :, c:e].copy_(piece.view(kvh, b - a, e - c, -1).transpose(0, 1))
     return out, lse
@@ -773,33 +811,43 @@ def _own_keys_and_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vali
 UNSHIFTED_LSE2_BOUND = 100.0
 
 
-# Device type -> whether a bf16 shared prefix's part (_bf16_prefix_part) runs on torch's fused CPU
-# flash kernel, which returns the log-sum-exp the merge needs, instead of our products: set where
-# `flexgen-helm profile` timed it faster (planner/hardware_profile.use_profile;
-# DeviceSpeeds.attn_prefix_fused_gain). On the 2-core EPYC it was slower than our whole step
-# (runs/prefix_sharing/prefix_part_kernels_2026-11-28.txt); on the 2-core Xeon with AMX it gained
-# 1.05-1.09x, at the noise threshold (runs/prefix_sharing/profile_fused_choices_2026-11-29.txt).
-FUSED_PREFIX_PART = {"cpu": False}
+# Where a bf16 shared prefix's part of attention runs on torch's fused CPU flash kernel, which
+# returns the log-sum-exp the merge needs, instead of our products (_bf16_prefix_part): a decode
+# step's call (_fused_past_prefix, its own keys on the kernel too) and a prefill window's prefix
+# part, each chosen apart
+PREFIX_PART_USES = ("decode", "window")
+# Device type -> the uses that take the fused kernel: those `flexgen-helm profile` timed faster
+# there (planner/hardware_profile.use_profile; DeviceSpeeds.attn_prefix_fused_gains). On the
+# 2-core EPYC the kernel was slower than our whole decode step
+# (runs/prefix_sharing/prefix_part_kernels_2026-11-28.txt); on the 2-core Xeon with AMX it gains
+# at decode (runs/prefix_sharing/decode_call_parts_2026-11-29.txt) and not at a prefill window
+# (runs/helm_vs_hf/natural_parts/prefix_path_ab.jsonl).
+FUSED_PREFIX_PART: dict[str, frozenset[str]] = {"cpu": frozenset()}
 
 
-def set_fused_prefix_part(device_type: str, fused: bool) -> bool:
-    """Whether bf16 prefixes made for `device_type` from now on (prefix_for_decode) take the
-    fused kernel in their part of attention; returns the setting before."""
+def set_fused_prefix_part(device_type: str, uses) -> frozenset[str]:
+    """Which uses (PREFIX_PART_USES) of a bf16 shared prefix's part take the fused kernel on
+    `device_type` for prefixes made from now on (prefix_for_decode lays their keys out for it);
+    returns the setting before."""
     if device_type not in FUSED_PREFIX_PART:
         raise ValueError(f"the prefix part's path is chosen on {', '.join(FUSED_PREFIX_PART)}, not {device_type!r}")
-    before, FUSED_PREFIX_PART[device_type] = FUSED_PREFIX_PART[device_type], fused
+    uses = frozenset(uses)
+    if not uses <= set(PREFIX_PART_USES):
+        raise ValueError(f"the prefix part's uses are {', '.join(PREFIX_PART_USES)}, not {', '.join(sorted(uses))}")
+    before, FUSED_PREFIX_PART[device_type] = FUSED_PREFIX_PART[device_type], uses
     return before
 
 
 def _fused_prefix_part(q: torch.Tensor, prefix: DecodePrefix) -> tuple[torch.Tensor, torch.Tensor]:
-    """_bf16_prefix_part on torch's fused CPU flash kernel, over the keys by position: the
-    layout's keys carry 1/(sqrt(d) ln 2), so a scale of ln 2 gives the natural-base scores
-    relative to the keys' mean; the kernel keeps them in float32 (ours rounds them to bf16)
-    and rounds the weights to bf16 for the values, as ours does; its log-sum-exp is natural,
-    and q . mean goes back into it in float32."""
+    """_bf16_prefix_part of queries q (kv_heads, m, d) on torch's fused CPU flash kernel, over
+    keys by position (DecodePrefix.by_position): the layout's keys carry 1/(sqrt(d) ln 2), so a
+    scale of ln 2 gives the natural-base scores relative to the keys' mean; the kernel keeps
+    them in float32 (ours rounds them to bf16) and rounds the weights to bf16 for the values,
+    as ours does; its log-sum-exp is natural, and q . mean goes back into it in float32. The
+    output is the kernel's, in bf16."""
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q.to(prefix.values.dtype)[None], prefix.keys[None], prefix.values[None], scale=math.log(2))
-    return out[0].float(), torch.baddbmm(lse[0, :, :, None], q, prefix.key_mean.transpose(1, 2))
+    return out[0], torch.baddbmm(lse[0, :, :, None], q.float(), prefix.key_mean.transpose(1, 2))
 
 
 def _bf16_prefix_part(q: torch.Tensor, prefix: DecodePrefix) -> tuple[torch.Tensor, torch.Tensor]:
@@ -817,11 +865,8 @@ def _bf16_prefix_part(q: torch.Tensor, prefix: DecodePrefix) -> tuple[torch.Tens
     (runs/prefix_sharing/decode_variants/unshifted_weights.py). Where a
     row's log-sum-exp leaves +-UNSHIFTED_LSE2_BOUND (a head whose queries meet its keys at
     scores of ~100 and more), the row's weights may have left the normal floats, and the
-    part is taken again with the peak out (_shifted_bf16_prefix_part). A prefix laid out by
-    position takes the fused kernel instead (_fused_prefix_part)."""
-    if prefix.by_position:
-        return _fused_prefix_part(q, prefix)
-    weights = torch.bmm(q.to(prefix.values.dtype), prefix.keys).exp2_()
+    part is taken again with the peak out (_shifted_bf16_prefix_part)."""
+    weights = torch.bmm(q.to(prefix.values.dtype), prefix.keys_by_dim()).exp2_()
     total = _row_sums(weights)
     lse2 = total.log2()
     low, high = lse2.aminmax()
@@ -861,7 +906,7 @@ def _shifted_bf16_prefix_part(q: torch.Tensor, prefix: DecodePrefix) -> tuple[to
     float32, exponentiated and summed there, the weights rounded to bf16 for the product
     with the values (the sum of the unrounded weights differs from the rounded ones' by their
     rounding, 2^-9 relative at most)."""
-    scores = torch.bmm(q.to(prefix.values.dtype), prefix.keys).float()
+    scores = torch.bmm(q.to(prefix.values.dtype), prefix.keys_by_dim()).float()
     peak = scores.amax(-1, keepdim=True)
     weights = scores.sub_(peak).exp2_()
     total = weights.sum(-1, keepdim=True)

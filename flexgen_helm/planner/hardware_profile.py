@@ -31,6 +31,7 @@ from flexgen_helm.errors import ProfileFormatError
 from flexgen_helm.executor.attention import (
     FUSED_DECODE,
     FUSED_PREFIX_PART,
+    PREFIX_PART_USES,
     attend,
     attend_past_shared_prefix,
     attend_window_past_shared_prefix,
@@ -53,9 +54,10 @@ _TOLD_UNMEASURED: set[str] = set()  # profiles (by when measured) use_profile sa
 # /6: a bf16 decode step's attention on both of its paths (executor/attention.fused_decode), and
 # its part past a shared prefix on both (FUSED_PREFIX_PART)
 # /7: every speed sustained over its measurement (the mean call), not its fastest call (_timed)
-FORMAT = "flexgen-helm-hardware/7"
-FORMAT_MEASURES = ("every speed as sustained over its measurement (the mean call, a table's entries timed in "
-                   "interleaved rounds), where /6 kept the fastest call")
+# /8: the shared prefix's part on both paths timed apart for decode steps and prefill windows
+FORMAT = "flexgen-helm-hardware/8"
+FORMAT_MEASURES = ("a shared prefix's part of attention on both of its paths, timed apart for a decode step and a "
+                   "prefill window, where /7 kept the smaller gain of the two")
 
 # Activation rows of the profiled Linear: 1-64 are decode (one token per sequence of a GPU
 # batch), 256-4096 prefill (a GPU batch times the prompt). The weight is (4096, 2048): big
@@ -114,11 +116,16 @@ class DeviceSpeeds:
     # attn_decode_bytes_per_s is the path it takes at 512 keys. Empty: not measured (another
     # dtype, a GPU's own attention, a profile from before)
     attn_decode_fused_gains: dict[int, float] = field(default_factory=dict)
-    # time of a bf16 shared prefix's part of attention on our products over its time on torch's
-    # fused kernel (executor/attention.FUSED_PREFIX_PART), timed in pairs: the smaller gain of a
-    # decode step's whole call and a few-shot prefill window's part; taken above FLIPPED_MIN_GAIN.
-    # 0.0: not measured (another dtype, a CPU without bf16 arithmetic, a GPU)
-    attn_prefix_fused_gain: float = 0.0
+    # use (executor/attention.PREFIX_PART_USES: a decode step's whole call, a few-shot prefill
+    # window's part) -> time of a bf16 shared prefix's part of attention on our products over
+    # its time on torch's fused kernel (attention.FUSED_PREFIX_PART), timed in pairs; each use
+    # takes the kernel above FLIPPED_MIN_GAIN. Empty: not measured (another dtype, a CPU
+    # without bf16 arithmetic, a GPU)
+    attn_prefix_fused_gains: dict[str, float] = field(default_factory=dict)
+
+    def fused_prefix_part_uses(self) -> frozenset[str]:
+        """The uses of a shared prefix's part that take the fused kernel (FUSED_PREFIX_PART)."""
+        return frozenset(use for use, gain in self.attn_prefix_fused_gains.items() if gain > FLIPPED_MIN_GAIN)
     dequant_elems_per_s: float = 1e9  # 4-bit groups (QuantizedTensor) turned back into the compute dtype
     # 4-bit weights in the int4 kernel's packed layout (compression/int4.py), in the profile's
     # dtype: rows -> FLOP/s of the kernel's matmul (interpolated in log(rows)), and elements/s of
@@ -398,7 +405,7 @@ def use_profile(path: str | os.PathLike | None = None) -> HardwareProfile | None
     # the prefix part's kernel is timed in a CPU's profile only (a GPU profile leaves it off)
     host = saved.devices.get("cpu")
     set_fused_decode("cpu", None if host is None else host.fused_decode_from_keys())
-    set_fused_prefix_part("cpu", host is not None and host.attn_prefix_fused_gain > FLIPPED_MIN_GAIN)
+    set_fused_prefix_part("cpu", () if host is None else host.fused_prefix_part_uses())
     # only a CPU's profile measures them (a GPU's GEMMs are not known to gain: measure_device)
     unmeasured = saved.compute_device == "cpu" and not saved.compute.flipped_gains
     before_band = saved.compute_device == "cpu" and not unmeasured and not all(
@@ -477,7 +484,7 @@ def measure_device(device: torch.device, dtype: torch.dtype) -> DeviceSpeeds:
             speeds.matmul_flops[DTYPE_NAMES[dt]] = _matmul_flops(device, dt, rows_list, sync)
     (speeds.attn_prefill_flops, speeds.attn_decode_bytes_per_s,
      speeds.attn_decode_fused_gains) = _attention_speeds(device, dtype, sync)
-    speeds.attn_prefix_fused_gain = prefix_part_fused_gain(device, dtype)
+    speeds.attn_prefix_fused_gains = prefix_part_fused_gains(device, dtype)
 
     out_f, in_f = MATMUL_SHAPE
     wq = quantize(torch.randn(out_f, in_f, device=device).to(dtype), Compression(4, 64), 0)
@@ -724,50 +731,56 @@ def _attention_speeds(device: torch.device, dtype: torch.dtype, sync) -> tuple[f
     return prefill_flops, cache_bytes / _timed(step, sync=sync), gains
 
 
-def prefix_part_fused_gain(device: torch.device, dtype: torch.dtype, calls: int = 20) -> float:
-    """DeviceSpeeds.attn_prefix_fused_gain: the smaller gain of (1) a decode step's attention
-    past a bf16 shared prefix (attention.attend_past_shared_prefix) at SmolLM2's shapes, 32
+def prefix_part_fused_gains(device: torch.device, dtype: torch.dtype, calls: int = 20) -> dict[str, float]:
+    """DeviceSpeeds.attn_prefix_fused_gains: our products' time over the fused kernel's, timed
+    in pairs, for each use of a bf16 shared prefix's part of attention: "decode", a decode
+    step's call past the prefix (attention.attend_past_shared_prefix) at SmolLM2's shapes, 32
     sequences past a 1,000-token prefix with 16 keys of their own, `calls` calls a timing (one
-    takes a few hundred us), and (2) a few-shot prefill window's attention
+    takes a few hundred us); "window", a few-shot prefill window's attention
     (attention.attend_window_past_shared_prefix: 8 prompts' 85 own tokens past 300 prefix
-    keys; its own part the same either way), its prefix laid out for our products and for
-    the fused kernel; 0.0 where no bf16 layout is made (attention.prefix_for_decode)."""
+    keys; its own part the same either way). Each path over the layout it is made for (our
+    products' keys transposed, the kernel's by position). Empty where no bf16 layout is made
+    (attention.prefix_for_decode)."""
     kvh, r, d, sequences, own = 3, 3, 64, 32, 16
     if device.type not in FUSED_PREFIX_PART or prefix_for_decode(
             *(torch.randn(kvh, 2, d, device=device) for _ in range(2)), device, dtype).key_mean is None:
-        return 0.0
+        return {}
 
-    def layouts(length: int) -> list:
+    def taking(uses: tuple[str, ...], length: int, work):
+        """work(prefix) over a prefix laid out for `uses`, with them taken while it runs."""
         keys, values = (torch.randn(kvh, length, d, device=device) for _ in range(2))
-        made = []
-        for fused in (False, True):
-            before = set_fused_prefix_part(device.type, fused)
+        before = set_fused_prefix_part(device.type, uses)
+        try:
+            prefix = prefix_for_decode(keys, values, device, dtype)
+        finally:
+            set_fused_prefix_part(device.type, before)
+
+        def run():
+            before = set_fused_prefix_part(device.type, uses)
             try:
-                made.append(prefix_for_decode(keys, values, device, dtype))
+                work(prefix)
             finally:
                 set_fused_prefix_part(device.type, before)
-        return made
+        return run
 
     units = sequences * kvh
     q = torch.randn(units, r, 1, d, device=device).to(dtype)
     k, v = (torch.randn(units, own, d, device=device).to(dtype) for _ in range(2))
     mine = torch.ones(units, own, dtype=torch.bool, device=device)
+
+    def decode_steps(prefix):
+        for _ in range(calls):
+            attend_past_shared_prefix(q, k, v, mine, prefix)
+
     window = 85
     window_q = torch.randn(8 * kvh, r, window, d, device=device).to(dtype)
     window_k, window_v = (torch.randn(8 * kvh, window, d, device=device).to(dtype) for _ in range(2))
     window_valid = torch.ones(8 * kvh, window, dtype=torch.bool, device=device)
-
-    def decode_steps(prefix):
-        def run():
-            for _ in range(calls):
-                attend_past_shared_prefix(q, k, v, mine, prefix)
-        return run
-
-    def window_part(prefix):
-        return functools.partial(attend_window_past_shared_prefix, window_q, window_k, window_v, window_valid, prefix)
-    gains = (paired_ratio(*map(decode_steps, layouts(1000)), pairs=9),
-             paired_ratio(*map(window_part, layouts(300)), pairs=9))
-    return round(min(gains), 3)
+    window_part = functools.partial(attend_window_past_shared_prefix, window_q, window_k, window_v, window_valid)
+    uses = {"decode": (1000, decode_steps), "window": (300, window_part)}
+    assert tuple(uses) == PREFIX_PART_USES
+    return {use: round(paired_ratio(taking((), length, work), taking((use,), length, work), pairs=9), 3)
+            for use, (length, work) in uses.items()}
 
 
 def _decode_attention(device: torch.device, dtype: torch.dtype, units: int, r: int, t: int, d: int):
@@ -1015,10 +1028,11 @@ def describe(p: HardwareProfile) -> str:
             path = (" (fused kernel over the float32 path: " + ", ".join(
                 f"{keys} keys {g:.2f}x" for keys, g in s.attn_decode_fused_gains.items()) + "; bf16 steps take it "
                 + ("never" if most is None else f"from {most} keys") + ")")
-        if s.attn_prefix_fused_gain:
-            fused = s.attn_prefix_fused_gain > FLIPPED_MIN_GAIN
-            path += (f"; past a shared prefix, the fused kernel {s.attn_prefix_fused_gain:.2f}x our products "
-                     f"({'taken' if fused else 'not taken'})")
+        if s.attn_prefix_fused_gains:
+            taken = s.fused_prefix_part_uses()
+            path += "; past a shared prefix, the fused kernel over our products: " + ", ".join(
+                f"{use} {gain:.2f}x ({'taken' if use in taken else 'not taken'})"
+                for use, gain in s.attn_prefix_fused_gains.items())
         lines.append(f"  {name} attention: prefill {s.attn_prefill_flops / 1e9:.1f} GFLOP/s, decode "
                      f"{s.attn_decode_bytes_per_s / gb:.2f} GB/s of cache{path}; dequantize "
                      f"{s.dequant_elems_per_s / 1e9:.2f} G elements/s; op latency {s.op_latency_s * 1e6:.1f} us")

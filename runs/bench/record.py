@@ -63,3 +63,21 @@ def median_seconds(fn, rounds: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def interleaved_per_call(fns: dict, calls: int, rounds: int, warmup: int) -> dict[str, list[float]]:
+    """Seconds a call of each fn, timed over `calls` calls, in `rounds` rounds of all of them
+    in turn (the order reversed every other round), after `warmup` untimed calls of each: a
+    noisy shared host's slow phases then fall on every fn alike, and round i's timings of two
+    fns make a pair (prefix_sharing/decode_call_parts.py)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in fns}
+    for i in range(rounds):
+        for name in (list(fns) if i % 2 == 0 else list(fns)[::-1]):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fns[name]()
+            times[name].append((time.perf_counter() - start) / calls)
+    return times

@@ -16,6 +16,9 @@ With sharing the block holds the prefix's KV once, and a decode step attends to 
 matmul per key-value head for every sequence's queries (attention.attend_past_shared_prefix);
 without sharing each sequence holds and reads its own copy. `--skip-unshared` leaves out the
 third run (a float32 OPT-1.3B prefill of 32 x 1,000 tokens takes minutes on a 2-core CPU).
+`--other-decode-path` adds a run of the shared prefix with its decode steps on the path the
+profile did not choose (attention.FUSED_PREFIX_PART's "decode": torch's fused kernel or our
+products), in the same rounds, so that both paths' ratios come from one run.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--skip-unshared", action="store_true", help="no run with sharing off")
+    p.add_argument("--other-decode-path", action="store_true",
+                   help="also the shared prefix with decode steps on the path the profile did not choose")
     p.add_argument("--label", default="", help="what the record measured (e.g. the commit)")
     args = p.parse_args()
     profile = use_profile()  # what this machine's profile chose, as every command that loads an engine applies it
@@ -57,15 +62,22 @@ def main() -> None:
     engine = Engine.load(args.model, policy, dummy=args.dummy, progress=False)
     prefix, own = prefix_and_own(engine.config.vocab_size, args.prefix, 8, args.sequences)
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
-    cases = {"shared prefix": ([prefix + o for o in own], True), "no prefix": (own, True),
-             "prefix, sharing off": ([prefix + o for o in own], False)}
+    chosen = attention.FUSED_PREFIX_PART["cpu"]
+    other = chosen ^ {"decode"}
+    other_name = "shared prefix, decode on " + ("the fused kernel" if "decode" in other else "our products")
+    cases = {"shared prefix": ([prefix + o for o in own], True, chosen), "no prefix": (own, True, chosen),
+             other_name: ([prefix + o for o in own], True, other),
+             "prefix, sharing off": ([prefix + o for o in own], False, chosen)}
     if args.skip_unshared:
         del cases["prefix, sharing off"]
+    if not args.other_decode_path:
+        del cases[other_name]
     engine.generate(own, params)  # warm-up
     rows = {name: [] for name in cases}
     for _ in range(args.rounds):
-        for name, (prompts, sharing) in cases.items():
+        for name, (prompts, sharing, uses) in cases.items():
             engine.policy = dataclasses.replace(policy, prefix_sharing=sharing)
+            attention.set_fused_prefix_part("cpu", uses)
             t0 = time.perf_counter()
             stats = engine.generate(prompts, params).stats
             rows[name].append({"prefill_s": stats.prefill_s, "decode_step_s": stats.decode_s / (args.new_tokens - 1),
@@ -77,10 +89,12 @@ def main() -> None:
               "prefix": args.prefix, "sequences": args.sequences, "new_tokens": args.new_tokens,
               "loadavg_1m": os.getloadavg()[0], "runs": rows, "best": best,
               "profile": None if profile is None else profile.measured_at,
-              "fused_prefix_part": attention.FUSED_PREFIX_PART["cpu"],
+              "fused_prefix_part": sorted(chosen),
               "fused_decode_from_keys": attention.FUSED_DECODE["cpu"],
               "decode_step_ratio_shared_vs_no_prefix": best["shared prefix"]["decode_step_s"]
               / best["no prefix"]["decode_step_s"],
+              **({f"decode_step_ratio {other_name} vs no prefix": best[other_name]["decode_step_s"]
+                  / best["no prefix"]["decode_step_s"]} if other_name in best else {}),
               "prefill_speedup_sharing": None if args.skip_unshared else
               best["prefix, sharing off"]["prefill_s"] / best["shared prefix"]["prefill_s"],
               "command": "python runs/prefix_sharing/decode_step.py " + " ".join(

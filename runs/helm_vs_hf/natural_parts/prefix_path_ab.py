@@ -66,7 +66,7 @@ def alternate_rounds(state: Path, rounds: int, settings: dict[str, Callable[[], 
 
     requests = scenario_requests(state)
     loaded_client()
-    profile_choices = {"fused_prefix_part": attention.FUSED_PREFIX_PART["cpu"],
+    profile_choices = {"fused_prefix_part": sorted(attention.FUSED_PREFIX_PART["cpu"]),
                        "fused_decode_from_keys": attention.FUSED_DECODE["cpu"]}
     load = os.getloadavg()[0]
     timings = {name: [] for name in settings}
@@ -104,8 +104,8 @@ def main() -> None:
     from flexgen_helm.executor import attention
 
     record = alternate_rounds(args.state, args.rounds, {
-        "our products": lambda: attention.set_fused_prefix_part("cpu", False),
-        "fused kernel": lambda: attention.set_fused_prefix_part("cpu", True)})
+        "our products": lambda: attention.set_fused_prefix_part("cpu", ()),
+        "fused kernel": lambda: attention.set_fused_prefix_part("cpu", attention.PREFIX_PART_USES)})
     append({**record, "command": f"python runs/helm_vs_hf/natural_parts/prefix_path_ab.py {args.state.name} "
                                  f"--rounds {args.rounds}"}, args.out)
 
