@@ -402,6 +402,43 @@ def test_a_bf16_window_prefill_stays_within_bf16_rounding_of_the_float32_attenti
     assert err <= max(2 * fused_err, 5e-3), (err, fused_err)
 
 
+def test_a_bf16_windows_prefix_is_laid_out_for_its_own_use_and_read_right_in_the_other_layout():
+    """A prefill window's copy of the prefix (PrefixLayer.attend_window's) is laid out for the
+    windows' path (FUSED_PREFIX_PART's "window"), whatever the decode steps take; one made by
+    position for the kernel and then read by our products (the setting changed since, as a
+    profile's timing changes it) gives the same bits as one made for our products."""
+    from flexgen_helm.executor import attention
+    from flexgen_helm.executor.shared_prefix import PrefixLayer
+
+    torch.manual_seed(1)
+    kvh, width, d, r, s = 3, 200, 64, 3, 30
+    pad = torch.tensor([0, 4, 9, 2])
+    u = len(pad) * kvh
+    prefix_k, prefix_v = (torch.randn(kvh, width, d).bfloat16() for _ in range(2))
+    q, own_k, own_v = torch.randn(u, r, s, d).bfloat16(), *(torch.randn(u, s, d).bfloat16() for _ in range(2))
+    valid = torch.arange(width + s)[None, :] >= pad.repeat_interleave(kvh)[:, None]
+
+    def window(layer: PrefixLayer) -> torch.Tensor:
+        keys, values = layer.with_context(pad, own_k, own_v)
+        return layer.attend_window(q, keys, values, pad, layer.window_split(pad, q.device), valid)
+
+    layouts = {}
+    for uses in ((), {"decode"}, {"window"}, {"decode", "window"}):
+        attention.set_fused_prefix_part("cpu", uses)
+        layer = PrefixLayer(prefix_k, prefix_v)
+        window(layer)
+        heads = list(layer._heads.values())
+        if heads[0].key_mean is None:
+            pytest.skip("this CPU emulates bf16 matmuls: no bf16 layout is made")
+        layouts[frozenset(uses)] = heads[0].by_position, layer
+    assert {uses: by_position for uses, (by_position, _) in layouts.items()} == {
+        frozenset(): False, frozenset({"decode"}): False, frozenset({"window"}): True,
+        frozenset({"decode", "window"}): True}
+    attention.set_fused_prefix_part("cpu", ())
+    made_by_position = layouts[frozenset({"window"})][1]
+    assert torch.equal(window(made_by_position), window(layouts[frozenset()][1]))
+
+
 @pytest.mark.parametrize("tier", ["gpu", "cpu", "disk"])
 def test_a_dense_slot_reads_nothing_of_the_positions_it_holds_out(tier, tmp_path):
     """What a prefill window leaves unmade (PrefixLayer.with_context's unread columns) is

@@ -7,7 +7,7 @@ computed where it lives (CPU delegation) and the parts joined afterwards."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Callable
 
@@ -555,10 +555,11 @@ class DecodePrefix:
     bf16's rate (3-4x float32's on this project's CPU, runs/prefix_sharing/README.md) while its
     scores keep float32's precision where it matters: q . mean, the component every key
     shares, is added back in float32. by_position: the bf16 keys as (kv_heads, P, d) instead,
-    where some use of the prefix part runs on torch's fused kernel (FUSED_PREFIX_PART), which
-    must get them contiguous: over a transposed view it computed wrong scores (torch 2.13). Our
-    products read such keys as a transposed view: as fast at a prefill window's shapes, ~20%
-    slower at a decode step's (runs/prefix_sharing/decode_variants/keys_transposed_view.py)."""
+    where the prefix's use runs on torch's fused kernel (FUSED_PREFIX_PART), which must get
+    them contiguous: over a transposed view it computed wrong scores (torch 2.13). Our products
+    read such keys (the setting changed since: a profile's timing) as a transposed view, ~20%
+    slower at a decode step's shapes (runs/prefix_sharing/decode_variants/keys_transposed_view.py),
+    or a prefill window's as a transposed copy (_window_prefix_part)."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -575,18 +576,19 @@ class DecodePrefix:
 
 
 def prefix_for_decode(keys: torch.Tensor, values: torch.Tensor, device: torch.device, dtype: torch.dtype,
-                      softcap: float = 0.0) -> DecodePrefix:
+                      softcap: float = 0.0, use: str = "decode") -> DecodePrefix:
     """The prefix keys and values (kv_heads, P, d) of one layer in the layout decode steps of
     a `dtype` model on `device` read them in (DecodePrefix), converted once per block. The
     bf16 layout needs scores that a shift leaves the softmax of (no softcap: tanh is not
     shift-invariant) and native bf16 matmuls (emulated ones are slower than float32); its keys
-    by position where some use of the prefix part runs on the fused kernel (FUSED_PREFIX_PART)."""
+    by position where its use (PREFIX_PART_USES: the decode steps', or the prefill windows')
+    runs on the fused kernel (FUSED_PREFIX_PART)."""
     device = torch.device(device)
     if device.type == "cpu" and dtype == torch.bfloat16 and not softcap and _bf16_matmuls_native():
         kf = keys.to(torch.float32, copy=True).mul_(1 / math.sqrt(keys.shape[-1]))
         mean = kf.mean(1, keepdim=True)
         centred = kf.sub_(mean).mul_(1 / math.log(2)).to(dtype)
-        by_position = bool(FUSED_PREFIX_PART.get(device.type))
+        by_position = use in FUSED_PREFIX_PART.get(device.type, ())
         kt = (centred if by_position else centred.transpose(1, 2)).contiguous()  # a cache's view keeps its strides
         return DecodePrefix(kt, values.to(dtype).contiguous(), mean, by_position)
     read_as = decode_cache_dtype(device, dtype)
@@ -697,8 +699,14 @@ def _window_prefix_part(qf: torch.Tensor, prefix: DecodePrefix, softcap: float) 
     of it (runs/prefix_sharing/window_passes.py). The slices follow the shapes only, so every
     policy slices a block alike; a row's last bits may follow its slice's size (the products'
     kernels block their rows by it), and on our products a slice whose scores leave the
-    normal floats is taken again with the peak out (_bf16_prefix_part)."""
+    normal floats is taken again with the peak out (_bf16_prefix_part). Keys laid out by
+    position for the kernel, where the windows take our products, are copied transposed once
+    a call: over their transposed view the windows' prefix part took 4-8% longer on a few-shot
+    HELM scenario's requests (runs/helm_vs_hf/natural_parts/prefix_path_ab.jsonl)."""
     u, m, d = qf.shape
+    fused = prefix.by_position and "window" in FUSED_PREFIX_PART.get(qf.device.type, ())
+    if prefix.by_position and not fused:
+        prefix = replace(prefix, keys=prefix.keys_by_dim().contiguous(), by_position=False)
     kvh, keys = prefix.values.shape[0], prefix.length
     sequences, per_sequence = u // kvh, kvh * m * keys
     if per_sequence <= WINDOW_MAX_SCORES:
@@ -717,7 +725,7 @@ def _window_prefix_part(qf: torch.Tensor, prefix: DecodePrefix, softcap: float) 
             queries = by_sequence(qf)[a:b, :, c:e].transpose(0, 1).reshape(kvh, (b - a) * (e - c), d)
             if prefix.key_mean is None:
                 part = _normalized_part(queries, prefix.keys, prefix.values, softcap)
-            elif prefix.by_position and "window" in FUSED_PREFIX_PART.get(qf.device.type, ()):
+            elif fused:
                 out_bf16, part_lse = _fused_prefix_part(queries, prefix)
                 part = out_bf16.float(), part_lse
             else:

@@ -152,7 +152,7 @@ class PrefixLayer:
         head = self._heads.get(key)
         if head is None:
             head = self._heads[key] = prefix_for_decode(self.keys[:, :split], self.values[:, :split], q.device,
-                                                        q.dtype, softcap)
+                                                        q.dtype, softcap, use="window")
         # window column c < tail holds prefix position split + c - pad: the one copy's, where below split
         unit_pad = pad.to(q.device).repeat_interleave(kvh)
         valid = key_valid[:, split:].clone()

@@ -746,12 +746,13 @@ def prefix_part_fused_gains(device: torch.device, dtype: torch.dtype, calls: int
             *(torch.randn(kvh, 2, d, device=device) for _ in range(2)), device, dtype).key_mean is None:
         return {}
 
-    def taking(uses: tuple[str, ...], length: int, work):
-        """work(prefix) over a prefix laid out for `uses`, with them taken while it runs."""
+    def taking(use: str, fused: bool, length: int, work):
+        """work(prefix) over a prefix made for `use`, which runs on the fused kernel or not."""
+        uses = (use,) if fused else ()
         keys, values = (torch.randn(kvh, length, d, device=device) for _ in range(2))
         before = set_fused_prefix_part(device.type, uses)
         try:
-            prefix = prefix_for_decode(keys, values, device, dtype)
+            prefix = prefix_for_decode(keys, values, device, dtype, use=use)
         finally:
             set_fused_prefix_part(device.type, before)
 
@@ -779,7 +780,7 @@ def prefix_part_fused_gains(device: torch.device, dtype: torch.dtype, calls: int
     window_part = functools.partial(attend_window_past_shared_prefix, window_q, window_k, window_v, window_valid)
     uses = {"decode": (1000, decode_steps), "window": (300, window_part)}
     assert tuple(uses) == PREFIX_PART_USES
-    return {use: round(paired_ratio(taking((), length, work), taking((use,), length, work), pairs=9), 3)
+    return {use: round(paired_ratio(taking(use, False, length, work), taking(use, True, length, work), pairs=9), 3)
             for use, (length, work) in uses.items()}
 
 

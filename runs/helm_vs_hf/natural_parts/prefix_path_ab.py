@@ -1,11 +1,12 @@
 """A/B of a bf16 shared prefix's part of attention (executor/attention.FUSED_PREFIX_PART: our
 products, or torch's fused flash kernel) on a HELM scenario's requests: our client in bfloat16
 (the machine's saved profile applied, as helm-run does), the same requests sent again with the
-setting off and on in alternating rounds, one process, a fresh client each round (one keeps the
+setting off and on (`--uses`: which uses of the part the "on" side puts on the kernel) in
+alternating rounds, one process, a fresh client each round (one keeps the
 responses it computed ahead); perf_counter wrappers time the block schedule's prefill and
 decode, the prefill windows' attention (PrefixLayer.attend_window) and its prefix part.
 
-    python runs/helm_vs_hf/natural_parts/prefix_path_ab.py STATE.json [--rounds 3] [--out FILE]
+    python runs/helm_vs_hf/natural_parts/prefix_path_ab.py STATE.json [--rounds 3] [--uses decode,window] [--out FILE]
 
 STATE.json: a HELM run's scenario_state.json (README.md says how to make one). Prints one JSON
 line (each round's seconds by path, the medians' ratios, host, load) and appends it to --out
@@ -32,7 +33,8 @@ PARTS = ("windows: prefix part", "windows", "prefill", "decode", "wall_s")
 
 
 def alternate_rounds(state: Path, rounds: int, settings: dict[str, Callable[[], None]]) -> dict:
-    """Each round sends the scenario's requests once per setting (its function called first,
+    """Each round sends the scenario's requests once per setting, in the other order every other
+    round (its function called first,
     after the client's load applied the saved profile), timed by part (PARTS). Returns the
     record: the rounds by setting, each part's median ratio of the second setting over the
     first, the saved profile's attention choices, the request count, host, load."""
@@ -70,8 +72,9 @@ def alternate_rounds(state: Path, rounds: int, settings: dict[str, Callable[[], 
                        "fused_decode_from_keys": attention.FUSED_DECODE["cpu"]}
     load = os.getloadavg()[0]
     timings = {name: [] for name in settings}
-    for _ in range(rounds):
-        for name, apply in settings.items():
+    for i in range(rounds):
+        for name in list(settings)[::1 if i % 2 == 0 else -1]:  # either side first in turn
+            apply = settings[name]
             client = loaded_client()
             apply()
             spent.clear()
@@ -99,15 +102,19 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("state", type=Path)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--uses", default="decode,window",
+                   help="the uses of the prefix part (attention.PREFIX_PART_USES) the fused side runs on the kernel")
     p.add_argument("--out", type=Path, default=Path(__file__).with_name("prefix_path_ab.jsonl"))
     args = p.parse_args()
     from flexgen_helm.executor import attention
 
+    uses = tuple(args.uses.split(","))
     record = alternate_rounds(args.state, args.rounds, {
         "our products": lambda: attention.set_fused_prefix_part("cpu", ()),
-        "fused kernel": lambda: attention.set_fused_prefix_part("cpu", attention.PREFIX_PART_USES)})
-    append({**record, "command": f"python runs/helm_vs_hf/natural_parts/prefix_path_ab.py {args.state.name} "
-                                 f"--rounds {args.rounds}"}, args.out)
+        "fused kernel": lambda: attention.set_fused_prefix_part("cpu", uses)})
+    append({**record, "fused_side_uses": list(uses),
+            "command": f"python runs/helm_vs_hf/natural_parts/prefix_path_ab.py {args.state.name} "
+                       f"--rounds {args.rounds} --uses {args.uses}"}, args.out)
 
 
 if __name__ == "__main__":
