@@ -702,11 +702,14 @@ def _window_prefix_part(qf: torch.Tensor, prefix: DecodePrefix, softcap: float) 
     normal floats is taken again with the peak out (_bf16_prefix_part). Keys laid out by
     position for the kernel, where the windows take our products, are copied transposed once
     a call: over their transposed view the windows' prefix part took 4-8% longer on a few-shot
-    HELM scenario's requests (runs/helm_vs_hf/natural_parts/prefix_path_ab.jsonl)."""
+    HELM scenario's requests (runs/helm_vs_hf/natural_parts/prefix_path_ab.jsonl). Our products
+    take the weights' sums out of the product with the values (_bf16_prefix_part's
+    values_and_ones, made once a call)."""
     u, m, d = qf.shape
     fused = prefix.by_position and "window" in FUSED_PREFIX_PART.get(qf.device.type, ())
     if prefix.by_position and not fused:
         prefix = replace(prefix, keys=prefix.keys_by_dim().contiguous(), by_position=False)
+    with_ones = None if prefix.key_mean is None or fused else _values_and_ones(prefix.values)
     kvh, keys = prefix.values.shape[0], prefix.length
     sequences, per_sequence = u // kvh, kvh * m * keys
     if per_sequence <= WINDOW_MAX_SCORES:
@@ -729,7 +732,7 @@ def _window_prefix_part(qf: torch.Tensor, prefix: DecodePrefix, softcap: float) 
                 out_bf16, part_lse = _fused_prefix_part(queries, prefix)
                 part = out_bf16.float(), part_lse
             else:
-                part = _bf16_prefix_part(queries, prefix)
+                part = _bf16_prefix_part(queries, prefix, with_ones)
             for whole, piece in zip((out, lse), part):
                 by_sequence(whole)[a:b, :, c:e].copy_(piece.view(kvh, b - a, e - c, -1).transpose(0, 1))
     return out, lse
@@ -858,12 +861,19 @@ def _fused_prefix_part(q: torch.Tensor, prefix: DecodePrefix) -> tuple[torch.Ten
     return out[0], torch.baddbmm(lse[0, :, :, None], q.float(), prefix.key_mean.transpose(1, 2))
 
 
-def _bf16_prefix_part(q: torch.Tensor, prefix: DecodePrefix) -> tuple[torch.Tensor, torch.Tensor]:
+def _bf16_prefix_part(q: torch.Tensor, prefix: DecodePrefix,
+                      values_and_ones: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """_normalized_part of float32 queries q (kv_heads, m, d) over a prefix in DecodePrefix's
     bf16 layout: the scores leave their matmul rounded to bf16 relative to the keys' mean, in
     base 2 (the layout's keys carry log2(e)), and are exponentiated in place, in bf16, as
     the weights the product with the values takes; their sum is taken in float32. q . mean,
     the component every key shares, goes back into the log-sum-exp in float32.
+
+    values_and_ones (_values_and_ones of the prefix's values, a prefill window's): the sums
+    come out of the product with the values instead, as its column d, rounded to bf16 (up to
+    ~2^-8 of a sum, against float32's exact sum), where summing a window's weights apart was a
+    quarter of this part's time, their widening to float32 most of it
+    (runs/prefix_sharing/decode_variants/sums_in_the_product.py).
 
     The scores are relative to the keys' mean already, so their exponentials are taken
     without subtracting each row's peak first: a softmax is the same for any shift, and a
@@ -875,13 +885,29 @@ def _bf16_prefix_part(q: torch.Tensor, prefix: DecodePrefix) -> tuple[torch.Tens
     scores of ~100 and more), the row's weights may have left the normal floats, and the
     part is taken again with the peak out (_shifted_bf16_prefix_part)."""
     weights = torch.bmm(q.to(prefix.values.dtype), prefix.keys_by_dim()).exp2_()
-    total = _row_sums(weights)
+    d = prefix.values.shape[-1]
+    if values_and_ones is None:
+        products, total = None, _row_sums(weights)
+    else:
+        products = torch.bmm(weights, values_and_ones)
+        total = products[..., d:d + 1].float()
     lse2 = total.log2()
     low, high = lse2.aminmax()
     if not (-UNSHIFTED_LSE2_BOUND < low.item() and high.item() < UNSHIFTED_LSE2_BOUND):  # also NaN
         return _shifted_bf16_prefix_part(q, prefix)
-    out = torch.bmm(weights, prefix.values).div(total)  # to float32 by the division's promotion
+    out = (torch.bmm(weights, prefix.values) if products is None else products[..., :d]).div(total)  # float32
     return out, torch.baddbmm(lse2, q, prefix.key_mean.transpose(1, 2), beta=math.log(2))
+
+
+def _values_and_ones(values: torch.Tensor) -> torch.Tensor:
+    """values (kv_heads, P, d) and a column of ones after them, zeros up to a multiple of 16
+    columns (the bf16 matmul's tiles), so that their product with a part's weights holds each
+    row's sum of the weights in column d (_bf16_prefix_part)."""
+    kvh, n, d = values.shape
+    out = values.new_zeros(kvh, n, -(-(d + 1) // 16) * 16)
+    out[..., :d] = values
+    out[..., d] = 1
+    return out
 
 
 # _row_sums: the most elements widened to float32 at once (2 MiB of them)
