@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -831,12 +831,12 @@ PREFIX_PART_USES = ("decode", "window")
 # there (planner/hardware_profile.use_profile; DeviceSpeeds.attn_prefix_fused_gains). On the
 # 2-core EPYC the kernel was slower than our whole decode step
 # (runs/prefix_sharing/prefix_part_kernels_2026-11-28.txt); on the 2-core Xeon with AMX it gains
-# at decode (runs/prefix_sharing/decode_call_parts_2026-11-29.txt) and not at a prefill window
-# (runs/helm_vs_hf/natural_parts/prefix_path_ab.jsonl).
+# at decode (runs/prefix_sharing/decode_call_parts_fused_2026-11-29.txt) and not at a prefill
+# window (runs/helm_vs_hf/natural_parts/prefix_path_ab.jsonl).
 FUSED_PREFIX_PART: dict[str, frozenset[str]] = {"cpu": frozenset()}
 
 
-def set_fused_prefix_part(device_type: str, uses) -> frozenset[str]:
+def set_fused_prefix_part(device_type: str, uses: Iterable[str]) -> frozenset[str]:
     """Which uses (PREFIX_PART_USES) of a bf16 shared prefix's part take the fused kernel on
     `device_type` for prefixes made from now on (prefix_for_decode lays their keys out for it);
     returns the setting before."""

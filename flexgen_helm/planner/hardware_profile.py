@@ -122,10 +122,6 @@ class DeviceSpeeds:
     # takes the kernel above FLIPPED_MIN_GAIN. Empty: not measured (another dtype, a CPU
     # without bf16 arithmetic, a GPU)
     attn_prefix_fused_gains: dict[str, float] = field(default_factory=dict)
-
-    def fused_prefix_part_uses(self) -> frozenset[str]:
-        """The uses of a shared prefix's part that take the fused kernel (FUSED_PREFIX_PART)."""
-        return frozenset(use for use, gain in self.attn_prefix_fused_gains.items() if gain > FLIPPED_MIN_GAIN)
     dequant_elems_per_s: float = 1e9  # 4-bit groups (QuantizedTensor) turned back into the compute dtype
     # 4-bit weights in the int4 kernel's packed layout (compression/int4.py), in the profile's
     # dtype: rows -> FLOP/s of the kernel's matmul (interpolated in log(rows)), and elements/s of
@@ -153,6 +149,10 @@ class DeviceSpeeds:
     # held in memory (packed where the engine packs it) over time of the kernel's on the codes,
     # in the profile's dtype; empty where not measured (a GPU, a dtype no kernel takes)
     kernel_over_kept_gains: dict[str, dict[int, float]] = field(default_factory=dict)
+
+    def fused_prefix_part_uses(self) -> frozenset[str]:
+        """The uses of a shared prefix's part that take the fused kernel (FUSED_PREFIX_PART)."""
+        return frozenset(use for use, gain in self.attn_prefix_fused_gains.items() if gain > FLIPPED_MIN_GAIN)
 
     def fused_decode_from_keys(self) -> int | None:
         """The fewest keys measured from which the fused kernel gained at every count measured
