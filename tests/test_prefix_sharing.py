@@ -366,23 +366,25 @@ def test_a_window_prefill_attends_to_the_prefix_as_over_each_rows_columns(softca
 
 
 @pytest.mark.parametrize("offset", [0.0, 3.0])
-@pytest.mark.parametrize("row_sums", ["whole", "a few rows at a time", "the fused kernel"])
+@pytest.mark.parametrize("row_sums", ["in the product", "the fused kernel"])
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_a_bf16_window_prefill_stays_within_bf16_rounding_of_the_float32_attention(offset, row_sums, with_sinks,
                                                                                     monkeypatch):
     """In bfloat16 (on a CPU with bf16 arithmetic, the window's own part's products in bf16, the
     keys' shared component taken out first): as far from the float32 attention as torch's fused
     kernel over the joined columns is, give or take rounding, keys with a large shared part too;
-    also where the prefix part sums its weights a few rows at a time (attention.ROW_SUM_ELEMENTS),
-    and with attention sinks (gpt-oss: one more column of the own part's softmax); and with the
-    prefix part on torch's fused kernel (attention.FUSED_PREFIX_PART)."""
+    with the prefix part's weight sums out of its product with the values (a column of ones:
+    no slice falls back to the peak-out way where its scores stay small), and on torch's fused
+    kernel (attention.FUSED_PREFIX_PART); and with attention sinks (gpt-oss: one more column of
+    the own part's softmax)."""
     from flexgen_helm.executor import attention
     from flexgen_helm.executor.attention import attend
     from flexgen_helm.executor.shared_prefix import PrefixLayer
 
     attention.set_fused_prefix_part("cpu", {"window"} if row_sums == "the fused kernel" else ())
-    if row_sums == "a few rows at a time":
-        monkeypatch.setattr(attention, "ROW_SUM_ELEMENTS", 7 * 200)  # slices of 7 rows of the 200 prefix keys
+    peaks_out = []
+    real = attention._shifted_bf16_prefix_part
+    monkeypatch.setattr(attention, "_shifted_bf16_prefix_part", lambda *a: peaks_out.append(1) or real(*a))
 
     torch.manual_seed(0)
     kvh, width, d, r, s = 3, 200, 64, 3, 30
@@ -400,6 +402,20 @@ def test_a_bf16_window_prefill_stays_within_bf16_rounding_of_the_float32_attenti
     fused = attend(q.bfloat16(), keys, values, valid, causal=True, sinks=sinks)
     err, fused_err = ((x.float() - want).abs().max().item() for x in (got, fused))
     assert err <= max(2 * fused_err, 5e-3), (err, fused_err)
+    assert not (offset == 0.0 and peaks_out)
+
+
+def test_a_prefix_parts_row_sums_are_the_same_in_any_slicing(monkeypatch):
+    """A decode step's bf16 prefix part sums its weights in float32 a slice of rows at a time
+    where they are many (attention.ROW_SUM_ELEMENTS): each row's sum is the same bits as summed
+    whole."""
+    from flexgen_helm.executor import attention
+
+    weights = torch.rand(3, 50, 200).bfloat16()
+    whole = attention._row_sums(weights)
+    monkeypatch.setattr(attention, "ROW_SUM_ELEMENTS", 7 * 200)  # slices of 7 rows, across the heads' rows
+    assert torch.equal(attention._row_sums(weights), whole)
+    assert torch.equal(whole, weights.float().sum(-1, keepdim=True))
 
 
 def test_a_bf16_windows_prefix_is_laid_out_for_its_own_use_and_read_right_in_the_other_layout():
@@ -519,7 +535,20 @@ def test_a_bf16_decode_step_past_a_prefix_is_float32_attention_to_bf16_rounding_
                                         v[first:last, held].bfloat16(), own, prefix, first_unit=first)
         assert got.dtype == torch.bfloat16
         assert (got.float() - want[first:last]).abs().max() < 2e-2
-    assert len(calls) == (3 if fused else 0)
+    # the cache as the schedule reads it in place: a view of a (positions, units, d) slot
+    slot_k, slot_v = (x.transpose(0, 1).bfloat16().contiguous() for x in (k, v))
+    own = keys_outside_prefix(valid[3:8], starts[torch.arange(3, 8) // kvh], n)
+    got = attend_past_shared_prefix(q[3:8].bfloat16(), slot_k[:, 3:8].transpose(0, 1), slot_v[:, 3:8].transpose(0, 1),
+                                    own, prefix, first_unit=3)
+    assert (got.float() - want[3:8]).abs().max() < 2e-2
+    # a unit that sees none of its own keys: the prefix's part alone
+    own[1] = False
+    alone = attend(q[4:5], prefix_k.repeat(kvh, 1, 1)[4 % kvh:4 % kvh + 1], prefix_v[4 % kvh:4 % kvh + 1],
+                   torch.ones(1, n, dtype=torch.bool), causal=False)
+    got = attend_past_shared_prefix(q[3:8].bfloat16(), slot_k[:, 3:8].transpose(0, 1), slot_v[:, 3:8].transpose(0, 1),
+                                    own, prefix, first_unit=3)
+    assert (got[1].float() - alone[0]).abs().max() < 2e-2
+    assert len(calls) == (5 if fused else 0)
 
 
 def _value_rows(values, asked: list):

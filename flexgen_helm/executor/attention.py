@@ -613,7 +613,8 @@ def attend_past_shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q's dtype."""
     u, r, _, d = q.shape
     kvh = prefix.values.shape[0]
-    if (prefix.by_position and sinks is None and q.dtype == k.dtype == v.dtype == prefix.values.dtype
+    if (prefix.by_position and sinks is None and not softcap and not callable(v)
+            and q.dtype == k.dtype == v.dtype == prefix.values.dtype and k.stride(-1) == v.stride(-1) == 1
             and "decode" in FUSED_PREFIX_PART.get(q.device.type, ())):
         return _fused_past_prefix(q, k, v, own, prefix, first_unit)
     qf = q.float().view(u, r, d)
@@ -638,7 +639,12 @@ def _fused_past_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, own: t
     Both parts round their weights to bf16 for the values, as the fused decode step without
     a prefix does (fused_decode); the lerp runs in float32, and the output is rounded once
     (a lerp of the parts' bf16 outputs by a bf16 share doubled the error against float32
-    attention in tests/test_prefix_sharing.py's case of keys with a large shared part)."""
+    attention in tests/test_prefix_sharing.py's case of keys with a large shared part). The
+    kernel reads the cache as the schedule's views give it (each position's row contiguous,
+    checked by the caller: over other strides it computed wrong outputs). A unit that sees
+    none of its own keys gets the prefix's part alone: the kernel returns a log-sum-exp of 0
+    for such a row, not -inf. Units of a tier whose cache is unpacked to float32 (a loaded or
+    compressed one's) keep our products, over these by-position keys' transposed view."""
     u, r, _, d = q.shape
     t = k.shape[1]
     by_head, per_unit = _stacked_by_head(q.view(u, r, d), first_unit, prefix.values.shape[0])
@@ -646,7 +652,8 @@ def _fused_past_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, own: t
     hidden = own.to(q.dtype).log_()  # 0 where a key is seen, -inf where not
     own_out, own_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q.view(1, u, r, d), k[None], v[None], attn_mask=hidden.view(1, u, 1, t), scale=1 / math.sqrt(d))
-    share = torch.sigmoid(prefix_lse.view(u, r, 1) - own_lse.view(u, r, 1))
+    own_lse = own_lse.view(u, r, 1).masked_fill_(~own.any(-1)[:, None, None], -math.inf)
+    share = torch.sigmoid(prefix_lse.view(u, r, 1) - own_lse)
     return torch.lerp(own_out.view(u, r, d).float(), prefix_out.float(), share).to(q.dtype).view(u, r, 1, d)
 
 
