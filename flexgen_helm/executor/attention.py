@@ -642,19 +642,34 @@ def _fused_past_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, own: t
     attention in tests/test_prefix_sharing.py's case of keys with a large shared part). The
     kernel reads the cache as the schedule's views give it (each position's row contiguous,
     checked by the caller: over other strides it computed wrong outputs). A unit that sees
-    none of its own keys gets the prefix's part alone: the kernel returns a log-sum-exp of 0
-    for such a row, not -inf. Units of a tier whose cache is unpacked to float32 (a loaded or
-    compressed one's) keep our products, over these by-position keys' transposed view."""
+    none of its own keys gets the prefix's part alone (HIDDEN_SCORE). Units of a tier whose
+    cache is unpacked to float32 (a loaded or compressed one's) keep our products, over these
+    by-position keys' transposed view."""
     u, r, _, d = q.shape
     t = k.shape[1]
     by_head, per_unit = _stacked_by_head(q.view(u, r, d), first_unit, prefix.values.shape[0])
     prefix_out, prefix_lse = map(per_unit, _fused_prefix_part(by_head, prefix))
-    hidden = own.to(q.dtype).log_()  # 0 where a key is seen, -inf where not
+    hidden = torch.where(own, *_mask_scores(q.device, q.dtype))  # 0 where a key is seen, HIDDEN_SCORE where not
     own_out, own_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q.view(1, u, r, d), k[None], v[None], attn_mask=hidden.view(1, u, 1, t), scale=1 / math.sqrt(d))
-    own_lse = own_lse.view(u, r, 1).masked_fill_(~own.any(-1)[:, None, None], -math.inf)
-    share = torch.sigmoid(prefix_lse.view(u, r, 1) - own_lse)
+    share = torch.sigmoid(prefix_lse.view(u, r, 1) - own_lse.view(u, r, 1))
     return torch.lerp(own_out.view(u, r, d).float(), prefix_out.float(), share).to(q.dtype).view(u, r, 1, d)
+
+
+# The additive mask's score for a key a fused decode call's own part does not see: finite,
+# because the kernel returns a log-sum-exp of 0 for a row of -inf scores, where this one gives
+# ~HIDDEN_SCORE, so the prefix's share of the merge is exactly 1 in float32 and such a unit
+# gets the prefix's part alone. Any real score is within a few hundred of 0, so a hidden key's
+# weight beside a seen one underflows to exactly 0 in float32 (below e^-104), as -inf's does.
+HIDDEN_SCORE = -30000.0
+
+
+@lru_cache(maxsize=None)
+def _mask_scores(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The additive mask's two values (seen 0, hidden HIDDEN_SCORE) as 0-dim tensors in the
+    queries' dtype, so that one torch.where makes the mask in that dtype."""
+    return (torch.zeros((), dtype=dtype, device=device),
+            torch.full((), HIDDEN_SCORE, dtype=dtype, device=device))
 
 
 # attend_window_past_shared_prefix: the scores (float32) one product holds at most
