@@ -634,7 +634,7 @@ def _fused_past_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, own: t
     queries: the own keys on the same kernel, one call for every unit (the valid keys as an
     additive mask), and the two parts merged by their log-sum-exps as a lerp from the own
     part's output to the prefix part's, by the prefix's share of the softmax, sigmoid(lse_prefix
-    - lse_own). Where our products take 44 torch ops a layer, this takes 24: at a decode step's
+    - lse_own). Where our products take 44 torch ops a layer, this takes 22: at a decode step's
     shapes the ops' fixed cost is much of the difference (runs/prefix_sharing/decode_call_parts.py).
     Both parts round their weights to bf16 for the values, as the fused decode step without
     a prefix does (fused_decode); the lerp runs in float32, and the output is rounded once
