@@ -6,9 +6,9 @@ For each scenario of a `helm_clients` comparison folder that has an `hf-float32`
 cannot skip: every prompt token it computed (the shared prefix once, each suffix) through
 the layers' linears, and every generated token through the layers and the head. Attention
 and everything else is left out, so this is a lower bound. It is priced at the best float32
-matmul rate this host gives now, at SmolLM2's linear shapes over 4096 rows (4 rounds of 10
-products of each shape; the fastest round's rate). (The clock a VM reports is not the one its
-cores run at, so no nominal peak is computed from it: the rate measured here was above it.)
+matmul rate this host gives now, at SmolLM2's linear shapes over 4096 rows (5 rounds of 10
+products of each shape; the fastest round's rate). No nominal peak is computed: the clock a
+VM reports need not be the one its cores run at.
 The time a run spends outside its engine (wall - engine_time_s) is HELM's start-up, scenario,
 adapters and metrics, and our model's load. Its floor is that of a run of one instance of the
 scenario (`--one-instance`, a comparison folder of `--max-instances 1`), which HELM's client
@@ -82,7 +82,8 @@ def latest(rows: list[dict], scenario: str, system: str) -> dict | None:
 
 
 def f32_rate_now(cfg) -> float:
-    """The fastest of 4 rounds of float32 products at the model's linear shapes over ROWS rows."""
+    """The fastest of 5 rounds of float32 products at the model's linear shapes over ROWS rows (the
+    first, which warms the kernels up, is seldom the fastest)."""
     torch.manual_seed(0)
     shapes = [(cfg.num_heads * cfg.head_dim, cfg.hidden_size), (cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size),
               (cfg.ffn_size, cfg.hidden_size), (cfg.hidden_size, cfg.ffn_size)]
@@ -90,7 +91,7 @@ def f32_rate_now(cfg) -> float:
     inputs = [torch.randn(ROWS, s[1]) for s in shapes]
     flop = sum(2.0 * ROWS * w.shape[0] * w.shape[1] for w in weights) * 10
     best = 0.0
-    for _ in range(5):  # the first round warms up
+    for _ in range(5):
         t0 = time.perf_counter()
         for _ in range(10):
             for w, x in zip(weights, inputs):
