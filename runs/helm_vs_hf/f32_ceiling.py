@@ -41,6 +41,8 @@ def main() -> None:
     parser.add_argument("folder", type=Path)
     parser.add_argument("--one-instance", type=Path, required=True)
     args = parser.parse_args()
+    rows, single = read_rows(args.folder), read_rows(args.one_instance)
+    runs = {scenario: paired(args, rows, single, scenario) for scenario in dict.fromkeys(r["scenario"] for r in rows)}
     cfg = resolve(MODEL).config
     per_token = matmul_params_per_token(cfg)
     head = cfg.vocab_size * cfg.hidden_size
@@ -48,14 +50,7 @@ def main() -> None:
     now = time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())
     print(f"# {machine_label()}, load {os.getloadavg()[0]:.2f}, {now}")
     print(f"float32 matmuls at SmolLM2's linear shapes, {ROWS} rows: {rate / 1e9:.0f} GFLOP/s (the fastest round)")
-    rows, single = read_rows(args.folder), read_rows(args.one_instance)
-    for scenario in dict.fromkeys(r["scenario"] for r in rows):
-        hf, ours, one = (latest(source, scenario, s) for source, s in
-                         ((rows, "hf-float32"), (rows, "ours-float32"), (single, "ours-float32")))
-        if hf is None or ours is None:
-            continue
-        if one is None:
-            raise SystemExit(f"{args.one_instance} has no ours-float32 row of {scenario}")
+    for scenario, (hf, ours, one) in runs.items():
         generated = ours["request_tokens"]
         body_rows = ours["computed_prompt_tokens"] + sum(max(0, n - 1) for n in generated)
         flop = 2.0 * (per_token - head) * body_rows + 2.0 * head * sum(generated)
@@ -71,6 +66,19 @@ def main() -> None:
               f"with a one-instance run's time outside the engine, {hf['wall_s'] / floor:.2f}x with none")
         print(f"  8x needs ours within {hf['wall_s'] / 8:.1f} s in all, "
               f"{hf['wall_s'] / 8 - floor:.1f} s beside the matmuls' floor")
+
+
+def paired(args, rows: list[dict], single: list[dict], scenario: str) -> tuple[dict, dict, dict]:
+    """A scenario's latest HF and ours float32 rows and its one-instance row; an error naming
+    what is missing, before any timing."""
+    hf, ours, one = (latest(source, scenario, s) for source, s in
+                     ((rows, "hf-float32"), (rows, "ours-float32"), (single, "ours-float32")))
+    if hf is None or ours is None:
+        missing = " and ".join(s for s, r in (("hf-float32", hf), ("ours-float32", ours)) if r is None)
+        raise SystemExit(f"{args.folder} has no {missing} row of {scenario}: a bound needs both")
+    if one is None:
+        raise SystemExit(f"{args.one_instance} has no ours-float32 row of {scenario}")
+    return hf, ours, one
 
 
 def read_rows(folder: Path) -> list[dict]:
