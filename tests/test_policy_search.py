@@ -149,26 +149,29 @@ def test_cost_terms_of_a_hand_computable_case():
     assert est.throughput == pytest.approx(2 * 3 / est.total_s)
 
 
-def test_a_cache_read_off_disk_is_priced_with_its_copy_into_attentions_buffers():
-    """CPU-only, the hand case's block: a memory tier's cache is attended where it lies; the
-    part read off disk is first copied into the buffers attention reads (the schedule's
-    decode_unpack_cache), a memcpy of the bytes read by the computing cores."""
-    cfg = ModelConfig(family="llama", name="hand", vocab_size=16, hidden_size=8, num_layers=1, num_heads=2,
-                      num_kv_heads=1, ffn_size=16, max_seq_len=32)
+def test_a_dense_cache_read_off_disk_is_attended_where_it_landed_unless_a_ring():
+    """CPU-only, the hand case's block: a memory tier's cache is attended where it lies, and
+    so is a dense one read off disk (KVCacheSlot.reads_in_place): no compute beyond the
+    memory tiers'. A sliding window's ring read off disk is first copied into the buffers
+    attention reads (the schedule's decode_unpack_cache), a memcpy of the bytes read by the
+    computing cores."""
     flat = DeviceSpeeds({"bfloat16": {1: 1e9}}, attn_prefill_flops=1e9, attn_decode_bytes_per_s=1e9,
                         dequant_elems_per_s=1e9, elementwise_elems_per_s=1e9, op_latency_s=0.0)
-    for memcpy in (1e9, 0.5e9):
-        prof = HardwareProfile(devices={"cpu": flat}, memcpy_bytes_per_s=memcpy, disk_read_bytes_per_s=1e6,
-                               disk_write_bytes_per_s=1e6, disk_read_latency_s=0.0)
-        model = CostModel(cfg, prof, Workload(prompt_len=4, gen_len=3))
-        block = [k for k, (layer, _) in enumerate(model.groups) if layer.kind == "block"][0]
-        caches = {"gpu": Split(1, 0, 0), "cpu": Split(0, 1, 0), "disk": Split(0, 0, 1)}
-        compute = {tier: model.phase_terms(Policy(2, 1, weights=Split(0, 0, 1), cache=cache), "decode")[block]
-                   ["compute"] for tier, cache in caches.items()}
-        assert compute["cpu"] == compute["gpu"]
-        # K and V of 1 KV head x 4 dims x 2 sequences, 2 bytes each, at the mean length 4 + 3/2
-        read = 5.5 * 2 * 2 * 4 * 2
-        assert compute["disk"] - compute["cpu"] == pytest.approx(read / memcpy)
+    for window in (0, 16):  # a window past the cache's length: the same keys, read as a ring
+        cfg = ModelConfig(family="llama", name="hand", vocab_size=16, hidden_size=8, num_layers=1, num_heads=2,
+                          num_kv_heads=1, ffn_size=16, max_seq_len=32, sliding_windows=(window,))
+        for memcpy in (1e9, 0.5e9):
+            prof = HardwareProfile(devices={"cpu": flat}, memcpy_bytes_per_s=memcpy, disk_read_bytes_per_s=1e6,
+                                   disk_write_bytes_per_s=1e6, disk_read_latency_s=0.0)
+            model = CostModel(cfg, prof, Workload(prompt_len=4, gen_len=3))
+            block = [k for k, (layer, _) in enumerate(model.groups) if layer.kind == "block"][0]
+            caches = {"gpu": Split(1, 0, 0), "cpu": Split(0, 1, 0), "disk": Split(0, 0, 1)}
+            compute = {tier: model.phase_terms(Policy(2, 1, weights=Split(0, 0, 1), cache=cache), "decode")[block]
+                       ["compute"] for tier, cache in caches.items()}
+            assert compute["cpu"] == compute["gpu"]
+            # K and V of 1 KV head x 4 dims x 2 sequences, 2 bytes each, at the mean length 4 + 3/2
+            read = 5.5 * 2 * 2 * 4 * 2
+            assert compute["disk"] - compute["cpu"] == pytest.approx(read / memcpy if window else 0.0)
 
 
 def test_disk_overlap_loss_interpolates_between_overlap_and_taking_turns():

@@ -227,10 +227,16 @@ class KiviCacheSlot:
         done = max(0, length - self._earliest_start[tier]) // self.G
         return min(self.held, max(0, done - self.held_out_groups))
 
-    def read(self, tier: str, length: int, values: bool = True) -> KiviStored:
+    def reads_in_place(self, tier: str, device: torch.device) -> bool:
+        """Never: attention reads a KIVI cache dequantized (KVCacheSlot.reads_in_place)."""
+        return False
+
+    def read(self, tier: str, length: int, values: bool = True, room: bool = False) -> KiviStored:
         """The groups held by the tier's units and the residual, as stored, where they live
         (disk: into CPU memory). Values come with the keys whatever `values` says: they share
-        blocks."""
+        blocks. (No room for a new token: unpack() makes it, reads_in_place is False.)"""
+        if room:
+            raise ValueError("a KIVI cache is read compressed and unpacked: it leaves no room for the new token")
         n = self._groups_read(tier, length)
         if tier != "disk":
             if (tier, n) not in self._views:  # views of the storage: still current when it is written

@@ -663,10 +663,12 @@ class BlockSchedule:
         slot, stored = self.slots[layer.index, k], {}
         for tier in TIERS:
             computed, _ = self.step_rows[k].tier_part(*slot.ranges[tier])
-            if computed.start < computed.stop and not slot.in_place(tier, self._attention_device(tier)):
+            where = self._attention_device(tier)
+            if computed.start < computed.stop and not slot.in_place(tier, where):
                 # Sparse attention reads V from disk after scoring, and only the rows it keeps.
                 sparse_disk = tier == "disk" and self.policy.attn_sparsity < 1.0 and slot.values_apart
-                stored[tier] = slot.read(tier, self.length, values=not sparse_disk)
+                stored[tier] = slot.read(tier, self.length, values=not sparse_disk,
+                                         room=slot.reads_in_place(tier, where))
         return stored
 
     def _attention_device(self, tier: str) -> torch.device:

@@ -80,21 +80,23 @@ def bypass_mode() -> str:
 
 
 def read_bytes(path: Path, offset: int, length: int, bypass_page_cache: bool = True,
-               in_flight: int | None = None) -> memoryview:
+               in_flight: int | None = None, room: int = 0) -> memoryview:
     """Bytes [offset, offset + length) of a file, read around the page cache if asked (with up
-    to `in_flight` reads at once; default: set_reads_in_flight's)."""
-    if length == 0:
+    to `in_flight` reads at once; default: set_reads_in_flight's), then `room` bytes more of the
+    same buffer, their contents undefined: space the caller fills itself (a KV cache read
+    leaves a row there for the new token), so that the read needs no copy to grow."""
+    if length + room == 0:
         return memoryview(b"")
-    if bypass_page_cache and hasattr(os, "O_DIRECT"):
+    if bypass_page_cache and hasattr(os, "O_DIRECT") and length:
         try:
-            return _read_direct(path, offset, length, _in_flight if in_flight is None else in_flight)
+            return _read_direct(path, offset, length, _in_flight if in_flight is None else in_flight, room)
         except OSError as e:
             if e.errno != errno.EINVAL:  # EINVAL: the file system refuses O_DIRECT
                 raise
     fd = os.open(path, os.O_RDONLY)
     try:
-        buf = torch.empty(length, dtype=torch.uint8).numpy()
-        got = os.preadv(fd, [buf], offset)
+        buf = torch.empty(length + room, dtype=torch.uint8).numpy()
+        got = os.preadv(fd, [buf[:length]], offset)
         if got != length:
             raise EOFError(f"{path}: short read ({got} of {length} bytes at offset {offset})")
         if bypass_page_cache:
@@ -104,11 +106,11 @@ def read_bytes(path: Path, offset: int, length: int, bypass_page_cache: bool = T
         os.close(fd)
 
 
-def _read_direct(path: Path, offset: int, length: int, in_flight: int) -> memoryview:
+def _read_direct(path: Path, offset: int, length: int, in_flight: int, room: int = 0) -> memoryview:
     start = offset - offset % ALIGN
     end = offset + length
     span = -(-(end - start) // ALIGN) * ALIGN
-    buf = aligned_empty(span).numpy()
+    buf = aligned_empty(max(span, end - start + room)).numpy()
     # pieces of whole pages, at most `in_flight` of them, none smaller than MIN_PIECE
     pieces = max(1, min(in_flight, span // MIN_PIECE))
     step = -(-span // pieces // ALIGN) * ALIGN
@@ -126,7 +128,7 @@ def _read_direct(path: Path, offset: int, length: int, in_flight: int) -> memory
         if a < need and n < min(b, need) - a:  # the file ended before the bytes asked for
             have = a + n - (offset - start)
             raise EOFError(f"{path}: short read ({max(have, 0)} of {length} bytes at offset {offset})")
-    return memoryview(buf)[offset - start:end - start]
+    return memoryview(buf)[offset - start:end - start + room]
 
 
 def _fill(fd: int, buf, file_start: int, a: int, b: int) -> int:

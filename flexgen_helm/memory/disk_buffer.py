@@ -38,15 +38,17 @@ class DiskBuffer:
         data = t.detach().to("cpu").contiguous()
         write_bytes(self.fd, offset, data.view(torch.uint8).numpy(), evict=False)
 
-    def read(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        n = 1
-        for s in shape:
-            n *= s
-        nbytes = n * torch.empty((), dtype=dtype).element_size()
-        if nbytes == 0:
-            return torch.empty(shape, dtype=dtype)
-        data = read_bytes(self.path, offset, nbytes, bypass_page_cache=True)
-        return torch.frombuffer(data, dtype=dtype).view(shape)
+    def read(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype, room_rows: int = 0) -> torch.Tensor:
+        """The tensor of `shape` stored at `offset`, with `room_rows` more rows after it in
+        the same buffer (shape[0] + room_rows rows; theirs undefined) for the caller to fill."""
+        row = torch.empty((), dtype=dtype).element_size()
+        for s in shape[1:]:
+            row *= s
+        nbytes = shape[0] * row
+        if nbytes + room_rows * row == 0:
+            return torch.empty((shape[0] + room_rows, *shape[1:]), dtype=dtype)
+        data = read_bytes(self.path, offset, nbytes, bypass_page_cache=True, room=room_rows * row)
+        return torch.frombuffer(data, dtype=dtype).view(shape[0] + room_rows, *shape[1:])
 
     def close(self) -> None:
         if self.fd is not None:

@@ -587,11 +587,11 @@ class CostModel:
                 b["compute"] += 2 * held * cfg.num_kv_heads * cfg.head_dim / dev.dequant_elems_per_s
         read = nb * t * stored / 2 * (1 + policy.attn_sparsity)
         b["disk_cpu"] += read * c["disk"]
-        if not cuda and not policy.cache_dequantized_per_step:
-            # the part read off disk is copied into the buffers attention reads (a memory tier's
-            # is read in place; a compressed one is dequantized into them, priced below): 0.42-0.53 s
-            # of a 2.1-2.3 s step of OLMoE-1B-7B at block 32 with 68% of its cache on disk
-            # (runs/compare/olmoe-1b-7b-p512-g32/2026-11-29_sustained_profile)
+        if not cuda and not policy.cache_dequantized_per_step and window:
+            # a sliding window's ring, read off disk, is copied into the buffers attention reads;
+            # any other dense part read off disk is attended where the read put it, as a memory
+            # tier's in place (KVCacheSlot.reads_in_place), and a compressed one is dequantized
+            # into them, priced below
             b["compute"] += read * c["disk"] / hw.memcpy_bytes_per_s
         if cuda and not delegated:
             b["cpu_gpu"] += read * (c["cpu"] + c["disk"])
@@ -672,7 +672,13 @@ class CostModel:
         # executor/cache_buffers.batches_per_load). Alive at once: the sets of unpacked buffers
         # (two on a GPU, whose copy lane unpacks the next load while one is in use; one on a
         # CPU, whose compute thread unpacks), and as read, the next load (on a CPU also the
-        # one in use until it is unpacked, after the next one's reads went out)
+        # one in use until it is unpacked, after the next one's reads went out). A dense disk
+        # part that attention reads on the CPU is not unpacked: it is read with its new token's
+        # row (KVCacheSlot.reads_in_place), unless some layer's is a sliding window's ring.
+        on_cpu = not self.hw.is_cuda or policy.cpu_cache_compute
+        disk_in_place = on_cpu and policy.cache_storage is None and not any(self._window(layer)
+                                                                               for layer, _ in self.groups)
+        unpacked_part = moved - (c["disk"] if disk_in_place else 0.0)
         held = max(cache_rows(work.max_len, self._window(layer),
                               held_out_prefix(work.shared_prefix, self._window(layer), policy),
                               rounded_group_rows(policy))
@@ -680,7 +686,7 @@ class CostModel:
         units = gbs * cfg.num_kv_heads
         as_read = kv_nbytes(held, units, cfg.head_dim, self.dtype, policy.cache_storage) * moved
         unpacked = kv_nbytes(held, units, cfg.head_dim, decode_cache_dtype(self.hw.compute_device, self.dtype),
-                             None) * moved
+                             None) * unpacked_part
         on_lane = unpacks_on_lane(self.hw.is_cuda)
         loads_as_read = 1 if on_lane else 2
         loaded_cache = batches_per_load(as_read, nb) * (buffer_sets(on_lane) * unpacked + loads_as_read * as_read)
