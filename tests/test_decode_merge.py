@@ -25,9 +25,9 @@ NEW = 4
                                                        ("tiny_llama", "llama", 1)])
 def test_a_decode_step_multiplies_a_blocks_weights_once(fixture, family, load_bytes, request, tmp_path,
                                                         monkeypatch):
-    """load_bytes: what one cache load may read (1: a load per GPU batch; default: all three)."""
+    """load_bytes: what one cache load may hold (1: a load per GPU batch; default: all three)."""
     if load_bytes is not None:
-        monkeypatch.setattr(cache_buffers, "GROUP_READ_BYTES", load_bytes)
+        monkeypatch.setattr(cache_buffers, "GROUP_LOAD_BYTES", load_bytes)
     path = str(request.getfixturevalue(fixture))
     alone = Engine.load(path, Policy(), dtype="float32", device="cpu", offload_dir=tmp_path / "alone", progress=False)
     want = alone.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True)).results
@@ -73,32 +73,54 @@ def test_a_decode_step_multiplies_a_blocks_weights_once(fixture, family, load_by
     assert head_rows == [2, 2, 2] + [6] * (NEW - 1)
 
 
-def test_a_decode_step_reads_the_next_blocks_cache_while_this_one_attends(tiny_llama, tmp_path, monkeypatch):
-    """The cache on disk: block 1's cache of every GPU batch is read, the batches' reads in
-    flight together, before block 0 attends (a read batch after batch waited its turn each)."""
+def test_a_decode_step_reads_the_next_blocks_cache_beside_this_ones_mlp(tiny_llama, tmp_path, monkeypatch):
+    """The cache on disk, a layer's whole cache one load (a CPU, cache_buffers.load_group):
+    block 1's cache of every GPU batch is read, the batches' reads in flight together, while
+    block 0 computes its MLP, once its attention is done with block 0's load, so that one
+    load is alive at a time (a read batch after batch waited its turn each)."""
     engine = Engine.load(str(tiny_llama), Policy(gpu_batch_size=2, num_gpu_batches=3, cache=Split(0, 0, 1)),
                          dtype="float32", device="cpu", offload_dir=tmp_path, progress=False)
     together = threading.Barrier(3, timeout=10)  # breaks unless the 3 batches' reads run at once
-    block1_read = threading.Event()
+    block1_read = threading.Event()  # set once all three of a step's reads of block 1 are done
+    block1_reads, lock = [], threading.Lock()
     read, attend = BlockSchedule._read_cache, BlockSchedule._attend
+    finish_block = FAMILIES["llama"].finish_block
+    attended = []  # the blocks a decode step attended in, since the last MLP
+    checked = []
 
     def read_cache(self, layer, k):
+        seen = list(attended)  # before any of the three reads can let block 0's MLP go on
         together.wait()
+        if layer.index == 1:  # one load alive: block 0's, released
+            assert seen == [0, 0, 0], "block 1's cache went out before block 0's attention was done with its own"
         out = read(self, layer, k)
         if layer.index == 1:
-            block1_read.set()
+            with lock:
+                block1_reads.append(k)
+                if len(block1_reads) == 3:  # the step's last
+                    block1_reads.clear()
+                    block1_read.set()
         return out
 
     def attend_(self, index, k, q, key, value, cache, prefill, sinks=None):
-        if index == 0 and k == 0 and not prefill:
-            assert block1_read.wait(10), "block 0 attended before block 1's cache was read"
-            block1_read.clear()
+        if not prefill:
+            attended.append(index)
         return attend(self, index, k, q, key, value, cache, prefill, sinks)
+
+    def finish_block_(cfg, w, h, attn):
+        if attended and attended[-1] == 0:
+            assert block1_read.wait(10), "block 0's MLP ran without block 1's cache being read beside it"
+            block1_read.clear()
+            checked.append(True)
+        attended.clear()
+        return finish_block(cfg, w, h, attn)
 
     monkeypatch.setattr(BlockSchedule, "_read_cache", read_cache)
     monkeypatch.setattr(BlockSchedule, "_attend", attend_)
+    monkeypatch.setattr(FAMILIES["llama"], "finish_block", finish_block_)
     run = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
     assert all(len(r.completions[0].token_ids) == NEW for r in run.results)
+    assert len(checked) == NEW - 1  # every decode step
 
 
 def test_a_decode_steps_head_merges_gpu_batches_up_to_its_rows():

@@ -26,21 +26,36 @@ import torch
 
 from flexgen_helm.compression.quantize import Scratch
 
-# What a merged decode step reads off the tiers in one load, at most (unless one GPU batch's
-# cache is more): its batches' reads go out together, since a disk read waits its turn behind
-# the weight lane's large ones (memory/copy_engine.py). Beside a stream of 64 MiB reads on the
-# 2-core EPYC's disk, 4.5 MB reads got 94 MB/s one at a time, 258 two at a time, 353 four at a
-# time; a larger load costs memory (alive at once: on a GPU two loads unpacked and one as read,
-# on a CPU one unpacked and two as read).
-GROUP_READ_BYTES = 32 << 20
+# What one cache load of a merged decode step may hold in memory, at most (unless one GPU
+# batch's load holds more): its reads as read and the buffers they are unpacked into
+# (load_group). Its batches' reads go out together, since a disk read waits its turn behind
+# the weight lane's large ones (memory/copy_engine.py): beside a stream of 64 MiB reads on the
+# 2-core EPYC's disk, 4.5 MB reads got 94 MB/s one at a time, 258 two at a time, 353 four at
+# a time. Larger loads overlap more: a load of a whole layer reads while the layer before
+# computes all of its own, where a load per batch leaves the disk idle between them
+# (OLMoE-1B-7B at a block of 32, two batches of 16 with 68% of their cache on disk, ~48 MB a
+# batch a layer: decode steps of 1,576 against 1,905 ms, runs/bench/disk_cache_in_place/NOTES.md).
+# But the loads' memory is the compute pool's, which bounds the block (OPT-6.7B at 4 x 32 in a
+# 1.5 GiB pool needs 1.61 GiB with loads of 256 MiB). 128 MiB keeps what the cap of 32 MiB read
+# allowed a 16-bit cache unpacked to float32 on a CPU, a load at a time; a cache read in place
+# (nothing unpacked) loads twice as much at once.
+GROUP_LOAD_BYTES = 128 << 20
 
 
-def batches_per_load(batch_read_bytes: float, batches: int) -> int:
-    """GPU batches in one cache load of a merged decode step: as many as GROUP_READ_BYTES holds
-    (at least one, at most all)."""
-    if batch_read_bytes <= 0:
-        return batches
-    return max(1, min(batches, int(GROUP_READ_BYTES // batch_read_bytes)))
+def load_group(as_read: float, unpacked: float, batches: int, on_lane: bool) -> tuple[int, float]:
+    """GPU batches in one cache load of a merged decode step, and the memory its loads hold at
+    once, from what one batch's load of a layer is as read and as unpacked (buffer_sets of
+    buffers; nothing where attention reads it where it landed, kv_cache.KVCacheSlot
+    .reads_in_place). On a CPU a layer loaded whole, if GROUP_LOAD_BYTES holds it, is one load
+    released before the next layer's goes out (the schedule sends that one after the layer's
+    attention, to read beside its MLP). Else each load holds, as read, itself and (on a CPU,
+    in use until the compute thread has unpacked it, after this one's reads went out) the one
+    before; as many batches as GROUP_LOAD_BYTES holds (at least one, at most all)."""
+    if not on_lane and batches * (unpacked + as_read) <= GROUP_LOAD_BYTES:
+        return batches, batches * (unpacked + as_read)
+    per_batch = buffer_sets(on_lane) * unpacked + (1 if on_lane else 2) * as_read
+    n = max(1, min(batches, int(GROUP_LOAD_BYTES // per_batch))) if per_batch > 0 else batches
+    return n, n * per_batch
 
 
 def unpacks_on_lane(is_cuda: bool) -> bool:

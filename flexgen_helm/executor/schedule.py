@@ -17,7 +17,7 @@ the head takes their rows together too, up to 64 a call (working_set.head_calls)
 A one-row GPU batch would otherwise multiply every weight as a matrix-vector product once
 per batch (OPT-6.7B, a block of 16 one-sequence batches on 2 CPU cores: ~12 s of a 19.8 s
 step, runs/compare/NOTES.md); the memory that bounds a GPU batch is the prefill's.
-Such a step loads the batches' caches a group at a time (batches_per_load: up to 32 MB read),
+Such a step loads the batches' caches a group at a time (cache_buffers.load_group),
 the group's reads in flight together, the next group loading while this one attends: read
 batch after batch, each small disk read waited behind the weights' large ones (OPT-6.7B, 9%
 of the cache on disk, 0.8 MB a batch: 9.9 s of a 13.5 s step for 0.4 GB).
@@ -73,7 +73,7 @@ from flexgen_helm.executor.attention import (
     to_units,
     unit_sinks,
 )
-from flexgen_helm.executor.cache_buffers import CacheBuffers, batches_per_load, buffer_sets, unpacks_on_lane
+from flexgen_helm.executor.cache_buffers import CacheBuffers, buffer_sets, load_group, unpacks_on_lane
 from flexgen_helm.executor.expert_weights import load_layer_weights
 from flexgen_helm.executor.held_prefix import HeldPrefix, reads_prefix_as_stored, rounded_prefix
 from flexgen_helm.executor.kivi_cache import KiviCacheSlot
@@ -218,7 +218,7 @@ class BlockSchedule:
         # what decode steps unpack the cache into, reused
         self.buffers = CacheBuffers(buffer_sets(self.unpack_on_lane))
         # a merged decode step's GPU batches per cache load
-        self.load_group = batches_per_load(self._batch_read_bytes(max_len), len(batches))
+        self.load_group = self._load_group(max_len, len(batches))
         self.acts = [ActivationHome(act_rows[0, k], max_len, self.cfg.hidden_size, self.devices, runtime.usage,
                                     workdir / f"act-{k}.bin") for k in range(len(batches))]
         # the columns each GPU batch's prefill computes (the last ones): all, or those after the shared prefix
@@ -647,16 +647,21 @@ class BlockSchedule:
         load.stored = None  # as read: no longer needed
         self.timers["decode_unpack_cache"] += time.perf_counter() - t0
 
-    def _batch_read_bytes(self, max_len: int) -> int:
-        """The most a decode step reads of one GPU batch's cache of a layer off the tiers that
-        attention does not read in place (at the longest its slot holds)."""
-        most = 0
+    def _load_group(self, max_len: int, batches: int) -> int:
+        """GPU batches in one cache load of a decode step (cache_buffers.load_group), from the
+        largest of a batch's loads of a layer: its part off the tiers that attention does not
+        read in place, as read and as unpacked (at the longest its slot holds)."""
+        as_read = unpacked = 0.0
         for (index, _), slot in self.slots.items():
             rows = cache_rows(max_len, self.cfg.window(index), least=rounded_group_rows(self.policy))
             moved = [t for t in TIERS if slot.units[t] and not slot.in_place(t, self._attention_device(t))]
-            most = max(most, sum(kv_nbytes(rows, slot.units[t], self.cfg.head_dim, self.devices.dtype,
-                                           self.policy.cache_storage) for t in moved))
-        return most
+            as_read = max(as_read, sum(kv_nbytes(rows, slot.units[t], self.cfg.head_dim, self.devices.dtype,
+                                                 self.policy.cache_storage) for t in moved))
+            unpacked = max(unpacked, sum(kv_nbytes(rows, slot.units[t], self.cfg.head_dim,
+                                                   decode_cache_dtype(self._attention_device(t), self.devices.dtype),
+                                                   None)
+                                         for t in moved if not slot.reads_in_place(t, self._attention_device(t))))
+        return load_group(as_read, unpacked, batches, self.unpack_on_lane)[0]
 
     def _read_cache(self, layer, k: int) -> dict:
         """Of batch k's cache of this layer, each tier's part that attention reads off its tier, as stored."""
@@ -693,12 +698,15 @@ class BlockSchedule:
         qkv = [x.split(sizes) for x in self.family.qkv(self.cfg, w, h_all, at, layer.index)]
         self._time_compute(t0)
         attn, writes = [], []
+        # A layer loaded whole on a CPU is released before the next layer's load goes out, which
+        # then reads beside this layer's MLP (cache_buffers.load_group: one load alive, not two).
+        whole = not self.unpack_on_lane and self.load_group >= len(live)
         for i, k in enumerate(live):
             if i % self.load_group == 0:  # this group's cache, and the next group's on its way
                 load = self._wait(cache, "load_cache")
                 rest = live[i + self.load_group:]
                 cache = self._submit_group_load(layer, rest[:self.load_group]) if rest else \
-                    self._submit_cache_ahead(following, live, False)
+                    None if whole else self._submit_cache_ahead(following, live, False)
                 kvs = self._unpacked(load)
             t0 = time.perf_counter()
             out, write = self._attend(layer.index, k, *(x[i] for x in qkv), kvs[i % self.load_group], False,
@@ -706,6 +714,9 @@ class BlockSchedule:
             attn.append(out)
             writes.append(write)
             self._time_compute(t0)
+        if whole:
+            del load, kvs
+            cache = self._submit_cache_ahead(following, live, False)
         t0 = time.perf_counter()
         after = self.family.finish_block(self.cfg, w, h_all, torch.cat(attn)).split(sizes)
         outs = [(r.put(h, part), write) for r, h, part, write in zip(rows, hs, after, writes)]

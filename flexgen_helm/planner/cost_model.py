@@ -49,7 +49,7 @@ from flexgen_helm.compression.int8 import LAYOUT as INT8_LAYOUT
 from flexgen_helm.compression.stored import weight_groups, weight_layout
 from flexgen_helm.errors import ProfileFormatError
 from flexgen_helm.executor.attention import decode_cache_dtype
-from flexgen_helm.executor.cache_buffers import batches_per_load, buffer_sets, unpacks_on_lane
+from flexgen_helm.executor.cache_buffers import load_group, unpacks_on_lane
 from flexgen_helm.executor.expert_weights import EXPERTS_IN_FLIGHT, expert_of
 from flexgen_helm.executor.held_prefix import reads_prefix_as_stored, unpacked_nbytes
 from flexgen_helm.executor.kv_cache import (
@@ -669,7 +669,7 @@ class CostModel:
         # a GPU batch's KV cache of one layer read off its tier (the longest a slot holds: a
         # global block's) by a decode step, as read and unpacked where attention reads it; a
         # load is one batch's, or a group of batches' where a step merges them (nb > 1,
-        # executor/cache_buffers.batches_per_load). Alive at once: the sets of unpacked buffers
+        # executor/cache_buffers.load_group). Alive at once: the sets of unpacked buffers
         # (two on a GPU, whose copy lane unpacks the next load while one is in use; one on a
         # CPU, whose compute thread unpacks), and as read, the next load (on a CPU also the
         # one in use until it is unpacked, after the next one's reads went out). A dense disk
@@ -687,9 +687,7 @@ class CostModel:
         as_read = kv_nbytes(held, units, cfg.head_dim, self.dtype, policy.cache_storage) * moved
         unpacked = kv_nbytes(held, units, cfg.head_dim, decode_cache_dtype(self.hw.compute_device, self.dtype),
                              None) * unpacked_part
-        on_lane = unpacks_on_lane(self.hw.is_cuda)
-        loads_as_read = 1 if on_lane else 2
-        loaded_cache = batches_per_load(as_read, nb) * (buffer_sets(on_lane) * unpacked + loads_as_read * as_read)
+        _, loaded_cache = load_group(as_read, unpacked, nb, unpacks_on_lane(self.hw.is_cuda))
         # a held prefix read as stored is unpacked once a layer where attention runs (the longest, a global block's)
         held_prefix = max((held_out_prefix(work.shared_prefix, self._window(layer), policy) or (0, 0))[1]
                           for layer, _ in self.groups)
