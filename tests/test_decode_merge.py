@@ -27,6 +27,7 @@ def test_a_decode_step_multiplies_a_blocks_weights_once(fixture, family, load_by
                                                         monkeypatch):
     """load_bytes: what one cache load may hold (1: a load per GPU batch; default: all three)."""
     if load_bytes is not None:
+        monkeypatch.setattr(cache_buffers, "WHOLE_LAYER_LOAD_BYTES", load_bytes)
         monkeypatch.setattr(cache_buffers, "GROUP_LOAD_BYTES", load_bytes)
     path = str(request.getfixturevalue(fixture))
     alone = Engine.load(path, Policy(), dtype="float32", device="cpu", offload_dir=tmp_path / "alone", progress=False)
@@ -73,54 +74,32 @@ def test_a_decode_step_multiplies_a_blocks_weights_once(fixture, family, load_by
     assert head_rows == [2, 2, 2] + [6] * (NEW - 1)
 
 
-def test_a_decode_step_reads_the_next_blocks_cache_beside_this_ones_mlp(tiny_llama, tmp_path, monkeypatch):
-    """The cache on disk, a layer's whole cache one load (a CPU, cache_buffers.load_group):
-    block 1's cache of every GPU batch is read, the batches' reads in flight together, while
-    block 0 computes its MLP, once its attention is done with block 0's load, so that one
-    load is alive at a time (a read batch after batch waited its turn each)."""
+def test_a_decode_step_reads_the_next_blocks_cache_while_this_one_attends(tiny_llama, tmp_path, monkeypatch):
+    """The cache on disk: block 1's cache of every GPU batch is read, the batches' reads in
+    flight together, before block 0 attends (a read batch after batch waited its turn each)."""
     engine = Engine.load(str(tiny_llama), Policy(gpu_batch_size=2, num_gpu_batches=3, cache=Split(0, 0, 1)),
                          dtype="float32", device="cpu", offload_dir=tmp_path, progress=False)
     together = threading.Barrier(3, timeout=10)  # breaks unless the 3 batches' reads run at once
-    block1_read = threading.Event()  # set once all three of a step's reads of block 1 are done
-    block1_reads, lock = [], threading.Lock()
+    block1_read = threading.Event()
     read, attend = BlockSchedule._read_cache, BlockSchedule._attend
-    finish_block = FAMILIES["llama"].finish_block
-    attended = []  # the blocks a decode step attended in, since the last MLP
-    checked = []
 
     def read_cache(self, layer, k):
-        seen = list(attended)  # before any of the three reads can let block 0's MLP go on
         together.wait()
-        if layer.index == 1:  # one load alive: block 0's, released
-            assert seen == [0, 0, 0], "block 1's cache went out before block 0's attention was done with its own"
         out = read(self, layer, k)
         if layer.index == 1:
-            with lock:
-                block1_reads.append(k)
-                if len(block1_reads) == 3:  # the step's last
-                    block1_reads.clear()
-                    block1_read.set()
+            block1_read.set()
         return out
 
     def attend_(self, index, k, q, key, value, cache, prefill, sinks=None):
-        if not prefill:
-            attended.append(index)
-        return attend(self, index, k, q, key, value, cache, prefill, sinks)
-
-    def finish_block_(cfg, w, h, attn):
-        if attended and attended[-1] == 0:
-            assert block1_read.wait(10), "block 0's MLP ran without block 1's cache being read beside it"
+        if index == 0 and k == 0 and not prefill:
+            assert block1_read.wait(10), "block 0 attended before block 1's cache was read"
             block1_read.clear()
-            checked.append(True)
-        attended.clear()
-        return finish_block(cfg, w, h, attn)
+        return attend(self, index, k, q, key, value, cache, prefill, sinks)
 
     monkeypatch.setattr(BlockSchedule, "_read_cache", read_cache)
     monkeypatch.setattr(BlockSchedule, "_attend", attend_)
-    monkeypatch.setattr(FAMILIES["llama"], "finish_block", finish_block_)
     run = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
     assert all(len(r.completions[0].token_ids) == NEW for r in run.results)
-    assert len(checked) == NEW - 1  # every decode step
 
 
 def test_a_decode_steps_head_merges_gpu_batches_up_to_its_rows():
@@ -137,3 +116,22 @@ def test_a_decode_steps_head_merges_gpu_batches_up_to_its_rows():
         assert n == len(calls) and rows * n - gbs * nb < n  # every row counted, rounded up per call
     assert head_calls([5, 4, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5])[0] == list(range(13))  # 64 rows, thinned
     assert decode_head_rows(5, 13) == 64
+
+
+def test_a_layers_cache_is_one_load_where_it_fits_else_parts_of_it():
+    """cache_buffers.load_group: the memory the loads hold (on a CPU, two loads as read and one
+    set of unpacked buffers; a GPU, one as read and two sets); a whole layer in one load up to
+    WHOLE_LAYER_LOAD_BYTES, else as many batches as GROUP_LOAD_BYTES holds, at least one."""
+    from flexgen_helm.executor.cache_buffers import GROUP_LOAD_BYTES, WHOLE_LAYER_LOAD_BYTES, load_group
+
+    mib = 1 << 20
+    # OLMoE's block of 32 read in place on a CPU: two batches of ~48 MB, nothing unpacked
+    assert load_group(48 * mib, 0, 2, on_lane=False) == (2, 192 * mib)
+    # unpacked to float32 (twice the bytes): the layer is past the whole-layer cap, a batch a load
+    assert load_group(48 * mib, 96 * mib, 2, on_lane=False) == (1, 192 * mib)
+    # 32 batches of 5 MiB on a GPU: 15 MiB each; parts of 8 batches
+    n, held = load_group(5 * mib, 5 * mib, 32, on_lane=True)
+    assert (n, held) == (8, 120 * mib) and held <= GROUP_LOAD_BYTES < 32 * 15 * mib
+    # one batch past every cap still loads; nothing moved holds nothing
+    assert load_group(WHOLE_LAYER_LOAD_BYTES, 0, 3, on_lane=False) == (1, 2 * WHOLE_LAYER_LOAD_BYTES)
+    assert load_group(0, 0, 4, on_lane=False) == (4, 0)

@@ -26,35 +26,34 @@ import torch
 
 from flexgen_helm.compression.quantize import Scratch
 
-# What one cache load of a merged decode step may hold in memory, at most (unless one GPU
-# batch's load holds more): its reads as read and the buffers they are unpacked into
-# (load_group). Its batches' reads go out together, since a disk read waits its turn behind
-# the weight lane's large ones (memory/copy_engine.py): beside a stream of 64 MiB reads on the
-# 2-core EPYC's disk, 4.5 MB reads got 94 MB/s one at a time, 258 two at a time, 353 four at
-# a time. Larger loads overlap more: a load of a whole layer reads while the layer before
-# computes all of its own, where a load per batch leaves the disk idle between them
-# (OLMoE-1B-7B at a block of 32, two batches of 16 with 68% of their cache on disk, ~48 MB a
-# batch a layer: decode steps of 1,576 against 1,905 ms, runs/bench/disk_cache_in_place/NOTES.md).
-# But the loads' memory is the compute pool's, which bounds the block (OPT-6.7B at 4 x 32 in a
-# 1.5 GiB pool needs 1.61 GiB with loads of 256 MiB). 128 MiB keeps what the cap of 32 MiB read
-# allowed a 16-bit cache unpacked to float32 on a CPU, a load at a time; a cache read in place
-# (nothing unpacked) loads twice as much at once.
+# What the cache loads of a merged decode step may hold in memory at once, at most (unless one
+# GPU batch's load holds more): their reads as read and the buffers they are unpacked into
+# (load_group). A load's batches' reads go out together, since a disk read waits its turn
+# behind the weight lane's large ones (memory/copy_engine.py): beside a stream of 64 MiB reads
+# on the 2-core EPYC's disk, 4.5 MB reads got 94 MB/s one at a time, 258 two at a time, 353
+# four at a time. A load of a whole layer reads while the layer before computes all of its
+# own, where a load per batch leaves the disk idle between them: OLMoE-1B-7B at a block of 32
+# (two batches of 16 with 68% of their cache on disk, ~48 MB a batch a layer), decode steps of
+# 1,576 against 1,905 ms (runs/bench/disk_cache_in_place/NOTES.md). So a layer is one load
+# where WHOLE_LAYER_LOAD_BYTES holds it, else loads of a part of it that GROUP_LOAD_BYTES
+# holds: the loads' memory is the compute pool's, which bounds the block (OPT-6.7B at 4 x 32 in
+# a 1.5 GiB pool needed 1.61 GiB with parts of 256 MiB). 128 MiB keeps what the cap of 32 MiB
+# read allowed a 16-bit cache unpacked to float32 on a CPU; a cache read in place (nothing
+# unpacked) loads twice as much at once.
+WHOLE_LAYER_LOAD_BYTES = 256 << 20
 GROUP_LOAD_BYTES = 128 << 20
 
 
 def load_group(as_read: float, unpacked: float, batches: int, on_lane: bool) -> tuple[int, float]:
-    """GPU batches in one cache load of a merged decode step, and the memory its loads hold at
-    once, from what one batch's load of a layer is as read and as unpacked (buffer_sets of
-    buffers; nothing where attention reads it where it landed, kv_cache.KVCacheSlot
-    .reads_in_place). On a CPU a layer loaded whole, if GROUP_LOAD_BYTES holds it, is one load
-    released before the next layer's goes out (the schedule sends that one after the layer's
-    attention, to read beside its MLP). Else each load holds, as read, itself and (on a CPU,
-    in use until the compute thread has unpacked it, after this one's reads went out) the one
-    before; as many batches as GROUP_LOAD_BYTES holds (at least one, at most all)."""
-    if not on_lane and batches * (unpacked + as_read) <= GROUP_LOAD_BYTES:
-        return batches, batches * (unpacked + as_read)
+    """GPU batches in one cache load of a merged decode step, and the memory the loads hold at
+    once, from what one batch's load of a layer is as read and as unpacked (nothing where
+    attention reads it where it landed, kv_cache.KVCacheSlot.reads_in_place). Alive at once:
+    the sets of unpacked buffers (buffer_sets), and as read, the next load (on a CPU also the
+    one in use until the compute thread unpacks it, after the next one's reads went out)."""
     per_batch = buffer_sets(on_lane) * unpacked + (1 if on_lane else 2) * as_read
-    n = max(1, min(batches, int(GROUP_LOAD_BYTES // per_batch))) if per_batch > 0 else batches
+    if per_batch <= 0 or batches * per_batch <= WHOLE_LAYER_LOAD_BYTES:
+        return batches, batches * per_batch
+    n = max(1, min(batches, int(GROUP_LOAD_BYTES // per_batch)))
     return n, n * per_batch
 
 

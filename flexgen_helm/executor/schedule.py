@@ -698,15 +698,12 @@ class BlockSchedule:
         qkv = [x.split(sizes) for x in self.family.qkv(self.cfg, w, h_all, at, layer.index)]
         self._time_compute(t0)
         attn, writes = [], []
-        # A layer loaded whole on a CPU is released before the next layer's load goes out, which
-        # then reads beside this layer's MLP (cache_buffers.load_group: one load alive, not two).
-        whole = not self.unpack_on_lane and self.load_group >= len(live)
         for i, k in enumerate(live):
             if i % self.load_group == 0:  # this group's cache, and the next group's on its way
                 load = self._wait(cache, "load_cache")
                 rest = live[i + self.load_group:]
                 cache = self._submit_group_load(layer, rest[:self.load_group]) if rest else \
-                    None if whole else self._submit_cache_ahead(following, live, False)
+                    self._submit_cache_ahead(following, live, False)
                 kvs = self._unpacked(load)
             t0 = time.perf_counter()
             out, write = self._attend(layer.index, k, *(x[i] for x in qkv), kvs[i % self.load_group], False,
@@ -714,9 +711,6 @@ class BlockSchedule:
             attn.append(out)
             writes.append(write)
             self._time_compute(t0)
-        if whole:
-            del load, kvs
-            cache = self._submit_cache_ahead(following, live, False)
         t0 = time.perf_counter()
         after = self.family.finish_block(self.cfg, w, h_all, torch.cat(attn)).split(sizes)
         outs = [(r.put(h, part), write) for r, h, part, write in zip(rows, hs, after, writes)]
