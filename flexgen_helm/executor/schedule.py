@@ -25,9 +25,10 @@ of the cache on disk, 0.8 MB a batch: 9.9 s of a 13.5 s step for 0.4 GB).
 On a CPU the copy engine's cache lane only reads; the compute thread unpacks a load (copies
 it into the buffers attention reads, dequantizes a compressed one) after it has sent the
 next load's reads out. Unpacked on the lane, the disk idled while the lane converted:
-OPT-1.3B, weights and cache on disk, 0.89 s of a 4.43 s step's 3.93 s cache lane. On a GPU
-the unpack holds the host-to-device copy, which belongs on the lane's stream, so it stays
-there.
+OPT-1.3B, weights and cache on disk, 0.89 s of a 4.43 s step's 3.93 s cache lane. A dense
+cache read off disk needs no unpacking at all: its read leaves a row for the new token and
+attention reads it in place (KVCacheSlot.reads_in_place). On a GPU the unpack holds the
+host-to-device copy, which belongs on the lane's stream, so it stays there.
 
 `timers` (seconds): "compute" and "wait_*" (time the compute thread waited for a load)
 over the whole run, plus per stage "{prefill,decode}_{compute,load_weight,load_cache,
