@@ -34,7 +34,7 @@ from flexgen_helm.compression.quantize import Scratch
 # four at a time. A load of a whole layer reads while the layer before computes all of its
 # own, where a load per batch leaves the disk idle between them: OLMoE-1B-7B at a block of 32
 # (two batches of 16 with 68% of their cache on disk, ~48 MB a batch a layer), decode steps of
-# 1,576 against 1,905 ms (runs/bench/disk_cache_in_place/NOTES.md). So a layer is one load
+# 1,750 against 2,179 ms (runs/bench/disk_cache_in_place/NOTES.md). So a layer is one load
 # where WHOLE_LAYER_LOAD_BYTES holds it, else loads of a part of it that GROUP_LOAD_BYTES
 # holds: the loads' memory is the compute pool's, which bounds the block (OPT-6.7B at 4 x 32 in
 # a 1.5 GiB pool needed 1.61 GiB with parts of 256 MiB). 128 MiB keeps what the cap of 32 MiB
