@@ -60,12 +60,16 @@ def bandwidth(tmp_path_factory):
     return measure_read_bandwidth(tmp_path_factory.mktemp("bw"), nbytes=64 << 20, repeats=1)
 
 
-def test_harness_rows(tmp_path, bandwidth, profile_path, monkeypatch):
-    # the machine multiplies at half its profiled speed just before each row
-    monkeypatch.setattr(run, "matmul_flops_now", lambda profile: (100e9, 200e9))
+@pytest.mark.parametrize("speed_check", [True, False])
+def test_harness_rows(tmp_path, bandwidth, profile_path, monkeypatch, speed_check):
+    def half_speed(profile):  # the machine multiplies at half its profiled speed just before each row
+        assert speed_check, "the speed was checked without --speed-check"
+        return 100e9, 200e9
+
+    monkeypatch.setattr(run, "matmul_flops_now", half_speed)
     rows, ablations, commands = run_compare(TINY, tmp_path / "out", warmup=0, timeout_s=300,
                                             systems=("ours-deepspeed-policy", "hf-accelerate"), bandwidth=bandwidth,
-                                            ablations=False, profile_path=profile_path)
+                                            ablations=False, profile_path=profile_path, speed_check=speed_check)
     assert [r["system"] for r in rows] == ["ours-deepspeed-policy", "hf-accelerate"] and ablations == []
     assert len(commands) == 2 and "flexgen_helm.tools.compare.accelerate_offload" in commands[1]
     for r in rows:
@@ -77,12 +81,13 @@ def test_harness_rows(tmp_path, bandwidth, profile_path, monkeypatch):
     ours, acc = rows
     assert ours["predicted_tok_s"] > 0 and acc["predicted_tok_s"] is None  # the cost model predicts ours only
     # predicted with the disk speed this run measured (the bandwidth it was given), not the saved one,
-    # and the compute terms twice the profile's: the speed measured before the row
+    # and with the speed check the compute terms twice the profile's: the speed measured before the row
     policy_file = tmp_path / "out" / TINY.name / "ours-deepspeed-policy.policy.json"
     policy = Policy.from_dict(json.loads(policy_file.read_text()))
     profile = with_measured_disk(load_or_profile(profile_path), bandwidth)
-    profile = replace(profile, time_scale={"prefill.compute": 2.0, "decode.compute": 2.0})
-    assert ours["compute_time_scale"] == 2.0
+    if speed_check:
+        profile = replace(profile, time_scale={"prefill.compute": 2.0, "decode.compute": 2.0})
+    assert ours["compute_time_scale"] == (2.0 if speed_check else None)
     model = CostModel(resolve(TINY.model, dummy=True).config, profile, Workload(TINY.prompt_len, TINY.gen_len),
                       torch.bfloat16)
     assert ours["predicted_tok_s"] == round(model.estimate(policy).throughput, 4)

@@ -16,6 +16,10 @@ def add_command(sub) -> None:
     k.add_argument("--no-ablations", action="store_true",
                    help="skip the ablation table (no overlap, no CPU compute, row by row, no policy search)")
     k.add_argument("--profile", help="hardware profile JSON (default: the saved one; profiled when missing)")
+    k.add_argument("--speed-check", action="store_true",
+                   help="plan and predict each row with the profile's compute terms scaled by a few seconds' "
+                        "matmul speed check just before it (for a machine whose speed drifts slowly; on a shared "
+                        "host that swings within minutes it misleads)")
     k.add_argument("--warmup", type=int, default=0, help="untimed runs before each timed one (bench --warmup)")
     k.add_argument("--timeout", type=int, default=3600, help="seconds allowed to each system's run")
     k.add_argument("--out", default="runs/compare")

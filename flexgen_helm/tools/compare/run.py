@@ -151,9 +151,12 @@ def with_compute_speed_now(profile: HardwareProfile) -> HardwareProfile:
     for the search and each row's prediction, as with_measured_disk does for the disk. Both
     rates are sustained (the profile's over each of its measurements, this one over
     SPEED_CHECK_SECONDS); a shared VM's CPU runs slower at times of the day, and the
-    predictions would then read its morning speed as the afternoon's. On the 2-core Xeon the
-    check helped one row of four and hurt three (runs/compare/olmoe-1b-7b-p512-g32/
-    2026-11-29_sustained_profile/NOTES.md): there a few seconds do not tell the next minute."""
+    predictions would then read its morning speed as the afternoon's. Only with --speed-check:
+    on the 2-core Xeon the check helped one row of four and hurt three (runs/compare/olmoe-1b-7b-
+    p512-g32/2026-11-29_sustained_profile/NOTES.md), and since then its scale swung from 0.42 to
+    2.41 between rows whose prefill the profile alone predicted within 3-13%
+    (runs/compare/olmoe-1b-7b-p512-g32/2026-11-29_late/NOTES.md): there a few seconds do not
+    tell the next minute."""
     now, profiled = matmul_flops_now(profile)
     scale = profiled / now
     time_scale = dict(profile.time_scale)
@@ -184,16 +187,18 @@ def row_context(setup: Setup, record: dict, policy: Policy | None, profile: Hard
 
 
 def run_compare(setup: Setup, out: Path, warmup: int, timeout_s: int, systems: tuple[str, ...] = DEFAULT_SYSTEMS,
-                bandwidth: dict | None = None, ablations: bool = True, profile_path: str | None = None
-                ) -> tuple[list[dict], list[dict], list[str]]:
+                bandwidth: dict | None = None, ablations: bool = True, profile_path: str | None = None,
+                speed_check: bool = False) -> tuple[list[dict], list[dict], list[str]]:
     """Rows of `setup` and of its ablations (JSON per run under out/<setup.name>/) and the
-    commands that ran."""
+    commands that ran. speed_check: plan and predict each row with the compute terms scaled by
+    a speed check just before (with_compute_speed_now); else with the profile's as measured."""
     if any(s.startswith("flexgen-reference") for s in systems) and setup.name not in PUBLISHED:
         raise FlexGenError(f"{setup.name}: the FlexGen reference rows need a GPU setup with a policy FlexGen "
                            f"publishes ({', '.join(PUBLISHED)})")
     bandwidth = bandwidth or measure_read_bandwidth(offload_dir(setup))
     measured_disk = with_measured_disk(load_or_profile(profile_path, offload_dir=str(offload_dir(setup))), bandwidth)
-    profile = with_compute_speed_now(measured_disk)
+    speed_now = with_compute_speed_now if speed_check else (lambda p: p)
+    profile = speed_now(measured_disk)
     ours, extra, best = plan_ours(setup, systems, ablations, profile)  # fails here, before any run
     folder = out / setup.name
     folder.mkdir(parents=True, exist_ok=True)
@@ -219,7 +224,7 @@ def run_compare(setup: Setup, out: Path, warmup: int, timeout_s: int, systems: t
         else:
             path = folder / f"{system}.json"
             argv = ["-m", "flexgen_helm", *bench_flags(setup, policy, offload_dir(setup), label, path, warmup)]
-        row_profile = with_compute_speed_now(measured_disk)  # as fast as the machine is just before this row
+        row_profile = speed_now(measured_disk)  # (with the check: as fast as the machine is just before this row)
         record, load = run(argv, path)
         record.setdefault("label", label)
         return table.row(setup.name, system, record, row_context(setup, record, policy, row_profile, bandwidth, load))
@@ -284,9 +289,9 @@ def notes(setup_names: list[str], bandwidth: dict | None, extra: list[str]) -> l
         "pct_of_roofline = measured / roofline throughput. predicted_tok_s: the cost model's prediction "
         "for the policy that ran, from this machine's hardware profile with the disk read speeds measured at the "
         "run's start (above), which the search planned with too, and its compute terms scaled by "
-        "compute_time_scale: the profile's matmul rate over the one sustained for a few seconds just before "
-        "the row, times any refit's (planner/hardware_profile.matmul_flops_now; > 1: the machine multiplies "
-        "slower than when profiled). "
+        "compute_time_scale (empty: none): any refit's scale, times, with --speed-check, the profile's matmul "
+        "rate over the one sustained for a few seconds just before the row "
+        "(planner/hardware_profile.matmul_flops_now; > 1: the machine multiplies slower than when profiled). "
         "The roofline keeps the profile's rates: what the hardware sustained when profiled (each rate the mean "
         "call of its measurement, not its fastest: a shared host's fastest call can be 2.4x what it sustains, "
         "runs/bench/matmul_sustained).",
@@ -320,7 +325,7 @@ def main(args) -> int:
     for s in setups:
         rows, ablation_rows, cmds = run_compare(s, out, args.warmup, args.timeout, tuple(args.systems),
                                                 bandwidth=bandwidth, ablations=not args.no_ablations,
-                                                profile_path=args.profile)
+                                                profile_path=args.profile, speed_check=args.speed_check)
         table.write(out / s.name, rows, f"{s.name}: ours vs Hugging Face accelerate",
                     notes([s.name], bandwidth, []), [commands[0], *cmds])
         if ablation_rows:
