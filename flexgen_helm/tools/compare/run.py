@@ -154,9 +154,9 @@ def with_compute_speed_now(profile: HardwareProfile) -> HardwareProfile:
     predictions would then read its morning speed as the afternoon's. Only with --speed-check:
     on the 2-core Xeon the check helped one row of four and hurt three (runs/compare/olmoe-1b-7b-
     p512-g32/2026-11-29_sustained_profile/NOTES.md), and since then its scale swung from 0.42 to
-    2.41 between rows whose prefill the profile alone predicted within 3-13%
-    (runs/compare/olmoe-1b-7b-p512-g32/2026-11-29_late/NOTES.md): there a few seconds do not
-    tell the next minute."""
+    2.41 between rows whose throughput the profile alone predicted within 7-16% (with the
+    check: 2.23x and 0.54x; runs/compare/olmoe-1b-7b-p512-g32/2026-11-29_late/NOTES.md): there
+    a few seconds do not tell the next minute."""
     now, profiled = matmul_flops_now(profile)
     scale = profiled / now
     time_scale = dict(profile.time_scale)
