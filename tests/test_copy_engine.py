@@ -123,7 +123,7 @@ def test_copies_on_streams_need_overlap_on_a_gpu():
 def test_an_unknown_way_of_copying_on_a_gpu_is_refused_by_name(tiny_llama, monkeypatch):
     monkeypatch.setenv("FLEXGEN_HELM_CUDA_COPIES", "fibers")
     engine = Engine.load(str(tiny_llama), policy=Policy(), **CPU32)
-    with pytest.raises(ValueError, match="FLEXGEN_HELM_CUDA_COPIES='fibers': expected one of threads, streams"):
+    with pytest.raises(ValueError, match="FLEXGEN_HELM_CUDA_COPIES='fibers': expected one of streams, threads"):
         engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
 
 
@@ -136,7 +136,7 @@ def test_an_unknown_way_of_copying_on_a_gpu_is_refused_by_name(tiny_llama, monke
     Policy(gpu_batch_size=3, num_gpu_batches=2, cache=Split(0.5, 0.5, 0), compress_cache=Compression(4, 4)),
 ], ids=["split", "sparse", "compressed-cache"])
 def test_copies_on_streams_give_the_threads_tokens_and_logprobs(tiny_llama, tmp_path, monkeypatch, policy):
-    """FLEXGEN_HELM_CUDA_COPIES=streams (memory/copy_engine.py): the same greedy tokens and
+    """FLEXGEN_HELM_CUDA_COPIES=streams (memory/copy_engine.py, the default): the same greedy tokens and
     float32 log-probs as the worker threads' copies, where a step's loads and stores of
     weights, cache and hidden states in RAM interleave with its compute."""
     prompts = [[5 + (i * 7 + j) % 200 for j in range(6 + i)] for i in range(policy.block_size)]
@@ -149,3 +149,29 @@ def test_copies_on_streams_give_the_threads_tokens_and_logprobs(tiny_llama, tmp_
     for a, b in zip(runs["threads"], runs["streams"], strict=True):
         assert a.completions[0].token_ids == b.completions[0].token_ids
         assert a.completions[0].logprobs == b.completions[0].logprobs
+
+
+@pytest.mark.parametrize("way", ["streams", "threads"])
+@pytest.mark.parametrize("weights,overlap", [(Split(0, 1, 0), True), (Split(0, 0.5, 0.5), True),
+                                             (Split(0, 1, 0), False)], ids=["ram", "disk", "no-overlap"])
+def test_the_cost_model_charges_the_copy_threads_hand_offs_where_the_schedule_uses_them(monkeypatch, way, weights,
+                                                                                         overlap):
+    """A GPU's layer costs TRANSFERS_PER_LAYER_BATCH hand-offs to the copy threads where its
+    transfers run on them (executor/transfer_ways.py): with anything on disk, or with
+    FLEXGEN_HELM_CUDA_COPIES=threads; not on streams (the default) nor with overlap off."""
+    from dataclasses import replace
+
+    from test_policy_search import OPT13, gpu_profile
+
+    from flexgen_helm.planner.cost_model import TRANSFERS_PER_LAYER_BATCH, CostModel, Workload
+
+    monkeypatch.setenv("FLEXGEN_HELM_CUDA_COPIES", way)
+    hw = gpu_profile()
+    fixed = {"per_layer_batch": 1e-4, "per_step": 1e-3}
+    hw.devices["cuda"] = replace(hw.compute, copy_handoff_s=1e-4, fixed_costs={"opt": {"decode": fixed}})
+    model = CostModel(OPT13, hw, Workload(512, 32))
+    block = next(layer for layer, _ in model.groups if layer.kind == "block")
+    policy = Policy(gpu_batch_size=4, num_gpu_batches=2, weights=weights, overlap=overlap)
+    threaded = overlap and (way == "threads" or weights.disk > 0)
+    assert model._fixed_per_layer_batch(block, policy, "decode") == pytest.approx(
+        1e-4 + (TRANSFERS_PER_LAYER_BATCH * 1e-4 if threaded else 0.0))

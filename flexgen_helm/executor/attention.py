@@ -13,6 +13,7 @@ from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flexgen_helm.errors import PolicyError
 from flexgen_helm.memory.devices import cpu_has_bf16_arithmetic
@@ -274,7 +275,7 @@ def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_vali
     allowed = _allowed(key_valid, torch.arange(t - q_len, t, device=q.device), causal, window)
     # the r query heads of a unit share its keys: fold them into the query axis
     mask = allowed[:, None].expand(u, r, q_len, t).reshape(u, 1, r * q_len, t)
-    out = F.scaled_dot_product_attention(q_.reshape(u, 1, r * q_len, d), k_, v_, attn_mask=mask)
+    out = _fused(q_.reshape(u, 1, r * q_len, d), k_, v_, attn_mask=mask)
     return out.reshape(u, r, q_len, d).to(q.dtype)
 
 
@@ -295,8 +296,23 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, windo
         qpos = torch.arange(t - s, t, device=q.device)[:, None]
         kpos = torch.arange(t, device=q.device)[None, :]
         near = (kpos <= qpos) & (kpos > qpos - window)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=near)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return _fused(q, k, v, attn_mask=near)
+    return _fused(q, k, v, is_causal=causal)
+
+
+# cuDNN's kernel is left out on a GPU: torch picks it first on an H100/H200, and there each call
+# took 2.6 ms of the host's time for 30 us of the GPU's (OPT-6.7B, 16 sequences, a decode step:
+# 166 of its 256 ms; runs/gpu/h200-2026-11-29/README.md). Why so much was not pinned down (cuDNN
+# builds a graph for each shape it meets, and a decode step's key length is new at every step).
+_GPU_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """torch's scaled_dot_product_attention, on a GPU without cuDNN's kernel (above)."""
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    with sdpa_kernel(_GPU_SDPA_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
 # _causal_rows: queries a block, and the scores a call holds (16 MiB in bf16, twice over with

@@ -88,8 +88,9 @@ from flexgen_helm.executor.kv_cache import (
 )
 from flexgen_helm.executor.shared_prefix import PrefixLayer, SharedPrefix
 from flexgen_helm.executor.step_rows import StepRows, units_of
+from flexgen_helm.executor.transfer_ways import anything_to_overlap, copies_on_streams
 from flexgen_helm.executor.working_set import decode_head_rows, dense_weight_numel, head_calls, kept_freed_bytes
-from flexgen_helm.memory.copy_engine import CopyEngine, consume, cuda_copies
+from flexgen_helm.memory.copy_engine import CopyEngine, consume
 from flexgen_helm.memory.disk_buffer import OFFLOAD_ADVICE
 from flexgen_helm.memory.disk_space import check_free_space
 from flexgen_helm.memory.host_allocator import freed_beyond, hand_back_freed_memory
@@ -162,9 +163,9 @@ class BlockSchedule:
         self.batches = batches
         self.devices = runtime.devices
         self.timers = defaultdict(float)
-        overlap = policy.overlap and self._anything_to_overlap()
-        self.io = CopyEngine(overlap, self.devices.compute, self.timers,
-                             on_streams=self._copies_on_streams() and overlap)  # (a bad setting fails on any device)
+        overlap = policy.overlap and anything_to_overlap(policy, self.devices.is_cuda)
+        on_streams = copies_on_streams(policy, self.cfg, self.devices.is_cuda)  # (a bad setting fails on any device)
+        self.io = CopyEngine(overlap, self.devices.compute, self.timers, on_streams=on_streams and overlap)
         self.length = 0  # positions in the cache so far
         # the block's prompt columns; GPU batch k's own start at prompt_start[k] (shorter
         # batches skip the columns before, which no row of theirs sees)
@@ -318,31 +319,6 @@ class BlockSchedule:
                            compression=cfg, window=window, held_out=self._held_out(index, k),
                            rounding=self.policy.compress_cache if self.policy.rounds_cache_writes else None,
                            starts=self.unit_starts[k])
-
-    def _anything_to_overlap(self) -> bool:
-        """Transfers overlap compute only where another engine does them: a GPU's copy engine,
-        or the disk. On a CPU-only machine with nothing on disk every transfer is a memcpy by
-        the cores that compute, and a copy thread only competes with them: SmolLM2-135M, 64 x
-        100 tokens + 8 generated, bfloat16, 2 cores: 2.95 s with the thread, 2.25 s inline
-        (decode 1.16 -> 0.69 s)."""
-        return self.devices.is_cuda or self._anything_on_disk()
-
-    def _anything_on_disk(self) -> bool:
-        p = self.policy
-        return any(split.disk > 0 for split in (p.weights, p.cache, p.activations))
-
-    def _copies_on_streams(self) -> bool:
-        """Whether a GPU's transfers go on the lanes' streams from this thread, not through
-        worker threads (memory/copy_engine.py: FLEXGEN_HELM_CUDA_COPIES=streams). Not with
-        anything on disk, whose reads block the thread that makes them; nor where the host
-        itself reads the cache a lane stored in RAM, which a worker's wait for each copy
-        orders after the stores: CPU delegation's attention in place, and, on the cpu tier,
-        a sliding window's ring gathered and KIVI's groups regrouped."""
-        cc = self.policy.compress_cache
-        host_reads_ram = self.policy.cpu_cache_compute or self.policy.cache.cpu > 0 and (
-            (cc is not None and cc.kivi) or any(self.cfg.window(i) for i in range(self.cfg.num_layers)))
-        return (cuda_copies() == "streams" and self.devices.is_cuda and not self._anything_on_disk()
-                and not host_reads_ram)
 
     # ---- one token step over the whole block -------------------------------------------
 

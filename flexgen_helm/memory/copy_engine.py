@@ -21,19 +21,20 @@ Each transfer may name its `kind` (e.g. "decode_load_cache"): its run time is ad
 `timers[kind]`, which with overlap off gives the paper's runtime breakdown (Table 23).
 Each key is written by one thread only (the worker, or the caller when inline).
 
-On a GPU, with nothing on disk, the copies may instead go on the lanes' streams from the
-caller's own thread (`on_streams`, FlexGen's own way; FLEXGEN_HELM_CUDA_COPIES=streams): no
+On a GPU, with nothing on disk, the copies go instead on the lanes' streams from the caller's
+own thread (`on_streams`, FlexGen's own way; FLEXGEN_HELM_CUDA_COPIES=streams, the default): no
 worker thread and no wait on the host. Each transfer's stream waits on the GPU for what
 compute made before it, and compute waits on the GPU for what a load brought (the host
-waits only for data it reads itself, in RAM). Why: on an H200 the step was bound by the
-host, and overlap on ran at 0.67x of off (runs/gpu/h200-2026-11-28/README.md, section 2).
-There, each transfer's hand-off to a worker, and the worker's wait for its copy, held up
-the thread that queues the GPU's work. A disk read blocks the thread that makes it, so with
-anything on disk the worker threads stay; so they do where the host itself reads what a
-lane stored in RAM (BlockSchedule._copies_on_streams). Here the timers hold the host's time
-to issue a transfer, not the copy's. Streams are always the compute device's own
-(`current_stream(device)`), whichever device is the thread's current one (a pipeline stage's
-cuda:N).
+waits only for data it reads itself, in RAM). Why: a GPU's step is bound by the host, and the
+worker threads held up the thread that queues the GPU's work (each transfer's hand-off, and
+the worker's wait for its copy). On an H200, OPT-1.3B from RAM: overlap with threads ran at
+0.67x and 0.91x of overlap off, with streams at 1.32x (runs/gpu/h200-2026-11-28/README.md,
+section 2; runs/gpu/h200-2026-11-29/README.md). A disk read blocks the thread that makes it,
+so with anything on disk the worker threads stay; so they do where the host itself reads what
+a lane stored in RAM (executor/transfer_ways.py). FLEXGEN_HELM_CUDA_COPIES=threads puts
+every GPU's copies on the workers. Here the timers hold the host's time to issue a transfer,
+not the copy's. Streams are always the compute device's own (`current_stream(device)`),
+whichever device is the thread's current one (a pipeline stage's cuda:N).
 """
 
 from __future__ import annotations
@@ -75,13 +76,13 @@ class _OnStream:
 
 LANES = ("batches", "weights")
 READS_AT_ONCE = 16  # the most reads fan_out has in flight (the measurement above)
-CUDA_COPY_WAYS = ("threads", "streams")
+CUDA_COPY_WAYS = ("streams", "threads")
 
 
 def cuda_copies() -> str:
     """How a GPU's transfers overlap compute where nothing is on disk (module doc):
-    FLEXGEN_HELM_CUDA_COPIES, "threads" (the default) or "streams"."""
-    way = os.environ.get("FLEXGEN_HELM_CUDA_COPIES", "threads")
+    FLEXGEN_HELM_CUDA_COPIES, "streams" (the default) or "threads"."""
+    way = os.environ.get("FLEXGEN_HELM_CUDA_COPIES", "streams")
     if way not in CUDA_COPY_WAYS:
         raise ValueError(f"FLEXGEN_HELM_CUDA_COPIES={way!r}: expected one of {', '.join(CUDA_COPY_WAYS)}")
     return way

@@ -59,6 +59,7 @@ from flexgen_helm.executor.kv_cache import (
     kv_nbytes_per_position,
     rounded_group_rows,
 )
+from flexgen_helm.executor.transfer_ways import transfers_on_threads
 from flexgen_helm.executor.working_set import (
     batch_working_bytes,
     decode_head_rows,
@@ -484,14 +485,14 @@ class CostModel:
     def _fixed_per_layer_batch(self, layer: LayerSpec, policy: Policy, phase: str) -> float:
         """What one layer costs one GPU batch besides its arithmetic and data: the profiled fixed
         cost (planner/overhead_profile.py), plus the copy thread's hand-offs when the schedule
-        runs transfers on it (executor/schedule.py: on a GPU, or with anything on disk). A
-        hand-made profile without fixed costs counts the layer's ops at the tiny-op latency."""
+        runs transfers on it (executor/transfer_ways.py: with anything on disk, or on a GPU
+        where its copies do not go on streams). A hand-made profile without fixed costs counts
+        the layer's ops at the tiny-op latency."""
         dev = self.hw.compute
         fixed = dev.fixed_costs.get(self.cfg.family, {}).get(phase)
         if fixed is None:
             return (OPS_PER_BLOCK if layer.kind == "block" else OPS_PER_OTHER_LAYER) * dev.op_latency_s
-        threaded = policy.overlap and (self.hw.is_cuda or any(
-            split.disk > 0 for split in (policy.weights, policy.cache, policy.activations)))
+        threaded = transfers_on_threads(policy, self.cfg, self.hw.is_cuda)
         return fixed["per_layer_batch"] + (TRANSFERS_PER_LAYER_BATCH * dev.copy_handoff_s if threaded else 0.0)
 
     def _per_expert_s(self, phase: str) -> float:

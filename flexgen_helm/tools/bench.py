@@ -146,7 +146,7 @@ def run_bench(args, policy: Policy) -> dict:
         "breakdown": breakdown(stats.timers),
         "breakdown_clock": breakdown_clock(devices, args.breakdown),
         # FLEXGEN_HELM_CUDA_COPIES as set (memory/copy_engine.py): copies on streams apply only
-        # where BlockSchedule._copies_on_streams allows them (nothing on disk, no host reads of RAM)
+        # where executor/transfer_ways.copies_on_streams allows them (nothing on disk, no host reads of RAM)
         "cuda_copies_setting": cuda_copies() if devices.is_cuda else None,
         "hardware": machine_info(),
         "load_average_before": load_before,

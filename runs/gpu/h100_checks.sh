@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Issue 51's steps in one call on a lent GPU (device tool; $OUT comes back), each stage
 # capped so the whole ends inside the call's limit and a failing stage never stops the next.
-# What the first call on an H100 and the second on an H200 found, and why this call runs what it
-# runs: runs/gpu/h100-2026-11-26/README.md, runs/gpu/h200-2026-11-28/README.md.
-#   1. the tests that failed there (fixed since) and the policy-invariance tests, on the GPU,
-#      with the copy engine's worker threads and with its copies on streams (FLEXGEN_HELM_CUDA_COPIES)
+# What the calls on an H100 and on H200s found, and why this call runs what it runs:
+# runs/gpu/h100-2026-11-26/README.md, runs/gpu/h200-2026-11-28/README.md, runs/gpu/h200-2026-11-29/README.md.
+#   1. the GPU tests (attention without cuDNN's kernel, the copy engine, the quantizer) and the
+#      policy-invariance tests, with the copies on streams (the default) and on worker threads
 #   2. a profile of the machine
-#   3. overlap on (threads; streams) vs off, and traces of decode steps (runs/gpu/decode_trace.py)
-#   4. `flexgen-helm compare` of the paper's setting, copies on streams
+#   3. overlap on (streams; threads) vs off, then a trace of the searched OPT-6.7B policy's decode
+#      step (runs/gpu/decode_trace.py), whose attention held 166 of 256 ms on the last H200
+#   4. `flexgen-helm compare` of the paper's setting: ours searched and with the DeepSpeed-style
+#      policy, FlexGen's own code, ours with 4-bit weights
 # Run from the repository root: bash runs/gpu/h100_checks.sh  (BUDGET_S: seconds for all of it)
 # The GPU image lacks gguf and flexgen: carry them as wheels in .whl/ (git-ignored; the device
 # tool's `carry: [".whl"]`), fetched here first with
@@ -52,35 +54,31 @@ trap finish EXIT
   cat /proc/loadavg; } > "$RES/env.txt" 2>&1
 cat "$RES/env.txt" | tee "$RES/summary.txt"
 
-# 1. tests on the GPU: the planner's prefix copy under delegation (failed on the H200, fixed
-# since), the policy-invariance tests, the quantizer on CUDA, the copy engine (copies on
-# streams against threads); then the policy tests again with copies on streams
-stage pytest_cuda 70 python3 -m pytest -q -p no:cacheprovider --timeout 60 --device $DEV \
-  tests/test_policies.py tests/test_copy_engine.py tests/test_compression.py::test_cuda_matches_cpu \
-  tests/test_int4.py::test_cuda_kernel_equals_dequantize_then_matmul
-stage pytest_cuda_streams 50 env FLEXGEN_HELM_CUDA_COPIES=streams python3 -m pytest -q -p no:cacheprovider \
+# 1. tests on the GPU: attention keeps off cuDNN's kernel, the policy-invariance tests, the
+# copy engine, the quantizer on CUDA; then the policy tests again with the copies on threads
+stage pytest_cuda 80 python3 -m pytest -q -p no:cacheprovider --timeout 60 --device $DEV \
+  tests/test_attention_on_gpu.py tests/test_policies.py tests/test_copy_engine.py \
+  tests/test_compression.py::test_cuda_matches_cpu tests/test_int4.py::test_cuda_kernel_equals_dequantize_then_matmul
+stage pytest_cuda_threads 50 env FLEXGEN_HELM_CUDA_COPIES=threads python3 -m pytest -q -p no:cacheprovider \
   --timeout 60 --device $DEV tests/test_policies.py
 
 # 2. the profile (saved where every later command reads it: $FLEXGEN_HELM_CACHE/hardware.json)
 stage profile 40 python3 -m flexgen_helm profile --device $DEV --dtype float16
 cp "$FLEXGEN_HELM_CACHE/hardware.json" "$RES/profile.json"
 
-# 3. overlap on (worker threads; copies on streams) vs off: OPT-1.3B from RAM, as on the H100 and
-# H200 (on with threads ran at 0.86x and 0.67x of off there); then traces of a decode step
-# (runs/gpu/decode_trace.py: where the host's time goes) with threads and with streams
+# 3. overlap on (copies on streams, the default; worker threads) vs off: OPT-1.3B from RAM, as on
+# the H100 and H200s (on the last H200: 927, 641 and 702 tok/s with cuDNN's attention)
 B="--model facebook/opt-1.3b --dummy --device $DEV --dtype float16 --prompt-len 512 --gen-len 32 --gpu-batch-size 32 --num-gpu-batches 4 --warmup 1 --quiet --percent 0 100 100 0 100 0"
-stage overlap_ram_threads 30 python3 -m flexgen_helm bench $B --label "weights in RAM, overlap, threads" --json "$RES/overlap_ram_threads.json"
-stage overlap_ram_streams 30 env FLEXGEN_HELM_CUDA_COPIES=streams python3 -m flexgen_helm bench $B --label "weights in RAM, overlap, streams" --json "$RES/overlap_ram_streams.json"
+stage overlap_ram_streams 30 python3 -m flexgen_helm bench $B --label "weights in RAM, overlap, streams" --json "$RES/overlap_ram_streams.json"
+stage overlap_ram_threads 30 env FLEXGEN_HELM_CUDA_COPIES=threads python3 -m flexgen_helm bench $B --label "weights in RAM, overlap, threads" --json "$RES/overlap_ram_threads.json"
 stage overlap_ram_off 30 python3 -m flexgen_helm bench $B --no-overlap --label "weights in RAM, no overlap" --json "$RES/overlap_ram_off.json"
-T="python3 runs/gpu/decode_trace.py --model facebook/opt-1.3b --dummy --device $DEV --dtype float16 --prompt-len 512 --out $RES/trace"
-R='{"weights": {"gpu": 0, "cpu": 1, "disk": 0}, "gpu_batch_size": 32, "num_gpu_batches": 4}'
-stage trace_threads 45 $T --label ram_overlap_threads --policy "$R"
-stage trace_streams 45 env FLEXGEN_HELM_CUDA_COPIES=streams $T --label ram_overlap_streams --policy "$R"
 
-# 4. the paper's setting (OPT-6.7B, 16 GiB of GPU, 512 / 32), copies on streams: ours with the
-# DeepSpeed-style policy (111.0 tok/s with threads on the H200) and --policy auto; the dummy
-# weights converted first (75 s on the H200: beyond a bench's cap there)
+# 4. the paper's setting (OPT-6.7B, 16 GiB of GPU, 512 / 32): the dummy weights converted first
+# (78 s on the last H200), a trace of the policy the search chose there, then the comparison
 stage convert_opt67b 120 python3 -m flexgen_helm convert --model facebook/opt-6.7b --dummy --dtype float16
-stage compare_opt67b 200 env FLEXGEN_HELM_CUDA_COPIES=streams python3 -m flexgen_helm compare \
-  --setup opt-6.7b-p512-g32-gpu16 --systems ours-deepspeed-policy ours-auto --no-ablations --warmup 1 \
+A='{"gpu_batch_size": 16, "num_gpu_batches": 1, "weights": {"gpu": 1, "cpu": 0, "disk": 0}, "cache": {"gpu": 0.16, "cpu": 0.84, "disk": 0}, "activations": {"gpu": 0, "cpu": 1, "disk": 0}}'
+stage trace_opt67b_auto 60 python3 runs/gpu/decode_trace.py --model facebook/opt-6.7b --dummy --device $DEV \
+  --dtype float16 --prompt-len 512 --out $RES/trace --label opt67b_auto_streams --policy "$A"
+stage compare_opt67b 240 python3 -m flexgen_helm compare --setup opt-6.7b-p512-g32-gpu16 \
+  --systems ours-auto flexgen-reference ours-deepspeed-policy ours-4bit --no-ablations --warmup 1 \
   --timeout 90 --out "$RES/compare"
