@@ -3,6 +3,7 @@ lane of its own, so it never holds up the transfers the layer computing now wait
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -152,13 +153,18 @@ def test_copies_on_streams_give_the_threads_tokens_and_logprobs(tiny_llama, tmp_
 
 
 @pytest.mark.parametrize("way", ["streams", "threads"])
-@pytest.mark.parametrize("weights,overlap", [(Split(0, 1, 0), True), (Split(0, 0.5, 0.5), True),
-                                             (Split(0, 1, 0), False)], ids=["ram", "disk", "no-overlap"])
-def test_the_cost_model_charges_the_copy_threads_hand_offs_where_the_schedule_uses_them(monkeypatch, way, weights,
-                                                                                         overlap):
+@pytest.mark.parametrize("kwargs,threaded_on_streams", [
+    (dict(weights=Split(0, 1, 0)), False),
+    (dict(weights=Split(0, 0.5, 0.5)), True),
+    (dict(weights=Split(0, 1, 0), cache=Split(0.5, 0.5, 0), cpu_cache_compute=True), True),
+    (dict(weights=Split(0, 1, 0), overlap=False), False),
+], ids=["ram", "disk", "delegated", "no-overlap"])
+def test_the_cost_model_charges_the_copy_threads_hand_offs_where_the_schedule_uses_them(monkeypatch, way, kwargs,
+                                                                                         threaded_on_streams):
     """A GPU's layer costs TRANSFERS_PER_LAYER_BATCH hand-offs to the copy threads where its
-    transfers run on them (executor/transfer_ways.py): with anything on disk, or with
-    FLEXGEN_HELM_CUDA_COPIES=threads; not on streams (the default) nor with overlap off."""
+    transfers run on them (executor/transfer_ways.py): with anything on disk, where the host
+    reads the cache in RAM (CPU delegation), or with FLEXGEN_HELM_CUDA_COPIES=threads; not on
+    streams (the default) nor with overlap off."""
     from dataclasses import replace
 
     from test_policy_search import OPT13, gpu_profile
@@ -171,7 +177,34 @@ def test_the_cost_model_charges_the_copy_threads_hand_offs_where_the_schedule_us
     hw.devices["cuda"] = replace(hw.compute, copy_handoff_s=1e-4, fixed_costs={"opt": {"decode": fixed}})
     model = CostModel(OPT13, hw, Workload(512, 32))
     block = next(layer for layer, _ in model.groups if layer.kind == "block")
-    policy = Policy(gpu_batch_size=4, num_gpu_batches=2, weights=weights, overlap=overlap)
-    threaded = overlap and (way == "threads" or weights.disk > 0)
+    policy = Policy(gpu_batch_size=4, num_gpu_batches=2, **kwargs)
+    threaded = policy.overlap and (way == "threads" or threaded_on_streams)
     assert model._fixed_per_layer_batch(block, policy, "decode") == pytest.approx(
         1e-4 + (TRANSFERS_PER_LAYER_BATCH * 1e-4 if threaded else 0.0))
+
+
+@pytest.mark.parametrize("setting", [None, "threads"])
+def test_the_overhead_probe_runs_its_copies_on_streams_whatever_the_setting(monkeypatch, setting):
+    """The profile's fixed costs hold no hand-offs to the copy threads (planner/overhead_profile.py),
+    which the cost model adds where the threads run: the probe's runs see the streams setting,
+    and the user's setting is as it was afterwards."""
+    from flexgen_helm.executor import generation
+    from flexgen_helm.memory.copy_engine import COPIES_SETTING, cuda_copies
+    from flexgen_helm.memory.devices import pick_devices
+    from flexgen_helm.planner import overhead_profile
+
+    if setting is None:
+        monkeypatch.delenv(COPIES_SETTING, raising=False)
+    else:
+        monkeypatch.setenv(COPIES_SETTING, setting)
+    seen = []
+    generate = generation.BlockDriver.generate
+
+    def watched(self, seqs):
+        seen.append(cuda_copies())
+        return generate(self, seqs)
+
+    monkeypatch.setattr(generation.BlockDriver, "generate", watched)
+    overhead_profile.measure_fixed_costs(pick_devices("cpu", "float32"), repeats=1)
+    assert seen and set(seen) == {"streams"}
+    assert os.environ.get(COPIES_SETTING) == setting

@@ -304,15 +304,20 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, windo
 # took 2.6 ms of the host's time for 30 us of the GPU's (OPT-6.7B, 16 sequences, a decode step:
 # 166 of its 256 ms; runs/gpu/h200-2026-11-29/README.md). Why so much was not pinned down (cuDNN
 # builds a graph for each shape it meets, and a decode step's key length is new at every step).
-_GPU_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+_GPU_SDPA_CHOICES = ((SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled),
+                     (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled),
+                     (SDPBackend.MATH, torch.backends.cuda.math_sdp_enabled))
 
 
 def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
-    """torch's scaled_dot_product_attention, on a GPU without cuDNN's kernel (above)."""
-    if not q.is_cuda:
-        return F.scaled_dot_product_attention(q, k, v, **kwargs)
-    with sdpa_kernel(_GPU_SDPA_BACKENDS):
-        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    """torch's scaled_dot_product_attention; on a GPU, of the kernels the process allows, all but
+    cuDNN's (above), unless cuDNN's is the only one allowed."""
+    if q.is_cuda:
+        allowed = [backend for backend, enabled in _GPU_SDPA_CHOICES if enabled()]
+        if allowed:
+            with sdpa_kernel(allowed):
+                return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
 # _causal_rows: queries a block, and the scores a call holds (16 MiB in bf16, twice over with

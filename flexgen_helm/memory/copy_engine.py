@@ -77,14 +77,15 @@ class _OnStream:
 LANES = ("batches", "weights")
 READS_AT_ONCE = 16  # the most reads fan_out has in flight (the measurement above)
 CUDA_COPY_WAYS = ("streams", "threads")
+COPIES_SETTING = "FLEXGEN_HELM_CUDA_COPIES"  # the environment variable that chooses one
 
 
 def cuda_copies() -> str:
     """How a GPU's transfers overlap compute where nothing is on disk (module doc):
     FLEXGEN_HELM_CUDA_COPIES, "streams" (the default) or "threads"."""
-    way = os.environ.get("FLEXGEN_HELM_CUDA_COPIES", "streams")
+    way = os.environ.get(COPIES_SETTING, "streams")
     if way not in CUDA_COPY_WAYS:
-        raise ValueError(f"FLEXGEN_HELM_CUDA_COPIES={way!r}: expected one of {', '.join(CUDA_COPY_WAYS)}")
+        raise ValueError(f"{COPIES_SETTING}={way!r}: expected one of {', '.join(CUDA_COPY_WAYS)}")
     return way
 
 

@@ -19,10 +19,17 @@ sequence takes one, so that
 An OLMoE-1B-7B decode step touches ~56 of 64 experts a layer (16 rows x 8 choices): at ~44 us
 an expert (a 2-core EPYC) that is ~40 ms of its ~340 ms step, whose products are ~2 rows an expert.
 A second figure, the copy thread's hand-off, is what each transfer costs when the schedule
-runs transfers on its copy thread (a disk tier, or a GPU) instead of inline."""
+runs transfers on its copy thread (executor/transfer_ways.py: with anything on disk, or on a GPU
+whose copies do not go on streams) instead of inline. The probe's copies go on streams
+whatever FLEXGEN_HELM_CUDA_COPIES says, so that its fixed costs hold no hand-offs: the cost
+model adds them where the threads run (the H200's probe of 2026-11-29 ran its transfers on the
+threads, so its per-layer figure held hand-offs that the model added again). Not inline:
+an inline transfer on a GPU waits for the GPU's queue to drain, which no overlapped run does."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -32,7 +39,7 @@ import torch
 from flexgen_helm.executor.generation import BlockDriver, Sequence
 from flexgen_helm.executor.runtime import ModelRuntime
 from flexgen_helm.executor.sampling import RunStats, SamplingParams
-from flexgen_helm.memory.copy_engine import CopyEngine
+from flexgen_helm.memory.copy_engine import COPIES_SETTING, CopyEngine
 from flexgen_helm.memory.devices import Devices
 from flexgen_helm.memory.placement import place_weights
 from flexgen_helm.memory.usage import TierUsage
@@ -78,8 +85,23 @@ def _run(rt: ModelRuntime, nb: int, workdir: Path, prompt: int = PROMPT) -> tupl
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     seqs = [Sequence(list(range(2, 2 + prompt)), params, None, frozenset()) for _ in range(nb)]
     stats = RunStats()
-    BlockDriver(rt, policy, workdir, stats).generate(seqs)
+    with _copies_on_streams():
+        BlockDriver(rt, policy, workdir, stats).generate(seqs)
     return stats.prefill_s, stats.decode_s / (NEW_TOKENS - 1)
+
+
+@contextlib.contextmanager
+def _copies_on_streams():
+    """A GPU's copies on streams while the probe runs (module doc: no hand-offs in its figures)."""
+    before = os.environ.get(COPIES_SETTING)
+    os.environ[COPIES_SETTING] = "streams"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[COPIES_SETTING]
+        else:
+            os.environ[COPIES_SETTING] = before
 
 
 def measure_fixed_costs(devices: Devices, repeats: int = 5) -> dict[str, dict[str, dict[str, float]]]:

@@ -22,6 +22,7 @@ OUT=${OUT:-/tmp/gpu-out}
 RES=/tmp/gpu-results
 mkdir -p "$OUT" "$RES"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+unset FLEXGEN_HELM_CUDA_COPIES  # the stages that do not set it run the default (streams)
 export FLEXGEN_HELM_CACHE=/tmp/fh-cache FLEXGEN_HELM_OFFLOAD=/tmp/fh-offload FLEXGEN_HELM_COMPARE_DIR=/tmp/fh-compare
 if ls .whl/*.whl >/dev/null 2>&1; then  # what the GPU machine's image lacks: gguf, flexgen 0.1.8 (the reference)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -59,7 +60,7 @@ cat "$RES/env.txt" | tee "$RES/summary.txt"
 stage pytest_cuda 80 python3 -m pytest -q -p no:cacheprovider --timeout 60 --device $DEV \
   tests/test_attention_on_gpu.py tests/test_policies.py tests/test_copy_engine.py \
   tests/test_compression.py::test_cuda_matches_cpu tests/test_int4.py::test_cuda_kernel_equals_dequantize_then_matmul
-stage pytest_cuda_threads 45 env FLEXGEN_HELM_CUDA_COPIES=threads python3 -m pytest -q -p no:cacheprovider \
+stage pytest_cuda_threads 50 env FLEXGEN_HELM_CUDA_COPIES=threads python3 -m pytest -q -p no:cacheprovider \
   --timeout 60 --device $DEV tests/test_policies.py
 
 # 2. the profile (saved where every later command reads it: $FLEXGEN_HELM_CACHE/hardware.json)
@@ -80,6 +81,8 @@ stage convert_opt67b 120 python3 -m flexgen_helm convert --model facebook/opt-6.
 stage compare_opt67b 240 python3 -m flexgen_helm compare --setup opt-6.7b-p512-g32-gpu16 \
   --systems ours-auto flexgen-reference ours-deepspeed-policy ours-4bit --no-ablations --warmup 1 \
   --timeout 90 --out "$RES/compare"
-A='{"gpu_batch_size": 16, "num_gpu_batches": 1, "weights": {"gpu": 1, "cpu": 0, "disk": 0}, "cache": {"gpu": 0.16, "cpu": 0.84, "disk": 0}, "activations": {"gpu": 0, "cpu": 1, "disk": 0}}'
+# the policy the comparison's search chose; the last H200's choice where the comparison made none
+A="$RES/compare/opt-6.7b-p512-g32-gpu16/ours-auto.policy.json"
+[ -f "$A" ] || A='{"gpu_batch_size": 16, "num_gpu_batches": 1, "weights": {"gpu": 1, "cpu": 0, "disk": 0}, "cache": {"gpu": 0.16, "cpu": 0.84, "disk": 0}, "activations": {"gpu": 0, "cpu": 1, "disk": 0}}'
 stage trace_opt67b_auto 60 python3 runs/gpu/decode_trace.py --model facebook/opt-6.7b --dummy --device $DEV \
   --dtype float16 --prompt-len 512 --out $RES/trace --label opt67b_auto_streams --policy "$A"
