@@ -35,3 +35,27 @@ def test_a_table_timed_in_rounds_keeps_its_shape_through_a_slow_spell(clock):
     rates = hardware_profile._sustained_rates({"a": (clock.work(0.01), 1.0), "b": (clock.work(0.01), 1.0)}, 2.0)
     assert rates["a"] == pytest.approx(rates["b"], rel=0.05)
     assert rates["a"] < 70  # the slow spell counts (~66 calls/s): not the fastest call's 100
+
+
+def test_overlap_loss_tells_work_that_overlaps_from_work_that_takes_turns():
+    """The profile's disk overlap loss (hardware_profile.overlap_loss): near 0 where the reads
+    hide behind compute (both wait, as a disk read and a GPU would), near 1 where the two take
+    turns (both hold one lock, as two jobs on the same busy cores would)."""
+    import threading
+    import time
+
+    from flexgen_helm.planner.hardware_profile import overlap_loss
+
+    def sleeps(n: int) -> None:
+        for _ in range(n):
+            time.sleep(0.002)
+
+    turns = threading.Lock()
+
+    def taking_turns(n: int) -> None:
+        for _ in range(n):
+            with turns:
+                time.sleep(0.002)
+
+    assert overlap_loss(sleeps, sleeps, 0.1) < 0.3
+    assert overlap_loss(taking_turns, taking_turns, 0.1) > 0.7

@@ -898,22 +898,26 @@ def measure_disk_overlap_loss(offload_dir: Path, dtype: torch.dtype, seconds: fl
         for phase, rows in OVERLAP_ROWS.items():
             x = torch.randn(rows, MATMUL_SHAPE[1]).to(dtype)
             ws = [torch.randn(MATMUL_SHAPE).to(dtype) for _ in range(1 if rows > MAX_STREAMED_ROWS else 8)]
-            linears = functools.partial(_cycled_linears, x, ws)
-            n_mm = _count_for(linears, seconds)
-            n_rd = _count_for(reads, seconds)
-            c, d = _elapsed(linears, n_mm), _elapsed(reads, n_rd)
-            reader = threading.Thread(target=reads, args=(n_rd,))
-            t0 = time.perf_counter()
-            reader.start()
-            linears(n_mm)
-            reader.join()
-            both = time.perf_counter() - t0
-            out[phase] = min(1.0, max(0.0, (both - max(c, d)) / min(c, d)))
+            out[phase] = overlap_loss(functools.partial(_cycled_linears, x, ws), reads, seconds)
         return out
     finally:
         if buf is not None:
             buf.close()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def overlap_loss(compute, reads, seconds: float) -> float:
+    """How much of the shorter of compute(n) and reads(n) (each about `seconds` alone) fails to
+    overlap the longer when a thread reads while this one computes: 0 all hidden, 1 none."""
+    n_mm, n_rd = _count_for(compute, seconds), _count_for(reads, seconds)
+    c, d = _elapsed(compute, n_mm), _elapsed(reads, n_rd)
+    reader = threading.Thread(target=reads, args=(n_rd,))
+    t0 = time.perf_counter()
+    reader.start()
+    compute(n_mm)
+    reader.join()
+    both = time.perf_counter() - t0
+    return min(1.0, max(0.0, (both - max(c, d)) / min(c, d)))
 
 
 def _elapsed(fn, n: int) -> float:
