@@ -46,6 +46,18 @@ TINY_FAMILIES = {
                          "short_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0],
                          "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]})),
 }
+def _gpt_oss_swiglu_limit() -> float:
+    """The SwiGLU limit of the tiny gpt-oss: 1.5, which binds on its random weights, where the
+    installed transformers reads config.swiglu_limit (5.19 and later); before 5.19 its experts
+    clamp at 7.0 whatever the config says (and use alpha 1.702), so a reference built with 1.5
+    would compute another model than the config describes: the comparison then takes 7.0.
+    (5.17 with 1.5: log-probs up to 0.32 off, the GPU images' failures: runs/moe/gpt_oss_transformers_versions.)"""
+    from importlib.metadata import version
+
+    major, minor = (int(part) for part in version("transformers").split(".")[:2])
+    return 1.5 if (major, minor) >= (5, 19) else 7.0
+
+
 # Mixtures of experts: 4 experts, 2 per token; Mixtral's window on every block; Qwen2-MoE's
 # shared expert and a dense block (mlp_only_layers), Qwen3-MoE renormalising its top-k and
 # OLMoE not, OLMoE's clamp (small enough to bind on its normalised queries and keys)
@@ -61,10 +73,11 @@ TINY_FAMILIES.update({
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(_MOE, num_experts=4, intermediate_size=32, clip_qkv=1.5,
                                                      eos_token_id=2, pad_token_id=1)),
     # gpt-oss: sliding (window 4) and full blocks, YaRN over a pretraining context of 16 (the
-    # ramp's both ends inside the head), the clamped SwiGLU's limit small enough to bind
+    # ramp's both ends inside the head), the clamped SwiGLU's limit small enough to bind where
+    # the reference reads it (_gpt_oss_swiglu_limit)
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
         _MOE, num_hidden_layers=3, head_dim=16, num_local_experts=4, intermediate_size=32, sliding_window=4,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"], swiglu_limit=1.5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], swiglu_limit=_gpt_oss_swiglu_limit(),
         eos_token_id=2, pad_token_id=1, attn_implementation="eager",
         rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "beta_fast": 8.0,
                          "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16})),
