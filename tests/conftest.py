@@ -46,6 +46,8 @@ TINY_FAMILIES = {
                          "short_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0],
                          "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]})),
 }
+
+
 def _gpt_oss_swiglu_limit() -> float:
     """The SwiGLU limit of the tiny gpt-oss: 1.5, which binds on its random weights, where the
     installed transformers reads config.swiglu_limit (5.19 and later); before 5.19 its experts

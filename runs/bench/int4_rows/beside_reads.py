@@ -1,5 +1,5 @@
 """What O_DIRECT disk reads beside it cost torch's CPU int4 kernel: a decode layer's 192
-products (as tiles.py: 64 experts x 3, Poisson rows of mean 4) timed alone, then with a thread
+products (tiles.decode_layer: 64 experts x 3, Poisson rows of mean 4) timed alone, then with a thread
 reading a 2 GiB file in 16 MiB O_DIRECT pieces (as the engine's cache lane reads a disk tier),
 three rounds. The file is written once, under /tmp.
 
@@ -20,16 +20,11 @@ import torch
 from flexgen_helm.memory.machine import machine_label
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from record import median_seconds
+from tiles import GROUP, decode_layer
 
-N, K, GROUP = 1024, 2048, 64
 FILE, FILE_BYTES, PIECE = Path("/tmp/flexgen-helm-beside-reads.bin"), 2 << 30, 16 << 20
-
-
-def random_packed() -> tuple[torch.Tensor, torch.Tensor]:
-    codes = torch.randint(0, 16, (N, K), dtype=torch.int32)
-    return (torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2),
-            torch.randn(K // GROUP, N, 2).bfloat16().contiguous())
 
 
 def read_until(stop: threading.Event, total: list[int]) -> None:
@@ -50,10 +45,8 @@ def main() -> None:
         with open(FILE, "wb") as f:
             for _ in range(FILE_BYTES // (64 << 20)):
                 f.write(os.urandom(64 << 20))
-    weights = [random_packed() for _ in range(192)]
-    counts = torch.poisson(torch.full((192,), 4.0)).clamp(min=1).int().tolist()
-    xs = [torch.randn(c, K).bfloat16() for c in counts]
-    rows = sum(counts)
+    weights, xs = decode_layer()
+    rows = sum(len(x) for x in xs)
 
     def layer() -> None:
         for (p, s), x in zip(weights, xs):

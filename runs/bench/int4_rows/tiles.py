@@ -31,6 +31,12 @@ def random_packed() -> tuple[torch.Tensor, torch.Tensor]:
             torch.randn(K // GROUP, N, 2).bfloat16().contiguous())
 
 
+def decode_layer() -> tuple[list, list[torch.Tensor]]:
+    """A decode layer's CALLS_A_LAYER weights and the rows each multiplies (Poisson of mean 4, at least 1)."""
+    counts = torch.poisson(torch.full((CALLS_A_LAYER,), 4.0)).clamp(min=1).int().tolist()
+    return [random_packed() for _ in range(CALLS_A_LAYER)], [torch.randn(c, K).bfloat16() for c in counts]
+
+
 def main() -> None:
     torch.manual_seed(0)
     mm = torch.ops.aten._weight_int4pack_mm_for_cpu
@@ -41,15 +47,13 @@ def main() -> None:
     for rows in range(1, 13):
         x = torch.randn(rows, K).bfloat16()
         print(f"{rows:4d} | {1e6 * median_seconds(functools.partial(mm, x, packed, GROUP, scales), 200):.0f}")
-    weights = [random_packed() for _ in range(CALLS_A_LAYER)]
-    counts = torch.poisson(torch.full((CALLS_A_LAYER,), 4.0)).clamp(min=1).int().tolist()
-    xs = [torch.randn(c, K).bfloat16() for c in counts]
+    weights, xs = decode_layer()
 
     def layer(ws) -> None:
         for (p, s), x in zip(ws, xs):
             mm(x, p, GROUP, s)
 
-    rows = sum(counts)
+    rows = sum(len(x) for x in xs)
     print(f"a layer's {CALLS_A_LAYER} products, {rows} rows in all | ms (median of 10) | us a row")
     for name, ws in (("different weights", weights), ("one weight", weights[:1] * CALLS_A_LAYER)):
         t = 1e3 * median_seconds(functools.partial(layer, ws), 10)
