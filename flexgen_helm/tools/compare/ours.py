@@ -11,11 +11,10 @@ from pathlib import Path
 
 from flexgen_helm.memory.devices import DTYPES
 from flexgen_helm.planner.auto import search_for
-from flexgen_helm.planner.cost_model import CostModel, Workload
 from flexgen_helm.planner.hardware_profile import HardwareProfile
 from flexgen_helm.planner.search import SearchOptions, SearchResult, default_budgets, fits
 from flexgen_helm.policy.policy import Compression, Policy, Split
-from flexgen_helm.tools.compare.workloads import Setup, offload_dir
+from flexgen_helm.tools.compare.workloads import Setup, cost_model, offload_dir
 from flexgen_helm.weights.registry import resolve
 
 FOUR_BIT = Compression(bits=4, group_size=64)
@@ -29,8 +28,7 @@ class BudgetCheck:
     0.75 GiB budgets (runs/compare/opt-1.3b-p512-g32 as run at commit 7ba1ff1, before this check)."""
 
     def __init__(self, setup: Setup, profile: HardwareProfile):
-        cfg = resolve(setup.model, dummy=True).config
-        self.model = CostModel(cfg, profile, Workload(setup.prompt_len, setup.gen_len), DTYPES[setup.dtype])
+        self.model = cost_model(setup, profile)
         self.budgets = default_budgets(profile, setup.gpu_bytes, setup.cpu_bytes)
 
     def __call__(self, policy: Policy) -> bool:

@@ -22,7 +22,6 @@ from tqdm import tqdm
 
 from flexgen_helm.errors import FlexGenError
 from flexgen_helm.memory.devices import DTYPES
-from flexgen_helm.planner.cost_model import CostModel, Workload
 from flexgen_helm.planner.hardware_profile import HardwareProfile, load_or_profile, matmul_flops_now
 from flexgen_helm.policy.policy import Policy
 from flexgen_helm.tools.compare import table
@@ -32,7 +31,14 @@ from flexgen_helm.tools.compare.disk import measure_read_bandwidth
 from flexgen_helm.tools.compare.flexgen_reference import PUBLISHED
 from flexgen_helm.tools.compare.ours import FOUR_BIT, bench_flags, deepspeed_policy, searched
 from flexgen_helm.tools.compare.roofline import ram_resident, roofline
-from flexgen_helm.tools.compare.workloads import DEFAULT_SYSTEMS, Setup, offload_dir, prepare_hf, prepare_store
+from flexgen_helm.tools.compare.workloads import (
+    DEFAULT_SYSTEMS,
+    Setup,
+    cost_model,
+    offload_dir,
+    prepare_hf,
+    prepare_store,
+)
 from flexgen_helm.weights.registry import resolve
 
 GPU_ONLY = ("DeepSpeed ZeRO-Inference (needs deepspeed and a CUDA GPU). The FlexGen reference (PyPI flexgen "
@@ -181,8 +187,7 @@ def row_context(setup: Setup, record: dict, policy: Policy | None, profile: Hard
                                table.disk_weight_bytes(record), bandwidth["device_read_bytes_per_s"],
                                table.disk_cache_bytes(record), **in_ram)
     if policy is not None:
-        model = CostModel(cfg, profile, Workload(setup.prompt_len, setup.gen_len), DTYPES[setup.dtype])
-        ctx["predicted_tok_s"] = model.estimate(policy).throughput
+        ctx["predicted_tok_s"] = cost_model(setup, profile).estimate(policy).throughput
     return ctx
 
 

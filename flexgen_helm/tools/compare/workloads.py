@@ -16,6 +16,8 @@ import torch
 
 from flexgen_helm.memory.devices import DTYPES
 from flexgen_helm.planner.budget import parse_size
+from flexgen_helm.planner.cost_model import CostModel, Workload
+from flexgen_helm.planner.hardware_profile import HardwareProfile
 from flexgen_helm.weights.convert import convert
 from flexgen_helm.weights.export_hf import export_hf
 from flexgen_helm.weights.registry import ResolvedModel, resolve, store_dir_for
@@ -81,6 +83,13 @@ SETUPS = {s.name: s for s in [
 SYSTEMS = ("hf-accelerate", "ours-deepspeed-policy", "ours-auto", "ours-4bit", "hf-accelerate-page-cache",
            "flexgen-reference", "flexgen-reference-4bit")
 DEFAULT_SYSTEMS = SYSTEMS[:4]
+
+
+def cost_model(setup: Setup, profile: HardwareProfile) -> CostModel:
+    """The cost model of the setup's model and workload on `profile`, in the setup's dtype: the
+    one the rows' predictions and our rows' budget check use (the search builds its own alike)."""
+    cfg = resolve(setup.model, dummy=True).config
+    return CostModel(cfg, profile, Workload(setup.prompt_len, setup.gen_len), DTYPES[setup.dtype])
 
 
 def prompts(setup: Setup, batch: int, vocab_size: int) -> list[list[int]]:

@@ -13,15 +13,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
-from flexgen_helm.planner.cost_model import CostModel, Workload
 from flexgen_helm.planner.hardware_profile import HardwareProfile
 from flexgen_helm.policy.policy import Policy
 from flexgen_helm.tools.compare.ours import searched
-from flexgen_helm.tools.compare.workloads import SETUPS
+from flexgen_helm.tools.compare.workloads import SETUPS, cost_model
 from flexgen_helm.tools.validation.refit import refit
-from flexgen_helm.weights.registry import resolve
 
 HERE = Path(__file__).resolve().parent
 CALL1 = HERE / "call1"
@@ -30,9 +26,7 @@ AUTO = CALL1 / "compare" / SETUP.name / "ours-auto"
 
 
 def predicted(profile: HardwareProfile, policy: Policy) -> float:
-    cfg = resolve(SETUP.model, dummy=True).config
-    model = CostModel(cfg, profile, Workload(SETUP.prompt_len, SETUP.gen_len), torch.float16)
-    return model.estimate(policy).throughput
+    return cost_model(SETUP, profile).estimate(policy).throughput
 
 
 def main() -> None:

@@ -16,15 +16,11 @@ import json
 import os
 from pathlib import Path
 
-import torch
-
 from flexgen_helm.memory.copy_engine import COPIES_SETTING
-from flexgen_helm.planner.cost_model import CostModel, Workload
 from flexgen_helm.planner.hardware_profile import HardwareProfile
 from flexgen_helm.policy.policy import Policy
 from flexgen_helm.tools.compare.ours import searched
-from flexgen_helm.tools.compare.workloads import SETUPS
-from flexgen_helm.weights.registry import resolve
+from flexgen_helm.tools.compare.workloads import SETUPS, cost_model
 
 HERE = Path(__file__).resolve().parent
 SETUP = SETUPS["opt-6.7b-p512-g32-gpu16"]
@@ -35,9 +31,7 @@ POLICIES = {"--policy auto": HERE / "call1" / "compare" / SETUP.name / "ours-aut
 
 
 def predicted(profile: HardwareProfile, policy: Policy) -> float:
-    cfg = resolve(SETUP.model, dummy=True).config
-    model = CostModel(cfg, profile, Workload(SETUP.prompt_len, SETUP.gen_len), torch.float16)
-    return model.estimate(policy).throughput
+    return cost_model(SETUP, profile).estimate(policy).throughput
 
 
 def main() -> None:
